@@ -1,0 +1,56 @@
+# The front door. `make run` starts the service on SQLite; `make test` runs
+# every check CI runs (lint, types, stubs, tests).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: install run test lint typecheck protos protos-check migrate bench test-python test-node clean
+
+$(STAMP): pyproject.toml clients/python/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e './clients/python' -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ledger migrate
+	$(BIN)/ledger serve
+
+migrate: $(STAMP)
+	$(BIN)/ledger migrate
+
+protos: $(STAMP)
+	$(PY) protos/generate.py
+
+# Fails when the committed stubs differ from what the .proto files generate.
+protos-check: $(STAMP)
+	$(PY) protos/generate.py
+	git diff --exit-code --stat -- ledger_service/generated clients/python/ledger_client/generated
+	test -z "$$(git status --porcelain -- ledger_service/generated clients/python/ledger_client/generated)"
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+typecheck: $(STAMP)
+	$(BIN)/mypy ledger_service clients/python/ledger_client
+
+test-python: $(STAMP)
+	$(BIN)/pytest -q
+
+test-node: $(STAMP)
+	@if [ -f clients/node/package.json ]; then cd clients/node && npm ci --no-audit --no-fund --silent && npm test; fi
+
+test: lint typecheck protos-check test-python test-node
+
+bench: $(STAMP)
+	$(PY) -m ledger_service.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

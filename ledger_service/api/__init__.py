@@ -1,0 +1,1 @@
+"""The gRPC edge: servicers, conversions, the error table and interceptors."""

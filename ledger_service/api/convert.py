@@ -1,0 +1,285 @@
+"""The one place protobuf messages become domain values and back.
+
+Protobuf stops here: the application and domain see frozen dataclasses only.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from ledger_service.application.ports import EventQuery
+from ledger_service.domain import policies
+from ledger_service.domain.bookings import Booking, BookingState
+from ledger_service.domain.errors import InvalidArgument
+from ledger_service.domain.events import DenialReason, Event, Outcome
+from ledger_service.domain.moves import RefundCommand, ReserveCommand, SettleCommand
+from ledger_service.domain.policies import ExpireCharge, LanePolicy
+from ledger_service.domain.pricing import ModelPrice
+from ledger_service.domain.window import Balance
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+MAX_DURATION_SECONDS = 10 * 366 * 86_400
+
+_OUTCOMES = {pb.SUCCEEDED: Outcome.SUCCEEDED, pb.UNKNOWN: Outcome.UNKNOWN}
+_OUTCOMES_OUT = {value: key for key, value in _OUTCOMES.items()}
+_EXPIRE_CHARGES = {
+    pb.EXPIRE_CHARGE_UNSPECIFIED: ExpireCharge.HOLD,
+    pb.HOLD: ExpireCharge.HOLD,
+    pb.ZERO: ExpireCharge.ZERO,
+}
+_EXPIRE_CHARGES_OUT = {ExpireCharge.HOLD: pb.HOLD, ExpireCharge.ZERO: pb.ZERO}
+_DENIAL_REASONS_OUT = {
+    DenialReason.BUDGET_EXHAUSTED: pb.BUDGET_EXHAUSTED,
+    DenialReason.HOLD_EXCEEDS_LIMIT: pb.HOLD_EXCEEDS_LIMIT,
+}
+_STATES_OUT = {
+    BookingState.OPEN: pb.OPEN,
+    BookingState.SETTLED: pb.SETTLED,
+    BookingState.SETTLED_UNKNOWN: pb.SETTLED_UNKNOWN,
+    BookingState.REFUNDED: pb.REFUNDED,
+    BookingState.EXPIRED: pb.EXPIRED,
+    BookingState.REJECTED: pb.REJECTED,
+}
+
+
+# Time ----------------------------------------------------------------------
+
+
+def timestamp(instant_us: int) -> timestamp_pb2.Timestamp:
+    seconds, micros = divmod(instant_us, 1_000_000)
+    return timestamp_pb2.Timestamp(seconds=seconds, nanos=micros * 1000)
+
+
+def duration(length_us: int) -> duration_pb2.Duration:
+    seconds, micros = divmod(length_us, 1_000_000)
+    return duration_pb2.Duration(seconds=seconds, nanos=micros * 1000)
+
+
+def micros_of_duration(field: str, value: duration_pb2.Duration) -> int:
+    if not -MAX_DURATION_SECONDS <= value.seconds <= MAX_DURATION_SECONDS:
+        raise InvalidArgument(field, "is out of range")
+    if not -999_999_999 <= value.nanos <= 999_999_999 or (
+        value.seconds * value.nanos < 0
+    ):
+        raise InvalidArgument(field, "is not a valid duration")
+    return value.seconds * 1_000_000 + value.nanos // 1000
+
+
+def micros_of_timestamp(field: str, value: timestamp_pb2.Timestamp) -> int:
+    # google.protobuf.Timestamp's valid range: 0001-01-01 to 9999-12-31.
+    if not -62_135_596_800 <= value.seconds <= 253_402_300_799 or not 0 <= value.nanos <= 999_999_999:
+        raise InvalidArgument(field, "is not a valid timestamp")
+    return value.seconds * 1_000_000 + value.nanos // 1000
+
+
+# Requests ------------------------------------------------------------------
+
+
+def reserve_command(request: pb.ReserveRequest) -> ReserveCommand:
+    return ReserveCommand(
+        lane=request.lane,
+        reservation_id=request.reservation_id,
+        model=request.model,
+        request_bytes=request.request_bytes,
+        max_output_tokens=request.max_output_tokens,
+        estimate_nanos=request.estimate_nanos if request.HasField("estimate_nanos") else None,
+        ttl_us=micros_of_duration("ttl", request.ttl) if request.HasField("ttl") else None,
+    )
+
+
+def settle_command(request: pb.SettleRequest) -> SettleCommand:
+    outcome = _OUTCOMES.get(request.outcome)
+    if outcome is None:
+        raise InvalidArgument("outcome", "must be SUCCEEDED or UNKNOWN")
+    return SettleCommand(
+        lane=request.lane,
+        reservation_id=request.reservation_id,
+        outcome=outcome,
+        input_tokens=request.input_tokens,
+        output_tokens=request.output_tokens,
+        billed_nanos=request.billed_nanos if request.HasField("billed_nanos") else None,
+        http_status=request.http_status,
+    )
+
+
+def refund_command(request: pb.RefundRequest) -> RefundCommand:
+    return RefundCommand(
+        lane=request.lane,
+        reservation_id=request.reservation_id,
+        http_status=request.http_status,
+        reason=request.reason,
+    )
+
+
+def lane_policy(message: pb.Lane) -> LanePolicy:
+    expire_charge = _EXPIRE_CHARGES.get(message.expire_charge)
+    if expire_charge is None:
+        raise InvalidArgument("lane.expire_charge", "must be HOLD or ZERO")
+    return LanePolicy(
+        lane=message.lane,
+        limit_nanos=message.limit_nanos,
+        prices={
+            model: ModelPrice(
+                price.input_nanos_per_million_tokens, price.output_nanos_per_million_tokens
+            )
+            for model, price in message.prices.items()
+        },
+        window_us=(
+            micros_of_duration("lane.window", message.window)
+            if message.HasField("window")
+            else policies.DEFAULT_WINDOW_US
+        ),
+        hold_ttl_us=(
+            micros_of_duration("lane.hold_ttl", message.hold_ttl)
+            if message.HasField("hold_ttl")
+            else policies.DEFAULT_HOLD_TTL_US
+        ),
+        bytes_per_token_milli=(
+            policies.bytes_per_token_milli(message.bytes_per_token)
+            if message.HasField("bytes_per_token")
+            else policies.DEFAULT_BYTES_PER_TOKEN_MILLI
+        ),
+        overhead_tokens=(
+            message.overhead_tokens
+            if message.HasField("overhead_tokens")
+            else policies.DEFAULT_OVERHEAD_TOKENS
+        ),
+        expire_charge=expire_charge,
+    )
+
+
+def event_query(request: pb.ListEventsRequest, page_size: int, after_seq: int) -> EventQuery:
+    for kind in request.kinds:
+        if kind not in {"reserved", "denied", "settled", "refunded", "expired", "lane_configured"}:
+            raise InvalidArgument("kinds", f"unknown event kind {kind[:40]!r}")
+    return EventQuery(
+        lane=request.lane,
+        reservation_id=request.reservation_id,
+        kinds=tuple(request.kinds),
+        after_seq=after_seq,
+        limit=page_size,
+    )
+
+
+# Responses -----------------------------------------------------------------
+
+
+def balance(value: Balance) -> pb.Balance:
+    return pb.Balance(
+        lane=value.lane,
+        limit_nanos=value.limit_nanos,
+        spent_nanos=value.spent_nanos,
+        held_nanos=value.totals.held_nanos,
+        charged_nanos=value.totals.charged_nanos,
+        available_nanos=value.available_nanos,
+        window=duration(value.window_us),
+        as_of=timestamp(value.as_of_us),
+        overrun_nanos=value.overrun_nanos,
+        open_bookings=value.totals.open_bookings,
+    )
+
+
+def lane(policy: LanePolicy) -> pb.Lane:
+    return pb.Lane(
+        lane=policy.lane,
+        limit_nanos=policy.limit_nanos,
+        window=duration(policy.window_us),
+        hold_ttl=duration(policy.hold_ttl_us),
+        bytes_per_token=policy.bytes_per_token_milli / 1000,
+        overhead_tokens=policy.overhead_tokens,
+        prices={
+            model: pb.ModelPrice(
+                input_nanos_per_million_tokens=price.input_nanos_per_million_tokens,
+                output_nanos_per_million_tokens=price.output_nanos_per_million_tokens,
+            )
+            for model, price in policy.prices.items()
+        },
+        expire_charge=_EXPIRE_CHARGES_OUT[policy.expire_charge],
+        version=policy.version,
+        updated_at=timestamp(policy.updated_at_us),
+    )
+
+
+def reserve_response(event: Event, value: Balance) -> pb.ReserveResponse:
+    admitted = event.kind.value == "reserved"
+    response = pb.ReserveResponse(
+        decision=pb.ADMITTED if admitted else pb.DENIED,
+        hold_nanos=event.hold_nanos,
+        cap_nanos=event.cap_nanos,
+        balance=balance(value),
+        reason=event.reason,
+        reserved_at=timestamp(event.reserved_at_us),
+    )
+    if admitted:
+        response.expires_at.CopyFrom(timestamp(event.expires_at_us))
+    if event.denial_reason is not None:
+        response.denial_reason = _DENIAL_REASONS_OUT[event.denial_reason]
+    if event.retry_after_us is not None:
+        response.retry_after.CopyFrom(timestamp(event.retry_after_us))
+    return response
+
+
+def booking_state(state: BookingState) -> pb.BookingState.ValueType:
+    return _STATES_OUT[state]
+
+
+def booking(value: Booking, now_us: int, window_us: int) -> pb.Booking:
+    state = BookingState.EXPIRED if value.is_expired_at(now_us) else value.state
+    return pb.Booking(
+        lane=value.lane,
+        reservation_id=value.reservation_id,
+        model=value.model,
+        state=_STATES_OUT[state],
+        request_bytes=value.request_bytes,
+        max_output_tokens=value.max_output_tokens,
+        hold_nanos=value.hold_nanos,
+        cap_nanos=value.cap_nanos,
+        amount_nanos=value.amount_at(now_us),
+        reserved_at=timestamp(value.reserved_at_us),
+        expires_at=timestamp(value.expires_at_us),
+        ages_out_at=timestamp(value.reserved_at_us + window_us),
+    )
+
+
+def event(value: Event) -> pb.Event:
+    message = pb.Event(
+        seq=value.seq,
+        lane=value.lane,
+        kind=value.kind.value,
+        reservation_id=value.reservation_id,
+        amount_nanos=value.amount_nanos,
+        occurred_at=timestamp(value.occurred_at_us),
+        outcome=_OUTCOMES_OUT.get(value.outcome, pb.OUTCOME_UNSPECIFIED)
+        if value.outcome
+        else pb.OUTCOME_UNSPECIFIED,
+        http_status=value.http_status,
+        model=value.model,
+        request_bytes=value.request_bytes,
+        max_output_tokens=value.max_output_tokens,
+        input_tokens=value.input_tokens,
+        output_tokens=value.output_tokens,
+        hold_nanos=value.hold_nanos,
+        cap_nanos=value.cap_nanos,
+        previous_amount_nanos=value.previous_amount_nanos,
+        reason=value.reason,
+        trace_id=value.trace_id,
+        spent_after_nanos=value.spent_after_nanos,
+        limit_nanos=value.limit_nanos,
+    )
+    if value.billed_nanos is not None:
+        message.billed_nanos = value.billed_nanos
+    if value.estimate_nanos is not None:
+        message.estimate_nanos = value.estimate_nanos
+    if value.reserved_at_us:
+        message.reserved_at.CopyFrom(timestamp(value.reserved_at_us))
+    if value.expires_at_us:
+        message.expires_at.CopyFrom(timestamp(value.expires_at_us))
+    if value.retry_after_us is not None:
+        message.retry_after.CopyFrom(timestamp(value.retry_after_us))
+    if value.denial_reason is not None:
+        message.denial_reason = _DENIAL_REASONS_OUT[value.denial_reason]
+    if value.policy is not None:
+        message.policy.CopyFrom(
+            lane(policies.policy_from_dict(value.policy, value.seq, value.occurred_at_us))
+        )
+    return message

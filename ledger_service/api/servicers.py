@@ -1,0 +1,188 @@
+"""gRPC servicers: decode, call the application, encode. No rules live here."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import threading
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf import duration_pb2, empty_pb2, timestamp_pb2
+
+from ledger_service.api import convert
+from ledger_service.application.ledger import Ledger
+from ledger_service.application.ports import EventQuery
+from ledger_service.domain.clock import ManualClock
+from ledger_service.domain.errors import InvalidArgument, TooManyWatchers
+from ledger_service.domain.policies import validate_name
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.settings import Settings
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+MAX_PAGE_TOKEN_LENGTH = 64
+
+
+def trace_id_of(context: grpc.ServicerContext) -> str:
+    """The W3C trace id the caller sent in `traceparent`, or empty."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent" and isinstance(value, str):
+            match = _TRACEPARENT.match(value.strip())
+            if match and match.group(1) != "0" * 32:
+                return match.group(1)
+    return ""
+
+
+def _page_size(value: int, settings: Settings) -> int:
+    if value < 0:
+        raise InvalidArgument("page_size", "must not be negative")
+    return min(value or settings.default_page_size, settings.max_page_size)
+
+
+def _encode_token(position: str) -> str:
+    return base64.urlsafe_b64encode(position.encode()).decode()
+
+
+def _decode_token(token: str) -> str:
+    if len(token) > MAX_PAGE_TOKEN_LENGTH * 2:
+        raise InvalidArgument("page_token", "is not a token this server gave")
+    try:
+        return base64.urlsafe_b64decode(token.encode("ascii")).decode()
+    except (binascii.Error, UnicodeError, ValueError) as error:
+        raise InvalidArgument("page_token", "is not a token this server gave") from error
+
+
+class LedgerServicer(pb_grpc.LedgerServicer):
+    def __init__(self, ledger: Ledger, settings: Settings) -> None:
+        self._ledger = ledger
+        self._settings = settings
+        self._watchers = threading.BoundedSemaphore(
+            max(1, min(settings.max_watchers, settings.max_workers // 2))
+        )
+
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        result = self._ledger.reserve(convert.reserve_command(request), trace_id_of(context))
+        return convert.reserve_response(result.event, result.balance)
+
+    def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
+        result = self._ledger.settle(convert.settle_command(request), trace_id_of(context))
+        return pb.SettleResponse(
+            charged_nanos=result.charged_nanos,
+            balance=convert.balance(result.balance),
+            state=convert.booking_state(result.state),
+        )
+
+    def Refund(self, request: pb.RefundRequest, context: grpc.ServicerContext) -> pb.RefundResponse:
+        result = self._ledger.refund(convert.refund_command(request), trace_id_of(context))
+        return pb.RefundResponse(balance=convert.balance(result.balance))
+
+    def GetBalance(self, request: pb.GetBalanceRequest, context: grpc.ServicerContext) -> pb.Balance:
+        validate_name("lane", request.lane)
+        return convert.balance(self._ledger.balance(request.lane))
+
+    def GetBooking(self, request: pb.GetBookingRequest, context: grpc.ServicerContext) -> pb.Booking:
+        validate_name("lane", request.lane)
+        if not request.reservation_id or len(request.reservation_id) > self._settings.max_id_length:
+            raise InvalidArgument("reservation_id", "is required and at most 200 characters")
+        booking, now_us, window_us = self._ledger.booking(request.lane, request.reservation_id)
+        return convert.booking(booking, now_us, window_us)
+
+    def ListEvents(
+        self, request: pb.ListEventsRequest, context: grpc.ServicerContext
+    ) -> pb.ListEventsResponse:
+        if request.lane:
+            validate_name("lane", request.lane)
+        if request.after_seq < 0:
+            raise InvalidArgument("after_seq", "must not be negative")
+        after_seq = request.after_seq
+        if request.page_token:
+            position = _decode_token(request.page_token)
+            if not position.isdigit():
+                raise InvalidArgument("page_token", "is not a token this server gave")
+            after_seq = int(position)
+        size = _page_size(request.page_size, self._settings)
+        # One more than the page, to know whether another page follows.
+        events = self._ledger.list_events(convert.event_query(request, size + 1, after_seq))
+        page = events[:size]
+        response = pb.ListEventsResponse(events=[convert.event(event) for event in page])
+        if len(events) > size:
+            response.next_page_token = _encode_token(str(page[-1].seq))
+        return response
+
+    def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.Event]:
+        if request.lane:
+            validate_name("lane", request.lane)
+            self._ledger.get_lane(request.lane)
+        if request.after_seq < 0:
+            raise InvalidArgument("after_seq", "must not be negative")
+        if not self._watchers.acquire(blocking=False):
+            raise TooManyWatchers()
+        try:
+            after_seq = self._ledger.last_seq() if request.from_now else request.after_seq
+            query = EventQuery(
+                lane=request.lane, after_seq=after_seq, limit=self._settings.watch_batch_size
+            )
+            for event in self._ledger.tail(
+                query, context.is_active, self._settings.watch_poll_interval_seconds
+            ):
+                yield convert.event(event)
+        finally:
+            self._watchers.release()
+
+
+class LaneAdminServicer(pb_grpc.LaneAdminServicer):
+    def __init__(self, ledger: Ledger, settings: Settings) -> None:
+        self._ledger = ledger
+        self._settings = settings
+
+    def PutLane(self, request: pb.PutLaneRequest, context: grpc.ServicerContext) -> pb.Lane:
+        if not request.HasField("lane"):
+            raise InvalidArgument("lane", "is required")
+        policy = convert.lane_policy(request.lane)
+        return convert.lane(self._ledger.put_lane(policy, trace_id_of(context)))
+
+    def GetLane(self, request: pb.GetLaneRequest, context: grpc.ServicerContext) -> pb.Lane:
+        validate_name("lane", request.lane)
+        return convert.lane(self._ledger.get_lane(request.lane))
+
+    def ListLanes(
+        self, request: pb.ListLanesRequest, context: grpc.ServicerContext
+    ) -> pb.ListLanesResponse:
+        size = _page_size(request.page_size, self._settings)
+        after_lane = _decode_token(request.page_token) if request.page_token else ""
+        lanes = self._ledger.list_lanes(after_lane, size + 1)
+        page = lanes[:size]
+        response = pb.ListLanesResponse(lanes=[convert.lane(policy) for policy in page])
+        if len(lanes) > size:
+            response.next_page_token = _encode_token(page[-1].lane)
+        return response
+
+
+class TestClockServicer(pb_grpc.TestClockServicer):
+    """Registered only by a server started with --test-clock."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self._clock = clock
+
+    def SetTime(
+        self, request: timestamp_pb2.Timestamp, context: grpc.ServicerContext
+    ) -> timestamp_pb2.Timestamp:
+        instant_us = convert.micros_of_timestamp("seconds", request)
+        return convert.timestamp(self._clock.set_us(instant_us))
+
+    def Advance(
+        self, request: duration_pb2.Duration, context: grpc.ServicerContext
+    ) -> timestamp_pb2.Timestamp:
+        length_us = convert.micros_of_duration("seconds", request)
+        if length_us < 0:
+            raise InvalidArgument("seconds", "a test clock only moves forward by Advance")
+        return convert.timestamp(self._clock.advance_us(length_us))
+
+    def GetTime(
+        self, request: empty_pb2.Empty, context: grpc.ServicerContext
+    ) -> timestamp_pb2.Timestamp:
+        return convert.timestamp(self._clock.now_us())

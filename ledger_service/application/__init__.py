@@ -1,0 +1,1 @@
+"""Runs the domain's moves against a store, one transaction per move."""

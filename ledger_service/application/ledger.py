@@ -1,0 +1,356 @@
+"""The ledger application: each move is one store transaction.
+
+Every move on a lane first locks the lane (so admissions are serialized across
+processes), reads the clock (so reserved_at follows commit order), expires a
+booking whose deadline has passed, asks the domain what to do, then appends the
+event and updates the projection with the same fold a replay uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+from ledger_service.application.ports import EventQuery, Store, StoreTransaction
+from ledger_service.domain import bookings, moves
+from ledger_service.domain.bookings import Booking, BookingState
+from ledger_service.domain.clock import Clock
+from ledger_service.domain.errors import BookingNotFound, LaneNotFound
+from ledger_service.domain.events import Event, EventKind, Outcome
+from ledger_service.domain.policies import LanePolicy, policy_to_dict
+from ledger_service.domain.window import Balance, WindowTotals
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReserveResult:
+    event: Event
+    balance: Balance
+
+    @property
+    def admitted(self) -> bool:
+        return self.event.kind is EventKind.RESERVED
+
+
+@dataclasses.dataclass(frozen=True)
+class SettleResult:
+    charged_nanos: int
+    state: BookingState
+    balance: Balance
+
+
+@dataclasses.dataclass(frozen=True)
+class RefundResult:
+    balance: Balance
+
+
+def balance_after(event: Event) -> Balance:
+    """The balance an event recorded right after itself: any answer can be repeated."""
+    return Balance(
+        lane=event.lane,
+        limit_nanos=event.limit_nanos,
+        window_us=event.window_us,
+        as_of_us=event.occurred_at_us,
+        totals=WindowTotals(
+            event.held_after_nanos, event.charged_after_nanos, event.open_bookings_after
+        ),
+    )
+
+
+class EventSignal:
+    """Wakes event tails in this process when a transaction commits."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._generation = 0
+
+    def notify(self) -> None:
+        with self._condition:
+            self._generation += 1
+            self._condition.notify_all()
+
+    def generation(self) -> int:
+        with self._condition:
+            return self._generation
+
+    def wait(self, generation: int, timeout_seconds: float) -> None:
+        with self._condition:
+            self._condition.wait_for(lambda: self._generation != generation, timeout_seconds)
+
+
+class Ledger:
+    def __init__(self, store: Store, clock: Clock, *, max_page_size: int = 1000) -> None:
+        self._store = store
+        self._clock = clock
+        self._max_page_size = max_page_size
+        self.signal = EventSignal()
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    # Lanes -----------------------------------------------------------------
+
+    def put_lane(self, policy: LanePolicy, trace_id: str = "") -> LanePolicy:
+        policy.validate()
+
+        def work(tx: StoreTransaction) -> LanePolicy:
+            existing = tx.lock_lane(policy.lane)
+            if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
+                return existing
+            now_us = self._clock.now_us()
+            totals = tx.window_totals(policy.lane, now_us, policy.window_us)
+            event = _with_balance(
+                Event(
+                    kind=EventKind.LANE_CONFIGURED,
+                    lane=policy.lane,
+                    occurred_at_us=now_us,
+                    policy=policy_to_dict(policy),
+                    trace_id=trace_id,
+                ),
+                policy,
+                totals,
+            )
+            stored = tx.append(event)
+            saved = dataclasses.replace(policy, version=stored.seq, updated_at_us=now_us)
+            tx.save_lane(saved)
+            return saved
+
+        return self._write(work)
+
+    def get_lane(self, lane: str) -> LanePolicy:
+        policy = self._store.run(lambda tx: tx.get_lane(lane), write=False)
+        if policy is None:
+            raise LaneNotFound(lane)
+        return policy
+
+    def list_lanes(self, after_lane: str, limit: int) -> Sequence[LanePolicy]:
+        limit = max(1, min(limit, self._max_page_size))
+        return self._store.run(lambda tx: tx.list_lanes(after_lane, limit), write=False)
+
+    # Moves -----------------------------------------------------------------
+
+    def reserve(self, command: moves.ReserveCommand, trace_id: str = "") -> ReserveResult:
+        command.validate()
+
+        def work(tx: StoreTransaction) -> ReserveResult:
+            policy = _locked_lane(tx, command.lane)
+            existing = tx.get_booking(command.lane, command.reservation_id)
+            if existing is not None:
+                moves.check_reserve_repeat(existing, command)
+                first = _event(tx, existing.answer_seq)
+                return ReserveResult(first, balance_after(first))
+            now_us = self._clock.now_us()
+            totals = tx.window_totals(policy.lane, now_us, policy.window_us)
+            event = moves.decide_reserve(
+                policy,
+                command,
+                totals,
+                lambda: tx.aging(policy.lane, now_us, policy.window_us),
+                now_us,
+            )
+            stored, _, _ = _record(tx, policy, None, event, totals, now_us, trace_id)
+            return ReserveResult(stored, balance_after(stored))
+
+        return self._write(work)
+
+    def settle(self, command: moves.SettleCommand, trace_id: str = "") -> SettleResult:
+        command.validate()
+
+        def work(tx: StoreTransaction) -> SettleResult:
+            policy, booking, totals, now_us = self._open_booking(tx, command, trace_id)
+            verdict = moves.decide_settle(booking, command, now_us)
+            if verdict.event is not None:
+                stored, after, _ = _record(
+                    tx, policy, booking, verdict.event, totals, now_us, trace_id
+                )
+                return SettleResult(stored.amount_nanos, after.state, balance_after(stored))
+            if verdict.repeat_seq:
+                first = _event(tx, verdict.repeat_seq)
+                state = (
+                    BookingState.SETTLED
+                    if first.outcome is Outcome.SUCCEEDED
+                    else BookingState.SETTLED_UNKNOWN
+                )
+                return SettleResult(first.amount_nanos, state, balance_after(first))
+            balance = Balance(policy.lane, policy.limit_nanos, policy.window_us, now_us, totals)
+            return SettleResult(booking.amount_at(now_us), booking.state, balance)
+
+        return self._write(work)
+
+    def refund(self, command: moves.RefundCommand, trace_id: str = "") -> RefundResult:
+        command.validate()
+
+        def work(tx: StoreTransaction) -> RefundResult:
+            policy, booking, totals, now_us = self._open_booking(tx, command, trace_id)
+            verdict = moves.decide_refund(booking, command, now_us)
+            if verdict.event is not None:
+                stored, _, _ = _record(
+                    tx, policy, booking, verdict.event, totals, now_us, trace_id
+                )
+                return RefundResult(balance_after(stored))
+            return RefundResult(balance_after(_event(tx, verdict.repeat_seq)))
+
+        return self._write(work)
+
+    def _open_booking(
+        self,
+        tx: StoreTransaction,
+        command: moves.SettleCommand | moves.RefundCommand,
+        trace_id: str,
+    ) -> tuple[LanePolicy, Booking, WindowTotals, int]:
+        """Locks the lane, finds the booking and expires it first if its deadline passed."""
+        policy = _locked_lane(tx, command.lane)
+        booking = tx.get_booking(command.lane, command.reservation_id)
+        if booking is None:
+            raise BookingNotFound(command.lane, command.reservation_id)
+        now_us = self._clock.now_us()
+        totals = tx.window_totals(policy.lane, now_us, policy.window_us)
+        if booking.is_expired_at(now_us):
+            event = moves.expire(booking, now_us)
+            _, booking, totals = _record(tx, policy, booking, event, totals, now_us, trace_id)
+        return policy, booking, totals, now_us
+
+    def sweep(self, batch_size: int) -> int:
+        """Records an expired event for every hold past its deadline; returns how many."""
+        now_us = self._clock.now_us()
+        due = self._store.run(lambda tx: tx.expired_open_bookings(now_us, batch_size), write=False)
+        lanes = sorted({booking.lane for booking in due})
+        wanted = {(booking.lane, booking.reservation_id) for booking in due}
+        expired = 0
+        for lane in lanes:
+            expired += self._write(lambda tx, lane=lane: self._expire_lane(tx, lane, wanted))
+        return expired
+
+    def _expire_lane(
+        self, tx: StoreTransaction, lane: str, wanted: set[tuple[str, str]]
+    ) -> int:
+        policy = tx.lock_lane(lane)
+        if policy is None:
+            return 0
+        now_us = self._clock.now_us()
+        totals = tx.window_totals(lane, now_us, policy.window_us)
+        count = 0
+        for key_lane, reservation_id in sorted(wanted):
+            if key_lane != lane:
+                continue
+            booking = tx.get_booking(lane, reservation_id)
+            if booking is None or not booking.is_expired_at(now_us):
+                continue  # ended meanwhile
+            event = moves.expire(booking, now_us)
+            _, _, totals = _record(tx, policy, booking, event, totals, now_us, "")
+            count += 1
+        return count
+
+    # Reads -----------------------------------------------------------------
+
+    def balance(self, lane: str) -> Balance:
+        def work(tx: StoreTransaction) -> Balance:
+            policy = tx.get_lane(lane)
+            if policy is None:
+                raise LaneNotFound(lane)
+            now_us = self._clock.now_us()
+            totals = tx.window_totals(lane, now_us, policy.window_us)
+            return Balance(lane, policy.limit_nanos, policy.window_us, now_us, totals)
+
+        return self._store.run(work, write=False)
+
+    def booking(self, lane: str, reservation_id: str) -> tuple[Booking, int, int]:
+        """The booking, the instant it was read at, and the lane's window."""
+
+        def work(tx: StoreTransaction) -> tuple[Booking, int, int]:
+            policy = tx.get_lane(lane)
+            if policy is None:
+                raise LaneNotFound(lane)
+            booking = tx.get_booking(lane, reservation_id)
+            if booking is None:
+                raise BookingNotFound(lane, reservation_id)
+            return booking, self._clock.now_us(), policy.window_us
+
+        return self._store.run(work, write=False)
+
+    def list_events(self, query: EventQuery) -> Sequence[Event]:
+        query = dataclasses.replace(query, limit=max(1, min(query.limit, self._max_page_size)))
+        if query.lane:
+            self.get_lane(query.lane)
+        return self._store.run(lambda tx: tx.list_events(query), write=False)
+
+    def last_seq(self) -> int:
+        return self._store.run(lambda tx: tx.last_seq(), write=False)
+
+    def tail(
+        self,
+        query: EventQuery,
+        keep_going: Callable[[], bool],
+        poll_interval_seconds: float,
+    ) -> Iterator[Event]:
+        """Every event after query.after_seq, then each new one as it commits.
+
+        Seqs are assigned in commit order (the store serializes appends), so a
+        cursor over seq misses nothing.
+        """
+        cursor = query.after_seq
+        while keep_going():
+            generation = self.signal.generation()
+            page = self._store.run(
+                lambda tx: tx.list_events(dataclasses.replace(query, after_seq=cursor)),
+                write=False,
+            )
+            for event in page:
+                cursor = event.seq
+                yield event
+            if len(page) < query.limit:
+                self.signal.wait(generation, poll_interval_seconds)
+
+    def _write(self, work: Callable[[StoreTransaction], _T]) -> _T:
+        result = self._store.run(work)
+        self.signal.notify()
+        return result
+
+
+def _locked_lane(tx: StoreTransaction, lane: str) -> LanePolicy:
+    policy = tx.lock_lane(lane)
+    if policy is None:
+        raise LaneNotFound(lane)
+    return policy
+
+
+def _event(tx: StoreTransaction, seq: int) -> Event:
+    event = tx.get_event(seq)
+    assert event is not None, f"event {seq} named by a booking is missing"
+    return event
+
+
+def _with_balance(event: Event, policy: LanePolicy, totals: WindowTotals) -> Event:
+    return dataclasses.replace(
+        event,
+        spent_after_nanos=totals.spent_nanos,
+        held_after_nanos=totals.held_nanos,
+        charged_after_nanos=totals.charged_nanos,
+        open_bookings_after=totals.open_bookings,
+        limit_nanos=policy.limit_nanos,
+        window_us=policy.window_us,
+    )
+
+
+def _record(
+    tx: StoreTransaction,
+    policy: LanePolicy,
+    before: Booking | None,
+    event: Event,
+    totals: WindowTotals,
+    now_us: int,
+    trace_id: str,
+) -> tuple[Event, Booking, WindowTotals]:
+    """Appends one booking event and projects it; returns the stored event,
+    the booking after it and the window totals after it."""
+    after_totals = totals.moved(before, bookings.apply(event, before), now_us, policy.window_us)
+    stored = tx.append(
+        _with_balance(dataclasses.replace(event, trace_id=trace_id), policy, after_totals)
+    )
+    after = bookings.apply(stored, before)
+    tx.save_booking(after)
+    return stored, after, after_totals

@@ -1,0 +1,38 @@
+"""`ledger`: the command line for people. Each command group lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from ledger_service.cli import operate, talk
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="ledger",
+        description="The lane ledger: budgets for paid model calls, booked before they are made.",
+    )
+    commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    operate.register(commands)
+    talk.register(commands)
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    arguments = parser().parse_args(argv)
+    code: int = arguments.run(arguments)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

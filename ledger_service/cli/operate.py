@@ -1,0 +1,73 @@
+"""Commands that run next to the database: `serve` and `migrate`."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from typing import Any
+
+from ledger_service.settings import Settings
+
+
+def register(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="run the ledger's gRPC server")
+    _database_options(serve)
+    serve.add_argument("--listen", help="HOST:PORT to listen on (port 0 picks one); "
+                       "default LEDGER_LISTEN or 127.0.0.1:50051")  # fmt: skip
+    serve.add_argument(
+        "--test-clock",
+        action="store_true",
+        help="serve the TestClock service so clients can set time (tests only)",
+    )
+    serve.add_argument("--sweep-interval", type=float, dest="sweep_interval_seconds",
+                       help="seconds between expiry sweeps (default 1)")  # fmt: skip
+    serve.add_argument("--max-workers", type=int, help="gRPC worker threads (default 16)")
+    serve.add_argument("--no-migrate", action="store_true",
+                       help="do not upgrade the schema at start-up")  # fmt: skip
+    serve.set_defaults(run=_serve)
+
+    migrate = commands.add_parser("migrate", help="create or upgrade the database schema")
+    _database_options(migrate)
+    migrate.set_defaults(run=_migrate)
+
+
+def _database_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", help="default LEDGER_DATABASE_URL or a SQLite file "
+                        "in the data directory")  # fmt: skip
+    parser.add_argument("--data-dir", type=pathlib.Path,
+                        help="default LEDGER_DATA_DIR or ./data")  # fmt: skip
+
+
+def settings_from(arguments: argparse.Namespace) -> Settings:
+    overrides: dict[str, object] = {}
+    for name in ("database_url", "data_dir", "listen", "sweep_interval_seconds", "max_workers"):
+        value = getattr(arguments, name, None)
+        if value is not None:
+            overrides[name] = value
+    if getattr(arguments, "test_clock", False):
+        overrides["test_clock"] = True
+    return Settings.from_environment(**overrides)
+
+
+def _serve(arguments: argparse.Namespace) -> int:
+    from ledger_service import server
+
+    settings = settings_from(arguments)
+    if arguments.no_migrate:
+        return server.serve_existing(settings)
+    return server.serve(settings)
+
+
+def _migrate(arguments: argparse.Namespace) -> int:
+    from ledger_service.server import build_store
+    from ledger_service.storage import database, migrate
+
+    settings = settings_from(arguments)
+    store = build_store(settings)
+    try:
+        migrate.upgrade(store.engine)
+    finally:
+        store.close()
+    print(f"schema is up to date in {database.redacted(settings.database_url)}", file=sys.stderr)
+    return 0

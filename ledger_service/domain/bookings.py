@@ -1,0 +1,142 @@
+"""Bookings: one planned model call from Reserve to its end.
+
+A booking is a projection of its events. `apply` is the one fold used both on
+the live path (after each new event) and when rebuilding from the log, so the
+two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from ledger_service.domain.events import Event, EventKind, Outcome
+from ledger_service.domain.policies import ExpireCharge
+from ledger_service.domain.pricing import ModelPrice
+
+
+class BookingState(enum.Enum):
+    OPEN = "open"
+    SETTLED = "settled"
+    SETTLED_UNKNOWN = "settled_unknown"
+    REFUNDED = "refunded"
+    EXPIRED = "expired"
+    REJECTED = "rejected"
+
+
+# The states whose charge a later Settle with real usage may still correct.
+CORRECTABLE_STATES = frozenset({BookingState.SETTLED_UNKNOWN, BookingState.EXPIRED})
+
+
+@dataclasses.dataclass(frozen=True)
+class Booking:
+    lane: str
+    reservation_id: str
+    model: str
+    request_bytes: int
+    max_output_tokens: int
+    estimate_nanos: int | None
+    requested_ttl_us: int | None
+    cap_nanos: int
+    hold_nanos: int
+    reserved_at_us: int
+    expires_at_us: int
+    price: ModelPrice
+    expire_charge: ExpireCharge
+    state: BookingState
+    amount_nanos: int
+    # The seq of the reserved/denied event (its answer) and of the latest ending.
+    answer_seq: int
+    ended_seq: int = 0
+    # What the latest ending said, to recognise a repeat of it.
+    outcome: Outcome | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    billed_nanos: int | None = None
+
+    @property
+    def expire_charge_nanos(self) -> int:
+        return self.hold_nanos if self.expire_charge is ExpireCharge.HOLD else 0
+
+    def is_expired_at(self, now_us: int) -> bool:
+        """Open past its deadline: expired from that instant, sweeper or not."""
+        return self.state is BookingState.OPEN and now_us >= self.expires_at_us
+
+    def is_open_at(self, now_us: int) -> bool:
+        return self.state is BookingState.OPEN and now_us < self.expires_at_us
+
+    def amount_at(self, now_us: int) -> int:
+        return self.expire_charge_nanos if self.is_expired_at(now_us) else self.amount_nanos
+
+    def contribution(self, now_us: int) -> tuple[int, int]:
+        """(held, charged) this booking adds to its window at now_us."""
+        if self.is_open_at(now_us):
+            return self.amount_nanos, 0
+        return 0, self.amount_at(now_us)
+
+    def reserve_fingerprint(self) -> tuple[object, ...]:
+        return (
+            self.model,
+            self.request_bytes,
+            self.max_output_tokens,
+            self.estimate_nanos,
+            self.requested_ttl_us,
+        )
+
+
+def apply(event: Event, booking: Booking | None) -> Booking:
+    """The booking after `event`. The one fold for live moves and replays."""
+    if event.kind in (EventKind.RESERVED, EventKind.DENIED):
+        assert booking is None, f"second {event.kind.value} for {event.reservation_id!r}"
+        return _opened(event)
+    assert booking is not None, f"{event.kind.value} before reserve of {event.reservation_id!r}"
+    if event.kind is EventKind.SETTLED:
+        state = (
+            BookingState.SETTLED
+            if event.outcome is Outcome.SUCCEEDED
+            else BookingState.SETTLED_UNKNOWN
+        )
+        return _ended(booking, event, state)
+    if event.kind is EventKind.REFUNDED:
+        return _ended(booking, event, BookingState.REFUNDED)
+    if event.kind is EventKind.EXPIRED:
+        return _ended(booking, event, BookingState.EXPIRED)
+    raise AssertionError(f"event kind {event.kind.value} is not about a booking")
+
+
+def _opened(event: Event) -> Booking:
+    assert event.expire_charge is not None
+    admitted = event.kind is EventKind.RESERVED
+    return Booking(
+        lane=event.lane,
+        reservation_id=event.reservation_id,
+        model=event.model,
+        request_bytes=event.request_bytes,
+        max_output_tokens=event.max_output_tokens,
+        estimate_nanos=event.estimate_nanos,
+        requested_ttl_us=event.requested_ttl_us,
+        cap_nanos=event.cap_nanos,
+        hold_nanos=event.hold_nanos,
+        reserved_at_us=event.reserved_at_us,
+        expires_at_us=event.expires_at_us,
+        price=ModelPrice(
+            event.input_nanos_per_million_tokens, event.output_nanos_per_million_tokens
+        ),
+        expire_charge=event.expire_charge,
+        state=BookingState.OPEN if admitted else BookingState.REJECTED,
+        amount_nanos=event.amount_nanos,
+        answer_seq=event.seq,
+    )
+
+
+def _ended(booking: Booking, event: Event, state: BookingState) -> Booking:
+    return dataclasses.replace(
+        booking,
+        state=state,
+        amount_nanos=event.amount_nanos,
+        ended_seq=event.seq,
+        outcome=event.outcome,
+        input_tokens=event.input_tokens,
+        output_tokens=event.output_tokens,
+        billed_nanos=event.billed_nanos,
+    )

@@ -1,0 +1,50 @@
+"""The server's clock. Time is never the client's.
+
+Every instant is an integer count of microseconds since the Unix epoch, so that
+window arithmetic is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+MICROS_PER_SECOND = 1_000_000
+
+
+class Clock(Protocol):
+    def now_us(self) -> int: ...
+
+
+class SystemClock:
+    def now_us(self) -> int:
+        return time.time_ns() // 1000
+
+
+class ManualClock:
+    """A clock that stays exactly where it was set until set or advanced again.
+
+    Only a server started with --test-clock has one; it lets a test walk a whole
+    window in milliseconds.
+    """
+
+    def __init__(self, start_us: int | None = None) -> None:
+        self._lock = threading.Lock()
+        self._now_us = SystemClock().now_us() if start_us is None else start_us
+
+    def now_us(self) -> int:
+        with self._lock:
+            return self._now_us
+
+    def set_us(self, instant_us: int) -> int:
+        with self._lock:
+            self._now_us = instant_us
+            return self._now_us
+
+    def advance_us(self, duration_us: int) -> int:
+        if duration_us < 0:
+            raise ValueError("a test clock only moves forward by Advance")
+        with self._lock:
+            self._now_us += duration_us
+            return self._now_us

@@ -1,0 +1,80 @@
+"""Events: immutable facts about a booking or a lane, appended and never changed.
+
+One flat record serves every kind so that the event table is one append-only
+table an auditor can query with plain SQL. Fields a kind does not use keep their
+zero value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from ledger_service.domain.policies import ExpireCharge
+
+
+class EventKind(enum.Enum):
+    RESERVED = "reserved"
+    DENIED = "denied"
+    SETTLED = "settled"
+    REFUNDED = "refunded"
+    EXPIRED = "expired"
+    LANE_CONFIGURED = "lane_configured"
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    UNKNOWN = "unknown"
+
+
+class DenialReason(enum.Enum):
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    HOLD_EXCEEDS_LIMIT = "hold_exceeds_limit"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    lane: str
+    occurred_at_us: int
+    reservation_id: str = ""
+    # What the booking counts in its window after this event, and before it.
+    amount_nanos: int = 0
+    previous_amount_nanos: int = 0
+    # The Reserve's arguments (reserved, denied).
+    model: str = ""
+    request_bytes: int = 0
+    max_output_tokens: int = 0
+    estimate_nanos: int | None = None
+    requested_ttl_us: int | None = None
+    hold_nanos: int = 0
+    cap_nanos: int = 0
+    reserved_at_us: int = 0
+    expires_at_us: int = 0
+    retry_after_us: int | None = None
+    denial_reason: DenialReason | None = None
+    # The part of the policy a booking keeps for its whole life (reserved).
+    input_nanos_per_million_tokens: int = 0
+    output_nanos_per_million_tokens: int = 0
+    expire_charge: ExpireCharge | None = None
+    # The ending (settled, refunded).
+    outcome: Outcome | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    billed_nanos: int | None = None
+    http_status: int = 0
+    reason: str = ""
+    # lane_configured: the new policy, as policies.policy_to_dict.
+    policy: Mapping[str, Any] | None = None
+    trace_id: str = ""
+    # The lane's balance right after this event, so any answer can be replayed.
+    spent_after_nanos: int = 0
+    held_after_nanos: int = 0
+    charged_after_nanos: int = 0
+    limit_nanos: int = 0
+    window_us: int = 0
+    open_bookings_after: int = 0
+    # Assigned by the store when the event is appended; 0 before.
+    seq: int = 0

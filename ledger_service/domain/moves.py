@@ -1,0 +1,330 @@
+"""The moves a lane makes (Reserve, Settle, Refund) and the expiry of a hold.
+
+Each `decide_*` function is pure: given the lane's policy, the booking as it
+stands and the window totals, it returns the event to append (or says which
+earlier answer to repeat) and raises a domain error for a move the contract
+refuses. The application layer runs them inside one store transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable
+
+from ledger_service.domain.bookings import CORRECTABLE_STATES, Booking, BookingState
+from ledger_service.domain.errors import (
+    BookingAlreadyEnded,
+    BookingWasDenied,
+    InvalidArgument,
+    ReservationConflict,
+    TtlExceedsLaneHoldTtl,
+    UnknownModel,
+)
+from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
+from ledger_service.domain.policies import LanePolicy, validate_name
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, cap_nanos
+from ledger_service.domain.window import WindowTotals, retry_after_us
+
+MAX_REQUEST_BYTES = 2**40
+MAX_TOKENS = 10**12
+MAX_REASON_LENGTH = 1000
+MAX_RESERVATION_ID_LENGTH = 200
+# Printable ASCII without spaces: ids travel in logs, URLs and CSV exports.
+_RESERVATION_ID = re.compile(r"^[\x21-\x7e]+$")
+
+
+def validate_reservation_id(value: str) -> None:
+    if not value:
+        raise InvalidArgument("reservation_id", "is required")
+    if len(value) > MAX_RESERVATION_ID_LENGTH:
+        raise InvalidArgument(
+            "reservation_id", f"must be at most {MAX_RESERVATION_ID_LENGTH} characters"
+        )
+    if not _RESERVATION_ID.match(value):
+        raise InvalidArgument("reservation_id", "must be printable ASCII without spaces")
+
+
+def _check_range(field: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise InvalidArgument(field, f"must be between {low} and {high}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReserveCommand:
+    lane: str
+    reservation_id: str
+    model: str
+    request_bytes: int
+    max_output_tokens: int
+    estimate_nanos: int | None = None
+    ttl_us: int | None = None
+
+    def validate(self) -> None:
+        validate_name("lane", self.lane)
+        validate_reservation_id(self.reservation_id)
+        validate_name("model", self.model)
+        _check_range("request_bytes", self.request_bytes, 0, MAX_REQUEST_BYTES)
+        _check_range("max_output_tokens", self.max_output_tokens, 0, MAX_TOKENS)
+        if self.estimate_nanos is not None:
+            _check_range("estimate_nanos", self.estimate_nanos, 0, MAX_AMOUNT_NANOS)
+        if self.ttl_us is not None and self.ttl_us <= 0:
+            raise InvalidArgument("ttl", "must be positive")
+
+    def fingerprint(self) -> tuple[object, ...]:
+        return (
+            self.model,
+            self.request_bytes,
+            self.max_output_tokens,
+            self.estimate_nanos,
+            self.ttl_us,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SettleCommand:
+    lane: str
+    reservation_id: str
+    outcome: Outcome
+    input_tokens: int = 0
+    output_tokens: int = 0
+    billed_nanos: int | None = None
+    http_status: int = 0
+
+    def validate(self) -> None:
+        validate_name("lane", self.lane)
+        validate_reservation_id(self.reservation_id)
+        _check_range("input_tokens", self.input_tokens, 0, MAX_TOKENS)
+        _check_range("output_tokens", self.output_tokens, 0, MAX_TOKENS)
+        if self.billed_nanos is not None:
+            _check_range("billed_nanos", self.billed_nanos, 0, MAX_AMOUNT_NANOS)
+        if self.http_status != 0:
+            _check_range("http_status", self.http_status, 100, 599)
+            if 400 <= self.http_status <= 499:
+                raise InvalidArgument(
+                    "http_status", "a 4xx answer is a refused call: use Refund, it costs zero"
+                )
+
+    def fingerprint(self) -> tuple[object, ...]:
+        return (self.outcome, self.input_tokens, self.output_tokens, self.billed_nanos)
+
+
+@dataclasses.dataclass(frozen=True)
+class RefundCommand:
+    lane: str
+    reservation_id: str
+    http_status: int = 0
+    reason: str = ""
+
+    def validate(self) -> None:
+        validate_name("lane", self.lane)
+        validate_reservation_id(self.reservation_id)
+        if self.http_status != 0:
+            _check_range("http_status", self.http_status, 400, 499)
+        elif not self.reason:
+            raise InvalidArgument(
+                "reason", "is required when http_status is 0 (a call that was never sent)"
+            )
+        if len(self.reason) > MAX_REASON_LENGTH:
+            raise InvalidArgument("reason", f"must be at most {MAX_REASON_LENGTH} characters")
+        if not self.reason.isprintable():
+            raise InvalidArgument("reason", "must be printable text")
+
+
+def decide_reserve(
+    policy: LanePolicy,
+    command: ReserveCommand,
+    totals: WindowTotals,
+    aging: Callable[[], Iterable[tuple[int, int]]],
+    now_us: int,
+) -> Event:
+    """The reserved or denied event for a new reservation_id.
+
+    `aging` is called only for a denial: it yields the window's bookings oldest
+    first, from which retry_after is computed.
+    """
+    price = policy.price_of(command.model)
+    if price is None:
+        raise UnknownModel("model", f"lane {policy.lane!r} has no price for {command.model!r}")
+    ttl_us = policy.hold_ttl_us if command.ttl_us is None else command.ttl_us
+    if ttl_us > policy.hold_ttl_us:
+        raise TtlExceedsLaneHoldTtl(
+            "ttl", f"must not exceed the lane's hold_ttl of {policy.hold_ttl_us / 1e6:g} s"
+        )
+    cap = cap_nanos(
+        price,
+        command.request_bytes,
+        command.max_output_tokens,
+        policy.bytes_per_token_milli,
+        policy.overhead_tokens,
+    )
+    if cap > MAX_AMOUNT_NANOS:
+        raise InvalidArgument("request_bytes", "prices this request above the largest amount")
+    hold = cap if command.estimate_nanos is None else min(command.estimate_nanos, cap)
+    available = policy.limit_nanos - totals.spent_nanos
+    base = Event(
+        kind=EventKind.RESERVED,
+        lane=policy.lane,
+        occurred_at_us=now_us,
+        reservation_id=command.reservation_id,
+        model=command.model,
+        request_bytes=command.request_bytes,
+        max_output_tokens=command.max_output_tokens,
+        estimate_nanos=command.estimate_nanos,
+        requested_ttl_us=command.ttl_us,
+        hold_nanos=hold,
+        cap_nanos=cap,
+        reserved_at_us=now_us,
+        expires_at_us=now_us + ttl_us,
+        input_nanos_per_million_tokens=price.input_nanos_per_million_tokens,
+        output_nanos_per_million_tokens=price.output_nanos_per_million_tokens,
+        expire_charge=policy.expire_charge,
+        limit_nanos=policy.limit_nanos,
+        window_us=policy.window_us,
+    )
+    if hold > policy.limit_nanos:
+        return dataclasses.replace(
+            base,
+            kind=EventKind.DENIED,
+            denial_reason=DenialReason.HOLD_EXCEEDS_LIMIT,
+            reason=f"the hold of {hold} nanos is larger than the lane's limit of "
+            f"{policy.limit_nanos} nanos and can never fit",
+        )
+    if hold <= available:
+        return dataclasses.replace(base, amount_nanos=hold)
+    retry_at = retry_after_us(hold - available, aging(), policy.window_us)
+    return dataclasses.replace(
+        base,
+        kind=EventKind.DENIED,
+        denial_reason=DenialReason.BUDGET_EXHAUSTED,
+        retry_after_us=retry_at,
+        reason=f"the hold of {hold} nanos does not fit the {available} nanos available "
+        "in the window",
+    )
+
+
+def check_reserve_repeat(booking: Booking, command: ReserveCommand) -> None:
+    """A repeated Reserve must carry the same arguments as the first."""
+    if booking.reserve_fingerprint() != command.fingerprint():
+        raise ReservationConflict(command.reservation_id)
+
+
+def expire(booking: Booking, now_us: int) -> Event:
+    """The expired event of a booking still open at its deadline."""
+    assert booking.is_expired_at(now_us)
+    return Event(
+        kind=EventKind.EXPIRED,
+        lane=booking.lane,
+        occurred_at_us=now_us,
+        reservation_id=booking.reservation_id,
+        amount_nanos=booking.expire_charge_nanos,
+        previous_amount_nanos=booking.amount_nanos,
+        model=booking.model,
+        hold_nanos=booking.hold_nanos,
+        cap_nanos=booking.cap_nanos,
+        reserved_at_us=booking.reserved_at_us,
+        expires_at_us=booking.expires_at_us,
+        expire_charge=booking.expire_charge,
+        reason="not ended by its deadline",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a Settle or Refund does: append `event`, or repeat an answer.
+
+    With no event, `repeat_seq` names the event whose answer is repeated, or is
+    0 when the move changes nothing and the current charge is the answer.
+    """
+
+    event: Event | None = None
+    repeat_seq: int = 0
+
+
+def decide_settle(booking: Booking, command: SettleCommand, now_us: int) -> Verdict:
+    """`booking` has already been expired if it was past its deadline."""
+    state = booking.state
+    if state is BookingState.REJECTED:
+        raise BookingWasDenied(booking.reservation_id)
+    if state is BookingState.REFUNDED:
+        raise BookingAlreadyEnded(
+            f"booking {booking.reservation_id!r} was refunded; it cannot be settled"
+        )
+    repeat = booking.ended_seq and booking.outcome is not None
+    if repeat and (booking.outcome, booking.input_tokens, booking.output_tokens,
+                   booking.billed_nanos) == command.fingerprint():  # fmt: skip
+        return Verdict(repeat_seq=booking.ended_seq)
+    if state is BookingState.SETTLED:
+        raise BookingAlreadyEnded(
+            f"booking {booking.reservation_id!r} was already settled with other usage"
+        )
+    if command.outcome is Outcome.UNKNOWN and state in CORRECTABLE_STATES:
+        # An unknown outcome adds nothing to what the ledger already holds.
+        return Verdict()
+    return Verdict(event=_settled_event(booking, command, now_us))
+
+
+def _settled_event(booking: Booking, command: SettleCommand, now_us: int) -> Event:
+    if command.outcome is Outcome.SUCCEEDED:
+        # Real data wins, even above the hold: that is an overrun, reported.
+        charge = (
+            command.billed_nanos
+            if command.billed_nanos is not None
+            else booking.price.real_cost(command.input_tokens, command.output_tokens)
+        )
+    else:
+        # Never more than the hold, which is never more than the cap.
+        charge = booking.hold_nanos
+        if command.billed_nanos is not None:
+            charge = min(charge, command.billed_nanos)
+    return _ending_event(booking, EventKind.SETTLED, charge, now_us, command=command)
+
+
+def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verdict:
+    """A refused call costs zero, however late the news; a repeat returns the first answer."""
+    state = booking.state
+    if state is BookingState.REJECTED:
+        raise BookingWasDenied(booking.reservation_id)
+    if state is BookingState.REFUNDED:
+        return Verdict(repeat_seq=booking.ended_seq)
+    if state is BookingState.SETTLED:
+        raise BookingAlreadyEnded(
+            f"booking {booking.reservation_id!r} was settled with real usage; "
+            "it cannot be refunded"
+        )
+    event = _ending_event(booking, EventKind.REFUNDED, 0, now_us)
+    return Verdict(
+        event=dataclasses.replace(event, http_status=command.http_status, reason=command.reason)
+    )
+
+
+def _ending_event(
+    booking: Booking,
+    kind: EventKind,
+    charge_nanos: int,
+    now_us: int,
+    command: SettleCommand | None = None,
+) -> Event:
+    event = Event(
+        kind=kind,
+        lane=booking.lane,
+        occurred_at_us=now_us,
+        reservation_id=booking.reservation_id,
+        amount_nanos=charge_nanos,
+        previous_amount_nanos=booking.amount_at(now_us),
+        model=booking.model,
+        hold_nanos=booking.hold_nanos,
+        cap_nanos=booking.cap_nanos,
+        reserved_at_us=booking.reserved_at_us,
+        expires_at_us=booking.expires_at_us,
+    )
+    if command is None:
+        return event
+    return dataclasses.replace(
+        event,
+        outcome=command.outcome,
+        input_tokens=command.input_tokens,
+        output_tokens=command.output_tokens,
+        billed_nanos=command.billed_nanos,
+        http_status=command.http_status,
+    )

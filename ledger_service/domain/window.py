@@ -1,0 +1,103 @@
+"""The true rolling window.
+
+    spent(lane, now) = sum of amount(b) for every booking b of the lane
+                       with now - window < reserved_at(b) <= now
+
+A booking's amount is dated at reserved_at for its whole life, so it ages out
+exactly window_us after it was made, to the microsecond.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from ledger_service.domain.bookings import Booking
+
+
+def in_window(reserved_at_us: int, now_us: int, window_us: int) -> bool:
+    return now_us - window_us < reserved_at_us <= now_us
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowTotals:
+    """held + charged of the bookings inside one lane's window at one instant."""
+
+    held_nanos: int = 0
+    charged_nanos: int = 0
+    open_bookings: int = 0
+
+    @property
+    def spent_nanos(self) -> int:
+        return self.held_nanos + self.charged_nanos
+
+    def moved(
+        self, before: Booking | None, after: Booking, now_us: int, window_us: int
+    ) -> WindowTotals:
+        """The totals after one booking changed from `before` to `after`."""
+        if not in_window(after.reserved_at_us, now_us, window_us):
+            return self
+        held, charged, open_count = self.held_nanos, self.charged_nanos, self.open_bookings
+        if before is not None:
+            held_before, charged_before = before.contribution(now_us)
+            held -= held_before
+            charged -= charged_before
+            open_count -= int(before.is_open_at(now_us))
+        held_after, charged_after = after.contribution(now_us)
+        return WindowTotals(
+            held + held_after, charged + charged_after, open_count + int(after.is_open_at(now_us))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Balance:
+    lane: str
+    limit_nanos: int
+    window_us: int
+    as_of_us: int
+    totals: WindowTotals
+
+    @property
+    def spent_nanos(self) -> int:
+        return self.totals.spent_nanos
+
+    @property
+    def available_nanos(self) -> int:
+        return self.limit_nanos - self.totals.spent_nanos
+
+    @property
+    def overrun_nanos(self) -> int:
+        return max(0, self.totals.spent_nanos - self.limit_nanos)
+
+
+def totals_of(bookings: Iterable[Booking], now_us: int, window_us: int) -> WindowTotals:
+    """Sums a lane's window from bookings: the replay side of the pair assertion."""
+    held = charged = open_count = 0
+    for booking in bookings:
+        if not in_window(booking.reserved_at_us, now_us, window_us):
+            continue
+        held_part, charged_part = booking.contribution(now_us)
+        held += held_part
+        charged += charged_part
+        open_count += int(booking.is_open_at(now_us))
+    return WindowTotals(held, charged, open_count)
+
+
+def retry_after_us(
+    needed_nanos: int, aging: Iterable[tuple[int, int]], window_us: int
+) -> int | None:
+    """The earliest instant at which enough bookings age out to free `needed_nanos`.
+
+    `aging` yields (reserved_at_us, amount_nanos) of the bookings now inside the
+    window, oldest first. Only aging counts, never hoped-for settlements. None
+    when the window's bookings together cannot free that much.
+    """
+    if needed_nanos <= 0:
+        return None
+    freed = 0
+    for reserved_at_us, amount_nanos in aging:
+        freed += amount_nanos
+        if freed >= needed_nanos:
+            # At reserved_at + window the booking is out: the window is half-open.
+            return reserved_at_us + window_us
+    return None

@@ -1,0 +1,188 @@
+"""The server process: wiring, health, reflection, the sweeper, graceful stop.
+
+Health reports SERVING only once the database answers, and NOT_SERVING while it
+does not or while the server is shutting down.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ledger_service.api.errors import ErrorInterceptor
+from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
+from ledger_service.application.ledger import Ledger
+from ledger_service.domain.clock import Clock, ManualClock, SystemClock
+from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
+from ledger_service.settings import Settings
+from ledger_service.storage import database, migrate
+from ledger_service.storage.sql import SqlStore
+
+log = logging.getLogger("ledger.server")
+
+SERVICE_NAMES = tuple(
+    ledger_pb2.DESCRIPTOR.services_by_name[name].full_name
+    for name in ("Ledger", "LaneAdmin", "TestClock")
+)
+
+
+def build_store(settings: Settings) -> SqlStore:
+    engine = database.create(
+        settings.database_url,
+        database.EngineLimits(
+            pool_size=settings.pool_size,
+            pool_max_overflow=settings.pool_max_overflow,
+            pool_timeout_seconds=settings.pool_timeout_seconds,
+            statement_timeout_ms=settings.statement_timeout_ms,
+        ),
+    )
+    return SqlStore(
+        engine,
+        max_transaction_retries=settings.max_transaction_retries,
+        request_deadline_seconds=settings.request_deadline_seconds,
+    )
+
+
+class LedgerServer:
+    def __init__(
+        self, settings: Settings, *, clock: Clock | None = None, run_migrations: bool = True
+    ) -> None:
+        self.settings = settings
+        if clock is None:
+            clock = ManualClock() if settings.test_clock else SystemClock()
+        self.clock = clock
+        self.store = build_store(settings)
+        if run_migrations:
+            migrate.upgrade(self.store.engine)
+        self.ledger = Ledger(self.store, clock, max_page_size=settings.max_page_size)
+        self.health = health.HealthServicer()
+        self._stopping = threading.Event()
+        self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
+        self._server = self._build_grpc_server()
+        self.port = 0
+
+    def _build_grpc_server(self) -> grpc.Server:
+        settings = self.settings
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
+            interceptors=[ErrorInterceptor()],
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            options=[
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.max_send_message_length", settings.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        ledger_pb2_grpc.add_LedgerServicer_to_server(LedgerServicer(self.ledger, settings), server)
+        ledger_pb2_grpc.add_LaneAdminServicer_to_server(
+            LaneAdminServicer(self.ledger, settings), server
+        )
+        names = [SERVICE_NAMES[0], SERVICE_NAMES[1]]
+        if settings.test_clock:
+            assert isinstance(self.clock, ManualClock), "--test-clock needs a ManualClock"
+            ledger_pb2_grpc.add_TestClockServicer_to_server(TestClockServicer(self.clock), server)
+            names.append(SERVICE_NAMES[2])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self._service_names = names
+        return server
+
+    def start(self) -> int:
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._server.add_insecure_port(self.settings.listen)
+        if self.port == 0:
+            raise RuntimeError(f"could not listen on {self.settings.listen}")
+        self._server.start()
+        self._check_database()
+        self._maintenance.start()
+        host = self.settings.listen.rsplit(":", 1)[0]
+        log.info(
+            "listening on %s:%d (database %s%s)",
+            host,
+            self.port,
+            database.redacted(self.settings.database_url),
+            ", TEST CLOCK" if self.settings.test_clock else "",
+        )
+        return self.port
+
+    def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        self.health.set("", status)
+        for name in self._service_names:
+            self.health.set(name, status)
+
+    def _check_database(self) -> bool:
+        try:
+            self.store.ping()
+        except StoreUnavailable:
+            if not self._stopping.is_set():
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            return False
+        if not self._stopping.is_set():
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return True
+
+    def _maintain(self) -> None:
+        """Sweeps expired holds and watches the database, until stopped."""
+        while not self._stopping.wait(self.settings.sweep_interval_seconds):
+            if not self._check_database():
+                continue
+            try:
+                while not self._stopping.is_set():
+                    expired = self.ledger.sweep(self.settings.sweep_batch_size)
+                    if expired:
+                        log.info("expired %d holds past their deadline", expired)
+                    if expired < self.settings.sweep_batch_size:
+                        break
+            except StoreUnavailable:
+                log.warning("sweeper: database unavailable; will retry")
+            except Exception:
+                log.exception("sweeper failed; will retry")
+
+    def stop(self, grace_seconds: float | None = None) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self.health.enter_graceful_shutdown()
+        grace = self.settings.grace_period_seconds if grace_seconds is None else grace_seconds
+        self._server.stop(grace).wait()
+        if self._maintenance.is_alive():
+            self._maintenance.join(timeout=grace + 5)
+        self.store.close()
+        log.info("stopped")
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+def serve_existing(settings: Settings) -> int:
+    """Like serve, on a schema that is already migrated."""
+    return serve(settings, run_migrations=False)
+
+
+def serve(settings: Settings, *, run_migrations: bool = True) -> int:
+    """Runs until SIGTERM or SIGINT, then stops with a grace period."""
+    server = LedgerServer(settings, run_migrations=run_migrations)
+    server.start()
+    print(f"ledger listening on {settings.listen.rsplit(':', 1)[0]}:{server.port}", flush=True)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received %s: draining for %.1f s", signal.Signals(signum).name,
+                 settings.grace_period_seconds)  # fmt: skip
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    server.stop()
+    return 0

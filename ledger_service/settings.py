@@ -1,0 +1,71 @@
+"""Every limit and knob of the server, in one frozen object passed explicitly.
+
+TigerBeetle's rule: put a limit on everything. Each field names its unit last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+DEFAULT_DATA_DIR = pathlib.Path("data")
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+
+def default_database_url(data_dir: pathlib.Path) -> str:
+    return f"sqlite:///{data_dir / 'ledger.db'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    database_url: str
+    data_dir: pathlib.Path = DEFAULT_DATA_DIR
+    listen: str = DEFAULT_LISTEN
+    # Serves the TestClock service and lets clients move time. Tests only.
+    test_clock: bool = False
+    # gRPC server.
+    max_workers: int = 16
+    max_concurrent_rpcs: int = 256
+    max_message_bytes: int = 1 * 1024 * 1024
+    grace_period_seconds: float = 5.0
+    # Longest a request may wait for the database before it gets UNAVAILABLE.
+    request_deadline_seconds: float = 5.0
+    # Database pool (PostgreSQL); SQLite uses one writer and a small pool.
+    pool_size: int = 8
+    pool_max_overflow: int = 4
+    pool_timeout_seconds: float = 2.0
+    statement_timeout_ms: int = 5000
+    # Bounded retries of serialization failures and deadlocks.
+    max_transaction_retries: int = 5
+    # Expiry sweeper: how often it looks, and how many holds per transaction.
+    sweep_interval_seconds: float = 1.0
+    sweep_batch_size: int = 500
+    # Paging and tailing.
+    default_page_size: int = 100
+    max_page_size: int = 1000
+    watch_poll_interval_seconds: float = 0.2
+    watch_batch_size: int = 500
+    # How long a tail waits for a gap in seq (an uncommitted transaction) to fill.
+    watch_gap_wait_seconds: float = 2.0
+    max_watchers: int = 64
+    # Input bounds.
+    max_id_length: int = 200
+    max_models_per_lane: int = 256
+    max_lanes: int = 100_000
+
+    @classmethod
+    def from_environment(cls, **overrides: object) -> Settings:
+        """Builds settings from LEDGER_* variables, then explicit overrides."""
+        data_dir = pathlib.Path(os.environ.get("LEDGER_DATA_DIR", str(DEFAULT_DATA_DIR)))
+        values: dict[str, object] = {
+            "data_dir": data_dir,
+            "database_url": os.environ.get("LEDGER_DATABASE_URL") or default_database_url(data_dir),
+            "listen": os.environ.get("LEDGER_LISTEN", DEFAULT_LISTEN),
+        }
+        values.update({key: value for key, value in overrides.items() if value is not None})
+        if "data_dir" in overrides and overrides["data_dir"] is not None and not (
+            os.environ.get("LEDGER_DATABASE_URL") or overrides.get("database_url")
+        ):
+            values["database_url"] = default_database_url(pathlib.Path(str(overrides["data_dir"])))
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""SQLAlchemy adapters for the application's storage interface (SQLite, PostgreSQL)."""

@@ -1,0 +1,101 @@
+"""Engines for SQLite (embedded default) and PostgreSQL (replicas sharing one).
+
+SQLite runs in WAL mode with synchronous=FULL: every answered move is on disk
+before the answer leaves. PostgreSQL gets a bounded pool and statement and lock
+timeouts so that no request hangs on the database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import ConnectionPoolEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    pool_size: int = 8
+    pool_max_overflow: int = 4
+    pool_timeout_seconds: float = 2.0
+    statement_timeout_ms: int = 5000
+    # How long SQLite waits for the write lock before giving up.
+    sqlite_busy_timeout_ms: int = 5000
+
+
+def redacted(url: str | URL) -> str:
+    """The URL with its password hidden, for logs and messages."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def is_sqlite(url: str | URL) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def create(url: str, limits: EngineLimits) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(parsed, limits)
+    if parsed.get_backend_name() == "postgresql":
+        return _postgres_engine(parsed, limits)
+    raise ValueError("the database URL must be sqlite:/// or postgresql+psycopg://")
+
+
+def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
+    if not url.database or url.database == ":memory:":
+        raise ValueError("the SQLite database must be a file (the ledger is durable)")
+    pathlib.Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url,
+        pool_size=limits.pool_size,
+        max_overflow=limits.pool_max_overflow,
+        pool_timeout=limits.pool_timeout_seconds,
+        hide_parameters=True,
+        connect_args={
+            "timeout": limits.sqlite_busy_timeout_ms / 1000,
+            "check_same_thread": False,
+        },
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+        # Let SQLAlchemy's "begin" event below issue BEGIN itself.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute(f"PRAGMA busy_timeout={int(limits.sqlite_busy_timeout_ms)}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        # A writer takes the write lock up front, so that two writers never
+        # both read a balance and then race to commit.
+        if connection.get_execution_options().get("ledger_write", False):
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            connection.exec_driver_sql("BEGIN")
+
+    return engine
+
+
+def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
+    timeout = int(limits.statement_timeout_ms)
+    return create_engine(
+        url,
+        pool_size=limits.pool_size,
+        max_overflow=limits.pool_max_overflow,
+        pool_timeout=limits.pool_timeout_seconds,
+        pool_pre_ping=True,
+        hide_parameters=True,
+        connect_args={
+            "connect_timeout": max(1, timeout // 1000),
+            "options": f"-c statement_timeout={timeout} -c lock_timeout={timeout}"
+            f" -c idle_in_transaction_session_timeout={timeout * 4}",
+            "application_name": "ledger",
+        },
+    )

@@ -1,0 +1,138 @@
+"""The schema, in SQLAlchemy 2 typed style. Alembic (`migrations/`) owns it.
+
+Instants are integer microseconds since the Unix epoch and amounts integer
+nanos, stored as BIGINT on both databases so that arithmetic stays exact.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Index, Integer, MetaData, String, Text, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY (the rowid alias).
+SeqType = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class EventRow(Base):
+    """The append-only log. Triggers refuse UPDATE and DELETE (see migrations)."""
+
+    __tablename__ = "events"
+
+    seq: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    lane: Mapped[str] = mapped_column(String(200))
+    occurred_at_us: Mapped[int] = mapped_column(BigInteger)
+    reservation_id: Mapped[str] = mapped_column(String(200), default="")
+    amount_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    previous_amount_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    model: Mapped[str] = mapped_column(String(200), default="")
+    request_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    max_output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    estimate_nanos: Mapped[int | None] = mapped_column(BigInteger)
+    requested_ttl_us: Mapped[int | None] = mapped_column(BigInteger)
+    hold_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    cap_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    reserved_at_us: Mapped[int] = mapped_column(BigInteger, default=0)
+    expires_at_us: Mapped[int] = mapped_column(BigInteger, default=0)
+    retry_after_us: Mapped[int | None] = mapped_column(BigInteger)
+    denial_reason: Mapped[str | None] = mapped_column(String(32))
+    input_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    expire_charge: Mapped[str | None] = mapped_column(String(8))
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    billed_nanos: Mapped[int | None] = mapped_column(BigInteger)
+    http_status: Mapped[int] = mapped_column(Integer, default=0)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    policy_json: Mapped[str | None] = mapped_column(Text)
+    trace_id: Mapped[str] = mapped_column(String(32), default="")
+    spent_after_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    held_after_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    charged_after_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    limit_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
+    window_us: Mapped[int] = mapped_column(BigInteger, default=0)
+    open_bookings_after: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (
+        Index("ix_events_lane_seq", "lane", "seq"),
+        Index("ix_events_lane_reservation_id", "lane", "reservation_id"),
+        # The permanent idempotency guarantee: one answer per reservation id,
+        # whichever replica takes the request.
+        Index(
+            "uq_events_lane_reservation_id_answer",
+            "lane",
+            "reservation_id",
+            unique=True,
+            sqlite_where=text("kind IN ('reserved', 'denied')"),
+            postgresql_where=text("kind IN ('reserved', 'denied')"),
+        ),
+    )
+
+
+class LaneRow(Base):
+    """Projection: each lane's current policy."""
+
+    __tablename__ = "lanes"
+
+    lane: Mapped[str] = mapped_column(String(200), primary_key=True)
+    limit_nanos: Mapped[int] = mapped_column(BigInteger)
+    window_us: Mapped[int] = mapped_column(BigInteger)
+    hold_ttl_us: Mapped[int] = mapped_column(BigInteger)
+    bytes_per_token_milli: Mapped[int] = mapped_column(Integer)
+    overhead_tokens: Mapped[int] = mapped_column(BigInteger)
+    expire_charge: Mapped[str] = mapped_column(String(8))
+    prices_json: Mapped[str] = mapped_column(Text)
+    version: Mapped[int] = mapped_column(BigInteger)
+    updated_at_us: Mapped[int] = mapped_column(BigInteger)
+
+
+class BookingRow(Base):
+    """Projection: each booking as its events left it."""
+
+    __tablename__ = "bookings"
+
+    lane: Mapped[str] = mapped_column(String(200), primary_key=True)
+    reservation_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    request_bytes: Mapped[int] = mapped_column(BigInteger)
+    max_output_tokens: Mapped[int] = mapped_column(BigInteger)
+    estimate_nanos: Mapped[int | None] = mapped_column(BigInteger)
+    requested_ttl_us: Mapped[int | None] = mapped_column(BigInteger)
+    cap_nanos: Mapped[int] = mapped_column(BigInteger)
+    hold_nanos: Mapped[int] = mapped_column(BigInteger)
+    reserved_at_us: Mapped[int] = mapped_column(BigInteger)
+    expires_at_us: Mapped[int] = mapped_column(BigInteger)
+    input_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger)
+    expire_charge: Mapped[str] = mapped_column(String(8))
+    state: Mapped[str] = mapped_column(String(16))
+    amount_nanos: Mapped[int] = mapped_column(BigInteger)
+    answer_seq: Mapped[int] = mapped_column(BigInteger)
+    ended_seq: Mapped[int] = mapped_column(BigInteger)
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    input_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    billed_nanos: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (
+        Index("ix_bookings_lane_reserved_at_us", "lane", "reserved_at_us"),
+        Index("ix_bookings_state_expires_at_us", "state", "expires_at_us"),
+    )
+
+
+events = EventRow.__table__
+lanes = LaneRow.__table__
+bookings = BookingRow.__table__

@@ -1,0 +1,257 @@
+"""The SQLAlchemy store: one implementation for SQLite and PostgreSQL.
+
+Per-lane admission is serialized by a lock on the lane's row: `SELECT ... FOR
+UPDATE` on PostgreSQL, and on SQLite the database's single write lock taken by
+BEGIN IMMEDIATE (plus a process-level lock so writers in one process queue
+instead of spinning on SQLITE_BUSY). Event seqs are handed out in commit order:
+on PostgreSQL an advisory transaction lock covers the append and the commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from ledger_service.application.ports import EventQuery, StoreTransaction
+from ledger_service.domain.bookings import Booking
+from ledger_service.domain.errors import LedgerError, StoreUnavailable
+from ledger_service.domain.events import Event
+from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.window import WindowTotals
+from ledger_service.storage import records
+from ledger_service.storage.schema import bookings, events, lanes
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# The key of the advisory lock that orders event appends on PostgreSQL.
+EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
+# SQLSTATEs worth a bounded retry: serialization failure, deadlock, lock timeout.
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
+
+
+def _sqlstate(error: DBAPIError) -> str:
+    return str(getattr(error.orig, "sqlstate", "") or getattr(error.orig, "pgcode", "") or "")
+
+
+class SqlStore:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_transaction_retries: int = 5,
+        request_deadline_seconds: float = 5.0,
+    ) -> None:
+        self._engine = engine
+        self._sqlite = engine.dialect.name == "sqlite"
+        self._max_retries = max_transaction_retries
+        self._deadline_seconds = request_deadline_seconds
+        self._sqlite_writer = threading.Lock()
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def run(self, work: Callable[[StoreTransaction], T], *, write: bool = True) -> T:
+        deadline = time.monotonic() + self._deadline_seconds
+        for attempt in range(self._max_retries + 1):
+            try:
+                return self._run_once(work, write, deadline)
+            except LedgerError:
+                raise
+            except (OperationalError, DBAPIError) as error:
+                retryable = _sqlstate(error) in RETRYABLE_SQLSTATES
+                if not retryable or attempt == self._max_retries:
+                    log.warning("database error (%s): %s", _sqlstate(error), type(error.orig))
+                    raise StoreUnavailable() from error
+                pause = min(0.05 * 2**attempt, 0.5) * random.random()
+                if time.monotonic() + pause > deadline:
+                    raise StoreUnavailable() from error
+                time.sleep(pause)
+            except PoolTimeoutError as error:
+                raise StoreUnavailable() from error
+        raise AssertionError("unreachable")
+
+    def _run_once(
+        self, work: Callable[[StoreTransaction], T], write: bool, deadline: float
+    ) -> T:
+        if self._sqlite and write:
+            if not self._sqlite_writer.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise StoreUnavailable()
+            try:
+                return self._transact(work, write)
+            finally:
+                self._sqlite_writer.release()
+        return self._transact(work, write)
+
+    def _transact(self, work: Callable[[StoreTransaction], T], write: bool) -> T:
+        with self._engine.connect() as connection:
+            connection = connection.execution_options(ledger_write=write)
+            with connection.begin():
+                return work(SqlTransaction(connection, self._sqlite))
+
+    def ping(self) -> None:
+        try:
+            with self._engine.connect() as connection:
+                connection.execute(select(literal(1))).scalar_one()
+        except (DBAPIError, PoolTimeoutError) as error:
+            raise StoreUnavailable() from error
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+
+class SqlTransaction:
+    def __init__(self, connection: Connection, is_sqlite: bool) -> None:
+        self._connection = connection
+        self._sqlite = is_sqlite
+        self._append_locked = False
+
+    # Lanes -----------------------------------------------------------------
+
+    def lock_lane(self, lane: str) -> LanePolicy | None:
+        statement = select(lanes).where(lanes.c.lane == lane)
+        if not self._sqlite:
+            statement = statement.with_for_update()
+        row = self._connection.execute(statement).mappings().first()
+        return records.lane_from_row(row) if row is not None else None
+
+    def get_lane(self, lane: str) -> LanePolicy | None:
+        row = self._connection.execute(select(lanes).where(lanes.c.lane == lane)).mappings().first()
+        return records.lane_from_row(row) if row is not None else None
+
+    def list_lanes(self, after_lane: str, limit: int) -> Sequence[LanePolicy]:
+        rows = self._connection.execute(
+            select(lanes).where(lanes.c.lane > after_lane).order_by(lanes.c.lane).limit(limit)
+        ).mappings()
+        return [records.lane_from_row(row) for row in rows]
+
+    def save_lane(self, policy: LanePolicy) -> None:
+        values = records.lane_values(policy)
+        self._upsert(lanes, values, ["lane"])
+
+    # Bookings --------------------------------------------------------------
+
+    def get_booking(self, lane: str, reservation_id: str) -> Booking | None:
+        row = (
+            self._connection.execute(
+                select(bookings).where(
+                    bookings.c.lane == lane, bookings.c.reservation_id == reservation_id
+                )
+            )
+            .mappings()
+            .first()
+        )
+        return records.booking_from_row(row) if row is not None else None
+
+    def save_booking(self, booking: Booking) -> None:
+        self._upsert(bookings, records.booking_values(booking), ["lane", "reservation_id"])
+
+    def _upsert(self, table: Any, values: dict[str, Any], keys: list[str]) -> None:
+        dialect_insert = sqlite.insert if self._sqlite else postgresql.insert
+        statement = dialect_insert(table).values(**values)
+        statement = statement.on_conflict_do_update(
+            index_elements=keys,
+            set_={name: statement.excluded[name] for name in values if name not in keys},
+        )
+        self._connection.execute(statement)
+
+    def _in_window(self, lane: str, now_us: int, window_us: int) -> Any:
+        return and_(
+            bookings.c.lane == lane,
+            bookings.c.reserved_at_us > now_us - window_us,
+            bookings.c.reserved_at_us <= now_us,
+            bookings.c.state != "rejected",
+        )
+
+    @staticmethod
+    def _amount_now(now_us: int) -> Any:
+        """A booking's amount at now_us: an open hold past its deadline counts
+        as its expire charge, whether or not the sweeper has run."""
+        expired_charge = case(
+            (bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=literal(0)
+        )
+        return case(
+            (
+                and_(bookings.c.state == "open", bookings.c.expires_at_us <= now_us),
+                expired_charge,
+            ),
+            else_=bookings.c.amount_nanos,
+        )
+
+    def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
+        is_held = and_(bookings.c.state == "open", bookings.c.expires_at_us > now_us)
+        held = func.coalesce(func.sum(case((is_held, bookings.c.amount_nanos), else_=0)), 0)
+        charged = func.coalesce(
+            func.sum(case((is_held, literal(0)), else_=self._amount_now(now_us))), 0
+        )
+        open_count = func.coalesce(func.sum(case((is_held, 1), else_=0)), 0)
+        row = self._connection.execute(
+            select(held, charged, open_count).where(self._in_window(lane, now_us, window_us))
+        ).one()
+        return WindowTotals(int(row[0]), int(row[1]), int(row[2]))
+
+    def aging(self, lane: str, now_us: int, window_us: int) -> Iterator[tuple[int, int]]:
+        result = self._connection.execute(
+            select(bookings.c.reserved_at_us, self._amount_now(now_us))
+            .where(self._in_window(lane, now_us, window_us))
+            .order_by(bookings.c.reserved_at_us)
+        )
+        for reserved_at_us, amount in result:
+            yield int(reserved_at_us), int(amount)
+
+    def expired_open_bookings(self, now_us: int, limit: int) -> Sequence[Booking]:
+        rows = self._connection.execute(
+            select(bookings)
+            .where(bookings.c.state == "open", bookings.c.expires_at_us <= now_us)
+            .order_by(bookings.c.expires_at_us)
+            .limit(limit)
+        ).mappings()
+        return [records.booking_from_row(row) for row in rows]
+
+    # Events ----------------------------------------------------------------
+
+    def append(self, event: Event) -> Event:
+        if not self._sqlite and not self._append_locked:
+            # Held to commit: seqs become visible in the order they were given.
+            self._connection.execute(
+                select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY)))
+            )
+            self._append_locked = True
+        seq = self._connection.execute(
+            insert(events).values(**records.event_values(event)).returning(events.c.seq)
+        ).scalar_one()
+        return records.event_from_row({**records.event_values(event), "seq": seq})
+
+    def get_event(self, seq: int) -> Event | None:
+        row = self._connection.execute(select(events).where(events.c.seq == seq)).mappings().first()
+        return records.event_from_row(row) if row is not None else None
+
+    def list_events(self, query: EventQuery) -> Sequence[Event]:
+        statement = select(events).where(events.c.seq > query.after_seq)
+        if query.lane:
+            statement = statement.where(events.c.lane == query.lane)
+        if query.reservation_id:
+            statement = statement.where(events.c.reservation_id == query.reservation_id)
+        if query.kinds:
+            statement = statement.where(events.c.kind.in_(query.kinds))
+        rows = self._connection.execute(
+            statement.order_by(events.c.seq).limit(query.limit)
+        ).mappings()
+        return [records.event_from_row(row) for row in rows]
+
+    def last_seq(self) -> int:
+        return int(self._connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one())
+
+    def execute_text(self, sql: str) -> None:
+        """For tests of the append-only guard only."""
+        self._connection.execute(text(sql))

@@ -1,0 +1,1 @@
+"""Alembic migrations: the one owner of the schema on SQLite and PostgreSQL."""
