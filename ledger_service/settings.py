@@ -64,8 +64,10 @@ class Settings:
             "listen": os.environ.get("LEDGER_LISTEN", DEFAULT_LISTEN),
         }
         values.update({key: value for key, value in overrides.items() if value is not None})
-        if "data_dir" in overrides and overrides["data_dir"] is not None and not (
-            os.environ.get("LEDGER_DATABASE_URL") or overrides.get("database_url")
+        if (
+            "data_dir" in overrides
+            and overrides["data_dir"] is not None
+            and not (os.environ.get("LEDGER_DATABASE_URL") or overrides.get("database_url"))
         ):
             values["database_url"] = default_database_url(pathlib.Path(str(overrides["data_dir"])))
         return cls(**values)  # type: ignore[arg-type]

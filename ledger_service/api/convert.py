@@ -58,16 +58,17 @@ def duration(length_us: int) -> duration_pb2.Duration:
 def micros_of_duration(field: str, value: duration_pb2.Duration) -> int:
     if not -MAX_DURATION_SECONDS <= value.seconds <= MAX_DURATION_SECONDS:
         raise InvalidArgument(field, "is out of range")
-    if not -999_999_999 <= value.nanos <= 999_999_999 or (
-        value.seconds * value.nanos < 0
-    ):
+    if not -999_999_999 <= value.nanos <= 999_999_999 or (value.seconds * value.nanos < 0):
         raise InvalidArgument(field, "is not a valid duration")
     return value.seconds * 1_000_000 + value.nanos // 1000
 
 
 def micros_of_timestamp(field: str, value: timestamp_pb2.Timestamp) -> int:
     # google.protobuf.Timestamp's valid range: 0001-01-01 to 9999-12-31.
-    if not -62_135_596_800 <= value.seconds <= 253_402_300_799 or not 0 <= value.nanos <= 999_999_999:
+    if (
+        not -62_135_596_800 <= value.seconds <= 253_402_300_799
+        or not 0 <= value.nanos <= 999_999_999
+    ):
         raise InvalidArgument(field, "is not a valid timestamp")
     return value.seconds * 1_000_000 + value.nanos // 1000
 

@@ -62,14 +62,14 @@ def _is_abort(error: BaseException, context: grpc.ServicerContext) -> bool:
     return code is not None and code is not grpc.StatusCode.OK and type(error) is Exception
 
 
-class ErrorInterceptor(grpc.ServerInterceptor):
+class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """Applies the error table to every unary and streaming handler."""
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None

@@ -62,7 +62,9 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             max(1, min(settings.max_watchers, settings.max_workers // 2))
         )
 
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+    def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse:
         result = self._ledger.reserve(convert.reserve_command(request), trace_id_of(context))
         return convert.reserve_response(result.event, result.balance)
 
@@ -78,11 +80,15 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         result = self._ledger.refund(convert.refund_command(request), trace_id_of(context))
         return pb.RefundResponse(balance=convert.balance(result.balance))
 
-    def GetBalance(self, request: pb.GetBalanceRequest, context: grpc.ServicerContext) -> pb.Balance:
+    def GetBalance(
+        self, request: pb.GetBalanceRequest, context: grpc.ServicerContext
+    ) -> pb.Balance:
         validate_name("lane", request.lane)
         return convert.balance(self._ledger.balance(request.lane))
 
-    def GetBooking(self, request: pb.GetBookingRequest, context: grpc.ServicerContext) -> pb.Booking:
+    def GetBooking(
+        self, request: pb.GetBookingRequest, context: grpc.ServicerContext
+    ) -> pb.Booking:
         validate_name("lane", request.lane)
         if not request.reservation_id or len(request.reservation_id) > self._settings.max_id_length:
             raise InvalidArgument("reservation_id", "is required and at most 200 characters")

@@ -9,6 +9,7 @@ event and updates the projection with the same fold a replay uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -188,9 +189,7 @@ class Ledger:
             policy, booking, totals, now_us = self._open_booking(tx, command, trace_id)
             verdict = moves.decide_refund(booking, command, now_us)
             if verdict.event is not None:
-                stored, _, _ = _record(
-                    tx, policy, booking, verdict.event, totals, now_us, trace_id
-                )
+                stored, _, _ = _record(tx, policy, booking, verdict.event, totals, now_us, trace_id)
                 return RefundResult(balance_after(stored))
             return RefundResult(balance_after(_event(tx, verdict.repeat_seq)))
 
@@ -222,12 +221,10 @@ class Ledger:
         wanted = {(booking.lane, booking.reservation_id) for booking in due}
         expired = 0
         for lane in lanes:
-            expired += self._write(lambda tx, lane=lane: self._expire_lane(tx, lane, wanted))
+            expired += self._write(functools.partial(self._expire_lane, lane=lane, wanted=wanted))
         return expired
 
-    def _expire_lane(
-        self, tx: StoreTransaction, lane: str, wanted: set[tuple[str, str]]
-    ) -> int:
+    def _expire_lane(self, tx: StoreTransaction, lane: str, wanted: set[tuple[str, str]]) -> int:
         policy = tx.lock_lane(lane)
         if policy is None:
             return 0
@@ -276,6 +273,9 @@ class Ledger:
         query = dataclasses.replace(query, limit=max(1, min(query.limit, self._max_page_size)))
         if query.lane:
             self.get_lane(query.lane)
+        return self._events(query)
+
+    def _events(self, query: EventQuery) -> Sequence[Event]:
         return self._store.run(lambda tx: tx.list_events(query), write=False)
 
     def last_seq(self) -> int:
@@ -295,10 +295,7 @@ class Ledger:
         cursor = query.after_seq
         while keep_going():
             generation = self.signal.generation()
-            page = self._store.run(
-                lambda tx: tx.list_events(dataclasses.replace(query, after_seq=cursor)),
-                write=False,
-            )
+            page = self._events(dataclasses.replace(query, after_seq=cursor))
             for event in page:
                 cursor = event.seq
                 yield event

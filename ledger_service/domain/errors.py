@@ -74,9 +74,7 @@ class BookingWasDenied(LedgerError):
     reason = "BOOKING_WAS_DENIED"
 
     def __init__(self, reservation_id: str) -> None:
-        super().__init__(
-            f"reservation {reservation_id!r} was denied; nothing was booked to end"
-        )
+        super().__init__(f"reservation {reservation_id!r} was denied; nothing was booked to end")
 
 
 class TooManyWatchers(LedgerError):

@@ -289,8 +289,7 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
         return Verdict(repeat_seq=booking.ended_seq)
     if state is BookingState.SETTLED:
         raise BookingAlreadyEnded(
-            f"booking {booking.reservation_id!r} was settled with real usage; "
-            "it cannot be refunded"
+            f"booking {booking.reservation_id!r} was settled with real usage; it cannot be refunded"
         )
     event = _ending_event(booking, EventKind.REFUNDED, 0, now_us)
     return Verdict(

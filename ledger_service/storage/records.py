@@ -55,7 +55,7 @@ def event_values(event: Event) -> dict[str, Any]:
     }
 
 
-def event_from_row(row: Mapping[str, Any]) -> Event:
+def event_from_row(row: Mapping[Any, Any]) -> Event:
     return Event(
         seq=row["seq"],
         kind=EventKind(row["kind"]),
@@ -115,7 +115,7 @@ def lane_values(policy: LanePolicy) -> dict[str, Any]:
     }
 
 
-def lane_from_row(row: Mapping[str, Any]) -> LanePolicy:
+def lane_from_row(row: Mapping[Any, Any]) -> LanePolicy:
     prices = json.loads(row["prices_json"])
     return LanePolicy(
         lane=row["lane"],
@@ -158,7 +158,7 @@ def booking_values(booking: Booking) -> dict[str, Any]:
     }
 
 
-def booking_from_row(row: Mapping[str, Any]) -> Booking:
+def booking_from_row(row: Mapping[Any, Any]) -> Booking:
     return Booking(
         lane=row["lane"],
         reservation_id=row["reservation_id"],

@@ -6,7 +6,9 @@ nanos, stored as BIGINT on both databases so that arithmetic stays exact.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Index, Integer, MetaData, String, Text, text
+from typing import cast
+
+from sqlalchemy import BigInteger, Index, Integer, MetaData, String, Table, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -133,6 +135,6 @@ class BookingRow(Base):
     )
 
 
-events = EventRow.__table__
-lanes = LaneRow.__table__
-bookings = BookingRow.__table__
+events = cast(Table, EventRow.__table__)
+lanes = cast(Table, LaneRow.__table__)
+bookings = cast(Table, BookingRow.__table__)

@@ -81,9 +81,7 @@ class SqlStore:
                 raise StoreUnavailable() from error
         raise AssertionError("unreachable")
 
-    def _run_once(
-        self, work: Callable[[StoreTransaction], T], write: bool, deadline: float
-    ) -> T:
+    def _run_once(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
         if self._sqlite and write:
             if not self._sqlite_writer.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise StoreUnavailable()
@@ -250,7 +248,9 @@ class SqlTransaction:
         return [records.event_from_row(row) for row in rows]
 
     def last_seq(self) -> int:
-        return int(self._connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one())
+        return int(
+            self._connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
+        )
 
     def execute_text(self, sql: str) -> None:
         """For tests of the append-only guard only."""
