@@ -6,11 +6,17 @@ TigerBeetle's rule: put a limit on everything. Each field names its unit last.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import pathlib
 
 DEFAULT_DATA_DIR = pathlib.Path("data")
 DEFAULT_LISTEN = "127.0.0.1:50051"
+TLS_ENVIRONMENT = {
+    "tls_cert_path": "LEDGER_TLS_CERT",
+    "tls_key_path": "LEDGER_TLS_KEY",
+    "tls_client_ca_path": "LEDGER_TLS_CLIENT_CA",
+}
 
 
 def default_database_url(data_dir: pathlib.Path) -> str:
@@ -24,6 +30,13 @@ class Settings:
     listen: str = DEFAULT_LISTEN
     # Serves the TestClock service and lets clients move time. Tests only.
     test_clock: bool = False
+    # Grants (docs/security.md). Off only with --insecure-no-auth, on loopback.
+    auth_enabled: bool = True
+    admin_grant_lifetime_seconds: int = 365 * 86_400
+    # TLS: a certificate and key serve TLS; a client CA as well demands mTLS.
+    tls_cert_path: pathlib.Path | None = None
+    tls_key_path: pathlib.Path | None = None
+    tls_client_ca_path: pathlib.Path | None = None
     # gRPC server.
     max_workers: int = 16
     max_concurrent_rpcs: int = 256
@@ -63,6 +76,9 @@ class Settings:
             "database_url": os.environ.get("LEDGER_DATABASE_URL") or default_database_url(data_dir),
             "listen": os.environ.get("LEDGER_LISTEN", DEFAULT_LISTEN),
         }
+        for name, variable in TLS_ENVIRONMENT.items():
+            if os.environ.get(variable):
+                values[name] = pathlib.Path(os.environ[variable])
         values.update({key: value for key, value in overrides.items() if value is not None})
         if (
             "data_dir" in overrides
@@ -71,3 +87,15 @@ class Settings:
         ):
             values["database_url"] = default_database_url(pathlib.Path(str(overrides["data_dir"])))
         return cls(**values)  # type: ignore[arg-type]
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether HOST:PORT listens on loopback only (127.0.0.0/8, ::1, localhost)."""
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    host = host.removeprefix("[").removesuffix("]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
