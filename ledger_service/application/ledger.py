@@ -129,7 +129,8 @@ class Ledger:
         return policy
 
     def list_lanes(self, after_lane: str, limit: int) -> Sequence[LanePolicy]:
-        limit = max(1, min(limit, self._max_page_size))
+        # One more than a page, so a caller can tell whether another page follows.
+        limit = max(1, min(limit, self._max_page_size + 1))
         return self._store.run(lambda tx: tx.list_lanes(after_lane, limit), write=False)
 
     # Moves -----------------------------------------------------------------
@@ -270,7 +271,7 @@ class Ledger:
         return self._store.run(work, write=False)
 
     def list_events(self, query: EventQuery) -> Sequence[Event]:
-        query = dataclasses.replace(query, limit=max(1, min(query.limit, self._max_page_size)))
+        query = dataclasses.replace(query, limit=max(1, min(query.limit, self._max_page_size + 1)))
         if query.lane:
             self.get_lane(query.lane)
         return self._events(query)

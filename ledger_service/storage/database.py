@@ -85,6 +85,10 @@ def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
 
 def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
     timeout = int(limits.statement_timeout_ms)
+    # Server options in the URL (?options=-csearch_path%3Dx) are kept, ours appended.
+    given = url.query.get("options", "")
+    given_options = given if isinstance(given, str) else " ".join(given)
+    url = url.difference_update_query(["options"])
     return create_engine(
         url,
         pool_size=limits.pool_size,
@@ -94,8 +98,8 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
         hide_parameters=True,
         connect_args={
             "connect_timeout": max(1, timeout // 1000),
-            "options": f"-c statement_timeout={timeout} -c lock_timeout={timeout}"
-            f" -c idle_in_transaction_session_timeout={timeout * 4}",
+            "options": f"{given_options} -c statement_timeout={timeout}"
+            f" -c lock_timeout={timeout} -c idle_in_transaction_session_timeout={timeout * 4}",
             "application_name": "ledger",
         },
     )
