@@ -11,19 +11,22 @@ import signal
 import threading
 from concurrent import futures
 from types import FrameType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ledger_service.api.auth import AuthInterceptor
 from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import Clock, ManualClock, SystemClock
 from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.grants import Keyring, Scope
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
-from ledger_service.settings import Settings
-from ledger_service.storage import database, migrate
+from ledger_service.settings import Settings, is_loopback
+from ledger_service.storage import database, keyring, migrate
 from ledger_service.storage.sql import SqlStore
 
 log = logging.getLogger("ledger.server")
@@ -56,6 +59,9 @@ class LedgerServer:
         self, settings: Settings, *, clock: Clock | None = None, run_migrations: bool = True
     ) -> None:
         self.settings = settings
+        if not settings.auth_enabled and not is_loopback(settings.listen):
+            raise ValueError("--insecure-no-auth is refused unless the server listens on loopback")
+        self.server_credentials = server_credentials(settings)
         if clock is None:
             clock = ManualClock() if settings.test_clock else SystemClock()
         self.clock = clock
@@ -66,6 +72,9 @@ class LedgerServer:
         self.health = health.HealthServicer()
         self._stopping = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
+        self.keyring = keyring.load_or_create(settings.data_dir)
+        # For the local CLI and in-process tests: an admin grant, issued afresh every start.
+        self.admin_grant = issue_admin_grant(settings, self.keyring)
         self._server = self._build_grpc_server()
         self.port = 0
 
@@ -73,7 +82,7 @@ class LedgerServer:
         settings = self.settings
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
-            interceptors=[ErrorInterceptor()],
+            interceptors=[ErrorInterceptor(), *self._auth_interceptors()],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -97,9 +106,19 @@ class LedgerServer:
         self._service_names = names
         return server
 
+    def _auth_interceptors(self) -> list[grpc.ServerInterceptor[Any, Any]]:
+        # Grant expiry follows the real clock even when the ledger runs on a test clock.
+        return [AuthInterceptor(self.keyring, SystemClock())] if self.settings.auth_enabled else []
+
     def start(self) -> int:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._server.add_insecure_port(self.settings.listen)
+        if not self.settings.auth_enabled:
+            log.warning("AUTH IS OFF (--insecure-no-auth): anyone who reaches %s can spend "
+                        "every lane's budget", self.settings.listen)  # fmt: skip
+        if self.server_credentials is None:
+            self.port = self._server.add_insecure_port(self.settings.listen)
+        else:
+            self.port = self._server.add_secure_port(self.settings.listen, self.server_credentials)
         if self.port == 0:
             raise RuntimeError(f"could not listen on {self.settings.listen}")
         self._server.start()
@@ -107,9 +126,10 @@ class LedgerServer:
         self._maintenance.start()
         host = self.settings.listen.rsplit(":", 1)[0]
         log.info(
-            "listening on %s:%d (database %s%s)",
+            "listening on %s:%d (%s, database %s%s)",
             host,
             self.port,
+            _transport(self.settings),
             database.redacted(self.settings.database_url),
             ", TEST CLOCK" if self.settings.test_clock else "",
         )
@@ -162,6 +182,45 @@ class LedgerServer:
 
     def wait(self) -> None:
         self._server.wait_for_termination()
+
+
+def issue_admin_grant(settings: Settings, grant_keys: Keyring) -> str:
+    """Issues an admin grant and writes it to <data-dir>/admin.grant (mode 0600)."""
+    now_us = SystemClock().now_us()
+    grant = grant_keys.issue(
+        ["*"],
+        [Scope.ADMIN],
+        issued_at_us=now_us,
+        expires_at_us=now_us + settings.admin_grant_lifetime_seconds * 1_000_000,
+    )
+    keyring.write_admin_grant(settings.data_dir, grant)
+    return grant
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials when a certificate is configured; with a client CA, mTLS."""
+    cert, key, client_ca = (
+        settings.tls_cert_path,
+        settings.tls_key_path,
+        settings.tls_client_ca_path,
+    )
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if cert is None or key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())],
+        root_certificates=None if client_ca is None else client_ca.read_bytes(),
+        require_client_auth=client_ca is not None,
+    )
+
+
+def _transport(settings: Settings) -> str:
+    if settings.tls_client_ca_path is not None:
+        return "mutual TLS"
+    return "TLS" if settings.tls_cert_path is not None else "plaintext"
 
 
 def serve_existing(settings: Settings) -> int:

@@ -21,6 +21,8 @@ REASON_KEY = "ledger-reason"
 FIELD_KEY = "ledger-field"
 ERROR_ID_KEY = "ledger-error-id"
 INTERNAL_MESSAGE = "internal error"
+UNDECODABLE_REASON = "UNDECODABLE_REQUEST"
+UNDECODABLE_MESSAGE = "the request is not a valid message for this method"
 
 # Most specific first: the first matching class wins.
 ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
@@ -63,32 +65,95 @@ def _is_abort(error: BaseException, context: grpc.ServicerContext) -> bool:
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Applies the error table to every unary and streaming handler."""
+    """Applies the error table to every handler, unary and streaming alike.
+
+    It also decodes the request itself, so that bytes that are not the method's
+    message get INVALID_ARGUMENT with a constant text, and it catches what the
+    interceptors inside it raise while choosing a handler (grpcio would answer
+    UNKNOWN). It must be the first (outermost) interceptor.
+    """
 
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(handler_call_details)
+        try:
+            handler = continuation(handler_call_details)
+        except Exception as error:
+            return grpc.unary_unary_rpc_method_handler(_failing(error))
         if handler is None:
             return None
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _guard_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _guard_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        decode = handler.request_deserializer
+        return replace_behaviour(
+            handler,
+            unary=lambda behaviour: _guard_unary(_decoding(behaviour, decode)),
+            stream=lambda behaviour: _guard_stream(_decoding(behaviour, decode)),
+            request_deserializer=None,
+        )
 
 
-def _guard_unary(behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+Behaviour = Callable[[Any, grpc.ServicerContext], Any]
+
+
+def replace_behaviour(
+    handler: grpc.RpcMethodHandler[Any, Any],
+    *,
+    unary: Callable[[Behaviour], Behaviour],
+    stream: Callable[[Behaviour], Behaviour],
+    request_deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """The same handler with its behaviour wrapped: `unary` for handlers that
+    answer with one message, `stream` for those that answer with a stream."""
+    serializer = handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            unary(handler.unary_unary), request_deserializer, serializer
+        )
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            stream(handler.unary_stream), request_deserializer, serializer
+        )
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(
+            unary(handler.stream_unary), request_deserializer, serializer
+        )
+    assert handler.stream_stream is not None, "a handler has one of four behaviours"
+    return grpc.stream_stream_rpc_method_handler(
+        stream(handler.stream_stream), request_deserializer, serializer
+    )
+
+
+def _decoding(behaviour: Behaviour, decode: Callable[[bytes], Any] | None) -> Behaviour:
+    """Decodes the request (or each message of a request stream) before `behaviour`."""
+    if decode is None:
+        return behaviour
+
+    def decoded(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, bytes):
+            return behaviour(_decode(request, decode, context), context)
+        return behaviour((_decode(item, decode, context) for item in request), context)
+
+    return decoded
+
+
+def _decode(raw: bytes, decode: Callable[[bytes], Any], context: grpc.ServicerContext) -> Any:
+    try:
+        return decode(raw)
+    except Exception:
+        context.set_trailing_metadata(((REASON_KEY, UNDECODABLE_REASON),))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
+        raise  # unreachable: abort raises
+
+
+def _failing(error: Exception) -> Behaviour:
+    def fail(request: Any, context: grpc.ServicerContext) -> Any:
+        _abort(context, error)
+
+    return fail
+
+
+def _guard_unary(behaviour: Behaviour) -> Behaviour:
     def guarded(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return behaviour(request, context)
@@ -101,9 +166,7 @@ def _guard_unary(behaviour: Callable[[Any, grpc.ServicerContext], Any]) -> Calla
     return guarded
 
 
-def _guard_stream(
-    behaviour: Callable[[Any, grpc.ServicerContext], Iterator[Any]],
-) -> Callable[..., Iterator[Any]]:
+def _guard_stream(behaviour: Behaviour) -> Callable[..., Iterator[Any]]:
     def guarded(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
             yield from behaviour(request, context)

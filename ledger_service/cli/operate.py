@@ -25,6 +25,31 @@ def register(commands: Any) -> None:
     serve.add_argument("--max-workers", type=int, help="gRPC worker threads (default 16)")
     serve.add_argument("--no-migrate", action="store_true",
                        help="do not upgrade the schema at start-up")  # fmt: skip
+    serve.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="accept calls without a grant (only on a loopback listen address; "
+        "logged as a warning at every start)",
+    )
+    serve.add_argument(
+        "--tls-cert",
+        type=pathlib.Path,
+        dest="tls_cert_path",
+        help="PEM certificate chain: serve TLS (default LEDGER_TLS_CERT)",
+    )
+    serve.add_argument(
+        "--tls-key",
+        type=pathlib.Path,
+        dest="tls_key_path",
+        help="PEM private key of --tls-cert (default LEDGER_TLS_KEY)",
+    )
+    serve.add_argument(
+        "--tls-client-ca",
+        type=pathlib.Path,
+        dest="tls_client_ca_path",
+        help="PEM CA certificates: demand client certificates they signed, i.e. mutual TLS "
+        "(default LEDGER_TLS_CLIENT_CA)",
+    )
     serve.set_defaults(run=_serve)
 
     migrate = commands.add_parser("migrate", help="create or upgrade the database schema")
@@ -41,12 +66,16 @@ def _database_options(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(arguments: argparse.Namespace) -> Settings:
     overrides: dict[str, object] = {}
-    for name in ("database_url", "data_dir", "listen", "sweep_interval_seconds", "max_workers"):
+    names = ("database_url", "data_dir", "listen", "sweep_interval_seconds", "max_workers",
+             "tls_cert_path", "tls_key_path", "tls_client_ca_path")  # fmt: skip
+    for name in names:
         value = getattr(arguments, name, None)
         if value is not None:
             overrides[name] = value
     if getattr(arguments, "test_clock", False):
         overrides["test_clock"] = True
+    if getattr(arguments, "insecure_no_auth", False):
+        overrides["auth_enabled"] = False
     return Settings.from_environment(**overrides)
 
 
@@ -54,9 +83,14 @@ def _serve(arguments: argparse.Namespace) -> int:
     from ledger_service import server
 
     settings = settings_from(arguments)
-    if arguments.no_migrate:
-        return server.serve_existing(settings)
-    return server.serve(settings)
+    try:
+        if arguments.no_migrate:
+            return server.serve_existing(settings)
+        return server.serve(settings)
+    except ValueError as error:
+        # A refused configuration (say --insecure-no-auth on 0.0.0.0): one line, no traceback.
+        print(f"ledger serve: {error}", file=sys.stderr)
+        return 2
 
 
 def _migrate(arguments: argparse.Namespace) -> int:
