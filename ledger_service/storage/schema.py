@@ -67,6 +67,11 @@ class EventRow(Base):
     limit_nanos: Mapped[int] = mapped_column(BigInteger, default=0)
     window_us: Mapped[int] = mapped_column(BigInteger, default=0)
     open_bookings_after: Mapped[int] = mapped_column(BigInteger, default=0)
+    # For denied: the budget (this lane or an ancestor) that said no.
+    denied_by: Mapped[str] = mapped_column(String(200), default="", server_default="")
+    # Tamper evidence: SHA-256 (hex) chaining each event to its lane's previous one.
+    hash: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    previous_hash: Mapped[str] = mapped_column(String(64), default="", server_default="")
 
     __table_args__ = (
         Index("ix_events_lane_seq", "lane", "seq"),
@@ -99,6 +104,8 @@ class LaneRow(Base):
     prices_json: Mapped[str] = mapped_column(Text)
     version: Mapped[int] = mapped_column(BigInteger)
     updated_at_us: Mapped[int] = mapped_column(BigInteger)
+    # The parent budget's lane, if any.
+    parent: Mapped[str | None] = mapped_column(String(200))
 
 
 class BookingRow(Base):

@@ -73,6 +73,16 @@ class LedgerStub:
                 request_serializer=ledger_dot_v1_dot_ledger__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=ledger_dot_v1_dot_ledger__pb2.Event.FromString,
                 _registered_method=True)
+        self.GetAudit = channel.unary_unary(
+                '/ledger.v1.Ledger/GetAudit',
+                request_serializer=ledger_dot_v1_dot_ledger__pb2.GetAuditRequest.SerializeToString,
+                response_deserializer=ledger_dot_v1_dot_ledger__pb2.Audit.FromString,
+                _registered_method=True)
+        self.Reconcile = channel.unary_unary(
+                '/ledger.v1.Ledger/Reconcile',
+                request_serializer=ledger_dot_v1_dot_ledger__pb2.ReconcileRequest.SerializeToString,
+                response_deserializer=ledger_dot_v1_dot_ledger__pb2.ReconcileResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -125,6 +135,20 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAudit(self, request, context):
+        """How a lane's window splits into real charges, estimates, holds and refusals.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reconcile(self, request, context):
+        """Corrects UNKNOWN and expired charges from the provider's usage export.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +186,16 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=ledger_dot_v1_dot_ledger__pb2.WatchEventsRequest.FromString,
                     response_serializer=ledger_dot_v1_dot_ledger__pb2.Event.SerializeToString,
+            ),
+            'GetAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAudit,
+                    request_deserializer=ledger_dot_v1_dot_ledger__pb2.GetAuditRequest.FromString,
+                    response_serializer=ledger_dot_v1_dot_ledger__pb2.Audit.SerializeToString,
+            ),
+            'Reconcile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconcile,
+                    request_deserializer=ledger_dot_v1_dot_ledger__pb2.ReconcileRequest.FromString,
+                    response_serializer=ledger_dot_v1_dot_ledger__pb2.ReconcileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +387,60 @@ class Ledger:
             '/ledger.v1.Ledger/WatchEvents',
             ledger_dot_v1_dot_ledger__pb2.WatchEventsRequest.SerializeToString,
             ledger_dot_v1_dot_ledger__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ledger.v1.Ledger/GetAudit',
+            ledger_dot_v1_dot_ledger__pb2.GetAuditRequest.SerializeToString,
+            ledger_dot_v1_dot_ledger__pb2.Audit.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reconcile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ledger.v1.Ledger/Reconcile',
+            ledger_dot_v1_dot_ledger__pb2.ReconcileRequest.SerializeToString,
+            ledger_dot_v1_dot_ledger__pb2.ReconcileResponse.FromString,
             options,
             channel_credentials,
             insecure,

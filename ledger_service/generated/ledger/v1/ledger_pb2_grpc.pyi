@@ -57,6 +57,10 @@ class LedgerStub:
     """Pages through the event log in commit order."""
     WatchEvents: _grpc.UnaryStreamMultiCallable[_ledger_pb2.WatchEventsRequest, _ledger_pb2.Event]
     """Streams the events after a position, then every new event as it is committed."""
+    GetAudit: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.GetAuditRequest, _ledger_pb2.Audit]
+    """How a lane's window splits into real charges, estimates, holds and refusals."""
+    Reconcile: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ReconcileRequest, _ledger_pb2.ReconcileResponse]
+    """Corrects UNKNOWN and expired charges from the provider's usage export."""
 
 @_typing.type_check_only
 class LedgerAsyncStub(LedgerStub):
@@ -73,6 +77,10 @@ class LedgerAsyncStub(LedgerStub):
     """Pages through the event log in commit order."""
     WatchEvents: _aio.UnaryStreamMultiCallable[_ledger_pb2.WatchEventsRequest, _ledger_pb2.Event]  # type: ignore[assignment]
     """Streams the events after a position, then every new event as it is committed."""
+    GetAudit: _aio.UnaryUnaryMultiCallable[_ledger_pb2.GetAuditRequest, _ledger_pb2.Audit]  # type: ignore[assignment]
+    """How a lane's window splits into real charges, estimates, holds and refusals."""
+    Reconcile: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ReconcileRequest, _ledger_pb2.ReconcileResponse]  # type: ignore[assignment]
+    """Corrects UNKNOWN and expired charges from the provider's usage export."""
 
 class LedgerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -128,6 +136,22 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ledger_pb2.Event], _abc.AsyncIterator[_ledger_pb2.Event]]:
         """Streams the events after a position, then every new event as it is committed."""
+
+    @_abc_1.abstractmethod
+    def GetAudit(
+        self,
+        request: _ledger_pb2.GetAuditRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.Audit, _abc.Awaitable[_ledger_pb2.Audit]]:
+        """How a lane's window splits into real charges, estimates, holds and refusals."""
+
+    @_abc_1.abstractmethod
+    def Reconcile(
+        self,
+        request: _ledger_pb2.ReconcileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.ReconcileResponse, _abc.Awaitable[_ledger_pb2.ReconcileResponse]]:
+        """Corrects UNKNOWN and expired charges from the provider's usage export."""
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

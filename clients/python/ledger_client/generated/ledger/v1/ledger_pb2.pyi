@@ -133,6 +133,8 @@ class _BookingStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BookingS
     """not ended by its deadline: charged per expire_charge"""
     REJECTED: _BookingState.ValueType  # 6
     """the Reserve was denied: nothing booked"""
+    RECONCILED: _BookingState.ValueType  # 7
+    """an estimate corrected by the provider's bill (Reconcile)"""
 
 class BookingState(_BookingState, metaclass=_BookingStateEnumTypeWrapper):
     """The state of one booking."""
@@ -150,6 +152,8 @@ EXPIRED: BookingState.ValueType  # 5
 """not ended by its deadline: charged per expire_charge"""
 REJECTED: BookingState.ValueType  # 6
 """the Reserve was denied: nothing booked"""
+RECONCILED: BookingState.ValueType  # 7
+"""an estimate corrected by the provider's bill (Reconcile)"""
 Global___BookingState: _TypeAlias = BookingState  # noqa: Y015
 
 @_typing.final
@@ -211,6 +215,7 @@ class Lane(_message.Message):
     EXPIRE_CHARGE_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     lane: _builtins.str
     limit_nanos: _builtins.int
     """Most that may be booked inside one window. Required, > 0."""
@@ -223,6 +228,10 @@ class Lane(_message.Message):
     expire_charge: Global___ExpireCharge.ValueType
     version: _builtins.int
     """Output only: bumped on every change; the seq of the lane_configured event."""
+    parent: _builtins.str
+    """Optional parent budget: another lane. A Reserve is admitted only when it
+    fits this lane and every ancestor (at most 4 levels, no cycles).
+    """
     @_builtins.property
     def window(self) -> _duration_pb2.Duration:
         """Length of the true rolling window; default 86400 s."""
@@ -250,10 +259,11 @@ class Lane(_message.Message):
         expire_charge: Global___ExpireCharge.ValueType = ...,
         version: _builtins.int = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token", "_overhead_tokens", b"_overhead_tokens", "bytes_per_token", b"bytes_per_token", "hold_ttl", b"hold_ttl", "overhead_tokens", b"overhead_tokens", "updated_at", b"updated_at", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token", "_overhead_tokens", b"_overhead_tokens", "bytes_per_token", b"bytes_per_token", "expire_charge", b"expire_charge", "hold_ttl", b"hold_ttl", "lane", b"lane", "limit_nanos", b"limit_nanos", "overhead_tokens", b"overhead_tokens", "prices", b"prices", "updated_at", b"updated_at", "version", b"version", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token", "_overhead_tokens", b"_overhead_tokens", "bytes_per_token", b"bytes_per_token", "expire_charge", b"expire_charge", "hold_ttl", b"hold_ttl", "lane", b"lane", "limit_nanos", b"limit_nanos", "overhead_tokens", b"overhead_tokens", "parent", b"parent", "prices", b"prices", "updated_at", b"updated_at", "version", b"version", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bytes_per_token: _TypeAlias = _typing.Literal["bytes_per_token"]  # noqa: Y015
     _WhichOneofArgType__bytes_per_token: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token"]  # noqa: Y015
@@ -375,12 +385,15 @@ class ReserveResponse(_message.Message):
     DENIAL_REASON_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     RESERVED_AT_FIELD_NUMBER: _builtins.int
+    DENIED_BY_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     hold_nanos: _builtins.int
     cap_nanos: _builtins.int
     denial_reason: Global___DenialReason.ValueType
     reason: _builtins.str
     """A human sentence for denials."""
+    denied_by: _builtins.str
+    """When denied: the budget that said no (this lane or one of its ancestors)."""
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -405,10 +418,11 @@ class ReserveResponse(_message.Message):
         denial_reason: Global___DenialReason.ValueType = ...,
         reason: _builtins.str = ...,
         reserved_at: _timestamp_pb2.Timestamp | None = ...,
+        denied_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "expires_at", b"expires_at", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "cap_nanos", b"cap_nanos", "decision", b"decision", "denial_reason", b"denial_reason", "expires_at", b"expires_at", "hold_nanos", b"hold_nanos", "reason", b"reason", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "cap_nanos", b"cap_nanos", "decision", b"decision", "denial_reason", b"denial_reason", "denied_by", b"denied_by", "expires_at", b"expires_at", "hold_nanos", b"hold_nanos", "reason", b"reason", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -666,6 +680,9 @@ class Event(_message.Message):
     SPENT_AFTER_NANOS_FIELD_NUMBER: _builtins.int
     LIMIT_NANOS_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
+    DENIED_BY_FIELD_NUMBER: _builtins.int
+    HASH_FIELD_NUMBER: _builtins.int
+    PREVIOUS_HASH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     lane: _builtins.str
     kind: _builtins.str
@@ -691,6 +708,11 @@ class Event(_message.Message):
     spent_after_nanos: _builtins.int
     """The lane's spent and limit right after this event."""
     limit_nanos: _builtins.int
+    denied_by: _builtins.str
+    """For denied: the budget that said no (this lane or an ancestor)."""
+    hash: _builtins.str
+    """Tamper evidence: hex SHA-256 chaining this event to the lane's previous one."""
+    previous_hash: _builtins.str
     @_builtins.property
     def occurred_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -735,10 +757,13 @@ class Event(_message.Message):
         spent_after_nanos: _builtins.int = ...,
         limit_nanos: _builtins.int = ...,
         policy: Global___Lane | None = ...,
+        denied_by: _builtins.str = ...,
+        hash: _builtins.str = ...,
+        previous_hash: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "_estimate_nanos", b"_estimate_nanos", "billed_nanos", b"billed_nanos", "estimate_nanos", b"estimate_nanos", "expires_at", b"expires_at", "occurred_at", b"occurred_at", "policy", b"policy", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "_estimate_nanos", b"_estimate_nanos", "amount_nanos", b"amount_nanos", "billed_nanos", b"billed_nanos", "cap_nanos", b"cap_nanos", "denial_reason", b"denial_reason", "estimate_nanos", b"estimate_nanos", "expires_at", b"expires_at", "hold_nanos", b"hold_nanos", "http_status", b"http_status", "input_tokens", b"input_tokens", "kind", b"kind", "lane", b"lane", "limit_nanos", b"limit_nanos", "max_output_tokens", b"max_output_tokens", "model", b"model", "occurred_at", b"occurred_at", "outcome", b"outcome", "output_tokens", b"output_tokens", "policy", b"policy", "previous_amount_nanos", b"previous_amount_nanos", "reason", b"reason", "request_bytes", b"request_bytes", "reservation_id", b"reservation_id", "reserved_at", b"reserved_at", "retry_after", b"retry_after", "seq", b"seq", "spent_after_nanos", b"spent_after_nanos", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "_estimate_nanos", b"_estimate_nanos", "amount_nanos", b"amount_nanos", "billed_nanos", b"billed_nanos", "cap_nanos", b"cap_nanos", "denial_reason", b"denial_reason", "denied_by", b"denied_by", "estimate_nanos", b"estimate_nanos", "expires_at", b"expires_at", "hash", b"hash", "hold_nanos", b"hold_nanos", "http_status", b"http_status", "input_tokens", b"input_tokens", "kind", b"kind", "lane", b"lane", "limit_nanos", b"limit_nanos", "max_output_tokens", b"max_output_tokens", "model", b"model", "occurred_at", b"occurred_at", "outcome", b"outcome", "output_tokens", b"output_tokens", "policy", b"policy", "previous_amount_nanos", b"previous_amount_nanos", "previous_hash", b"previous_hash", "reason", b"reason", "request_bytes", b"request_bytes", "reservation_id", b"reservation_id", "reserved_at", b"reserved_at", "retry_after", b"retry_after", "seq", b"seq", "spent_after_nanos", b"spent_after_nanos", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__billed_nanos: _TypeAlias = _typing.Literal["billed_nanos"]  # noqa: Y015
     _WhichOneofArgType__billed_nanos: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos"]  # noqa: Y015
@@ -928,3 +953,278 @@ class ListLanesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListLanesResponse: _TypeAlias = ListLanesResponse  # noqa: Y015
+
+@_typing.final
+class GetAuditRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LANE_FIELD_NUMBER: _builtins.int
+    BIGGEST_FIELD_NUMBER: _builtins.int
+    lane: _builtins.str
+    biggest: _builtins.int
+    """How many of the biggest bookings to list (default 5, at most 100)."""
+    def __init__(
+        self,
+        *,
+        lane: _builtins.str = ...,
+        biggest: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["biggest", b"biggest", "lane", b"lane"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAuditRequest: _TypeAlias = GetAuditRequest  # noqa: Y015
+
+@_typing.final
+class Audit(_message.Message):
+    """A lane's current window, split by how each booking ended. kind=reconciled
+    corrections count as real charges.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LANE_FIELD_NUMBER: _builtins.int
+    BALANCE_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_COUNT_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    UNKNOWN_COUNT_FIELD_NUMBER: _builtins.int
+    UNKNOWN_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    EXPIRED_COUNT_FIELD_NUMBER: _builtins.int
+    EXPIRED_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    OPEN_COUNT_FIELD_NUMBER: _builtins.int
+    OPEN_HELD_NANOS_FIELD_NUMBER: _builtins.int
+    REFUNDED_COUNT_FIELD_NUMBER: _builtins.int
+    RECONCILED_COUNT_FIELD_NUMBER: _builtins.int
+    RECONCILED_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    RESERVE_COUNT_FIELD_NUMBER: _builtins.int
+    DENIED_COUNT_FIELD_NUMBER: _builtins.int
+    DENIAL_RATE_FIELD_NUMBER: _builtins.int
+    ESTIMATED_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    REAL_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    ESTIMATED_TO_REAL_RATIO_FIELD_NUMBER: _builtins.int
+    BIGGEST_BOOKINGS_FIELD_NUMBER: _builtins.int
+    NEXT_RELEASE_AT_FIELD_NUMBER: _builtins.int
+    NEXT_RELEASE_NANOS_FIELD_NUMBER: _builtins.int
+    FLAGS_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    lane: _builtins.str
+    succeeded_count: _builtins.int
+    succeeded_charged_nanos: _builtins.int
+    unknown_count: _builtins.int
+    unknown_charged_nanos: _builtins.int
+    expired_count: _builtins.int
+    expired_charged_nanos: _builtins.int
+    open_count: _builtins.int
+    open_held_nanos: _builtins.int
+    refunded_count: _builtins.int
+    """Refused calls (4xx) and calls never sent: always charged zero."""
+    reconciled_count: _builtins.int
+    reconciled_charged_nanos: _builtins.int
+    reserve_count: _builtins.int
+    """Reserves answered in the window, and how many of them were denied."""
+    denied_count: _builtins.int
+    denial_rate: _builtins.float
+    """denied / reserves, 0 when there were none (a rate, not an amount)."""
+    estimated_charged_nanos: _builtins.int
+    """Charges that are estimates (UNKNOWN and expired) and real ones (succeeded, reconciled)."""
+    real_charged_nanos: _builtins.int
+    estimated_to_real_ratio: _builtins.float
+    """estimated / real; 0 when there is no real charge."""
+    next_release_nanos: _builtins.int
+    summary: _builtins.str
+    """One human sentence saying what the numbers mean."""
+    @_builtins.property
+    def balance(self) -> Global___Balance: ...
+    @_builtins.property
+    def biggest_bookings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Booking]: ...
+    @_builtins.property
+    def next_release_at(self) -> _timestamp_pb2.Timestamp:
+        """When budget frees up next (the oldest booking with an amount ages out), and how much."""
+
+    @_builtins.property
+    def flags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Machine-readable warnings, e.g. MOSTLY_ESTIMATES, NEAR_LIMIT, HIGH_DENIAL_RATE."""
+
+    def __init__(
+        self,
+        *,
+        lane: _builtins.str = ...,
+        balance: Global___Balance | None = ...,
+        succeeded_count: _builtins.int = ...,
+        succeeded_charged_nanos: _builtins.int = ...,
+        unknown_count: _builtins.int = ...,
+        unknown_charged_nanos: _builtins.int = ...,
+        expired_count: _builtins.int = ...,
+        expired_charged_nanos: _builtins.int = ...,
+        open_count: _builtins.int = ...,
+        open_held_nanos: _builtins.int = ...,
+        refunded_count: _builtins.int = ...,
+        reconciled_count: _builtins.int = ...,
+        reconciled_charged_nanos: _builtins.int = ...,
+        reserve_count: _builtins.int = ...,
+        denied_count: _builtins.int = ...,
+        denial_rate: _builtins.float = ...,
+        estimated_charged_nanos: _builtins.int = ...,
+        real_charged_nanos: _builtins.int = ...,
+        estimated_to_real_ratio: _builtins.float = ...,
+        biggest_bookings: _abc.Iterable[Global___Booking] | None = ...,
+        next_release_at: _timestamp_pb2.Timestamp | None = ...,
+        next_release_nanos: _builtins.int = ...,
+        flags: _abc.Iterable[_builtins.str] | None = ...,
+        summary: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "next_release_at", b"next_release_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "biggest_bookings", b"biggest_bookings", "denial_rate", b"denial_rate", "denied_count", b"denied_count", "estimated_charged_nanos", b"estimated_charged_nanos", "estimated_to_real_ratio", b"estimated_to_real_ratio", "expired_charged_nanos", b"expired_charged_nanos", "expired_count", b"expired_count", "flags", b"flags", "lane", b"lane", "next_release_at", b"next_release_at", "next_release_nanos", b"next_release_nanos", "open_count", b"open_count", "open_held_nanos", b"open_held_nanos", "real_charged_nanos", b"real_charged_nanos", "reconciled_charged_nanos", b"reconciled_charged_nanos", "reconciled_count", b"reconciled_count", "refunded_count", b"refunded_count", "reserve_count", b"reserve_count", "succeeded_charged_nanos", b"succeeded_charged_nanos", "succeeded_count", b"succeeded_count", "summary", b"summary", "unknown_charged_nanos", b"unknown_charged_nanos", "unknown_count", b"unknown_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Audit: _TypeAlias = Audit  # noqa: Y015
+
+@_typing.final
+class ReconcileRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Format:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _FormatEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ReconcileRequest._Format.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        FORMAT_UNSPECIFIED: ReconcileRequest._Format.ValueType  # 0
+        CSV: ReconcileRequest._Format.ValueType  # 1
+        """header row; columns reservation_id, billed_nanos or input_tokens/output_tokens, model, lane"""
+        JSONL: ReconcileRequest._Format.ValueType  # 2
+        """one JSON object a line with the same keys"""
+
+    class Format(_Format, metaclass=_FormatEnumTypeWrapper): ...
+    FORMAT_UNSPECIFIED: ReconcileRequest.Format.ValueType  # 0
+    CSV: ReconcileRequest.Format.ValueType  # 1
+    """header row; columns reservation_id, billed_nanos or input_tokens/output_tokens, model, lane"""
+    JSONL: ReconcileRequest.Format.ValueType  # 2
+    """one JSON object a line with the same keys"""
+
+    FORMAT_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    DEFAULT_LANE_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    format: Global___ReconcileRequest.Format.ValueType
+    content: _builtins.bytes
+    """The export itself; a file applies in full or not at all."""
+    default_lane: _builtins.str
+    """The lane of rows that name none."""
+    dry_run: _builtins.bool
+    """Report what would happen, change nothing."""
+    def __init__(
+        self,
+        *,
+        format: Global___ReconcileRequest.Format.ValueType = ...,
+        content: _builtins.bytes = ...,
+        default_lane: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "default_lane", b"default_lane", "dry_run", b"dry_run", "format", b"format"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileRequest: _TypeAlias = ReconcileRequest  # noqa: Y015
+
+@_typing.final
+class ReconcileRow(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINE_FIELD_NUMBER: _builtins.int
+    LANE_FIELD_NUMBER: _builtins.int
+    RESERVATION_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    BEFORE_NANOS_FIELD_NUMBER: _builtins.int
+    AFTER_NANOS_FIELD_NUMBER: _builtins.int
+    FIELD_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    line: _builtins.int
+    """1-based line in the file."""
+    lane: _builtins.str
+    reservation_id: _builtins.str
+    status: _builtins.str
+    """corrected, matched (already holds this real charge), unmatched, disagrees
+    (holds another real charge: flagged, not overwritten), open (not ended yet:
+    left to the lane), refunded (charged zero: flagged), bad (with field and message)
+    """
+    before_nanos: _builtins.int
+    after_nanos: _builtins.int
+    field: _builtins.str
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        line: _builtins.int = ...,
+        lane: _builtins.str = ...,
+        reservation_id: _builtins.str = ...,
+        status: _builtins.str = ...,
+        before_nanos: _builtins.int = ...,
+        after_nanos: _builtins.int = ...,
+        field: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_nanos", b"after_nanos", "before_nanos", b"before_nanos", "field", b"field", "lane", b"lane", "line", b"line", "message", b"message", "reservation_id", b"reservation_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileRow: _TypeAlias = ReconcileRow  # noqa: Y015
+
+@_typing.final
+class ReconcileResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_FIELD_NUMBER: _builtins.int
+    CORRECTED_COUNT_FIELD_NUMBER: _builtins.int
+    MATCHED_COUNT_FIELD_NUMBER: _builtins.int
+    UNMATCHED_COUNT_FIELD_NUMBER: _builtins.int
+    DISAGREEMENT_COUNT_FIELD_NUMBER: _builtins.int
+    BAD_COUNT_FIELD_NUMBER: _builtins.int
+    ESTIMATED_BEFORE_NANOS_FIELD_NUMBER: _builtins.int
+    REAL_AFTER_NANOS_FIELD_NUMBER: _builtins.int
+    DIFFERENCE_NANOS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    applied: _builtins.bool
+    """False when any row is bad (then nothing changed) or on a dry run."""
+    corrected_count: _builtins.int
+    matched_count: _builtins.int
+    unmatched_count: _builtins.int
+    disagreement_count: _builtins.int
+    bad_count: _builtins.int
+    estimated_before_nanos: _builtins.int
+    """Over the corrected rows: what the ledger charged before, the bill after."""
+    real_after_nanos: _builtins.int
+    difference_nanos: _builtins.int
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReconcileRow]:
+        """Every row, in file order."""
+
+    def __init__(
+        self,
+        *,
+        applied: _builtins.bool = ...,
+        corrected_count: _builtins.int = ...,
+        matched_count: _builtins.int = ...,
+        unmatched_count: _builtins.int = ...,
+        disagreement_count: _builtins.int = ...,
+        bad_count: _builtins.int = ...,
+        estimated_before_nanos: _builtins.int = ...,
+        real_after_nanos: _builtins.int = ...,
+        difference_nanos: _builtins.int = ...,
+        rows: _abc.Iterable[Global___ReconcileRow] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "bad_count", b"bad_count", "corrected_count", b"corrected_count", "difference_nanos", b"difference_nanos", "disagreement_count", b"disagreement_count", "estimated_before_nanos", b"estimated_before_nanos", "matched_count", b"matched_count", "real_after_nanos", b"real_after_nanos", "rows", b"rows", "unmatched_count", b"unmatched_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileResponse: _TypeAlias = ReconcileResponse  # noqa: Y015
