@@ -1,0 +1,814 @@
+"""End-to-end tests of the people CLI (`ledger lane|reserve|settle|refund|balance|history`).
+
+A real server runs as a subprocess (`ledger serve --listen 127.0.0.1:0 --test-clock`
+on a temporary SQLite data directory) and the CLI runs in process through
+`ledger_service.cli.main`, so its stdout, stderr and exit code are all checked.
+The `--follow` test runs the CLI as a subprocess, because it ends on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from ledger_service import cli
+from ledger_service.cli import talk
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+LEDGER = pathlib.Path(sys.executable).parent / "ledger"
+START_SECONDS = 30.0
+STOP_SECONDS = 15.0
+LISTENING = re.compile(r"ledger listening on (\S+:\d+)\n")
+UNREACHABLE = re.compile(r"ledger: cannot reach the ledger at \S+: is `ledger serve` running\?\n")
+
+# The lane every walk-through uses: $0.50 a day, JEV at $0.10 / $0.40 per million tokens.
+# 7000 request bytes at 3.5 bytes per token are 2000 input tokens: 2000 * 100 = 200_000
+# nanos, plus 200 output tokens * 400 = 80_000 nanos: a cap of 280_000 nanos.
+JEV_PRICE = "jev=0.10/0.40"
+CAP_NANOS = 280_000
+
+
+@dataclasses.dataclass
+class LedgerProcess:
+    """A `ledger serve` subprocess with the test clock, on its own data directory."""
+
+    process: subprocess.Popen[str]
+    address: str
+    data_dir: pathlib.Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=STOP_SECONDS)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def log(self) -> str:
+        return (self.data_dir / "server.log").read_text(errors="replace")
+
+
+def server_environment() -> dict[str, str]:
+    """The caller's environment without LEDGER_* settings, so the server uses its data dir."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
+
+
+def start_ledger_process(data_dir: pathlib.Path) -> LedgerProcess:
+    """Starts `ledger serve` on port 0 and waits for its one 'listening' line."""
+    command = [
+        str(LEDGER),
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        str(data_dir),
+        "--test-clock",
+    ]
+    with (data_dir / "server.log").open("w") as log:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=log, text=True, env=server_environment()
+        )
+    started = LedgerProcess(process, "", data_dir)
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], START_SECONDS)
+    match = LISTENING.fullmatch(process.stdout.readline()) if ready else None
+    if match is None:
+        started.stop()
+        raise AssertionError(f"the server did not start:\n{started.log()}")
+    started.address = match.group(1)
+    return started
+
+
+@pytest.fixture(scope="module")
+def ledger_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LedgerProcess]:
+    started = start_ledger_process(tmp_path_factory.mktemp("ledger-cli"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def target(ledger_process: LedgerProcess, monkeypatch: pytest.MonkeyPatch) -> LedgerProcess:
+    """Points the CLI at the server through the environment, as a user's shell would."""
+    for key in ("LEDGER_GRANT", "LEDGER_DATABASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("LEDGER_SERVER", ledger_process.address)
+    # Where the server writes its admin grant once auth is on; the CLI reads it from there.
+    monkeypatch.setenv("LEDGER_DATA_DIR", str(ledger_process.data_dir))
+    return ledger_process
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> dict[str, object]:
+        value = json.loads(self.out)
+        assert isinstance(value, dict)
+        return value
+
+
+RunLedger = Callable[..., Run]
+
+
+@pytest.fixture
+def ledger(capsys: pytest.CaptureFixture[str]) -> Iterator[RunLedger]:
+    """`ledger("balance", "recall")` runs the CLI in process and returns what it did."""
+
+    def run(*arguments: str) -> Run:
+        try:
+            code = cli.main(list(arguments))
+        except SystemExit as leaving:
+            code = leaving.code if isinstance(leaving.code, int) else 1
+        captured = capsys.readouterr()
+        return Run(code, captured.out, captured.err)
+
+    yield run
+
+
+def one_line_error(run: Run) -> str:
+    """The error a failing command printed: exactly one line, never a traceback."""
+    assert run.code != 0, run
+    assert run.out == ""
+    assert "Traceback" not in run.err
+    assert run.err.count("\n") == 1, run.err
+    return run.err
+
+
+def put_recall(ledger: RunLedger, lane: str, *extra: str) -> Run:
+    run = ledger("lane", "put", lane, "--limit", "$0.50", "--price", JEV_PRICE, *extra)
+    assert run.code == 0, run
+    return run
+
+
+def reserve(ledger: RunLedger, lane: str, reservation_id: str, *extra: str) -> Run:
+    run = ledger(
+        "reserve",
+        lane,
+        reservation_id,
+        "--model",
+        "jev",
+        "--request-bytes",
+        "7000",
+        "--max-output-tokens",
+        "200",
+        *extra,
+    )
+    return run
+
+
+# Values, without a server --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "nanos"),
+    [
+        ("$0.50", 500_000_000),
+        ("0.50 USD", 500_000_000),
+        ("0.5usd", 500_000_000),
+        ("$ 1", 1_000_000_000),
+        ("0.000000001", 1),
+        ("$0.000001400", 1400),
+        ("1400n", 1400),
+        ("1400 nanos", 1400),
+        ("-$0.25", -250_000_000),
+        ("12345678.123456789", 12_345_678_123_456_789),
+    ],
+)
+def test_amounts_parse_to_exact_nanos(text: str, nanos: int) -> None:
+    assert talk.parse_amount_nanos("--limit", text) == nanos
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["0.0000000001", "$0.0000000005", "1.5n", "$5n", "0.5 EUR", "abc", "", "1e3", "9" * 80],
+)
+def test_amounts_finer_than_a_nano_or_malformed_are_refused(text: str) -> None:
+    with pytest.raises(talk.CliError) as refused:
+        talk.parse_amount_nanos("--limit", text)
+    assert refused.value.exit_code == talk.EXIT_BAD_VALUE
+    assert refused.value.message.startswith("--limit: ")
+
+
+def test_amounts_print_as_usd_with_nine_decimals() -> None:
+    assert talk.usd(1400) == "$0.000001400"
+    assert talk.usd(500_000_000) == "$0.500000000"
+    assert talk.usd(0) == "$0.000000000"
+    assert talk.usd(-1) == "-$0.000000001"
+    assert talk.usd(12_345_000_000_001) == "$12345.000000001"
+
+
+@pytest.mark.parametrize(
+    ("text", "micros", "shown"),
+    [
+        ("90s", 90_000_000, "90s"),
+        ("2m", 120_000_000, "2m"),
+        ("24h", 86_400_000_000, "1d"),
+        ("1d", 86_400_000_000, "1d"),
+        ("250ms", 250_000, "250ms"),
+        ("1.5s", 1_500_000, "1500ms"),
+        ("30", 30_000_000, "30s"),
+    ],
+)
+def test_durations_parse_and_print(text: str, micros: int, shown: str) -> None:
+    value = talk.parse_duration("--window", text)
+    assert value.seconds * 1_000_000 + value.nanos // 1000 == micros
+    assert talk.duration_text(value) == shown
+
+
+@pytest.mark.parametrize("text", ["5x", "-1s", "1.0000001s", "s", "99999999999d"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(talk.CliError, match=r"^--window: "):
+        talk.parse_duration("--window", text)
+
+
+def test_prices_are_usd_per_million_tokens_or_nanos() -> None:
+    model, price = talk.parse_price("jev=0.10/0.40")
+    assert (model, price.input_nanos_per_million_tokens) == ("jev", 100_000_000)
+    assert price.output_nanos_per_million_tokens == 400_000_000
+    model, price = talk.parse_price("big/model=$3/15000000000n")
+    assert (model, price.input_nanos_per_million_tokens) == ("big/model", 3_000_000_000)
+    assert price.output_nanos_per_million_tokens == 15_000_000_000
+    for text in ("jev", "jev=0.1", "=0.1/0.2", "jev=0.1/0.0000000001"):
+        with pytest.raises(talk.CliError, match=r"^--price"):
+            talk.parse_price(text)
+
+
+def test_grant_comes_from_the_flag_then_the_environment_then_the_admin_grant_file(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LEDGER_GRANT", raising=False)
+    monkeypatch.setenv("LEDGER_DATA_DIR", str(tmp_path))
+    assert talk.resolve_grant(None) == ("", "")
+    (tmp_path / "admin.grant").write_text("from-file\n")
+    assert talk.resolve_grant(None) == ("from-file", str(tmp_path / "admin.grant"))
+    monkeypatch.setenv("LEDGER_GRANT", "from-env")
+    assert talk.resolve_grant(None) == ("from-env", "LEDGER_GRANT")
+    assert talk.resolve_grant("from-flag") == ("from-flag", "--grant")
+    arguments = cli.parser().parse_args(["balance", "recall", "--server", "127.0.0.1:1"])
+    with talk.connect(arguments) as session:
+        assert session.metadata == (("authorization", "Bearer from-env"),)
+        assert session.server == "127.0.0.1:1"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["balance", "recall"],
+        ["lane", "list"],
+        ["lane", "put", "recall", "--limit", "$0.50", "--price", JEV_PRICE],
+        [
+            "reserve",
+            "recall",
+            "r-1",
+            "--model",
+            "jev",
+            "--request-bytes",
+            "1",
+            "--max-output-tokens",
+            "1",
+        ],
+        ["history"],
+    ],
+)
+def test_no_server_says_so_in_one_line(ledger: RunLedger, command: list[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    run = ledger(*command, "--server", address)
+    assert UNREACHABLE.fullmatch(one_line_error(run))
+    assert address in run.err
+    assert run.code == talk.EXIT_UNREACHABLE
+
+
+def test_a_server_that_never_answers_times_out(ledger: RunLedger) -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        began = time.monotonic()
+        run = ledger("balance", "recall", "--server", address, "--timeout", "0.5")
+        elapsed = time.monotonic() - began
+    assert one_line_error(run) == (
+        f"ledger: the ledger at {address} did not answer within 0.5 s (see --timeout)\n"
+    )
+    assert run.code == talk.EXIT_UNREACHABLE
+    assert elapsed < 5
+
+
+# Lanes ---------------------------------------------------------------------
+
+
+def test_lane_put_show_and_list(target: LedgerProcess, ledger: RunLedger) -> None:
+    put = put_recall(ledger, "lanes-a")
+    assert "limit            $0.500000000 per 1d (rolling)" in put.out
+    assert "price jev        in $0.100000000 / out $0.400000000 per million tokens" in put.out
+    shown = ledger("lane", "show", "lanes-a")
+    assert shown.code == 0
+    assert shown.out == put.out
+    as_json = ledger("lane", "show", "lanes-a", "--json").json()
+    assert as_json["limit_nanos"] == 500_000_000
+    assert as_json["prices"] == {
+        "jev": {
+            "input_nanos_per_million_tokens": 100_000_000,
+            "output_nanos_per_million_tokens": 400_000_000,
+        }
+    }
+    assert as_json["window"] == "86400s"
+    assert as_json["expire_charge"] == "HOLD"
+    listed = ledger("lane", "list")
+    assert listed.code == 0
+    assert listed.out.splitlines()[0].split() == [
+        "LANE",
+        "LIMIT",
+        "WINDOW",
+        "HOLD",
+        "TTL",
+        "MODELS",
+        "VERSION",
+        "UPDATED",
+        "(UTC)",
+    ]
+    assert any(
+        line.split()[:3] == ["lanes-a", "$0.500000000", "1d"] for line in listed.out.splitlines()
+    )
+    listed_json = ledger("lane", "list", "--json").json()
+    lanes = listed_json["lanes"]
+    assert isinstance(lanes, list)
+    assert "lanes-a" in [lane["lane"] for lane in lanes]
+
+
+def test_lane_put_takes_every_option(target: LedgerProcess, ledger: RunLedger) -> None:
+    run = ledger(
+        "lane",
+        "put",
+        "lanes-b",
+        "--limit",
+        "2000000000n",
+        "--price",
+        "jev=100n/400n",
+        "--price",
+        "big=$3/$15",
+        "--window",
+        "2h",
+        "--hold-ttl",
+        "90s",
+        "--bytes-per-token",
+        "1.25",
+        "--overhead-tokens",
+        "64",
+        "--expire-charge",
+        "zero",
+        "--json",
+    )
+    assert run.code == 0, run
+    lane = run.json()
+    assert lane["limit_nanos"] == 2_000_000_000
+    assert lane["window"] == "7200s"
+    assert lane["hold_ttl"] == "90s"
+    assert lane["bytes_per_token"] == 1.25
+    assert lane["overhead_tokens"] == 64
+    assert lane["expire_charge"] == "ZERO"
+    assert lane["prices"] == {
+        "big": {
+            "input_nanos_per_million_tokens": 3_000_000_000,
+            "output_nanos_per_million_tokens": 15_000_000_000,
+        },
+        "jev": {"input_nanos_per_million_tokens": 100, "output_nanos_per_million_tokens": 400},
+    }
+    # Putting again replaces the policy and bumps the version.
+    again = ledger("lane", "put", "lanes-b", "--limit", "$1", "--price", JEV_PRICE, "--json")
+    assert again.json()["version"] > lane["version"]
+    assert again.json()["limit_nanos"] == 1_000_000_000
+
+
+# The moves -----------------------------------------------------------------
+
+
+def test_reserve_settle_refund_and_balance(target: LedgerProcess, ledger: RunLedger) -> None:
+    put_recall(ledger, "moves")
+    admitted = reserve(ledger, "moves", "r-1")
+    assert admitted.code == 0, admitted
+    assert admitted.out.startswith("admitted r-1: hold $0.000280000 (cap $0.000280000), expires ")
+    assert "spent $0.000280000 of $0.500000000" in admitted.out
+
+    settled = ledger(
+        "settle",
+        "moves",
+        "r-1",
+        "--outcome",
+        "succeeded",
+        "--input-tokens",
+        "1800",
+        "--output-tokens",
+        "150",
+        "--http-status",
+        "200",
+    )
+    assert settled.code == 0, settled
+    # 1800 * 100 + 150 * 400 = 240_000 nanos: the real cost, not the hold.
+    assert settled.out.splitlines()[0] == "settled r-1: charged $0.000240000"
+
+    assert reserve(ledger, "moves", "r-2", "--estimate", "$0.0001", "--ttl", "30s").code == 0
+    refunded = ledger("refund", "moves", "r-2", "--http-status", "403")
+    assert refunded.code == 0, refunded
+    assert refunded.out.splitlines()[0] == "refunded r-2: charged $0.000000000"
+    assert "spent $0.000240000 of $0.500000000" in refunded.out
+
+    assert reserve(ledger, "moves", "r-3").code == 0
+    never_sent = ledger("refund", "moves", "r-3", "--reason", "the lane gave up")
+    assert never_sent.code == 0, never_sent
+
+    balance = ledger("balance", "moves", "--json").json()
+    assert balance["spent_nanos"] == 240_000
+    assert balance["charged_nanos"] == 240_000
+    assert balance["held_nanos"] == 0
+    assert balance["available_nanos"] == 500_000_000 - 240_000
+    text = ledger("balance", "moves")
+    assert text.code == 0
+    assert "available      $0.499760000" in text.out.splitlines()
+
+
+def test_an_unknown_outcome_is_charged_its_hold_never_more(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    put_recall(ledger, "unknowns")
+    assert reserve(ledger, "unknowns", "u-1").code == 0
+    run = ledger(
+        "settle", "unknowns", "u-1", "--outcome", "unknown", "--http-status", "504", "--json"
+    )
+    assert run.code == 0, run
+    assert run.json()["charged_nanos"] == CAP_NANOS
+    assert run.json()["state"] == "SETTLED_UNKNOWN"
+    assert reserve(ledger, "unknowns", "u-2").code == 0
+    lower = ledger("settle", "unknowns", "u-2", "--outcome", "unknown", "--billed", "1000n")
+    assert lower.out.splitlines()[0] == "settled unknown u-2: charged $0.000001000"
+
+
+def test_a_denial_is_an_answer_with_exit_code_4(target: LedgerProcess, ledger: RunLedger) -> None:
+    ledger("lane", "put", "tight", "--limit", "300000n", "--price", JEV_PRICE)
+    assert reserve(ledger, "tight", "t-1").code == 0
+    denied = reserve(ledger, "tight", "t-2")
+    assert denied.code == talk.EXIT_DENIED
+    assert denied.err == ""
+    assert denied.out.startswith("denied t-2: budget exhausted: ")
+    assert "retry after " in denied.out
+    never = ledger(
+        "reserve",
+        "tight",
+        "t-3",
+        "--model",
+        "jev",
+        "--request-bytes",
+        "7000000",
+        "--max-output-tokens",
+        "0",
+        "--json",
+    )
+    assert never.code == talk.EXIT_DENIED
+    assert never.json()["denial_reason"] == "HOLD_EXCEEDS_LIMIT"
+    assert "retry_after" not in never.json()
+
+
+# History -------------------------------------------------------------------
+
+
+def test_history_is_an_aligned_table(target: LedgerProcess, ledger: RunLedger) -> None:
+    put_recall(ledger, "story")
+    reserve(ledger, "story", "s-1")
+    ledger("settle", "story", "s-1", "--outcome", "succeeded", "--input-tokens", "10")
+    reserve(ledger, "story", "s-2")
+    ledger("refund", "story", "s-2", "--http-status", "429")
+    run = ledger("history", "story")
+    assert run.code == 0, run
+    lines = run.out.splitlines()
+    assert lines[0].split() == [
+        "SEQ",
+        "TIME",
+        "(UTC)",
+        "KIND",
+        "RESERVATION",
+        "AMOUNT",
+        "SPENT",
+        "AFTER",
+        "OUTCOME",
+        "TRACE",
+    ]
+    assert [line.split()[2] for line in lines[1:]] == [
+        "lane_configured",
+        "reserved",
+        "settled",
+        "reserved",
+        "refunded",
+    ]
+    # Every column starts at the same offset on every line.
+    for name in ("KIND", "RESERVATION", "AMOUNT", "OUTCOME"):
+        offset = lines[0].index(name)
+        assert all(line[offset - 2 : offset] == "  " and line[offset] != " " for line in lines)
+    settled = lines[3].split()
+    assert settled[3:7] == ["s-1", "$0.000001000", "$0.000001000", "succeeded"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", settled[1])
+    assert lines[5].split()[3:7] == ["s-2", "$0.000000000", "$0.000001000", "http"]
+
+    one = ledger("history", "story", "--reservation-id", "s-2")
+    assert [line.split()[2] for line in one.out.splitlines()[1:]] == ["reserved", "refunded"]
+    newest = ledger("history", "story", "--limit", "2")
+    assert [line.split()[2] for line in newest.out.splitlines()[1:]] == ["reserved", "refunded"]
+    everyone = ledger("history")
+    assert "LANE" in everyone.out.splitlines()[0]
+    assert any(line.split()[2:4] == ["story", "refunded"] for line in everyone.out.splitlines())
+
+
+def test_history_json_is_one_event_per_line(target: LedgerProcess, ledger: RunLedger) -> None:
+    put_recall(ledger, "story-json")
+    reserve(ledger, "story-json", "j-1")
+    run = ledger("history", "story-json", "--json")
+    events = [json.loads(line) for line in run.out.splitlines()]
+    assert [event["kind"] for event in events] == ["lane_configured", "reserved"]
+    assert events[1]["amount_nanos"] == CAP_NANOS
+    assert events[1]["reservation_id"] == "j-1"
+    assert events[0]["seq"] < events[1]["seq"]
+
+
+def test_history_follow_tails_until_ctrl_c(target: LedgerProcess, ledger: RunLedger) -> None:
+    put_recall(ledger, "tail")
+    environment = {**os.environ, "LEDGER_SERVER": target.address}
+    follower = subprocess.Popen(
+        [str(LEDGER), "history", "tail", "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+    )
+    try:
+        assert follower.stdout is not None
+        lines = [follower.stdout.readline() for _ in range(2)]
+        assert lines[0].startswith("SEQ")
+        assert "lane_configured" in lines[1]
+        assert reserve(ledger, "tail", "f-1").code == 0
+        ready, _, _ = select.select([follower.stdout], [], [], 10)
+        assert ready, "the new event did not arrive"
+        assert follower.stdout.readline().split()[2:4] == ["reserved", "f-1"]
+        follower.send_signal(signal.SIGINT)
+        _, err = follower.communicate(timeout=10)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+    assert follower.returncode == 0, err
+    assert "Traceback" not in err
+
+
+# Errors --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["balance", "nowhere"],
+        ["lane", "show", "nowhere"],
+        ["history", "nowhere"],
+        [
+            "reserve",
+            "nowhere",
+            "r-1",
+            "--model",
+            "jev",
+            "--request-bytes",
+            "1",
+            "--max-output-tokens",
+            "1",
+        ],
+        ["settle", "nowhere", "r-1", "--outcome", "unknown"],
+        ["refund", "nowhere", "r-1", "--http-status", "403"],
+    ],
+)
+def test_an_unknown_lane_is_one_line(
+    target: LedgerProcess, ledger: RunLedger, command: list[str]
+) -> None:
+    run = ledger(*command)
+    assert one_line_error(run) == "ledger: lane 'nowhere' does not exist (LANE_NOT_FOUND)\n"
+    assert run.code == talk.EXIT_FAILED
+
+
+def test_an_unknown_booking_is_one_line(target: LedgerProcess, ledger: RunLedger) -> None:
+    put_recall(ledger, "bookings")
+    run = ledger("settle", "bookings", "ghost", "--outcome", "unknown")
+    assert "BOOKING_NOT_FOUND" in one_line_error(run)
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        (
+            [
+                "reserve",
+                "checks",
+                "r-1",
+                "--model",
+                "jev",
+                "--request-bytes",
+                "-5",
+                "--max-output-tokens",
+                "1",
+            ],
+            "--request-bytes",
+        ),
+        (
+            [
+                "reserve",
+                "checks",
+                "r-1",
+                "--model",
+                "gpt",
+                "--request-bytes",
+                "5",
+                "--max-output-tokens",
+                "1",
+            ],
+            "--model",
+        ),
+        (
+            [
+                "reserve",
+                "checks",
+                "r-1",
+                "--model",
+                "jev",
+                "--request-bytes",
+                "5",
+                "--max-output-tokens",
+                "1",
+                "--ttl",
+                "1h",
+            ],
+            "--ttl",
+        ),
+        (
+            [
+                "reserve",
+                "checks",
+                "has space",
+                "--model",
+                "jev",
+                "--request-bytes",
+                "5",
+                "--max-output-tokens",
+                "1",
+            ],
+            "RESERVATION_ID",
+        ),
+        (
+            ["settle", "checks", "c-1", "--outcome", "succeeded", "--http-status", "403"],
+            "--http-status",
+        ),
+        (
+            ["settle", "checks", "c-1", "--outcome", "succeeded", "--output-tokens", "-1"],
+            "--output-tokens",
+        ),
+        (["refund", "checks", "c-1"], "--reason"),
+        (["lane", "put", "checks-2", "--limit", "0", "--price", JEV_PRICE], "--limit"),
+        (
+            ["lane", "put", "checks-2", "--limit", "$1", "--price", JEV_PRICE, "--hold-ttl", "2d"],
+            "--hold-ttl",
+        ),
+        (["lane", "put", "bad lane", "--limit", "$1", "--price", JEV_PRICE], "LANE"),
+    ],
+)
+def test_a_bad_value_names_the_option_the_server_refused(
+    target: LedgerProcess, ledger: RunLedger, command: list[str], option: str
+) -> None:
+    put_recall(ledger, "checks")
+    if not reserve(ledger, "checks", "c-1").out:
+        pytest.fail("setup: could not reserve c-1")
+    run = ledger(*command)
+    error = one_line_error(run)
+    assert error.startswith(f"ledger: bad value for {option} (field "), error
+    assert run.code == talk.EXIT_FAILED
+
+
+@pytest.mark.parametrize(
+    ("command", "start"),
+    [
+        (["lane", "put", "x", "--limit", "0.0000000001", "--price", JEV_PRICE], "--limit: "),
+        (["lane", "put", "x", "--limit", "$1", "--price", "jev"], "--price: "),
+        (
+            ["lane", "put", "x", "--limit", "$1", "--price", JEV_PRICE, "--price", JEV_PRICE],
+            "--price: ",
+        ),
+        (
+            ["lane", "put", "x", "--limit", "$1", "--price", JEV_PRICE, "--window", "5x"],
+            "--window: ",
+        ),
+        (
+            [
+                "lane",
+                "put",
+                "x",
+                "--limit",
+                "$1",
+                "--price",
+                JEV_PRICE,
+                "--bytes-per-token",
+                "3.5555",
+            ],
+            "--bytes-per-token: ",
+        ),
+        (
+            [
+                "reserve",
+                "x",
+                "r",
+                "--model",
+                "jev",
+                "--request-bytes",
+                "ten",
+                "--max-output-tokens",
+                "1",
+            ],
+            "--request-bytes: ",
+        ),
+        (["history", "--limit", "0"], "--limit: "),
+        (["balance", "x", "--timeout", "-1"], "--timeout: "),
+    ],
+)
+def test_a_malformed_value_is_refused_before_any_call(
+    target: LedgerProcess, ledger: RunLedger, command: list[str], start: str
+) -> None:
+    run = ledger(*command)
+    assert one_line_error(run).startswith(f"ledger: {start}")
+    assert run.code == talk.EXIT_BAD_VALUE
+
+
+def test_a_contradicting_move_fails_with_its_reason(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    put_recall(ledger, "contradictions")
+    reserve(ledger, "contradictions", "x-1")
+    assert ledger("refund", "contradictions", "x-1", "--http-status", "403").code == 0
+    run = ledger("settle", "contradictions", "x-1", "--outcome", "succeeded", "--input-tokens", "5")
+    assert one_line_error(run).endswith("(BOOKING_ALREADY_ENDED)\n")
+    conflict = reserve(ledger, "contradictions", "x-1", "--estimate", "1n")
+    assert one_line_error(conflict).endswith("(RESERVATION_ID_REUSED)\n")
+
+
+def test_a_missing_or_refused_grant_is_one_line(
+    target: LedgerProcess,
+    ledger: RunLedger,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: pathlib.Path,
+) -> None:
+    monkeypatch.setenv("LEDGER_DATA_DIR", str(tmp_path))
+    missing = ledger("lane", "list")
+    assert "needs a grant and none was found: pass --grant" in one_line_error(missing)
+    assert missing.code == talk.EXIT_FAILED
+    refused = ledger("lane", "list", "--grant", "not-a-grant")
+    assert "refused the grant from --grant (" in one_line_error(refused)
+
+
+def test_the_server_option_wins_over_the_environment(
+    target: LedgerProcess, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEDGER_SERVER", f"127.0.0.1:{free_port()}")
+    assert ledger("lane", "list").code == talk.EXIT_UNREACHABLE
+    assert ledger("lane", "list", "--server", target.address).code == 0
+
+
+def test_json_values_keep_amounts_as_integers() -> None:
+    event = pb.Event(seq=7, kind="settled", amount_nanos=2**62, outcome=pb.UNKNOWN)
+    event.billed_nanos = 0
+    value = talk.message_json(event)
+    assert value["amount_nanos"] == 2**62
+    assert value["billed_nanos"] == 0
+    assert "estimate_nanos" not in value
+    assert "occurred_at" not in value
+    assert value["outcome"] == "UNKNOWN"
+
+
+def test_an_rpc_error_without_a_status_is_still_one_line() -> None:
+    arguments = cli.parser().parse_args(["balance", "recall", "--server", "127.0.0.1:9"])
+    with talk.connect(arguments) as session:
+        error = talk.explain(grpc.RpcError(), session)
+    assert error.message == "the call to the ledger at 127.0.0.1:9 failed"
