@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -119,7 +120,7 @@ class Run:
     out: str
     err: str
 
-    def json(self) -> dict[str, object]:
+    def json(self) -> dict[str, Any]:
         value = json.loads(self.out)
         assert isinstance(value, dict)
         return value
