@@ -1,0 +1,260 @@
+// Types of the lane ledger's Node client. Every int64 of the wire is a bigint.
+
+import type { ServiceClientConstructor, status, Metadata, ChannelOptions } from '@grpc/grpc-js';
+import type { PackageDefinition } from '@grpc/proto-loader';
+
+/** An integer for the wire: a bigint, a safe-integer number or a decimal string. */
+export type Int64Input = bigint | number | string;
+
+export interface TlsOptions {
+  /** PEM root certificates; the system's roots when left out. */
+  rootCerts?: string | Buffer;
+  /** PEM client certificate chain, for mutual TLS. */
+  clientCert?: string | Buffer;
+  /** PEM private key of clientCert. */
+  clientKey?: string | Buffer;
+  /** The name the server's certificate is checked against, when not the address's host. */
+  serverName?: string;
+}
+
+export interface LaneClientOptions {
+  /** Sent as `authorization: Bearer <grant>` on every call; a function is called per call. */
+  grant?: string | (() => string | Promise<string>);
+  /** true: TLS with the system's roots. Left out: plaintext. */
+  tls?: boolean | TlsOptions;
+  /** Deadline of each ledger call; default 250 ms (see README, "Deadlines"). */
+  deadlineMs?: number;
+  /** Attempts at an unconfirmed Settle or Refund in call(); default 3. */
+  endAttempts?: number;
+  /** Extra @grpc/grpc-js channel options. */
+  channelOptions?: ChannelOptions;
+}
+
+export interface Balance {
+  lane: string;
+  limitNanos: bigint;
+  spentNanos: bigint;
+  heldNanos: bigint;
+  chargedNanos: bigint;
+  availableNanos: bigint;
+  overrunNanos: bigint;
+  openBookings: bigint;
+  windowSeconds: number | null;
+  asOf: Date | null;
+}
+
+export interface ReserveRequest {
+  reservationId: string;
+  model: string;
+  requestBytes: Int64Input;
+  maxOutputTokens: Int64Input;
+  estimateNanos?: Int64Input;
+  /** At most the lane's hold_ttl. */
+  ttlMs?: number;
+}
+
+export type DenialReason = 'BUDGET_EXHAUSTED' | 'HOLD_EXCEEDS_LIMIT';
+
+export interface ReserveResult {
+  reservationId: string;
+  admitted: boolean;
+  decision: 'ADMITTED' | 'DENIED';
+  holdNanos: bigint;
+  capNanos: bigint;
+  reservedAt: Date | null;
+  expiresAt: Date | null;
+  /** Denied for budget: when enough of the window ages out (rounded up to the ms). */
+  retryAfter: Date | null;
+  denialReason: DenialReason | null;
+  reason: string;
+  balance: Balance | null;
+}
+
+export interface SettleRequest {
+  reservationId: string;
+  outcome: 'SUCCEEDED' | 'UNKNOWN';
+  inputTokens?: Int64Input;
+  outputTokens?: Int64Input;
+  billedNanos?: Int64Input;
+  httpStatus?: number;
+}
+
+export type BookingState = 'OPEN' | 'SETTLED' | 'SETTLED_UNKNOWN' | 'REFUNDED' | 'EXPIRED' | 'REJECTED';
+
+export interface SettleResult {
+  chargedNanos: bigint;
+  state: BookingState;
+  balance: Balance | null;
+}
+
+export interface RefundRequest {
+  reservationId: string;
+  /** The provider's 4xx, or 0 when the call was never sent (then reason is required). */
+  httpStatus?: number;
+  reason?: string;
+}
+
+export interface Booking {
+  lane: string;
+  reservationId: string;
+  model: string;
+  state: BookingState;
+  requestBytes: bigint;
+  maxOutputTokens: bigint;
+  holdNanos: bigint;
+  capNanos: bigint;
+  amountNanos: bigint;
+  reservedAt: Date | null;
+  expiresAt: Date | null;
+  agesOutAt: Date | null;
+}
+
+export interface CallRequest {
+  model: string;
+  requestBytes: Int64Input;
+  maxOutputTokens: Int64Input;
+  estimateNanos?: Int64Input;
+  ttlMs?: number;
+}
+
+export interface Usage {
+  inputTokens?: Int64Input;
+  outputTokens?: Int64Input;
+  billedNanos?: Int64Input;
+}
+
+/** What the callback of call() says about its model call. */
+export interface CallReport {
+  /** The provider's HTTP status; 0 or left out when there was none. */
+  httpStatus?: number;
+  usage?: Usage;
+  billedNanos?: Int64Input;
+  timedOut?: boolean;
+  connectionLost?: boolean;
+  /** The call was never sent: refunded. */
+  notSent?: boolean;
+  /** For the audit (a refund's reason). */
+  reason?: string;
+  [extra: string]: unknown;
+}
+
+export type Ending = 'SUCCEEDED' | 'REFUND' | 'UNKNOWN';
+export const Ending: Readonly<{ SUCCEEDED: 'SUCCEEDED'; REFUND: 'REFUND'; UNKNOWN: 'UNKNOWN' }>;
+
+export interface OutcomeReport {
+  httpStatus: number;
+  usage: { inputTokens: Int64Input; outputTokens: Int64Input; billedNanos: Int64Input | null } | null;
+  timedOut: boolean;
+  connectionLost: boolean;
+  notSent: boolean;
+  thrown: boolean;
+  reason: string;
+}
+
+export const OUTCOME_TABLE: ReadonlyArray<{ when: string; matches: (report: OutcomeReport) => boolean; ending: Ending }>;
+/** The move for a report: the first matching row of OUTCOME_TABLE and what goes on the wire. */
+export function endingOf(report: OutcomeReport): {
+  ending: Ending;
+  when: string;
+  httpStatus: number;
+  usage: OutcomeReport['usage'];
+  reason: string;
+};
+/** Throw it from a call() callback when the request never left the lane: the booking is refunded. */
+export class CallNotSent extends Error {
+  constructor(reason: string);
+  reason: string;
+}
+/** Marks an error thrown by a call() callback as "never sent", like CallNotSent. */
+export function markNotSent<E extends Error>(error: E): E;
+
+export class Denied {
+  readonly admitted: false;
+  reservationId: string;
+  reason: DenialReason;
+  message: string;
+  retryAfter: Date | null;
+  holdNanos: bigint;
+  capNanos: bigint;
+  balance: Balance | null;
+}
+
+export class Completed<R = CallReport> {
+  readonly admitted: true;
+  reservationId: string;
+  ending: Ending;
+  /** What the callback returned. */
+  value: R;
+  holdNanos: bigint;
+  /** null when the ledger could not be told (see ledgerError). */
+  chargedNanos: bigint | null;
+  balance: Balance | null;
+  ledgerError: LedgerError | null;
+}
+
+export const DEFAULT_DEADLINE_MS: number;
+export const DEFAULT_END_ATTEMPTS: number;
+
+export class LaneClient {
+  constructor(address: string, lane: string, options?: LaneClientOptions);
+  readonly address: string;
+  readonly lane: string;
+  readonly deadlineMs: number;
+  readonly endAttempts: number;
+  waitForReady(timeoutMs?: number): Promise<void>;
+  close(): void;
+  reserve(request: ReserveRequest): Promise<ReserveResult>;
+  settle(request: SettleRequest): Promise<SettleResult>;
+  refund(request: RefundRequest): Promise<{ balance: Balance | null }>;
+  balance(): Promise<Balance>;
+  booking(reservationId: string): Promise<Booking>;
+  call<R extends CallReport>(
+    request: CallRequest,
+    fn: (booking: ReserveResult) => Promise<R> | R,
+  ): Promise<Denied | Completed<R>>;
+}
+
+export function ledgerPackage(): {
+  Ledger: ServiceClientConstructor;
+  LaneAdmin: ServiceClientConstructor;
+  TestClock: ServiceClientConstructor;
+  definition: PackageDefinition;
+};
+
+export class LedgerError extends Error {
+  static readonly retryable: boolean;
+  static readonly mayHaveApplied: boolean;
+  readonly retryable: boolean;
+  readonly mayHaveApplied: boolean;
+  code: status | number;
+  reason: string;
+  field: string;
+  errorId: string;
+  metadata: Metadata | null;
+}
+export class Refusal extends LedgerError {}
+export class InvalidArgument extends Refusal {}
+export class TtlExceedsHoldTtl extends InvalidArgument {}
+export class UnknownModel extends InvalidArgument {}
+export class NotFound extends Refusal {}
+export class LaneNotFound extends NotFound {}
+export class BookingNotFound extends NotFound {}
+export class AlreadyExists extends Refusal {}
+export class ReservationIdReused extends AlreadyExists {}
+export class FailedPrecondition extends Refusal {}
+export class BookingAlreadyEnded extends FailedPrecondition {}
+export class BookingWasDenied extends FailedPrecondition {}
+export class ResourceExhausted extends Refusal {}
+export class TooManyWatchers extends ResourceExhausted {}
+export class Unauthenticated extends Refusal {}
+export class PermissionDenied extends Refusal {}
+export class Unimplemented extends Refusal {}
+export class Unavailable extends LedgerError {}
+export class StoreUnavailable extends Unavailable {}
+export class DeadlineExceeded extends LedgerError {}
+export class Cancelled extends LedgerError {}
+export class InternalError extends LedgerError {}
+
+export const ERROR_TABLE: ReadonlyArray<readonly [status, string | null, typeof LedgerError]>;
+export function errorClassOf(code: number, reason: string): typeof LedgerError;
+export function ledgerErrorOf(serviceError: import('@grpc/grpc-js').ServiceError): LedgerError;

@@ -1,0 +1,172 @@
+'use strict';
+// The one error table: a gRPC status code plus the server's `ledger-reason`
+// trailer become one error class. It inverts the server's table
+// (ledger_service/api/errors.py). Nothing here reads an error's message text.
+
+const { status: Status } = require('@grpc/grpc-js');
+
+const REASON_KEY = 'ledger-reason';
+const FIELD_KEY = 'ledger-field';
+const ERROR_ID_KEY = 'ledger-error-id';
+
+/** Base of every error a ledger call rejects with. */
+class LedgerError extends Error {
+  /**
+   * Whether the same request may succeed if sent again (with the same
+   * reservation id: every move is idempotent).
+   */
+  static retryable = false;
+
+  /**
+   * Whether the server may have applied the request although the caller got
+   * an error (a deadline passed, the connection dropped, the commit was
+   * unconfirmed). False only for definite refusals, which book nothing.
+   */
+  static mayHaveApplied = true;
+
+  constructor(message, { code, reason = '', field = '', errorId = '', metadata = null, cause } = {}) {
+    super(message, cause === undefined ? undefined : { cause });
+    this.name = new.target.name;
+    /** gRPC status code (a number, see @grpc/grpc-js `status`). */
+    this.code = code;
+    /** The server's `ledger-reason`, e.g. "LANE_NOT_FOUND"; empty when none came. */
+    this.reason = reason;
+    /** The server's `ledger-field` for bad input, e.g. "request_bytes". */
+    this.field = field;
+    /** For INTERNAL errors: the id the server logged the failure under. */
+    this.errorId = errorId;
+    this.metadata = metadata;
+  }
+
+  get retryable() {
+    return this.constructor.retryable;
+  }
+
+  get mayHaveApplied() {
+    return this.constructor.mayHaveApplied;
+  }
+}
+
+// Definite refusals: the server looked at the request and booked nothing.
+class Refusal extends LedgerError {
+  static mayHaveApplied = false;
+}
+class InvalidArgument extends Refusal {}
+class TtlExceedsHoldTtl extends InvalidArgument {}
+class UnknownModel extends InvalidArgument {}
+class NotFound extends Refusal {}
+class LaneNotFound extends NotFound {}
+class BookingNotFound extends NotFound {}
+class AlreadyExists extends Refusal {}
+class ReservationIdReused extends AlreadyExists {}
+class FailedPrecondition extends Refusal {}
+class BookingAlreadyEnded extends FailedPrecondition {}
+class BookingWasDenied extends FailedPrecondition {}
+class ResourceExhausted extends Refusal {
+  static retryable = true;
+}
+class TooManyWatchers extends ResourceExhausted {}
+class Unauthenticated extends Refusal {}
+class PermissionDenied extends Refusal {}
+class Unimplemented extends Refusal {}
+
+// Unconfirmed: the request may or may not have been applied.
+class Unavailable extends LedgerError {
+  static retryable = true;
+}
+class StoreUnavailable extends Unavailable {}
+class DeadlineExceeded extends LedgerError {
+  static retryable = true;
+}
+class Cancelled extends LedgerError {}
+class InternalError extends LedgerError {}
+
+// [gRPC status, ledger-reason or null for "any other reason, or none", class].
+// A row with a reason wins over the row of its status without one.
+const ERROR_TABLE = Object.freeze([
+  [Status.INVALID_ARGUMENT, 'TTL_EXCEEDS_HOLD_TTL', TtlExceedsHoldTtl],
+  [Status.INVALID_ARGUMENT, 'UNKNOWN_MODEL', UnknownModel],
+  [Status.INVALID_ARGUMENT, null, InvalidArgument],
+  [Status.NOT_FOUND, 'LANE_NOT_FOUND', LaneNotFound],
+  [Status.NOT_FOUND, 'BOOKING_NOT_FOUND', BookingNotFound],
+  [Status.NOT_FOUND, null, NotFound],
+  [Status.ALREADY_EXISTS, 'RESERVATION_ID_REUSED', ReservationIdReused],
+  [Status.ALREADY_EXISTS, null, AlreadyExists],
+  [Status.FAILED_PRECONDITION, 'BOOKING_ALREADY_ENDED', BookingAlreadyEnded],
+  [Status.FAILED_PRECONDITION, 'BOOKING_WAS_DENIED', BookingWasDenied],
+  [Status.FAILED_PRECONDITION, null, FailedPrecondition],
+  [Status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS', TooManyWatchers],
+  [Status.RESOURCE_EXHAUSTED, null, ResourceExhausted],
+  [Status.UNAUTHENTICATED, null, Unauthenticated],
+  [Status.PERMISSION_DENIED, null, PermissionDenied],
+  [Status.UNIMPLEMENTED, null, Unimplemented],
+  [Status.UNAVAILABLE, 'STORE_UNAVAILABLE', StoreUnavailable],
+  [Status.UNAVAILABLE, null, Unavailable],
+  [Status.DEADLINE_EXCEEDED, null, DeadlineExceeded],
+  [Status.CANCELLED, null, Cancelled],
+  [Status.INTERNAL, null, InternalError],
+]);
+
+/** The class the table gives a status code and a reason; LedgerError when none. */
+function errorClassOf(code, reason) {
+  let fallback = LedgerError;
+  for (const [rowCode, rowReason, errorClass] of ERROR_TABLE) {
+    if (rowCode !== code) continue;
+    if (rowReason === reason) return errorClass;
+    if (rowReason === null && fallback === LedgerError) fallback = errorClass;
+  }
+  return fallback;
+}
+
+function firstValue(metadata, key) {
+  const values = metadata && typeof metadata.get === 'function' ? metadata.get(key) : [];
+  return values.length > 0 ? String(values[0]) : '';
+}
+
+/**
+ * Converts a @grpc/grpc-js ServiceError into the table's error class.
+ * @param {import('@grpc/grpc-js').ServiceError} serviceError
+ * @returns {LedgerError}
+ */
+function ledgerErrorOf(serviceError) {
+  const metadata = serviceError.metadata ?? null;
+  const reason = firstValue(metadata, REASON_KEY);
+  const errorClass = errorClassOf(serviceError.code, reason);
+  return new errorClass(serviceError.details || serviceError.message, {
+    code: serviceError.code,
+    reason,
+    field: firstValue(metadata, FIELD_KEY),
+    errorId: firstValue(metadata, ERROR_ID_KEY),
+    metadata,
+    cause: serviceError,
+  });
+}
+
+module.exports = {
+  ERROR_TABLE,
+  errorClassOf,
+  ledgerErrorOf,
+  LedgerError,
+  Refusal,
+  InvalidArgument,
+  TtlExceedsHoldTtl,
+  UnknownModel,
+  NotFound,
+  LaneNotFound,
+  BookingNotFound,
+  AlreadyExists,
+  ReservationIdReused,
+  FailedPrecondition,
+  BookingAlreadyEnded,
+  BookingWasDenied,
+  ResourceExhausted,
+  TooManyWatchers,
+  Unauthenticated,
+  PermissionDenied,
+  Unimplemented,
+  Unavailable,
+  StoreUnavailable,
+  DeadlineExceeded,
+  Cancelled,
+  InternalError,
+};

@@ -1,0 +1,165 @@
+'use strict';
+// How a model call's end becomes the end of its booking: ONE table, the same
+// as the Python client's (clients/python/ledger_client/outcomes.py). A refused
+// call costs zero; an unknown outcome is charged at the hold (the server never
+// charges more); real usage is the real cost. See ledger-semantics.md, "The
+// five moves".
+
+const Ending = Object.freeze({
+  /** Settle SUCCEEDED with the usage: charged the real cost. */
+  SUCCEEDED: 'SUCCEEDED',
+  /** Refund: the provider refused the call or it was never sent. Costs zero. */
+  REFUND: 'REFUND',
+  /** Settle UNKNOWN: charged the hold, never more. */
+  UNKNOWN: 'UNKNOWN',
+});
+
+const isStatus = (report, low, high) => report.httpStatus >= low && report.httpStatus <= high;
+
+// What the lane knows about the call -> how the booking ends. The first row
+// that matches wins. `report` is what reportOf/reportOfError below make.
+const OUTCOME_TABLE = Object.freeze([
+  { when: 'the call was never sent', matches: (r) => r.notSent, ending: Ending.REFUND },
+  { when: 'HTTP 4xx, 429 included: the provider refused', matches: (r) => isStatus(r, 400, 499), ending: Ending.REFUND },
+  { when: 'HTTP 2xx with usage', matches: (r) => isStatus(r, 200, 299) && r.usage !== null, ending: Ending.SUCCEEDED },
+  { when: 'any other answer with usage: real data wins', matches: (r) => r.usage !== null, ending: Ending.SUCCEEDED },
+  { when: 'HTTP 5xx without usage', matches: (r) => isStatus(r, 500, 599), ending: Ending.UNKNOWN },
+  { when: 'timeout', matches: (r) => r.timedOut, ending: Ending.UNKNOWN },
+  { when: 'connection lost', matches: (r) => r.connectionLost, ending: Ending.UNKNOWN },
+  { when: 'the callback threw', matches: (r) => r.thrown, ending: Ending.UNKNOWN },
+  { when: 'anything else, e.g. 2xx without usage', matches: () => true, ending: Ending.UNKNOWN },
+]);
+
+const REFUSED_REASON = 'the provider refused the call';
+const NOT_SENT_REASON = 'the call was never sent';
+// The server refuses a refund reason over 1000 characters or one that Python's
+// str.isprintable() refuses: control characters, and every separator but the
+// ASCII space.
+const MAX_REASON_LENGTH = 200;
+
+function printable(text) {
+  return String(text).replace(/[\p{C}\p{Z}]/gu, ' ').trim().slice(0, MAX_REASON_LENGTH);
+}
+
+/**
+ * The move for a report: the first row of the table that matches, with what
+ * goes with it on the wire (the status, the usage of a SUCCEEDED settle, the
+ * reason of a refund).
+ * @returns {{ending: string, when: string, httpStatus: number, usage: object|null, reason: string}}
+ */
+function endingOf(report) {
+  const { when, ending } = OUTCOME_TABLE.find((row) => row.matches(report));
+  if (ending === Ending.REFUND) {
+    const refused = isStatus(report, 400, 499) && !report.notSent;
+    return {
+      ending,
+      when,
+      httpStatus: refused ? report.httpStatus : 0,
+      usage: null,
+      reason: printable(report.reason) || (refused ? REFUSED_REASON : NOT_SENT_REASON),
+    };
+  }
+  const usage = ending === Ending.SUCCEEDED ? report.usage : null;
+  return { ending, when, httpStatus: report.httpStatus, usage, reason: report.reason };
+}
+
+function statusOf(value) {
+  if (value === undefined || value === null || value === 0) return 0;
+  if (Number.isInteger(value) && value >= 100 && value <= 599) return value;
+  throw new TypeError(`httpStatus must be an HTTP status (100 to 599) or 0, not ${String(value).slice(0, 40)}`);
+}
+
+function usageOf(returned) {
+  const usage = returned.usage ?? null;
+  const billedNanos = returned.billedNanos ?? usage?.billedNanos ?? null;
+  if (usage === null && billedNanos === null) return null;
+  const tokens = usage !== null && (usage.inputTokens !== undefined || usage.outputTokens !== undefined);
+  if (!tokens && billedNanos === null) throw new TypeError('usage needs inputTokens/outputTokens or billedNanos');
+  return {
+    inputTokens: usage?.inputTokens ?? 0,
+    outputTokens: usage?.outputTokens ?? 0,
+    billedNanos,
+  };
+}
+
+/**
+ * What a callback's return value says about its call:
+ * `{httpStatus?, usage?: {inputTokens, outputTokens} | {billedNanos}, billedNanos?,
+ *   timedOut?, connectionLost?, notSent?, reason?}`.
+ * Throws TypeError on a malformed value (the wrapper then settles UNKNOWN).
+ */
+function reportOf(returned) {
+  if (returned === null || typeof returned !== 'object') {
+    throw new TypeError('the callback must return an object such as {httpStatus, usage}');
+  }
+  return {
+    httpStatus: statusOf(returned.httpStatus),
+    usage: usageOf(returned),
+    timedOut: returned.timedOut === true,
+    connectionLost: returned.connectionLost === true,
+    notSent: returned.notSent === true,
+    thrown: false,
+    reason: typeof returned.reason === 'string' ? returned.reason : '',
+  };
+}
+
+/**
+ * Throw it from a call() callback when the request never left the lane (a
+ * request refused locally, a circuit breaker that is open): the booking is
+ * refunded. The reason goes to the ledger's audit, so it must carry neither
+ * secrets nor provider text.
+ */
+class CallNotSent extends Error {
+  constructor(reason) {
+    super(reason);
+    this.name = 'CallNotSent';
+    this.reason = reason;
+  }
+}
+
+const NOT_SENT = Symbol.for('lane-ledger.notSent');
+
+/**
+ * Marks any error as "the call was never sent", like CallNotSent, for errors
+ * made elsewhere. Returns the error.
+ * @template {Error} E
+ * @param {E} error
+ * @returns {E}
+ */
+function markNotSent(error) {
+  Object.defineProperty(error, NOT_SENT, { value: true, enumerable: false });
+  return error;
+}
+
+function isNotSent(error) {
+  return error instanceof CallNotSent || error?.[NOT_SENT] === true || error?.notSent === true;
+}
+
+/**
+ * What a thrown error says about its call. A CallNotSent, or an error marked
+ * by markNotSent (or with `notSent: true`), was never sent. An error carrying
+ * an integer HTTP status (`httpStatus`, or `status` as provider SDKs set it)
+ * is read by that status, so an SDK that throws on 429 still gets its refund.
+ * Everything else is a call whose outcome is unknown. The error's message is
+ * never read: it may hold provider text or secrets.
+ */
+function reportOfError(error) {
+  let httpStatus = 0;
+  for (const candidate of [error?.httpStatus, error?.status]) {
+    if (Number.isInteger(candidate) && candidate >= 100 && candidate <= 599) {
+      httpStatus = candidate;
+      break;
+    }
+  }
+  return {
+    httpStatus,
+    usage: null,
+    timedOut: false,
+    connectionLost: false,
+    notSent: isNotSent(error),
+    thrown: true,
+    reason: error instanceof CallNotSent && typeof error.reason === 'string' ? error.reason : '',
+  };
+}
+
+module.exports = { Ending, OUTCOME_TABLE, endingOf, reportOf, reportOfError, CallNotSent, markNotSent };

@@ -1,0 +1,175 @@
+'use strict';
+// Pure tests: the outcome table, the error table and the int64 encoding, with
+// no server.
+
+const { describe, test } = require('node:test');
+const assert = require('node:assert/strict');
+const { Metadata, status: Status } = require('@grpc/grpc-js');
+const {
+  LaneClient,
+  DEFAULT_DEADLINE_MS,
+  ERROR_TABLE,
+  ledgerErrorOf,
+  ledgerPackage,
+  markNotSent,
+  CallNotSent,
+  LedgerError,
+  InvalidArgument,
+  LaneNotFound,
+  NotFound,
+  BookingAlreadyEnded,
+  FailedPrecondition,
+  StoreUnavailable,
+  Unavailable,
+  DeadlineExceeded,
+  InternalError,
+  PermissionDenied,
+} = require('..');
+const { endingOf, reportOf, reportOfError, OUTCOME_TABLE } = require('../lib/outcomes');
+const wire = require('../lib/wire');
+
+describe('the outcome table', () => {
+  const cases = [
+    [{ httpStatus: 200, usage: { inputTokens: 10, outputTokens: 5 } }, 'SUCCEEDED'],
+    [{ httpStatus: 200, billedNanos: 7n }, 'SUCCEEDED'],
+    [{ httpStatus: 200, usage: { billedNanos: '7' } }, 'SUCCEEDED'],
+    [{ httpStatus: 400 }, 'REFUND'],
+    [{ httpStatus: 403 }, 'REFUND'],
+    [{ httpStatus: 429 }, 'REFUND'],
+    [{ httpStatus: 429, usage: { inputTokens: 1, outputTokens: 0 } }, 'REFUND'],
+    [{ httpStatus: 500 }, 'UNKNOWN'],
+    [{ httpStatus: 503 }, 'UNKNOWN'],
+    [{ httpStatus: 502, usage: { inputTokens: 3, outputTokens: 4 } }, 'SUCCEEDED'],
+    [{ timedOut: true }, 'UNKNOWN'],
+    [{ connectionLost: true }, 'UNKNOWN'],
+    [{ httpStatus: 200 }, 'UNKNOWN'],
+    [{ notSent: true, reason: 'breaker open' }, 'REFUND'],
+  ];
+  for (const [returned, ending] of cases) {
+    test(`${JSON.stringify(returned, (_key, value) => (typeof value === 'bigint' ? `${value}n` : value))} -> ${ending}`, () => {
+      assert.equal(endingOf(reportOf(returned)).ending, ending);
+    });
+  }
+
+  test('thrown errors: unknown, unless marked not sent or carrying a 4xx', () => {
+    assert.equal(endingOf(reportOfError(new Error('socket hang up'))).ending, 'UNKNOWN');
+    assert.equal(endingOf(reportOfError(Object.assign(new Error('x'), { name: 'TimeoutError' }))).ending, 'UNKNOWN');
+    assert.equal(endingOf(reportOfError(markNotSent(new Error('breaker open')))).ending, 'REFUND');
+    assert.equal(endingOf(reportOfError(Object.assign(new Error('x'), { notSent: true }))).ending, 'REFUND');
+    assert.equal(endingOf(reportOfError(Object.assign(new Error('x'), { status: 429 }))).ending, 'REFUND');
+    assert.equal(endingOf(reportOfError(Object.assign(new Error('x'), { httpStatus: 403 }))).ending, 'REFUND');
+    assert.equal(endingOf(reportOfError(Object.assign(new Error('x'), { status: 500 }))).ending, 'UNKNOWN');
+    assert.equal(endingOf(reportOfError(Object.assign(new Error('x'), { status: 'ECONNRESET' }))).ending, 'UNKNOWN');
+    assert.equal(endingOf(reportOfError('a string')).ending, 'UNKNOWN');
+  });
+
+  test('a refund carries the status of a refusal, or a printable reason', () => {
+    assert.deepEqual(endingOf(reportOf({ httpStatus: 429 })), {
+      ending: 'REFUND',
+      when: 'HTTP 4xx, 429 included: the provider refused',
+      httpStatus: 429,
+      usage: null,
+      reason: 'the provider refused the call',
+    });
+    const marked = endingOf(reportOfError(markNotSent(new Error('secret provider text'))));
+    assert.equal(marked.httpStatus, 0);
+    assert.equal(marked.reason, 'the call was never sent', 'an error message never reaches the audit');
+    const breaker = endingOf(reportOfError(new CallNotSent('breaker\nopen\u00a0now')));
+    assert.equal(breaker.reason, 'breaker open now');
+    const blank = endingOf(reportOf({ notSent: true, httpStatus: 200, reason: '\n\t' }));
+    assert.equal(blank.httpStatus, 0);
+    assert.equal(blank.reason, 'the call was never sent');
+  });
+
+  test('malformed reports are refused', () => {
+    assert.throws(() => reportOf(undefined), TypeError);
+    assert.throws(() => reportOf({ httpStatus: 42 }), TypeError);
+    assert.throws(() => reportOf({ httpStatus: 200, usage: {} }), TypeError);
+  });
+
+  test('every row names its case and ends in one of the three endings', () => {
+    for (const row of OUTCOME_TABLE) {
+      assert.ok(row.when.length > 0);
+      assert.ok(['SUCCEEDED', 'REFUND', 'UNKNOWN'].includes(row.ending));
+    }
+    assert.equal(OUTCOME_TABLE.at(-1).ending, 'UNKNOWN', 'what nobody foresaw is charged at the hold, never more');
+  });
+});
+
+function serviceError(code, reason, extra = {}) {
+  const metadata = new Metadata();
+  if (reason) metadata.set('ledger-reason', reason);
+  for (const [key, value] of Object.entries(extra)) metadata.set(key, value);
+  return Object.assign(new Error(`${code} message`), { code, details: 'details', metadata });
+}
+
+describe('the error table', () => {
+  test('reason and status pick the class', () => {
+    const lane = ledgerErrorOf(serviceError(Status.NOT_FOUND, 'LANE_NOT_FOUND'));
+    assert.ok(lane instanceof LaneNotFound && lane instanceof NotFound && lane instanceof LedgerError);
+    assert.equal(lane.message, 'details');
+    const field = ledgerErrorOf(serviceError(Status.INVALID_ARGUMENT, 'INVALID_ARGUMENT', { 'ledger-field': 'request_bytes' }));
+    assert.ok(field instanceof InvalidArgument);
+    assert.equal(field.field, 'request_bytes');
+    assert.ok(ledgerErrorOf(serviceError(Status.FAILED_PRECONDITION, 'BOOKING_ALREADY_ENDED')) instanceof BookingAlreadyEnded);
+    const store = ledgerErrorOf(serviceError(Status.UNAVAILABLE, 'STORE_UNAVAILABLE'));
+    assert.ok(store instanceof StoreUnavailable && store instanceof Unavailable);
+    assert.equal(store.retryable, true);
+    assert.equal(store.mayHaveApplied, true);
+    const internal = ledgerErrorOf(serviceError(Status.INTERNAL, 'INTERNAL', { 'ledger-error-id': 'abc123' }));
+    assert.ok(internal instanceof InternalError);
+    assert.equal(internal.errorId, 'abc123');
+    assert.ok(ledgerErrorOf(serviceError(Status.PERMISSION_DENIED, 'PERMISSION_DENIED')) instanceof PermissionDenied);
+  });
+
+  test('without a reason (transport errors) or with a new one, the status decides', () => {
+    const deadline = ledgerErrorOf(serviceError(Status.DEADLINE_EXCEEDED, ''));
+    assert.ok(deadline instanceof DeadlineExceeded);
+    assert.equal(deadline.retryable, true);
+    assert.ok(ledgerErrorOf(serviceError(Status.UNAVAILABLE, '')) instanceof Unavailable);
+    const novel = ledgerErrorOf(serviceError(Status.FAILED_PRECONDITION, 'SOMETHING_NEW'));
+    assert.equal(novel.constructor, FailedPrecondition);
+    assert.equal(novel.reason, 'SOMETHING_NEW');
+    assert.equal(novel.mayHaveApplied, false);
+    assert.equal(ledgerErrorOf(serviceError(Status.DATA_LOSS, '')).constructor, LedgerError);
+  });
+
+  test('each (status, reason) pair has one row', () => {
+    const keys = ERROR_TABLE.map(([code, reason]) => `${code}/${reason}`);
+    assert.equal(new Set(keys).size, keys.length);
+  });
+});
+
+describe('int64 on the wire', () => {
+  const { definition } = ledgerPackage();
+  const Lane = definition['ledger.v1.Lane'];
+
+  test('amounts far beyond 2^53 keep every digit, both ways', () => {
+    for (const amount of [9_000_000_000_000_000_000n, 2n ** 63n - 1n, -(2n ** 63n), 2n ** 53n + 1n]) {
+      const bytes = Lane.serialize({ lane: 'x', limit_nanos: wire.int64(amount, 'limit') });
+      assert.equal(wire.bigintOf(Lane.deserialize(bytes).limit_nanos), amount);
+    }
+  });
+
+  test('numbers that are not safe integers are refused, never rounded', () => {
+    assert.equal(wire.int64(12, 'n'), '12');
+    assert.equal(wire.int64('-5', 'n'), '-5');
+    assert.throws(() => wire.int64(2 ** 53 + 2, 'n'), TypeError);
+    assert.throws(() => wire.int64(1.5, 'n'), TypeError);
+    assert.throws(() => wire.int64('1e3', 'n'), TypeError);
+    assert.throws(() => wire.int64(2n ** 63n, 'n'), RangeError);
+  });
+
+  test('a retry_after in the middle of a millisecond is rounded up', () => {
+    const timestamp = { seconds: '1790000000', nanos: 1_000_001 };
+    assert.equal(wire.dateOf(timestamp, { roundUp: true }).getTime(), 1_790_000_000_002);
+    assert.equal(wire.dateOf(timestamp).getTime(), 1_790_000_000_001);
+  });
+});
+
+test('the default deadline is 250 ms', () => {
+  assert.equal(DEFAULT_DEADLINE_MS, 250);
+  const client = new LaneClient('127.0.0.1:1', 'lane');
+  assert.equal(client.deadlineMs, 250);
+  client.close();
+});
