@@ -61,14 +61,6 @@ function dateOf(timestamp, { roundUp = false } = {}) {
   return new Date(Number(BigInt(timestamp.seconds) * 1000n) + millis);
 }
 
-/** A Date (or milliseconds since the epoch) as a google.protobuf.Timestamp. */
-function timestampOf(instant) {
-  const millis = instant instanceof Date ? instant.getTime() : instant;
-  if (!Number.isSafeInteger(millis)) throw new TypeError('an instant must be a Date or integer milliseconds');
-  const seconds = Math.floor(millis / 1000);
-  return { seconds: String(seconds), nanos: (millis - seconds * 1000) * 1e6 };
-}
-
 /** A google.protobuf.Duration as seconds (a number, possibly fractional), or null. */
 function secondsOf(duration) {
   if (!duration) return null;
@@ -149,13 +141,10 @@ module.exports = {
   optionalInt64,
   bigintOf,
   dateOf,
-  timestampOf,
   secondsOf,
   durationOfMs,
   balanceOf,
   reserveResultOf,
   settleResultOf,
   bookingOf,
-  INT64_MIN,
-  INT64_MAX,
 };
