@@ -1,0 +1,256 @@
+"""Context budgeting, before a lane reserves (seeds/002).
+
+- Tokens are estimated pessimistically from bytes: 3.5 bytes per token by
+  default (JSON tokenizes worse than prose), rounded up. Over-estimating trims a
+  little more than needed; under-estimating is the bug this prevents.
+- Output headroom is withheld from the window, and tool schemas are counted:
+  they are sent on every call.
+- Tool results are fitted largest-first: the largest is cut to the size of the
+  next largest (or only as far as needed), then everything is measured again.
+  One enormous payload is cut; the small useful ones stay byte-identical.
+- A trimmed result says so inside its own content, so the model knows the data
+  is incomplete instead of answering confidently from half of it.
+- Below a floor a result is not cut further. When nothing more can be cut the
+  answer is `fits=False`, after a bounded number of rounds, never a loop.
+
+And when a provider still refuses a request for its size, `is_context_overflow`
+recognises it, and CONTEXT_OVERFLOW_REPLY is the sentence to show instead of
+the provider's text, which may carry secrets or prompt fragments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+DEFAULT_BYTES_PER_TOKEN_MILLI = 3500  # 3.5 bytes per token, in thousandths
+BYTES_PER_TOKEN_SCALE = 1000
+DEFAULT_MAX_CONTEXT_TOKENS = 16_384
+DEFAULT_RESERVE_OUTPUT_TOKENS = 2_048
+DEFAULT_MIN_TOOL_RESULT_BYTES = 1_024
+DEFAULT_MAX_ITERATIONS = 64
+MAX_TOOL_RESULTS = 1_000
+MAX_ERROR_BODY_BYTES = 64 * 1024
+
+CONTEXT_OVERFLOW_REPLY = (
+    "That question needs more context than the model can take in one request. "
+    "The model is up and healthy; please ask something narrower, about one part at a time."
+)
+
+
+def tokens_of_bytes(
+    byte_count: int, bytes_per_token_milli: int = DEFAULT_BYTES_PER_TOKEN_MILLI
+) -> int:
+    """ceil(byte_count / bytes_per_token), in integers."""
+    if byte_count < 0 or bytes_per_token_milli <= 0:
+        raise ValueError("byte_count must be >= 0 and bytes_per_token_milli > 0")
+    return -(-(byte_count * BYTES_PER_TOKEN_SCALE) // bytes_per_token_milli)
+
+
+def estimate_tokens(
+    payload: bytes | str, bytes_per_token_milli: int = DEFAULT_BYTES_PER_TOKEN_MILLI
+) -> int:
+    """A pessimistic token count for a payload, from its UTF-8 bytes."""
+    return tokens_of_bytes(len(_utf8(payload)), bytes_per_token_milli)
+
+
+def _utf8(payload: bytes | str) -> bytes:
+    return payload.encode("utf-8") if isinstance(payload, str) else payload
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextBudget:
+    # Must match the served model's window (vLLM's --max-model-len): two
+    # statements of one number, and the bug is when they disagree.
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
+    # Withheld from the input for the reply (the window bounds input + output).
+    reserve_output_tokens: int = DEFAULT_RESERVE_OUTPUT_TOKENS
+    bytes_per_token_milli: int = DEFAULT_BYTES_PER_TOKEN_MILLI
+    # Below this a result stops being evidence; it is never cut shorter.
+    min_tool_result_bytes: int = DEFAULT_MIN_TOOL_RESULT_BYTES
+    max_iterations: int = DEFAULT_MAX_ITERATIONS
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.reserve_output_tokens < self.max_context_tokens <= 10**9:
+            raise ValueError("need 0 <= reserve_output_tokens < max_context_tokens <= 10**9")
+        if not 100 <= self.bytes_per_token_milli <= 64_000:
+            raise ValueError("bytes_per_token_milli must be between 100 and 64000")
+        if not 256 <= self.min_tool_result_bytes <= 10**8:
+            raise ValueError("min_tool_result_bytes must be between 256 and 10**8")
+        if not 1 <= self.max_iterations <= 10_000:
+            raise ValueError("max_iterations must be between 1 and 10000")
+
+    @property
+    def input_budget_tokens(self) -> int:
+        return self.max_context_tokens - self.reserve_output_tokens
+
+    def tokens(self, payload: bytes | str) -> int:
+        return estimate_tokens(payload, self.bytes_per_token_milli)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextFit:
+    fits: bool
+    # The tool results to send, in their original order.
+    tool_results: tuple[str, ...]
+    # Indexes of the results that were trimmed (and carry a marker).
+    trimmed: tuple[int, ...]
+    # Estimated input tokens (messages + tool schemas + results) and the budget.
+    input_tokens: int
+    budget_tokens: int
+    iterations: int
+
+
+def truncation_marker(removed_bytes: int, original_bytes: int) -> str:
+    return (
+        f"\n[... truncated {removed_bytes} bytes of {original_bytes}: this result is "
+        "incomplete; say what is missing rather than guess it ...]"
+    )
+
+
+class _Result:
+    """One tool result and how much of it is kept."""
+
+    def __init__(self, text: str) -> None:
+        self.original = text.encode("utf-8")
+        self.rendered = text
+        self.size_bytes = len(self.original)
+        self.trimmed = False
+
+    def cut_to(self, size_bytes: int) -> None:
+        """Keeps a head and a marker, together at most size_bytes long."""
+        total = len(self.original)
+        keep = max(0, size_bytes - len(truncation_marker(total, total)))
+        # The marker's length depends on how much it says was removed.
+        keep = max(0, size_bytes - len(truncation_marker(total - keep, total)))
+        # errors="ignore" drops a character split by the cut, never more.
+        head = self.original[:keep].decode("utf-8", errors="ignore")
+        removed = total - len(head.encode("utf-8"))
+        self.rendered = head + truncation_marker(removed, total)
+        self.size_bytes = len(self.rendered.encode("utf-8"))
+        self.trimmed = True
+
+
+def fit_tool_results(
+    tool_results: Sequence[str],
+    budget: ContextBudget | None = None,
+    *,
+    messages: Sequence[str] = (),
+    tool_schemas: Sequence[str] = (),
+) -> ContextFit:
+    """Fits tool results into what the window leaves after the messages, the
+    tool schemas and the output reserve."""
+    budget = budget or ContextBudget()
+    if len(tool_results) > MAX_TOOL_RESULTS:
+        raise ValueError(f"at most {MAX_TOOL_RESULTS} tool results")
+    fixed_tokens = sum(budget.tokens(text) for text in (*messages, *tool_schemas))
+    results = [_Result(text) for text in tool_results]
+    iterations = 0
+    while True:
+        total = fixed_tokens + sum(
+            tokens_of_bytes(r.size_bytes, budget.bytes_per_token_milli) for r in results
+        )
+        if total <= budget.input_budget_tokens:
+            return _fit(True, results, total, budget, iterations)
+        if iterations >= budget.max_iterations or not _cut_largest(results, total, budget):
+            return _fit(False, results, total, budget, iterations)
+        iterations += 1
+
+
+def _cut_largest(results: list[_Result], total_tokens: int, budget: ContextBudget) -> bool:
+    """Cuts the largest results (all of them if tied) down to the next largest
+    size, or only as far as the excess needs. False when nothing can be cut."""
+    floor = budget.min_tool_result_bytes
+    cuttable = [result for result in results if result.size_bytes > floor]
+    if not cuttable:
+        return False
+    top = max(result.size_bytes for result in cuttable)
+    group = [result for result in cuttable if result.size_bytes == top]
+    next_size = max((r.size_bytes for r in results if r.size_bytes < top), default=0)
+    excess_tokens = total_tokens - budget.input_budget_tokens
+    excess_bytes = -(-(excess_tokens * budget.bytes_per_token_milli) // BYTES_PER_TOKEN_SCALE)
+    share = -(-excess_bytes // len(group))
+    new_size = max(next_size, top - share, floor)
+    for result in group:
+        result.cut_to(new_size)
+    return True
+
+
+def _fit(
+    fits: bool, results: list[_Result], total: int, budget: ContextBudget, iterations: int
+) -> ContextFit:
+    return ContextFit(
+        fits=fits,
+        tool_results=tuple(result.rendered for result in results),
+        trimmed=tuple(index for index, result in enumerate(results) if result.trimmed),
+        input_tokens=total,
+        budget_tokens=budget.input_budget_tokens,
+        iterations=iterations,
+    )
+
+
+# Overflow recognition ---------------------------------------------------------
+
+OVERFLOW_HTTP_STATUSES = frozenset({400, 413})
+# Error codes that name the overflow outright (OpenAI and compatible servers).
+OVERFLOW_CODES = frozenset({"context_length_exceeded", "context_window_exceeded"})
+# Error types for "your request is wrong", which need the message to say why.
+REQUEST_ERROR_TYPES = frozenset(
+    {"invalid_request_error", "badrequesterror", "invalid_argument", "request_too_large"}
+)
+_OVERFLOW_MESSAGE = re.compile(
+    r"context[ _-]?length|context[ _-]?window|maximum context|too many tokens|"
+    r"prompt is too long|input is too long|maximum number of tokens|exceeds? the token limit",
+    re.IGNORECASE,
+)
+
+
+def _error_fields(body: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """The body and its nested `error` object: providers put the fields in either."""
+    fields = [body]
+    nested = body.get("error")
+    if isinstance(nested, Mapping):
+        fields.append(nested)
+    return fields
+
+
+def _parsed(body: Mapping[str, object] | bytes | str | None) -> Mapping[str, object] | None:
+    if body is None or isinstance(body, Mapping):
+        return body
+    raw = _utf8(body)
+    if len(raw) > MAX_ERROR_BODY_BYTES:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, Mapping) else None
+
+
+def is_context_overflow(http_status: int, body: Mapping[str, object] | bytes | str | None) -> bool:
+    """Whether a provider refused a request for not fitting its context window.
+
+    Reads the status and the error's code and type fields; the message is read
+    only to tell an overflow from other bad requests of the same type, and is
+    never shown to anyone (answer with CONTEXT_OVERFLOW_REPLY)."""
+    if http_status not in OVERFLOW_HTTP_STATUSES:
+        return False
+    parsed = _parsed(body)
+    if parsed is None:
+        return False
+    for fields in _error_fields(parsed):
+        code = fields.get("code")
+        if isinstance(code, str) and code.lower() in OVERFLOW_CODES:
+            return True
+    for fields in _error_fields(parsed):
+        kinds = {str(fields.get(key, "")).lower() for key in ("type", "status")}
+        message = fields.get("message")
+        if (
+            kinds & REQUEST_ERROR_TYPES
+            and isinstance(message, str)
+            and _OVERFLOW_MESSAGE.search(message[:MAX_ERROR_BODY_BYTES])
+        ):
+            return True
+    return False
