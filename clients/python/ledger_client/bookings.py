@@ -1,0 +1,119 @@
+"""The values a lane sees: what it asks to reserve and what the ledger answers.
+
+Frozen dataclasses with integer nanos and timezone-aware UTC datetimes; the
+protobuf messages stop in `convert.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import re
+import uuid
+
+MAX_REQUEST_BYTES = 2**40
+MAX_TOKENS = 10**12
+MAX_AMOUNT_NANOS = 2**62
+MAX_RESERVATION_ID_LENGTH = 200
+MAX_TTL_US = 7 * 86_400 * 1_000_000
+_RESERVATION_ID = re.compile(r"^[\x21-\x7e]+$")
+
+
+class DenialReason(enum.Enum):
+    """Why a lane must fall back instead of calling the model."""
+
+    BUDGET_EXHAUSTED = "budget_exhausted"  # the ledger said no; retry_after says when
+    HOLD_EXCEEDS_LIMIT = "hold_exceeds_limit"  # the ledger said no, for ever
+    LEDGER_UNAVAILABLE = "ledger_unavailable"  # unreachable, and the outage mode is deny
+    ALLOWANCE_EXHAUSTED = "allowance_exhausted"  # unreachable, and the allowance is spent
+
+
+class BookingState(enum.Enum):
+    UNSPECIFIED = "unspecified"
+    OPEN = "open"
+    SETTLED = "settled"
+    SETTLED_UNKNOWN = "settled_unknown"
+    REFUNDED = "refunded"
+    EXPIRED = "expired"
+    REJECTED = "rejected"
+
+
+def new_reservation_id() -> str:
+    """A fresh id: 32 hex digits, unique without coordination."""
+    return uuid.uuid4().hex
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer between {low} and {high}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReserveArguments:
+    """Everything a Reserve sends besides the lane. A replay sends exactly these
+    again under the same reservation_id, which the ledger answers idempotently."""
+
+    reservation_id: str
+    model: str
+    request_bytes: int
+    max_output_tokens: int
+    estimate_nanos: int | None = None
+    ttl_us: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (
+            0 < len(self.reservation_id) <= MAX_RESERVATION_ID_LENGTH
+            and _RESERVATION_ID.match(self.reservation_id)
+        ):
+            raise ValueError("reservation_id must be 1 to 200 printable ASCII characters")
+        if not 0 < len(self.model) <= 200:
+            raise ValueError("model must be 1 to 200 characters")
+        _check_range("request_bytes", self.request_bytes, 0, MAX_REQUEST_BYTES)
+        _check_range("max_output_tokens", self.max_output_tokens, 0, MAX_TOKENS)
+        if self.estimate_nanos is not None:
+            _check_range("estimate_nanos", self.estimate_nanos, 0, MAX_AMOUNT_NANOS)
+        if self.ttl_us is not None:
+            _check_range("ttl_us", self.ttl_us, 1, MAX_TTL_US)
+
+
+@dataclasses.dataclass(frozen=True)
+class Balance:
+    lane: str
+    limit_nanos: int
+    spent_nanos: int
+    held_nanos: int
+    charged_nanos: int
+    available_nanos: int
+    overrun_nanos: int
+    open_bookings: int
+    window: datetime.timedelta
+    as_of: datetime.datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+    """The ledger's answer to a Reserve: admitted with a hold, or denied."""
+
+    reservation_id: str
+    admitted: bool
+    hold_nanos: int
+    cap_nanos: int
+    reserved_at: datetime.datetime
+    expires_at: datetime.datetime | None
+    retry_after: datetime.datetime | None
+    denial_reason: DenialReason | None
+    reason: str
+    balance: Balance
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    charged_nanos: int
+    state: BookingState
+    balance: Balance
+
+
+@dataclasses.dataclass(frozen=True)
+class Refunded:
+    balance: Balance

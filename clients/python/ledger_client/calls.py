@@ -1,0 +1,329 @@
+"""One model call, wrapped: reserve before, settle or refund after.
+
+    with client.model_call("model-a", payload, max_output_tokens=512) as call:
+        response = post(payload)
+        call.answered(response.status_code, usage_of(response))
+
+Entering reserves with a fresh reservation_id, or raises `Denied` (fall back:
+it carries the reason and, for a budget denial, `retry_after`). Leaving ends
+the booking by the table in outcomes.py: what the caller reported, else what
+the escaping exception says (UNKNOWN, because the call may have been sent,
+unless it is CallNotSent), else UNKNOWN. Ledger trouble while ending never
+raises out of the block: the ending goes to the journal for replay, or is
+logged and kept on the handle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import logging
+from types import TracebackType
+from typing import Protocol
+
+from ledger_client.bookings import (
+    DenialReason,
+    Refunded,
+    Reservation,
+    ReserveArguments,
+    Settled,
+)
+from ledger_client.errors import LedgerError, LedgerUnavailable
+from ledger_client.journal import Journal, JournalEntry, JournalError, Source, now_text
+from ledger_client.outage import Allowance
+from ledger_client.outcomes import (
+    CallFailure,
+    CallNotSent,
+    Ending,
+    Settlement,
+    Usage,
+    ending_of,
+    failure_of_exception,
+)
+from ledger_client.replay import IN_DOUBT_REASON, Replayer
+
+log = logging.getLogger("ledger_client.calls")
+
+# In-doubt Reserves kept for a later refund, at most (beyond: only logged).
+MAX_IN_DOUBT_ENTRIES = 1000
+NO_OUTCOME_REASON = "the block ended without reporting an outcome"
+
+
+class Denied(Exception):
+    """Do not call the model; fall back. `retry_after` (UTC) is set when the
+    ledger knows when enough of the window ages out for this call to fit."""
+
+    def __init__(
+        self,
+        denial_reason: DenialReason,
+        message: str,
+        retry_after: datetime.datetime | None = None,
+        reservation_id: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.denial_reason = denial_reason
+        self.message = message
+        self.retry_after = retry_after
+        self.reservation_id = reservation_id
+
+
+class CallLedger(Protocol):
+    def reserve_arguments(
+        self,
+        arguments: ReserveArguments,
+        *,
+        deadline_seconds: float | None = None,
+        trace_id: str = "",
+    ) -> Reservation: ...
+
+    def end(
+        self,
+        reservation_id: str,
+        ending: Ending,
+        *,
+        deadline_seconds: float | None = None,
+        trace_id: str = "",
+    ) -> Settled | Refunded: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSupport:
+    ledger: CallLedger
+    lane: str
+    journal: Journal | None
+    allowance: Allowance | None
+    replayer: Replayer | None
+
+
+class CallSource(enum.Enum):
+    LEDGER = "ledger"  # the ledger admitted it
+    ALLOWANCE = "allowance"  # the ledger was unreachable; the outage allowance admitted it
+
+
+class CallHandle:
+    """What the block reports through. Report once."""
+
+    def __init__(
+        self,
+        arguments: ReserveArguments,
+        source: CallSource,
+        hold_nanos: int,
+        expires_at: datetime.datetime | None,
+        trace_id: str,
+    ) -> None:
+        self.arguments = arguments
+        self.reservation_id = arguments.reservation_id
+        self.source = source
+        self.hold_nanos = hold_nanos
+        self.expires_at = expires_at
+        self.trace_id = trace_id
+        self.ending: Ending | None = None
+        # After the block: the ledger's answer, or why it is not there.
+        self.result: Settled | Refunded | None = None
+        self.end_error: LedgerError | None = None
+        self.journaled = False
+
+    def _report(self, ending: Ending) -> Settlement:
+        if self.ending is not None:
+            raise RuntimeError("this model call already reported its outcome")
+        self.ending = ending
+        return ending.settlement
+
+    def answered(self, http_status: int, usage: Usage | None = None) -> Settlement:
+        """The provider answered with this status, with or without usage."""
+        return self._report(ending_of(http_status, usage, CallFailure.NONE))
+
+    def succeeded(
+        self,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        *,
+        billed_nanos: int | None = None,
+        http_status: int = 200,
+    ) -> Settlement:
+        return self.answered(http_status, Usage(input_tokens, output_tokens, billed_nanos))
+
+    def failed(self, failure: CallFailure, http_status: int = 0) -> Settlement:
+        """The call failed without usage: timed out, lost its connection, ..."""
+        return self._report(ending_of(http_status, None, failure))
+
+    def not_sent(self, reason: str) -> Settlement:
+        """The request never left the lane: refunded with this reason."""
+        return self._report(ending_of(0, None, CallFailure.NOT_SENT, reason))
+
+
+class ModelCall:
+    def __init__(self, support: CallSupport, arguments: ReserveArguments, trace_id: str) -> None:
+        self._support = support
+        self._arguments = arguments
+        self._trace_id = trace_id
+        self._handle: CallHandle | None = None
+
+    def __enter__(self) -> CallHandle:
+        if self._handle is not None:
+            raise RuntimeError("a ModelCall is entered once; make a new one per call")
+        replayer = self._support.replayer
+        if replayer is not None:
+            # Before anything is journaled, so the replayer never takes this
+            # call for the orphan of a dead process.
+            replayer.hold(self._arguments.reservation_id)
+        try:
+            self._handle = self._reserve()
+        except BaseException:
+            if replayer is not None:
+                replayer.release(self._arguments.reservation_id)
+            raise
+        return self._handle
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        handle = self._handle
+        assert handle is not None
+        ending = handle.ending or _ending_for(exc)
+        handle.ending = ending
+        try:
+            if handle.source is CallSource.LEDGER:
+                self._end_with_ledger(handle, ending)
+            else:
+                self._end_on_allowance(handle, ending)
+        finally:
+            if self._support.replayer is not None:
+                self._support.replayer.release(handle.reservation_id)
+
+    # Entering --------------------------------------------------------------------
+
+    def _reserve(self) -> CallHandle:
+        arguments = self._arguments
+        try:
+            reservation = self._support.ledger.reserve_arguments(arguments, trace_id=self._trace_id)
+        except LedgerUnavailable as error:
+            return self._reserve_in_outage(error)
+        if not reservation.admitted:
+            raise Denied(
+                reservation.denial_reason or DenialReason.BUDGET_EXHAUSTED,
+                reservation.reason,
+                reservation.retry_after,
+                arguments.reservation_id,
+            )
+        self._wake_replayer()
+        return CallHandle(
+            arguments,
+            CallSource.LEDGER,
+            reservation.hold_nanos,
+            reservation.expires_at,
+            self._trace_id,
+        )
+
+    def _reserve_in_outage(self, error: LedgerUnavailable) -> CallHandle:
+        support = self._support
+        arguments = self._arguments
+        if support.allowance is not None:
+            verdict = support.allowance.take(support.lane, arguments, self._trace_id)
+            if verdict.admitted:
+                return CallHandle(
+                    arguments, CallSource.ALLOWANCE, verdict.hold_nanos, None, self._trace_id
+                )
+            reason = verdict.denial_reason or DenialReason.ALLOWANCE_EXHAUSTED
+            message = verdict.message
+        else:
+            reason = DenialReason.LEDGER_UNAVAILABLE
+            message = "the ledger is unreachable and this lane fails closed"
+        # The Reserve may have reached the ledger without its answer reaching us:
+        # journal a refund so that such a hold does not sit there until it expires.
+        self._journal_in_doubt()
+        raise Denied(reason, message, None, arguments.reservation_id) from error
+
+    def _journal_in_doubt(self) -> None:
+        journal = self._support.journal
+        if journal is None:
+            return
+        in_doubt = sum(1 for entry in journal.pending() if entry.source is Source.IN_DOUBT)
+        if in_doubt >= MAX_IN_DOUBT_ENTRIES:
+            return
+        entry = JournalEntry(
+            self._support.lane,
+            self._arguments,
+            Source.IN_DOUBT,
+            0,
+            now_text(),
+            trace_id=self._trace_id,
+        )
+        try:
+            journal.record_reserve(entry)
+            journal.record_end(
+                entry.reservation_id, Ending(Settlement.REFUND, 0, None, IN_DOUBT_REASON), 0
+            )
+        except (JournalError, OSError) as failure:
+            log.warning("could not journal an unanswered reserve: %s", failure)
+
+    def _wake_replayer(self) -> None:
+        support = self._support
+        if (
+            support.replayer is not None
+            and support.journal is not None
+            and support.journal.pending()
+        ):
+            support.replayer.wake()
+
+    # Leaving ---------------------------------------------------------------------
+
+    def _end_with_ledger(self, handle: CallHandle, ending: Ending) -> None:
+        try:
+            handle.result = self._support.ledger.end(
+                handle.reservation_id, ending, trace_id=self._trace_id
+            )
+        except LedgerUnavailable as error:
+            handle.end_error = error
+            self._journal_ending(handle, ending)
+        except LedgerError as error:
+            handle.end_error = error
+            log.error(
+                "the ledger refused to end booking %s (%s)", handle.reservation_id, error.reason
+            )
+
+    def _journal_ending(self, handle: CallHandle, ending: Ending) -> None:
+        journal = self._support.journal
+        if journal is None:
+            log.warning(
+                "could not end booking %s and there is no journal: it will expire",
+                handle.reservation_id,
+            )
+            return
+        entry = JournalEntry(
+            self._support.lane,
+            handle.arguments,
+            Source.LEDGER,
+            handle.hold_nanos,
+            now_text(),
+            trace_id=self._trace_id,
+        )
+        try:
+            journal.record_reserve(entry)
+            journal.record_end(handle.reservation_id, ending, 0)
+            handle.journaled = True
+        except (JournalError, OSError) as failure:
+            log.error("could not journal the ending of %s: %s", handle.reservation_id, failure)
+
+    def _end_on_allowance(self, handle: CallHandle, ending: Ending) -> None:
+        allowance = self._support.allowance
+        assert allowance is not None
+        try:
+            allowance.record_end(handle.reservation_id, ending)
+            handle.journaled = True
+        except (JournalError, OSError) as failure:
+            # The replay ends it UNKNOWN (an orphan), which never under-books.
+            log.error("could not journal the ending of %s: %s", handle.reservation_id, failure)
+
+
+def _ending_for(error: BaseException | None) -> Ending:
+    if error is None:
+        log.warning("a model call block ended without reporting an outcome: settled UNKNOWN")
+        return ending_of(0, None, CallFailure.EXCEPTION, NO_OUTCOME_REASON)
+    failure = failure_of_exception(error)
+    reason = error.reason if isinstance(error, CallNotSent) else type(error).__name__
+    return ending_of(0, None, failure, reason)

@@ -1,0 +1,61 @@
+"""How a lane reaches the ledger: one channel, TLS when configured, the grant
+sent as `authorization: Bearer <grant>` on every call."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import grpc
+
+from ledger_client.settings import ClientSettings
+
+MAX_GRANT_LENGTH = 16 * 1024
+# A grant travels in an HTTP/2 header: visible ASCII, no spaces.
+_GRANT = re.compile(r"^[\x21-\x7e]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsSettings:
+    """PEM bytes. No root certificates: the system's roots. A certificate chain
+    and private key together: mutual TLS."""
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    # The name the server's certificate must carry, when it differs from the
+    # address's host (tests, or a ledger reached through an IP address).
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("mutual TLS needs both certificate_chain and private_key")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
+
+
+def check_grant(grant: str) -> None:
+    if not 0 < len(grant) <= MAX_GRANT_LENGTH or not _GRANT.match(grant):
+        raise ValueError(
+            f"a grant must be 1 to {MAX_GRANT_LENGTH} visible ASCII characters without spaces"
+        )
+
+
+def open_channel(address: str, tls: TlsSettings | None, settings: ClientSettings) -> grpc.Channel:
+    options: list[tuple[str, str | int]] = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
+        ("grpc.min_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
+        ("grpc.max_reconnect_backoff_ms", settings.max_reconnect_backoff_ms),
+    ]
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(address, tls.credentials(), options=options)

@@ -1,0 +1,313 @@
+"""LaneClient: one per lane, one channel, short deadlines on every call."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+from collections.abc import Callable
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+
+from ledger_client import convert
+from ledger_client.bookings import (
+    Balance,
+    BookingState,
+    Refunded,
+    Reservation,
+    ReserveArguments,
+    Settled,
+    new_reservation_id,
+)
+from ledger_client.calls import CallSupport, ModelCall
+from ledger_client.channels import TlsSettings, check_grant, open_channel
+from ledger_client.errors import from_rpc_error
+from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_client.journal import Journal
+from ledger_client.outage import Allowance, OutageMode, OutagePolicy
+from ledger_client.outcomes import Ending, Settlement, Usage
+from ledger_client.replay import Replayer, ReplayReport
+from ledger_client.settings import ClientSettings
+
+log = logging.getLogger("ledger_client")
+
+_Response = TypeVar("_Response")
+MAX_LANE_LENGTH = 200
+
+
+def new_trace_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _traceparent(trace_id: str) -> str:
+    return f"00-{trace_id}-{secrets.token_hex(8)}-01"
+
+
+def _micros_of(ttl: datetime.timedelta | None) -> int | None:
+    return None if ttl is None else ttl // datetime.timedelta(microseconds=1)
+
+
+class LaneClient:
+    """The lane's side of the ledger. Build one per lane and keep it: it holds
+    one channel (thread-safe), the outage journal and its replayer.
+
+    Every RPC has its own deadline, `settings.deadline_seconds` (0.25 s by
+    default; see settings.py for why), or the one a call passes.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        lane: str,
+        *,
+        grant: str | None = None,
+        tls: TlsSettings | None = None,
+        outage: OutagePolicy | None = None,
+        settings: ClientSettings | None = None,
+    ) -> None:
+        if not 0 < len(lane) <= MAX_LANE_LENGTH:
+            raise ValueError(f"lane must be 1 to {MAX_LANE_LENGTH} characters")
+        if grant is not None:
+            check_grant(grant)
+        self.lane = lane
+        self.settings = settings or ClientSettings()
+        self.outage = outage or OutagePolicy.deny()
+        self._grant = grant
+        self._journal: Journal | None = None
+        self._replayer: Replayer | None = None
+        self._allowance: Allowance | None = None
+        self._channel = _traced(open_channel(address, tls, self.settings), address)
+        try:
+            self._stub = pb_grpc.LedgerStub(self._channel)
+            self._open_journal()
+        except BaseException:
+            self._channel.close()
+            raise
+
+    def _open_journal(self) -> None:
+        if self.outage.journal_path is None:
+            return
+        self._journal = Journal(
+            self.outage.journal_path,
+            self.lane,
+            max_bytes=self.settings.max_journal_bytes,
+            rotate_bytes=self.settings.rotate_journal_bytes,
+        )
+        self._replayer = Replayer(self, self._journal, self.settings)
+        if self.outage.mode is OutageMode.ALLOWANCE:
+            self._allowance = Allowance(self.outage, self._journal)
+        if self.settings.replay_interval_seconds is not None:
+            self._replayer.start(self.settings.replay_interval_seconds)
+
+    def close(self) -> None:
+        """Stops the replayer, closes the journal and the channel. Idempotent."""
+        if self._replayer is not None:
+            self._replayer.stop()
+        if self._journal is not None:
+            self._journal.close()
+        self._channel.close()
+
+    def __enter__(self) -> LaneClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def journal(self) -> Journal | None:
+        return self._journal
+
+    # The RPCs ------------------------------------------------------------------
+
+    def _invoke(
+        self,
+        method: Callable[..., _Response],
+        request: object,
+        deadline_seconds: float | None,
+        trace_id: str,
+    ) -> _Response:
+        metadata: list[tuple[str, str]] = []
+        if self._grant is not None:
+            metadata.append(("authorization", f"Bearer {self._grant}"))
+        if trace_id:
+            metadata.append(("traceparent", _traceparent(trace_id)))
+        try:
+            return method(
+                request,
+                timeout=deadline_seconds or self.settings.deadline_seconds,
+                metadata=tuple(metadata),
+                wait_for_ready=False,
+            )
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+
+    def reserve(
+        self,
+        model: str,
+        request_bytes: int,
+        max_output_tokens: int,
+        *,
+        reservation_id: str | None = None,
+        estimate_nanos: int | None = None,
+        ttl: datetime.timedelta | None = None,
+        deadline_seconds: float | None = None,
+    ) -> Reservation:
+        """Books a hold, or is denied (a normal answer: `admitted` is False)."""
+        arguments = ReserveArguments(
+            reservation_id=reservation_id or new_reservation_id(),
+            model=model,
+            request_bytes=request_bytes,
+            max_output_tokens=max_output_tokens,
+            estimate_nanos=estimate_nanos,
+            ttl_us=_micros_of(ttl),
+        )
+        return self.reserve_arguments(arguments, deadline_seconds=deadline_seconds)
+
+    def reserve_arguments(
+        self,
+        arguments: ReserveArguments,
+        *,
+        deadline_seconds: float | None = None,
+        trace_id: str = "",
+    ) -> Reservation:
+        request = convert.reserve_request(self.lane, arguments)
+        response: pb.ReserveResponse = self._invoke(
+            self._stub.Reserve, request, deadline_seconds, trace_id
+        )
+        return convert.reservation(arguments.reservation_id, response)
+
+    def settle(
+        self,
+        reservation_id: str,
+        usage: Usage | None = None,
+        *,
+        http_status: int = 0,
+        billed_at_most_nanos: int | None = None,
+        deadline_seconds: float | None = None,
+    ) -> Settled:
+        """With usage: SUCCEEDED at the real cost. Without: UNKNOWN, charged at
+        the hold (or at `billed_at_most_nanos` when that is lower)."""
+        if usage is not None:
+            ending = Ending(Settlement.SETTLE_SUCCEEDED, http_status, usage)
+        else:
+            bound = (
+                None if billed_at_most_nanos is None else Usage(billed_nanos=billed_at_most_nanos)
+            )
+            ending = Ending(Settlement.SETTLE_UNKNOWN, http_status, bound)
+        result = self.end(reservation_id, ending, deadline_seconds=deadline_seconds)
+        assert isinstance(result, Settled)
+        return result
+
+    def refund(
+        self,
+        reservation_id: str,
+        *,
+        http_status: int = 0,
+        reason: str = "",
+        deadline_seconds: float | None = None,
+    ) -> Refunded:
+        """The provider refused the call (its 4xx status), or it was never sent
+        (http_status 0 and a reason)."""
+        ending = Ending(Settlement.REFUND, http_status, None, reason)
+        result = self.end(reservation_id, ending, deadline_seconds=deadline_seconds)
+        assert isinstance(result, Refunded)
+        return result
+
+    def end(
+        self,
+        reservation_id: str,
+        ending: Ending,
+        *,
+        deadline_seconds: float | None = None,
+        trace_id: str = "",
+    ) -> Settled | Refunded:
+        """Sends the move an Ending stands for: Settle or Refund."""
+        if ending.settlement is Settlement.REFUND:
+            ending = _printable_reason(ending, self.settings.max_reason_length)
+            refund = convert.refund_request(self.lane, reservation_id, ending)
+            refunded: pb.RefundResponse = self._invoke(
+                self._stub.Refund, refund, deadline_seconds, trace_id
+            )
+            return convert.refunded(refunded)
+        settle = convert.settle_request(self.lane, reservation_id, ending)
+        settled: pb.SettleResponse = self._invoke(
+            self._stub.Settle, settle, deadline_seconds, trace_id
+        )
+        return convert.settled(settled)
+
+    def balance(self, *, deadline_seconds: float | None = None) -> Balance:
+        request = pb.GetBalanceRequest(lane=self.lane)
+        response: pb.Balance = self._invoke(self._stub.GetBalance, request, deadline_seconds, "")
+        return convert.balance(response)
+
+    def booking_state(
+        self, reservation_id: str, *, deadline_seconds: float | None = None
+    ) -> BookingState:
+        request = pb.GetBookingRequest(lane=self.lane, reservation_id=reservation_id)
+        response: pb.Booking = self._invoke(self._stub.GetBooking, request, deadline_seconds, "")
+        return convert.booking_state(response.state)
+
+    # One model call --------------------------------------------------------------
+
+    def model_call(
+        self,
+        model: str,
+        request: bytes | str | int,
+        max_output_tokens: int,
+        *,
+        estimate_nanos: int | None = None,
+        ttl: datetime.timedelta | None = None,
+        trace_id: str | None = None,
+    ) -> ModelCall:
+        """A context manager around one model call; see calls.py."""
+        request_bytes = request if isinstance(request, int) else len(_as_bytes(request))
+        arguments = ReserveArguments(
+            reservation_id=new_reservation_id(),
+            model=model,
+            request_bytes=request_bytes,
+            max_output_tokens=max_output_tokens,
+            estimate_nanos=estimate_nanos,
+            ttl_us=_micros_of(ttl),
+        )
+        return ModelCall(self._support(), arguments, trace_id or new_trace_id())
+
+    def _support(self) -> CallSupport:
+        return CallSupport(self, self.lane, self._journal, self._allowance, self._replayer)
+
+    # The journal -----------------------------------------------------------------
+
+    def replay_journal(self, max_entries: int | None = None) -> ReplayReport:
+        """One bounded replay attempt, now, in this thread."""
+        if self._replayer is None:
+            return ReplayReport()
+        return self._replayer.replay_once(max_entries)
+
+
+def _traced(channel: grpc.Channel, address: str) -> grpc.Channel:
+    """The channel with OpenTelemetry tracing (tracing.py) when opentelemetry-api is installed."""
+    try:
+        from ledger_client import tracing
+    except ImportError:  # the optional `tracing` extra is not installed
+        return channel
+    return tracing.instrument(channel, address)
+
+
+def _as_bytes(payload: bytes | str) -> bytes:
+    return payload.encode("utf-8") if isinstance(payload, str) else payload
+
+
+def _printable_reason(ending: Ending, max_length: int) -> Ending:
+    """The ledger takes a printable reason of bounded length; make it one."""
+    reason = "".join(character if character.isprintable() else " " for character in ending.reason)
+    reason = reason[:max_length].strip() or ("refused" if ending.http_status else "not sent")
+    if reason == ending.reason:
+        return ending
+    return Ending(ending.settlement, ending.http_status, ending.usage, reason)

@@ -1,0 +1,141 @@
+"""The one place protobuf messages become the client's values and back."""
+
+from __future__ import annotations
+
+import datetime
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from ledger_client.bookings import (
+    Balance,
+    BookingState,
+    DenialReason,
+    Refunded,
+    Reservation,
+    ReserveArguments,
+    Settled,
+)
+from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_client.outcomes import Ending, Settlement
+
+_DENIAL_REASONS = {
+    pb.BUDGET_EXHAUSTED: DenialReason.BUDGET_EXHAUSTED,
+    pb.HOLD_EXCEEDS_LIMIT: DenialReason.HOLD_EXCEEDS_LIMIT,
+}
+_STATES = {
+    pb.BOOKING_STATE_UNSPECIFIED: BookingState.UNSPECIFIED,
+    pb.OPEN: BookingState.OPEN,
+    pb.SETTLED: BookingState.SETTLED,
+    pb.SETTLED_UNKNOWN: BookingState.SETTLED_UNKNOWN,
+    pb.REFUNDED: BookingState.REFUNDED,
+    pb.EXPIRED: BookingState.EXPIRED,
+    pb.REJECTED: BookingState.REJECTED,
+}
+_OUTCOMES = {
+    Settlement.SETTLE_SUCCEEDED: pb.SUCCEEDED,
+    Settlement.SETTLE_UNKNOWN: pb.UNKNOWN,
+}
+
+
+def instant(value: timestamp_pb2.Timestamp) -> datetime.datetime:
+    epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+    return epoch + datetime.timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
+
+
+def length(value: duration_pb2.Duration) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
+
+
+def duration_of_micros(micros: int) -> duration_pb2.Duration:
+    seconds, rest = divmod(micros, 1_000_000)
+    return duration_pb2.Duration(seconds=seconds, nanos=rest * 1000)
+
+
+def reserve_request(lane: str, arguments: ReserveArguments) -> pb.ReserveRequest:
+    request = pb.ReserveRequest(
+        lane=lane,
+        reservation_id=arguments.reservation_id,
+        model=arguments.model,
+        request_bytes=arguments.request_bytes,
+        max_output_tokens=arguments.max_output_tokens,
+    )
+    if arguments.estimate_nanos is not None:
+        request.estimate_nanos = arguments.estimate_nanos
+    if arguments.ttl_us is not None:
+        request.ttl.CopyFrom(duration_of_micros(arguments.ttl_us))
+    return request
+
+
+def settle_request(lane: str, reservation_id: str, ending: Ending) -> pb.SettleRequest:
+    assert ending.settlement is not Settlement.REFUND
+    request = pb.SettleRequest(
+        lane=lane,
+        reservation_id=reservation_id,
+        outcome=_OUTCOMES[ending.settlement],
+        http_status=ending.http_status,
+    )
+    if ending.usage is not None:
+        request.input_tokens = ending.usage.input_tokens
+        request.output_tokens = ending.usage.output_tokens
+        if ending.usage.billed_nanos is not None:
+            request.billed_nanos = ending.usage.billed_nanos
+    return request
+
+
+def refund_request(lane: str, reservation_id: str, ending: Ending) -> pb.RefundRequest:
+    assert ending.settlement is Settlement.REFUND
+    return pb.RefundRequest(
+        lane=lane,
+        reservation_id=reservation_id,
+        http_status=ending.http_status,
+        reason=ending.reason,
+    )
+
+
+def balance(message: pb.Balance) -> Balance:
+    return Balance(
+        lane=message.lane,
+        limit_nanos=message.limit_nanos,
+        spent_nanos=message.spent_nanos,
+        held_nanos=message.held_nanos,
+        charged_nanos=message.charged_nanos,
+        available_nanos=message.available_nanos,
+        overrun_nanos=message.overrun_nanos,
+        open_bookings=message.open_bookings,
+        window=length(message.window),
+        as_of=instant(message.as_of),
+    )
+
+
+def reservation(reservation_id: str, message: pb.ReserveResponse) -> Reservation:
+    admitted = message.decision == pb.ADMITTED
+    return Reservation(
+        reservation_id=reservation_id,
+        admitted=admitted,
+        hold_nanos=message.hold_nanos,
+        cap_nanos=message.cap_nanos,
+        reserved_at=instant(message.reserved_at),
+        expires_at=instant(message.expires_at) if message.HasField("expires_at") else None,
+        retry_after=instant(message.retry_after) if message.HasField("retry_after") else None,
+        denial_reason=None
+        if admitted
+        else _DENIAL_REASONS.get(message.denial_reason, DenialReason.BUDGET_EXHAUSTED),
+        reason=message.reason,
+        balance=balance(message.balance),
+    )
+
+
+def settled(message: pb.SettleResponse) -> Settled:
+    return Settled(
+        charged_nanos=message.charged_nanos,
+        state=booking_state(message.state),
+        balance=balance(message.balance),
+    )
+
+
+def refunded(message: pb.RefundResponse) -> Refunded:
+    return Refunded(balance=balance(message.balance))
+
+
+def booking_state(state: pb.BookingState.ValueType) -> BookingState:
+    return _STATES.get(state, BookingState.UNSPECIFIED)

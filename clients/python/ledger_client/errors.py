@@ -1,0 +1,155 @@
+"""The client's half of the one error table.
+
+The server maps each domain error to a gRPC status code and a machine-readable
+reason in trailing metadata (`ledger-reason`, plus `ledger-field` for bad
+input). This module inverts that table: the reason picks the exception class,
+and when there is no reason (a proxy, the transport, or a reason this client
+does not know yet) the status code does. Messages are never parsed.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+REASON_KEY = "ledger-reason"
+FIELD_KEY = "ledger-field"
+ERROR_ID_KEY = "ledger-error-id"
+
+
+class LedgerError(Exception):
+    """Base of every error the ledger (or the way to it) reports."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+
+
+class LedgerUnavailable(LedgerError):
+    """The ledger could not be reached or did not answer in time. Safe to retry
+    with the same reservation_id; this is what switches a lane to its outage mode."""
+
+
+class LedgerOverloaded(LedgerUnavailable):
+    """The server refused the call for lack of capacity (no ledger reason)."""
+
+
+class LedgerRecovering(LedgerUnavailable):
+    """The ledger is rebuilding its projections from its log and takes no move
+    until it is whole again (RECOVERY_REQUIRED)."""
+
+
+class InvalidArgument(LedgerError):
+    """A request field broke a rule; `field` names it (a bug in the caller)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str, field: str) -> None:
+        super().__init__(code, reason, message)
+        self.field = field
+
+
+class TtlExceedsHoldTtl(InvalidArgument):
+    """The asked ttl is longer than the lane's hold_ttl."""
+
+
+class UnknownModel(InvalidArgument):
+    """The lane has no price for this model."""
+
+
+class LaneNotFound(LedgerError):
+    pass
+
+
+class BookingNotFound(LedgerError):
+    """No such booking in this lane (also for another lane's booking)."""
+
+
+class ReservationConflict(LedgerError):
+    """The reservation_id was used before with different arguments."""
+
+
+class BookingAlreadyEnded(LedgerError):
+    """The move contradicts how the booking already ended."""
+
+
+class BookingWasDenied(LedgerError):
+    """The Reserve for this id was denied; there is nothing to settle or refund."""
+
+
+class TooManyWatchers(LedgerError):
+    pass
+
+
+class Unauthenticated(LedgerError):
+    """The grant is missing, malformed or expired."""
+
+
+class PermissionDenied(LedgerError):
+    """The grant is for another lane or scope."""
+
+
+class LedgerInternal(LedgerError):
+    """The server failed; `error_id` finds the matching line in its log."""
+
+    error_id = ""
+
+
+# The inverse of the server's table (ledger_service/api/errors.py and the grant
+# interceptor in api/auth.py): one row per `ledger-reason`. Keep it in step with
+# the server's domain errors.
+REASONS: dict[str, type[LedgerError]] = {
+    "INVALID_ARGUMENT": InvalidArgument,
+    "UNDECODABLE_REQUEST": InvalidArgument,
+    "TTL_EXCEEDS_HOLD_TTL": TtlExceedsHoldTtl,
+    "UNKNOWN_MODEL": UnknownModel,
+    "LANE_NOT_FOUND": LaneNotFound,
+    "BOOKING_NOT_FOUND": BookingNotFound,
+    "RESERVATION_ID_REUSED": ReservationConflict,
+    "BOOKING_ALREADY_ENDED": BookingAlreadyEnded,
+    "BOOKING_WAS_DENIED": BookingWasDenied,
+    "TOO_MANY_WATCHERS": TooManyWatchers,
+    "STORE_UNAVAILABLE": LedgerUnavailable,
+    "RECOVERY_REQUIRED": LedgerRecovering,
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": PermissionDenied,
+    "INTERNAL": LedgerInternal,
+}
+
+# When no known reason came back, the status code decides.
+STATUS_CODES: dict[grpc.StatusCode, type[LedgerError]] = {
+    grpc.StatusCode.UNAVAILABLE: LedgerUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: LedgerUnavailable,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LedgerOverloaded,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: BookingNotFound,
+    grpc.StatusCode.ALREADY_EXISTS: ReservationConflict,
+    grpc.StatusCode.FAILED_PRECONDITION: BookingAlreadyEnded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+}
+
+
+def _trailing(error: grpc.Call) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for key, value in error.trailing_metadata() or ():
+        if isinstance(value, str):
+            values[key] = value
+    return values
+
+
+def from_rpc_error(error: grpc.RpcError) -> LedgerError:
+    """The client exception for a failed RPC, chosen by reason, then by code."""
+    if not isinstance(error, grpc.Call):
+        # Raised before any call existed (e.g. a closed channel).
+        return LedgerUnavailable(grpc.StatusCode.UNAVAILABLE, "", "the ledger call did not start")
+    code = error.code()
+    message = error.details() or ""
+    metadata = _trailing(error)
+    reason = metadata.get(REASON_KEY, "")
+    error_class = REASONS.get(reason) or STATUS_CODES.get(code, LedgerInternal)
+    if issubclass(error_class, InvalidArgument):
+        return error_class(code, reason, message, metadata.get(FIELD_KEY, ""))
+    result = error_class(code, reason, message)
+    if isinstance(result, LedgerInternal):
+        result.error_id = metadata.get(ERROR_ID_KEY, "")
+    return result

@@ -1,0 +1,62 @@
+"""Every limit and knob of the lane client, in one frozen object passed explicitly.
+
+Each field names its unit last. The defaults are chosen for the critical path of
+one model call: the ledger sits in front of every paid call, so what it may cost
+in time is fixed and small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Why 0.25 s: in the recall jam (seeds/000) a step had 2.0 s in total, lookups ate
+# 0.8 s, a retry kept 1.0 s, and the model call itself was left about 0.3 s while
+# large requests needed 0.4 to 0.5 s. A ledger call that can take as long as the
+# model call is a second outage. A healthy ledger answers in milliseconds; 0.25 s
+# covers a cold connection and a slow commit, and past it the lane is better
+# served by its outage mode than by waiting.
+DEFAULT_DEADLINE_SECONDS = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSettings:
+    # Deadline of each Reserve, Settle, Refund and GetBalance on the call path.
+    deadline_seconds: float = DEFAULT_DEADLINE_SECONDS
+    # Deadline of each RPC made by the journal replay, which runs off the call path.
+    replay_deadline_seconds: float = 2.0
+    # One replay attempt handles at most this many journal entries and stops
+    # after this long; the next attempt resumes where it stopped.
+    max_replay_entries_per_attempt: int = 100
+    max_replay_seconds_per_attempt: float = 10.0
+    # How often the background replayer looks at the journal (None: never; call
+    # LaneClient.replay_journal yourself).
+    replay_interval_seconds: float | None = 5.0
+    # The journal refuses new allowance calls past this size (fail closed), and
+    # is rotated into an archive file once fully replayed and above rotate size.
+    max_journal_bytes: int = 16 * 1024 * 1024
+    rotate_journal_bytes: int = 1024 * 1024
+    # gRPC channel: message size and how fast a lost connection is retried, so a
+    # ledger that comes back is noticed within seconds, not minutes.
+    max_message_bytes: int = 1024 * 1024
+    initial_reconnect_backoff_ms: int = 100
+    max_reconnect_backoff_ms: int = 2000
+    # Refund reasons are cut to this many characters (the server takes 1000).
+    max_reason_length: int = 200
+
+    def __post_init__(self) -> None:
+        if not 0 < self.deadline_seconds <= 60:
+            raise ValueError("deadline_seconds must be in (0, 60]")
+        if not 0 < self.replay_deadline_seconds <= 60:
+            raise ValueError("replay_deadline_seconds must be in (0, 60]")
+        if not 1 <= self.max_replay_entries_per_attempt <= 10_000:
+            raise ValueError("max_replay_entries_per_attempt must be in [1, 10000]")
+        if not 0 < self.max_replay_seconds_per_attempt <= 600:
+            raise ValueError("max_replay_seconds_per_attempt must be in (0, 600]")
+        if self.replay_interval_seconds is not None and not (
+            0 < self.replay_interval_seconds <= 3600
+        ):
+            raise ValueError("replay_interval_seconds must be in (0, 3600] or None")
+        if not 0 < self.rotate_journal_bytes <= self.max_journal_bytes <= 1024**3:
+            raise ValueError("need 0 < rotate_journal_bytes <= max_journal_bytes <= 1 GiB")
+        if not 1 <= self.max_reason_length <= 1000:
+            raise ValueError("max_reason_length must be in [1, 1000]")

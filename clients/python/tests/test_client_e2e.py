@@ -1,0 +1,314 @@
+"""The lane client against a real `ledger serve` (test clock, SQLite, grants)."""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import TEST_SETTINGS, Admin, LedgerProcess, lane_tls, new_lane_name
+from ledger_client import (
+    BookingAlreadyEnded,
+    BookingNotFound,
+    BookingState,
+    BookingWasDenied,
+    CallNotSent,
+    ClientSettings,
+    DenialReason,
+    Denied,
+    InvalidArgument,
+    LaneClient,
+    LaneNotFound,
+    LedgerUnavailable,
+    ModelPrice,
+    OutagePolicy,
+    PermissionDenied,
+    ReservationConflict,
+    TtlExceedsHoldTtl,
+    Unauthenticated,
+    UnknownModel,
+    Usage,
+)
+
+# The lane's price in conftest: 1 nano per input token, 2 per output token.
+PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
+REQUEST = b"x" * 3_500  # 1,000 tokens at 3.5 bytes per token
+HOLD_NANOS = 1_000 + 2 * 500  # with max_output_tokens=500
+
+
+@pytest.fixture
+def client(ledger_server: LedgerProcess, lane: str, lane_grant: str) -> Iterator[LaneClient]:
+    with LaneClient(ledger_server.address, lane, grant=lane_grant, settings=TEST_SETTINGS) as made:
+        yield made
+
+
+@pytest.fixture
+def reader(ledger_server: LedgerProcess, lane: str) -> Iterator[LaneClient]:
+    """The same lane seen with the admin grant, for balances."""
+    grant = ledger_server.admin_grant
+    with LaneClient(ledger_server.address, lane, grant=grant, settings=TEST_SETTINGS) as made:
+        yield made
+
+
+def test_reserve_settle_refund_and_balance(client: LaneClient, reader: LaneClient) -> None:
+    first = client.reserve("model-a", len(REQUEST), 500)
+    assert first.admitted and first.hold_nanos == first.cap_nanos == HOLD_NANOS
+    assert first.expires_at is not None and first.expires_at.tzinfo is not None
+    settled = client.settle(first.reservation_id, Usage(input_tokens=900, output_tokens=100))
+    assert settled.charged_nanos == 900 + 200 and settled.state is BookingState.SETTLED
+
+    second = client.reserve("model-a", len(REQUEST), 500, estimate_nanos=300)
+    assert second.hold_nanos == 300  # min(estimate, cap)
+    refunded = client.refund(second.reservation_id, http_status=429)
+    assert refunded.balance.held_nanos == 0
+
+    third = client.reserve("model-a", len(REQUEST), 500)
+    unknown = client.settle(third.reservation_id, http_status=503)
+    assert unknown.charged_nanos == HOLD_NANOS and unknown.state is BookingState.SETTLED_UNKNOWN
+
+    balance = reader.balance()
+    assert balance.spent_nanos == 1_100 + 0 + HOLD_NANOS
+    assert balance.available_nanos == 1_000_000 - balance.spent_nanos
+    assert balance.window == datetime.timedelta(days=1)
+
+
+def test_errors_come_back_as_exceptions_by_the_table(
+    ledger_server: LedgerProcess, client: LaneClient, lane_grant: str
+) -> None:
+    nowhere = LaneClient(
+        ledger_server.address, new_lane_name(), grant=lane_grant, settings=TEST_SETTINGS
+    )
+    with nowhere, pytest.raises(LaneNotFound):
+        nowhere.reserve("model-a", 10, 10)
+    with pytest.raises(TtlExceedsHoldTtl) as too_long:
+        client.reserve("model-a", 10, 10, ttl=datetime.timedelta(hours=1))
+    assert too_long.value.field == "ttl"
+    with pytest.raises(UnknownModel) as unknown:
+        client.reserve("model-z", 10, 10)
+    assert isinstance(unknown.value, InvalidArgument) and unknown.value.field == "model"
+
+    booked = client.reserve("model-a", 10, 10)
+    with pytest.raises(ReservationConflict):
+        client.reserve("model-a", 11, 10, reservation_id=booked.reservation_id)
+    client.settle(booked.reservation_id, Usage(1, 1))
+    with pytest.raises(BookingAlreadyEnded):
+        client.refund(booked.reservation_id, http_status=400)
+    with pytest.raises(BookingNotFound):
+        client.settle("never-reserved", Usage(1, 1))
+
+    with pytest.raises(PermissionDenied):
+        client.balance()  # a lane's grant may charge, not read
+    forged = LaneClient(
+        ledger_server.address, client.lane, grant="lg1.nope.nope.nope", settings=TEST_SETTINGS
+    )
+    with forged, pytest.raises(Unauthenticated):
+        forged.reserve("model-a", 10, 10)
+
+
+def test_a_denied_booking_cannot_be_ended(
+    ledger_server: LedgerProcess, admin: Admin, lane_grant: str
+) -> None:
+    lane = new_lane_name()
+    admin.put_lane(lane, 100)
+    with LaneClient(ledger_server.address, lane, grant=lane_grant, settings=TEST_SETTINGS) as c:
+        denied = c.reserve("model-a", 3_500, 500)
+        assert not denied.admitted and denied.denial_reason is DenialReason.HOLD_EXCEEDS_LIMIT
+        assert denied.retry_after is None
+        with pytest.raises(BookingWasDenied):
+            c.settle(denied.reservation_id, Usage(1, 1))
+
+
+def test_model_calls_end_by_the_table(client: LaneClient, reader: LaneClient, admin: Admin) -> None:
+    with client.model_call("model-a", REQUEST, 500) as ok:
+        ok.succeeded(input_tokens=900, output_tokens=100)
+    with client.model_call("model-a", REQUEST, 500) as limited:
+        limited.answered(429)
+    with client.model_call("model-a", REQUEST, 500) as broken:
+        broken.answered(502)
+    with pytest.raises(TimeoutError), client.model_call("model-a", REQUEST, 500) as timed_out:
+        raise TimeoutError
+    with pytest.raises(CallNotSent), client.model_call("model-a", REQUEST, 500) as unsent:
+        raise CallNotSent("the lane's own rate limiter said no")
+
+    for handle in (ok, limited, broken, timed_out, unsent):
+        assert handle.result is not None and handle.end_error is None
+    assert reader.balance().spent_nanos == 1_100 + 0 + HOLD_NANOS + HOLD_NANOS + 0
+    events = {e.reservation_id: e for e in admin.events(client.lane) if e.kind != "reserved"}
+    assert events[limited.reservation_id].http_status == 429
+    assert events[unsent.reservation_id].reason == "the lane's own rate limiter said no"
+    traced = [
+        e.trace_id for e in admin.events(client.lane) if e.reservation_id == ok.reservation_id
+    ]
+    assert traced == [ok.trace_id, ok.trace_id], "one trace for the reserve and the settle"
+
+
+def test_a_denial_tells_the_lane_when_to_retry(
+    ledger_server: LedgerProcess, admin: Admin, lane_grant: str
+) -> None:
+    lane = new_lane_name()
+    admin.put_lane(lane, 3 * HOLD_NANOS)
+    with LaneClient(ledger_server.address, lane, grant=lane_grant, settings=TEST_SETTINGS) as c:
+        first = c.reserve("model-a", len(REQUEST), 500)
+        for _ in range(2):
+            c.reserve("model-a", len(REQUEST), 500)
+        with pytest.raises(Denied) as denied, c.model_call("model-a", REQUEST, 500):
+            raise AssertionError("the model must not be called")
+    assert denied.value.denial_reason is DenialReason.BUDGET_EXHAUSTED
+    assert denied.value.retry_after == first.reserved_at + datetime.timedelta(days=1)
+
+
+# Time: the ledger never eats the model call's time -------------------------------
+
+
+@pytest.fixture
+def silent_address() -> Iterator[str]:
+    """A port that accepts TCP connections and never says a word."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.fixture
+def closed_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["silent", "closed"])
+def test_an_unreachable_ledger_costs_at_most_the_deadline(
+    kind: str, silent_address: str, closed_address: str, tmp_path: pathlib.Path
+) -> None:
+    address = silent_address if kind == "silent" else closed_address
+    settings = ClientSettings(replay_interval_seconds=None)  # the default 0.25 s deadline
+    with LaneClient(address, "recall", grant="g", settings=settings) as c:
+        started = time.monotonic()
+        with pytest.raises(LedgerUnavailable):
+            c.reserve("model-a", 3_500, 500)
+        with pytest.raises(Denied) as denied, c.model_call("model-a", REQUEST, 500):
+            raise AssertionError("fail closed")
+        elapsed = time.monotonic() - started
+    assert denied.value.denial_reason is DenialReason.LEDGER_UNAVAILABLE
+    assert elapsed < 2 * 0.25 + 0.5, f"two ledger calls took {elapsed:.2f} s"
+
+
+# Outage: the journal replayed to a real ledger -------------------------------------
+
+
+def allowance(path: pathlib.Path, **limits: int) -> OutagePolicy:
+    return OutagePolicy.allowance(
+        max_nanos=limits.get("max_nanos", 10**6),
+        max_calls=limits.get("max_calls", 10),
+        journal_path=path,
+        prices=PRICES,
+    )
+
+
+def test_a_journal_replayed_twice_books_once(
+    ledger_server: LedgerProcess, admin: Admin, lane: str, lane_grant: str,
+    closed_address: str, tmp_path: pathlib.Path,
+) -> None:  # fmt: skip
+    journal = tmp_path / "journal.jsonl"
+    with LaneClient(
+        closed_address, lane, outage=allowance(journal), settings=TEST_SETTINGS
+    ) as down:
+        handles = []
+        for status in (200, 429, 503):
+            with down.model_call("model-a", REQUEST, 500) as handle:
+                handle.answered(status, Usage(900, 100) if status == 200 else None)
+            handles.append(handle)
+    before_replay = journal.read_bytes()
+
+    def replay() -> None:
+        with LaneClient(ledger_server.address, lane, grant=lane_grant,
+                        outage=allowance(journal), settings=TEST_SETTINGS) as up:  # fmt: skip
+            report = up.replay_journal()
+            assert (report.landed, report.remaining) == (3, 0)
+
+    replay()
+    journal.write_bytes(before_replay)  # as if the lane died before journaling `replayed`
+    replay()
+    expected = {
+        handles[0].reservation_id: ["reserved", "settled"],
+        handles[1].reservation_id: ["reserved", "refunded"],
+        handles[2].reservation_id: ["reserved", "settled"],
+    }
+    assert admin.booking_events(lane) == expected
+    amounts = {
+        e.reservation_id: e.amount_nanos
+        for e in admin.events(lane)
+        if e.kind in ("settled", "refunded")
+    }
+    assert amounts == {
+        handles[0].reservation_id: 1_100,
+        handles[1].reservation_id: 0,
+        handles[2].reservation_id: HOLD_NANOS,
+    }
+    traces = {(e.reservation_id, e.trace_id) for e in admin.events(lane) if e.reservation_id}
+    assert traces == {(h.reservation_id, h.trace_id) for h in handles}, "replays keep their trace"
+
+
+def test_a_ledger_that_dies_mid_run_and_comes_back(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    """A production-like lane (mutual TLS, a charge-only grant, a bounded
+    allowance) whose ledger is SIGKILLed mid-run and restarted on its port."""
+    server = fresh_server
+    tls = lane_tls(certificates)
+    helper = Admin(server, tls)
+    try:
+        helper.put_lane("recall", 10**6)
+    finally:
+        helper.close()
+    grant = server.issue_grant("--lane", "recall", "--scope", "charge")
+    journal = tmp_path / "journal.jsonl"
+    settings = ClientSettings(deadline_seconds=2.0, replay_interval_seconds=None)
+    no_certificate = lane_tls(certificates, client_certificate=False)
+    stranger = LaneClient(
+        server.address, "recall", grant=grant, tls=no_certificate, settings=settings
+    )
+    with stranger, pytest.raises(LedgerUnavailable):
+        stranger.reserve("model-a", 10, 10)  # mutual TLS: no certificate, no channel
+    with LaneClient(server.address, "recall", grant=grant, tls=tls,
+                    outage=allowance(journal, max_calls=3), settings=settings) as c:  # fmt: skip
+        with c.model_call("model-a", REQUEST, 500) as before:
+            before.succeeded(input_tokens=900, output_tokens=100)
+        with c.model_call("model-a", REQUEST, 500) as interrupted:
+            assert server.kill() == -9  # the ledger dies while the model answers
+            interrupted.succeeded(input_tokens=800, output_tokens=50)
+        assert interrupted.journaled, "its ending waits in the journal"
+        during = []
+        for status in (200, 429, 200):
+            with c.model_call("model-a", REQUEST, 500) as handle:
+                handle.answered(status, Usage(700, 70) if status == 200 else None)
+            during.append(handle)
+        with pytest.raises(Denied) as denied, c.model_call("model-a", REQUEST, 500):
+            raise AssertionError("the allowance of 3 calls is spent")
+        assert denied.value.denial_reason is DenialReason.ALLOWANCE_EXHAUSTED
+
+        server.start()  # same port, same data directory
+        deadline = time.monotonic() + 30
+        while c.journal is not None and c.journal.pending() and time.monotonic() < deadline:
+            c.replay_journal()
+            time.sleep(0.05)
+        assert c.journal is not None and c.journal.pending() == []
+        with c.model_call("model-a", REQUEST, 500) as after:
+            after.succeeded(input_tokens=1, output_tokens=1)
+
+    helper = Admin(server, tls)
+    try:
+        kinds = helper.booking_events("recall")
+    finally:
+        helper.close()
+    assert kinds == {
+        before.reservation_id: ["reserved", "settled"],
+        interrupted.reservation_id: ["reserved", "settled"],
+        during[0].reservation_id: ["reserved", "settled"],
+        during[1].reservation_id: ["reserved", "refunded"],
+        during[2].reservation_id: ["reserved", "settled"],
+        after.reservation_id: ["reserved", "settled"],
+    }

@@ -1,0 +1,182 @@
+"""The journal: durable, append-only, one process at a time, a torn tail tolerated."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+
+import pytest
+from ledger_client.bookings import ReserveArguments, new_reservation_id
+from ledger_client.journal import (
+    Journal,
+    JournalEntry,
+    JournalError,
+    JournalFull,
+    JournalLocked,
+    ReplayResult,
+    Source,
+    now_text,
+)
+from ledger_client.outcomes import Ending, Settlement, Usage
+
+LANE = "recall"
+
+
+def open_journal(path: pathlib.Path, **limits: int) -> Journal:
+    return Journal(
+        path,
+        LANE,
+        max_bytes=limits.get("max_bytes", 1 << 20),
+        rotate_bytes=limits.get("rotate_bytes", 1 << 19),
+    )
+
+
+def entry(source: Source = Source.ALLOWANCE, hold_nanos: int = 100) -> JournalEntry:
+    arguments = ReserveArguments(
+        reservation_id=new_reservation_id(),
+        model="model-a",
+        request_bytes=1234,
+        max_output_tokens=256,
+        estimate_nanos=90,
+        ttl_us=30_000_000,
+    )
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    return JournalEntry(LANE, arguments, source, hold_nanos, now_text(), trace_id=trace_id)
+
+
+SUCCESS = Ending(Settlement.SETTLE_SUCCEEDED, 200, Usage(10, 20, None))
+
+
+def test_entries_survive_a_reopen(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    first, second = entry(), entry(Source.LEDGER)
+    with open_journal(path) as journal:
+        journal.record_reserve(first)
+        journal.record_end(first.reservation_id, SUCCESS, 42)
+        journal.record_reserve(second)
+    with open_journal(path) as journal:
+        assert [e.reservation_id for e in journal.pending()] == [
+            first.reservation_id,
+            second.reservation_id,
+        ]
+        again = journal.entry(first.reservation_id)
+        assert again is not None
+        assert again.arguments == first.arguments  # the full Reserve arguments
+        assert again.ending == SUCCESS and again.local_charge_nanos == 42
+        assert journal.entry(second.reservation_id) == second
+        journal.record_replay(first.reservation_id, ReplayResult.LANDED)
+    with open_journal(path) as journal:
+        assert [e.reservation_id for e in journal.pending()] == [second.reservation_id]
+        assert journal.skipped_lines == 0
+
+
+def test_the_journal_only_ever_grows(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    snapshots: list[bytes] = []
+    with open_journal(path) as journal:
+        one = entry()
+        for write in (
+            lambda: journal.record_reserve(one),
+            lambda: journal.record_end(one.reservation_id, SUCCESS, 1),
+            lambda: journal.record_replay(one.reservation_id, ReplayResult.LANDED),
+            lambda: journal.record_reserve(entry()),
+        ):
+            write()
+            snapshots.append(path.read_bytes())
+    for earlier, later in itertools.pairwise(snapshots):
+        assert later.startswith(earlier) and len(later) > len(earlier)
+    lines = snapshots[-1].decode().splitlines()
+    assert [json.loads(line)["kind"] for line in lines] == ["reserve", "end", "replayed", "reserve"]
+
+
+def test_a_torn_last_line_is_ignored_and_sealed(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    kept = entry()
+    with open_journal(path) as journal:
+        journal.record_reserve(kept)
+    whole = path.read_bytes()
+    torn_line = json.dumps({"v": 1, "kind": "reserve", "reservation_id": "torn"})[:30]
+    path.write_bytes(whole + torn_line.encode())  # a crash in the middle of a write
+
+    later = entry()
+    with open_journal(path) as journal:
+        assert [e.reservation_id for e in journal.pending()] == [kept.reservation_id]
+        assert journal.skipped_lines == 1
+        journal.record_reserve(later)
+    with open_journal(path) as journal:
+        assert [e.reservation_id for e in journal.pending()] == [
+            kept.reservation_id,
+            later.reservation_id,
+        ]
+        assert journal.skipped_lines == 1, "the torn fragment stays a line of its own"
+    assert path.read_bytes().startswith(whole + torn_line.encode() + b"\n")
+
+
+def test_garbage_and_contradicting_lines_are_skipped(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    first = entry()
+    with open_journal(path) as journal:
+        journal.record_reserve(first)
+    with path.open("ab") as file:
+        file.write(b"[1, 2]\n")
+        file.write(b'{"v": 1, "kind": "end", "reservation_id": "nobody"}\n')
+        file.write(b'{"v": 99, "kind": "reserve"}\n')
+    with open_journal(path) as journal:
+        assert len(journal.pending()) == 1
+        assert journal.skipped_lines == 3
+
+
+def test_one_process_at_a_time(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    with open_journal(path), pytest.raises(JournalLocked):
+        open_journal(path)
+    open_journal(path).close()  # free again once closed
+
+
+def test_a_journal_belongs_to_one_lane(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    with open_journal(path) as journal:
+        journal.record_reserve(entry())
+    with pytest.raises(JournalError, match="another lane"):
+        Journal(path, "other-lane", max_bytes=1 << 20, rotate_bytes=1 << 19)
+
+
+def test_a_full_journal_refuses_new_entries_but_takes_endings(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    with open_journal(path, max_bytes=500, rotate_bytes=500) as journal:
+        first = entry()
+        journal.record_reserve(first)
+        journal.record_reserve(entry())
+        with pytest.raises(JournalFull):
+            journal.record_reserve(entry())
+        journal.record_end(first.reservation_id, SUCCESS, 5)
+        journal.record_replay(first.reservation_id, ReplayResult.LANDED)
+
+
+def test_a_replayed_journal_is_rotated_without_deleting_anything(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    with open_journal(path, max_bytes=4096, rotate_bytes=200) as journal:
+        one = entry()
+        journal.record_reserve(one)
+        assert journal.rotate_if_replayed() is None, "pending entries keep the file"
+        journal.record_end(one.reservation_id, SUCCESS, 5)
+        journal.record_replay(one.reservation_id, ReplayResult.LANDED)
+        archive = journal.rotate_if_replayed()
+        assert archive is not None and archive.exists()
+        assert journal.pending() == [] and journal.size_bytes == 0
+        journal.record_reserve(entry())
+    assert len(archive.read_bytes().splitlines()) == 3
+    assert len(path.read_bytes().splitlines()) == 1
+
+
+def test_each_line_is_written_whole_before_the_call_returns(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    with open_journal(path) as journal:
+        one = entry()
+        journal.record_reserve(one)
+        # Another reader sees the whole line at once (it was fsync'd, not buffered).
+        record = json.loads(path.read_bytes().decode())
+        assert record["reservation_id"] == one.reservation_id
+        assert record["request_bytes"] == 1234 and record["estimate_nanos"] == 90
+        assert record["ttl_us"] == 30_000_000 and record["lane"] == LANE

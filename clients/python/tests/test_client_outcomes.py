@@ -1,0 +1,208 @@
+"""The one table from a provider's result to a ledger move, and the error table."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from ledger_client import errors
+from ledger_client.outcomes import (
+    RULES,
+    CallFailure,
+    CallNotSent,
+    Ending,
+    Settlement,
+    Usage,
+    classify,
+    ending_of,
+    failure_of_exception,
+)
+
+SUCCEEDED = Settlement.SETTLE_SUCCEEDED
+UNKNOWN = Settlement.SETTLE_UNKNOWN
+REFUND = Settlement.REFUND
+
+
+@pytest.mark.parametrize(
+    ("http_status", "usage_present", "failure", "expected"),
+    [
+        (200, True, CallFailure.NONE, SUCCEEDED),
+        (200, False, CallFailure.NONE, UNKNOWN),
+        (201, True, CallFailure.NONE, SUCCEEDED),
+        (400, False, CallFailure.NONE, REFUND),
+        (401, False, CallFailure.NONE, REFUND),
+        (403, False, CallFailure.NONE, REFUND),
+        (404, False, CallFailure.NONE, REFUND),
+        (413, False, CallFailure.NONE, REFUND),
+        (429, False, CallFailure.NONE, REFUND),
+        (429, True, CallFailure.NONE, REFUND),  # a refusal is free even with usage
+        (500, False, CallFailure.NONE, UNKNOWN),
+        (502, False, CallFailure.NONE, UNKNOWN),
+        (503, False, CallFailure.NONE, UNKNOWN),
+        (500, True, CallFailure.NONE, SUCCEEDED),  # real data wins
+        (0, False, CallFailure.TIMEOUT, UNKNOWN),
+        (0, False, CallFailure.CONNECTION_LOST, UNKNOWN),
+        (0, False, CallFailure.EXCEPTION, UNKNOWN),
+        (0, False, CallFailure.NOT_SENT, REFUND),
+        (0, True, CallFailure.TIMEOUT, SUCCEEDED),
+        (302, False, CallFailure.NONE, UNKNOWN),
+        (0, False, CallFailure.NONE, UNKNOWN),
+    ],
+)
+def test_classify(
+    http_status: int, usage_present: bool, failure: CallFailure, expected: Settlement
+) -> None:
+    assert classify(http_status, usage_present, failure) is expected
+
+
+def test_every_combination_has_exactly_one_answer() -> None:
+    statuses = [0, 100, 200, 204, 301, 400, 429, 499, 500, 599]
+    for status in statuses:
+        for usage_present in (False, True):
+            for failure in CallFailure:
+                assert classify(status, usage_present, failure) in Settlement
+    assert RULES[-1].failure is None and RULES[-1].status is None
+    assert RULES[-1].settlement is UNKNOWN, "the fallback never under-books"
+
+
+@pytest.mark.parametrize("status", [-1, 1, 99, 600, 1000])
+def test_impossible_status_is_refused(status: int) -> None:
+    with pytest.raises(ValueError, match="http_status"):
+        classify(status, False, CallFailure.NONE)
+
+
+@pytest.mark.parametrize(
+    ("error", "failure"),
+    [
+        (CallNotSent("queue full"), CallFailure.NOT_SENT),
+        (TimeoutError(), CallFailure.TIMEOUT),
+        (ConnectionResetError(), CallFailure.CONNECTION_LOST),
+        # A refused connection is not proof: an HTTP client may have retried.
+        (ConnectionRefusedError(), CallFailure.CONNECTION_LOST),
+        (ValueError("bad json"), CallFailure.EXCEPTION),
+        (KeyboardInterrupt(), CallFailure.EXCEPTION),
+    ],
+)
+def test_failure_of_exception(error: BaseException, failure: CallFailure) -> None:
+    assert failure_of_exception(error) is failure
+
+
+def test_ending_of_a_refusal_keeps_the_status_and_names_a_reason() -> None:
+    ending = ending_of(429, None, CallFailure.NONE)
+    assert ending == Ending(REFUND, 429, None, "the provider refused the call")
+
+
+def test_ending_of_a_call_never_sent_has_status_zero_and_the_reason() -> None:
+    ending = ending_of(0, None, CallFailure.NOT_SENT, "circuit open")
+    assert ending == Ending(REFUND, 0, None, "circuit open")
+
+
+def test_ending_of_a_success_carries_the_usage() -> None:
+    usage = Usage(input_tokens=10, output_tokens=5)
+    assert ending_of(200, usage, CallFailure.NONE) == Ending(SUCCEEDED, 200, usage, "")
+
+
+def test_an_ending_refuses_what_the_ledger_would_refuse() -> None:
+    with pytest.raises(ValueError, match="usage"):
+        Ending(SUCCEEDED, 200, None)
+    with pytest.raises(ValueError, match="reason"):
+        Ending(REFUND, 0, None, "")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"input_tokens": -1}, {"output_tokens": 10**13}, {"billed_nanos": -5}],
+)
+def test_usage_is_bounded(fields: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        Usage(**fields)
+
+
+# The error table -------------------------------------------------------------
+
+
+class FakeRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    def __init__(self, code: grpc.StatusCode, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._code = code
+        self._metadata = metadata
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "a message nobody parses"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: object) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "expected"),
+    [
+        (grpc.StatusCode.NOT_FOUND, "LANE_NOT_FOUND", errors.LaneNotFound),
+        (grpc.StatusCode.NOT_FOUND, "BOOKING_NOT_FOUND", errors.BookingNotFound),
+        (grpc.StatusCode.ALREADY_EXISTS, "RESERVATION_ID_REUSED", errors.ReservationConflict),
+        (grpc.StatusCode.FAILED_PRECONDITION, "BOOKING_ALREADY_ENDED", errors.BookingAlreadyEnded),
+        (grpc.StatusCode.FAILED_PRECONDITION, "BOOKING_WAS_DENIED", errors.BookingWasDenied),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_WATCHERS", errors.TooManyWatchers),
+        (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE", errors.LedgerUnavailable),
+        (grpc.StatusCode.UNAVAILABLE, "RECOVERY_REQUIRED", errors.LedgerRecovering),
+        (grpc.StatusCode.INTERNAL, "INTERNAL", errors.LedgerInternal),
+        (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", errors.Unauthenticated),
+        (grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED", errors.PermissionDenied),
+        # No reason (the transport, a proxy): the status code decides.
+        (grpc.StatusCode.UNAVAILABLE, "", errors.LedgerUnavailable),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "", errors.LedgerUnavailable),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "", errors.LedgerOverloaded),
+        (grpc.StatusCode.UNAUTHENTICATED, "", errors.Unauthenticated),
+        (grpc.StatusCode.UNKNOWN, "", errors.LedgerInternal),
+        # A reason this client does not know yet: the code decides.
+        (grpc.StatusCode.FAILED_PRECONDITION, "SOMETHING_NEW", errors.BookingAlreadyEnded),
+    ],
+)
+def test_error_table(code: grpc.StatusCode, reason: str, expected: type) -> None:
+    metadata = (("ledger-reason", reason),) if reason else ()
+    error = errors.from_rpc_error(FakeRpcError(code, metadata))
+    assert type(error) is expected
+    assert error.code is code and error.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        ("INVALID_ARGUMENT", errors.InvalidArgument),
+        ("TTL_EXCEEDS_HOLD_TTL", errors.TtlExceedsHoldTtl),
+        ("UNKNOWN_MODEL", errors.UnknownModel),
+    ],
+)
+def test_invalid_argument_names_its_field(reason: str, expected: type) -> None:
+    metadata = (("ledger-reason", reason), ("ledger-field", "request_bytes"))
+    error = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, metadata))
+    assert type(error) is expected
+    assert isinstance(error, errors.InvalidArgument) and error.field == "request_bytes"
+
+
+def test_internal_keeps_the_error_id() -> None:
+    metadata = (("ledger-reason", "INTERNAL"), ("ledger-error-id", "abc123"))
+    error = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, metadata))
+    assert isinstance(error, errors.LedgerInternal) and error.error_id == "abc123"
+
+
+def test_every_unavailable_kind_switches_to_the_outage_mode() -> None:
+    assert issubclass(errors.LedgerOverloaded, errors.LedgerUnavailable)
+    assert issubclass(errors.LedgerRecovering, errors.LedgerUnavailable)
+    assert errors.REASONS["STORE_UNAVAILABLE"] is errors.LedgerUnavailable
