@@ -86,6 +86,9 @@ def _rules() -> dict[str, Rule]:
         _method("Ledger", "GetBooking"): Rule(Scope.READ, _named_lane),
         _method("Ledger", "ListEvents"): Rule(Scope.READ, _named_lane_or_every),
         _method("Ledger", "WatchEvents"): Rule(Scope.READ, _named_lane_or_every),
+        _method("Ledger", "GetAudit"): Rule(Scope.READ, _named_lane),
+        # A usage export names lanes row by row, beyond what one request field says.
+        _method("Ledger", "Reconcile"): ADMIN_ONLY,
     }
     for service in ("LaneAdmin", "TestClock"):
         for method in ledger_pb2.DESCRIPTOR.services_by_name[service].methods:

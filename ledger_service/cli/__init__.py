@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ledger_service.cli import operate, talk
+from ledger_service.cli import grants, operate, talk
 
 
 def parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def parser() -> argparse.ArgumentParser:
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
     operate.register(commands)
     talk.register(commands)
+    grants.register(commands)
     return root
 
 

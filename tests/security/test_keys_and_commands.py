@@ -1,0 +1,250 @@
+"""Key files, the admin grant, rotation, `ledger grant`, and --insecure-no-auth."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pathlib
+import stat
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from ledger_service import cli
+from ledger_service.domain.grants import Scope, decode_unverified
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.server import LedgerServer
+from ledger_service.settings import is_loopback
+from ledger_service.storage import keyring
+from tests.security.conftest import (
+    HOME_LANE,
+    SecureLedger,
+    all_methods,
+    bearer,
+    security_settings,
+)
+
+GET_BALANCE = next(method for method in all_methods() if method.name == "GetBalance")
+BALANCE = pb.GetBalanceRequest(lane=HOME_LANE)
+
+
+def run_cli(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Runs a `ledger` command in process (without main's logging set-up)."""
+    parsed = cli.parser().parse_args(arguments)
+    code = parsed.run(parsed)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def mode_of(path: pathlib.Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_key_files_are_private_even_under_a_loose_umask(tmp_path: pathlib.Path) -> None:
+    previous = os.umask(0)
+    try:
+        server = LedgerServer(security_settings(tmp_path))
+    finally:
+        os.umask(previous)
+    try:
+        assert mode_of(tmp_path / "grant-keys.json") == 0o600
+        assert mode_of(tmp_path / "admin.grant") == 0o600
+        assert (tmp_path / "admin.grant").read_text().strip() == server.admin_grant
+        grant = decode_unverified(server.admin_grant)
+        assert grant.scopes == {Scope.ADMIN}
+        assert not list(tmp_path.glob(".*.tmp")), "no temporary file is left behind"
+    finally:
+        server.stop(0)
+
+
+def test_the_keyring_survives_a_restart_and_grants_stay_valid(
+    start_secure_ledger: Callable[..., SecureLedger], tmp_path: pathlib.Path
+) -> None:
+    first = start_secure_ledger(tmp_path / "data")
+    issued = first.forge.grant([HOME_LANE], [Scope.READ])
+    first.server.stop(0)
+    second = start_secure_ledger(tmp_path / "data")
+    assert second.server.keyring == first.server.keyring
+    outcome = second.caller.call(GET_BALANCE, BALANCE, bearer(issued))
+    assert outcome.code is grpc.StatusCode.OK, outcome
+    # The first server's admin grant is still good; the file holds the newest one.
+    assert second.caller.call(GET_BALANCE, BALANCE, first.admin).code is grpc.StatusCode.OK
+    assert (tmp_path / "data" / "admin.grant").read_text().strip() == second.server.admin_grant
+
+
+def test_rotation_and_retirement(
+    start_secure_ledger: Callable[..., SecureLedger],
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data_dir = tmp_path / "data"
+    first = start_secure_ledger(data_dir)
+    old_key_id = first.server.keyring.signing_key_id
+    old_grant = first.forge.grant([HOME_LANE], [Scope.READ])
+    first.server.stop(0)
+
+    code, out, _ = run_cli(["grant", "rotate-key", "--data-dir", str(data_dir)], capsys)
+    assert code == 0 and "now signs" in out
+    second = start_secure_ledger(data_dir)
+    new_key_id = second.server.keyring.signing_key_id
+    assert new_key_id != old_key_id
+    assert decode_unverified(second.server.admin_grant).key_id == new_key_id
+    assert second.caller.call(GET_BALANCE, BALANCE, bearer(old_grant)).code is grpc.StatusCode.OK
+
+    code, _, err = run_cli(["grant", "retire-key", new_key_id, "--data-dir", str(data_dir)], capsys)
+    assert code == 2 and "rotate first" in err, "the signing key cannot be retired"
+    code, _, _ = run_cli(["grant", "retire-key", old_key_id, "--data-dir", str(data_dir)], capsys)
+    assert code == 0
+    second.server.stop(0)
+    third = start_secure_ledger(data_dir)
+    outcome = third.caller.call(GET_BALANCE, BALANCE, bearer(old_grant))
+    assert outcome.code is grpc.StatusCode.UNAUTHENTICATED
+    assert third.caller.call(GET_BALANCE, BALANCE, second.admin).code is grpc.StatusCode.OK
+    code, out, _ = run_cli(["grant", "keys", "--data-dir", str(data_dir)], capsys)
+    assert out.split() == [new_key_id, "(signs)"]
+
+
+def test_two_servers_starting_on_one_directory_agree_on_one_keyring(tmp_path: pathlib.Path) -> None:
+    keyrings = [keyring.load_or_create(tmp_path) for _ in range(5)]
+    assert all(found == keyrings[0] for found in keyrings)
+    assert mode_of(tmp_path / "grant-keys.json") == 0o600
+
+
+def test_a_broken_keyring_file_is_refused_without_quoting_it(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "grant-keys.json"
+    path.write_text(json.dumps({"version": 1, "signing_key_id": "k1", "keys": {"k1": "c2VjcmV0"}}))
+    with pytest.raises(keyring.KeyringError) as caught:
+        keyring.load(tmp_path)
+    assert "c2VjcmV0" not in str(caught.value)
+
+
+def test_a_shared_keyring_file_is_warned_about(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keyring.load_or_create(tmp_path)
+    (tmp_path / "grant-keys.json").chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        keyring.load(tmp_path)
+    assert "chmod 600" in caplog.text
+
+
+def test_ledger_grant_issue_and_inspect(
+    start_secure_ledger: Callable[..., SecureLedger],
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data_dir = tmp_path / "data"
+    ledger = start_secure_ledger(data_dir)
+    issue = ["grant", "issue", "--lane", HOME_LANE, "--scope", "read", "--expires", "30d"]
+    code, out, _ = run_cli([*issue, "--data-dir", str(data_dir)], capsys)
+    assert code == 0
+    token = out.strip()
+    assert "\n" not in token, "issue prints exactly one grant"
+    assert ledger.caller.call(GET_BALANCE, BALANCE, bearer(token)).code is grpc.StatusCode.OK
+
+    code, out, _ = run_cli(["grant", "inspect", token, "--data-dir", str(data_dir)], capsys)
+    assert code == 0
+    assert f"lanes:      {HOME_LANE}" in out and "scopes:     read" in out
+    assert "(in 29 d 23 h)" in out and "signature:  valid" in out
+    assert decode_unverified(token).key_id in out
+
+    tampered = token[:-3] + ("AAA" if not token.endswith("AAA") else "BBB")
+    code, out, _ = run_cli(["grant", "inspect", tampered, "--data-dir", str(data_dir)], capsys)
+    assert code == 1 and "NOT VALID" in out
+    code, out, _ = run_cli(["grant", "inspect", token, "--data-dir", str(tmp_path)], capsys)
+    assert code == 1 and "not checked" in out
+    code, out, _ = run_cli(["grant", "inspect", "garbage"], capsys)
+    assert code == 1 and "not a grant" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"Bearer {token}\n"))
+    code, out, _ = run_cli(["grant", "inspect", "-", "--data-dir", str(data_dir)], capsys)
+    assert code == 0 and "signature:  valid" in out
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["--lane", "recall", "--scope", "admin"],
+        ["--lane", "recall", "--scope", "read", "--expires", "30y"],
+        ["--lane", "recall", "--scope", "read", "--expires=-1d"],
+        ["--lane", "recall", "--scope", "read", "--expires", "0d"],
+        ["--lane", "recall", "--scope", "read", "--expires", "4000d"],
+        ["--lane", "bad lane", "--scope", "read"],
+    ],
+)
+def test_ledger_grant_issue_refuses_bad_values(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], arguments: list[str]
+) -> None:
+    keyring.load_or_create(tmp_path)
+    code, out, err = run_cli(["grant", "issue", *arguments, "--data-dir", str(tmp_path)], capsys)
+    assert code == 2 and out == "" and err.startswith("ledger grant: ")
+
+
+def test_ledger_grant_issue_needs_a_keyring(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(
+        ["grant", "issue", "--lane", "x", "--scope", "read", "--data-dir", str(tmp_path)], capsys
+    )
+    assert code == 2 and out == "" and "ledger serve" in err
+    assert not (tmp_path / "grant-keys.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("listen", "loopback"),
+    [
+        ("127.0.0.1:0", True),
+        ("127.5.6.7:50051", True),
+        ("[::1]:50051", True),
+        ("localhost:50051", True),
+        ("LOCALHOST:1", True),
+        ("0.0.0.0:50051", False),
+        ("[::]:50051", False),
+        ("10.0.0.1:50051", False),
+        ("example.com:50051", False),
+        ("localhost.example.com:1", False),
+        ("unix:/tmp/ledger.sock", False),
+    ],
+)
+def test_loopback_addresses(listen: str, loopback: bool) -> None:
+    assert is_loopback(listen) is loopback
+
+
+def test_insecure_no_auth_is_refused_off_loopback(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        LedgerServer(security_settings(tmp_path, auth_enabled=False, listen="0.0.0.0:0"))
+    code, _, err = run_cli(
+        ["serve", "--insecure-no-auth", "--listen", "0.0.0.0:0", "--data-dir", str(tmp_path)],
+        capsys,
+    )
+    assert code == 2 and "loopback" in err
+
+
+def test_insecure_no_auth_lets_anyone_in_and_says_so_at_every_start(
+    start_secure_ledger: Callable[..., SecureLedger],
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ledger = start_secure_ledger(tmp_path / "data", auth_enabled=False)
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("AUTH IS OFF" in record.getMessage() for record in warnings)
+        outcome = ledger.caller.call(GET_BALANCE, BALANCE)
+        assert outcome.code is grpc.StatusCode.OK, outcome
+        ledger.server.stop(0)
+
+
+def test_auth_is_on_unless_asked_off() -> None:
+    parsed = cli.parser().parse_args(["serve"])
+    from ledger_service.cli.operate import settings_from
+
+    assert settings_from(parsed).auth_enabled
+    parsed = cli.parser().parse_args(["serve", "--insecure-no-auth"])
+    assert not settings_from(parsed).auth_enabled
