@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import TEST_SETTINGS, Admin, LedgerProcess, lane_tls, new_lane_name
+from client_ledger import TEST_SETTINGS, Admin, LedgerProcess, lane_tls, new_lane_name
 from ledger_client import (
     BookingAlreadyEnded,
     BookingNotFound,

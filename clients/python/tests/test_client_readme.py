@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 import pytest
-from conftest import Admin, LedgerProcess
+from client_ledger import Admin, LedgerProcess
 from ledger_client import DenialReason
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
