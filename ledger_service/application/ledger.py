@@ -18,9 +18,9 @@ from ledger_service.application.ports import EventQuery, Store, StoreTransaction
 from ledger_service.domain import bookings, moves
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.clock import Clock
-from ledger_service.domain.errors import BookingNotFound, LaneNotFound
+from ledger_service.domain.errors import BookingNotFound, InvalidArgument, LaneNotFound
 from ledger_service.domain.events import Event, EventKind, Outcome
-from ledger_service.domain.policies import LanePolicy, policy_to_dict
+from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_to_dict
 from ledger_service.domain.window import Balance, WindowTotals
 
 _T = TypeVar("_T")
@@ -102,6 +102,7 @@ class Ledger:
             existing = tx.lock_lane(policy.lane)
             if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
                 return existing
+            _check_nesting(tx, policy)
             now_us = self._clock.now_us()
             totals = tx.window_totals(policy.lane, now_us, policy.window_us)
             event = _with_balance(
@@ -145,16 +146,20 @@ class Ledger:
                 moves.check_reserve_repeat(existing, command)
                 first = _event(tx, existing.answer_seq)
                 return ReserveResult(first, balance_after(first))
+            ancestors = _locked_ancestors(tx, policy)
             now_us = self._clock.now_us()
-            totals = tx.window_totals(policy.lane, now_us, policy.window_us)
-            event = moves.decide_reserve(
-                policy,
-                command,
-                totals,
-                lambda: tx.aging(policy.lane, now_us, policy.window_us),
-                now_us,
+            budgets = [
+                moves.Budget(
+                    budget,
+                    tx.window_totals(budget.lane, now_us, budget.window_us),
+                    functools.partial(tx.aging, budget.lane, now_us, budget.window_us),
+                )
+                for budget in (policy, *ancestors)
+            ]
+            event = moves.decide_reserve(budgets, command, now_us)
+            stored, _, _ = record_booking_event(
+                tx, policy, None, event, budgets[0].totals, now_us, trace_id
             )
-            stored, _, _ = _record(tx, policy, None, event, totals, now_us, trace_id)
             return ReserveResult(stored, balance_after(stored))
 
         return self._write(work)
@@ -166,7 +171,7 @@ class Ledger:
             policy, booking, totals, now_us = self._open_booking(tx, command, trace_id)
             verdict = moves.decide_settle(booking, command, now_us)
             if verdict.event is not None:
-                stored, after, _ = _record(
+                stored, after, _ = record_booking_event(
                     tx, policy, booking, verdict.event, totals, now_us, trace_id
                 )
                 return SettleResult(stored.amount_nanos, after.state, balance_after(stored))
@@ -190,7 +195,9 @@ class Ledger:
             policy, booking, totals, now_us = self._open_booking(tx, command, trace_id)
             verdict = moves.decide_refund(booking, command, now_us)
             if verdict.event is not None:
-                stored, _, _ = _record(tx, policy, booking, verdict.event, totals, now_us, trace_id)
+                stored, _, _ = record_booking_event(
+                    tx, policy, booking, verdict.event, totals, now_us, trace_id
+                )
                 return RefundResult(balance_after(stored))
             return RefundResult(balance_after(_event(tx, verdict.repeat_seq)))
 
@@ -211,7 +218,9 @@ class Ledger:
         totals = tx.window_totals(policy.lane, now_us, policy.window_us)
         if booking.is_expired_at(now_us):
             event = moves.expire(booking, now_us)
-            _, booking, totals = _record(tx, policy, booking, event, totals, now_us, trace_id)
+            _, booking, totals = record_booking_event(
+                tx, policy, booking, event, totals, now_us, trace_id
+            )
         return policy, booking, totals, now_us
 
     def sweep(self, batch_size: int) -> int:
@@ -239,7 +248,7 @@ class Ledger:
             if booking is None or not booking.is_expired_at(now_us):
                 continue  # ended meanwhile
             event = moves.expire(booking, now_us)
-            _, _, totals = _record(tx, policy, booking, event, totals, now_us, "")
+            _, _, totals = record_booking_event(tx, policy, booking, event, totals, now_us, "")
             count += 1
         return count
 
@@ -303,6 +312,10 @@ class Ledger:
             if len(page) < query.limit:
                 self.signal.wait(generation, poll_interval_seconds)
 
+    def write(self, work: Callable[[StoreTransaction], _T]) -> _T:
+        """Runs `work` in one write transaction and wakes the event tails."""
+        return self._write(work)
+
     def _write(self, work: Callable[[StoreTransaction], _T]) -> _T:
         result = self._store.run(work)
         self.signal.notify()
@@ -314,6 +327,50 @@ def _locked_lane(tx: StoreTransaction, lane: str) -> LanePolicy:
     if policy is None:
         raise LaneNotFound(lane)
     return policy
+
+
+def _locked_ancestors(tx: StoreTransaction, policy: LanePolicy) -> list[LanePolicy]:
+    """The lane's parent budgets, nearest first, each locked until commit.
+
+    Locks are always taken from a lane upwards, so two Reserves on sibling
+    lanes queue on their shared parent instead of deadlocking.
+    """
+    ancestors: list[LanePolicy] = []
+    seen = {policy.lane}
+    parent = policy.parent
+    while parent is not None and len(ancestors) < MAX_BUDGET_DEPTH - 1:
+        if parent in seen:
+            break  # a cycle cannot be configured; never loop on one
+        seen.add(parent)
+        ancestor = tx.lock_lane(parent)
+        if ancestor is None:
+            break
+        ancestors.append(ancestor)
+        parent = ancestor.parent
+    return ancestors
+
+
+def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> None:
+    """A parent must exist, make no cycle, and nest budgets at most MAX_BUDGET_DEPTH deep."""
+    if policy.parent is None:
+        return
+    depth_above = 0
+    parent: str | None = policy.parent
+    while parent is not None:
+        if parent == policy.lane:
+            raise InvalidArgument("lane.parent", f"{policy.parent!r} would make a cycle")
+        ancestor = tx.get_lane(parent)
+        if ancestor is None:
+            raise InvalidArgument("lane.parent", f"there is no lane named {parent!r}")
+        depth_above += 1
+        if depth_above >= MAX_BUDGET_DEPTH:
+            break
+        parent = ancestor.parent
+    levels = len(tx.subtree(policy.lane, MAX_BUDGET_DEPTH))
+    if depth_above + levels > MAX_BUDGET_DEPTH:
+        raise InvalidArgument(
+            "lane.parent", f"budgets may nest at most {MAX_BUDGET_DEPTH} lanes deep"
+        )
 
 
 def _event(tx: StoreTransaction, seq: int) -> Event:
@@ -334,7 +391,7 @@ def _with_balance(event: Event, policy: LanePolicy, totals: WindowTotals) -> Eve
     )
 
 
-def _record(
+def record_booking_event(
     tx: StoreTransaction,
     policy: LanePolicy,
     before: Booking | None,

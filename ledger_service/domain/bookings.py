@@ -22,10 +22,13 @@ class BookingState(enum.Enum):
     REFUNDED = "refunded"
     EXPIRED = "expired"
     REJECTED = "rejected"
+    RECONCILED = "reconciled"
 
 
-# The states whose charge a later Settle with real usage may still correct.
+# The states whose charge is an estimate that real usage may still correct.
 CORRECTABLE_STATES = frozenset({BookingState.SETTLED_UNKNOWN, BookingState.EXPIRED})
+# The states whose charge is real: what the provider said the call cost.
+REAL_STATES = frozenset({BookingState.SETTLED, BookingState.RECONCILED})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,10 @@ class Booking:
             return self.amount_nanos, 0
         return 0, self.amount_at(now_us)
 
+    def settle_fingerprint(self) -> tuple[object, ...]:
+        """What the Settle that ended this booking said, to recognise a repeat."""
+        return (self.outcome, self.input_tokens, self.output_tokens, self.billed_nanos)
+
     def reserve_fingerprint(self) -> tuple[object, ...]:
         return (
             self.model,
@@ -101,6 +108,8 @@ def apply(event: Event, booking: Booking | None) -> Booking:
         return _ended(booking, event, BookingState.REFUNDED)
     if event.kind is EventKind.EXPIRED:
         return _ended(booking, event, BookingState.EXPIRED)
+    if event.kind is EventKind.RECONCILED:
+        return _ended(booking, event, BookingState.RECONCILED)
     raise AssertionError(f"event kind {event.kind.value} is not about a booking")
 
 

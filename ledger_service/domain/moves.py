@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from ledger_service.domain.bookings import CORRECTABLE_STATES, Booking, BookingState
+from ledger_service.domain.bookings import CORRECTABLE_STATES, REAL_STATES, Booking, BookingState
 from ledger_service.domain.errors import (
     BookingAlreadyEnded,
     BookingWasDenied,
@@ -131,18 +131,31 @@ class RefundCommand:
             raise InvalidArgument("reason", "must be printable text")
 
 
-def decide_reserve(
-    policy: LanePolicy,
-    command: ReserveCommand,
-    totals: WindowTotals,
-    aging: Callable[[], Iterable[tuple[int, int]]],
-    now_us: int,
-) -> Event:
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """One budget a Reserve must fit: the lane itself, or one of its ancestors.
+
+    `totals` cover every booking of the budget's subtree inside its window;
+    `aging` yields them as (reserved_at_us, amount_nanos), oldest first, and
+    is called only for a denial.
+    """
+
+    policy: LanePolicy
+    totals: WindowTotals
+    aging: Callable[[], Iterable[tuple[int, int]]]
+
+    @property
+    def available_nanos(self) -> int:
+        return self.policy.limit_nanos - self.totals.spent_nanos
+
+
+def decide_reserve(budgets: Sequence[Budget], command: ReserveCommand, now_us: int) -> Event:
     """The reserved or denied event for a new reservation_id.
 
-    `aging` is called only for a denial: it yields the window's bookings oldest
-    first, from which retry_after is computed.
+    `budgets[0]` is the lane; the rest are its ancestors. The hold is admitted
+    only when it fits every one of them.
     """
+    policy = budgets[0].policy
     price = policy.price_of(command.model)
     if price is None:
         raise UnknownModel("model", f"lane {policy.lane!r} has no price for {command.model!r}")
@@ -161,7 +174,6 @@ def decide_reserve(
     if cap > MAX_AMOUNT_NANOS:
         raise InvalidArgument("request_bytes", "prices this request above the largest amount")
     hold = cap if command.estimate_nanos is None else min(command.estimate_nanos, cap)
-    available = policy.limit_nanos - totals.spent_nanos
     base = Event(
         kind=EventKind.RESERVED,
         lane=policy.lane,
@@ -182,24 +194,48 @@ def decide_reserve(
         limit_nanos=policy.limit_nanos,
         window_us=policy.window_us,
     )
-    if hold > policy.limit_nanos:
-        return dataclasses.replace(
-            base,
-            kind=EventKind.DENIED,
-            denial_reason=DenialReason.HOLD_EXCEEDS_LIMIT,
-            reason=f"the hold of {hold} nanos is larger than the lane's limit of "
-            f"{policy.limit_nanos} nanos and can never fit",
-        )
-    if hold <= available:
+    for budget in budgets:
+        if hold > budget.policy.limit_nanos:
+            return dataclasses.replace(
+                base,
+                kind=EventKind.DENIED,
+                denial_reason=DenialReason.HOLD_EXCEEDS_LIMIT,
+                denied_by=budget.policy.lane,
+                reason=f"the hold of {hold} nanos is larger than the limit of budget "
+                f"{budget.policy.lane!r} ({budget.policy.limit_nanos} nanos) and can never fit",
+            )
+    short = [budget for budget in budgets if hold > budget.available_nanos]
+    if not short:
         return dataclasses.replace(base, amount_nanos=hold)
-    retry_at = retry_after_us(hold - available, aging(), policy.window_us)
+    return _denied_for_budget(base, hold, short)
+
+
+def _denied_for_budget(base: Event, hold: int, short: Sequence[Budget]) -> Event:
+    """Denied: the hold fits once every short budget has aged enough.
+
+    Aging alone only lowers a budget's spend, so the earliest instant at which
+    all of them fit is the latest of each one's own earliest instant.
+    """
+    binding = short[0]
+    retry_at: int | None = 0
+    for budget in short:
+        instant = retry_after_us(
+            hold - budget.available_nanos, budget.aging(), budget.policy.window_us
+        )
+        if instant is None:
+            binding, retry_at = budget, None
+            break
+        assert retry_at is not None
+        if instant > retry_at:
+            binding, retry_at = budget, instant
     return dataclasses.replace(
         base,
         kind=EventKind.DENIED,
         denial_reason=DenialReason.BUDGET_EXHAUSTED,
         retry_after_us=retry_at,
-        reason=f"the hold of {hold} nanos does not fit the {available} nanos available "
-        "in the window",
+        denied_by=binding.policy.lane,
+        reason=f"the hold of {hold} nanos does not fit the {binding.available_nanos} nanos "
+        f"available in budget {binding.policy.lane!r}",
     )
 
 
@@ -250,13 +286,11 @@ def decide_settle(booking: Booking, command: SettleCommand, now_us: int) -> Verd
         raise BookingAlreadyEnded(
             f"booking {booking.reservation_id!r} was refunded; it cannot be settled"
         )
-    repeat = booking.ended_seq and booking.outcome is not None
-    if repeat and (booking.outcome, booking.input_tokens, booking.output_tokens,
-                   booking.billed_nanos) == command.fingerprint():  # fmt: skip
+    if booking.outcome is not None and booking.settle_fingerprint() == command.fingerprint():
         return Verdict(repeat_seq=booking.ended_seq)
-    if state is BookingState.SETTLED:
+    if state in REAL_STATES:
         raise BookingAlreadyEnded(
-            f"booking {booking.reservation_id!r} was already settled with other usage"
+            f"booking {booking.reservation_id!r} already holds a real charge from other usage"
         )
     if command.outcome is Outcome.UNKNOWN and state in CORRECTABLE_STATES:
         # An unknown outcome adds nothing to what the ledger already holds.
@@ -287,9 +321,11 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
         raise BookingWasDenied(booking.reservation_id)
     if state is BookingState.REFUNDED:
         return Verdict(repeat_seq=booking.ended_seq)
-    if state is BookingState.SETTLED:
+    if state in REAL_STATES or state is BookingState.SETTLED_UNKNOWN:
+        # The contract: a refund after a settle contradicts it. Only an expired
+        # booking (nobody said anything) may still learn it was refused.
         raise BookingAlreadyEnded(
-            f"booking {booking.reservation_id!r} was settled with real usage; it cannot be refunded"
+            f"booking {booking.reservation_id!r} was already settled; it cannot be refunded"
         )
     event = _ending_event(booking, EventKind.REFUNDED, 0, now_us)
     return Verdict(

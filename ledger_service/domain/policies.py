@@ -28,6 +28,8 @@ MAX_OVERHEAD_TOKENS = 10_000_000
 MAX_PRICE_NANOS_PER_MILLION = 10**15  # a million dollars per million tokens
 MAX_MODELS = 256
 MAX_NAME_LENGTH = 200
+# A lane and its ancestors: at most this many budgets checked per Reserve.
+MAX_BUDGET_DEPTH = 4
 
 # Lane and model names: printable, no whitespace or control characters.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
@@ -48,6 +50,8 @@ class LanePolicy:
     bytes_per_token_milli: int = DEFAULT_BYTES_PER_TOKEN_MILLI
     overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS
     expire_charge: ExpireCharge = ExpireCharge.HOLD
+    # The parent budget (another lane), if any: a Reserve must fit it too.
+    parent: str | None = None
     # Output only: the seq of the lane_configured event that set this policy.
     version: int = 0
     updated_at_us: int = 0
@@ -70,6 +74,10 @@ class LanePolicy:
                 "lane.overhead_tokens", f"must be between 0 and {MAX_OVERHEAD_TOKENS}"
             )
         validate_prices(self.prices)
+        if self.parent is not None:
+            validate_name("lane.parent", self.parent)
+            if self.parent == self.lane:
+                raise InvalidArgument("lane.parent", "a lane cannot be its own parent")
 
     def price_of(self, model: str) -> ModelPrice | None:
         return self.prices.get(model)
@@ -124,6 +132,7 @@ def policy_to_dict(policy: LanePolicy) -> dict[str, Any]:
         "bytes_per_token_milli": policy.bytes_per_token_milli,
         "overhead_tokens": policy.overhead_tokens,
         "expire_charge": policy.expire_charge.value,
+        "parent": policy.parent,
         "prices": {
             model: [price.input_nanos_per_million_tokens, price.output_nanos_per_million_tokens]
             for model, price in sorted(policy.prices.items())
@@ -140,6 +149,7 @@ def policy_from_dict(data: Mapping[str, Any], version: int, updated_at_us: int) 
         bytes_per_token_milli=int(data["bytes_per_token_milli"]),
         overhead_tokens=int(data["overhead_tokens"]),
         expire_charge=ExpireCharge(data["expire_charge"]),
+        parent=data.get("parent"),
         prices={
             model: ModelPrice(int(pair[0]), int(pair[1])) for model, pair in data["prices"].items()
         },

@@ -38,7 +38,8 @@ def _postgres_problem() -> str | None:
         with engine.connect() as connection:
             connection.execute(sa.text("SELECT 1"))
     except sa.exc.SQLAlchemyError as error:
-        return f"PostgreSQL at {database.redacted(POSTGRES_URL)} is unreachable: {type(error).__name__}"
+        where = database.redacted(POSTGRES_URL)
+        return f"PostgreSQL at {where} is unreachable: {type(error).__name__}"
     finally:
         engine.dispose()
     return None

@@ -1,0 +1,247 @@
+"""Reconciling estimated charges with the provider's usage export.
+
+An UNKNOWN or expired booking is charged at its hold because nobody knew what
+the call cost. A provider's export often does know: each matching row corrects
+such a booking with a `reconciled` event, so the audit shows what was
+estimated, what was real, and when it was corrected. Bookings that already
+hold a real charge are never overwritten: a disagreement is flagged.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import decimal
+import enum
+import io
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ledger_service.domain.bookings import CORRECTABLE_STATES, REAL_STATES, Booking, BookingState
+from ledger_service.domain.errors import InvalidArgument
+from ledger_service.domain.events import Event, EventKind
+from ledger_service.domain.moves import MAX_TOKENS, validate_reservation_id
+from ledger_service.domain.policies import validate_name
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS
+
+MAX_ROWS = 10_000
+NANOS_PER_USD = 10**9
+COLUMNS = frozenset(
+    {"lane", "reservation_id", "billed_nanos", "billed_usd", "input_tokens", "output_tokens",
+     "model"}
+)  # fmt: skip
+
+
+class ExportFormat(enum.Enum):
+    CSV = "csv"
+    JSONL = "jsonl"
+
+
+class RowStatus(enum.Enum):
+    CORRECTED = "corrected"
+    MATCHED = "matched"
+    UNMATCHED = "unmatched"
+    DISAGREES = "disagrees"
+    OPEN = "open"
+    REFUNDED = "refunded"
+    BAD = "bad"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportRow:
+    line: int
+    lane: str
+    reservation_id: str
+    billed_nanos: int | None
+    input_tokens: int
+    output_tokens: int
+    model: str
+
+    def real_cost(self, booking: Booking) -> int:
+        if self.billed_nanos is not None:
+            return self.billed_nanos
+        return booking.price.real_cost(self.input_tokens, self.output_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowResult:
+    line: int
+    lane: str
+    reservation_id: str
+    status: RowStatus
+    before_nanos: int = 0
+    after_nanos: int = 0
+    field: str = ""
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    rows: Sequence[ExportRow]
+    bad: Sequence[RowResult]
+
+
+def parse(content: bytes, export_format: ExportFormat, default_lane: str) -> Parsed:
+    """Every row of the export, or the bad ones with their line numbers."""
+    try:
+        text = content.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise InvalidArgument("content", "must be UTF-8 text") from error
+    records = _csv_records(text) if export_format is ExportFormat.CSV else _jsonl_records(text)
+    rows: list[ExportRow] = []
+    bad: list[RowResult] = []
+    for line, record in records:
+        if len(rows) + len(bad) >= MAX_ROWS:
+            raise InvalidArgument("content", f"holds more than {MAX_ROWS} rows; split the export")
+        if isinstance(record, str):
+            bad.append(RowResult(line, "", "", RowStatus.BAD, field="content", message=record))
+            continue
+        try:
+            rows.append(_row(line, record, default_lane))
+        except InvalidArgument as error:
+            bad.append(
+                RowResult(
+                    line,
+                    str(record.get("lane") or default_lane)[:200],
+                    str(record.get("reservation_id") or "")[:200],
+                    RowStatus.BAD,
+                    field=error.field,
+                    message=error.message,
+                )
+            )
+    return Parsed(rows, bad)
+
+
+def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
+    reader = csv.DictReader(io.StringIO(text))
+    header = set(reader.fieldnames or ())
+    if "reservation_id" not in header:
+        raise InvalidArgument("content", "the CSV header must name a reservation_id column")
+    unknown = header - COLUMNS
+    if unknown:
+        raise InvalidArgument("content", f"unknown CSV columns: {', '.join(sorted(unknown))}")
+    records: list[tuple[int, Mapping[str, Any] | str]] = []
+    for record in reader:
+        if None in record:
+            records.append((reader.line_num, "has more fields than the header"))
+            continue
+        values = {key: value for key, value in record.items() if value not in ("", None)}
+        if values:
+            records.append((reader.line_num, values))
+    return records
+
+
+def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
+    records: list[tuple[int, Mapping[str, Any] | str]] = []
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw, parse_float=decimal.Decimal)
+        except ValueError:
+            records.append((line, "is not valid JSON"))
+            continue
+        if not isinstance(value, dict):
+            records.append((line, "is not a JSON object"))
+        elif set(value) - COLUMNS:
+            records.append((line, f"unknown keys: {', '.join(sorted(set(value) - COLUMNS))}"))
+        else:
+            records.append((line, value))
+    return records
+
+
+def _row(line: int, record: Mapping[str, Any], default_lane: str) -> ExportRow:
+    lane = str(record.get("lane") or default_lane)
+    validate_name("lane", lane)
+    reservation_id = str(record.get("reservation_id") or "")
+    validate_reservation_id(reservation_id)
+    billed = _billed_nanos(record)
+    input_tokens = _count(record, "input_tokens")
+    output_tokens = _count(record, "output_tokens")
+    if billed is None and "input_tokens" not in record and "output_tokens" not in record:
+        raise InvalidArgument("billed_nanos", "a row needs a billed amount or token counts")
+    model = str(record.get("model") or "")
+    if model:
+        validate_name("model", model)
+    return ExportRow(line, lane, reservation_id, billed, input_tokens, output_tokens, model)
+
+
+def _billed_nanos(record: Mapping[str, Any]) -> int | None:
+    if "billed_nanos" in record:
+        return _whole(record["billed_nanos"], "billed_nanos", MAX_AMOUNT_NANOS)
+    if "billed_usd" in record:
+        try:
+            usd = decimal.Decimal(str(record["billed_usd"]).strip())
+        except decimal.InvalidOperation as error:
+            raise InvalidArgument("billed_usd", "must be a decimal number of dollars") from error
+        nanos = usd * NANOS_PER_USD
+        if not usd.is_finite() or nanos != nanos.to_integral_value():
+            raise InvalidArgument("billed_usd", "must be exact to the nano-dollar")
+        return _whole(int(nanos), "billed_usd", MAX_AMOUNT_NANOS)
+    return None
+
+
+def _count(record: Mapping[str, Any], field: str) -> int:
+    return _whole(record.get(field, 0), field, MAX_TOKENS)
+
+
+def _whole(value: Any, field: str, high: int) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgument(field, "must be a whole number")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value.strip())
+    else:
+        raise InvalidArgument(field, "must be a whole, non-negative number")
+    if not 0 <= number <= high:
+        raise InvalidArgument(field, f"must be between 0 and {high}")
+    return number
+
+
+def decide(booking: Booking | None, row: ExportRow, now_us: int) -> tuple[RowResult, Event | None]:
+    """What one export row does to its booking (already expired if past its deadline)."""
+    result = RowResult(row.line, row.lane, row.reservation_id, RowStatus.UNMATCHED)
+    if booking is None:
+        return dataclasses.replace(result, message="no such booking in this lane"), None
+    if booking.state is BookingState.REJECTED:
+        message = "the Reserve was denied: no call was booked"
+        return dataclasses.replace(result, status=RowStatus.DISAGREES, message=message), None
+    if row.model and row.model != booking.model:
+        message = f"the export says model {row.model!r}, the booking {booking.model!r}"
+        return dataclasses.replace(result, status=RowStatus.DISAGREES, message=message), None
+    real = row.real_cost(booking)
+    current = booking.amount_at(now_us)
+    result = dataclasses.replace(result, before_nanos=current, after_nanos=real)
+    if booking.state is BookingState.OPEN:
+        return dataclasses.replace(result, status=RowStatus.OPEN, after_nanos=current), None
+    if booking.state in REAL_STATES or booking.state is BookingState.REFUNDED:
+        if real == current:
+            return dataclasses.replace(result, status=RowStatus.MATCHED), None
+        status = (
+            RowStatus.REFUNDED if booking.state is BookingState.REFUNDED else RowStatus.DISAGREES
+        )
+        message = f"the ledger holds {current} nanos ({booking.state.value}); not overwritten"
+        return dataclasses.replace(
+            result, status=status, after_nanos=current, message=message
+        ), None
+    assert booking.state in CORRECTABLE_STATES
+    event = Event(
+        kind=EventKind.RECONCILED,
+        lane=booking.lane,
+        occurred_at_us=now_us,
+        reservation_id=booking.reservation_id,
+        amount_nanos=real,
+        previous_amount_nanos=current,
+        model=booking.model,
+        hold_nanos=booking.hold_nanos,
+        cap_nanos=booking.cap_nanos,
+        reserved_at_us=booking.reserved_at_us,
+        expires_at_us=booking.expires_at_us,
+        input_tokens=row.input_tokens,
+        output_tokens=row.output_tokens,
+        billed_nanos=row.billed_nanos,
+        reason=f"provider export line {row.line}",
+    )
+    return dataclasses.replace(result, status=RowStatus.CORRECTED), event
