@@ -70,7 +70,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     It also decodes the request itself, so that bytes that are not the method's
     message get INVALID_ARGUMENT with a constant text, and it catches what the
     interceptors inside it raise while choosing a handler (grpcio would answer
-    UNKNOWN). It must be the first (outermost) interceptor.
+    UNKNOWN). Put it outside every interceptor that can fail; an interceptor
+    outside it sees undecoded requests and must not raise.
     """
 
     def intercept_service(
