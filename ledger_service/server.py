@@ -193,7 +193,12 @@ def issue_admin_grant(settings: Settings, grant_keys: Keyring) -> str:
         issued_at_us=now_us,
         expires_at_us=now_us + settings.admin_grant_lifetime_seconds * 1_000_000,
     )
-    keyring.write_admin_grant(settings.data_dir, grant)
+    try:
+        keyring.write_admin_grant(settings.data_dir, grant)
+    except OSError as error:
+        # A read-only data directory still serves; only the local commands miss the file.
+        path = keyring.admin_grant_path(settings.data_dir)
+        log.warning("cannot write %s (%s): give local commands --grant", path, error.strerror)
     return grant
 
 

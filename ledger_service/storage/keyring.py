@@ -57,7 +57,12 @@ def load(data_dir: pathlib.Path) -> Keyring:
 
 
 def load_or_create(data_dir: pathlib.Path) -> Keyring:
-    """The keyring in `data_dir`, created with one fresh key if there is none."""
+    """The keyring in `data_dir`, created with one fresh key if there is none.
+
+    An existing keyring is only read, so a read-only data directory works.
+    """
+    if keyring_path(data_dir).exists():
+        return load(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     key_id = new_key_id()
     created = Keyring(keys={key_id: new_key()}, signing_key_id=key_id)

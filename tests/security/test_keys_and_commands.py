@@ -113,6 +113,24 @@ def test_two_servers_starting_on_one_directory_agree_on_one_keyring(tmp_path: pa
     assert mode_of(tmp_path / "grant-keys.json") == 0o600
 
 
+def test_an_existing_keyring_is_only_read(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    created = keyring.load_or_create(tmp_path)
+
+    def no_writes(*_arguments: object, **_keywords: object) -> None:
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(keyring, "_write_private", no_writes)
+    assert keyring.load_or_create(tmp_path) == created
+    server = LedgerServer(security_settings(tmp_path))
+    try:
+        assert server.keyring == created, "no admin.grant file, but the server starts"
+        assert server.admin_grant
+    finally:
+        server.stop(0)
+
+
 def test_a_broken_keyring_file_is_refused_without_quoting_it(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "grant-keys.json"
     path.write_text(json.dumps({"version": 1, "signing_key_id": "k1", "keys": {"k1": "c2VjcmV0"}}))
