@@ -60,6 +60,12 @@ def _charge_read(forge: Forge) -> str:
     return forge.grant([HOME_LANE], [Scope.CHARGE, Scope.READ])
 
 
+def _flipped_signature(token: str) -> str:
+    """The token with the first character of its signature changed."""
+    signed, signature = token.rsplit(".", 1)
+    return f"{signed}.{'B' if signature[0] == 'A' else 'A'}{signature[1:]}"
+
+
 UNAUTHENTICATED_CASES: dict[str, Callable[[Forge], tuple[tuple[str, str | bytes], ...]]] = {
     "missing": lambda forge: (),
     "empty bearer": lambda forge: (("authorization", "Bearer "),),
@@ -69,9 +75,7 @@ UNAUTHENTICATED_CASES: dict[str, Callable[[Forge], tuple[tuple[str, str | bytes]
     "jwt alg none": lambda forge: bearer("eyJhbGciOiJub25lIn0.eyJzdWIiOiJhZG1pbiJ9."),
     "empty signature": lambda forge: bearer(_charge_read(forge).rsplit(".", 1)[0] + "."),
     "truncated signature": lambda forge: bearer(_charge_read(forge)[:-2]),
-    "flipped signature": lambda forge: bearer(
-        _charge_read(forge)[:-5] + ("A" if _charge_read(forge)[-5] != "A" else "B") + "AAAA"
-    ),
+    "flipped signature": lambda forge: bearer(_flipped_signature(_charge_read(forge))),
     "two grants": lambda forge: (*bearer(_charge_read(forge)), *bearer(_charge_read(forge))),
     "binary header": lambda forge: (("authorization-bin", b"\xff\xfe\x00"),),
     "expired": lambda forge: bearer(forge.expired([HOME_LANE], [Scope.CHARGE, Scope.READ])),
@@ -136,10 +140,12 @@ def test_the_right_grant_lets_the_call_in(shared_ledger: SecureLedger, method: M
         assert outcome.code not in NOT_LETTING_IN, outcome
 
 
-@pytest.mark.parametrize("method", all_methods(), ids=lambda method: method.path)
+@pytest.mark.parametrize(
+    "method",
+    [method for method in all_methods() if needed_scope(method) is not Scope.ADMIN],
+    ids=lambda method: method.path,
+)
 def test_an_empty_lane_is_not_a_wildcard(shared_ledger: SecureLedger, method: Method) -> None:
-    if needed_scope(method) is Scope.ADMIN:
-        pytest.skip("admin methods need an admin grant whatever the lane")
     grant = shared_ledger.forge.grant([HOME_LANE], [Scope.CHARGE, Scope.READ])
     outcome = shared_ledger.caller.call(method, request_for(method, ""), bearer(grant))
     assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, outcome
