@@ -41,7 +41,7 @@ def validate_reservation_id(value: str) -> None:
         raise InvalidArgument(
             "reservation_id", f"must be at most {MAX_RESERVATION_ID_LENGTH} characters"
         )
-    if not _RESERVATION_ID.match(value):
+    if not _RESERVATION_ID.fullmatch(value):
         raise InvalidArgument("reservation_id", "must be printable ASCII without spaces")
 
 

@@ -88,7 +88,7 @@ def validate_name(field: str, value: str) -> None:
         raise InvalidArgument(field, "is required")
     if len(value) > MAX_NAME_LENGTH:
         raise InvalidArgument(field, f"must be at most {MAX_NAME_LENGTH} characters")
-    if not _NAME.match(value):
+    if not _NAME.fullmatch(value):
         raise InvalidArgument(
             field, "must start with a letter or digit and use only letters, digits and ._:/@+-"
         )
