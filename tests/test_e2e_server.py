@@ -1,0 +1,45 @@
+"""The server's wiring: health, and the test clock that exists only when asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2, empty_pb2, timestamp_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+
+
+def test_health_is_serving_for_the_server_and_each_service(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "ledger.v1.Ledger", "ledger.v1.LaneAdmin"):
+        answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def test_the_test_clock_is_unimplemented_without_the_flag(
+    server_without_test_clock: Any, open_ledger_channel: Any
+) -> None:
+    clock = pb_grpc.TestClockStub(open_ledger_channel(server_without_test_clock))
+    for call in (
+        lambda: clock.GetTime(empty_pb2.Empty(), timeout=10),
+        lambda: clock.SetTime(timestamp_pb2.Timestamp(seconds=1), timeout=10),
+        lambda: clock.Advance(duration_pb2.Duration(seconds=86_400), timeout=10),
+    ):
+        try:
+            call()
+        except grpc.RpcError as error:
+            assert isinstance(error, grpc.Call)
+            assert error.code() is grpc.StatusCode.UNIMPLEMENTED
+        else:
+            raise AssertionError("a server without --test-clock let a client move time")
+    health = health_pb2_grpc.HealthStub(open_ledger_channel(server_without_test_clock))
+    answer = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_test_clock_is_served_with_the_flag(clock_stub: Any) -> None:
+    instant = timestamp_pb2.Timestamp(seconds=1_800_000_000, nanos=5_000)
+    assert clock_stub.SetTime(instant, timeout=10) == instant
+    assert clock_stub.GetTime(empty_pb2.Empty(), timeout=10) == instant
