@@ -1,9 +1,12 @@
-"""End-to-end tests of the people CLI (`ledger lane|reserve|settle|refund|balance|history`).
+"""End-to-end tests of the people CLI (`ledger lane|reserve|settle|refund|balance|history|
+reconcile`).
 
 A real server runs as a subprocess (`ledger serve --listen 127.0.0.1:0 --test-clock`
 on a temporary SQLite data directory) and the CLI runs in process through
 `ledger_service.cli.main`, so its stdout, stderr and exit code are all checked.
 The `--follow` test runs the CLI as a subprocess, because it ends on Ctrl-C.
+The TLS tests start two servers in process, one with TLS and one with mutual TLS,
+with certificates made by the helpers of tests/security/test_tls.py.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import pytest
 from ledger_service import cli
 from ledger_service.cli import talk
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.server import LedgerServer
+from ledger_service.settings import Settings
+from tests.security.test_tls import Issued, issue, make_ca
 
 LEDGER = pathlib.Path(sys.executable).parent / "ledger"
 START_SECONDS = 30.0
@@ -343,6 +349,7 @@ def test_lane_put_show_and_list(target: LedgerProcess, ledger: RunLedger) -> Non
     assert listed.code == 0
     assert listed.out.splitlines()[0].split() == [
         "LANE",
+        "PARENT",
         "LIMIT",
         "WINDOW",
         "HOLD",
@@ -353,7 +360,8 @@ def test_lane_put_show_and_list(target: LedgerProcess, ledger: RunLedger) -> Non
         "(UTC)",
     ]
     assert any(
-        line.split()[:3] == ["lanes-a", "$0.500000000", "1d"] for line in listed.out.splitlines()
+        line.split()[:4] == ["lanes-a", "-", "$0.500000000", "1d"]
+        for line in listed.out.splitlines()
     )
     listed_json = ledger("lane", "list", "--json").json()
     lanes = listed_json["lanes"]
@@ -403,6 +411,25 @@ def test_lane_put_takes_every_option(target: LedgerProcess, ledger: RunLedger) -
     again = ledger("lane", "put", "lanes-b", "--limit", "$1", "--price", JEV_PRICE, "--json")
     assert again.json()["version"] > lane["version"]
     assert again.json()["limit_nanos"] == 1_000_000_000
+
+
+def test_a_parent_budget_is_set_shown_and_listed(target: LedgerProcess, ledger: RunLedger) -> None:
+    ledger("lane", "put", "team", "--limit", "300000n", "--price", JEV_PRICE)
+    child = put_recall(ledger, "team-recall", "--parent", "team")
+    assert "parent           team (a Reserve must fit its budget too)" in child.out.splitlines()
+    assert ledger("lane", "show", "team-recall").out == child.out
+    assert ledger("lane", "show", "team-recall", "--json").json()["parent"] == "team"
+    assert "parent" not in ledger("lane", "show", "team").out
+    rows = [line.split() for line in ledger("lane", "list").out.splitlines()]
+    assert ["team-recall", "team", "$0.500000000"] in [row[:3] for row in rows]
+    assert ["team", "-", "$0.000300000"] in [row[:3] for row in rows]
+    # The child's own budget has room; its parent's does not.
+    assert reserve(ledger, "team-recall", "p-1").code == 0
+    denied = reserve(ledger, "team-recall", "p-2")
+    assert denied.code == talk.EXIT_DENIED
+    assert denied.out.startswith("denied p-2 by the budget of team: budget exhausted: "), denied
+    # A put replaces the whole policy: without --parent the lane has none.
+    assert "parent" not in put_recall(ledger, "team-recall").out
 
 
 # The moves -----------------------------------------------------------------
@@ -696,6 +723,10 @@ def test_an_unknown_booking_is_one_line(target: LedgerProcess, ledger: RunLedger
             "--hold-ttl",
         ),
         (["lane", "put", "bad lane", "--limit", "$1", "--price", JEV_PRICE], "LANE"),
+        (
+            ["lane", "put", "checks-2", "--limit", "$1", "--price", JEV_PRICE, "--parent", "nope"],
+            "--parent",
+        ),
     ],
 )
 def test_a_bad_value_names_the_option_the_server_refused(
@@ -813,3 +844,291 @@ def test_an_rpc_error_without_a_status_is_still_one_line() -> None:
     with talk.connect(arguments) as session:
         error = talk.explain(grpc.RpcError(), session)
     assert error.message == "the call to the ledger at 127.0.0.1:9 failed"
+
+
+# Reconcile -----------------------------------------------------------------
+
+
+def booked_for_reconciling(ledger: RunLedger, lane: str) -> None:
+    """u-1 charged its hold (UNKNOWN), s-1 its real cost, o-1 still open."""
+    put_recall(ledger, lane)
+    assert reserve(ledger, lane, "u-1").code == 0
+    assert ledger("settle", lane, "u-1", "--outcome", "unknown").code == 0
+    assert reserve(ledger, lane, "s-1").code == 0
+    settled = ledger("settle", lane, "s-1", "--outcome", "succeeded", "--input-tokens", "10")
+    assert settled.code == 0
+    assert reserve(ledger, lane, "o-1").code == 0
+
+
+def test_reconcile_dry_run_then_apply(
+    target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    booked_for_reconciling(ledger, "bill")
+    export = tmp_path / "usage.csv"
+    export.write_text(
+        "reservation_id,billed_usd\nu-1,0.00019\ns-1,0.000001\no-1,0.0001\nghost,0.0001\n"
+    )
+    dry = ledger("reconcile", str(export), "--lane", "bill", "--dry-run")
+    assert dry.code == 0, dry
+    lines = dry.out.splitlines()
+    assert lines[0].split() == ["LINE", "LANE", "RESERVATION", "STATUS", "BEFORE", "->", "AFTER",
+                                "MESSAGE"]  # fmt: skip
+    assert lines[1].split() == ["2", "bill", "u-1", "corrected", "$0.000280000", "->",
+                                "$0.000190000"]  # fmt: skip
+    assert lines[2].split()[:7] == ["3", "bill", "s-1", "matched", "$0.000001000", "->",
+                                    "$0.000001000"]  # fmt: skip
+    assert lines[3].split()[:4] == ["4", "bill", "o-1", "open"]
+    assert lines[4].split()[:5] == ["5", "bill", "ghost", "unmatched", "-"]
+    assert "no such booking in this lane" in lines[4]
+    assert lines[6:] == [
+        "dry run: nothing changed; without --dry-run this file would apply: "
+        "1 corrected, 1 matched, 1 unmatched, 0 disagreeing",
+        "estimated before  $0.000280000",
+        "real after        $0.000190000",
+        "difference        -$0.000090000",
+    ]
+    assert ledger("balance", "bill", "--json").json()["charged_nanos"] == CAP_NANOS + 1000
+
+    applied = ledger("reconcile", str(export), "--lane", "bill", "--json")
+    assert applied.code == 0, applied
+    response = applied.json()
+    assert response["applied"] is True
+    assert response["corrected_count"] == 1
+    assert response["difference_nanos"] == -90_000
+    assert [row["line"] for row in response["rows"]] == [2, 3, 4, 5]
+    assert ledger("balance", "bill", "--json").json()["charged_nanos"] == 190_000 + 1000
+    again = ledger("reconcile", str(export), "--lane", "bill")
+    assert again.code == 0
+    assert again.out.splitlines()[1].split()[3] == "matched"
+    assert "\napplied: 0 corrected, 2 matched, 1 unmatched, 0 disagreeing\n" in again.out
+
+
+def test_reconcile_bad_rows_exit_1_with_their_lines_and_fields(
+    target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    booked_for_reconciling(ledger, "bad-bill")
+    export = tmp_path / "usage.jsonl"
+    export.write_text(
+        '{"lane": "bad-bill", "reservation_id": "u-1", "billed_nanos": 5}\n'
+        '{"lane": "bad-bill", "reservation_id": "u-1", "billed_usd": "0.0000000001"}\n'
+        "\n"
+        "not json\n"
+    )
+    run = ledger("reconcile", str(export))
+    assert run.code == talk.EXIT_FAILED
+    assert run.err == "ledger: not applied: 2 bad rows (lines 2, 4); nothing changed\n"
+    rows = [line.split() for line in run.out.splitlines()[1:4]]
+    assert rows[0][:4] == ["1", "bad-bill", "u-1", "unmatched"]
+    assert rows[1][:6] == ["2", "bad-bill", "u-1", "bad", "-", "billed_usd:"]
+    assert rows[2][:6] == ["4", "-", "-", "bad", "-", "content:"]
+    assert "not applied: the file has bad rows, so nothing changed: 2 bad, 1 not checked" in run.out
+    assert ledger("balance", "bad-bill", "--json").json()["charged_nanos"] == CAP_NANOS + 1000
+    # A dry run of the same file fails the same way: it would not apply.
+    assert ledger("reconcile", str(export), "--dry-run", "--json").code == talk.EXIT_FAILED
+
+
+def test_reconcile_refuses_what_it_cannot_send(
+    target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    unknown = tmp_path / "usage.txt"
+    unknown.write_text("reservation_id,billed_nanos\nx,1\n")
+    run = ledger("reconcile", str(unknown))
+    assert "cannot tell the format" in one_line_error(run)
+    assert run.code == talk.EXIT_BAD_VALUE
+    huge = tmp_path / "huge.csv"
+    with huge.open("wb") as out:
+        out.truncate(talk.MAX_EXPORT_BYTES + 1)
+    run = ledger("reconcile", str(huge))
+    assert one_line_error(run) == (
+        f"ledger: FILE: {huge} is larger than 4 MiB: split the export into smaller files\n"
+    )
+    assert run.code == talk.EXIT_BAD_VALUE
+    missing = ledger("reconcile", str(tmp_path / "nowhere.csv"))
+    assert "FILE: there is no file" in one_line_error(missing)
+    headless = tmp_path / "headless.csv"
+    headless.write_text("lane,billed_nanos\nx,1\n")
+    run = ledger("reconcile", str(headless))
+    assert one_line_error(run).startswith("ledger: bad value for FILE (field content): ")
+
+
+# TLS -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Pem:
+    """The files of the TLS tests: a CA, its client, and a rogue CA with its own client."""
+
+    ca: pathlib.Path
+    rogue_ca: pathlib.Path
+    client_cert: pathlib.Path
+    client_key: pathlib.Path
+    rogue_cert: pathlib.Path
+    rogue_key: pathlib.Path
+    server_cert: pathlib.Path
+    server_key: pathlib.Path
+
+
+@pytest.fixture(scope="module")
+def pem(tmp_path_factory: pytest.TempPathFactory) -> Pem:
+    directory = tmp_path_factory.mktemp("pem")
+
+    def write(name: str, content: bytes) -> pathlib.Path:
+        path = directory / name
+        path.write_bytes(content)
+        path.chmod(0o600)
+        return path
+
+    def pair(name: str, issued: Issued) -> tuple[pathlib.Path, pathlib.Path]:
+        return write(f"{name}.pem", issued.certificate_pem), write(f"{name}.key", issued.key_pem)
+
+    ca, rogue_ca = make_ca("ledger test CA"), make_ca("rogue CA")
+    client_cert, client_key = pair("client", issue(ca, "lane recall", server=False))
+    rogue_cert, rogue_key = pair("rogue", issue(rogue_ca, "lane recall", server=False))
+    # Issued to localhost and 127.0.0.1.
+    server_cert, server_key = pair("server", issue(ca, "localhost", server=True))
+    return Pem(
+        write("ca.pem", ca.certificate_pem),
+        write("rogue-ca.pem", rogue_ca.certificate_pem),
+        client_cert,
+        client_key,
+        rogue_cert,
+        rogue_key,
+        server_cert,
+        server_key,
+    )
+
+
+@pytest.fixture(scope="module")
+def tls_servers(
+    pem: Pem, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, LedgerServer]]:
+    """'tls': serves TLS; 'mutual': demands a client certificate signed by the test CA."""
+    servers: dict[str, LedgerServer] = {}
+    try:
+        for name, client_ca in (("tls", None), ("mutual", pem.ca)):
+            data_dir = tmp_path_factory.mktemp(f"ledger-{name}")
+            settings = Settings(
+                database_url=f"sqlite:///{data_dir}/ledger.db",
+                data_dir=data_dir,
+                listen="127.0.0.1:0",
+                tls_cert_path=pem.server_cert,
+                tls_key_path=pem.server_key,
+                tls_client_ca_path=client_ca,
+            )
+            servers[name] = LedgerServer(settings)
+            servers[name].start()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop(0)
+
+
+def aim_at(server: LedgerServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Clears the LEDGER_* settings, points LEDGER_DATA_DIR at the server's admin grant."""
+    for key in [key for key in os.environ if key.startswith("LEDGER_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("LEDGER_DATA_DIR", str(server.settings.data_dir))
+    return f"127.0.0.1:{server.port}"
+
+
+def test_tls_round_trip_and_the_name_checked(
+    tls_servers: dict[str, LedgerServer],
+    pem: Pem,
+    ledger: RunLedger,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    address = aim_at(tls_servers["tls"], monkeypatch)
+    tls = ("--server", address, "--tls-ca", str(pem.ca))
+    put = ledger("lane", "put", "secure", "--limit", "$0.50", "--price", JEV_PRICE, *tls)
+    assert put.code == 0, put
+    assert ledger("balance", "secure", *tls, "--tls-server-name", "localhost").code == 0
+    elsewhere = ledger("balance", "secure", *tls, "--tls-server-name", "ledger.example")
+    assert one_line_error(elsewhere) == (
+        f"ledger: TLS: the certificate of the ledger at {address} is not issued to "
+        "ledger.example (see --tls-server-name)\n"
+    )
+    assert elsewhere.code == talk.EXIT_UNREACHABLE
+    plaintext = ledger("balance", "secure", "--server", address)
+    assert "if it serves TLS, pass --tls-ca" in one_line_error(plaintext)
+
+
+def test_a_wrong_ca_is_one_line(
+    tls_servers: dict[str, LedgerServer],
+    pem: Pem,
+    ledger: RunLedger,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    address = aim_at(tls_servers["tls"], monkeypatch)
+    monkeypatch.setenv("LEDGER_TLS_CA", str(pem.rogue_ca))
+    run = ledger("lane", "list", "--server", address)
+    assert one_line_error(run) == (
+        f"ledger: TLS: the certificate of the ledger at {address} is not signed by the CA in "
+        "LEDGER_TLS_CA (CERTIFICATE_VERIFY_FAILED)\n"
+    )
+    assert run.code == talk.EXIT_UNREACHABLE
+    # The option wins over the environment.
+    assert ledger("lane", "list", "--server", address, "--tls-ca", str(pem.ca)).code == 0
+
+
+def test_mutual_tls_round_trip(
+    tls_servers: dict[str, LedgerServer],
+    pem: Pem,
+    ledger: RunLedger,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LEDGER_SERVER", aim_at(tls_servers["mutual"], monkeypatch))
+    monkeypatch.setenv("LEDGER_TLS_CA", str(pem.ca))
+    monkeypatch.setenv("LEDGER_TLS_CLIENT_CERT", str(pem.client_cert))
+    monkeypatch.setenv("LEDGER_TLS_CLIENT_KEY", str(pem.client_key))
+    put = ledger("lane", "put", "mutual", "--limit", "$0.50", "--price", JEV_PRICE)
+    assert put.code == 0, put
+    assert reserve(ledger, "mutual", "m-1").code == 0
+
+    monkeypatch.setenv("LEDGER_TLS_CLIENT_CERT", str(pem.rogue_cert))
+    monkeypatch.setenv("LEDGER_TLS_CLIENT_KEY", str(pem.rogue_key))
+    rogue = ledger("balance", "mutual")
+    assert one_line_error(rogue).endswith(
+        "closed the connection during the handshake: does it trust the CA of the client "
+        "certificate in LEDGER_TLS_CLIENT_CERT?\n"
+    )
+    flags = ("--tls-cert", str(pem.client_cert), "--tls-key", str(pem.client_key))
+    assert ledger("balance", "mutual", *flags).code == 0
+
+    monkeypatch.delenv("LEDGER_TLS_CLIENT_CERT")
+    monkeypatch.delenv("LEDGER_TLS_CLIENT_KEY")
+    none = ledger("balance", "mutual")
+    assert one_line_error(none).endswith(
+        "closed the connection during the handshake: does it demand a client certificate "
+        "(--tls-cert and --tls-key)?\n"
+    )
+    assert none.code == talk.EXIT_UNREACHABLE
+
+
+def test_tls_to_a_plaintext_server_says_so(
+    target: LedgerProcess, pem: Pem, ledger: RunLedger
+) -> None:
+    run = ledger("lane", "list", "--tls-ca", str(pem.ca))
+    assert one_line_error(run) == (
+        f"ledger: TLS: the ledger at {target.address} does not speak TLS "
+        "(WRONG_VERSION_NUMBER); leave out --tls-ca, --tls-cert and --tls-key\n"
+    )
+
+
+def test_bad_tls_options_are_refused_before_any_call(
+    pem: Pem, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    for key in [key for key in os.environ if key.startswith("LEDGER_")]:
+        monkeypatch.delenv(key)
+    cases = [
+        (["--tls-cert", str(pem.client_cert)], "--tls-cert needs --tls-key: "),
+        (["--tls-key", str(pem.client_key)], "--tls-key needs --tls-cert: "),
+        (["--tls-ca", str(tmp_path / "none.pem")], "--tls-ca: there is no file "),
+        (["--tls-ca", str(pem.client_key)], "--tls-ca: "),
+        (["--tls-ca", str(pem.ca), "--tls-cert", str(pem.ca), "--tls-key", str(pem.ca)],
+         "--tls-key: "),
+        (["--tls-server-name", "localhost"], "--tls-server-name needs --tls-ca"),
+    ]  # fmt: skip
+    for options, start in cases:
+        run = ledger("lane", "list", "--server", "127.0.0.1:9", *options)
+        assert one_line_error(run).startswith(f"ledger: {start}"), (options, run)
+        assert run.code == talk.EXIT_BAD_VALUE

@@ -1,4 +1,5 @@
-"""Commands that talk to a running server over gRPC: lanes, the moves, balance, history.
+"""Commands that talk to a running server over gRPC: lanes, the moves, balance, history,
+reconciling with a provider's usage export.
 
 Each command parses its own values (so a bad value gets one line naming the option),
 makes a few bounded calls and prints a readable text, or JSON with `--json`. A
@@ -6,6 +7,10 @@ failed call becomes one line on stderr built from the status code and the
 `ledger-reason` / `ledger-field` trailers, never a traceback. Money is integer
 nanos throughout: "$0.50" and "0.50 USD" are parsed with Decimal, and anything
 finer than a nano is refused rather than rounded.
+
+Every command speaks plaintext gRPC unless it is given root certificates
+(`--tls-ca`) or a client certificate (`--tls-cert` and `--tls-key`, for mutual
+TLS); then it speaks TLS, and a failed handshake is explained in one line.
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ MICROS_PER_UNIT["d"] = 24 * MICROS_PER_UNIT["h"]
 MAX_DURATION_MICROS = 10 * 366 * MICROS_PER_UNIT["d"]
 MAX_VALUE_LENGTH = 64
 MAX_GRANT_BYTES = 16 * 1024
+MAX_PEM_BYTES = 1024 * 1024
+MAX_EXPORT_BYTES = 4 * 1024 * 1024
+# A 10,000-row export takes seconds to check; the default --timeout of a reconcile.
+RECONCILE_TIMEOUT_SECONDS = 120
+MAX_LINES_NAMED = 10
+EXPORT_FORMAT_OF_SUFFIX = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_DATA_DIR = "data"
 DEFAULT_TIMEOUT_SECONDS = decimal.Decimal(5)
@@ -68,6 +79,7 @@ OPTION_OF_FIELD = {
     "lane.overhead_tokens": "--overhead-tokens",
     "lane.prices": "--price",
     "lane.expire_charge": "--expire-charge",
+    "lane.parent": "--parent",
     "reservation_id": "RESERVATION_ID",
     "model": "--model",
     "request_bytes": "--request-bytes",
@@ -81,6 +93,9 @@ OPTION_OF_FIELD = {
     "http_status": "--http-status",
     "reason": "--reason",
     "after_seq": "--after-seq",
+    "content": "FILE",
+    "format": "--format",
+    "default_lane": "--lane",
 }
 
 _AMOUNT = re.compile(
@@ -278,8 +293,10 @@ def _row_text(row: Sequence[str], widths: Sequence[int]) -> str:
 
 
 def lane_lines(lane: pb.Lane) -> list[str]:
-    rows = [
-        ("lane", lane.lane),
+    rows = [("lane", lane.lane)]
+    if lane.parent:
+        rows.append(("parent", f"{lane.parent} (a Reserve must fit its budget too)"))
+    rows += [
         ("limit", f"{usd(lane.limit_nanos)} per {duration_text(lane.window)} (rolling)"),
         ("hold ttl", duration_text(lane.hold_ttl)),
         ("bytes per token", f"{lane.bytes_per_token:g}"),
@@ -337,8 +354,13 @@ def reserve_lines(reservation_id: str, response: pb.ReserveResponse) -> list[str
             if response.HasField("retry_after")
             else ""
         )
+        by = (
+            f" by the budget of {response.denied_by}"
+            if response.denied_by and response.denied_by != response.balance.lane
+            else ""
+        )
         first = (
-            f"denied {reservation_id}: "
+            f"denied {reservation_id}{by}: "
             f"{_enum_name(pb.DenialReason, response.denial_reason)}: {response.reason}{retry}"
         )
     return [first, balance_summary(response.balance)]
@@ -391,6 +413,31 @@ def event_row(event: pb.Event) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tls:
+    """What a TLS channel trusts and shows, and where each setting came from."""
+
+    # None: the system's root certificates.
+    root_certificates: bytes | None
+    ca_source: str
+    # Both or neither: the client certificate for mutual TLS.
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    client_source: str = ""
+    # The name the server's certificate must carry, when not the host of --server.
+    server_name: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+@dataclasses.dataclass(frozen=True)
 class Session:
     """One channel to the server and the options every call carries."""
 
@@ -401,6 +448,8 @@ class Session:
     metadata: tuple[tuple[str, str], ...]
     # Where the grant came from, for error messages ("" when none was found).
     grant_source: str = ""
+    # None: plaintext.
+    tls: Tls | None = None
 
     def options(self) -> dict[str, Any]:
         return {"timeout": self.timeout_seconds, "metadata": self.metadata}
@@ -423,13 +472,89 @@ def resolve_grant(given: str | None) -> tuple[str, str]:
         raise CliError(f"cannot read the grant in {path}: {error.__class__.__name__}") from None
 
 
+def _setting(given: str | None, option: str, variable: str) -> tuple[str, str]:
+    """A value and where it came from: the option, else the environment variable."""
+    if given:
+        return given, option
+    if os.environ.get(variable):
+        return os.environ[variable], variable
+    return "", ""
+
+
+def read_pem(path_text: str, source: str, label: str) -> bytes:
+    """A bounded PEM file; `label` is what its BEGIN line must say (CERTIFICATE, PRIVATE KEY)."""
+    path = pathlib.Path(path_text)
+    try:
+        with path.open("rb") as pem_file:
+            content = pem_file.read(MAX_PEM_BYTES + 1)
+    except FileNotFoundError:
+        raise CliError(f"{source}: there is no file {path}", EXIT_BAD_VALUE) from None
+    except OSError as error:
+        reason = error.strerror or error.__class__.__name__
+        raise CliError(f"{source}: cannot read {path} ({reason})", EXIT_BAD_VALUE) from None
+    if len(content) > MAX_PEM_BYTES:
+        raise CliError(f"{source}: {path} is larger than a PEM file should be", EXIT_BAD_VALUE)
+    if b"-----BEGIN ENCRYPTED PRIVATE KEY-----" in content:
+        raise CliError(
+            f"{source}: {path} is encrypted; gRPC needs an unencrypted key", EXIT_BAD_VALUE
+        )
+    if not re.search(rb"-----BEGIN [A-Z ]*" + label.encode() + rb"-----", content):
+        raise CliError(f"{source}: {path} holds no PEM {label}", EXIT_BAD_VALUE)
+    return content
+
+
+def resolve_tls(arguments: argparse.Namespace) -> Tls | None:
+    """TLS when root certificates or a client certificate are given, else None (plaintext)."""
+    ca, ca_source = _setting(getattr(arguments, "tls_ca", None), "--tls-ca", "LEDGER_TLS_CA")
+    cert, cert_source = _setting(
+        getattr(arguments, "tls_cert", None), "--tls-cert", "LEDGER_TLS_CLIENT_CERT"
+    )
+    key, key_source = _setting(
+        getattr(arguments, "tls_key", None), "--tls-key", "LEDGER_TLS_CLIENT_KEY"
+    )
+    name, name_source = _setting(
+        getattr(arguments, "tls_server_name", None), "--tls-server-name", "LEDGER_TLS_SERVER_NAME"
+    )
+    if bool(cert) != bool(key):
+        given, missing = (cert_source, "--tls-key") if cert else (key_source, "--tls-cert")
+        raise CliError(
+            f"{given} needs {missing}: a client certificate and its key go together", EXIT_BAD_VALUE
+        )
+    if not ca and not cert:
+        if name:
+            raise CliError(
+                f"{name_source} needs --tls-ca (or a client certificate): "
+                "without them the channel is plaintext",
+                EXIT_BAD_VALUE,
+            )
+        return None
+    if name and not re.fullmatch(r"[A-Za-z0-9.:_\-]{1,253}", name):
+        raise CliError(
+            f"{name_source}: {name[:MAX_VALUE_LENGTH]!r} is not a host name", EXIT_BAD_VALUE
+        )
+    return Tls(
+        root_certificates=read_pem(ca, ca_source, "CERTIFICATE") if ca else None,
+        ca_source=ca_source,
+        certificate_chain=read_pem(cert, cert_source, "CERTIFICATE") if cert else None,
+        private_key=read_pem(key, key_source, "PRIVATE KEY") if key else None,
+        client_source=cert_source,
+        server_name=name,
+    )
+
+
 @contextlib.contextmanager
 def connect(arguments: argparse.Namespace) -> Iterator[Session]:
     server = arguments.server or os.environ.get("LEDGER_SERVER") or DEFAULT_SERVER
     timeout_seconds = parse_timeout_seconds(arguments.timeout)
     grant, grant_source = resolve_grant(arguments.grant)
     metadata = (("authorization", f"Bearer {grant}"),) if grant else ()
-    with grpc.insecure_channel(server) as channel:
+    tls = resolve_tls(arguments)
+    channel = (
+        grpc.insecure_channel(server)
+        if tls is None
+        else grpc.secure_channel(server, tls.credentials(), options=tls.options())
+    )
+    with channel:
         yield Session(
             server=server,
             ledger=pb_grpc.LedgerStub(channel),
@@ -437,6 +562,7 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
             timeout_seconds=timeout_seconds,
             metadata=metadata,
             grant_source=grant_source if grant else "",
+            tls=tls,
         )
 
 
@@ -452,9 +578,7 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
     }
     reason = trailers.get(REASON_KEY, "")
     if code is grpc.StatusCode.UNAVAILABLE and not reason:
-        return CliError(
-            f"cannot reach the ledger at {server}: is `ledger serve` running?", EXIT_UNREACHABLE
-        )
+        return CliError(_unreachable(session, details), EXIT_UNREACHABLE)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return CliError(
             f"the ledger at {server} did not answer within {session.timeout_seconds:g} s "
@@ -469,6 +593,47 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return CliError(_unauthenticated(session, reason or code.name))
     return CliError(f"{details} ({reason or code.name})")
+
+
+def _unreachable(session: Session, details: str) -> str:
+    """Why no call got through: nobody listening, or a TLS handshake that failed, and why."""
+    server, tls = session.server, session.tls
+    closed = "Socket closed" in details or "Connection reset" in details
+    if tls is None:
+        if closed:
+            return (
+                f"the ledger at {server} closed the connection: if it serves TLS, pass --tls-ca "
+                "(and --tls-cert and --tls-key if it demands a client certificate)"
+            )
+        return f"cannot reach the ledger at {server}: is `ledger serve` running?"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        trusted = f"the CA in {tls.ca_source}" if tls.ca_source else "the system's root CAs"
+        return (
+            f"TLS: the certificate of the ledger at {server} is not signed by {trusted} "
+            "(CERTIFICATE_VERIFY_FAILED)"
+        )
+    if "Hostname Verification" in details:
+        name = tls.server_name or server.rsplit(":", 1)[0]
+        return (
+            f"TLS: the certificate of the ledger at {server} is not issued to {name} "
+            "(see --tls-server-name)"
+        )
+    if "WRONG_VERSION_NUMBER" in details:
+        return (
+            f"TLS: the ledger at {server} does not speak TLS (WRONG_VERSION_NUMBER); "
+            "leave out --tls-ca, --tls-cert and --tls-key"
+        )
+    if closed:
+        ask = (
+            f"does it trust the CA of the client certificate in {tls.client_source}?"
+            if tls.client_source
+            else "does it demand a client certificate (--tls-cert and --tls-key)?"
+        )
+        return f"TLS: the ledger at {server} closed the connection during the handshake: {ask}"
+    if "handshake" in details.lower() or "ssl" in details.lower():
+        last = " ".join(details.split())[-300:]
+        return f"TLS: the handshake with the ledger at {server} failed: {last}"
+    return f"cannot reach the ledger at {server}: is `ledger serve` running?"
 
 
 def _unauthenticated(session: Session, reason: str) -> str:
@@ -535,6 +700,8 @@ def lane_put(arguments: argparse.Namespace, session: Session) -> int:
         lane.bytes_per_token = parse_bytes_per_token(arguments.bytes_per_token)
     if arguments.overhead_tokens is not None:
         lane.overhead_tokens = parse_count("--overhead-tokens", arguments.overhead_tokens)
+    if arguments.parent is not None:
+        lane.parent = arguments.parent
     saved = session.admin.PutLane(pb.PutLaneRequest(lane=lane), **session.options())
     _emit(arguments, saved, lane_lines(saved))
     return 0
@@ -561,10 +728,11 @@ def lane_list(arguments: argparse.Namespace, session: Session) -> int:
     if arguments.json:
         print(json.dumps({"lanes": [message_json(lane) for lane in lanes]}, sort_keys=True))
         return 0
-    header = ("LANE", "LIMIT", "WINDOW", "HOLD TTL", "MODELS", "VERSION", "UPDATED (UTC)")
+    header = ("LANE", "PARENT", "LIMIT", "WINDOW", "HOLD TTL", "MODELS", "VERSION", "UPDATED (UTC)")
     rows = [
         (
             lane.lane,
+            lane.parent or "-",
             usd(lane.limit_nanos),
             duration_text(lane.window),
             duration_text(lane.hold_ttl),
@@ -737,6 +905,145 @@ def _print_event(
     print(_row_text([row[i] for i in columns], [widths[i] for i in columns]), flush=True)
 
 
+# Reconciling -----------------------------------------------------------------
+
+RECONCILE_HEADER = ("LINE", "LANE", "RESERVATION", "STATUS", "BEFORE -> AFTER", "MESSAGE")
+# Rows whose before and after are charges of a booking the ledger found.
+STATUSES_WITH_AMOUNTS = frozenset({"corrected", "matched", "disagrees", "open", "refunded"})
+
+
+def read_export(
+    path_text: str, chosen_format: str | None
+) -> tuple[bytes, pb.ReconcileRequest.Format.ValueType]:
+    """The export's bytes (at most MAX_EXPORT_BYTES) and its wire format."""
+    path = pathlib.Path(path_text)
+    export_format = chosen_format or EXPORT_FORMAT_OF_SUFFIX.get(path.suffix.lower())
+    if export_format is None:
+        raise CliError(
+            f"FILE: cannot tell the format of {path} from its extension: "
+            "pass --format csv or --format jsonl",
+            EXIT_BAD_VALUE,
+        )
+    try:
+        with path.open("rb") as export:
+            content = export.read(MAX_EXPORT_BYTES + 1)
+    except FileNotFoundError:
+        raise CliError(f"FILE: there is no file {path}", EXIT_BAD_VALUE) from None
+    except OSError as error:
+        reason = error.strerror or error.__class__.__name__
+        raise CliError(f"FILE: cannot read {path} ({reason})", EXIT_BAD_VALUE) from None
+    if len(content) > MAX_EXPORT_BYTES:
+        raise CliError(
+            f"FILE: {path} is larger than {MAX_EXPORT_BYTES // (1024 * 1024)} MiB: "
+            "split the export into smaller files",
+            EXIT_BAD_VALUE,
+        )
+    wire = pb.ReconcileRequest.CSV if export_format == "csv" else pb.ReconcileRequest.JSONL
+    return content, wire
+
+
+def reconcile_row(row: pb.ReconcileRow) -> tuple[str, ...]:
+    amounts = (
+        f"{usd(row.before_nanos)} -> {usd(row.after_nanos)}"
+        if row.status in STATUSES_WITH_AMOUNTS
+        else "-"
+    )
+    # The server's message may already start with its field.
+    message = row.message.removeprefix(f"{row.field}: ")
+    message = f"{row.field}: {message}" if row.field else message
+    return (
+        str(row.line),
+        row.lane or "-",
+        row.reservation_id or "-",
+        row.status,
+        amounts,
+        " ".join(message.split()),
+    )
+
+
+def reconcile_lines(response: pb.ReconcileResponse, dry_run: bool) -> list[str]:
+    if response.bad_count:
+        verdict = "not applied: the file has bad rows, so nothing changed"
+    elif response.applied:
+        verdict = "applied"
+    elif dry_run:
+        verdict = "dry run: nothing changed; without --dry-run this file would apply"
+    else:
+        verdict = "not applied"
+    rows = [reconcile_row(row) for row in response.rows]
+    table = _table(RECONCILE_HEADER, rows) if rows else ["the file holds no rows"]
+    counts = (
+        # The server lists the good rows of a refused file as unmatched: they were never checked.
+        f"{response.bad_count} bad, {len(rows) - response.bad_count} not checked"
+        if response.bad_count
+        else f"{response.corrected_count} corrected, {response.matched_count} matched, "
+        f"{response.unmatched_count} unmatched, {response.disagreement_count} disagreeing"
+    )
+    totals = _pairs(
+        [
+            ("estimated before", usd(response.estimated_before_nanos)),
+            ("real after", usd(response.real_after_nanos)),
+            ("difference", usd(response.difference_nanos)),
+        ]
+    )
+    return [*table, "", f"{verdict}: {counts}", *totals]
+
+
+def _reconcile_failure(
+    error: grpc.RpcError, arguments: argparse.Namespace, session: Session
+) -> CliError:
+    """A failed Reconcile, saying whether the file may have applied all the same."""
+    if not isinstance(error, grpc.Call):
+        return explain(error, session)
+    code, details = error.code(), " ".join((error.details() or "").split())
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "Received message" in details:
+        return CliError(
+            f"the ledger at {session.server} takes no message as large as {arguments.file} "
+            f"({details}): split the export into smaller files"
+        )
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        failure = f"could not send its answer, larger than its message limit ({details})"
+    elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        failure = f"did not answer within {session.timeout_seconds:g} s (see --timeout)"
+    else:
+        return explain(error, session)
+    outcome = (
+        "nothing changed (a dry run)"
+        if arguments.dry_run
+        else "the file may have applied: send it again with --dry-run to see "
+        "(rows already corrected show as matched)"
+    )
+    return CliError(
+        f"the ledger at {session.server} {failure}; {outcome}; split the export into smaller files",
+        EXIT_UNREACHABLE if code is grpc.StatusCode.DEADLINE_EXCEEDED else EXIT_FAILED,
+    )
+
+
+def reconcile(arguments: argparse.Namespace, session: Session) -> int:
+    content, wire_format = read_export(arguments.file, arguments.format)
+    request = pb.ReconcileRequest(
+        format=wire_format,
+        content=content,
+        default_lane=arguments.lane or "",
+        dry_run=arguments.dry_run,
+    )
+    try:
+        response = session.ledger.Reconcile(request, **session.options())
+    except grpc.RpcError as error:
+        raise _reconcile_failure(error, arguments, session) from None
+    _emit(arguments, response, reconcile_lines(response, arguments.dry_run))
+    if response.bad_count:
+        bad = [str(row.line) for row in response.rows if row.status == "bad"]
+        shown = ", ".join(bad[:MAX_LINES_NAMED]) + (", ..." if len(bad) > MAX_LINES_NAMED else "")
+        print(
+            f"ledger: not applied: {response.bad_count} bad "
+            f"{'row (line' if len(bad) == 1 else 'rows (lines'} {shown}); nothing changed",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    return 0 if response.applied or arguments.dry_run else EXIT_FAILED
+
+
 # Wiring ----------------------------------------------------------------------
 
 
@@ -757,6 +1064,27 @@ def _common_options() -> argparse.ArgumentParser:
     talk.add_argument(
         "--json", action="store_true", help="machine-readable output: amounts in raw nanos"
     )
+    tls = common.add_argument_group("TLS (plaintext unless --tls-ca or --tls-cert is given)")
+    tls.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="PEM root certificates to check the server with; speaks TLS (default LEDGER_TLS_CA)",
+    )
+    tls.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="PEM client certificate for mutual TLS (default LEDGER_TLS_CLIENT_CERT); "
+        "without --tls-ca the system's root certificates check the server",
+    )
+    tls.add_argument(
+        "--tls-key", metavar="FILE", help="its PEM private key (default LEDGER_TLS_CLIENT_KEY)"
+    )
+    tls.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the server's certificate must carry, when it is not the host of "
+        "--server (default LEDGER_TLS_SERVER_NAME)",
+    )
     return common
 
 
@@ -765,6 +1093,7 @@ def register(commands: Any) -> None:
     _register_lane(commands, common)
     _register_moves(commands, common)
     _register_reading(commands, common)
+    _register_reconcile(commands, common)
 
 
 def _register_lane(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -795,6 +1124,12 @@ def _register_lane(commands: Any, common: argparse.ArgumentParser) -> None:
         choices=("hold", "zero"),
         default="hold",
         help="what an expired booking costs (default hold)",
+    )
+    put.add_argument(
+        "--parent",
+        metavar="LANE",
+        help="a parent budget (another lane) that every Reserve must fit too; "
+        "a put replaces the whole policy, so leave it out to have none",
     )
     put.set_defaults(run=_command(lane_put))
     show = actions.add_parser("show", parents=[common], help="show a lane's policy")
@@ -863,3 +1198,29 @@ def _register_reading(commands: Any, common: argparse.ArgumentParser) -> None:
     log.add_argument("--after-seq", default="0", metavar="SEQ", help="only events after SEQ")
     log.add_argument("--follow", action="store_true", help="then print new events until Ctrl-C")
     log.set_defaults(run=_command(history))
+
+
+def _register_reconcile(commands: Any, common: argparse.ArgumentParser) -> None:
+    fix = commands.add_parser(
+        "reconcile",
+        parents=[common],
+        help="correct UNKNOWN and expired charges from the provider's usage export",
+        description="Sends a provider's usage export (CSV with a header row, or JSON lines; "
+        "keys reservation_id, lane, billed_nanos or billed_usd, input_tokens, output_tokens, "
+        "model) to the ledger. The file applies in full or not at all. Exits 0 when it "
+        "applied (or a --dry-run found no bad row), 1 when bad rows kept it from applying. "
+        f"--timeout is {RECONCILE_TIMEOUT_SECONDS} s here unless given.",
+    )
+    fix.add_argument(
+        "file", metavar="FILE", help=f"the export, at most {MAX_EXPORT_BYTES // 2**20} MiB"
+    )
+    fix.add_argument(
+        "--format",
+        choices=("csv", "jsonl"),
+        help="default from the extension: .csv, or .jsonl / .ndjson",
+    )
+    fix.add_argument("--lane", metavar="LANE", help="the lane of rows that name none")
+    fix.add_argument(
+        "--dry-run", action="store_true", help="show what would change; change nothing"
+    )
+    fix.set_defaults(run=_command(reconcile), timeout=str(RECONCILE_TIMEOUT_SECONDS))
