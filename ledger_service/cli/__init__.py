@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
+# gRPC's C core prints its own handshake lines to stderr unless told not to;
+# this must happen before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import argparse
 import logging
 import sys
 from collections.abc import Sequence
 
-from ledger_service.cli import grants, operate, talk
+from ledger_service.cli import grants, observe, operate, recovery, talk
 
 
 def parser() -> argparse.ArgumentParser:
@@ -19,6 +25,8 @@ def parser() -> argparse.ArgumentParser:
     operate.register(commands)
     talk.register(commands)
     grants.register(commands)
+    recovery.register(commands)
+    observe.register(commands)
     return root
 
 

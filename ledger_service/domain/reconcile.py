@@ -46,6 +46,8 @@ class RowStatus(enum.Enum):
     OPEN = "open"
     REFUNDED = "refunded"
     BAD = "bad"
+    # A good row of a file that was not applied because other rows are bad.
+    NOT_APPLIED = "not_applied"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,14 +207,15 @@ def decide(booking: Booking | None, row: ExportRow, now_us: int) -> tuple[RowRes
     result = RowResult(row.line, row.lane, row.reservation_id, RowStatus.UNMATCHED)
     if booking is None:
         return dataclasses.replace(result, message="no such booking in this lane"), None
+    current = booking.amount_at(now_us)
+    unchanged = dataclasses.replace(result, before_nanos=current, after_nanos=current)
     if booking.state is BookingState.REJECTED:
         message = "the Reserve was denied: no call was booked"
-        return dataclasses.replace(result, status=RowStatus.DISAGREES, message=message), None
+        return dataclasses.replace(unchanged, status=RowStatus.DISAGREES, message=message), None
     if row.model and row.model != booking.model:
         message = f"the export says model {row.model!r}, the booking {booking.model!r}"
-        return dataclasses.replace(result, status=RowStatus.DISAGREES, message=message), None
+        return dataclasses.replace(unchanged, status=RowStatus.DISAGREES, message=message), None
     real = row.real_cost(booking)
-    current = booking.amount_at(now_us)
     result = dataclasses.replace(result, before_nanos=current, after_nanos=real)
     if booking.state is BookingState.OPEN:
         return dataclasses.replace(result, status=RowStatus.OPEN, after_nanos=current), None

@@ -1192,6 +1192,7 @@ class ReconcileResponse(_message.Message):
     REAL_AFTER_NANOS_FIELD_NUMBER: _builtins.int
     DIFFERENCE_NANOS_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
+    ROWS_OMITTED_FIELD_NUMBER: _builtins.int
     applied: _builtins.bool
     """False when any row is bad (then nothing changed) or on a dry run."""
     corrected_count: _builtins.int
@@ -1203,9 +1204,15 @@ class ReconcileResponse(_message.Message):
     """Over the corrected rows: what the ledger charged before, the bill after."""
     real_after_nanos: _builtins.int
     difference_nanos: _builtins.int
+    rows_omitted: _builtins.int
+    """Rows left out of `rows` by those bounds."""
     @_builtins.property
     def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReconcileRow]:
-        """Every row, in file order."""
+        """The rows in file order: those that need a look (bad, unmatched,
+        disagrees, refunded, open) first of all, and the routine ones (corrected,
+        matched, not_applied) up to 1,000; at most 4,000 rows in all, so the
+        answer stays well inside the message limit. The counts above cover all.
+        """
 
     def __init__(
         self,
@@ -1220,10 +1227,11 @@ class ReconcileResponse(_message.Message):
         real_after_nanos: _builtins.int = ...,
         difference_nanos: _builtins.int = ...,
         rows: _abc.Iterable[Global___ReconcileRow] | None = ...,
+        rows_omitted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "bad_count", b"bad_count", "corrected_count", b"corrected_count", "difference_nanos", b"difference_nanos", "disagreement_count", b"disagreement_count", "estimated_before_nanos", b"estimated_before_nanos", "matched_count", b"matched_count", "real_after_nanos", b"real_after_nanos", "rows", b"rows", "unmatched_count", b"unmatched_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "bad_count", b"bad_count", "corrected_count", b"corrected_count", "difference_nanos", b"difference_nanos", "disagreement_count", b"disagreement_count", "estimated_before_nanos", b"estimated_before_nanos", "matched_count", b"matched_count", "real_after_nanos", b"real_after_nanos", "rows", b"rows", "rows_omitted", b"rows_omitted", "unmatched_count", b"unmatched_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
