@@ -7,8 +7,11 @@ does not or while the server is shutting down.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from types import FrameType
 from typing import Any
@@ -19,14 +22,18 @@ from grpc_reflection.v1alpha import reflection
 
 from ledger_service.api.auth import AuthInterceptor
 from ledger_service.api.errors import ErrorInterceptor
+from ledger_service.api.gate import RecoveryGateInterceptor
 from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
 from ledger_service.application.ledger import Ledger
+from ledger_service.application.recovery import Recovery, RecoveryGuard, RecoverySettings
 from ledger_service.domain.clock import Clock, ManualClock, SystemClock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.grants import Keyring, Scope
+from ledger_service.domain.recovery import RecoveryPolicy
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
 from ledger_service.settings import Settings, is_loopback
 from ledger_service.storage import database, keyring, migrate
+from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
 
 log = logging.getLogger("ledger.server")
@@ -69,6 +76,8 @@ class LedgerServer:
         if run_migrations:
             migrate.upgrade(self.store.engine)
         self.ledger = Ledger(self.store, clock, max_page_size=settings.max_page_size)
+        # Serves moves only while the projections are whole (docs/recovery.md).
+        self.guard = recovery_guard(settings, self.store, self._on_recovery_change)
         self.health = health.HealthServicer()
         self._stopping = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
@@ -82,7 +91,11 @@ class LedgerServer:
         settings = self.settings
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
-            interceptors=[ErrorInterceptor(), *self._auth_interceptors()],
+            interceptors=[
+                ErrorInterceptor(),
+                *self._auth_interceptors(),
+                RecoveryGateInterceptor(self.guard.is_ready, self.guard.required),
+            ],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -122,6 +135,7 @@ class LedgerServer:
         if self.port == 0:
             raise RuntimeError(f"could not listen on {self.settings.listen}")
         self._server.start()
+        self.guard.start()
         self._check_database()
         self._maintenance.start()
         host = self.settings.listen.rsplit(":", 1)[0]
@@ -148,13 +162,22 @@ class LedgerServer:
                 self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             return False
         if not self._stopping.is_set():
-            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self._on_recovery_change(self.guard.is_ready())
         return True
+
+    def _on_recovery_change(self, ready: bool) -> None:
+        if not self._stopping.is_set():
+            serving = health_pb2.HealthCheckResponse.SERVING
+            self._set_health(serving if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _maintain(self) -> None:
         """Sweeps expired holds and watches the database, until stopped."""
         while not self._stopping.wait(self.settings.sweep_interval_seconds):
             if not self._check_database():
+                continue
+            # Recovery checks and snapshots; no sweep unless the projections are whole.
+            self.guard.tick()
+            if not self.guard.is_ready():
                 continue
             try:
                 while not self._stopping.is_set():
@@ -182,6 +205,44 @@ class LedgerServer:
 
     def wait(self) -> None:
         self._server.wait_for_termination()
+
+
+def recovery_guard(
+    settings: Settings, store: SqlStore, on_change: Callable[[bool], None]
+) -> RecoveryGuard:
+    recovery = build_recovery(settings, store, f"server {socket.gethostname()}:{os.getpid()}")
+    return RecoveryGuard(
+        recovery,
+        recovery_policy(settings),
+        actor=recovery.owner,
+        check_interval_seconds=settings.recovery_check_interval_seconds,
+        consistency_check_seconds=settings.consistency_check_interval_seconds,
+        snapshot_every_events=settings.snapshot_every_events,
+        on_change=on_change,
+    )
+
+
+def build_recovery(settings: Settings, store: SqlStore, owner: str) -> Recovery:
+    """Assessment, planning, rebuilds and snapshots on the store's database."""
+    return Recovery(
+        SqlRecoveryStore(store.engine, batch_rows=settings.recovery_batch_events),
+        SystemClock(),
+        RecoverySettings(
+            batch_events=settings.recovery_batch_events,
+            sample_events=settings.recovery_sample_events,
+            snapshot_keep=settings.snapshot_keep,
+            lease_seconds=settings.rebuild_lease_seconds,
+        ),
+        owner,
+    )
+
+
+def recovery_policy(settings: Settings) -> RecoveryPolicy:
+    return RecoveryPolicy(
+        max_budget_seconds=settings.recovery_budget_seconds,
+        max_risk_score=settings.recovery_max_risk,
+        min_viable_sources=settings.recovery_min_viable_sources,
+    )
 
 
 def issue_admin_grant(settings: Settings, grant_keys: Keyring) -> str:

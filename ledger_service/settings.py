@@ -62,6 +62,24 @@ class Settings:
     # How long a tail waits for a gap in seq (an uncommitted transaction) to fill.
     watch_gap_wait_seconds: float = 2.0
     max_watchers: int = 64
+    # Recovery (docs/recovery.md). A snapshot of the projections every this many
+    # events (0: none), the newest snapshot_keep kept.
+    snapshot_every_events: int = 10_000
+    snapshot_keep: int = 2
+    # The planner's policy when the projections need rebuilding at start.
+    recovery_budget_seconds: float = 300.0
+    recovery_max_risk: float = 0.3
+    recovery_min_viable_sources: int = 1
+    # Events per rebuild batch (and rows per snapshot chunk); events in the
+    # sample that measures the replay rate.
+    recovery_batch_events: int = 1000
+    recovery_sample_events: int = 2000
+    # While refusing moves: how often to look again; while serving: how often
+    # to check the projections against the log (0: never).
+    recovery_check_interval_seconds: float = 5.0
+    consistency_check_interval_seconds: float = 60.0
+    # A rebuild whose marker has not moved for this long is taken as dead.
+    rebuild_lease_seconds: float = 30.0
     # Input bounds.
     max_id_length: int = 200
     max_models_per_lane: int = 256

@@ -266,6 +266,8 @@ def event(value: Event) -> pb.Event:
         trace_id=value.trace_id,
         spent_after_nanos=value.spent_after_nanos,
         limit_nanos=value.limit_nanos,
+        hash=value.hash,
+        previous_hash=value.previous_hash,
     )
     if value.billed_nanos is not None:
         message.billed_nanos = value.billed_nanos

@@ -34,6 +34,7 @@ ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
     (errors.BookingWasDenied, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.TooManyWatchers, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.RecoveryRequired, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -23,6 +23,28 @@ def register(commands: Any) -> None:
     serve.add_argument("--sweep-interval", type=float, dest="sweep_interval_seconds",
                        help="seconds between expiry sweeps (default 1)")  # fmt: skip
     serve.add_argument("--max-workers", type=int, help="gRPC worker threads (default 16)")
+    # Recovery (docs/recovery.md).
+    serve.add_argument(
+        "--snapshot-every",
+        type=int,
+        dest="snapshot_every_events",
+        help="snapshot the projections every N events (0: never; default 10000)",
+    )
+    serve.add_argument(
+        "--recovery-budget-seconds",
+        type=float,
+        help="longest rebuild the server may start on its own (default 300)",
+    )
+    serve.add_argument(
+        "--recovery-max-risk",
+        type=float,
+        help="largest risk score of a source it may rebuild from (default 0.3)",
+    )
+    serve.add_argument(
+        "--recovery-min-viable-sources",
+        type=int,
+        help="independent sources whose rebuilds must agree (default 1)",
+    )
     serve.add_argument("--no-migrate", action="store_true",
                        help="do not upgrade the schema at start-up")  # fmt: skip
     serve.add_argument(
@@ -67,7 +89,9 @@ def _database_options(parser: argparse.ArgumentParser) -> None:
 def settings_from(arguments: argparse.Namespace) -> Settings:
     overrides: dict[str, object] = {}
     names = ("database_url", "data_dir", "listen", "sweep_interval_seconds", "max_workers",
-             "tls_cert_path", "tls_key_path", "tls_client_ca_path")  # fmt: skip
+             "tls_cert_path", "tls_key_path", "tls_client_ca_path",
+             "snapshot_every_events", "recovery_budget_seconds", "recovery_max_risk",
+             "recovery_min_viable_sources")  # fmt: skip
     for name in names:
         value = getattr(arguments, name, None)
         if value is not None:

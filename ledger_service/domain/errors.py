@@ -91,3 +91,12 @@ class StoreUnavailable(LedgerError):
 
     def __init__(self) -> None:
         super().__init__("the ledger's database is unavailable; retry later")
+
+class RecoveryRequired(LedgerError):
+    """The projections are missing, behind or inconsistent with the log, or being
+    rebuilt: no move is taken until a recovery makes them whole (docs/recovery.md)."""
+
+    reason = "RECOVERY_REQUIRED"
+
+    def __init__(self) -> None:
+        super().__init__("the ledger is recovering its projections from the log; retry later")

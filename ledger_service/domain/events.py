@@ -76,5 +76,9 @@ class Event:
     limit_nanos: int = 0
     window_us: int = 0
     open_bookings_after: int = 0
+    # Tamper evidence (domain/chain.py), set by the store when it appends the event:
+    # the hash of the lane's previous event ("" for its first) and this event's.
+    previous_hash: str = ""
+    hash: str = ""
     # Assigned by the store when the event is appended; 0 before.
     seq: int = 0

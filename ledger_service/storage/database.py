@@ -101,5 +101,14 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
             "options": f"{given_options} -c statement_timeout={timeout}"
             f" -c lock_timeout={timeout} -c idle_in_transaction_session_timeout={timeout * 4}",
             "application_name": "ledger",
+            # A database that vanishes without closing the connection (a network
+            # partition, a crashed host) is noticed within the timeout, not after
+            # TCP's retransmission timeout of many minutes: statement_timeout
+            # only works while the server can still answer.
+            "keepalives": 1,
+            "keepalives_idle": max(1, timeout // 1000),
+            "keepalives_interval": 1,
+            "keepalives_count": 3,
+            "tcp_user_timeout": timeout,
         },
     )

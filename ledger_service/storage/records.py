@@ -52,6 +52,8 @@ def event_values(event: Event) -> dict[str, Any]:
         "limit_nanos": event.limit_nanos,
         "window_us": event.window_us,
         "open_bookings_after": event.open_bookings_after,
+        "hash": event.hash,
+        "previous_hash": event.previous_hash,
     }
 
 
@@ -92,6 +94,8 @@ def event_from_row(row: Mapping[Any, Any]) -> Event:
         limit_nanos=row["limit_nanos"],
         window_us=row["window_us"],
         open_bookings_after=row["open_bookings_after"],
+        hash=row["hash"],
+        previous_hash=row["previous_hash"],
     )
 
 

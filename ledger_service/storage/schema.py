@@ -145,3 +145,79 @@ class BookingRow(Base):
 events = cast(Table, EventRow.__table__)
 lanes = cast(Table, LaneRow.__table__)
 bookings = cast(Table, BookingRow.__table__)
+
+
+# Recovery (docs/recovery.md). None of these is an event: they are recoverable
+# artefacts, rebuilt or thrown away, never the source of truth.
+
+
+class ProjectionPositionRow(Base):
+    """One row (id 1): the last event the projections have applied.
+
+    Each append advances it in the same transaction, and only while `state` is
+    "current": while a rebuild runs ("rebuilding", owned by `owner`, alive while
+    `updated_at_us` is recent) or once the row is gone, appends are refused.
+    """
+
+    __tablename__ = "projection_position"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16))
+    owner: Mapped[str] = mapped_column(String(200), default="")
+    updated_at_us: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class SnapshotRow(Base):
+    """A snapshot of the projections right after event `position_seq`."""
+
+    __tablename__ = "snapshots"
+
+    id: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    # "taking" until every chunk is written, then "complete".
+    state: Mapped[str] = mapped_column(String(16))
+    position_seq: Mapped[int] = mapped_column(BigInteger)
+    taken_at_us: Mapped[int] = mapped_column(BigInteger)
+    format_version: Mapped[int] = mapped_column(Integer)
+    lanes_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    bookings_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    digest: Mapped[str] = mapped_column(String(64), default="")
+    chain_heads_json: Mapped[str] = mapped_column(Text)
+    # 1 when every link of the log up to position_seq checked out when it was taken.
+    chain_verified: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class SnapshotChunkRow(Base):
+    """Up to one rebuild batch of a snapshot's lanes or bookings, as JSON rows."""
+
+    __tablename__ = "snapshot_chunks"
+
+    snapshot_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    chunk_no: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # "lanes" or "bookings".
+    kind: Mapped[str] = mapped_column(String(16))
+    payload: Mapped[str] = mapped_column(Text)
+
+
+class RecoveryManifestRow(Base):
+    """Every recovery decision: the planner's manifest and what came of it."""
+
+    __tablename__ = "recovery_manifests"
+
+    id: Mapped[int] = mapped_column(SeqType, primary_key=True, autoincrement=True)
+    created_at_us: Mapped[int] = mapped_column(BigInteger)
+    # Who decided: "server <host>:<pid>" or "ledger recover".
+    actor: Mapped[str] = mapped_column(String(200))
+    verdict: Mapped[str] = mapped_column(String(32))
+    # planned, rebuilt, refused, failed.
+    outcome: Mapped[str] = mapped_column(String(32))
+    digest: Mapped[str] = mapped_column(String(64))
+    body_json: Mapped[str] = mapped_column(Text)
+    # Wall-clock milliseconds the reconstruction really took (0 when none ran).
+    elapsed_ms: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+projection_position = cast(Table, ProjectionPositionRow.__table__)
+snapshots = cast(Table, SnapshotRow.__table__)
+snapshot_chunks = cast(Table, SnapshotChunkRow.__table__)
+recovery_manifests = cast(Table, RecoveryManifestRow.__table__)

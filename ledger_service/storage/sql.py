@@ -27,7 +27,7 @@ from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import Event
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.window import WindowTotals
-from ledger_service.storage import records
+from ledger_service.storage import chaining, records
 from ledger_service.storage.schema import bookings, events, lanes
 
 T = TypeVar("T")
@@ -225,9 +225,12 @@ class SqlTransaction:
                 select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY)))
             )
             self._append_locked = True
+        # After the lock: the lane's last hash is read where no append can race it.
+        event = chaining.seal(self._connection, event)
         seq = self._connection.execute(
             insert(events).values(**records.event_values(event)).returning(events.c.seq)
         ).scalar_one()
+        chaining.advance_position(self._connection, seq)
         return records.event_from_row({**records.event_values(event), "seq": seq})
 
     def get_event(self, seq: int) -> Event | None:

@@ -1,0 +1,938 @@
+"""Recovery with a bounded cost: assess, plan, rebuild, snapshot.
+
+The event log is the authority; lanes and bookings are projections of it,
+written in the same transaction as each event. When a look at the database
+(`assess`) finds the projections missing, behind or inconsistent with the log,
+`plan` lists the sources that could rebuild them (each recent snapshot plus the
+tail of the log after it, or the whole log), verifies each one (snapshot
+digests, hash-chain links), estimates each one's cost from a replay rate
+measured on a sample, scores its risk, and lets the domain planner
+(`domain/recovery.py`) decide. An admissible plan is carried out by `rebuild`
+in bounded batches; anything else is a clean refusal that leaves the
+projections untouched and the server closed to moves.
+
+`RecoveryGuard` is the server's side of it (see docs/recovery.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+from ledger_service.domain import bookings as booking_fold
+from ledger_service.domain import recovery as planner
+from ledger_service.domain.bookings import Booking
+from ledger_service.domain.chain import ChainBreak, ChainWalker
+from ledger_service.domain.clock import MICROS_PER_SECOND, Clock
+from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.events import Event, EventKind
+from ledger_service.domain.policies import LanePolicy, policy_from_dict
+from ledger_service.domain.recovery import Manifest, RecoveryPolicy, Source
+from ledger_service.domain.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
+from ledger_service.domain.window import WindowTotals
+
+log = logging.getLogger("ledger.recovery")
+
+STATE_CURRENT = "current"
+STATE_REBUILDING = "rebuilding"
+# At most this many chain breaks are named; more are only counted.
+MAX_NAMED_BREAKS = 1000
+FULL_LOG_SOURCE = "log"
+
+# (phase, done, total, elapsed_seconds)
+ProgressFn = Callable[[str, int, int, float], None]
+
+
+def no_progress(phase: str, done: int, total: int, elapsed_seconds: float) -> None:
+    return None
+
+
+# The storage interface recovery needs ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """The projections' position marker."""
+
+    last_seq: int
+    state: str
+    owner: str
+    updated_at_us: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LogFacts:
+    """What one consistent, cheap look at the database shows."""
+
+    position: Position | None
+    head_seq: int
+    event_count: int
+    # reserved + denied events: each is one booking.
+    answer_events: int
+    # Lanes with a lane_configured event: each is one lanes row.
+    configured_lanes: int
+    bookings: int
+    lanes: int
+    # Bookings whose latest event (max of answer_seq, ended_seq) is missing or
+    # names another amount, lane or reservation id.
+    stale_bookings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotChunk:
+    lanes: Sequence[LanePolicy] = ()
+    bookings: Sequence[Booking] = ()
+
+
+class ProjectionView(Protocol):
+    """One consistent read of the database (a snapshot transaction)."""
+
+    @property
+    def facts(self) -> LogFacts: ...
+
+    def chain_heads(self, through_seq: int) -> Mapping[str, str]: ...
+
+    def lanes(self) -> Iterator[LanePolicy]: ...
+
+    def bookings(self) -> Iterator[Booking]: ...
+
+
+class RebuildClaimLost(Exception):
+    """Another process took the rebuild over (its lease had expired for ours)."""
+
+
+class RecoveryStore(Protocol):
+    def facts(self) -> LogFacts: ...
+
+    def view(self) -> contextlib.AbstractContextManager[ProjectionView]: ...
+
+    def events_after(
+        self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()
+    ) -> Sequence[Event]: ...
+
+    def count_events_after(self, after_seq: int) -> int: ...
+
+    def log_lanes(self) -> Sequence[str]: ...
+
+    def projected_lanes(self) -> Sequence[LanePolicy]: ...
+
+    def projected_bookings(self, lane: str) -> Sequence[Booking]: ...
+
+    def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals: ...
+
+    def snapshots(self) -> Sequence[SnapshotInfo]:
+        """Complete snapshots, newest position first (a bounded few)."""
+        ...
+
+    def snapshot_chunks(self, snapshot_id: int) -> Iterator[SnapshotChunk]: ...
+
+    def begin_snapshot(
+        self, position_seq: int, chain_heads: Mapping[str, str], taken_at_us: int
+    ) -> int: ...
+
+    def write_snapshot_chunk(
+        self, snapshot_id: int, chunk_no: int, chunk: SnapshotChunk
+    ) -> None: ...
+
+    def complete_snapshot(
+        self, snapshot_id: int, digest: ProjectionDigest, chain_verified: bool
+    ) -> None: ...
+
+    def prune_snapshots(self, keep: int, unfinished_before_us: int) -> int: ...
+
+    def bookings_by_key(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> Mapping[tuple[str, str], Booking]: ...
+
+    def claim_rebuild(self, owner: str, now_us: int, lease_us: int) -> bool: ...
+
+    def reset_projections(self, owner: str, position_seq: int, now_us: int) -> None: ...
+
+    def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None: ...
+
+    def apply_batch(
+        self,
+        owner: str,
+        lanes: Sequence[LanePolicy],
+        bookings: Sequence[Booking],
+        applied_seq: int,
+        now_us: int,
+        *,
+        dry_run: bool = False,
+    ) -> None: ...
+
+    def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
+        """Marks the projections current at applied_seq if that is the log's head."""
+        ...
+
+    def save_manifest(
+        self, manifest: Manifest, actor: str, created_at_us: int, outcome: str
+    ) -> int: ...
+
+    def update_manifest(self, manifest_id: int, outcome: str, elapsed_ms: int) -> None: ...
+
+
+# Values ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoverySettings:
+    batch_events: int = 1000
+    sample_events: int = 2000
+    snapshot_keep: int = 2
+    lease_seconds: float = 30.0
+    # Accept the log's last event as the position to restore to, even when the
+    # marker or a snapshot says the projections had gone further (events lost).
+    accept_log_head: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Assessment:
+    facts: LogFacts
+    findings: tuple[str, ...]
+    rebuilding_elsewhere: bool = False
+
+    @property
+    def consistent(self) -> bool:
+        return not self.findings and not self.rebuilding_elsewhere
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one source rebuilds: from a snapshot (or from nothing) plus events."""
+
+    source_id: str
+    snapshot: SnapshotInfo | None
+    # Breaks the plan knew of and the policy accepted: the rebuild goes on past them.
+    tolerated_breaks: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    manifest: Manifest
+    routes: Mapping[str, Route]
+    rate_events_per_second: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    ready: bool
+    manifest: Manifest | None = None
+    detail: str = ""
+
+
+class ChainBroken(Exception):
+    def __init__(self, chain_break: ChainBreak) -> None:
+        super().__init__(chain_break.describe())
+        self.chain_break = chain_break
+
+
+class RebuildFailed(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class _Walk:
+    """What walking the chain over a range found."""
+
+    breaks: list[ChainBreak] = dataclasses.field(default_factory=list)
+    break_count: int = 0
+    unsealed: int = 0
+    # The walker's heads right after each requested position.
+    heads_at: dict[int, dict[str, str]] = dataclasses.field(default_factory=dict)
+
+    def note(self, found: ChainBreak) -> None:
+        self.break_count += 1
+        if len(self.breaks) < MAX_NAMED_BREAKS:
+            self.breaks.append(found)
+
+    def after(self, seq: int) -> list[ChainBreak]:
+        return [found for found in self.breaks if found.seq > seq]
+
+
+def fold_batch(
+    batch: Sequence[Event], known: Mapping[tuple[str, str], Booking]
+) -> tuple[dict[str, LanePolicy], dict[tuple[str, str], Booking]]:
+    """The lanes and bookings a batch of events leaves, from the bookings as
+    they were before it: the same folds as the live path (`bookings.apply`,
+    `policy_from_dict`)."""
+    lanes: dict[str, LanePolicy] = {}
+    touched: dict[tuple[str, str], Booking] = dict(known)
+    changed: dict[tuple[str, str], Booking] = {}
+    for event in batch:
+        if event.kind is EventKind.LANE_CONFIGURED:
+            if event.policy is None:
+                raise RebuildFailed(f"event {event.seq} configures a lane without a policy")
+            lanes[event.lane] = policy_from_dict(event.policy, event.seq, event.occurred_at_us)
+            continue
+        key = (event.lane, event.reservation_id)
+        try:
+            after = booking_fold.apply(event, touched.get(key))
+        except AssertionError as error:
+            raise RebuildFailed(f"event {event.seq} cannot be applied: {error}") from error
+        touched[key] = after
+        changed[key] = after
+    return lanes, changed
+
+
+def _booking_keys(batch: Sequence[Event]) -> list[tuple[str, str]]:
+    keys = {
+        (event.lane, event.reservation_id)
+        for event in batch
+        if event.kind is not EventKind.LANE_CONFIGURED
+        and event.kind not in (EventKind.RESERVED, EventKind.DENIED)
+    }
+    return sorted(keys)
+
+
+# The recovery service -------------------------------------------------------------
+
+
+class Recovery:
+    def __init__(
+        self,
+        store: RecoveryStore,
+        wall_clock: Clock,
+        settings: RecoverySettings,
+        owner: str,
+    ) -> None:
+        self._store = store
+        self._wall = wall_clock
+        self.settings = settings
+        self.owner = owner
+
+    @property
+    def store(self) -> RecoveryStore:
+        return self._store
+
+    # Assessment -------------------------------------------------------------
+
+    def assess(self) -> Assessment:
+        """A cheap look: the marker, counts, each booking against its latest
+        event, and the chain from the newest snapshot's heads to the log's end
+        (bounded by the snapshot interval when snapshots are on)."""
+        facts = self._store.facts()
+        position = facts.position
+        if (
+            position is not None
+            and position.state == STATE_REBUILDING
+            and position.owner != self.owner
+            and self._wall.now_us() - position.updated_at_us < self._lease_us()
+        ):
+            found = f"a rebuild by {position.owner} is in progress (event {position.last_seq})"
+            return Assessment(facts, (found,), rebuilding_elsewhere=True)
+        findings = list(projection_findings(facts))
+        snapshots = self._store.snapshots()
+        for snapshot in snapshots:
+            if snapshot.position_seq > facts.head_seq:
+                findings.append(
+                    f"snapshot {snapshot.snapshot_id} is at event {snapshot.position_seq}, "
+                    f"beyond the log's last event {facts.head_seq}: events are missing"
+                )
+        anchor = next((s for s in snapshots if s.position_seq <= facts.head_seq), None)
+        walk = self._walk(anchor, ())
+        if walk.break_count:
+            findings.append(
+                f"the hash chain is broken at {walk.break_count} event(s); first: "
+                f"{walk.breaks[0].describe()}"
+            )
+        return Assessment(facts, tuple(findings))
+
+    def _lease_us(self) -> int:
+        return int(self.settings.lease_seconds * MICROS_PER_SECOND)
+
+    def _walk(
+        self,
+        anchor: SnapshotInfo | None,
+        positions: Sequence[int],
+        through_seq: int | None = None,
+    ) -> _Walk:
+        """Checks every link after `anchor` (or from genesis) up to `through_seq`
+        (or the log's end), in batches; notes the heads at each of `positions`."""
+        walk = _Walk()
+        walker = ChainWalker(anchor.chain_heads if anchor else None)
+        after = anchor.position_seq if anchor else 0
+        pending = sorted(position for position in positions if position >= after)
+        while pending and pending[0] == after:
+            walk.heads_at[pending.pop(0)] = dict(walker.heads)
+        while True:
+            batch = self._store.events_after(after, self.settings.batch_events)
+            if through_seq is not None:
+                batch = [event for event in batch if event.seq <= through_seq]
+            for event in batch:
+                while pending and pending[0] < event.seq:
+                    walk.heads_at[pending.pop(0)] = dict(walker.heads)
+                found = walker.check(event)
+                if found is not None:
+                    walk.note(found)
+            if len(batch) < self.settings.batch_events:
+                break
+            after = batch[-1].seq
+        for position in pending:
+            walk.heads_at[position] = dict(walker.heads)
+        walk.unsealed = walker.unsealed
+        return walk
+
+    # Planning ----------------------------------------------------------------
+
+    def plan(
+        self,
+        assessment: Assessment,
+        policy: RecoveryPolicy,
+        known_breaks: Sequence[ChainBreak] = (),
+    ) -> Plan:
+        facts = assessment.facts
+        head = facts.head_seq
+        snapshots = list(self._store.snapshots())
+        required = head
+        if facts.position is not None and facts.position.state == STATE_CURRENT:
+            required = max(required, facts.position.last_seq)
+        for snapshot in snapshots:
+            required = max(required, snapshot.position_seq)
+        lost = required > head and not self.settings.accept_log_head
+        usable = [s for s in snapshots if s.position_seq <= head][: self.settings.snapshot_keep]
+        digests = {s.snapshot_id: self.check_snapshot(s) for s in usable}
+        valid = [s for s in usable if not digests[s.snapshot_id]]
+        anchor = valid[-1] if valid else None
+        walk = self._walk(anchor, [s.position_seq for s in usable])
+        for found in known_breaks:
+            walk.note(found)
+        rate = self.measure_rate()
+        findings = list(assessment.findings)
+        if lost:
+            findings.append(
+                f"the projections or a snapshot reached event {required} but the log ends at "
+                f"{head}: no source holds the events in between"
+            )
+        while True:
+            sources: list[Source] = []
+            routes: dict[str, Route] = {}
+            log_source, log_route = self._log_source(facts, anchor, walk, rate, lost)
+            sources.append(log_source)
+            routes[log_source.source_id] = log_route
+            for snapshot in usable:
+                source, route = self._snapshot_source(
+                    snapshot, digests[snapshot.snapshot_id], walk, rate, lost
+                )
+                sources.append(source)
+                routes[source.source_id] = route
+            manifest = planner.plan(sources, policy, findings)
+            if anchor is None or FULL_LOG_SOURCE not in manifest.chosen:
+                return Plan(manifest, routes, rate)
+            # The whole log would be replayed, and its links before the anchor were
+            # taken on the snapshot's word: check them now, before anything is
+            # written, so that a broken one refuses the plan instead of stopping
+            # a rebuild half-way.
+            prefix = self._walk(None, (), through_seq=anchor.position_seq)
+            for found in prefix.breaks:
+                walk.note(found)
+            walk.unsealed += prefix.unsealed
+            anchor = None
+
+    def _log_source(
+        self, facts: LogFacts, anchor: SnapshotInfo | None, walk: _Walk, rate: float, lost: bool
+    ) -> tuple[Source, Route]:
+        risk = planner.RISK_VERIFIED
+        detail = f"replay all {facts.event_count} events at {rate:.0f} events/s"
+        if walk.break_count:
+            risk = planner.RISK_UNVERIFIABLE
+            detail += f"; {walk.break_count} broken link(s), first {walk.breaks[0].describe()}"
+        elif anchor is not None and not anchor.chain_verified:
+            risk = planner.RISK_UNVERIFIABLE
+            detail += f"; links before snapshot {anchor.snapshot_id} did not check out"
+        elif walk.unsealed:
+            risk = planner.RISK_UNSEALED
+            detail += f"; {walk.unsealed} events predate the hash chain"
+        source = Source(
+            FULL_LOG_SOURCE,
+            planner.replay_cost_seconds(facts.event_count, rate),
+            risk,
+            detail,
+            possible=not lost,
+        )
+        tolerated = frozenset(found.seq for found in walk.breaks)
+        return source, Route(FULL_LOG_SOURCE, None, tolerated)
+
+    def _snapshot_source(
+        self, snapshot: SnapshotInfo, problem: str, walk: _Walk, rate: float, lost: bool
+    ) -> tuple[Source, Route]:
+        tail = self._store.count_events_after(snapshot.position_seq)
+        source_id = f"snapshot-{snapshot.snapshot_id}"
+        detail = (
+            f"snapshot {snapshot.snapshot_id} at event {snapshot.position_seq} "
+            f"({snapshot.rows} rows) + a tail of {tail} events at {rate:.0f}/s"
+        )
+        risk = planner.RISK_VERIFIED
+        breaks = walk.after(snapshot.position_seq)
+        heads = walk.heads_at.get(snapshot.position_seq)
+        if problem:
+            risk, detail = planner.RISK_UNVERIFIABLE, f"{detail}; {problem}"
+        elif snapshot.format_version != FORMAT_VERSION:
+            risk = planner.RISK_STALE_FORMAT
+            detail += f"; stale: format {snapshot.format_version}, not {FORMAT_VERSION}"
+        elif breaks:
+            risk = planner.RISK_UNVERIFIABLE
+            detail += f"; the tail has broken links, first {breaks[0].describe()}"
+        elif heads is not None and heads != dict(snapshot.chain_heads):
+            risk = planner.RISK_UNVERIFIABLE
+            detail += "; its chain heads are not the log's at its position"
+        source = Source(
+            source_id,
+            planner.replay_cost_seconds(snapshot.rows + tail, rate),
+            risk,
+            detail,
+            possible=not lost,
+        )
+        return source, Route(source_id, snapshot, frozenset(found.seq for found in breaks))
+
+    def check_snapshot(self, snapshot: SnapshotInfo) -> str:
+        """ "" when the snapshot's rows still give its digest, else what is wrong."""
+        digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
+        try:
+            for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
+                for policy in chunk.lanes:
+                    digest.add_lane(policy)
+                for booking in chunk.bookings:
+                    digest.add_booking(booking)
+        except (ValueError, KeyError, TypeError) as error:
+            return f"unreadable: {type(error).__name__}"
+        if (digest.lanes, digest.bookings) != (snapshot.lanes_count, snapshot.bookings_count):
+            return (
+                f"holds {digest.lanes} lanes and {digest.bookings} bookings, not the "
+                f"{snapshot.lanes_count} and {snapshot.bookings_count} recorded"
+            )
+        if digest.hexdigest() != snapshot.digest:
+            return "its rows do not give its recorded digest: changed or damaged"
+        return ""
+
+    def measure_rate(self) -> float:
+        """Events per second of the rebuild pipeline (read, fold, write), measured
+        on a sample of the log's first events written in a transaction that is
+        rolled back."""
+        started = time.perf_counter()
+        sample = self._store.events_after(0, self.settings.sample_events)
+        if not sample:
+            return 1_000_000.0
+        self._store.bookings_by_key(_booking_keys(sample))
+        lanes, changed = fold_batch(sample, {})
+        self._store.apply_batch(
+            self.owner,
+            list(lanes.values()),
+            list(changed.values()),
+            sample[-1].seq,
+            self._wall.now_us(),
+            dry_run=True,
+        )
+        elapsed = max(time.perf_counter() - started, 1e-3)
+        return len(sample) / elapsed
+
+    # Rebuilding ----------------------------------------------------------------
+
+    def rebuild(self, route: Route, progress: ProgressFn = no_progress) -> str:
+        """Rebuilds the projections along `route` and marks them current.
+        Returns the digest of what was built."""
+        digest = self.rebuild_uncommitted(route, progress)
+        if not self.finish():
+            raise RebuildFailed("the log grew during the rebuild; run it again")
+        return digest
+
+    def finish(self) -> bool:
+        facts = self._store.facts()
+        applied = facts.position.last_seq if facts.position else -1
+        return self._store.finish_rebuild(self.owner, applied)
+
+    def rebuild_uncommitted(self, route: Route, progress: ProgressFn = no_progress) -> str:
+        """Rebuilds, leaving the marker "rebuilding" (no move is taken meanwhile);
+        returns the digest of the projections built, for a cross-check."""
+        started = time.perf_counter()
+        if not self._store.claim_rebuild(self.owner, self._wall.now_us(), self._lease_us()):
+            raise RebuildClaimLost("another process is rebuilding the projections")
+        snapshot = route.snapshot
+        position = snapshot.position_seq if snapshot else 0
+        self._store.reset_projections(self.owner, position, self._wall.now_us())
+        if snapshot is not None:
+            self._restore(snapshot, progress, started)
+        walker = ChainWalker(snapshot.chain_heads if snapshot else None)
+        total = self._store.count_events_after(position)
+        done = 0
+        while True:
+            batch = self._store.events_after(position, self.settings.batch_events)
+            if not batch:
+                break
+            for event in batch:
+                found = walker.check(event)
+                if found is not None and found.seq not in route.tolerated_breaks:
+                    raise ChainBroken(found)
+            known = self._store.bookings_by_key(_booking_keys(batch))
+            lanes, changed = fold_batch(batch, known)
+            position = batch[-1].seq
+            self._store.apply_batch(
+                self.owner,
+                list(lanes.values()),
+                list(changed.values()),
+                position,
+                self._wall.now_us(),
+            )
+            done += len(batch)
+            progress("replay", done, max(total, done), time.perf_counter() - started)
+        return self.projection_digest()
+
+    def _restore(self, snapshot: SnapshotInfo, progress: ProgressFn, started: float) -> None:
+        digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
+        done = 0
+        for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
+            for policy in chunk.lanes:
+                digest.add_lane(policy)
+            for booking in chunk.bookings:
+                digest.add_booking(booking)
+            self._store.restore_chunk(self.owner, chunk, self._wall.now_us())
+            done += len(chunk.lanes) + len(chunk.bookings)
+            progress("restore", done, snapshot.rows, time.perf_counter() - started)
+        if digest.hexdigest() != snapshot.digest:
+            raise RebuildFailed(f"snapshot {snapshot.snapshot_id} changed while it was restored")
+
+    def projection_digest(self) -> str:
+        """The digest of the projections as they stand (for cross-checks)."""
+        with self._store.view() as view:
+            position = view.facts.position
+            digest = ProjectionDigest(position.last_seq if position else 0, {})
+            for policy in view.lanes():
+                digest.add_lane(policy)
+            for booking in view.bookings():
+                digest.add_booking(booking)
+        return digest.hexdigest()
+
+    # Snapshots ---------------------------------------------------------------
+
+    def snapshot_due(self, every_events: int) -> bool:
+        if every_events <= 0:
+            return False
+        facts = self._store.facts()
+        if facts.position is None or facts.position.state != STATE_CURRENT:
+            return False
+        newest = next(iter(self._store.snapshots()), None)
+        since = newest.position_seq if newest else 0
+        return facts.position.last_seq - since >= every_events
+
+    def take_snapshot(self) -> SnapshotInfo | None:
+        """Snapshots the projections if they are consistent with the log, then
+        keeps the newest `snapshot_keep`. None (and a warning) when they are not."""
+        previous = next(iter(self._store.snapshots()), None)
+        with self._store.view() as view:
+            problems = projection_findings(view.facts)
+            if problems:
+                log.warning("no snapshot: %s", "; ".join(problems))
+                return None
+            assert view.facts.position is not None
+            position = view.facts.position.last_seq
+            heads = view.chain_heads(position)
+            taken_at_us = self._wall.now_us()
+            snapshot_id = self._store.begin_snapshot(position, heads, taken_at_us)
+            digest = ProjectionDigest(position, heads)
+            self._write_chunks(snapshot_id, view, digest)
+        if previous is not None and previous.position_seq > position:
+            previous = None
+        walk = self._walk(previous, [position])
+        verified = (
+            (previous is None or previous.chain_verified)
+            and walk.break_count == 0
+            and walk.heads_at.get(position) == dict(heads)
+        )
+        self._store.complete_snapshot(snapshot_id, digest, verified)
+        pruned_before = taken_at_us - self._lease_us()
+        self._store.prune_snapshots(self.settings.snapshot_keep, pruned_before)
+        info = SnapshotInfo(
+            snapshot_id,
+            position,
+            taken_at_us,
+            FORMAT_VERSION,
+            digest.lanes,
+            digest.bookings,
+            digest.hexdigest(),
+            heads,
+            verified,
+        )
+        log.info(
+            "snapshot %d at event %d: %d lanes, %d bookings, digest %s%s",
+            snapshot_id,
+            position,
+            digest.lanes,
+            digest.bookings,
+            info.digest[:16],
+            "" if verified else " (the chain before it did NOT check out)",
+        )
+        return info
+
+    def _write_chunks(
+        self, snapshot_id: int, view: ProjectionView, digest: ProjectionDigest
+    ) -> None:
+        size = self.settings.batch_events
+        chunk_no = 0
+        lanes: list[LanePolicy] = []
+        for policy in view.lanes():
+            digest.add_lane(policy)
+            lanes.append(policy)
+            if len(lanes) == size:
+                self._store.write_snapshot_chunk(snapshot_id, chunk_no, SnapshotChunk(lanes=lanes))
+                chunk_no, lanes = chunk_no + 1, []
+        if lanes:
+            self._store.write_snapshot_chunk(snapshot_id, chunk_no, SnapshotChunk(lanes=lanes))
+            chunk_no += 1
+        batch: list[Booking] = []
+        for booking in view.bookings():
+            digest.add_booking(booking)
+            batch.append(booking)
+            if len(batch) == size:
+                self._store.write_snapshot_chunk(
+                    snapshot_id, chunk_no, SnapshotChunk(bookings=batch)
+                )
+                chunk_no, batch = chunk_no + 1, []
+        if batch:
+            self._store.write_snapshot_chunk(snapshot_id, chunk_no, SnapshotChunk(bookings=batch))
+
+    # The whole of it -------------------------------------------------------------
+
+    def recover(
+        self, policy: RecoveryPolicy, actor: str, progress: ProgressFn = no_progress
+    ) -> Outcome:
+        """Assess; if needed plan, record the manifest, and rebuild if admissible."""
+        assessment = self.assess()
+        if assessment.consistent:
+            return Outcome(True, detail="the projections are consistent with the log")
+        if assessment.rebuilding_elsewhere:
+            return Outcome(False, detail=assessment.findings[0])
+        log.warning("projections need recovery: %s", "; ".join(assessment.findings))
+        known: list[ChainBreak] = []
+        # A second plan only when the rebuild met a broken link the first did not know.
+        for _attempt in range(2):
+            plan = self.plan(assessment, policy, known)
+            manifest = plan.manifest
+            outcome = "planned" if manifest.admissible else "refused"
+            manifest_id = self._store.save_manifest(manifest, actor, self._wall.now_us(), outcome)
+            (log.info if manifest.admissible else log.error)(
+                "recovery manifest %d: %s", manifest_id, manifest.to_json()
+            )
+            if not manifest.admissible:
+                return Outcome(False, manifest, manifest.directive)
+            started = time.perf_counter()
+            try:
+                self._carry_out(plan, progress)
+            except ChainBroken as error:
+                self._record(manifest_id, "failed", started)
+                log.error("rebuild stopped: %s; planning again", error)
+                known.append(error.chain_break)
+                continue
+            except (RebuildFailed, RebuildClaimLost) as error:
+                self._record(manifest_id, "failed", started)
+                log.error("rebuild failed: %s", error)
+                return Outcome(False, manifest, str(error))
+            self._record(manifest_id, "rebuilt", started)
+            self._snapshot_after_rebuild()
+            return Outcome(True, manifest, manifest.directive)
+        return Outcome(False, None, "the rebuild kept meeting broken links")
+
+    def _carry_out(self, plan: Plan, progress: ProgressFn) -> None:
+        digests: list[tuple[str, str]] = []
+        for source_id in plan.manifest.chosen:
+            built = self.rebuild_uncommitted(plan.routes[source_id], progress)
+            if digests and built != digests[0][1]:
+                raise RebuildFailed(
+                    f"{source_id} rebuilt other projections than {digests[0][0]} "
+                    f"({built[:16]} != {digests[0][1][:16]}): the sources disagree"
+                )
+            digests.append((source_id, built))
+        if not self.finish():
+            raise RebuildFailed("the log grew during the rebuild; run it again")
+
+    def _record(self, manifest_id: int, outcome: str, started: float) -> None:
+        elapsed_ms = int((time.perf_counter() - started) * 1000)
+        self._store.update_manifest(manifest_id, outcome, elapsed_ms)
+
+    def _snapshot_after_rebuild(self) -> None:
+        # The next assessment then walks the chain from here, and the next
+        # recovery has a fresh, verified snapshot to start from.
+        try:
+            newest = next(iter(self._store.snapshots()), None)
+            position = self._store.facts().position
+            if (
+                newest is not None
+                and position is not None
+                and newest.position_seq == position.last_seq
+                and not self.check_snapshot(newest)
+            ):
+                return  # the snapshot it was rebuilt from is already here
+            self.take_snapshot()
+        except StoreUnavailable:
+            log.warning("no snapshot after the rebuild: database unavailable")
+
+
+def projection_findings(facts: LogFacts) -> list[str]:
+    """What the cheap facts say is wrong with the projections (empty: nothing)."""
+    findings: list[str] = []
+    position = facts.position
+    if position is None:
+        findings.append("the projections' position marker is missing")
+    elif position.state == STATE_REBUILDING:
+        findings.append(
+            f"a rebuild by {position.owner or 'unknown'} stopped at event {position.last_seq}"
+        )
+    elif position.last_seq < facts.head_seq:
+        findings.append(
+            f"the projections are behind the log: applied through event {position.last_seq}, "
+            f"the log ends at {facts.head_seq}"
+        )
+    elif position.last_seq > facts.head_seq:
+        findings.append(
+            f"the projections are ahead of the log: applied through event {position.last_seq}, "
+            f"the log ends at {facts.head_seq}"
+        )
+    if facts.bookings != facts.answer_events:
+        findings.append(
+            f"{facts.bookings} bookings are projected but the log answers {facts.answer_events} "
+            "reservations"
+        )
+    if facts.lanes != facts.configured_lanes:
+        findings.append(
+            f"{facts.lanes} lanes are projected but the log configures {facts.configured_lanes}"
+        )
+    if facts.stale_bookings:
+        findings.append(
+            f"{facts.stale_bookings} bookings differ from their latest event in the log"
+        )
+    return findings
+
+
+# The server's side ------------------------------------------------------------------
+
+
+class RecoveryGuard:
+    """Decides whether the server may take moves, and keeps it so.
+
+    READY: serving; every `consistency_check_seconds` a cheap assessment runs,
+    and when it fails, a recovery. REFUSED: the planner refused; only the cheap
+    assessment runs, every `check_interval_seconds`, and the server serves again
+    as soon as it passes (after `ledger recover`, say). PENDING: not assessed
+    yet (the database was down), a rebuild failed, or another process is
+    rebuilding; the whole recovery runs again every `check_interval_seconds`.
+    """
+
+    READY = "ready"
+    REFUSED = "refused"
+    PENDING = "pending"
+
+    def __init__(
+        self,
+        recovery: Recovery,
+        policy: RecoveryPolicy,
+        *,
+        actor: str,
+        check_interval_seconds: float,
+        consistency_check_seconds: float,
+        snapshot_every_events: int,
+        on_change: Callable[[bool], None] = lambda ready: None,
+    ) -> None:
+        self.recovery = recovery
+        self.policy = policy
+        self._actor = actor
+        self._check_interval = check_interval_seconds
+        self._consistency_interval = consistency_check_seconds
+        self._snapshot_every = snapshot_every_events
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._state = self.PENDING
+        self._last_check = time.monotonic()
+        self._last_consistency = time.monotonic()
+        self.manifest: Manifest | None = None
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            return self._state
+
+    def is_ready(self) -> bool:
+        return self.state == self.READY
+
+    def _set(self, state: str) -> None:
+        with self._lock:
+            changed = state != self._state
+            self._state = state
+        if changed:
+            log.log(
+                logging.INFO if state == self.READY else logging.WARNING,
+                "projections %s: %s",
+                state,
+                "taking moves" if state == self.READY else "moves are refused (RECOVERY_REQUIRED)",
+            )
+            self._on_change(state == self.READY)
+
+    def required(self) -> None:
+        """A move found the projections not current (the marker said so)."""
+        with self._lock:
+            if self._state != self.READY:
+                return
+        self._set(self.PENDING)
+
+    def start(self) -> None:
+        """The start-up recovery: runs before the server takes a move."""
+        self._recover()
+
+    def _recover(self) -> None:
+        self._last_check = time.monotonic()
+        try:
+            outcome = self.recovery.recover(self.policy, self._actor)
+        except StoreUnavailable:
+            log.warning("recovery check: database unavailable; will retry")
+            self._set(self.PENDING)
+            return
+        except Exception:
+            # Closed, not crashed: the server stays up, refusing moves, and retries.
+            log.exception("recovery failed; moves stay refused, will retry")
+            self._set(self.PENDING)
+            return
+        self.manifest = outcome.manifest or self.manifest
+        if outcome.ready:
+            self._set(self.READY)
+        elif outcome.manifest is not None and not outcome.manifest.admissible:
+            self._set(self.REFUSED)
+        else:
+            self._set(self.PENDING)
+
+    def tick(self) -> None:
+        """Called by the maintenance thread at every turn."""
+        now = time.monotonic()
+        try:
+            state = self.state
+            if state == self.PENDING and now - self._last_check >= self._check_interval:
+                self._recover()
+            elif state == self.REFUSED and now - self._last_check >= self._check_interval:
+                self._last_check = now
+                if self.recovery.assess().consistent:
+                    log.info("the projections are consistent with the log again")
+                    self._set(self.READY)
+            elif state == self.READY:
+                self._tick_ready(now)
+        except StoreUnavailable:
+            log.warning("recovery check: database unavailable; will retry")
+        except Exception:
+            log.exception("recovery check failed; will retry")
+
+    def _tick_ready(self, now: float) -> None:
+        if self._consistency_interval > 0 and (
+            now - self._last_consistency >= self._consistency_interval
+        ):
+            self._last_consistency = now
+            assessment = self.recovery.assess()
+            if not assessment.consistent:
+                log.error("projections inconsistent: %s", "; ".join(assessment.findings))
+                self._set(self.PENDING)
+                self._recover()
+                return
+        if now - self._last_check >= self._check_interval:
+            self._last_check = now
+            if self.recovery.snapshot_due(self._snapshot_every):
+                self.recovery.take_snapshot()

@@ -1,0 +1,189 @@
+"""Verification: the whole log against its hash chain, and every projected lane,
+booking and window total against a replay of the log.
+
+Lane by lane (a chain is per lane), so memory holds one lane's bookings at a
+time. The replay uses `domain.replay.Projection`, the same folds as the live
+path; a window's totals include the bookings of the lanes below it (parent
+budgets), computed from the replayed policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+from ledger_service.application.recovery import (
+    ProgressFn,
+    RecoveryStore,
+    no_progress,
+    projection_findings,
+)
+from ledger_service.domain.bookings import Booking
+from ledger_service.domain.chain import ChainWalker
+from ledger_service.domain.events import Event, EventKind
+from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_from_dict
+from ledger_service.domain.replay import Projection
+from ledger_service.domain.window import WindowTotals, totals_of
+
+MAX_KEPT_FINDINGS = 100
+
+
+@dataclasses.dataclass
+class VerificationReport:
+    # Broken links first: they explain the mismatches that follow from them.
+    broken_links: list[str] = dataclasses.field(default_factory=list)
+    mismatches: list[str] = dataclasses.field(default_factory=list)
+    finding_count: int = 0
+    events: int = 0
+    lanes: int = 0
+    bookings: int = 0
+    unsealed_events: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.finding_count == 0
+
+    @property
+    def findings(self) -> list[str]:
+        return [*self.broken_links, *self.mismatches][:MAX_KEPT_FINDINGS]
+
+    def add(self, finding: str, *, broken_link: bool = False) -> None:
+        self.finding_count += 1
+        kept = self.broken_links if broken_link else self.mismatches
+        if len(kept) < MAX_KEPT_FINDINGS:
+            kept.append(finding)
+
+
+def _first_difference(expected: object, found: object) -> str:
+    for field in dataclasses.fields(expected):  # type: ignore[arg-type]
+        left, right = getattr(expected, field.name), getattr(found, field.name)
+        if left != right:
+            return f"{field.name} is {right!r} in the projection, {left!r} in the log"
+    return "they differ"
+
+
+class Verifier:
+    def __init__(self, store: RecoveryStore, batch_events: int = 1000) -> None:
+        self._store = store
+        self._batch = batch_events
+
+    def _events(self, lane: str = "", kinds: tuple[str, ...] = ()) -> Iterator[Event]:
+        after = 0
+        while True:
+            batch = self._store.events_after(after, self._batch, lane=lane, kinds=kinds)
+            yield from batch
+            if len(batch) < self._batch:
+                return
+            after = batch[-1].seq
+
+    def verify(self, now_us: int, progress: ProgressFn = no_progress) -> VerificationReport:
+        report = VerificationReport()
+        for finding in projection_findings(self._store.facts()):
+            report.add(finding)
+        policies: dict[str, LanePolicy] = {}
+        for event in self._events(kinds=(EventKind.LANE_CONFIGURED.value,)):
+            if event.policy is not None:
+                policies[event.lane] = policy_from_dict(
+                    event.policy, event.seq, event.occurred_at_us
+                )
+        windows = _windows_needed(policies)
+        projected = {policy.lane: policy for policy in self._store.projected_lanes()}
+        own_totals: dict[tuple[str, int], WindowTotals] = {}
+        total = self._store.count_events_after(0)
+        for lane in sorted(set(self._store.log_lanes()) | set(projected)):
+            replayed = self._verify_lane(lane, projected.get(lane), report)
+            for window_us in windows.get(lane, ()):
+                own_totals[(lane, window_us)] = totals_of(replayed.values(), now_us, window_us)
+            progress("verify", report.events, total, 0.0)
+        self._verify_windows(policies, own_totals, now_us, report)
+        return report
+
+    def _verify_lane(
+        self, lane: str, projected_policy: LanePolicy | None, report: VerificationReport
+    ) -> Mapping[str, Booking]:
+        walker = ChainWalker()
+        projection = Projection()
+        for event in self._events(lane=lane):
+            report.events += 1
+            found = walker.check(event)
+            if found is not None:
+                report.add(f"broken link: {found.describe()}", broken_link=True)
+            try:
+                projection.apply(event)
+            except (AssertionError, KeyError, ValueError) as error:
+                report.add(f"event {event.seq} (lane {lane!r}) cannot be replayed: {error}")
+        report.unsealed_events += walker.unsealed
+        report.lanes += 1
+        replayed_policy = projection.lanes.get(lane)
+        if replayed_policy is None:
+            report.add(f"lane {lane!r} is projected but no event configures it")
+        elif projected_policy is None:
+            report.add(f"lane {lane!r} is configured in the log but missing from the projection")
+        elif replayed_policy != projected_policy:
+            report.add(f"lane {lane!r}: {_first_difference(replayed_policy, projected_policy)}")
+        replayed = {rid: booking for (_, rid), booking in projection.bookings.items()}
+        projected = {
+            booking.reservation_id: booking for booking in self._store.projected_bookings(lane)
+        }
+        for rid in sorted(set(replayed) | set(projected)):
+            report.bookings += 1
+            expected, found_booking = replayed.get(rid), projected.get(rid)
+            where = f"booking {lane}/{rid}"
+            if expected is None:
+                report.add(f"{where} is projected but not in the log")
+            elif found_booking is None:
+                report.add(f"{where} is in the log but missing from the projection")
+            elif expected != found_booking:
+                report.add(f"{where}: {_first_difference(expected, found_booking)}")
+        return replayed
+
+    def _verify_windows(
+        self,
+        policies: Mapping[str, LanePolicy],
+        own_totals: Mapping[tuple[str, int], WindowTotals],
+        now_us: int,
+        report: VerificationReport,
+    ) -> None:
+        children: dict[str, list[str]] = {}
+        for policy in policies.values():
+            if policy.parent:
+                children.setdefault(policy.parent, []).append(policy.lane)
+        for lane in sorted(policies):
+            window_us = policies[lane].window_us
+            held = charged = open_count = 0
+            for member in _subtree(lane, children):
+                part = own_totals.get((member, window_us), WindowTotals())
+                held += part.held_nanos
+                charged += part.charged_nanos
+                open_count += part.open_bookings
+            expected = WindowTotals(held, charged, open_count)
+            found = self._store.window_totals(lane, now_us, window_us)
+            if found != expected:
+                report.add(
+                    f"lane {lane!r} window at {now_us}: projected held/charged/open "
+                    f"{found.held_nanos}/{found.charged_nanos}/{found.open_bookings}, "
+                    f"replayed {held}/{charged}/{open_count}"
+                )
+
+
+def _subtree(lane: str, children: Mapping[str, list[str]]) -> list[str]:
+    members, level, seen = [lane], [lane], {lane}
+    for _ in range(MAX_BUDGET_DEPTH - 1):
+        level = [child for name in level for child in children.get(name, []) if child not in seen]
+        if not level:
+            break
+        seen.update(level)
+        members.extend(level)
+    return members
+
+
+def _windows_needed(policies: Mapping[str, LanePolicy]) -> dict[str, set[int]]:
+    """Each lane's bookings are summed in its own window and its ancestors'."""
+    needed: dict[str, set[int]] = {}
+    for lane, policy in policies.items():
+        windows = needed.setdefault(lane, {policy.window_us})
+        ancestor, depth = policy.parent, 1
+        while ancestor and ancestor in policies and depth < MAX_BUDGET_DEPTH:
+            windows.add(policies[ancestor].window_us)
+            ancestor, depth = policies[ancestor].parent, depth + 1
+    return needed

@@ -1,0 +1,241 @@
+"""Recovery commands, run next to the database like `migrate`:
+`verify`, `snapshot`, `rebuild` and `recover` (docs/recovery.md).
+
+Exit codes: 0 done (or nothing to do), 1 a finding or a refusal, 2 the
+database could not be reached or the work failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ledger_service.cli.operate import settings_from
+from ledger_service.settings import Settings
+
+if TYPE_CHECKING:  # the commands import the server lazily, as `serve` does
+    from ledger_service.application.recovery import Recovery
+
+
+def register(commands: Any) -> None:
+    verify = commands.add_parser(
+        "verify",
+        help="check every hash-chain link and every projected lane, booking and window "
+        "total against a replay of the log",
+    )
+    _database_options(verify)
+    verify.add_argument("--at-us", type=int, help="instant of the window totals, in "
+                        "microseconds since the epoch (default: now)")  # fmt: skip
+    verify.set_defaults(run=_verify)
+
+    snapshot = commands.add_parser("snapshot", help="snapshot the projections now")
+    _database_options(snapshot)
+    snapshot.set_defaults(run=_snapshot)
+
+    rebuild = commands.add_parser(
+        "rebuild",
+        help="rebuild lanes and bookings from the newest verified snapshot and the log's "
+        "tail (or the whole log), in batches, with progress on stderr",
+    )
+    _database_options(rebuild)
+    rebuild.add_argument("--from-scratch", action="store_true",
+                         help="replay the whole log; ignore snapshots")  # fmt: skip
+    rebuild.set_defaults(run=_rebuild)
+
+    recover = commands.add_parser(
+        "recover",
+        help="assess the projections and, if the planner admits it within your budget, "
+        "rebuild them (a running server serves again within its check interval)",
+    )
+    _database_options(recover)
+    recover.add_argument("--budget-seconds", type=float, required=True,
+                         help="the longest the reconstruction may take")  # fmt: skip
+    recover.add_argument("--max-risk", type=float, help="largest acceptable risk score, "
+                         "0..1 (default: the server's, 0.3)")  # fmt: skip
+    recover.add_argument("--min-viable-sources", type=int, help="independent sources that "
+                         "must agree (default 1)")  # fmt: skip
+    recover.add_argument(
+        "--accept-log-head",
+        action="store_true",
+        help="restore to the log's last event even though the projections or a snapshot "
+        "had gone further (the events in between are lost)",
+    )
+    recover.set_defaults(run=_recover)
+
+
+def _database_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", help="default LEDGER_DATABASE_URL or a SQLite file "
+                        "in the data directory")  # fmt: skip
+    parser.add_argument("--data-dir", type=pathlib.Path,
+                        help="default LEDGER_DATA_DIR or ./data")  # fmt: skip
+
+
+class ProgressPrinter:
+    """events done / total and the rate, on stderr, at most every interval."""
+
+    def __init__(self, stream: TextIO | None = None, interval_seconds: float = 0.5) -> None:
+        self._stream = stream
+        self._interval = interval_seconds
+        self._phase = ""
+        self._started = self._printed = 0.0
+
+    def __call__(self, phase: str, done: int, total: int, elapsed_seconds: float) -> None:
+        now = time.monotonic()
+        if phase != self._phase:
+            self._phase, self._started, self._printed = phase, now, 0.0
+        if done < total and now - self._printed < self._interval:
+            return
+        self._printed = now
+        # The caller's clock when it has one (it started before the first batch).
+        elapsed = elapsed_seconds if elapsed_seconds > 0 else now - self._started
+        rate = done / max(elapsed, 1e-3)
+        share = 100 * done // total if total else 100
+        stream = self._stream or sys.stderr
+        print(f"{phase}: {done}/{total} ({share}%), {rate:,.0f}/s", file=stream, flush=True)
+
+
+@contextmanager
+def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Settings, Recovery]]:
+    from ledger_service import server
+
+    settings = settings_from(arguments)
+    store = server.build_store(settings)
+    owner = f"ledger {command} {socket.gethostname()}:{os.getpid()}"
+    try:
+        yield settings, server.build_recovery(settings, store, owner)
+    finally:
+        store.close()
+
+
+def _unavailable(command: str) -> int:
+    print(f"ledger {command}: the database is unavailable", file=sys.stderr)
+    return 2
+
+
+def _verify(arguments: argparse.Namespace) -> int:
+    from ledger_service.application.verification import Verifier
+    from ledger_service.domain.clock import SystemClock
+    from ledger_service.domain.errors import StoreUnavailable
+
+    with _recovery(arguments, "verify") as (settings, recovery):
+        now_us = arguments.at_us if arguments.at_us is not None else SystemClock().now_us()
+        verifier = Verifier(recovery.store, settings.recovery_batch_events)
+        try:
+            report = verifier.verify(now_us, ProgressPrinter())
+        except StoreUnavailable:
+            return _unavailable("verify")
+    summary = (
+        f"{report.events} events, {report.lanes} lanes, {report.bookings} bookings, "
+        f"window totals at {now_us}"
+    )
+    if report.unsealed_events:
+        summary += f" ({report.unsealed_events} events predate the hash chain)"
+    if report.ok:
+        print(f"verified {summary}: OK")
+        return 0
+    print(f"FAILED: {report.finding_count} finding(s) in {summary}")
+    print(f"first: {report.findings[0]}")
+    for finding in report.findings[1:]:
+        print(f"  {finding}")
+    if report.finding_count > len(report.findings):
+        print(f"  ... and {report.finding_count - len(report.findings)} more")
+    return 1
+
+
+def _snapshot(arguments: argparse.Namespace) -> int:
+    from ledger_service.domain.errors import StoreUnavailable
+
+    with _recovery(arguments, "snapshot") as (_, recovery):
+        try:
+            info = recovery.take_snapshot()
+        except StoreUnavailable:
+            return _unavailable("snapshot")
+    if info is None:
+        print("ledger snapshot: the projections are not consistent with the log; "
+              "run `ledger verify`, then `ledger recover`", file=sys.stderr)  # fmt: skip
+        return 1
+    print(
+        f"snapshot {info.snapshot_id} at event {info.position_seq}: {info.lanes_count} lanes, "
+        f"{info.bookings_count} bookings, digest {info.digest}"
+    )
+    return 0
+
+
+def _rebuild(arguments: argparse.Namespace) -> int:
+    from ledger_service.application.recovery import (
+        FULL_LOG_SOURCE,
+        ChainBroken,
+        RebuildClaimLost,
+        RebuildFailed,
+        Route,
+    )
+    from ledger_service.domain.errors import StoreUnavailable
+
+    with _recovery(arguments, "rebuild") as (_, recovery):
+        try:
+            route = Route(FULL_LOG_SOURCE, None)
+            if not arguments.from_scratch:
+                for snapshot in recovery.store.snapshots():
+                    problem = recovery.check_snapshot(snapshot)
+                    if not problem:
+                        route = Route(f"snapshot-{snapshot.snapshot_id}", snapshot)
+                        break
+                    print(f"skipping snapshot {snapshot.snapshot_id}: {problem}", file=sys.stderr)
+            print(f"rebuilding from {route.source_id}", file=sys.stderr)
+            started = time.monotonic()
+            digest = recovery.rebuild(route, ProgressPrinter())
+        except StoreUnavailable:
+            return _unavailable("rebuild")
+        except ChainBroken as error:
+            print(f"ledger rebuild: stopped at a broken link: {error}. `ledger verify` lists "
+                  "them; `ledger recover --max-risk 1` accepts them", file=sys.stderr)  # fmt: skip
+            return 1
+        except (RebuildFailed, RebuildClaimLost) as error:
+            print(f"ledger rebuild: {error}", file=sys.stderr)
+            return 2
+    print(f"rebuilt from {route.source_id} in {time.monotonic() - started:.2f}s; digest {digest}")
+    return 0
+
+
+def _recover(arguments: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ledger_service.domain.errors import StoreUnavailable
+    from ledger_service.domain.recovery import RecoveryPolicy
+
+    with _recovery(arguments, "recover") as (settings, recovery):
+        policy = RecoveryPolicy(
+            max_budget_seconds=arguments.budget_seconds,
+            max_risk_score=settings.recovery_max_risk
+            if arguments.max_risk is None
+            else arguments.max_risk,
+            min_viable_sources=arguments.min_viable_sources or settings.recovery_min_viable_sources,
+        )
+        try:
+            policy.validate()
+        except ValueError as error:
+            print(f"ledger recover: {error}", file=sys.stderr)
+            return 2
+        recovery.settings = dataclasses.replace(
+            recovery.settings, accept_log_head=arguments.accept_log_head
+        )
+        try:
+            outcome = recovery.recover(policy, recovery.owner, ProgressPrinter())
+        except StoreUnavailable:
+            return _unavailable("recover")
+    if outcome.manifest is not None:
+        print(json.dumps(json.loads(outcome.manifest.to_json()), indent=2, sort_keys=True))
+    print(f"ledger recover: {outcome.detail}", file=sys.stderr)
+    if outcome.ready:
+        return 0
+    if outcome.manifest is not None and not outcome.manifest.admissible:
+        return 1
+    return 2

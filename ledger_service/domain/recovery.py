@@ -1,0 +1,224 @@
+"""The recovery planner: reconstruct the projections with a bounded cost, or refuse.
+
+When the projections (lanes, bookings) are missing, behind or inconsistent with
+the log, they can be rebuilt from several sources: a snapshot plus the tail of
+the log after it, or the whole log. Each source has a cost (seconds, estimated
+from how much it must replay and a measured replay rate) and a risk score (the
+chance that it yields a state that differs from the one the log implies). The
+decision follows the seed's boundary (docs/recovery.md):
+
+1. Is reconstruction technically possible? No source can reach the position the
+   ledger must be restored to: HARD_ABORT.
+2. Sources riskier than `max_risk_score` are excluded. Fewer than
+   `min_viable_sources` left: RISK_TOO_HIGH.
+3. The plan uses the `min_viable_sources` cheapest safe sources (with two, both
+   are rebuilt and must agree). Their total cost above `max_budget_seconds`:
+   EXCEEDS_BUDGET.
+4. Otherwise ADMISSIBLE.
+
+Here the sources are alternatives, not parts of one reconstruction (the seed
+sums every safe source), so the cost is that of the sources the plan uses. The
+manifest's digest covers every field that made the decision (not a constant per
+verdict), so two manifests with one digest are the same decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+# Risk scores: 0 = the state is exactly what the verified log implies.
+RISK_VERIFIED = 0.0
+# Events appended before the hash chain existed: their content cannot be checked.
+RISK_UNSEALED = 0.2
+# A snapshot made by another projection format (another fold): stale.
+RISK_STALE_FORMAT = 0.9
+# A digest or a link that does not check out: the source was altered or damaged.
+RISK_UNVERIFIABLE = 1.0
+
+
+class Verdict(enum.Enum):
+    ADMISSIBLE = "ADMISSIBLE"
+    EXCEEDS_BUDGET = "EXCEEDS_BUDGET"
+    RISK_TOO_HIGH = "RISK_TOO_HIGH"
+    HARD_ABORT = "HARD_ABORT"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One way to rebuild the projections completely."""
+
+    source_id: str
+    cost_seconds: float
+    risk_score: float
+    detail: str = ""
+    # False when the source cannot reach the position the ledger must be restored to.
+    possible: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryPolicy:
+    max_budget_seconds: float
+    max_risk_score: float
+    min_viable_sources: int = 1
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.max_budget_seconds) and self.max_budget_seconds >= 0):
+            raise ValueError("the recovery budget must be a finite number of seconds >= 0")
+        if not 0.0 <= self.max_risk_score <= 1.0:
+            raise ValueError("the largest acceptable risk score must be between 0 and 1")
+        if self.min_viable_sources < 1:
+            raise ValueError("at least one viable source is needed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    verdict: Verdict
+    sources: tuple[Source, ...]
+    # The sources the reconstruction uses, cheapest first (empty unless admissible
+    # or over budget).
+    chosen: tuple[str, ...]
+    total_cost_seconds: float
+    policy: RecoveryPolicy
+    directive: str
+    # Why a reconstruction was considered: what the assessment found.
+    findings: tuple[str, ...]
+    digest: str
+
+    @property
+    def admissible(self) -> bool:
+        return self.verdict is Verdict.ADMISSIBLE
+
+    def body(self) -> dict[str, Any]:
+        return _body(
+            self.verdict,
+            self.sources,
+            self.chosen,
+            self.total_cost_seconds,
+            self.policy,
+            self.directive,
+            self.findings,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({**self.body(), "digest": self.digest}, sort_keys=True)
+
+
+def _seconds(value: float) -> str:
+    # Fixed decimals: the digest must not depend on float formatting.
+    return f"{value:.3f}"
+
+
+def _body(
+    verdict: Verdict,
+    sources: tuple[Source, ...],
+    chosen: tuple[str, ...],
+    total_cost_seconds: float,
+    policy: RecoveryPolicy,
+    directive: str,
+    findings: tuple[str, ...],
+) -> dict[str, Any]:
+    return {
+        "verdict": verdict.value,
+        "sources": [
+            {
+                "source_id": source.source_id,
+                "cost_seconds": _seconds(source.cost_seconds),
+                "risk_score": _seconds(source.risk_score),
+                "possible": source.possible,
+                "detail": source.detail,
+            }
+            for source in sources
+        ],
+        "chosen": list(chosen),
+        "total_cost_seconds": _seconds(total_cost_seconds),
+        "policy": {
+            "max_budget_seconds": _seconds(policy.max_budget_seconds),
+            "max_risk_score": _seconds(policy.max_risk_score),
+            "min_viable_sources": policy.min_viable_sources,
+        },
+        "directive": directive,
+        "findings": list(findings),
+    }
+
+
+def _manifest(
+    verdict: Verdict,
+    sources: tuple[Source, ...],
+    chosen: tuple[Source, ...],
+    policy: RecoveryPolicy,
+    directive: str,
+    findings: tuple[str, ...],
+) -> Manifest:
+    total = sum(source.cost_seconds for source in chosen)
+    ids = tuple(source.source_id for source in chosen)
+    body = _body(verdict, sources, ids, total, policy, directive, findings)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return Manifest(verdict, sources, ids, total, policy, directive, findings, digest)
+
+
+def plan(
+    sources: Iterable[Source], policy: RecoveryPolicy, findings: Iterable[str] = ()
+) -> Manifest:
+    """The decision, deterministic in its inputs (sources are ordered by id)."""
+    policy.validate()
+    every = tuple(sorted(sources, key=lambda source: source.source_id))
+    found = tuple(findings)
+    possible = tuple(source for source in every if source.possible)
+    if not possible:
+        return _manifest(
+            Verdict.HARD_ABORT,
+            every,
+            (),
+            policy,
+            "HALT: no source can reconstruct the projections; restore the database "
+            "(its event log) from a backup",
+            found,
+        )
+    safe = sorted(
+        (source for source in possible if source.risk_score <= policy.max_risk_score),
+        key=lambda source: (source.cost_seconds, source.source_id),
+    )
+    if len(safe) < policy.min_viable_sources:
+        return _manifest(
+            Verdict.RISK_TOO_HIGH,
+            every,
+            (),
+            policy,
+            f"HALT: {len(safe)} source(s) with risk <= {policy.max_risk_score:.2f} "
+            f"< minimum {policy.min_viable_sources}",
+            found,
+        )
+    chosen = tuple(safe[: policy.min_viable_sources])
+    total = sum(source.cost_seconds for source in chosen)
+    if total > policy.max_budget_seconds:
+        return _manifest(
+            Verdict.EXCEEDS_BUDGET,
+            every,
+            chosen,
+            policy,
+            f"HALT: cost {total:.3f}s exceeds budget {policy.max_budget_seconds:.3f}s",
+            found,
+        )
+    return _manifest(
+        Verdict.ADMISSIBLE,
+        every,
+        chosen,
+        policy,
+        f"PROCEED: rebuild from {' and '.join(source.source_id for source in chosen)} "
+        f"within budget ({total:.3f}s / {policy.max_budget_seconds:.3f}s)",
+        found,
+    )
+
+
+def replay_cost_seconds(units: int, units_per_second: float) -> float:
+    """Seconds to replay `units` events or rows at a measured rate."""
+    if units <= 0:
+        return 0.0
+    return units / max(units_per_second, 1e-9)

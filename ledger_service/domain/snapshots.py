@@ -1,0 +1,74 @@
+"""Snapshots of the projections: what they hold and how their digest is made.
+
+A snapshot is the lanes and bookings as they stood right after event
+`position_seq`, plus each lane's chain head (the hash of its last event at that
+position), so that the tail of the log after it can be checked link by link
+without reading the log before it.
+
+    digest = sha256 over, one line each:
+        "ledger-snapshot <FORMAT_VERSION> <position_seq>"
+        "heads " + canonical JSON of {lane: hash}
+        "lane " + canonical JSON of each lane's policy        (in the order stored)
+        "booking " + canonical JSON of each booking            (in the order stored)
+
+A snapshot whose rows no longer give its recorded digest was changed or damaged
+after it was taken and is never restored from. A snapshot of another format
+version was made by another fold: it is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+
+from ledger_service.domain.bookings import Booking
+from ledger_service.domain.chain import canonical_json
+from ledger_service.domain.policies import LanePolicy
+
+# Bump when Booking, LanePolicy or the folds change what a projection holds.
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotInfo:
+    snapshot_id: int
+    position_seq: int
+    taken_at_us: int
+    format_version: int
+    lanes_count: int
+    bookings_count: int
+    digest: str
+    chain_heads: Mapping[str, str]
+    # Whether every link of the log up to position_seq checked out when it was taken.
+    chain_verified: bool
+
+    @property
+    def rows(self) -> int:
+        return self.lanes_count + self.bookings_count
+
+
+class ProjectionDigest:
+    """An incremental digest: memory stays bounded however large the projection."""
+
+    def __init__(self, position_seq: int, chain_heads: Mapping[str, str]) -> None:
+        self._hash = hashlib.sha256()
+        self._line(f"ledger-snapshot {FORMAT_VERSION} {position_seq}")
+        self._line("heads " + canonical_json(dict(sorted(chain_heads.items()))))
+        self.lanes = 0
+        self.bookings = 0
+
+    def _line(self, text: str) -> None:
+        self._hash.update(text.encode("utf-8"))
+        self._hash.update(b"\n")
+
+    def add_lane(self, policy: LanePolicy) -> None:
+        self.lanes += 1
+        self._line("lane " + canonical_json(policy))
+
+    def add_booking(self, booking: Booking) -> None:
+        self.bookings += 1
+        self._line("booking " + canonical_json(booking))
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()

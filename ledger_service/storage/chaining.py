@@ -1,0 +1,53 @@
+"""What every append does besides the INSERT: seal the event into its lane's
+hash chain, and advance the projections' position marker.
+
+The lane's previous hash is read from the log itself (the last event of the
+lane, by the (lane, seq) index), not kept on the lanes row: the lanes table is
+a projection that a recovery may have to rebuild, and the chain must not depend
+on what it is checking. The read is consistent because appends are serialized:
+on PostgreSQL by the advisory lock `append` takes first (held to commit, and a
+READ COMMITTED statement after it sees every earlier append), on SQLite by the
+database's single writer. Inside one transaction it also sees the
+transaction's own earlier appends.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, select, update
+
+from ledger_service.domain import chain
+from ledger_service.domain.errors import RecoveryRequired
+from ledger_service.domain.events import Event
+from ledger_service.storage.schema import events, projection_position
+
+POSITION_ROW_ID = 1
+STATE_CURRENT = "current"
+STATE_REBUILDING = "rebuilding"
+
+
+def lane_head(connection: Connection, lane: str) -> str:
+    """The hash of the lane's last event, or "" when it has none."""
+    found = connection.execute(
+        select(events.c.hash).where(events.c.lane == lane).order_by(events.c.seq.desc()).limit(1)
+    ).scalar_one_or_none()
+    return found or chain.GENESIS_HASH
+
+
+def seal(connection: Connection, event: Event) -> Event:
+    return chain.sealed(event, lane_head(connection, event.lane))
+
+
+def advance_position(connection: Connection, seq: int) -> None:
+    """Records that the projections now include event `seq`, in the append's
+    transaction. Refuses (and so rolls the append back) unless the projections
+    are current: a rebuild is running, or the marker is gone."""
+    result = connection.execute(
+        update(projection_position)
+        .where(
+            projection_position.c.id == POSITION_ROW_ID,
+            projection_position.c.state == STATE_CURRENT,
+        )
+        .values(last_seq=seq)
+    )
+    if result.rowcount != 1:
+        raise RecoveryRequired()

@@ -1,0 +1,593 @@
+"""The SQL side of recovery: facts, snapshots, rebuild batches, manifests.
+
+Reads that must agree with each other (the facts, a snapshot's rows) run in one
+snapshot transaction: REPEATABLE READ on PostgreSQL, a read transaction in WAL
+mode on SQLite. Writes that change the position marker take the same advisory
+lock as appends on PostgreSQL (SQLite has one writer anyway), so that a claim,
+a finish and an append are never interleaved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    case,
+    delete,
+    distinct,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from ledger_service.application.ports import EventQuery
+from ledger_service.application.recovery import (
+    STATE_CURRENT,
+    STATE_REBUILDING,
+    LogFacts,
+    Position,
+    RebuildClaimLost,
+    SnapshotChunk,
+)
+from ledger_service.domain.bookings import Booking
+from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.events import Event
+from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.recovery import Manifest
+from ledger_service.domain.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
+from ledger_service.domain.window import WindowTotals
+from ledger_service.storage import records, schema
+from ledger_service.storage.chaining import POSITION_ROW_ID
+from ledger_service.storage.schema import (
+    bookings,
+    events,
+    lanes,
+    projection_position,
+    recovery_manifests,
+    snapshot_chunks,
+    snapshots,
+)
+from ledger_service.storage.sql import EVENT_APPEND_LOCK_KEY, SqlTransaction
+
+P = ParamSpec("P")
+T = TypeVar("T")
+SNAPSHOT_TAKING = "taking"
+SNAPSHOT_COMPLETE = "complete"
+# How many complete snapshots are ever read: retention keeps fewer.
+MAX_LISTED_SNAPSHOTS = 10
+ANSWER_KINDS = ("reserved", "denied")
+
+
+def _unavailable_on_database_errors(method: Callable[P, T]) -> Callable[P, T]:
+    """Database errors become StoreUnavailable: constant, no SQL or URL in it."""
+
+    @functools.wraps(method)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(*args, **kwargs)
+        except (DBAPIError, PoolTimeoutError) as error:
+            raise StoreUnavailable() from error
+
+    return wrapped
+
+
+def _facts(connection: Connection) -> LogFacts:
+    row = connection.execute(
+        select(projection_position).where(projection_position.c.id == POSITION_ROW_ID)
+    ).first()
+    position = (
+        Position(int(row.last_seq), str(row.state), str(row.owner), int(row.updated_at_us))
+        if row is not None
+        else None
+    )
+    head, count = connection.execute(
+        select(func.coalesce(func.max(events.c.seq), 0), func.count())
+    ).one()
+    answers = connection.execute(
+        select(func.count()).where(events.c.kind.in_(ANSWER_KINDS))
+    ).scalar_one()
+    configured = connection.execute(
+        select(func.count(distinct(events.c.lane))).where(events.c.kind == "lane_configured")
+    ).scalar_one()
+    booking_count = connection.execute(select(func.count()).select_from(bookings)).scalar_one()
+    lane_count = connection.execute(select(func.count()).select_from(lanes)).scalar_one()
+    latest_seq = case(
+        (bookings.c.ended_seq > bookings.c.answer_seq, bookings.c.ended_seq),
+        else_=bookings.c.answer_seq,
+    )
+    stale = connection.execute(
+        select(func.count())
+        .select_from(bookings.outerjoin(events, events.c.seq == latest_seq))
+        .where(
+            or_(
+                events.c.seq.is_(None),
+                events.c.amount_nanos != bookings.c.amount_nanos,
+                events.c.lane != bookings.c.lane,
+                events.c.reservation_id != bookings.c.reservation_id,
+            )
+        )
+    ).scalar_one()
+    return LogFacts(
+        position=position,
+        head_seq=int(head),
+        event_count=int(count),
+        answer_events=int(answers),
+        configured_lanes=int(configured),
+        bookings=int(booking_count),
+        lanes=int(lane_count),
+        stale_bookings=int(stale),
+    )
+
+
+class SqlProjectionView:
+    def __init__(self, connection: Connection, batch_rows: int) -> None:
+        self._connection = connection
+        self._batch = batch_rows
+        self._facts = _facts(connection)
+
+    @property
+    def facts(self) -> LogFacts:
+        return self._facts
+
+    def chain_heads(self, through_seq: int) -> Mapping[str, str]:
+        last = (
+            select(events.c.lane, func.max(events.c.seq).label("seq"))
+            .where(events.c.seq <= through_seq)
+            .group_by(events.c.lane)
+            .subquery()
+        )
+        rows = self._connection.execute(
+            select(events.c.lane, events.c.hash).join(last, events.c.seq == last.c.seq)
+        )
+        return {str(lane): str(hash_) for lane, hash_ in rows}
+
+    def lanes(self) -> Iterator[LanePolicy]:
+        result = self._connection.execution_options(yield_per=self._batch).execute(
+            select(lanes).order_by(lanes.c.lane)
+        )
+        for row in result.mappings():
+            yield records.lane_from_row(row)
+
+    def bookings(self) -> Iterator[Booking]:
+        result = self._connection.execution_options(yield_per=self._batch).execute(
+            select(bookings).order_by(bookings.c.lane, bookings.c.reservation_id)
+        )
+        for row in result.mappings():
+            yield records.booking_from_row(row)
+
+
+class SqlRecoveryStore:
+    def __init__(self, engine: Engine, *, batch_rows: int = 1000) -> None:
+        self._engine = engine
+        self._sqlite = engine.dialect.name == "sqlite"
+        self._batch = batch_rows
+
+    # Transactions -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """One snapshot transaction."""
+        with self._engine.connect() as connection:
+            if not self._sqlite:
+                connection = connection.execution_options(isolation_level="REPEATABLE READ")
+            with connection.begin():
+                yield connection
+
+    @contextlib.contextmanager
+    def _writing(self, *, marker: bool = False) -> Iterator[Connection]:
+        with self._engine.connect() as connection:
+            connection = connection.execution_options(ledger_write=True)
+            with connection.begin():
+                if marker and not self._sqlite:
+                    connection.execute(
+                        select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY)))
+                    )
+                yield connection
+
+    # Reads -------------------------------------------------------------------
+
+    @_unavailable_on_database_errors
+    def facts(self) -> LogFacts:
+        with self._reading() as connection:
+            return _facts(connection)
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[SqlProjectionView]:
+        try:
+            with self._reading() as connection:
+                yield SqlProjectionView(connection, self._batch)
+        except (DBAPIError, PoolTimeoutError) as error:
+            raise StoreUnavailable() from error
+
+    @_unavailable_on_database_errors
+    def events_after(
+        self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()
+    ) -> Sequence[Event]:
+        query = EventQuery(lane=lane, kinds=kinds, after_seq=after_seq, limit=limit)
+        with self._reading() as connection:
+            return SqlTransaction(connection, self._sqlite).list_events(query)
+
+    @_unavailable_on_database_errors
+    def count_events_after(self, after_seq: int) -> int:
+        with self._reading() as connection:
+            return int(
+                connection.execute(
+                    select(func.count()).where(events.c.seq > after_seq)
+                ).scalar_one()
+            )
+
+    @_unavailable_on_database_errors
+    def log_lanes(self) -> Sequence[str]:
+        with self._reading() as connection:
+            rows = connection.execute(select(events.c.lane).distinct().order_by(events.c.lane))
+            return [str(lane) for (lane,) in rows]
+
+    @_unavailable_on_database_errors
+    def projected_lanes(self) -> Sequence[LanePolicy]:
+        with self._reading() as connection:
+            rows = connection.execute(select(lanes).order_by(lanes.c.lane)).mappings()
+            return [records.lane_from_row(row) for row in rows]
+
+    @_unavailable_on_database_errors
+    def projected_bookings(self, lane: str) -> Sequence[Booking]:
+        with self._reading() as connection:
+            rows = connection.execute(select(bookings).where(bookings.c.lane == lane)).mappings()
+            return [records.booking_from_row(row) for row in rows]
+
+    @_unavailable_on_database_errors
+    def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
+        with self._reading() as connection:
+            return SqlTransaction(connection, self._sqlite).window_totals(lane, now_us, window_us)
+
+    @_unavailable_on_database_errors
+    def bookings_by_key(self, keys: Sequence[tuple[str, str]]) -> Mapping[tuple[str, str], Booking]:
+        if not keys:
+            return {}
+        with self._reading() as connection:
+            rows = connection.execute(
+                select(bookings).where(
+                    tuple_(bookings.c.lane, bookings.c.reservation_id).in_(list(keys))
+                )
+            ).mappings()
+            found = [records.booking_from_row(row) for row in rows]
+        return {(booking.lane, booking.reservation_id): booking for booking in found}
+
+    # Snapshots -------------------------------------------------------------------
+
+    @_unavailable_on_database_errors
+    def snapshots(self) -> Sequence[SnapshotInfo]:
+        with self._reading() as connection:
+            rows = connection.execute(
+                select(snapshots)
+                .where(snapshots.c.state == SNAPSHOT_COMPLETE)
+                .order_by(snapshots.c.position_seq.desc(), snapshots.c.id.desc())
+                .limit(MAX_LISTED_SNAPSHOTS)
+            ).all()
+        return [_snapshot_info(row) for row in rows]
+
+    def snapshot_chunks(self, snapshot_id: int) -> Iterator[SnapshotChunk]:
+        """One chunk per read, so no transaction stays open while it is used."""
+        after = -1
+        while True:
+            row = self._chunk_after(snapshot_id, after)
+            if row is None:
+                return
+            after = int(row.chunk_no)
+            yield _chunk_of(str(row.kind), json.loads(row.payload))
+
+    @_unavailable_on_database_errors
+    def _chunk_after(self, snapshot_id: int, after: int) -> Any:
+        with self._reading() as connection:
+            return connection.execute(
+                select(snapshot_chunks)
+                .where(
+                    snapshot_chunks.c.snapshot_id == snapshot_id,
+                    snapshot_chunks.c.chunk_no > after,
+                )
+                .order_by(snapshot_chunks.c.chunk_no)
+                .limit(1)
+            ).first()
+
+    @_unavailable_on_database_errors
+    def begin_snapshot(
+        self, position_seq: int, chain_heads: Mapping[str, str], taken_at_us: int
+    ) -> int:
+        with self._writing() as connection:
+            return int(
+                connection.execute(
+                    insert(snapshots)
+                    .values(
+                        state=SNAPSHOT_TAKING,
+                        position_seq=position_seq,
+                        taken_at_us=taken_at_us,
+                        format_version=FORMAT_VERSION,
+                        lanes_count=0,
+                        bookings_count=0,
+                        digest="",
+                        chain_heads_json=json.dumps(dict(sorted(chain_heads.items()))),
+                        chain_verified=0,
+                    )
+                    .returning(snapshots.c.id)
+                ).scalar_one()
+            )
+
+    @_unavailable_on_database_errors
+    def write_snapshot_chunk(self, snapshot_id: int, chunk_no: int, chunk: SnapshotChunk) -> None:
+        kind, rows = _rows_of(chunk)
+        with self._writing() as connection:
+            connection.execute(
+                insert(snapshot_chunks).values(
+                    snapshot_id=snapshot_id,
+                    chunk_no=chunk_no,
+                    kind=kind,
+                    payload=json.dumps(rows, sort_keys=True, separators=(",", ":")),
+                )
+            )
+
+    @_unavailable_on_database_errors
+    def complete_snapshot(
+        self, snapshot_id: int, digest: ProjectionDigest, chain_verified: bool
+    ) -> None:
+        with self._writing() as connection:
+            connection.execute(
+                update(snapshots)
+                .where(snapshots.c.id == snapshot_id)
+                .values(
+                    state=SNAPSHOT_COMPLETE,
+                    lanes_count=digest.lanes,
+                    bookings_count=digest.bookings,
+                    digest=digest.hexdigest(),
+                    chain_verified=int(chain_verified),
+                )
+            )
+
+    @_unavailable_on_database_errors
+    def prune_snapshots(self, keep: int, unfinished_before_us: int) -> int:
+        """Keeps the newest `keep` complete snapshots and unfinished ones still
+        young enough to be in progress; deletes the rest with their chunks."""
+        with self._writing() as connection:
+            kept = [
+                int(snapshot_id)
+                for (snapshot_id,) in connection.execute(
+                    select(snapshots.c.id)
+                    .where(snapshots.c.state == SNAPSHOT_COMPLETE)
+                    .order_by(snapshots.c.position_seq.desc(), snapshots.c.id.desc())
+                    .limit(max(keep, 1))
+                )
+            ]
+            doomed = [
+                int(snapshot_id)
+                for (snapshot_id,) in connection.execute(
+                    select(snapshots.c.id).where(
+                        snapshots.c.id.not_in(kept),
+                        or_(
+                            snapshots.c.state == SNAPSHOT_COMPLETE,
+                            snapshots.c.taken_at_us < unfinished_before_us,
+                        ),
+                    )
+                )
+            ]
+            if doomed:
+                connection.execute(
+                    delete(snapshot_chunks).where(snapshot_chunks.c.snapshot_id.in_(doomed))
+                )
+                connection.execute(delete(snapshots).where(snapshots.c.id.in_(doomed)))
+            return len(doomed)
+
+    # Rebuilding ------------------------------------------------------------------
+
+    @_unavailable_on_database_errors
+    def claim_rebuild(self, owner: str, now_us: int, lease_us: int) -> bool:
+        with self._writing(marker=True) as connection:
+            row = connection.execute(
+                select(projection_position).where(projection_position.c.id == POSITION_ROW_ID)
+            ).first()
+            if (
+                row is not None
+                and row.state == STATE_REBUILDING
+                and row.owner != owner
+                and now_us - int(row.updated_at_us) < lease_us
+            ):
+                return False
+            values = {"state": STATE_REBUILDING, "owner": owner, "updated_at_us": now_us}
+            if row is None:
+                connection.execute(
+                    insert(projection_position).values(id=POSITION_ROW_ID, last_seq=0, **values)
+                )
+            else:
+                connection.execute(
+                    update(projection_position)
+                    .where(projection_position.c.id == POSITION_ROW_ID)
+                    .values(**values)
+                )
+            return True
+
+    def _advance(self, connection: Connection, owner: str, applied_seq: int, now_us: int) -> None:
+        """Moves the marker of our rebuild on; fails if the rebuild is no longer ours."""
+        result = connection.execute(
+            update(projection_position)
+            .where(
+                projection_position.c.id == POSITION_ROW_ID,
+                projection_position.c.state == STATE_REBUILDING,
+                projection_position.c.owner == owner,
+            )
+            .values(last_seq=applied_seq, updated_at_us=now_us)
+        )
+        if result.rowcount != 1:
+            raise RebuildClaimLost("the rebuild was taken over by another process")
+
+    @_unavailable_on_database_errors
+    def reset_projections(self, owner: str, position_seq: int, now_us: int) -> None:
+        with self._writing() as connection:
+            self._advance(connection, owner, position_seq, now_us)
+            connection.execute(delete(bookings))
+            connection.execute(delete(lanes))
+
+    @_unavailable_on_database_errors
+    def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None:
+        kind, rows = _rows_of(chunk)
+        table = lanes if kind == "lanes" else bookings
+        with self._writing() as connection:
+            row = connection.execute(
+                select(projection_position.c.last_seq).where(
+                    projection_position.c.id == POSITION_ROW_ID
+                )
+            ).scalar_one_or_none()
+            self._advance(connection, owner, int(row or 0), now_us)
+            if rows:
+                connection.execute(insert(table), rows)
+
+    @_unavailable_on_database_errors
+    def apply_batch(
+        self,
+        owner: str,
+        lanes: Sequence[LanePolicy],
+        bookings: Sequence[Booking],
+        applied_seq: int,
+        now_us: int,
+        *,
+        dry_run: bool = False,
+    ) -> None:
+        with self._engine.connect() as connection:
+            connection = connection.execution_options(ledger_write=True)
+            transaction = connection.begin()
+            try:
+                if not dry_run:
+                    self._advance(connection, owner, applied_seq, now_us)
+                    self._upsert(
+                        connection, schema.lanes, ["lane"], map(records.lane_values, lanes)
+                    )
+                self._upsert(
+                    connection,
+                    schema.bookings,
+                    ["lane", "reservation_id"],
+                    map(records.booking_values, bookings),
+                )
+            except BaseException:
+                transaction.rollback()
+                raise
+            if dry_run:
+                transaction.rollback()
+            else:
+                transaction.commit()
+
+    def _upsert(
+        self,
+        connection: Connection,
+        table: Table,
+        keys: list[str],
+        rows: Iterable[dict[str, Any]],
+    ) -> None:
+        """One executemany INSERT ... ON CONFLICT DO UPDATE for a whole batch."""
+        values = list(rows)
+        if not values:
+            return
+        dialect_insert = sqlite.insert if self._sqlite else postgresql.insert
+        statement = dialect_insert(table)
+        statement = statement.on_conflict_do_update(
+            index_elements=keys,
+            set_={name: statement.excluded[name] for name in values[0] if name not in keys},
+        )
+        connection.execute(statement, values)
+
+    @_unavailable_on_database_errors
+    def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
+        with self._writing(marker=True) as connection:
+            head = connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
+            if int(head) != applied_seq:
+                return False
+            result = connection.execute(
+                update(projection_position)
+                .where(
+                    projection_position.c.id == POSITION_ROW_ID,
+                    projection_position.c.state == STATE_REBUILDING,
+                    projection_position.c.owner == owner,
+                )
+                .values(state=STATE_CURRENT, owner="", last_seq=applied_seq)
+            )
+            if result.rowcount != 1:
+                raise RebuildClaimLost("the rebuild was taken over by another process")
+            return True
+
+    # Manifests ---------------------------------------------------------------------
+
+    @_unavailable_on_database_errors
+    def save_manifest(
+        self, manifest: Manifest, actor: str, created_at_us: int, outcome: str
+    ) -> int:
+        with self._writing() as connection:
+            return int(
+                connection.execute(
+                    insert(recovery_manifests)
+                    .values(
+                        created_at_us=created_at_us,
+                        actor=actor[:200],
+                        verdict=manifest.verdict.value,
+                        outcome=outcome,
+                        digest=manifest.digest,
+                        body_json=manifest.to_json(),
+                        elapsed_ms=0,
+                    )
+                    .returning(recovery_manifests.c.id)
+                ).scalar_one()
+            )
+
+    @_unavailable_on_database_errors
+    def update_manifest(self, manifest_id: int, outcome: str, elapsed_ms: int) -> None:
+        with self._writing() as connection:
+            connection.execute(
+                update(recovery_manifests)
+                .where(recovery_manifests.c.id == manifest_id)
+                .values(outcome=outcome, elapsed_ms=elapsed_ms)
+            )
+
+    @_unavailable_on_database_errors
+    def manifests(self, limit: int = 10) -> Sequence[Mapping[str, Any]]:
+        """The newest manifests, newest first (for people and tests)."""
+        with self._reading() as connection:
+            rows = connection.execute(
+                select(recovery_manifests).order_by(recovery_manifests.c.id.desc()).limit(limit)
+            ).mappings()
+            return [dict(row) for row in rows]
+
+
+def _snapshot_info(row: Any) -> SnapshotInfo:
+    return SnapshotInfo(
+        snapshot_id=int(row.id),
+        position_seq=int(row.position_seq),
+        taken_at_us=int(row.taken_at_us),
+        format_version=int(row.format_version),
+        lanes_count=int(row.lanes_count),
+        bookings_count=int(row.bookings_count),
+        digest=str(row.digest),
+        chain_heads=json.loads(row.chain_heads_json),
+        chain_verified=bool(row.chain_verified),
+    )
+
+
+def _rows_of(chunk: SnapshotChunk) -> tuple[str, list[dict[str, Any]]]:
+    if chunk.lanes:
+        return "lanes", [records.lane_values(policy) for policy in chunk.lanes]
+    return "bookings", [records.booking_values(booking) for booking in chunk.bookings]
+
+
+def _chunk_of(kind: str, rows: list[dict[str, Any]]) -> SnapshotChunk:
+    if kind == "lanes":
+        return SnapshotChunk(lanes=[records.lane_from_row(row) for row in rows])
+    if kind == "bookings":
+        return SnapshotChunk(bookings=[records.booking_from_row(row) for row in rows])
+    raise ValueError(f"unknown snapshot chunk kind {kind!r}")

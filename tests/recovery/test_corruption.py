@@ -1,0 +1,245 @@
+"""Broken projections, snapshots and events, and each verdict of the planner.
+
+`history` runs on SQLite and PostgreSQL; `sqlite_history` on SQLite only, for
+what does not depend on the dialect (the suite must stay fast).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger_service.application.recovery import Recovery
+from ledger_service.application.verification import Verifier
+from ledger_service.domain.errors import RecoveryRequired
+from ledger_service.domain.moves import ReserveCommand
+from ledger_service.domain.recovery import RecoveryPolicy, Verdict
+from ledger_service.storage.recovery import SqlRecoveryStore
+from tests.recovery.conftest import History
+
+DEFAULT = RecoveryPolicy(max_budget_seconds=60.0, max_risk_score=0.3)
+
+
+def _verify(history: History) -> list[str]:
+    report = Verifier(SqlRecoveryStore(history.engine), 25).verify(history.clock.now_us())
+    return report.findings
+
+
+def _manifests(history: History) -> list[dict[str, object]]:
+    return [dict(row) for row in SqlRecoveryStore(history.engine).manifests()]
+
+
+def test_a_consistent_database_needs_nothing(sqlite_history: History) -> None:
+    history = sqlite_history
+    assert _verify(history) == []
+    recovery = history.recovery()
+    assert recovery.assess().consistent
+    outcome = recovery.recover(DEFAULT, "test")
+    assert outcome.ready and outcome.manifest is None
+    assert _manifests(history) == []
+
+
+def test_truncated_bookings_are_rebuilt_from_the_log(history: History) -> None:
+    before = history.projected_amounts()
+    balance = history.ledger.balance("recall")
+    history.sql("DELETE FROM bookings")
+    recovery = history.recovery()
+    assessment = recovery.assess()
+    assert assessment.findings == (
+        f"0 bookings are projected but the log answers {len(before)} reservations",
+    )
+    outcome = recovery.recover(DEFAULT, "test")
+    assert outcome.ready and outcome.manifest is not None
+    assert outcome.manifest.verdict is Verdict.ADMISSIBLE and outcome.manifest.chosen == ("log",)
+    assert history.projected_amounts() == before
+    assert history.ledger.balance("recall") == balance
+    assert _verify(history) == []
+    [row] = _manifests(history)
+    assert (row["verdict"], row["outcome"]) == ("ADMISSIBLE", "rebuilt")
+    assert row["digest"] == outcome.manifest.digest
+    # The rebuild left a verified snapshot for next time.
+    [snapshot] = recovery.store.snapshots()
+    assert snapshot.chain_verified and recovery.check_snapshot(snapshot) == ""
+
+
+def test_an_altered_booking_amount_is_found_and_rebuilt(sqlite_history: History) -> None:
+    history = sqlite_history
+    before = history.projected_amounts()
+    history.sql("UPDATE bookings SET amount_nanos = amount_nanos + 1 WHERE reservation_id = 'r7'")
+    findings = _verify(history)
+    assert any("booking recall/r7: amount_nanos is" in f for f in findings), findings
+    recovery = history.recovery()
+    assert recovery.assess().findings == ("1 bookings differ from their latest event in the log",)
+    assert recovery.recover(DEFAULT, "test").ready
+    assert history.projected_amounts() == before and _verify(history) == []
+
+
+def test_without_its_position_marker_the_ledger_takes_no_move_until_rebuilt(
+    sqlite_history: History,
+) -> None:
+    history = sqlite_history
+    history.sql("DELETE FROM projection_position")
+    with pytest.raises(RecoveryRequired):
+        history.ledger.reserve(ReserveCommand("recall", "new", "jev", 35_000, 1000))
+    recovery = history.recovery()
+    assert recovery.assess().findings == ("the projections' position marker is missing",)
+    outcome = recovery.recover(DEFAULT, "test")
+    assert outcome.ready and outcome.manifest is not None
+    assert outcome.manifest.verdict is Verdict.ADMISSIBLE
+    assert history.ledger.reserve(ReserveCommand("recall", "new", "jev", 35_000, 1000)).admitted
+    assert _verify(history) == []
+
+
+def test_a_tampered_snapshot_is_never_restored(history: History) -> None:
+    recovery = history.recovery()
+    snapshot = recovery.take_snapshot()
+    assert snapshot is not None
+    history.sql(f"UPDATE snapshots SET digest = '{'0' * 64}'", "DELETE FROM bookings")
+    # Two sources must agree, and only the log is trustworthy: refused, untouched.
+    two = RecoveryPolicy(60.0, 0.3, min_viable_sources=2)
+    refused = recovery.recover(two, "test")
+    assert not refused.ready and refused.manifest is not None
+    assert refused.manifest.verdict is Verdict.RISK_TOO_HIGH
+    sources = {source.source_id: source for source in refused.manifest.sources}
+    tampered = sources[f"snapshot-{snapshot.snapshot_id}"]
+    assert tampered.risk_score == 1.0 and "do not give its recorded digest" in tampered.detail
+    assert history.scalar("SELECT COUNT(*) FROM bookings") == 0
+    assert history.scalar("SELECT state FROM projection_position") == "current"
+    # One source is enough: the log, not the snapshot.
+    outcome = recovery.recover(DEFAULT, "test")
+    assert outcome.ready and outcome.manifest is not None
+    assert outcome.manifest.chosen == ("log",)
+    assert _verify(history) == []
+
+
+def test_a_tampered_event_breaks_the_chain_and_only_an_operator_accepts_it(
+    history: History,
+) -> None:
+    settled = history.scalar("SELECT MIN(seq) FROM events WHERE kind = 'settled'")
+    assert isinstance(settled, int)
+    history.tamper_event(settled, 1)
+    findings = _verify(history)
+    assert findings[0].startswith(f"broken link: event {settled} ")
+    assert "altered after append" in findings[0]
+    recovery = history.recovery()
+    assessment = recovery.assess()
+    assert any(f"first: event {settled} " in finding for finding in assessment.findings)
+    refused = recovery.recover(DEFAULT, "test")
+    assert not refused.ready and refused.manifest is not None
+    assert refused.manifest.verdict is Verdict.RISK_TOO_HIGH
+    [log_source] = refused.manifest.sources
+    assert log_source.risk_score == 1.0
+    # An operator may accept the risk (`ledger recover --max-risk 1`): the log
+    # is replayed as it is, and a snapshot after the break anchors later checks.
+    accepted = recovery.recover(RecoveryPolicy(60.0, 1.0), "operator")
+    assert accepted.ready and recovery.assess().consistent
+    # The evidence stays: the log is append-only.
+    assert _verify(history)[0].startswith(f"broken link: event {settled} ")
+
+
+def test_a_tampered_event_before_a_snapshot_is_bypassed_by_the_snapshot(
+    sqlite_history: History,
+) -> None:
+    history = sqlite_history
+    recovery = history.recovery()
+    assert recovery.take_snapshot() is not None
+    before = history.projected_amounts()
+    # A reserved event whose booking ended later: no booking names it as its latest.
+    reserved = history.scalar(
+        "SELECT MIN(answer_seq) FROM bookings WHERE ended_seq > 0 AND state = 'settled'"
+    )
+    assert isinstance(reserved, int)
+    history.tamper_event(reserved, 1)
+    # The start-up check walks the chain from the newest snapshot: bounded, so it
+    # does not see this; `ledger verify` walks everything and does.
+    assert recovery.assess().consistent
+    assert _verify(history)[0].startswith(f"broken link: event {reserved} ")
+    history.sql("DELETE FROM bookings")
+    outcome = recovery.recover(DEFAULT, "test")
+    assert outcome.ready and outcome.manifest is not None
+    # The snapshot is the cheaper source: the log before it is not read again.
+    assert outcome.manifest.chosen == ("snapshot-1",)
+    assert history.projected_amounts() == before
+    # With the snapshot tampered as well, the log would be replayed from its
+    # start: its links are checked first, and the plan is refused before any write.
+    history.sql(f"UPDATE snapshots SET digest = '{'0' * 64}'", "DELETE FROM bookings")
+    refused = recovery.recover(DEFAULT, "test")
+    assert refused.manifest is not None and refused.manifest.verdict is Verdict.RISK_TOO_HIGH
+    sources = {source.source_id: source for source in refused.manifest.sources}
+    assert sources["log"].risk_score == 1.0 and f"first event {reserved} " in sources["log"].detail
+    assert history.scalar("SELECT state FROM projection_position") == "current"
+
+
+def test_a_budget_too_small_is_a_clean_refusal(sqlite_history: History) -> None:
+    history = sqlite_history
+    history.sql("DELETE FROM bookings WHERE lane = 'dreaming'")
+    recovery = history.recovery()
+    refused = recovery.recover(RecoveryPolicy(0.0, 0.3), "test")
+    assert not refused.ready and refused.manifest is not None
+    assert refused.manifest.verdict is Verdict.EXCEEDS_BUDGET
+    assert refused.manifest.total_cost_seconds > 0
+    # Nothing was touched: no half-built state.
+    assert history.scalar("SELECT COUNT(*) FROM bookings WHERE lane = 'dreaming'") == 0
+    assert history.scalar("SELECT state FROM projection_position") == "current"
+    assert [row["outcome"] for row in _manifests(history)] == ["refused"]
+    assert recovery.recover(RecoveryPolicy(60.0, 0.3), "operator").ready
+    assert _verify(history) == []
+
+
+def test_projections_ahead_of_the_log_are_a_hard_abort(sqlite_history: History) -> None:
+    history = sqlite_history
+    history.sql("UPDATE projection_position SET last_seq = last_seq + 10")
+    recovery = history.recovery()
+    refused = recovery.recover(DEFAULT, "test")
+    assert refused.manifest is not None
+    assert refused.manifest.verdict is Verdict.HARD_ABORT
+    assert any("no source holds the events in between" in f for f in refused.manifest.findings)
+    # An operator who knows the log is right restores to its end.
+    accepting = history.recovery(accept_log_head=True)
+    assert accepting.recover(DEFAULT, "operator").ready
+    assert _verify(history) == []
+
+
+def test_an_interrupted_rebuild_is_planned_again_and_a_live_one_is_left_alone(
+    sqlite_history: History,
+) -> None:
+    history = sqlite_history
+    before = history.projected_amounts()
+    dead = history.recovery(owner="dead")
+    route = dead.plan(dead.assess(), DEFAULT).routes["log"]
+    dead.rebuild_uncommitted(route)  # ... and the process dies before finishing
+    alive = history.recovery(owner="alive")
+    outcome = alive.recover(DEFAULT, "test")
+    assert not outcome.ready and outcome.manifest is None
+    assert "a rebuild by dead is in progress" in outcome.detail
+    history.sql("UPDATE projection_position SET updated_at_us = 0")  # its lease ran out
+    head = history.scalar("SELECT MAX(seq) FROM events")
+    assert alive.assess().findings == (f"a rebuild by dead stopped at event {head}",)
+    assert alive.recover(DEFAULT, "test").ready
+    assert history.projected_amounts() == before and _verify(history) == []
+
+
+def test_a_rebuild_runs_in_bounded_batches_with_progress(sqlite_history: History) -> None:
+    history = sqlite_history
+    recovery: Recovery = history.recovery()
+    snapshot = recovery.take_snapshot()
+    assert snapshot is not None
+    for index in range(30):
+        history.ledger.reserve(ReserveCommand("recall", f"tail{index}", "jev", 35_000, 1000))
+    seen: list[tuple[str, int, int]] = []
+    plan = recovery.plan(recovery.assess(), DEFAULT)
+    recovery.rebuild(
+        plan.routes[f"snapshot-{snapshot.snapshot_id}"],
+        lambda phase, done, total, _elapsed: seen.append((phase, done, total)),
+    )
+    restored = [done for phase, done, total in seen if phase == "restore"]
+    assert restored[-1] == snapshot.rows and restored == sorted(restored)
+    assert [entry for entry in seen if entry[0] == "replay"] == [
+        ("replay", 25, 30),
+        ("replay", 30, 30),
+    ]
+    seen.clear()
+    recovery.rebuild(plan.routes["log"], lambda p, d, t, _e: seen.append((p, d, t)))
+    events = history.scalar("SELECT COUNT(*) FROM events")
+    assert isinstance(events, int)
+    assert [done for _, done, _ in seen] == [*range(25, events, 25), events]
+    assert _verify(history) == []

@@ -1,0 +1,206 @@
+"""The server's side of recovery: rebuild at start when admissible, a clean
+refusal when not (up, NOT_SERVING, every move UNAVAILABLE with the reason
+RECOVERY_REQUIRED, the log still readable), and serving again once an
+operator's `ledger recover` has made the projections whole. Also the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ledger_service import cli
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.server import LedgerServer
+from ledger_service.settings import Settings
+from ledger_service.storage.recovery import SqlRecoveryStore
+from tests.recovery.conftest import History
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Running:
+    def __init__(self, server: LedgerServer) -> None:
+        self.server = server
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        self.ledger = pb_grpc.LedgerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def status(self) -> int:
+        answer = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        return int(answer.status)
+
+    def wait_for(self, status: int, seconds: float = 10.0) -> None:
+        deadline = time.monotonic() + seconds
+        while self.status() != status:
+            assert time.monotonic() < deadline, f"health never became {status}"
+            time.sleep(0.05)
+
+    def reserve(self, rid: str) -> pb.ReserveResponse:
+        request = pb.ReserveRequest(
+            lane="recall", reservation_id=rid, model="jev", request_bytes=35_000,
+            max_output_tokens=1000,
+        )  # fmt: skip
+        answer: pb.ReserveResponse = self.ledger.Reserve(request, timeout=10)
+        return answer
+
+    def refused(self, call: Callable[[], object]) -> str:
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        error = caught.value
+        assert isinstance(error, grpc.Call) and error.code() is grpc.StatusCode.UNAVAILABLE
+        return str(dict(error.trailing_metadata() or ()).get("ledger-reason"))
+
+
+@pytest.fixture
+def start(tmp_path: pathlib.Path) -> Iterator[Callable[..., Running]]:
+    started: list[Running] = []
+
+    def run(history: History, **overrides: Any) -> Running:
+        values: dict[str, Any] = {
+            "database_url": history.url,
+            "data_dir": tmp_path / "server",
+            "listen": "127.0.0.1:0",
+            "auth_enabled": False,
+            "sweep_interval_seconds": 0.05,
+            "recovery_check_interval_seconds": 0.1,
+        }
+        values.update(overrides)
+        server = LedgerServer(Settings(**values))
+        server.start()
+        started.append(Running(server))
+        return started[-1]
+
+    yield run
+    for running in started:
+        running.channel.close()
+        running.server.stop(0)
+
+
+def _ledger(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_server_rebuilds_truncated_bookings_before_it_serves(
+    sqlite_history: History,
+    start: Callable[..., Running],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    history = sqlite_history
+    before = history.projected_amounts()
+    history.sql("DELETE FROM bookings")
+    caplog.set_level(logging.INFO, logger="ledger.recovery")
+    running = start(history)
+    assert running.status() == SERVING
+    assert history.projected_amounts() == before
+    [manifest] = SqlRecoveryStore(history.engine).manifests()
+    assert (manifest["verdict"], manifest["outcome"]) == ("ADMISSIBLE", "rebuilt")
+    logged = [r.getMessage() for r in caplog.records if "recovery manifest" in r.getMessage()]
+    assert logged and json.loads(logged[0].split(": ", 1)[1])["digest"] == manifest["digest"]
+    assert running.reserve("after").decision == pb.ADMITTED
+
+
+def test_over_budget_the_server_refuses_until_an_operator_recovers(
+    sqlite_history: History,
+    start: Callable[..., Running],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    history = sqlite_history
+    history.sql("DELETE FROM bookings WHERE lane = 'recall'")
+    running = start(history, recovery_budget_seconds=0.0)
+    assert running.status() == NOT_SERVING
+    assert running.refused(lambda: running.reserve("r-new")) == "RECOVERY_REQUIRED"
+    balance = pb.GetBalanceRequest(lane="recall")
+    assert running.refused(lambda: running.ledger.GetBalance(balance, timeout=5)) == (
+        "RECOVERY_REQUIRED"
+    )
+    # The log is the authority and stays readable.
+    assert running.ledger.ListEvents(pb.ListEventsRequest(page_size=5), timeout=5).events
+    [manifest] = SqlRecoveryStore(history.engine).manifests()
+    assert (manifest["verdict"], manifest["outcome"]) == ("EXCEEDS_BUDGET", "refused")
+    code, out, err = _ledger(
+        capsys, "recover", "--budget-seconds", "60", "--database-url", history.url
+    )
+    assert code == 0, err
+    assert json.loads(out)["verdict"] == "ADMISSIBLE"
+    assert "replay:" in err  # progress on stderr
+    running.wait_for(SERVING)
+    assert running.reserve("r-new").decision == pb.ADMITTED
+
+
+def test_a_tampered_log_is_refused_and_named_by_verify(
+    sqlite_history: History,
+    start: Callable[..., Running],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    history = sqlite_history
+    settled = history.scalar("SELECT MIN(seq) FROM events WHERE kind = 'settled'")
+    history.tamper_event(int(str(settled)), 1)
+    running = start(history)
+    assert running.status() == NOT_SERVING
+    assert running.refused(lambda: running.reserve("x")) == "RECOVERY_REQUIRED"
+    url = ("--database-url", history.url)
+    code, out, _ = _ledger(capsys, "verify", *url)
+    assert code == 1 and f"first: broken link: event {settled} " in out
+    code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", *url)
+    assert code == 1 and json.loads(out)["verdict"] == "RISK_TOO_HIGH"
+    code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", "--max-risk", "1", *url)
+    assert code == 0 and json.loads(out)["verdict"] == "ADMISSIBLE"
+    running.wait_for(SERVING)
+    assert running.reserve("x").decision == pb.ADMITTED
+
+
+def test_a_move_that_finds_the_marker_gone_closes_the_gate_until_rebuilt(
+    sqlite_history: History, start: Callable[..., Running]
+) -> None:
+    history = sqlite_history
+    running = start(history)
+    assert running.reserve("a").decision == pb.ADMITTED
+    history.sql("DELETE FROM projection_position")
+    assert running.refused(lambda: running.reserve("b")) == "RECOVERY_REQUIRED"
+    # The server plans on its own (admissible here), rebuilds and serves again.
+    running.wait_for(SERVING)
+    assert running.reserve("b").decision == pb.ADMITTED
+    assert history.scalar("SELECT state FROM projection_position") == "current"
+
+
+def test_the_server_snapshots_every_n_events(
+    sqlite_history: History, start: Callable[..., Running]
+) -> None:
+    history = sqlite_history
+    running = start(history, snapshot_every_events=10)
+    for index in range(12):
+        running.reserve(f"s{index}")
+    deadline = time.monotonic() + 10
+    while not SqlRecoveryStore(history.engine).snapshots():
+        assert time.monotonic() < deadline, "no snapshot was taken"
+        time.sleep(0.05)
+
+
+def test_snapshot_rebuild_and_verify_from_the_command_line(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = ("--database-url", sqlite_history.url)
+    events = sqlite_history.scalar("SELECT COUNT(*) FROM events")
+    code, out, _ = _ledger(capsys, "snapshot", *url)
+    assert code == 0 and out.startswith(f"snapshot 1 at event {events}: 2 lanes, 40 bookings")
+    code, out, err = _ledger(capsys, "rebuild", "--from-scratch", *url)
+    assert code == 0 and out.startswith("rebuilt from log in ")
+    assert f"replay: {events}/{events} (100%)" in err
+    code, out, err = _ledger(capsys, "rebuild", *url)
+    assert code == 0 and out.startswith("rebuilt from snapshot-1 in ")
+    code, out, _ = _ledger(capsys, "verify", *url)
+    assert code == 0 and out.startswith(f"verified {events} events, 2 lanes, 40 bookings")
