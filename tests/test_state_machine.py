@@ -501,7 +501,8 @@ class LedgerMachine(RuleBasedStateMachine):
         )
         self.expire_if_due(booking)
         note_case(f"refund on {booking.state}: {code.name}")
-        if booking.state in ("rejected", "settled"):
+        if booking.state in ("rejected", "settled", "unknown"):
+            # The contract: a refund after a settle (UNKNOWN included) contradicts it.
             assert code is FAILED_PRECONDITION, (booking.state, code)
             return
         assert code is grpc.StatusCode.OK, (booking.state, code)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from ledger_service.application.audit import Audit
 from ledger_service.application.ports import EventQuery
 from ledger_service.domain import policies
 from ledger_service.domain.bookings import Booking, BookingState
@@ -285,4 +286,39 @@ def event(value: Event) -> pb.Event:
         message.policy.CopyFrom(
             lane(policies.policy_from_dict(value.policy, value.seq, value.occurred_at_us))
         )
+    return message
+
+
+# Audit -----------------------------------------------------------------------
+
+
+def audit(value: Audit) -> pb.Audit:
+    now_us, window_us = value.balance.as_of_us, value.balance.window_us
+    message = pb.Audit(
+        lane=value.lane,
+        balance=balance(value.balance),
+        succeeded_count=value.succeeded.count,
+        succeeded_charged_nanos=value.succeeded.amount_nanos,
+        unknown_count=value.unknown.count,
+        unknown_charged_nanos=value.unknown.amount_nanos,
+        expired_count=value.expired.count,
+        expired_charged_nanos=value.expired.amount_nanos,
+        open_count=value.open.count,
+        open_held_nanos=value.open.amount_nanos,
+        refunded_count=value.refunded_count,
+        reconciled_count=value.reconciled.count,
+        reconciled_charged_nanos=value.reconciled.amount_nanos,
+        reserve_count=value.reserve_count,
+        denied_count=value.denied_count,
+        denial_rate=value.denial_rate,
+        estimated_charged_nanos=value.estimated_charged_nanos,
+        real_charged_nanos=value.real_charged_nanos,
+        estimated_to_real_ratio=value.estimated_to_real_ratio,
+        biggest_bookings=[booking(item, now_us, window_us) for item in value.biggest],
+        next_release_nanos=value.next_release_nanos,
+        flags=[flag.value for flag in value.flags],
+        summary=value.summary,
+    )
+    if value.next_release_at_us is not None:
+        message.next_release_at.CopyFrom(timestamp(value.next_release_at_us))
     return message

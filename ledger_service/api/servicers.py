@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 import threading
 from collections.abc import Iterator
 
 import grpc
 from google.protobuf import duration_pb2, empty_pb2, timestamp_pb2
+from opentelemetry import trace
 
 from ledger_service.api import convert
+from ledger_service.application.audit import DEFAULT_BIGGEST, MAX_BIGGEST, Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.domain.clock import ManualClock
@@ -21,18 +22,18 @@ from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.settings import Settings
 
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 MAX_PAGE_TOKEN_LENGTH = 64
 
 
 def trace_id_of(context: grpc.ServicerContext) -> str:
-    """The W3C trace id the caller sent in `traceparent`, or empty."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent" and isinstance(value, str):
-            match = _TRACEPARENT.match(value.strip())
-            if match and match.group(1) != "0" * 32:
-                return match.group(1)
-    return ""
+    """The W3C trace id (32 hex digits) of the request's server span, or empty.
+
+    The tracing interceptor (api/tracing.py) starts that span as a child of the
+    caller's `traceparent` when a valid one came in, so it is the caller's trace
+    id then and a fresh one otherwise. Empty only without the interceptor.
+    """
+    span_context = trace.get_current_span().get_span_context()
+    return format(span_context.trace_id, "032x") if span_context.is_valid else ""
 
 
 def _page_size(value: int, settings: Settings) -> int:
@@ -55,9 +56,10 @@ def _decode_token(token: str) -> str:
 
 
 class LedgerServicer(pb_grpc.LedgerServicer):
-    def __init__(self, ledger: Ledger, settings: Settings) -> None:
+    def __init__(self, ledger: Ledger, settings: Settings, auditor: Auditor | None = None) -> None:
         self._ledger = ledger
         self._settings = settings
+        self._auditor = auditor
         self._watchers = threading.BoundedSemaphore(
             max(1, min(settings.max_watchers, settings.max_workers // 2))
         )
@@ -116,6 +118,16 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         if len(events) > size:
             response.next_page_token = _encode_token(str(page[-1].seq))
         return response
+
+    def GetAudit(self, request: pb.GetAuditRequest, context: grpc.ServicerContext) -> pb.Audit:
+        validate_name("lane", request.lane)
+        if not 0 <= request.biggest <= MAX_BIGGEST:
+            raise InvalidArgument("biggest", f"must be between 0 and {MAX_BIGGEST}")
+        if self._auditor is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no audit")
+        assert self._auditor is not None  # abort raises
+        found = self._auditor.audit(request.lane, request.biggest or DEFAULT_BIGGEST)
+        return convert.audit(found)
 
     def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.ServicerContext

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
-from ledger_service.domain.bookings import Booking
+from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.events import Event
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.window import WindowTotals
@@ -25,6 +25,18 @@ class EventQuery:
     kinds: tuple[str, ...] = ()
     after_seq: int = 0
     limit: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTally:
+    """How many of a window's bookings are in one state, and what they count now.
+
+    An open booking past its deadline is tallied as EXPIRED (it is, sweeper or
+    not) at its expire charge."""
+
+    state: BookingState
+    count: int
+    amount_nanos: int
 
 
 class StoreTransaction(Protocol):
@@ -60,6 +72,31 @@ class StoreTransaction(Protocol):
     def expired_open_bookings(self, now_us: int, limit: int) -> Sequence[Booking]: ...
 
     def last_seq(self) -> int: ...
+
+    # Read-only queries of the audit (application/audit.py). `lanes` is the
+    # budget: a lane and every lane below it. All of them are bounded.
+
+    def window_tally(
+        self, lanes: Sequence[str], now_us: int, window_us: int
+    ) -> Sequence[StateTally]:
+        """Count and amount at now_us by state of the bookings reserved inside
+        the window, REJECTED (denied Reserves) included: one row per state."""
+        ...
+
+    def biggest_bookings(
+        self, lanes: Sequence[str], now_us: int, window_us: int, limit: int
+    ) -> Sequence[Booking]:
+        """The window's bookings with the largest amount at now_us (non-zero
+        only), largest first, at most `limit`."""
+        ...
+
+    def next_release(
+        self, lanes: Sequence[str], now_us: int, window_us: int
+    ) -> tuple[int, int] | None:
+        """(reserved_at_us, amount at now_us) of the oldest window bookings with a
+        non-zero amount, summed over those reserved at that same instant: what
+        ages out next. None when nothing counts."""
+        ...
 
 
 class Store(Protocol):

@@ -21,8 +21,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from ledger_service.application.ports import EventQuery, StoreTransaction
-from ledger_service.domain.bookings import Booking
+from ledger_service.application.ports import EventQuery, StateTally, StoreTransaction
+from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import Event
 from ledger_service.domain.policies import LanePolicy
@@ -258,3 +258,72 @@ class SqlTransaction:
     def execute_text(self, sql: str) -> None:
         """For tests of the append-only guard only."""
         self._connection.execute(text(sql))
+
+    # The audit ---------------------------------------------------------------
+
+    @staticmethod
+    def _reserved_inside(lanes_of_budget: Sequence[str], now_us: int, window_us: int) -> Any:
+        """Every booking of the budget reserved inside the window, denied ones included."""
+        return and_(
+            bookings.c.lane.in_(list(lanes_of_budget)),
+            bookings.c.reserved_at_us > now_us - window_us,
+            bookings.c.reserved_at_us <= now_us,
+        )
+
+    def window_tally(
+        self, lanes: Sequence[str], now_us: int, window_us: int
+    ) -> Sequence[StateTally]:
+        state_now = case(
+            (
+                and_(bookings.c.state == "open", bookings.c.expires_at_us <= now_us),
+                literal("expired"),
+            ),
+            else_=bookings.c.state,
+        )
+        # Grouped in an outer query: PostgreSQL cannot match a GROUP BY on an
+        # expression with bound parameters to the same expression in SELECT.
+        per_booking = (
+            select(state_now.label("state"), self._amount_now(now_us).label("amount"))
+            .where(self._reserved_inside(lanes, now_us, window_us))
+            .subquery()
+        )
+        rows = self._connection.execute(
+            select(
+                per_booking.c.state,
+                func.count(),
+                func.coalesce(func.sum(per_booking.c.amount), 0),
+            ).group_by(per_booking.c.state)
+        )
+        return [
+            StateTally(BookingState(state), int(count), int(amount))
+            for state, count, amount in rows
+        ]
+
+    def biggest_bookings(
+        self, lanes: Sequence[str], now_us: int, window_us: int, limit: int
+    ) -> Sequence[Booking]:
+        amount = self._amount_now(now_us)
+        rows = self._connection.execute(
+            select(bookings)
+            .where(self._reserved_inside(lanes, now_us, window_us), amount > 0)
+            .order_by(amount.desc(), bookings.c.reserved_at_us, bookings.c.reservation_id)
+            .limit(limit)
+        ).mappings()
+        return [records.booking_from_row(row) for row in rows]
+
+    def next_release(
+        self, lanes: Sequence[str], now_us: int, window_us: int
+    ) -> tuple[int, int] | None:
+        amount = self._amount_now(now_us)
+        counting = and_(self._reserved_inside(lanes, now_us, window_us), amount > 0)
+        oldest = self._connection.execute(
+            select(func.min(bookings.c.reserved_at_us)).where(counting)
+        ).scalar_one()
+        if oldest is None:
+            return None
+        freed = self._connection.execute(
+            select(func.coalesce(func.sum(amount), 0)).where(
+                counting, bookings.c.reserved_at_us == oldest
+            )
+        ).scalar_one()
+        return int(oldest), int(freed)

@@ -1,0 +1,467 @@
+"""`ledger audit LANE` and `ledger report LANE --html FILE`: what a lane's window
+is made of.
+
+`audit` prints the server's audit (GetAudit) as a readable report, or JSON with
+`--json`. `report` writes one self-contained HTML page (inline CSS and SVG, no
+script, nothing fetched) with a chart of the window, spent, held and limit over
+time with a marker at each denial, and the audit's figures in a table whose
+cells have stable ids (`spent-nanos`, `denied-count`, ...) holding raw values.
+
+The chart is drawn from the lane's events inside the window (ListEvents): each
+event carries the lane's spent and limit right after it, and what is held is
+replayed from the events (a reserved hold stays held until its booking is
+settled, refunded or expired). Between two events the lines are flat, so aging
+shows at the next event; the last point is the audit's own balance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import math
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from google.protobuf import timestamp_pb2
+
+from ledger_service.cli.talk import (
+    EXIT_BAD_VALUE,
+    MAX_PAGES,
+    PAGE_SIZE,
+    CliError,
+    Session,
+    _command,
+    _common_options,
+    _emit,
+    _pairs,
+    _table,
+    duration_text,
+    parse_count,
+    time_text,
+    usd,
+)
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+DEFAULT_BIGGEST = 5
+MAX_BIGGEST = 100
+MAX_CHART_POINTS = 2_000
+MAX_DENIAL_MARKERS = 500
+CHART_WIDTH = 960
+CHART_HEIGHT = 360
+MARGIN_LEFT = 120
+MARGIN_RIGHT = 20
+MARGIN_TOP = 20
+MARGIN_BOTTOM = 48
+MICROS_PER_SECOND = 1_000_000
+# What each figure of the table is called; the cell ids are the field names.
+LABELS = {
+    "limit_nanos": "limit",
+    "spent_nanos": "spent (held + charged)",
+    "held_nanos": "held by open bookings",
+    "charged_nanos": "charged",
+    "available_nanos": "available",
+    "overrun_nanos": "overrun",
+    "open_bookings": "open bookings",
+    "succeeded_count": "succeeded calls",
+    "succeeded_charged_nanos": "charged for succeeded calls (real)",
+    "reconciled_count": "reconciled calls",
+    "reconciled_charged_nanos": "charged after reconciling (real)",
+    "unknown_count": "UNKNOWN outcomes",
+    "unknown_charged_nanos": "charged for UNKNOWN outcomes (estimate)",
+    "expired_count": "expired holds",
+    "expired_charged_nanos": "charged for expired holds (estimate)",
+    "open_count": "open holds",
+    "open_held_nanos": "held by open holds",
+    "refunded_count": "refused or never sent (charged zero)",
+    "reserve_count": "Reserves answered",
+    "denied_count": "Reserves denied (fallbacks)",
+    "denial_rate": "denial rate",
+    "real_charged_nanos": "real charges",
+    "estimated_charged_nanos": "estimated charges",
+    "estimated_to_real_ratio": "estimated / real",
+    "next_release_at": "next release at",
+    "next_release_nanos": "next release frees",
+}
+BALANCE_FIGURES = (
+    "limit_nanos",
+    "spent_nanos",
+    "held_nanos",
+    "charged_nanos",
+    "available_nanos",
+    "overrun_nanos",
+    "open_bookings",
+)
+AUDIT_FIGURES = tuple(name for name in LABELS if name not in BALANCE_FIGURES)
+
+
+# Reading ---------------------------------------------------------------------
+
+
+def fetch_audit(arguments: argparse.Namespace, session: Session) -> pb.Audit:
+    biggest = parse_count("--biggest", arguments.biggest)
+    if not 0 <= biggest <= MAX_BIGGEST:
+        raise CliError(f"--biggest: must be between 0 and {MAX_BIGGEST}", EXIT_BAD_VALUE)
+    request = pb.GetAuditRequest(lane=arguments.lane, biggest=biggest)
+    found: pb.Audit = session.ledger.GetAudit(request, **session.options())
+    return found
+
+
+def micros(value: timestamp_pb2.Timestamp) -> int:
+    return value.seconds * MICROS_PER_SECOND + value.nanos // 1000
+
+
+def window_events(lane: str, balance: pb.Balance, session: Session) -> tuple[list[pb.Event], bool]:
+    """The lane's events inside the audit's window, oldest first, and whether
+    the read stopped at its bound (MAX_PAGES pages) before the end of the log."""
+    end_us = micros(balance.as_of)
+    start_us = end_us - (balance.window.seconds * MICROS_PER_SECOND + balance.window.nanos // 1000)
+    kept: list[pb.Event] = []
+    token = ""
+    for _ in range(MAX_PAGES):
+        request = pb.ListEventsRequest(lane=lane, page_size=PAGE_SIZE, page_token=token)
+        page = session.ledger.ListEvents(request, **session.options())
+        kept.extend(e for e in page.events if start_us < micros(e.occurred_at) <= end_us)
+        token = page.next_page_token
+        if not token:
+            return kept, False
+    return kept, True
+
+
+# Text ------------------------------------------------------------------------
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{part / whole:.1%}" if whole else "-"
+
+
+def audit_lines(audit: pb.Audit) -> list[str]:
+    balance = audit.balance
+    release = (
+        f"{time_text(audit.next_release_at)}, frees {usd(audit.next_release_nanos)}"
+        if audit.HasField("next_release_at")
+        else "-"
+    )
+    rows = [
+        ("lane", audit.lane),
+        ("as of", time_text(balance.as_of)),
+        ("window", f"{duration_text(balance.window)} (rolling)"),
+        ("limit", usd(balance.limit_nanos)),
+        ("spent", f"{usd(balance.spent_nanos)} "
+         f"({_percent(balance.spent_nanos, balance.limit_nanos)} of the limit)"),
+        ("  real charges", f"{usd(audit.real_charged_nanos)}: "
+         f"{audit.succeeded_count} succeeded {usd(audit.succeeded_charged_nanos)}, "
+         f"{audit.reconciled_count} reconciled {usd(audit.reconciled_charged_nanos)}"),
+        ("  estimates", f"{usd(audit.estimated_charged_nanos)}: "
+         f"{audit.unknown_count} UNKNOWN {usd(audit.unknown_charged_nanos)}, "
+         f"{audit.expired_count} expired {usd(audit.expired_charged_nanos)}"),
+        ("  open holds", f"{usd(audit.open_held_nanos)} in {audit.open_count}"),
+        ("refused calls", f"{audit.refunded_count}, charged {usd(0)}"),
+        ("reserves", f"{audit.reserve_count}, {audit.denied_count} denied "
+         f"({_percent(audit.denied_count, audit.reserve_count)})"),
+        ("estimated / real", f"{audit.estimated_to_real_ratio:.1f}"
+         if audit.real_charged_nanos else "- (no real charge)"),
+        ("next release", release),
+        ("flags", ", ".join(audit.flags) or "none"),
+    ]  # fmt: skip
+    lines = _pairs(rows)
+    if audit.biggest_bookings:
+        header = ("RESERVATION", "STATE", "AMOUNT", "HOLD", "CAP", "RESERVED (UTC)", "AGES OUT")
+        lines += ["", "biggest bookings:", *_table(header, _booking_rows(audit))]
+    return [*lines, "", audit.summary]
+
+
+def _booking_rows(audit: pb.Audit) -> list[tuple[str, ...]]:
+    return [
+        (
+            booking.reservation_id,
+            pb.BookingState.Name(booking.state).lower(),
+            usd(booking.amount_nanos),
+            usd(booking.hold_nanos),
+            usd(booking.cap_nanos),
+            time_text(booking.reserved_at),
+            time_text(booking.ages_out_at),
+        )
+        for booking in audit.biggest_bookings
+    ]
+
+
+# The chart -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChartPoint:
+    at_us: int
+    spent_nanos: int
+    held_nanos: int
+    limit_nanos: int
+
+
+def chart_points(
+    events: Iterable[pb.Event], balance: pb.Balance
+) -> tuple[list[ChartPoint], list[ChartPoint]]:
+    """The lines' points (one per event, then the balance now) and the denials'."""
+    holds: dict[tuple[str, str], int] = {}
+    held = 0
+    points: list[ChartPoint] = []
+    denials: list[ChartPoint] = []
+    for event in events:
+        key = (event.lane, event.reservation_id)
+        if event.kind == "reserved":
+            holds[key] = event.amount_nanos
+            held += event.amount_nanos
+        elif event.kind in {"settled", "refunded", "expired"} and key in holds:
+            held -= holds.pop(key)
+        point = ChartPoint(
+            micros(event.occurred_at), event.spent_after_nanos, held, event.limit_nanos
+        )
+        points.append(point)
+        if event.kind == "denied":
+            denials.append(point)
+    now = ChartPoint(
+        micros(balance.as_of), balance.spent_nanos, balance.held_nanos, balance.limit_nanos
+    )
+    return [*points, now], denials
+
+
+def _thinned(points: Sequence[ChartPoint], most: int) -> list[ChartPoint]:
+    """At most `most` points, evenly spread, keeping the last (the balance now)."""
+    if len(points) <= most:
+        return list(points)
+    step = math.ceil(len(points) / (most - 1))
+    return [*points[:-1:step], points[-1]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    start_us: int
+    end_us: int
+    top_nanos: int
+
+    def x(self, at_us: int) -> float:
+        width = CHART_WIDTH - MARGIN_LEFT - MARGIN_RIGHT
+        return MARGIN_LEFT + (at_us - self.start_us) / (self.end_us - self.start_us) * width
+
+    def y(self, nanos: int) -> float:
+        height = CHART_HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
+        return MARGIN_TOP + height - max(0, nanos) / self.top_nanos * height
+
+
+def _steps(points: Sequence[ChartPoint], scale: _Scale, field: str) -> str:
+    """A step line: each value holds until the next point."""
+    coordinates: list[str] = []
+    previous_y: float | None = None
+    for point in points:
+        x, y = scale.x(point.at_us), scale.y(getattr(point, field))
+        if previous_y is not None:
+            coordinates.append(f"{x:.1f},{previous_y:.1f}")
+        coordinates.append(f"{x:.1f},{y:.1f}")
+        previous_y = y
+    return " ".join(coordinates)
+
+
+def _timestamp(at_us: int) -> timestamp_pb2.Timestamp:
+    seconds, rest_us = divmod(at_us, MICROS_PER_SECOND)
+    return timestamp_pb2.Timestamp(seconds=seconds, nanos=rest_us * 1000)
+
+
+def chart_svg(points: Sequence[ChartPoint], denials: Sequence[ChartPoint]) -> str:
+    shown = _thinned(points, MAX_CHART_POINTS)
+    marked = _thinned(denials, MAX_DENIAL_MARKERS) if denials else []
+    start_us = shown[0].at_us
+    end_us = max(shown[-1].at_us, start_us + MICROS_PER_SECOND)
+    top = max(1, *(max(p.spent_nanos, p.limit_nanos) for p in shown))
+    scale = _Scale(start_us, end_us, math.ceil(top * 1.08))
+    bottom = CHART_HEIGHT - MARGIN_BOTTOM
+    right = CHART_WIDTH - MARGIN_RIGHT
+    markers = "".join(
+        f'<path class="denial-marker" d="M{scale.x(p.at_us):.1f},{scale.y(p.spent_nanos) - 9:.1f}'
+        f' l-5,-8 h10 z"><title>denied at {html.escape(time_text(_timestamp(p.at_us)))}'
+        f"</title></path>"
+        for p in marked
+    )
+    limit_now = shown[-1].limit_nanos
+    return (
+        f'<svg id="window-chart" role="img" '
+        f'viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" width="{CHART_WIDTH}" '
+        f'height="{CHART_HEIGHT}" aria-label="spent, held and limit over the window">'
+        f'<rect class="plot" x="{MARGIN_LEFT}" y="{MARGIN_TOP}" '
+        f'width="{right - MARGIN_LEFT}" height="{bottom - MARGIN_TOP}"/>'
+        f'<polyline id="limit-line" class="limit" points="{_steps(shown, scale, "limit_nanos")}"/>'
+        f'<polyline id="spent-line" class="spent" points="{_steps(shown, scale, "spent_nanos")}"/>'
+        f'<polyline id="held-line" class="held" points="{_steps(shown, scale, "held_nanos")}"/>'
+        f'<g id="denial-markers" data-count="{len(denials)}">{markers}</g>'
+        f'<text class="axis" x="{MARGIN_LEFT - 6}" y="{bottom}" text-anchor="end">{usd(0)}</text>'
+        f'<text class="axis" x="{MARGIN_LEFT - 6}" y="{scale.y(limit_now) + 4:.1f}" '
+        f'text-anchor="end">{usd(limit_now)}</text>'
+        f'<text class="axis" x="{MARGIN_LEFT}" y="{bottom + 18}">'
+        f"{html.escape(time_text(_timestamp(start_us)))}</text>"
+        f'<text class="axis" x="{right}" y="{bottom + 18}" text-anchor="end">'
+        f"{html.escape(time_text(_timestamp(end_us)))}</text>"
+        f'<text class="legend spent" x="{MARGIN_LEFT}" y="{bottom + 40}">&#9632; spent</text>'
+        f'<text class="legend held" x="{MARGIN_LEFT + 90}" y="{bottom + 40}">&#9632; held</text>'
+        f'<text class="legend limit" x="{MARGIN_LEFT + 180}" y="{bottom + 40}">&#9632; limit</text>'
+        f'<text class="legend denial" x="{MARGIN_LEFT + 270}" y="{bottom + 40}">'
+        f"&#9660; denial ({len(denials)})</text>"
+        "</svg>"
+    )
+
+
+# The page --------------------------------------------------------------------
+
+STYLE = """
+body { font: 15px/1.45 system-ui, sans-serif; margin: 2rem auto; max-width: 1000px;
+       color: #1d2330; padding: 0 1rem; }
+h1 { font-size: 1.5rem; margin-bottom: .25rem; }
+.summary { font-size: 1.05rem; background: #f4f6fa; border-left: 4px solid #3b5bdb;
+           padding: .6rem .9rem; }
+.flags { list-style: none; padding: 0; display: flex; gap: .5rem; }
+.flag { background: #c92a2a; color: white; border-radius: 4px; padding: .1rem .5rem;
+        font-size: .85rem; font-weight: 600; }
+table { border-collapse: collapse; margin: 1rem 0; }
+th, td { text-align: left; padding: .2rem .8rem .2rem 0; border-bottom: 1px solid #e3e6ee; }
+td.raw { font-family: ui-monospace, monospace; color: #59607a; text-align: right; }
+svg .plot { fill: #fbfcfe; stroke: #c5cad8; }
+svg polyline { fill: none; stroke-width: 2; }
+svg polyline.spent { stroke: #3b5bdb; }
+svg polyline.held { stroke: #f08c00; stroke-dasharray: 4 3; }
+svg polyline.limit { stroke: #c92a2a; stroke-dasharray: 8 4; }
+svg .denial-marker { fill: #c92a2a; }
+svg text { font: 12px system-ui, sans-serif; fill: #59607a; }
+svg text.spent { fill: #3b5bdb; }
+svg text.held { fill: #f08c00; }
+svg text.limit, svg text.denial { fill: #c92a2a; }
+"""
+
+
+def _raw(message: Any, name: str) -> str:
+    value = getattr(message, name)
+    if isinstance(value, timestamp_pb2.Timestamp):
+        return value.ToJsonString() if message.HasField(name) else ""
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _shown(message: Any, name: str) -> str:
+    value = getattr(message, name)
+    if isinstance(value, timestamp_pb2.Timestamp):
+        return time_text(value) if message.HasField(name) else "-"
+    if name.endswith("_nanos"):
+        return usd(value)
+    if name == "denial_rate":
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _figure_rows(message: Any, names: Iterable[str]) -> str:
+    return "".join(
+        f'<tr><th scope="row">{html.escape(LABELS[name])}</th>'
+        f'<td class="raw" id="{name.replace("_", "-")}">{html.escape(_raw(message, name))}</td>'
+        f"<td>{html.escape(_shown(message, name))}</td></tr>"
+        for name in names
+    )
+
+
+def _biggest_table(audit: pb.Audit) -> str:
+    header = "".join(
+        f"<th>{name}</th>"
+        for name in ("reservation", "state", "amount", "hold", "cap", "reserved", "ages out")
+    )
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+        for row in _booking_rows(audit)
+    )
+    return f'<table id="biggest-bookings"><tr>{header}</tr>{rows}</table>'
+
+
+def render_page(audit: pb.Audit, events: Sequence[pb.Event], truncated: bool = False) -> str:
+    """One HTML page, self-contained: inline CSS and SVG, no script, no links out."""
+    points, denials = chart_points(events, audit.balance)
+    lane = html.escape(audit.lane)
+    flags = "".join(f'<li class="flag">{html.escape(flag)}</li>' for flag in audit.flags)
+    note = (
+        "<p><strong>The chart starts late:</strong> the lane's log was longer than this "
+        "report reads.</p>"
+        if truncated
+        else ""
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>Lane {lane}: ledger report</title><style>{STYLE}</style></head><body>"
+        f'<h1>Lane <span id="lane">{lane}</span></h1>'
+        f"<p>The {html.escape(duration_text(audit.balance.window))} rolling window as of "
+        f'<time id="as-of" datetime="{audit.balance.as_of.ToJsonString()}">'
+        f"{html.escape(time_text(audit.balance.as_of))}</time>.</p>"
+        f'<p id="summary" class="summary">{html.escape(audit.summary)}</p>'
+        f'<ul id="flags" class="flags">{flags}</ul>'
+        f"<h2>Spent, held and limit over the window</h2>{note}{chart_svg(points, denials)}"
+        f'<h2>Where the spend went</h2><table id="audit-figures">'
+        f"{_figure_rows(audit.balance, BALANCE_FIGURES)}{_figure_rows(audit, AUDIT_FIGURES)}"
+        f"</table><h2>Biggest bookings</h2>{_biggest_table(audit)}"
+        "</body></html>\n"
+    )
+
+
+def write_page(path: pathlib.Path, page: str) -> None:
+    """Writes the page whole or not at all (a temporary file, then a rename)."""
+    directory = path.parent if str(path.parent) else pathlib.Path(".")
+    if not directory.is_dir():
+        raise CliError(f"--html: {str(directory)!r} is not a directory", EXIT_BAD_VALUE)
+    handle, temporary = tempfile.mkstemp(prefix=".ledger-report-", dir=directory)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as output:
+            output.write(page)
+        os.replace(temporary, path)
+    except BaseException:
+        pathlib.Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+# Commands --------------------------------------------------------------------
+
+
+def audit(arguments: argparse.Namespace, session: Session) -> int:
+    found = fetch_audit(arguments, session)
+    _emit(arguments, found, audit_lines(found))
+    return 0
+
+
+def report(arguments: argparse.Namespace, session: Session) -> int:
+    found = fetch_audit(arguments, session)
+    events, truncated = window_events(arguments.lane, found.balance, session)
+    if truncated:
+        print(f"ledger: read {MAX_PAGES * PAGE_SIZE} events and stopped", file=sys.stderr)
+    try:
+        write_page(arguments.html, render_page(found, events, truncated))
+    except OSError as error:
+        raise CliError(f"--html: cannot write {str(arguments.html)!r}: {error.strerror}") from None
+    print(f"wrote {arguments.html}: {found.summary}")
+    return 0
+
+
+def register(commands: Any) -> None:
+    common = _common_options()
+    check = commands.add_parser(
+        "audit",
+        parents=[common],
+        help="how a lane's window splits into real charges, estimates, holds and refusals",
+    )
+    check.add_argument("lane", metavar="LANE")
+    check.add_argument("--biggest", default=str(DEFAULT_BIGGEST), metavar="N",
+                       help=f"list the N biggest bookings (default {DEFAULT_BIGGEST})")  # fmt: skip
+    check.set_defaults(run=_command(audit))
+
+    page = commands.add_parser(
+        "report", parents=[common], help="write a lane's audit and window chart as one HTML page"
+    )
+    page.add_argument("lane", metavar="LANE")
+    page.add_argument("--html", required=True, type=pathlib.Path, metavar="FILE",
+                      help="the page to write (self-contained: open it anywhere)")  # fmt: skip
+    page.add_argument("--biggest", default=str(DEFAULT_BIGGEST), metavar="N",
+                      help=f"list the N biggest bookings (default {DEFAULT_BIGGEST})")  # fmt: skip
+    page.set_defaults(run=_command(report))

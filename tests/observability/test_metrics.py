@@ -1,0 +1,107 @@
+"""The ledger's metrics, recorded through OpenTelemetry as named in
+docs/observability.md: decisions, charges by outcome, each lane's spent, held,
+limit and open holds, and the time a Reserve takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.sdk.metrics.export import (
+    Gauge,
+    Histogram,
+    InMemoryMetricReader,
+    Metric,
+    NumberDataPoint,
+    Sum,
+)
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+BIG_BYTES = 300_000  # caps at 8_772 nanos with 500 output tokens
+
+
+def metrics_by_name(reader: InMemoryMetricReader) -> dict[str, Metric]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        metric.name: metric
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+
+
+def points(metric: Metric) -> dict[tuple[tuple[str, Any], ...], Any]:
+    """Each data point by its sorted attributes: its value, or for a histogram the point."""
+    assert isinstance(metric.data, Sum | Gauge | Histogram), metric.data
+    found: dict[tuple[tuple[str, Any], ...], Any] = {}
+    for point in metric.data.data_points:
+        key = tuple(sorted((point.attributes or {}).items()))
+        found[key] = point.value if isinstance(point, NumberDataPoint) else point
+    return found
+
+
+def test_moves_are_counted_by_lane_decision_and_outcome(
+    ledger: Any, metric_reader: InMemoryMetricReader
+) -> None:
+    ledger.put_lane(limit_nanos=2_000)
+    ledger.reserve("ok-1")
+    ledger.reserve("ok-2")
+    ledger.reserve("ok-3")
+    ledger.reserve("ok-4")  # 4 x 486 = 1_944 of 2_000: the next 486 does not fit
+    ledger.reserve("no-room")
+    ledger.reserve("too-big", request_bytes=BIG_BYTES)
+    ledger.settle("ok-1", pb.SUCCEEDED, input_tokens=1_000)  # 100 nanos
+    ledger.settle("ok-2", pb.UNKNOWN)  # the hold, 486
+    ledger.refund("ok-3")
+    ledger.ledger.GetBalance(pb.GetBalanceRequest(lane="recall"), timeout=10)
+
+    found = metrics_by_name(metric_reader)
+    lane = ("ledger.lane", "recall")
+    assert points(found["ledger.reserve.decisions"]) == {
+        (("ledger.decision", "admitted"), lane): 4,
+        (("ledger.decision", "denied"), ("ledger.denial_reason", "budget_exhausted"), lane): 1,
+        (("ledger.decision", "denied"), ("ledger.denial_reason", "hold_exceeds_limit"), lane): 1,
+    }
+    assert points(found["ledger.charges"]) == {
+        (lane, ("ledger.outcome", "succeeded")): 100,
+        (lane, ("ledger.outcome", "unknown")): 486,
+        (lane, ("ledger.outcome", "refunded")): 0,
+    }
+    assert points(found["ledger.endings"]) == {
+        (lane, ("ledger.outcome", outcome)): 1 for outcome in ("succeeded", "unknown", "refunded")
+    }
+    # The balance after the last move: ok-1 100, ok-2 486, ok-4 held 486.
+    assert points(found["ledger.lane.spent"]) == {(lane,): 1_072}
+    assert points(found["ledger.lane.held"]) == {(lane,): 486}
+    assert points(found["ledger.lane.limit"]) == {(lane,): 2_000}
+    assert points(found["ledger.lane.open_holds"]) == {(lane,): 1}
+    assert found["ledger.lane.spent"].unit == "{nano}"
+
+    reserve = points(found["ledger.reserve.duration"])
+    assert found["ledger.reserve.duration"].unit == "ms"
+    assert reserve[(("ledger.decision", "admitted"), lane)].count == 4
+    assert reserve[(("ledger.decision", "denied"), lane)].count == 2
+    assert all(point.sum > 0 for point in reserve.values())
+    rpc = points(found["rpc.server.duration"])
+    reserve_ok = (
+        ("rpc.grpc.status_code", 0),
+        ("rpc.method", "Reserve"),
+        ("rpc.service", "ledger.v1.Ledger"),
+        ("rpc.system", "grpc"),
+    )
+    assert any(key[: len(reserve_ok)] == reserve_ok for key in rpc), sorted(rpc)
+
+
+def test_a_failed_move_is_timed_but_not_counted(
+    ledger: Any, metric_reader: InMemoryMetricReader
+) -> None:
+    ledger.put_lane()
+    with pytest.raises(grpc.RpcError):
+        ledger.reserve("r1", lane="nobody")
+    found = metrics_by_name(metric_reader)
+    assert "ledger.reserve.decisions" not in found
+    codes = {dict(key)["rpc.grpc.status_code"] for key in points(found["rpc.server.duration"])}
+    assert 5 in codes  # NOT_FOUND
