@@ -127,8 +127,10 @@ def test_over_budget_the_server_refuses_until_an_operator_recovers(
     assert running.refused(lambda: running.ledger.GetBalance(balance, timeout=5)) == (
         "RECOVERY_REQUIRED"
     )
-    # The log is the authority and stays readable.
-    assert running.ledger.ListEvents(pb.ListEventsRequest(page_size=5), timeout=5).events
+    # The log is the authority and stays readable, with its hash chain.
+    events = running.ledger.ListEvents(pb.ListEventsRequest(lane="recall"), timeout=5).events
+    assert [len(event.hash) for event in events[:3]] == [64, 64, 64]
+    assert events[0].previous_hash == "" and events[1].previous_hash == events[0].hash
     [manifest] = SqlRecoveryStore(history.engine).manifests()
     assert (manifest["verdict"], manifest["outcome"]) == ("EXCEEDS_BUDGET", "refused")
     code, out, err = _ledger(
@@ -204,3 +206,16 @@ def test_snapshot_rebuild_and_verify_from_the_command_line(
     assert code == 0 and out.startswith("rebuilt from snapshot-1 in ")
     code, out, _ = _ledger(capsys, "verify", *url)
     assert code == 0 and out.startswith(f"verified {events} events, 2 lanes, 40 bookings")
+
+
+def test_the_gate_sits_behind_authentication(
+    sqlite_history: History, start: Callable[..., Running]
+) -> None:
+    history = sqlite_history
+    history.sql("DELETE FROM projection_position")
+    running = start(history, auth_enabled=True, recovery_budget_seconds=0.0)
+    assert running.status() == NOT_SERVING
+    with pytest.raises(grpc.RpcError) as caught:
+        running.reserve("anonymous")
+    error = caught.value
+    assert isinstance(error, grpc.Call) and error.code() is grpc.StatusCode.UNAUTHENTICATED
