@@ -109,6 +109,10 @@ class RebuildClaimLost(Exception):
 class RecoveryStore(Protocol):
     def facts(self) -> LogFacts: ...
 
+    def position(self) -> Position | None:
+        """The marker alone: one row, cheap enough for every maintenance turn."""
+        ...
+
     def view(self) -> contextlib.AbstractContextManager[ProjectionView]: ...
 
     def events_after(
@@ -542,9 +546,8 @@ class Recovery:
         return digest
 
     def finish(self) -> bool:
-        facts = self._store.facts()
-        applied = facts.position.last_seq if facts.position else -1
-        return self._store.finish_rebuild(self.owner, applied)
+        position = self._store.position()
+        return self._store.finish_rebuild(self.owner, position.last_seq if position else -1)
 
     def rebuild_uncommitted(self, route: Route, progress: ProgressFn = no_progress) -> str:
         """Rebuilds, leaving the marker "rebuilding" (no move is taken meanwhile);
@@ -612,12 +615,12 @@ class Recovery:
     def snapshot_due(self, every_events: int) -> bool:
         if every_events <= 0:
             return False
-        facts = self._store.facts()
-        if facts.position is None or facts.position.state != STATE_CURRENT:
+        position = self._store.position()
+        if position is None or position.state != STATE_CURRENT:
             return False
         newest = next(iter(self._store.snapshots()), None)
         since = newest.position_seq if newest else 0
-        return facts.position.last_seq - since >= every_events
+        return position.last_seq - since >= every_events
 
     def take_snapshot(self) -> SnapshotInfo | None:
         """Snapshots the projections if they are consistent with the log, then
@@ -758,7 +761,7 @@ class Recovery:
         # recovery has a fresh, verified snapshot to start from.
         try:
             newest = next(iter(self._store.snapshots()), None)
-            position = self._store.facts().position
+            position = self._store.position()
             if (
                 newest is not None
                 and position is not None

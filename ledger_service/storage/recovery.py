@@ -85,15 +85,17 @@ def _unavailable_on_database_errors(method: Callable[P, T]) -> Callable[P, T]:
     return wrapped
 
 
-def _facts(connection: Connection) -> LogFacts:
+def _position(connection: Connection) -> Position | None:
     row = connection.execute(
         select(projection_position).where(projection_position.c.id == POSITION_ROW_ID)
     ).first()
-    position = (
-        Position(int(row.last_seq), str(row.state), str(row.owner), int(row.updated_at_us))
-        if row is not None
-        else None
-    )
+    if row is None:
+        return None
+    return Position(int(row.last_seq), str(row.state), str(row.owner), int(row.updated_at_us))
+
+
+def _facts(connection: Connection) -> LogFacts:
+    position = _position(connection)
     head, count = connection.execute(
         select(func.coalesce(func.max(events.c.seq), 0), func.count())
     ).one()
@@ -204,6 +206,11 @@ class SqlRecoveryStore:
     def facts(self) -> LogFacts:
         with self._reading() as connection:
             return _facts(connection)
+
+    @_unavailable_on_database_errors
+    def position(self) -> Position | None:
+        with self._reading() as connection:
+            return _position(connection)
 
     @contextlib.contextmanager
     def view(self) -> Iterator[SqlProjectionView]:
