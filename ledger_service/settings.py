@@ -45,9 +45,11 @@ class Settings:
     # Longest a request may wait for the database before it gets UNAVAILABLE.
     request_deadline_seconds: float = 5.0
     # Database pool (PostgreSQL); SQLite uses one writer and a small pool.
-    pool_size: int = 8
+    # A worker waits for a connection at most pool_timeout_seconds; with as many
+    # connections as workers it never has to.
+    pool_size: int = 16
     pool_max_overflow: int = 4
-    pool_timeout_seconds: float = 2.0
+    pool_timeout_seconds: float = 5.0
     statement_timeout_ms: int = 5000
     # Bounded retries of serialization failures and deadlocks.
     max_transaction_retries: int = 5

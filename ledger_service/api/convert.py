@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from ledger_service.application.audit import Audit
 from ledger_service.application.ports import EventQuery
+from ledger_service.application.reconciliation import ReconcileReport
 from ledger_service.domain import policies
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import InvalidArgument
@@ -16,6 +17,7 @@ from ledger_service.domain.events import DenialReason, Event, Outcome
 from ledger_service.domain.moves import RefundCommand, ReserveCommand, SettleCommand
 from ledger_service.domain.policies import ExpireCharge, LanePolicy
 from ledger_service.domain.pricing import ModelPrice
+from ledger_service.domain.reconcile import ExportFormat, RowResult, RowStatus
 from ledger_service.domain.window import Balance
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -40,6 +42,7 @@ _STATES_OUT = {
     BookingState.REFUNDED: pb.REFUNDED,
     BookingState.EXPIRED: pb.EXPIRED,
     BookingState.REJECTED: pb.REJECTED,
+    BookingState.RECONCILED: pb.RECONCILED,
 }
 
 
@@ -147,6 +150,7 @@ def lane_policy(message: pb.Lane) -> LanePolicy:
             else policies.DEFAULT_OVERHEAD_TOKENS
         ),
         expire_charge=expire_charge,
+        parent=message.parent or None,
     )
 
 
@@ -199,6 +203,7 @@ def lane(policy: LanePolicy) -> pb.Lane:
         expire_charge=_EXPIRE_CHARGES_OUT[policy.expire_charge],
         version=policy.version,
         updated_at=timestamp(policy.updated_at_us),
+        parent=policy.parent or "",
     )
 
 
@@ -211,6 +216,7 @@ def reserve_response(event: Event, value: Balance) -> pb.ReserveResponse:
         balance=balance(value),
         reason=event.reason,
         reserved_at=timestamp(event.reserved_at_us),
+        denied_by=event.denied_by,
     )
     if admitted:
         response.expires_at.CopyFrom(timestamp(event.expires_at_us))
@@ -267,6 +273,7 @@ def event(value: Event) -> pb.Event:
         trace_id=value.trace_id,
         spent_after_nanos=value.spent_after_nanos,
         limit_nanos=value.limit_nanos,
+        denied_by=value.denied_by,
         hash=value.hash,
         previous_hash=value.previous_hash,
     )
@@ -287,6 +294,66 @@ def event(value: Event) -> pb.Event:
             lane(policies.policy_from_dict(value.policy, value.seq, value.occurred_at_us))
         )
     return message
+
+
+# Reconcile -------------------------------------------------------------------
+
+_EXPORT_FORMATS: dict[int, ExportFormat] = {
+    pb.ReconcileRequest.CSV: ExportFormat.CSV,
+    pb.ReconcileRequest.JSONL: ExportFormat.JSONL,
+}
+
+
+def export_format(value: int) -> ExportFormat:
+    chosen = _EXPORT_FORMATS.get(value)
+    if chosen is None:
+        raise InvalidArgument("format", "must be CSV or JSONL")
+    return chosen
+
+
+# Keep a 10,000-row report well inside the 1 MiB message limit.
+MAX_ROUTINE_RECONCILE_ROWS = 1000
+MAX_RECONCILE_ROWS = 4000
+_ROUTINE_ROWS = frozenset({RowStatus.CORRECTED, RowStatus.MATCHED, RowStatus.NOT_APPLIED})
+
+
+def reconcile_response(report: ReconcileReport) -> pb.ReconcileResponse:
+    before, after = report.estimated_before_nanos, report.real_after_nanos
+    shown: list[RowResult] = []
+    routine = 0
+    for row in report.rows:
+        if len(shown) >= MAX_RECONCILE_ROWS:
+            break
+        if row.status in _ROUTINE_ROWS:
+            routine += 1
+            if routine > MAX_ROUTINE_RECONCILE_ROWS:
+                continue
+        shown.append(row)
+    return pb.ReconcileResponse(
+        applied=report.applied,
+        corrected_count=report.count(RowStatus.CORRECTED),
+        matched_count=report.count(RowStatus.MATCHED),
+        unmatched_count=report.count(RowStatus.UNMATCHED),
+        disagreement_count=report.count(RowStatus.DISAGREES, RowStatus.REFUNDED),
+        bad_count=report.count(RowStatus.BAD),
+        estimated_before_nanos=before,
+        real_after_nanos=after,
+        difference_nanos=after - before,
+        rows=[
+            pb.ReconcileRow(
+                line=row.line,
+                lane=row.lane,
+                reservation_id=row.reservation_id,
+                status=row.status.value,
+                before_nanos=row.before_nanos,
+                after_nanos=row.after_nanos,
+                field=row.field,
+                message=row.message,
+            )
+            for row in shown
+        ],
+        rows_omitted=len(report.rows) - len(shown),
+    )
 
 
 # Audit -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from ledger_service.api import convert
 from ledger_service.application.audit import DEFAULT_BIGGEST, MAX_BIGGEST, Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
+from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import InvalidArgument, TooManyWatchers
 from ledger_service.domain.policies import validate_name
@@ -50,9 +51,13 @@ def _decode_token(token: str) -> str:
     if len(token) > MAX_PAGE_TOKEN_LENGTH * 2:
         raise InvalidArgument("page_token", "is not a token this server gave")
     try:
-        return base64.urlsafe_b64decode(token.encode("ascii")).decode()
+        position = base64.urlsafe_b64decode(token.encode("ascii")).decode()
     except (binascii.Error, UnicodeError, ValueError) as error:
         raise InvalidArgument("page_token", "is not a token this server gave") from error
+    # Only what _encode_token wrote decodes: lenient base64 would accept junk.
+    if _encode_token(position) != token or not position.isprintable():
+        raise InvalidArgument("page_token", "is not a token this server gave")
+    return position
 
 
 class LedgerServicer(pb_grpc.LedgerServicer):
@@ -119,6 +124,22 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             response.next_page_token = _encode_token(str(page[-1].seq))
         return response
 
+    def Reconcile(
+        self, request: pb.ReconcileRequest, context: grpc.ServicerContext
+    ) -> pb.ReconcileResponse:
+        export_format = convert.export_format(request.format)
+        if request.default_lane:
+            validate_name("default_lane", request.default_lane)
+        report = reconcile_export(
+            self._ledger,
+            request.content,
+            export_format,
+            request.default_lane,
+            dry_run=request.dry_run,
+            trace_id=trace_id_of(context),
+        )
+        return convert.reconcile_response(report)
+
     def GetAudit(self, request: pb.GetAuditRequest, context: grpc.ServicerContext) -> pb.Audit:
         validate_name("lane", request.lane)
         if not 0 <= request.biggest <= MAX_BIGGEST:
@@ -172,6 +193,11 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
     ) -> pb.ListLanesResponse:
         size = _page_size(request.page_size, self._settings)
         after_lane = _decode_token(request.page_token) if request.page_token else ""
+        if after_lane:
+            try:
+                validate_name("page_token", after_lane)
+            except InvalidArgument as error:
+                raise InvalidArgument("page_token", "is not a token this server gave") from error
         lanes = self._ledger.list_lanes(after_lane, size + 1)
         page = lanes[:size]
         response = pb.ListLanesResponse(lanes=[convert.lane(policy) for policy in page])

@@ -55,10 +55,17 @@ class StoreTransaction(Protocol):
 
     def save_booking(self, booking: Booking) -> None: ...
 
-    def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals: ...
+    def subtree(self, lane: str, max_depth: int) -> Sequence[Sequence[str]]:
+        """The lane's budget tree by level: [[lane], [children], [grandchildren], ...]."""
+        ...
+
+    def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
+        """Held and charged inside the window of the lane's budget: its own
+        bookings and those of every lane below it."""
+        ...
 
     def aging(self, lane: str, now_us: int, window_us: int) -> Iterator[tuple[int, int]]:
-        """(reserved_at_us, amount_at_now) of the window's bookings, oldest first."""
+        """(reserved_at_us, amount_at_now) of the budget's window bookings, oldest first."""
         ...
 
     def append(self, event: Event) -> Event:

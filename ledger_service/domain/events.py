@@ -22,6 +22,8 @@ class EventKind(enum.Enum):
     REFUNDED = "refunded"
     EXPIRED = "expired"
     LANE_CONFIGURED = "lane_configured"
+    # The provider's bill corrected an estimated (UNKNOWN or expired) charge.
+    RECONCILED = "reconciled"
 
 
 class Outcome(enum.Enum):
@@ -76,6 +78,8 @@ class Event:
     limit_nanos: int = 0
     window_us: int = 0
     open_bookings_after: int = 0
+    # For denied: the budget that said no (this lane or an ancestor).
+    denied_by: str = ""
     # Tamper evidence (domain/chain.py), set by the store when it appends the event:
     # the hash of the lane's previous event ("" for its first) and this event's.
     previous_hash: str = ""

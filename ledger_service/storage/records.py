@@ -52,6 +52,7 @@ def event_values(event: Event) -> dict[str, Any]:
         "limit_nanos": event.limit_nanos,
         "window_us": event.window_us,
         "open_bookings_after": event.open_bookings_after,
+        "denied_by": event.denied_by,
         "hash": event.hash,
         "previous_hash": event.previous_hash,
     }
@@ -94,6 +95,7 @@ def event_from_row(row: Mapping[Any, Any]) -> Event:
         limit_nanos=row["limit_nanos"],
         window_us=row["window_us"],
         open_bookings_after=row["open_bookings_after"],
+        denied_by=row["denied_by"],
         hash=row["hash"],
         previous_hash=row["previous_hash"],
     )
@@ -116,6 +118,7 @@ def lane_values(policy: LanePolicy) -> dict[str, Any]:
         ),
         "version": policy.version,
         "updated_at_us": policy.updated_at_us,
+        "parent": policy.parent,
     }
 
 
@@ -132,6 +135,7 @@ def lane_from_row(row: Mapping[Any, Any]) -> LanePolicy:
         prices={model: ModelPrice(int(pair[0]), int(pair[1])) for model, pair in prices.items()},
         version=row["version"],
         updated_at_us=row["updated_at_us"],
+        parent=row["parent"],
     )
 
 

@@ -105,7 +105,7 @@ class LaneRow(Base):
     version: Mapped[int] = mapped_column(BigInteger)
     updated_at_us: Mapped[int] = mapped_column(BigInteger)
     # The parent budget's lane, if any.
-    parent: Mapped[str | None] = mapped_column(String(200))
+    parent: Mapped[str | None] = mapped_column(String(200), index=True)
 
 
 class BookingRow(Base):

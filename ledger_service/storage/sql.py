@@ -25,7 +25,7 @@ from ledger_service.application.ports import EventQuery, StateTally, StoreTransa
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import Event
-from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import WindowTotals
 from ledger_service.storage import chaining, records
 from ledger_service.storage.schema import bookings, events, lanes
@@ -78,6 +78,7 @@ class SqlStore:
                     raise StoreUnavailable() from error
                 time.sleep(pause)
             except PoolTimeoutError as error:
+                log.warning("no database connection free within the pool timeout")
                 raise StoreUnavailable() from error
         raise AssertionError("unreachable")
 
@@ -163,9 +164,27 @@ class SqlTransaction:
         )
         self._connection.execute(statement)
 
+    def subtree(self, lane: str, max_depth: int) -> Sequence[Sequence[str]]:
+        levels: list[list[str]] = [[lane]]
+        seen = {lane}
+        while len(levels) < max_depth:
+            rows = self._connection.execute(
+                select(lanes.c.lane).where(lanes.c.parent.in_(levels[-1])).order_by(lanes.c.lane)
+            )
+            children = [name for (name,) in rows if name not in seen]
+            if not children:
+                break
+            seen.update(children)
+            levels.append(children)
+        return levels
+
+    def _budget_lanes(self, lane: str) -> list[str]:
+        return [name for level in self.subtree(lane, MAX_BUDGET_DEPTH) for name in level]
+
     def _in_window(self, lane: str, now_us: int, window_us: int) -> Any:
+        members = self._budget_lanes(lane)
         return and_(
-            bookings.c.lane == lane,
+            bookings.c.lane == lane if len(members) == 1 else bookings.c.lane.in_(members),
             bookings.c.reserved_at_us > now_us - window_us,
             bookings.c.reserved_at_us <= now_us,
             bookings.c.state != "rejected",
