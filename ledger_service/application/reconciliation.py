@@ -68,9 +68,7 @@ def reconcile_export(
 
 def _not_applied(row: reconcile.ExportRow) -> RowResult:
     message = "not applied: the file has bad rows"
-    return RowResult(
-        row.line, row.lane, row.reservation_id, RowStatus.NOT_APPLIED, message=message
-    )
+    return RowResult(row.line, row.lane, row.reservation_id, RowStatus.NOT_APPLIED, message=message)
 
 
 def _apply(
