@@ -918,7 +918,7 @@ def test_reconcile_bad_rows_exit_1_with_their_lines_and_fields(
     assert run.code == talk.EXIT_FAILED
     assert run.err == "ledger: not applied: 2 bad rows (lines 2, 4); nothing changed\n"
     rows = [line.split() for line in run.out.splitlines()[1:4]]
-    assert rows[0][:4] == ["1", "bad-bill", "u-1", "unmatched"]
+    assert rows[0][:4] == ["1", "bad-bill", "u-1", "not_applied"]
     assert rows[1][:6] == ["2", "bad-bill", "u-1", "bad", "-", "billed_usd:"]
     assert rows[2][:6] == ["4", "-", "-", "bad", "-", "content:"]
     assert "not applied: the file has bad rows, so nothing changed: 2 bad, 1 not checked" in run.out

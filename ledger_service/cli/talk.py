@@ -973,7 +973,7 @@ def reconcile_lines(response: pb.ReconcileResponse, dry_run: bool) -> list[str]:
     rows = [reconcile_row(row) for row in response.rows]
     table = _table(RECONCILE_HEADER, rows) if rows else ["the file holds no rows"]
     counts = (
-        # The server lists the good rows of a refused file as unmatched: they were never checked.
+        # The good rows of a refused file are listed as not_applied: they were never checked.
         f"{response.bad_count} bad, {len(rows) - response.bad_count} not checked"
         if response.bad_count
         else f"{response.corrected_count} corrected, {response.matched_count} matched, "

@@ -413,12 +413,6 @@ def test_non_utf8_binary_metadata_changes_nothing(shared_ledger: SecureLedger) -
     assert outcome.code is grpc.StatusCode.UNAUTHENTICATED, outcome
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: policies._NAME and moves._RESERVATION_ID end in '$', which also "
-    "matches before a final newline, so 'recall\\n' is a valid lane, model and "
-    "reservation id (use re.fullmatch or \\Z)",
-)
 @pytest.mark.parametrize("where", ["lane", "model", "reservation_id"])
 def test_a_trailing_newline_is_not_a_valid_name(shared_ledger: SecureLedger, where: str) -> None:
     before = shared_ledger.event_count()
