@@ -92,6 +92,7 @@ class StoreUnavailable(LedgerError):
     def __init__(self) -> None:
         super().__init__("the ledger's database is unavailable; retry later")
 
+
 class RecoveryRequired(LedgerError):
     """The projections are missing, behind or inconsistent with the log, or being
     rebuilt: no move is taken until a recovery makes them whole (docs/recovery.md)."""
