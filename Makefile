@@ -41,11 +41,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy ledger_service clients/python/ledger_client
 
+# Servers started by tests check every incremental window read against a full sum.
 test-python: $(STAMP)
-	$(BIN)/pytest -q
+	LEDGER_VERIFY_WINDOWS=1 $(BIN)/pytest -q
 
 test-node: $(STAMP)
-	@if [ -f clients/node/package.json ]; then cd clients/node && npm ci --no-audit --no-fund --silent && npm test; fi
+	@if [ -f clients/node/package.json ]; then cd clients/node && npm ci --no-audit --no-fund --silent && LEDGER_VERIFY_WINDOWS=1 npm test; fi
 
 test: lint typecheck protos-check test-python test-node
 

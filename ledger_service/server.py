@@ -86,7 +86,12 @@ class LedgerServer:
         self.store = build_store(settings)
         if run_migrations:
             migrate.upgrade(self.store.engine)
-        self.ledger = Ledger(self.store, clock, max_page_size=settings.max_page_size)
+        self.ledger = Ledger(
+            self.store,
+            clock,
+            max_page_size=settings.max_page_size,
+            verify_windows=settings.verify_windows,
+        )
         # Serves moves only while the projections are whole (docs/recovery.md).
         self.guard = recovery_guard(settings, self.store, self._on_recovery_change)
         self.health = health.HealthServicer()

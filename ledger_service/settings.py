@@ -51,6 +51,11 @@ class Settings:
     pool_max_overflow: int = 4
     pool_timeout_seconds: float = 5.0
     statement_timeout_ms: int = 5000
+    # Check every incremental window read against a full sum (tests; the pair
+    # assertion). Costs O(window) per move: off in production.
+    verify_windows: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("LEDGER_VERIFY_WINDOWS") == "1"
+    )
     # Bounded retries of serialization failures and deadlocks.
     max_transaction_retries: int = 5
     # Expiry sweeper: how often it looks, and how many holds per transaction.

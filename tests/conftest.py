@@ -10,6 +10,12 @@ sweeper, `channel` a gRPC channel to it, `ledger_stub` / `admin_stub` /
 
 from __future__ import annotations
 
+import os
+
+# Every server a test starts checks each incremental window read against a
+# full sum of the window (the pair assertion; see application/budgets.py).
+os.environ.setdefault("LEDGER_VERIFY_WINDOWS", "1")
+
 import collections
 import dataclasses
 import pathlib

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+from ledger_service.application.budgets import BudgetWindow, open_window, record_windows
 from ledger_service.application.ports import EventQuery, Store, StoreTransaction
 from ledger_service.domain import bookings, moves
 from ledger_service.domain.bookings import Booking, BookingState
@@ -83,10 +84,18 @@ class EventSignal:
 
 
 class Ledger:
-    def __init__(self, store: Store, clock: Clock, *, max_page_size: int = 1000) -> None:
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        *,
+        max_page_size: int = 1000,
+        verify_windows: bool = False,
+    ) -> None:
         self._store = store
         self._clock = clock
         self._max_page_size = max_page_size
+        self._verify_windows = verify_windows
         self.signal = EventSignal()
 
     @property
@@ -103,6 +112,12 @@ class Ledger:
             if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
                 return existing
             _check_nesting(tx, policy)
+            # Every budget whose window or members may change keeps its sums no more.
+            stale = {policy.lane}
+            for chain_of in (existing, policy):
+                if chain_of is not None:
+                    stale.update(ancestor.lane for ancestor in locked_ancestors(tx, chain_of))
+            tx.drop_window_states(sorted(stale))
             now_us = self._clock.now_us()
             totals = tx.window_totals(policy.lane, now_us, policy.window_us)
             event = _with_balance(
@@ -146,20 +161,19 @@ class Ledger:
                 moves.check_reserve_repeat(existing, command)
                 first = _event(tx, existing.answer_seq)
                 return ReserveResult(first, balance_after(first))
-            ancestors = _locked_ancestors(tx, policy)
-            now_us = self._clock.now_us()
+            now_us, windows = self._budget_windows(tx, policy)
             budgets = [
                 moves.Budget(
-                    budget,
-                    tx.window_totals(budget.lane, now_us, budget.window_us),
-                    functools.partial(tx.aging, budget.lane, now_us, budget.window_us),
+                    window.policy,
+                    window.totals,
+                    functools.partial(
+                        tx.aging, window.policy.lane, now_us, window.policy.window_us
+                    ),
                 )
-                for budget in (policy, *ancestors)
+                for window in windows
             ]
             event = moves.decide_reserve(budgets, command, now_us)
-            stored, _, _ = record_booking_event(
-                tx, policy, None, event, budgets[0].totals, now_us, trace_id
-            )
+            stored, _ = record_booking_event(tx, windows, None, event, now_us, trace_id)
             return ReserveResult(stored, balance_after(stored))
 
         return self._write(work)
@@ -168,11 +182,11 @@ class Ledger:
         command.validate()
 
         def work(tx: StoreTransaction) -> SettleResult:
-            policy, booking, totals, now_us = self._open_booking(tx, command, trace_id)
+            booking, windows, now_us = self._open_booking(tx, command, trace_id)
             verdict = moves.decide_settle(booking, command, now_us)
             if verdict.event is not None:
-                stored, after, _ = record_booking_event(
-                    tx, policy, booking, verdict.event, totals, now_us, trace_id
+                stored, after = record_booking_event(
+                    tx, windows, booking, verdict.event, now_us, trace_id
                 )
                 return SettleResult(stored.amount_nanos, after.state, balance_after(stored))
             if verdict.repeat_seq:
@@ -183,7 +197,10 @@ class Ledger:
                     else BookingState.SETTLED_UNKNOWN
                 )
                 return SettleResult(first.amount_nanos, state, balance_after(first))
-            balance = Balance(policy.lane, policy.limit_nanos, policy.window_us, now_us, totals)
+            policy = windows[0].policy
+            balance = Balance(
+                policy.lane, policy.limit_nanos, policy.window_us, now_us, windows[0].totals
+            )
             return SettleResult(booking.amount_at(now_us), booking.state, balance)
 
         return self._write(work)
@@ -192,11 +209,11 @@ class Ledger:
         command.validate()
 
         def work(tx: StoreTransaction) -> RefundResult:
-            policy, booking, totals, now_us = self._open_booking(tx, command, trace_id)
+            booking, windows, now_us = self._open_booking(tx, command, trace_id)
             verdict = moves.decide_refund(booking, command, now_us)
             if verdict.event is not None:
-                stored, _, _ = record_booking_event(
-                    tx, policy, booking, verdict.event, totals, now_us, trace_id
+                stored, _ = record_booking_event(
+                    tx, windows, booking, verdict.event, now_us, trace_id
                 )
                 return RefundResult(balance_after(stored))
             return RefundResult(balance_after(_event(tx, verdict.repeat_seq)))
@@ -208,20 +225,31 @@ class Ledger:
         tx: StoreTransaction,
         command: moves.SettleCommand | moves.RefundCommand,
         trace_id: str,
-    ) -> tuple[LanePolicy, Booking, WindowTotals, int]:
-        """Locks the lane, finds the booking and expires it first if its deadline passed."""
+    ) -> tuple[Booking, list[BudgetWindow], int]:
+        """Locks the lane and its budgets, finds the booking and expires it first
+        if its deadline passed."""
         policy = _locked_lane(tx, command.lane)
         booking = tx.get_booking(command.lane, command.reservation_id)
         if booking is None:
             raise BookingNotFound(command.lane, command.reservation_id)
-        now_us = self._clock.now_us()
-        totals = tx.window_totals(policy.lane, now_us, policy.window_us)
+        now_us, windows = self._budget_windows(tx, policy)
         if booking.is_expired_at(now_us):
             event = moves.expire(booking, now_us)
-            _, booking, totals = record_booking_event(
-                tx, policy, booking, event, totals, now_us, trace_id
-            )
-        return policy, booking, totals, now_us
+            _, booking = record_booking_event(tx, windows, booking, event, now_us, trace_id)
+        return booking, windows, now_us
+
+    def _budget_windows(
+        self, tx: StoreTransaction, policy: LanePolicy
+    ) -> tuple[int, list[BudgetWindow]]:
+        """Locks the lane's ancestors (the lane is locked already), then reads the
+        clock and each budget's window at that instant."""
+        ancestors = locked_ancestors(tx, policy)
+        now_us = self._clock.now_us()
+        windows = [
+            open_window(tx, budget, now_us, verify=self._verify_windows)
+            for budget in (policy, *ancestors)
+        ]
+        return now_us, windows
 
     def sweep(self, batch_size: int) -> int:
         """Records an expired event for every hold past its deadline; returns how many."""
@@ -238,8 +266,7 @@ class Ledger:
         policy = tx.lock_lane(lane)
         if policy is None:
             return 0
-        now_us = self._clock.now_us()
-        totals = tx.window_totals(lane, now_us, policy.window_us)
+        now_us, windows = self._budget_windows(tx, policy)
         count = 0
         for key_lane, reservation_id in sorted(wanted):
             if key_lane != lane:
@@ -248,7 +275,7 @@ class Ledger:
             if booking is None or not booking.is_expired_at(now_us):
                 continue  # ended meanwhile
             event = moves.expire(booking, now_us)
-            _, _, totals = record_booking_event(tx, policy, booking, event, totals, now_us, "")
+            record_booking_event(tx, windows, booking, event, now_us, "")
             count += 1
         return count
 
@@ -260,8 +287,8 @@ class Ledger:
             if policy is None:
                 raise LaneNotFound(lane)
             now_us = self._clock.now_us()
-            totals = tx.window_totals(lane, now_us, policy.window_us)
-            return Balance(lane, policy.limit_nanos, policy.window_us, now_us, totals)
+            window = open_window(tx, policy, now_us, verify=self._verify_windows)
+            return Balance(lane, policy.limit_nanos, policy.window_us, now_us, window.totals)
 
         return self._store.run(work, write=False)
 
@@ -329,7 +356,7 @@ def _locked_lane(tx: StoreTransaction, lane: str) -> LanePolicy:
     return policy
 
 
-def _locked_ancestors(tx: StoreTransaction, policy: LanePolicy) -> list[LanePolicy]:
+def locked_ancestors(tx: StoreTransaction, policy: LanePolicy) -> list[LanePolicy]:
     """The lane's parent budgets, nearest first, each locked until commit.
 
     Locks are always taken from a lane upwards, so two Reserves on sibling
@@ -393,19 +420,23 @@ def _with_balance(event: Event, policy: LanePolicy, totals: WindowTotals) -> Eve
 
 def record_booking_event(
     tx: StoreTransaction,
-    policy: LanePolicy,
+    windows: list[BudgetWindow],
     before: Booking | None,
     event: Event,
-    totals: WindowTotals,
     now_us: int,
     trace_id: str,
-) -> tuple[Event, Booking, WindowTotals]:
-    """Appends one booking event and projects it; returns the stored event,
-    the booking after it and the window totals after it."""
-    after_totals = totals.moved(before, bookings.apply(event, before), now_us, policy.window_us)
+) -> tuple[Event, Booking]:
+    """Appends one booking event and projects it: the booking, and the windows
+    of every budget it belongs to (`windows[0]` is its lane's). Returns the
+    stored event and the booking after it."""
+    preview = bookings.apply(event, before)
+    for window in windows:
+        window.change(before, preview, now_us)
+    lane = windows[0]
     stored = tx.append(
-        _with_balance(dataclasses.replace(event, trace_id=trace_id), policy, after_totals)
+        _with_balance(dataclasses.replace(event, trace_id=trace_id), lane.policy, lane.totals)
     )
     after = bookings.apply(stored, before)
     tx.save_booking(after)
-    return stored, after, after_totals
+    record_windows(tx, windows)
+    return stored, after

@@ -13,7 +13,7 @@ from typing import Protocol, TypeVar
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.events import Event
 from ledger_service.domain.policies import LanePolicy
-from ledger_service.domain.window import WindowTotals
+from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 
 T = TypeVar("T")
 
@@ -62,6 +62,24 @@ class StoreTransaction(Protocol):
     def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
         """Held and charged inside the window of the lane's budget: its own
         bookings and those of every lane below it."""
+        ...
+
+    def window_state(self, lane: str) -> WindowState | None:
+        """The budget's window sums as last kept, if any."""
+        ...
+
+    def save_window_state(self, state: WindowState) -> None: ...
+
+    def drop_window_states(self, lanes: Sequence[str]) -> None:
+        """Forgets kept window sums (a window or a lane tree changed)."""
+        ...
+
+    def stored_sums(self, lane: str, after_us: int, until_us: int) -> StoredSums:
+        """Stored amounts of the budget's bookings with after < reserved_at <= until."""
+        ...
+
+    def overdue(self, lane: str, now_us: int, window_us: int) -> Overdue:
+        """The budget's open holds inside the window whose deadline has passed."""
         ...
 
     def aging(self, lane: str, now_us: int, window_us: int) -> Iterator[tuple[int, int]]:

@@ -6,11 +6,11 @@ import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 
-from ledger_service.application.ledger import Ledger, record_booking_event
+from ledger_service.application.budgets import BudgetWindow, open_window
+from ledger_service.application.ledger import Ledger, locked_ancestors, record_booking_event
 from ledger_service.application.ports import StoreTransaction
 from ledger_service.domain import moves, reconcile
 from ledger_service.domain.reconcile import ExportFormat, RowResult, RowStatus
-from ledger_service.domain.window import WindowTotals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +74,37 @@ def _not_applied(row: reconcile.ExportRow) -> RowResult:
 def _apply(
     ledger: Ledger, tx: StoreTransaction, rows: Sequence[reconcile.ExportRow], trace_id: str
 ) -> list[RowResult]:
-    policies = {lane: tx.lock_lane(lane) for lane in sorted({row.lane for row in rows})}
     now_us = ledger.clock.now_us()
-    totals: dict[str, WindowTotals] = {
-        lane: tx.window_totals(lane, now_us, policy.window_us)
-        for lane, policy in policies.items()
-        if policy is not None
-    }
+    chains = _budget_chains(tx, sorted({row.lane for row in rows}), now_us)
     results: list[RowResult] = []
     for row in rows:
-        policy = policies[row.lane]
-        booking = tx.get_booking(row.lane, row.reservation_id) if policy is not None else None
-        if policy is not None and booking is not None and booking.is_expired_at(now_us):
+        windows = chains.get(row.lane)
+        booking = tx.get_booking(row.lane, row.reservation_id) if windows else None
+        if windows and booking is not None and booking.is_expired_at(now_us):
             expired = moves.expire(booking, now_us)
-            _, booking, totals[row.lane] = record_booking_event(
-                tx, policy, booking, expired, totals[row.lane], now_us, trace_id
-            )
+            _, booking = record_booking_event(tx, windows, booking, expired, now_us, trace_id)
         result, event = reconcile.decide(booking, row, now_us)
-        if event is not None and policy is not None:
-            _, _, totals[row.lane] = record_booking_event(
-                tx, policy, booking, event, totals[row.lane], now_us, trace_id
-            )
+        if event is not None and windows:
+            record_booking_event(tx, windows, booking, event, now_us, trace_id)
         results.append(result)
     return results
+
+
+def _budget_chains(
+    tx: StoreTransaction, lanes: Sequence[str], now_us: int
+) -> dict[str, list[BudgetWindow]]:
+    """Each named lane's budgets, locked. A budget shared by several lanes is one
+    BudgetWindow, so every change to it lands in the same kept sums."""
+    windows: dict[str, BudgetWindow] = {}
+    chains: dict[str, list[BudgetWindow]] = {}
+    for lane in lanes:
+        policy = tx.lock_lane(lane)
+        if policy is None:
+            continue
+        chain = []
+        for budget in (policy, *locked_ancestors(tx, policy)):
+            if budget.lane not in windows:
+                windows[budget.lane] = open_window(tx, budget, now_us)
+            chain.append(windows[budget.lane])
+        chains[lane] = chain
+    return chains

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from ledger_service.domain import bookings
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.events import Event, EventKind
-from ledger_service.domain.policies import LanePolicy, policy_from_dict
+from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_from_dict
 from ledger_service.domain.window import WindowTotals, totals_of
 
 
@@ -33,10 +33,24 @@ class Projection:
         key = (event.lane, event.reservation_id)
         self.bookings[key] = bookings.apply(event, self.bookings.get(key))
 
+    def budget_members(self, lane: str) -> set[str]:
+        """The lane and every lane below it: the bookings its budget counts."""
+        members = {lane}
+        for _ in range(MAX_BUDGET_DEPTH):
+            below = {
+                name for name, policy in self.lanes.items() if policy.parent in members
+            } - members
+            if not below:
+                break
+            members |= below
+        return members
+
     def totals(self, lane: str, now_us: int) -> WindowTotals:
+        """The lane's budget at now_us: its own bookings and its descendants'."""
         policy = self.lanes[lane]
-        lane_bookings = (b for (name, _), b in self.bookings.items() if name == lane)
-        return totals_of(lane_bookings, now_us, policy.window_us)
+        members = self.budget_members(lane)
+        budget = (b for (name, _), b in self.bookings.items() if name in members)
+        return totals_of(budget, now_us, policy.window_us)
 
 
 def replay(events: Iterable[Event]) -> Projection:

@@ -60,6 +60,7 @@ from ledger_service.storage.schema import (
     recovery_manifests,
     snapshot_chunks,
     snapshots,
+    window_states,
 )
 from ledger_service.storage.sql import EVENT_APPEND_LOCK_KEY, SqlTransaction
 
@@ -443,6 +444,8 @@ class SqlRecoveryStore:
             self._advance(connection, owner, position_seq, now_us)
             connection.execute(delete(bookings))
             connection.execute(delete(lanes))
+            # Kept window sums are a cache over the bookings: recomputed on first use.
+            connection.execute(delete(window_states))
 
     @_unavailable_on_database_errors
     def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None:

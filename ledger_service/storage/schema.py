@@ -139,12 +139,33 @@ class BookingRow(Base):
     __table_args__ = (
         Index("ix_bookings_lane_reserved_at_us", "lane", "reserved_at_us"),
         Index("ix_bookings_state_expires_at_us", "state", "expires_at_us"),
+        # Open holds of a budget past their deadline: counted as expired at read time.
+        Index("ix_bookings_lane_state_expires_at_us", "lane", "state", "expires_at_us"),
     )
+
+
+class WindowStateRow(Base):
+    """Projection: each budget's window sums as of one instant (domain WindowState).
+
+    A cache the ledger keeps in step with the bookings in the same transaction;
+    dropped when a lane's window or tree changes, and on every rebuild, and
+    recomputed from the bookings when missing.
+    """
+
+    __tablename__ = "window_states"
+
+    lane: Mapped[str] = mapped_column(String(200), primary_key=True)
+    window_us: Mapped[int] = mapped_column(BigInteger)
+    as_of_us: Mapped[int] = mapped_column(BigInteger)
+    amount_nanos: Mapped[int] = mapped_column(BigInteger)
+    open_amount_nanos: Mapped[int] = mapped_column(BigInteger)
+    open_bookings: Mapped[int] = mapped_column(BigInteger)
 
 
 events = cast(Table, EventRow.__table__)
 lanes = cast(Table, LaneRow.__table__)
 bookings = cast(Table, BookingRow.__table__)
+window_states = cast(Table, WindowStateRow.__table__)
 
 
 # Recovery (docs/recovery.md). None of these is an event: they are recoverable

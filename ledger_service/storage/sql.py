@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, case, func, insert, literal, select, text
+from sqlalchemy import Connection, Engine, and_, case, delete, func, insert, literal, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -26,9 +26,9 @@ from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import Event
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
-from ledger_service.domain.window import WindowTotals
+from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 from ledger_service.storage import chaining, records
-from ledger_service.storage.schema import bookings, events, lanes
+from ledger_service.storage.schema import bookings, events, lanes, window_states
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class SqlTransaction:
         self._connection = connection
         self._sqlite = is_sqlite
         self._append_locked = False
+        self._members: dict[str, list[str]] = {}
 
     # Lanes -----------------------------------------------------------------
 
@@ -179,12 +180,82 @@ class SqlTransaction:
         return levels
 
     def _budget_lanes(self, lane: str) -> list[str]:
-        return [name for level in self.subtree(lane, MAX_BUDGET_DEPTH) for name in level]
+        # A budget's members do not change inside a move (PutLane drops its kept
+        # windows), so one look per transaction is enough.
+        members = self._members.get(lane)
+        if members is None:
+            members = [name for level in self.subtree(lane, MAX_BUDGET_DEPTH) for name in level]
+            self._members[lane] = members
+        return members
+
+    def _of_budget(self, lane: str) -> Any:
+        members = self._budget_lanes(lane)
+        return bookings.c.lane == lane if len(members) == 1 else bookings.c.lane.in_(members)
+
+    def window_state(self, lane: str) -> WindowState | None:
+        row = self._connection.execute(
+            select(window_states).where(window_states.c.lane == lane)
+        ).first()
+        if row is None:
+            return None
+        sums = StoredSums(int(row.amount_nanos), int(row.open_amount_nanos), int(row.open_bookings))
+        return WindowState(lane, int(row.window_us), int(row.as_of_us), sums)
+
+    def save_window_state(self, state: WindowState) -> None:
+        values = {
+            "lane": state.lane,
+            "window_us": state.window_us,
+            "as_of_us": state.as_of_us,
+            "amount_nanos": state.sums.amount_nanos,
+            "open_amount_nanos": state.sums.open_amount_nanos,
+            "open_bookings": state.sums.open_bookings,
+        }
+        self._upsert(window_states, values, ["lane"])
+
+    def drop_window_states(self, lanes: Sequence[str]) -> None:
+        self._members.clear()
+        if lanes:
+            self._connection.execute(delete(window_states).where(window_states.c.lane.in_(lanes)))
+
+    def stored_sums(self, lane: str, after_us: int, until_us: int) -> StoredSums:
+        if after_us >= until_us:
+            return StoredSums()
+        is_open = bookings.c.state == "open"
+        row = self._connection.execute(
+            select(
+                func.coalesce(func.sum(bookings.c.amount_nanos), 0),
+                func.coalesce(func.sum(case((is_open, bookings.c.amount_nanos), else_=0)), 0),
+                func.coalesce(func.sum(case((is_open, 1), else_=0)), 0),
+            ).where(
+                self._of_budget(lane),
+                bookings.c.reserved_at_us > after_us,
+                bookings.c.reserved_at_us <= until_us,
+            )
+        ).one()
+        return StoredSums(int(row[0]), int(row[1]), int(row[2]))
+
+    def overdue(self, lane: str, now_us: int, window_us: int) -> Overdue:
+        expire_charge = case(
+            (bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=literal(0)
+        )
+        row = self._connection.execute(
+            select(
+                func.coalesce(func.sum(bookings.c.amount_nanos), 0),
+                func.coalesce(func.sum(expire_charge), 0),
+                func.count(),
+            ).where(
+                self._of_budget(lane),
+                bookings.c.state == "open",
+                bookings.c.expires_at_us <= now_us,
+                bookings.c.reserved_at_us > now_us - window_us,
+                bookings.c.reserved_at_us <= now_us,
+            )
+        ).one()
+        return Overdue(int(row[0]), int(row[1]), int(row[2]))
 
     def _in_window(self, lane: str, now_us: int, window_us: int) -> Any:
-        members = self._budget_lanes(lane)
         return and_(
-            bookings.c.lane == lane if len(members) == 1 else bookings.c.lane.in_(members),
+            self._of_budget(lane),
             bookings.c.reserved_at_us > now_us - window_us,
             bookings.c.reserved_at_us <= now_us,
             bookings.c.state != "rejected",

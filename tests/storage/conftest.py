@@ -94,4 +94,4 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def ledger(store: SqlStore, clock: ManualClock) -> Ledger:
-    return Ledger(store, clock)
+    return Ledger(store, clock, verify_windows=True)

@@ -1,0 +1,75 @@
+"""A lane's budgets (the lane and its ancestors) and their windows, within one move.
+
+Each budget's window is kept incrementally (domain/window.py's WindowState):
+reading it at `now` only touches the bookings that crossed an edge of the
+window since it was last moved, so admission costs the same with a hundred
+bookings in the window as with a million. With `verify` on (tests, and
+`LEDGER_VERIFY_WINDOWS=1`), every incremental read is checked against a full
+sum of the window: the pair assertion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ledger_service.application.ports import StoreTransaction
+from ledger_service.domain.bookings import Booking
+from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.window import Overdue, WindowState, WindowTotals, in_window
+
+
+@dataclasses.dataclass
+class BudgetWindow:
+    """One budget's window at `now`, updated in place as the move changes bookings."""
+
+    policy: LanePolicy
+    state: WindowState
+    overdue: Overdue
+
+    @property
+    def totals(self) -> WindowTotals:
+        return self.state.totals(self.overdue)
+
+    def change(self, before: Booking | None, after: Booking, now_us: int) -> None:
+        """Follows one booking of this budget from `before` to `after`."""
+        if (
+            before is not None
+            and before.is_expired_at(now_us)
+            and in_window(before.reserved_at_us, now_us, self.state.window_us)
+        ):
+            # It was counted as overdue (expired, sweeper or not); now its event says so.
+            self.overdue = Overdue(
+                self.overdue.held_nanos - before.amount_nanos,
+                self.overdue.expire_charge_nanos - before.expire_charge_nanos,
+                self.overdue.bookings - 1,
+            )
+        self.state = self.state.changed(before, after)
+
+
+def open_window(
+    tx: StoreTransaction, policy: LanePolicy, now_us: int, *, verify: bool = False
+) -> BudgetWindow:
+    """The budget's window at now_us, moved incrementally from where it was kept."""
+    state = tx.window_state(policy.lane)
+    if state is None or state.window_us != policy.window_us:
+        sums = tx.stored_sums(policy.lane, now_us - policy.window_us, now_us)
+        state = WindowState(policy.lane, policy.window_us, now_us, sums)
+    elif state.as_of_us != now_us:
+        (enter_after, enter_until), (leave_after, leave_until) = state.edges_to(now_us)
+        state = state.moved_to(
+            now_us,
+            tx.stored_sums(policy.lane, enter_after, enter_until),
+            tx.stored_sums(policy.lane, leave_after, leave_until),
+        )
+    window = BudgetWindow(policy, state, tx.overdue(policy.lane, now_us, policy.window_us))
+    if verify:
+        full = tx.window_totals(policy.lane, now_us, policy.window_us)
+        assert window.totals == full, (
+            f"incremental window of {policy.lane!r} says {window.totals}, a full sum {full}"
+        )
+    return window
+
+
+def record_windows(tx: StoreTransaction, windows: list[BudgetWindow]) -> None:
+    for window in windows:
+        tx.save_window_state(window.state)
