@@ -28,6 +28,7 @@ from ledger_service.domain.events import Event
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 from ledger_service.storage import chaining, records
+from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 
 T = TypeVar("T")
@@ -50,12 +51,19 @@ class SqlStore:
         *,
         max_transaction_retries: int = 5,
         request_deadline_seconds: float = 5.0,
+        group_commit_batch: int = 64,
     ) -> None:
         self._engine = engine
         self._sqlite = engine.dialect.name == "sqlite"
         self._max_retries = max_transaction_retries
         self._deadline_seconds = request_deadline_seconds
         self._sqlite_writer = threading.Lock()
+        # SQLite: moves queued while a commit is on its way share the next one.
+        self._committer = (
+            GroupCommitter(engine, max_batch=group_commit_batch)
+            if self._sqlite and group_commit_batch > 1
+            else None
+        )
 
     @property
     def engine(self) -> Engine:
@@ -83,6 +91,10 @@ class SqlStore:
         raise AssertionError("unreachable")
 
     def _run_once(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
+        if self._committer is not None and write:
+            return self._committer.submit(
+                lambda connection: work(SqlTransaction(connection, True)), deadline
+            )
         if self._sqlite and write:
             if not self._sqlite_writer.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise StoreUnavailable()
@@ -106,6 +118,8 @@ class SqlStore:
             raise StoreUnavailable() from error
 
     def close(self) -> None:
+        if self._committer is not None:
+            self._committer.close()
         self._engine.dispose()
 
 
