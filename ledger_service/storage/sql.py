@@ -9,6 +9,7 @@ on PostgreSQL an advisory transaction lock covers the append and the commit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -16,7 +17,19 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, and_, case, delete, func, insert, literal, select, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    literal,
+    select,
+    text,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -123,6 +136,45 @@ class SqlStore:
         self._engine.dispose()
 
 
+_INSERT_EVENT = insert(events).returning(events.c.seq)
+_OF_MEMBERS = bookings.c.lane.in_(bindparam("members", expanding=True))
+_IS_OPEN = bookings.c.state == "open"
+_STORED_SUMS = select(
+    func.coalesce(func.sum(bookings.c.amount_nanos), 0),
+    func.coalesce(func.sum(case((_IS_OPEN, bookings.c.amount_nanos), else_=0)), 0),
+    func.coalesce(func.sum(case((_IS_OPEN, 1), else_=0)), 0),
+).where(
+    _OF_MEMBERS,
+    bookings.c.reserved_at_us > bindparam("after"),
+    bookings.c.reserved_at_us <= bindparam("until"),
+)
+_OVERDUE = select(
+    func.coalesce(func.sum(bookings.c.amount_nanos), 0),
+    func.coalesce(
+        func.sum(case((bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=0)), 0
+    ),
+    func.count(),
+).where(
+    _OF_MEMBERS,
+    _IS_OPEN,
+    bookings.c.expires_at_us <= bindparam("now"),
+    bookings.c.reserved_at_us > bindparam("window_start"),
+    bookings.c.reserved_at_us <= bindparam("now"),
+)
+
+
+@functools.cache
+def _upsert_statement(
+    table: Any, keys: tuple[str, ...], columns: tuple[str, ...], is_sqlite: bool
+) -> Any:
+    dialect_insert = sqlite.insert if is_sqlite else postgresql.insert
+    statement = dialect_insert(table)
+    return statement.on_conflict_do_update(
+        index_elements=list(keys),
+        set_={name: statement.excluded[name] for name in columns if name not in keys},
+    )
+
+
 class SqlTransaction:
     def __init__(self, connection: Connection, is_sqlite: bool) -> None:
         self._connection = connection
@@ -171,13 +223,10 @@ class SqlTransaction:
         self._upsert(bookings, records.booking_values(booking), ["lane", "reservation_id"])
 
     def _upsert(self, table: Any, values: dict[str, Any], keys: list[str]) -> None:
-        dialect_insert = sqlite.insert if self._sqlite else postgresql.insert
-        statement = dialect_insert(table).values(**values)
-        statement = statement.on_conflict_do_update(
-            index_elements=keys,
-            set_={name: statement.excluded[name] for name in values if name not in keys},
-        )
-        self._connection.execute(statement)
+        # Built once per table and dialect and executed with parameters: building
+        # a statement per call cost more than running it (profiled).
+        statement = _upsert_statement(table, tuple(keys), tuple(values), self._sqlite)
+        self._connection.execute(statement, values)
 
     def subtree(self, lane: str, max_depth: int) -> Sequence[Sequence[str]]:
         levels: list[list[str]] = [[lane]]
@@ -234,37 +283,17 @@ class SqlTransaction:
     def stored_sums(self, lane: str, after_us: int, until_us: int) -> StoredSums:
         if after_us >= until_us:
             return StoredSums()
-        is_open = bookings.c.state == "open"
-        row = self._connection.execute(
-            select(
-                func.coalesce(func.sum(bookings.c.amount_nanos), 0),
-                func.coalesce(func.sum(case((is_open, bookings.c.amount_nanos), else_=0)), 0),
-                func.coalesce(func.sum(case((is_open, 1), else_=0)), 0),
-            ).where(
-                self._of_budget(lane),
-                bookings.c.reserved_at_us > after_us,
-                bookings.c.reserved_at_us <= until_us,
-            )
-        ).one()
+        parameters = {"members": self._budget_lanes(lane), "after": after_us, "until": until_us}
+        row = self._connection.execute(_STORED_SUMS, parameters).one()
         return StoredSums(int(row[0]), int(row[1]), int(row[2]))
 
     def overdue(self, lane: str, now_us: int, window_us: int) -> Overdue:
-        expire_charge = case(
-            (bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=literal(0)
-        )
-        row = self._connection.execute(
-            select(
-                func.coalesce(func.sum(bookings.c.amount_nanos), 0),
-                func.coalesce(func.sum(expire_charge), 0),
-                func.count(),
-            ).where(
-                self._of_budget(lane),
-                bookings.c.state == "open",
-                bookings.c.expires_at_us <= now_us,
-                bookings.c.reserved_at_us > now_us - window_us,
-                bookings.c.reserved_at_us <= now_us,
-            )
-        ).one()
+        parameters = {
+            "members": self._budget_lanes(lane),
+            "now": now_us,
+            "window_start": now_us - window_us,
+        }
+        row = self._connection.execute(_OVERDUE, parameters).one()
         return Overdue(int(row[0]), int(row[1]), int(row[2]))
 
     def _in_window(self, lane: str, now_us: int, window_us: int) -> Any:
@@ -331,9 +360,7 @@ class SqlTransaction:
             self._append_locked = True
         # After the lock: the lane's last hash is read where no append can race it.
         event = chaining.seal(self._connection, event)
-        seq = self._connection.execute(
-            insert(events).values(**records.event_values(event)).returning(events.c.seq)
-        ).scalar_one()
+        seq = self._connection.execute(_INSERT_EVENT, records.event_values(event)).scalar_one()
         chaining.advance_position(self._connection, seq)
         return records.event_from_row({**records.event_values(event), "seq": seq})
 
