@@ -107,6 +107,7 @@ class Settings:
         for name, variable in TLS_ENVIRONMENT.items():
             if os.environ.get(variable):
                 values[name] = pathlib.Path(os.environ[variable])
+        values.update(_numbers_from_environment())
         values.update({key: value for key, value in overrides.items() if value is not None})
         if (
             "data_dir" in overrides
@@ -115,6 +116,27 @@ class Settings:
         ):
             values["database_url"] = default_database_url(pathlib.Path(str(overrides["data_dir"])))
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _numbers_from_environment() -> dict[str, object]:
+    """Every numeric or boolean limit may be set as LEDGER_<NAME>, e.g.
+    LEDGER_POOL_SIZE=32 or LEDGER_STATEMENT_TIMEOUT_MS=2000."""
+    values: dict[str, object] = {}
+    for field in dataclasses.fields(Settings):
+        if field.default is dataclasses.MISSING or isinstance(field.default, str):
+            continue
+        kind = type(field.default)
+        raw = os.environ.get(f"LEDGER_{field.name.upper()}")
+        if raw is None or kind not in (int, float, bool):
+            continue
+        try:
+            if kind is bool:
+                values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            else:
+                values[field.name] = kind(raw)
+        except ValueError as error:
+            raise ValueError(f"LEDGER_{field.name.upper()} must be a {kind.__name__}") from error
+    return values
 
 
 def is_loopback(listen: str) -> bool:

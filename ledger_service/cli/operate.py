@@ -106,8 +106,8 @@ def settings_from(arguments: argparse.Namespace) -> Settings:
 def _serve(arguments: argparse.Namespace) -> int:
     from ledger_service import server
 
-    settings = settings_from(arguments)
     try:
+        settings = settings_from(arguments)
         if arguments.no_migrate:
             return server.serve_existing(settings)
         return server.serve(settings)
