@@ -30,6 +30,18 @@ export interface LaneClientOptions {
   channelOptions?: ChannelOptions;
 }
 
+/**
+ * W3C trace context for one ledger call (see README, "Tracing"). A valid
+ * `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`, lowercase, ids not all zeros)
+ * is sent as gRPC metadata and wins over the active OpenTelemetry context; an
+ * invalid one is ignored, never sent. `tracestate` goes only with a valid
+ * traceparent of its own.
+ */
+export interface TraceOptions {
+  traceparent?: string;
+  tracestate?: string;
+}
+
 export interface Balance {
   lane: string;
   limitNanos: bigint;
@@ -43,7 +55,7 @@ export interface Balance {
   asOf: Date | null;
 }
 
-export interface ReserveRequest {
+export interface ReserveRequest extends TraceOptions {
   reservationId: string;
   model: string;
   requestBytes: Int64Input;
@@ -70,7 +82,7 @@ export interface ReserveResult {
   balance: Balance | null;
 }
 
-export interface SettleRequest {
+export interface SettleRequest extends TraceOptions {
   reservationId: string;
   outcome: 'SUCCEEDED' | 'UNKNOWN';
   inputTokens?: Int64Input;
@@ -87,7 +99,7 @@ export interface SettleResult {
   balance: Balance | null;
 }
 
-export interface RefundRequest {
+export interface RefundRequest extends TraceOptions {
   reservationId: string;
   /** The provider's 4xx, or 0 when the call was never sent (then reason is required). */
   httpStatus?: number;
@@ -109,7 +121,8 @@ export interface Booking {
   agesOutAt: Date | null;
 }
 
-export interface CallRequest {
+/** The trace context, when given, is the one of the Reserve and of the Settle or Refund alike. */
+export interface CallRequest extends TraceOptions {
   model: string;
   requestBytes: Int64Input;
   maxOutputTokens: Int64Input;
@@ -206,8 +219,8 @@ export class LaneClient {
   reserve(request: ReserveRequest): Promise<ReserveResult>;
   settle(request: SettleRequest): Promise<SettleResult>;
   refund(request: RefundRequest): Promise<{ balance: Balance | null }>;
-  balance(): Promise<Balance>;
-  booking(reservationId: string): Promise<Booking>;
+  balance(options?: TraceOptions): Promise<Balance>;
+  booking(reservationId: string, options?: TraceOptions): Promise<Booking>;
   call<R extends CallReport>(
     request: CallRequest,
     fn: (booking: ReserveResult) => Promise<R> | R,

@@ -6,6 +6,7 @@ const { ledgerPackage } = require('./proto');
 const { ledgerErrorOf, LedgerError } = require('./errors');
 const wire = require('./wire');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
+const { traceHeaders, setTraceHeaders } = require('./tracing');
 
 // Why 250 ms: in the recall budget jam (shared/seeds/000_835af494282c4981.txt)
 // a 2.0 s step lost 0.8 s to grant and key lookups and 1.0 s to a retry
@@ -98,17 +99,19 @@ class LaneClient {
     this._stub.close();
   }
 
-  async _metadata() {
+  async _metadata(trace) {
     const metadata = new grpc.Metadata();
     if (this._grant !== null) {
       const grant = typeof this._grant === 'function' ? await this._grant() : this._grant;
       if (grant) metadata.set('authorization', `Bearer ${grant}`);
     }
+    setTraceHeaders(metadata, trace);
     return metadata;
   }
 
-  async _unary(method, request) {
-    const metadata = await this._metadata();
+  /** `trace`: the W3C headers to send ({traceparent, tracestate?}), or null for none. */
+  async _unary(method, request, trace) {
+    const metadata = await this._metadata(trace);
     return new Promise((resolve, reject) => {
       const deadline = Date.now() + this.deadlineMs;
       this._stub[method](request, metadata, { deadline }, (error, response) => {
@@ -124,7 +127,11 @@ class LaneClient {
    * @param {import('../index').ReserveRequest} request
    * @returns {Promise<import('../index').ReserveResult>}
    */
-  async reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs }) {
+  async reserve(request) {
+    return this._reserve(request, traceHeaders(request));
+  }
+
+  async _reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs }, trace) {
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
@@ -134,7 +141,7 @@ class LaneClient {
       estimate_nanos: wire.optionalInt64(estimateNanos, 'estimateNanos'),
       ttl: ttlMs === undefined || ttlMs === null ? undefined : wire.durationOfMs(ttlMs, 'ttlMs'),
     };
-    return wire.reserveResultOf(await this._unary('Reserve', message), reservationId);
+    return wire.reserveResultOf(await this._unary('Reserve', message, trace), reservationId);
   }
 
   /**
@@ -143,7 +150,11 @@ class LaneClient {
    * @param {import('../index').SettleRequest} request
    * @returns {Promise<import('../index').SettleResult>}
    */
-  async settle({ reservationId, outcome, inputTokens = 0, outputTokens = 0, billedNanos, httpStatus = 0 }) {
+  async settle(request) {
+    return this._settle(request, traceHeaders(request));
+  }
+
+  async _settle({ reservationId, outcome, inputTokens = 0, outputTokens = 0, billedNanos, httpStatus = 0 }, trace) {
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
@@ -153,34 +164,46 @@ class LaneClient {
       billed_nanos: wire.optionalInt64(billedNanos, 'billedNanos'),
       http_status: wire.int64(httpStatus, 'httpStatus'),
     };
-    return wire.settleResultOf(await this._unary('Settle', message));
+    return wire.settleResultOf(await this._unary('Settle', message, trace));
   }
 
   /**
    * Ends a booking whose call was refused (httpStatus 4xx) or never sent
    * (httpStatus 0 and a reason). It costs zero.
+   * @param {import('../index').RefundRequest} request
    * @returns {Promise<{balance: import('../index').Balance}>}
    */
-  async refund({ reservationId, httpStatus = 0, reason = '' }) {
+  async refund(request) {
+    return this._refund(request, traceHeaders(request));
+  }
+
+  async _refund({ reservationId, httpStatus = 0, reason = '' }, trace) {
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
       http_status: wire.int64(httpStatus, 'httpStatus'),
       reason,
     };
-    const response = await this._unary('Refund', message);
+    const response = await this._unary('Refund', message, trace);
     return { balance: wire.balanceOf(response.balance) };
   }
 
-  /** @returns {Promise<import('../index').Balance>} */
-  async balance() {
-    return wire.balanceOf(await this._unary('GetBalance', { lane: this.lane }));
+  /**
+   * @param {import('../index').TraceOptions} [options]
+   * @returns {Promise<import('../index').Balance>}
+   */
+  async balance(options) {
+    return wire.balanceOf(await this._unary('GetBalance', { lane: this.lane }, traceHeaders(options)));
   }
 
-  /** @returns {Promise<import('../index').Booking>} */
-  async booking(reservationId) {
+  /**
+   * @param {string} reservationId
+   * @param {import('../index').TraceOptions} [options]
+   * @returns {Promise<import('../index').Booking>}
+   */
+  async booking(reservationId, options) {
     const message = { lane: this.lane, reservation_id: reservationId };
-    return wire.bookingOf(await this._unary('GetBooking', message));
+    return wire.bookingOf(await this._unary('GetBooking', message, traceHeaders(options)));
   }
 
   /**
@@ -188,14 +211,19 @@ class LaneClient {
    * only when admitted, then settles or refunds by the outcome table
    * (outcomes.js). Resolves with a Denied (fn not run) or a Completed; when
    * `fn` throws, the booking is ended first and the error is rethrown.
+   * Its Reserve and its Settle or Refund carry one trace context, taken when
+   * call() starts: `request.traceparent` when valid, else the active
+   * OpenTelemetry context (see tracing.js).
    * @param {import('../index').CallRequest} request
    * @param {(booking: import('../index').ReserveResult) => Promise<import('../index').CallReport>} fn
    * @returns {Promise<Denied|Completed>}
    */
   async call(request, fn) {
     if (typeof fn !== 'function') throw new TypeError('call() needs a function that makes the model call');
+    // Taken now, before any await: the caller's context, shared by every ledger call of this one.
+    const trace = traceHeaders(request);
     const reservationId = randomUUID();
-    const answer = await this._reserveOrForget({ ...request, reservationId });
+    const answer = await this._reserveOrForget({ ...request, reservationId }, trace);
     if (!answer.admitted) return new Denied(answer);
 
     let report;
@@ -212,7 +240,7 @@ class LaneClient {
     let ended = null;
     let ledgerError = null;
     try {
-      ended = await this._end(reservationId, move);
+      ended = await this._end(reservationId, move, trace);
     } catch (error) {
       ledgerError = error;
     }
@@ -234,25 +262,25 @@ class LaneClient {
     });
   }
 
-  async _reserveOrForget(request) {
+  async _reserveOrForget(request, trace) {
     try {
-      return await this.reserve(request);
+      return await this._reserve(request, trace);
     } catch (error) {
       // The hold may have been booked although no answer came back: refund
       // it, since the call will not be made. Without this it would expire
       // and could be charged at the hold for a call that never happened.
       if (error instanceof LedgerError && error.mayHaveApplied) {
-        await this.refund({ reservationId: request.reservationId, reason: 'not sent: the Reserve went unanswered' })
-          .catch(() => undefined);
+        const forget = { reservationId: request.reservationId, reason: 'not sent: the Reserve went unanswered' };
+        await this._refund(forget, trace).catch(() => undefined);
       }
       throw error;
     }
   }
 
-  async _end(reservationId, move) {
+  async _end(reservationId, move, trace) {
     for (let attempt = 1; ; attempt += 1) {
       try {
-        return await this._endOnce(reservationId, move);
+        return await this._endOnce(reservationId, move, trace);
       } catch (error) {
         if (!(error instanceof LedgerError && error.retryable) || attempt >= this.endAttempts) throw error;
         await pause(END_RETRY_PAUSE_MS * attempt);
@@ -260,20 +288,22 @@ class LaneClient {
     }
   }
 
-  async _endOnce(reservationId, move) {
+  async _endOnce(reservationId, move, trace) {
     if (move.ending === Ending.REFUND) {
-      const { balance } = await this.refund({ reservationId, httpStatus: move.httpStatus, reason: move.reason });
+      const refund = { reservationId, httpStatus: move.httpStatus, reason: move.reason };
+      const { balance } = await this._refund(refund, trace);
       return { chargedNanos: 0n, balance };
     }
     const usage = move.usage ?? {};
-    return this.settle({
+    const settle = {
       reservationId,
       outcome: move.ending,
       inputTokens: usage.inputTokens ?? 0,
       outputTokens: usage.outputTokens ?? 0,
       billedNanos: usage.billedNanos ?? undefined,
       httpStatus: move.httpStatus,
-    });
+    };
+    return this._settle(settle, trace);
   }
 }
 
