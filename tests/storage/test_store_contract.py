@@ -231,12 +231,12 @@ def test_a_locked_lane_gives_unavailable_within_the_deadline(
     assert ledger.reserve(_reserve("after")).admitted
 
 
-def test_store_errors_never_carry_the_password(database_url: str) -> None:
+@pytest.mark.postgres
+def test_store_errors_never_carry_the_password(postgres_schema_url: str) -> None:
+    """Only PostgreSQL URLs carry a password; SQLite's are file paths."""
     from ledger_service.storage import database
 
-    url = sa.engine.make_url(database_url)
-    if url.get_backend_name() == "sqlite":
-        pytest.skip("SQLite URLs carry no password")
+    url = sa.engine.make_url(postgres_schema_url)
     wrong = url.set(password="s3cret-password", port=1)
     engine = database.create(wrong.render_as_string(hide_password=False), database.EngineLimits())
     broken = SqlStore(engine, request_deadline_seconds=1.0)
