@@ -1,0 +1,59 @@
+"""One ledger server for the benchmark: what `ledger serve` runs, with settings
+given in full.
+
+`ledger serve` exposes only some settings as flags. The history scenario must
+also turn off the periodic consistency check and the snapshots, whose walk over
+a million-booking log would otherwise land in the middle of a measurement (the
+start-up check still runs, and its time is reported). Everything else is the
+server's own code: `server.serve`, its interceptors, its health and its stop.
+
+    python -m ledger_service.bench.replica --settings '{"database_url": "...", ...}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import pathlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ledger_service import server
+from ledger_service.settings import Settings
+
+_PATH_FIELDS = frozenset({"data_dir", "tls_cert_path", "tls_key_path", "tls_client_ca_path"})
+
+
+def settings_from(values: Mapping[str, Any]) -> Settings:
+    known = {field.name for field in dataclasses.fields(Settings)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(unknown)}")
+    converted: dict[str, Any] = {
+        name: pathlib.Path(value) if name in _PATH_FIELDS and value is not None else value
+        for name, value in values.items()
+    }
+    return Settings(**converted)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ledger_service.bench.replica")
+    parser.add_argument("--settings", required=True, help="Settings fields as a JSON object")
+    parser.add_argument("--no-migrate", action="store_true", help="the schema is already there")
+    arguments = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    settings = settings_from(json.loads(arguments.settings))
+    return server.serve(settings, run_migrations=not arguments.no_migrate)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""The table, the targets and the JSON file of one run.
+
+Each ledger row is compared with the echo phase of the same shape: one RPC
+with one RPC, Reserve then Settle with two echo RPCs back to back, one client
+with one client, near saturation with near saturation. The targets are the
+issue's, judged on ratios from this one run; missing one is reported, never
+an error (the benchmark is the measure, not a test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+# The issue's targets (issue 8).
+SQLITE_THROUGHPUT_MIN_RATIO = 0.6
+RESERVE_P50_MAX_RATIO = 1.5
+HISTORY_P50_MAX_RATIO = 1.2
+REBUILD_MIN_EVENTS_PER_SECOND = 100_000
+HOT_LANE_MIN_RATIO = 0.5
+# Fewer measured calls than this and a p99 is a guess: the row says so.
+FEW_SAMPLES = 1000
+MEBIBYTE = 1024 * 1024
+MAX_NOTE_LENGTH = 120
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    scenario: str
+    per_second: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    versus: str = ""
+    target: str = ""
+    met: bool | None = None
+    notes: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    measured: float | None
+    limit: str
+    met: bool | None
+
+
+def phase(results: Mapping[str, Any], *path: str) -> Mapping[str, Any] | None:
+    """A phase's figures, or None when it was skipped or failed."""
+    node: Any = results
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    if not isinstance(node, Mapping) or "failed" in node or "skipped" in node:
+        return None
+    return node
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or not denominator or math.isnan(denominator):
+        return None
+    return numerator / denominator
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _p50(figures: Mapping[str, Any] | None) -> float | None:
+    return None if figures is None else _float(figures["latency"]["p50_ms"])
+
+
+def _per_second(figures: Mapping[str, Any] | None) -> float | None:
+    return None if figures is None else float(figures["throughput_per_second"])
+
+
+def _one_line(text: str) -> str:
+    """The first line of a failure, short enough for a table cell (the JSON has it all)."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first if len(first) <= MAX_NOTE_LENGTH else first[: MAX_NOTE_LENGTH - 3] + "..."
+
+
+def _notes(figures: Mapping[str, Any] | None, failure: str = "") -> str:
+    if figures is None:
+        return _one_line(failure) or "not measured"
+    notes = []
+    errors = sum(figures["errors"].values())
+    if errors:
+        detail = ", ".join(f"{name} {count}" for name, count in sorted(figures["errors"].items()))
+        notes.append(f"{errors} errors ({detail})")
+    if figures["calls"] < FEW_SAMPLES:
+        notes.append(f"n={figures['calls']}")
+    if figures.get("stopped_by_max_calls"):
+        notes.append("stopped at max calls")
+    if figures.get("denied"):
+        notes.append(f"{figures['denied']} denied")
+    return "; ".join(notes)
+
+
+def _failure(results: Mapping[str, Any], *path: str) -> str:
+    node: Any = results
+    for key in path:
+        if not isinstance(node, Mapping):
+            return ""
+        if "failed" in node:
+            return f"failed: {node['failed']}"
+        if "skipped" in node:
+            return f"skipped: {node['skipped']}"
+        node = node.get(key, {})
+    if isinstance(node, Mapping) and "failed" in node:
+        return f"failed: {node['failed']}"
+    return ""
+
+
+def _load_row(
+    results: Mapping[str, Any], label: str, path: tuple[str, ...], versus: str = ""
+) -> Row:
+    figures = phase(results, *path)
+    if figures is None:
+        return Row(label, notes=_notes(None, _failure(results, *path)))
+    return Row(
+        label,
+        float(figures["throughput_per_second"]),
+        _float(figures["latency"]["p50_ms"]),
+        _float(figures["latency"]["p99_ms"]),
+        versus,
+        notes=_notes(figures),
+    )
+
+
+def _times(value: float | None, what: str) -> str:
+    return "" if value is None else f"p50 {value:.2f}x {what}"
+
+
+def _share(value: float | None, what: str) -> str:
+    return "" if value is None else f"{value:.0%} of {what}"
+
+
+def _judged(row: Row, value: float | None, target: str, met: bool | None) -> Row:
+    return dataclasses.replace(row, target=target, met=None if value is None else met)
+
+
+def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
+    scenarios = results["scenarios"]
+    rows: list[Row] = []
+    targets: list[Target] = []
+    echo = ("echo", "phases")
+    sqlite = ("sqlite", "phases")
+    postgres = ("postgres", "phases")
+    saturated = f"{results['plan']['saturating_calls']} in flight"
+    echo_1, echo_pair_1, echo_sat, echo_pair_sat = (
+        phase(scenarios, *echo, name)
+        for name in ("single_1", "pair_1", "single_saturated", "pair_saturated")
+    )
+    rows += [
+        _load_row(scenarios, "echo, 1 client", (*echo, "single_1"), "baseline"),
+        _load_row(scenarios, "echo pair, 1 client", (*echo, "pair_1"), "baseline"),
+        _load_row(scenarios, f"echo, {saturated}", (*echo, "single_saturated"), "baseline"),
+        _load_row(scenarios, f"echo pair, {saturated}", (*echo, "pair_saturated"), "baseline"),
+    ]
+
+    reserve_1 = phase(scenarios, *sqlite, "reserve_1")
+    value = _ratio(_p50(reserve_1), _p50(echo_1))
+    met = value is not None and value <= RESERVE_P50_MAX_RATIO
+    row = _load_row(scenarios, "sqlite Reserve, 1 client", (*sqlite, "reserve_1"))
+    row = dataclasses.replace(row, versus=_times(value, "echo"))
+    rows.append(_judged(row, value, f"p50 <= {RESERVE_P50_MAX_RATIO}x echo", met))
+    targets.append(
+        Target(
+            "sqlite Reserve p50 / echo p50, 1 client",
+            value,
+            f"<= {RESERVE_P50_MAX_RATIO}",
+            met if value is not None else None,
+        )
+    )
+
+    mix_1 = phase(scenarios, *sqlite, "reserve_settle_1")
+    row = _load_row(scenarios, "sqlite Reserve+Settle, 1 client", (*sqlite, "reserve_settle_1"))
+    rows.append(
+        dataclasses.replace(row, versus=_times(_ratio(_p50(mix_1), _p50(echo_pair_1)), "echo pair"))
+    )
+
+    mix_sat = phase(scenarios, *sqlite, "reserve_settle_saturated")
+    value = _ratio(_per_second(mix_sat), _per_second(echo_pair_sat))
+    met = value is not None and value >= SQLITE_THROUGHPUT_MIN_RATIO
+    row = _load_row(
+        scenarios,
+        f"sqlite Reserve+Settle, {saturated}",
+        (*sqlite, "reserve_settle_saturated"),
+        _share(value, "echo pair"),
+    )
+    rows.append(_judged(row, value, f">= {SQLITE_THROUGHPUT_MIN_RATIO:.0%} of echo pair", met))
+    targets.append(
+        Target(
+            "sqlite Reserve+Settle throughput / echo pair throughput",
+            value,
+            f">= {SQLITE_THROUGHPUT_MIN_RATIO}",
+            met if value is not None else None,
+        )
+    )
+
+    rows += _postgres_rows(scenarios, postgres, saturated, echo_pair_sat, targets)
+    rows += _history_rows(scenarios, saturated, echo_1, echo_sat, targets)
+    rows += _rebuild_rows(scenarios, targets)
+    rows += _memory_rows(scenarios)
+    return rows, targets
+
+
+def _postgres_rows(
+    scenarios: Mapping[str, Any],
+    path: tuple[str, ...],
+    saturated: str,
+    echo_pair_sat: Mapping[str, Any] | None,
+    targets: list[Target],
+) -> list[Row]:
+    hot, spread = phase(scenarios, *path, "hot"), phase(scenarios, *path, "spread")
+    lanes = spread["lanes"] if spread else "many"
+    value = _ratio(_per_second(hot), _per_second(spread))
+    met = value is not None and value >= HOT_LANE_MIN_RATIO
+    hot_row = _load_row(
+        scenarios,
+        f"postgres 2 replicas, 1 hot lane, {saturated}",
+        (*path, "hot"),
+        _share(_ratio(_per_second(hot), _per_second(echo_pair_sat)), "echo pair"),
+    )
+    hot_row = _judged(hot_row, value, f">= {HOT_LANE_MIN_RATIO:.0%} of spread", met)
+    if value is not None:
+        hot_row = dataclasses.replace(
+            hot_row, notes="; ".join(filter(None, [f"{value:.0%} of spread", hot_row.notes]))
+        )
+    spread_row = _load_row(
+        scenarios,
+        f"postgres 2 replicas, {lanes} lanes, {saturated}",
+        (*path, "spread"),
+        _share(_ratio(_per_second(spread), _per_second(echo_pair_sat)), "echo pair"),
+    )
+    targets.append(
+        Target(
+            "postgres hot lane throughput / spread lanes throughput",
+            value,
+            f">= {HOT_LANE_MIN_RATIO}",
+            met if value is not None else None,
+        )
+    )
+    return [hot_row, spread_row]
+
+
+def _history_rows(
+    scenarios: Mapping[str, Any],
+    saturated: str,
+    echo_1: Mapping[str, Any] | None,
+    echo_sat: Mapping[str, Any] | None,
+    targets: list[Target],
+) -> list[Row]:
+    history = scenarios.get("history", {})
+    small, large = history.get("small_bookings", 100), history.get("large_bookings", 0)
+    path_small = ("history", "sizes", str(small), "phases")
+    path_large = ("history", "sizes", str(large), "phases")
+    small_1 = phase(scenarios, *path_small, "reserve_1")
+    large_1 = phase(scenarios, *path_large, "reserve_1")
+    small_sat = phase(scenarios, *path_small, "reserve_saturated")
+    large_sat = phase(scenarios, *path_large, "reserve_saturated")
+    value = _ratio(_p50(large_1), _p50(small_1))
+    met = value is not None and value <= HISTORY_P50_MAX_RATIO
+    targets.append(
+        Target(
+            f"Reserve p50 with {large:,} / with {small:,} bookings, 1 client",
+            value,
+            f"<= {HISTORY_P50_MAX_RATIO}",
+            met if value is not None else None,
+        )
+    )
+    large_row = _load_row(
+        scenarios,
+        f"Reserve, {large:,} bookings, 1 client",
+        (*path_large, "reserve_1"),
+        _times(value, f"{small:,} bookings"),
+    )
+    throughput = _ratio(_per_second(large_sat), _per_second(small_sat))
+    rows = [
+        _load_row(
+            scenarios,
+            f"Reserve, {small:,} bookings, 1 client",
+            (*path_small, "reserve_1"),
+            _times(_ratio(_p50(small_1), _p50(echo_1)), "echo"),
+        ),
+        _judged(large_row, value, f"p50 <= {HISTORY_P50_MAX_RATIO}x {small:,}", met),
+        _load_row(
+            scenarios,
+            f"Reserve, {small:,} bookings, {saturated}",
+            (*path_small, "reserve_saturated"),
+            _share(_ratio(_per_second(small_sat), _per_second(echo_sat)), "echo"),
+        ),
+        _load_row(
+            scenarios,
+            f"Reserve, {large:,} bookings, {saturated}",
+            (*path_large, "reserve_saturated"),
+            _share(throughput, f"{small:,} bookings"),
+        ),
+    ]
+    # Every measured Reserve adds a booking: say how big each window was at the end.
+    for index, count in ((2, small), (3, large)):
+        grown = phase(scenarios, "history", "sizes", str(count))
+        if grown is not None and "bookings_after_run" in grown:
+            note = f"window {count:,} -> {grown['bookings_after_run']:,} bookings"
+            rows[index] = dataclasses.replace(
+                rows[index], notes="; ".join(filter(None, [rows[index].notes, note]))
+            )
+    return rows
+
+
+def _rebuild_rows(scenarios: Mapping[str, Any], targets: list[Target]) -> list[Row]:
+    measured = scenarios.get("history", {}).get("rebuild", {})
+    if "failed" in measured or not measured:
+        failure = measured.get("failed", "not measured")
+        targets.append(
+            Target("rebuild events/s", None, f">= {REBUILD_MIN_EVENTS_PER_SECOND:,}", None)
+        )
+        return [Row("rebuild from the log (events/s)", notes=_one_line(str(failure)))]
+    rate = measured.get("events_per_second")
+    met = rate is not None and rate >= REBUILD_MIN_EVENTS_PER_SECOND
+    targets.append(
+        Target(
+            "rebuild events/s",
+            rate,
+            f">= {REBUILD_MIN_EVENTS_PER_SECOND:,}",
+            met if rate is not None else None,
+        )
+    )
+    if measured.get("completed"):
+        notes = f"{measured['events']:,} events in {measured['seconds']:.1f} s"
+    else:
+        notes = (
+            f"stopped at the {measured['timeout_seconds']:.0f} s limit after "
+            f"{measured.get('events_done', 0):,} of {measured['events']:,} events"
+        )
+    rows = [
+        Row(
+            "rebuild from the log (events/s)",
+            rate,
+            target=f">= {REBUILD_MIN_EVENTS_PER_SECOND:,}/s",
+            met=met if rate is not None else None,
+            notes=notes,
+        )
+    ]
+    replay = measured.get("replay")
+    if replay:
+        rows.append(
+            Row(
+                "pure replay, domain fold only (events/s)",
+                replay["fold_events_per_second"],
+                notes=f"{replay['events']:,} events; with reading "
+                f"{replay['read_and_fold_events_per_second']:,.0f}/s",
+            )
+        )
+    return rows
+
+
+def _mebibytes(value: Any) -> str:
+    return f"{value / MEBIBYTE:.0f} MiB" if isinstance(value, int | float) else "?"
+
+
+def _memory_rows(scenarios: Mapping[str, Any]) -> list[Row]:
+    history = scenarios.get("history", {})
+    echo_server = phase(scenarios, "echo", "server")
+    echo_rss = echo_server["rss_bytes"] if echo_server else None
+    rows = []
+    for count in (history.get("small_bookings"), history.get("large_bookings")):
+        size = phase(scenarios, "history", "sizes", str(count))
+        if size is None:
+            continue
+        after = size["server_after_run"]
+        rows.append(
+            Row(
+                f"server memory, {count:,} bookings in the window",
+                versus=f"RSS {_mebibytes(after['rss_bytes'])} (echo {_mebibytes(echo_rss)})",
+                notes=f"peak {_mebibytes(after['peak_rss_bytes'])}; at start "
+                f"{_mebibytes(size['server_at_start']['rss_bytes'])}; "
+                f"ready in {size['server_at_start']['ready_seconds']:.1f} s",
+            )
+        )
+    return rows
+
+
+def _number(value: float | None, digits: int) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def table(rows: list[Row]) -> str:
+    header = ("scenario", "per s", "p50 ms", "p99 ms", "vs baseline", "target", "met", "notes")
+    cells = [
+        (
+            row.scenario,
+            _number(row.per_second, 1 if (row.per_second or 0) < 100 else 0),
+            _number(row.p50_ms, 2),
+            _number(row.p99_ms, 2),
+            row.versus,
+            row.target,
+            "" if row.met is None else ("yes" if row.met else "NO"),
+            row.notes,
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[column]) for line in [header, *cells]) for column in range(len(header))]
+    right = {1, 2, 3}
+
+    def line(values: tuple[str, ...]) -> str:
+        return " | ".join(
+            value.rjust(width) if index in right else value.ljust(width)
+            for index, (value, width) in enumerate(zip(values, widths, strict=True))
+        ).rstrip()
+
+    rule = "-+-".join("-" * width for width in widths)
+    return "\n".join([line(header), rule, *(line(values) for values in cells)])
+
+
+def write_json(results: Mapping[str, Any], directory: pathlib.Path, stamp: str) -> pathlib.Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"bench-{stamp}.json"
+    text = json.dumps(results, indent=2, sort_keys=True, allow_nan=False, default=_plain)
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, pathlib.Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")

@@ -1,0 +1,480 @@
+"""The scenarios of `make bench`, each with its servers in processes of their own.
+
+Every scenario returns plain JSON-ready data; a phase that fails is recorded as
+{"failed": "..."} and the run goes on, so one broken scenario does not hide
+the others' figures. Servers are stopped however a scenario ends, and every
+PostgreSQL schema made here is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import pathlib
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import sqlalchemy as sa
+
+from ledger_service.bench import load, rebuild, seeding, servers
+from ledger_service.bench.load import CallKind, LoadGenerator, Workload
+from ledger_service.domain.clock import SystemClock
+from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.pricing import ModelPrice
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.storage import database, schema
+
+log = logging.getLogger("ledger.bench")
+
+DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+# A lane the benchmark can never exhaust: every Reserve is admitted.
+LIMIT_NANOS = 10**18
+INPUT_NANOS_PER_MILLION = 3_000_000_000
+OUTPUT_NANOS_PER_MILLION = 15_000_000_000
+ADMIN_TIMEOUT_SECONDS = 30.0
+DROP_SCHEMA_ATTEMPTS = 3
+DROP_SCHEMA_PAUSE_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every duration, count and limit of one run."""
+
+    name: str
+    warmup_seconds: float
+    measure_seconds: float
+    # "Near saturation": this many load processes, each with this many calls in flight.
+    processes: int
+    in_flight_per_process: int
+    spread_lanes: int
+    history_small_bookings: int
+    history_large_bookings: int
+    history_measure_seconds: float
+    # At most this many measured calls in each history phase: each adds a
+    # booking to the window, and the small window should stay small.
+    history_max_calls: int
+    seed_batch_rows: int
+    server_ready_timeout_seconds: float
+    # The history server checks its whole log at start-up.
+    history_ready_timeout_seconds: float
+    stop_timeout_seconds: float
+    call_timeout_seconds: float
+    rebuild_timeout_seconds: float
+    replay_max_events: int
+
+    @property
+    def saturating_calls(self) -> int:
+        return self.processes * self.in_flight_per_process
+
+
+FULL = Plan(
+    name="full",
+    warmup_seconds=2.0,
+    measure_seconds=10.0,
+    processes=2,
+    in_flight_per_process=8,
+    spread_lanes=16,
+    history_small_bookings=100,
+    history_large_bookings=1_000_000,
+    history_measure_seconds=10.0,
+    history_max_calls=500,
+    seed_batch_rows=5000,
+    server_ready_timeout_seconds=60.0,
+    history_ready_timeout_seconds=900.0,
+    stop_timeout_seconds=30.0,
+    call_timeout_seconds=10.0,
+    rebuild_timeout_seconds=180.0,
+    replay_max_events=200_000,
+)
+
+QUICK = dataclasses.replace(
+    FULL,
+    name="quick",
+    warmup_seconds=0.1,
+    measure_seconds=0.5,
+    in_flight_per_process=4,
+    spread_lanes=4,
+    history_large_bookings=10_000,
+    history_measure_seconds=0.5,
+    history_max_calls=100,
+    history_ready_timeout_seconds=60.0,
+    stop_timeout_seconds=15.0,
+    rebuild_timeout_seconds=30.0,
+    replay_max_events=5_000,
+)
+
+
+def lane_policy(lane: str) -> LanePolicy:
+    return LanePolicy(
+        lane=lane,
+        limit_nanos=LIMIT_NANOS,
+        prices={load.MODEL: ModelPrice(INPUT_NANOS_PER_MILLION, OUTPUT_NANOS_PER_MILLION)},
+    )
+
+
+def put_lanes(address: str, lanes: Sequence[str]) -> None:
+    with grpc.insecure_channel(address) as channel:
+        admin = pb_grpc.LaneAdminStub(channel)
+        for lane in lanes:
+            policy = lane_policy(lane)
+            prices = {
+                model: pb.ModelPrice(
+                    input_nanos_per_million_tokens=price.input_nanos_per_million_tokens,
+                    output_nanos_per_million_tokens=price.output_nanos_per_million_tokens,
+                )
+                for model, price in policy.prices.items()
+            }
+            message = pb.Lane(lane=lane, limit_nanos=policy.limit_nanos, prices=prices)
+            admin.PutLane(pb.PutLaneRequest(lane=message), timeout=ADMIN_TIMEOUT_SECONDS)
+
+
+def lanes_named(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}-{index:02d}" for index in range(count))
+
+
+def _phase(
+    generator: LoadGenerator,
+    name: str,
+    workload: Workload,
+    before: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Runs one phase; a failure becomes {"failed": ...} instead of ending the run."""
+    log.info(
+        "phase %s: %s, %d x %d in flight",
+        name,
+        workload.kind.value,
+        workload.processes,
+        workload.in_flight,
+    )
+    try:
+        before()
+        result = generator.run(workload).to_json()
+    except Exception as error:
+        log.exception("phase %s failed", name)
+        return {"failed": f"{type(error).__name__}: {error}"}
+    log.info(
+        "phase %s: %.0f calls/s, p50 %.2f ms, p99 %.2f ms, %d errors",
+        name,
+        result["throughput_per_second"],
+        result["latency"]["p50_ms"],
+        result["latency"]["p99_ms"],
+        sum(result["errors"].values()),
+    )
+    return result
+
+
+def _workload(plan: Plan, kind: CallKind, targets: Sequence[str], **fields: Any) -> Workload:
+    values: dict[str, Any] = {
+        "kind": kind,
+        "targets": tuple(targets),
+        "processes": plan.processes,
+        "in_flight": plan.in_flight_per_process,
+        "warmup_seconds": plan.warmup_seconds,
+        "measure_seconds": plan.measure_seconds,
+        "call_timeout_seconds": plan.call_timeout_seconds,
+        "id_prefix": f"b{uuid.uuid4().hex[:8]}",
+    }
+    values.update(fields)
+    return Workload(**values)
+
+
+def _single(plan: Plan, kind: CallKind, targets: Sequence[str], **fields: Any) -> Workload:
+    """One client: one process, one call in flight."""
+    return _workload(plan, kind, targets, processes=1, in_flight=1, **fields)
+
+
+def _server_facts(server: servers.ServerProcess) -> dict[str, Any]:
+    return {"pid": server.pid, "ready_seconds": server.ready_seconds, **server.memory_bytes()}
+
+
+# The scenarios --------------------------------------------------------------------
+
+
+def echo_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:
+    """(1) The baseline: one call and two back-to-back calls, at 1 and near saturation."""
+    with servers.running(
+        "echo",
+        servers.echo_argv(),
+        workdir / "echo",
+        health=False,
+        ready_timeout_seconds=plan.server_ready_timeout_seconds,
+        stop_timeout_seconds=plan.stop_timeout_seconds,
+    ) as server:
+        targets = [server.address]
+        phases = {
+            "single_1": _phase(generator, "echo 1", _single(plan, CallKind.ECHO, targets)),
+            "pair_1": _phase(generator, "echo pair 1", _single(plan, CallKind.ECHO_PAIR, targets)),
+            "single_saturated": _phase(
+                generator, "echo saturated", _workload(plan, CallKind.ECHO, targets)
+            ),
+            "pair_saturated": _phase(
+                generator, "echo pair saturated", _workload(plan, CallKind.ECHO_PAIR, targets)
+            ),
+        }
+        return {"server": _server_facts(server), "phases": phases}
+
+
+def _replica_settings(database_url: str, data_dir: pathlib.Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "database_url": database_url,
+        "data_dir": str(data_dir),
+        "listen": "127.0.0.1:0",
+        "auth_enabled": False,
+        **extra,
+    }
+
+
+@contextlib.contextmanager
+def _replica(
+    plan: Plan,
+    name: str,
+    workdir: pathlib.Path,
+    settings: dict[str, Any],
+    *,
+    migrate: bool = True,
+    ready_timeout_seconds: float | None = None,
+) -> Iterator[servers.ServerProcess]:
+    with servers.running(
+        name,
+        servers.replica_argv(settings, migrate=migrate),
+        workdir,
+        health=True,
+        ready_timeout_seconds=ready_timeout_seconds or plan.server_ready_timeout_seconds,
+        stop_timeout_seconds=plan.stop_timeout_seconds,
+    ) as server:
+        yield server
+
+
+def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:
+    """(2) The ledger on SQLite: Reserve alone at 1 client, Reserve+Settle at 1 and
+    near saturation. Each phase has lanes of its own, so none inherits another's window."""
+    directory = workdir / "sqlite"
+    settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
+    with _replica(plan, "ledger-sqlite", directory, settings) as server:
+        targets = [server.address]
+        one = lanes_named("sqlite-reserve-1", 1)
+        pair_one = lanes_named("sqlite-mix-1", 1)
+        spread = lanes_named("sqlite-mix-saturated", plan.spread_lanes)
+        put_lanes(server.address, [*one, *pair_one, *spread])
+        phases = {
+            "reserve_1": _phase(
+                generator, "sqlite reserve 1", _single(plan, CallKind.RESERVE, targets, lanes=one)
+            ),
+            "reserve_settle_1": _phase(
+                generator,
+                "sqlite reserve+settle 1",
+                _single(plan, CallKind.RESERVE_SETTLE, targets, lanes=pair_one),
+            ),
+            "reserve_settle_saturated": _phase(
+                generator,
+                "sqlite reserve+settle saturated",
+                _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=spread),
+            ),
+        }
+        return {"server": _server_facts(server), "phases": phases}
+
+
+def postgres_problem(url: str) -> str | None:
+    engine = sa.create_engine(url, connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+    except sa.exc.SQLAlchemyError as error:
+        return f"PostgreSQL at {database.redacted(url)} is unreachable: {type(error).__name__}"
+    finally:
+        engine.dispose()
+    return None
+
+
+def postgres_version(url: str) -> str:
+    engine = sa.create_engine(url, connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as connection:
+            return str(connection.execute(sa.text("SHOW server_version")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def fresh_schema(url: str) -> Iterator[str]:
+    """A URL whose search_path is a new, empty schema, dropped afterwards."""
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(url, pool_pre_ping=True)
+    try:
+        with admin.begin() as connection:
+            connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+        try:
+            yield f"{url}?options=-csearch_path%3D{schema}"
+        finally:
+            _drop_schema(admin, schema)
+    finally:
+        admin.dispose()
+
+
+def _drop_schema(admin: sa.Engine, schema: str) -> None:
+    """Drops the schema, retrying a few times: a restarted database must not
+    leave it behind, nor throw away the figures measured in it."""
+    for attempt in range(DROP_SCHEMA_ATTEMPTS):
+        try:
+            with admin.begin() as connection:
+                connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            return
+        except sa.exc.SQLAlchemyError as error:
+            log.warning(
+                "dropping schema %s failed (%s); attempt %d of %d",
+                schema,
+                type(error).__name__,
+                attempt + 1,
+                DROP_SCHEMA_ATTEMPTS,
+            )
+            admin.dispose()
+            time.sleep(DROP_SCHEMA_PAUSE_SECONDS)
+    log.error("schema %s is left behind: drop it by hand", schema)
+
+
+def _postgres_phase(
+    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, url: str, variant: str
+) -> dict[str, Any]:
+    lanes = lanes_named(f"pg-{variant}", 1 if variant == "hot" else plan.spread_lanes)
+    with fresh_schema(url) as schema_url, contextlib.ExitStack() as stack:
+        replicas = []
+        for index, name in enumerate(("a", "b")):
+            directory = workdir / f"postgres-{variant}-{name}"
+            settings = _replica_settings(schema_url, directory)
+            # The first replica migrates the schema; the second finds it there.
+            replica = _replica(plan, f"ledger-pg-{name}", directory, settings, migrate=index == 0)
+            replicas.append(stack.enter_context(replica))
+        put_lanes(replicas[0].address, lanes)
+        targets = [replica.address for replica in replicas]
+        result = _phase(
+            generator,
+            f"postgres {variant}",
+            _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=lanes),
+        )
+        result["replicas"] = [_server_facts(replica) for replica in replicas]
+        result["lanes"] = len(lanes)
+        return result
+
+
+def postgres_scenario(
+    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, url: str
+) -> dict[str, Any]:
+    """(3) Two replicas on one PostgreSQL, Reserve+Settle near saturation: every call
+    on one hot lane, then spread over many lanes; each in a fresh schema."""
+    problem = postgres_problem(url)
+    if problem is not None:
+        return {"skipped": problem}
+    phases: dict[str, Any] = {}
+    for variant in ("hot", "spread"):
+        try:
+            phases[variant] = _postgres_phase(plan, generator, workdir, url, variant)
+        except Exception as error:
+            log.exception("postgres %s failed", variant)
+            phases[variant] = {"failed": f"{type(error).__name__}: {error}"}
+    return {"server_version": postgres_version(url), "phases": phases}
+
+
+def _history_size(
+    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, count: int
+) -> dict[str, Any]:
+    directory = workdir / f"history-{count}"
+    url = f"sqlite:///{directory}/ledger.db"
+    policy = lane_policy(f"history-{count}")
+    log.info("seeding %d bookings", count)
+    report = seeding.seed(
+        url, policy, count, SystemClock().now_us(), batch_rows=plan.seed_batch_rows
+    )
+    log.info("seeded %d bookings in %.1f s", count, report.seconds)
+    settings = _replica_settings(
+        url, directory, consistency_check_interval_seconds=0.0, snapshot_every_events=0
+    )
+    lanes = (policy.lane,)
+    bounds = {
+        "lanes": lanes,
+        "measure_seconds": plan.history_measure_seconds,
+        "max_calls": plan.history_max_calls,
+    }
+    with _replica(
+        plan,
+        f"ledger-history-{count}",
+        directory,
+        settings,
+        ready_timeout_seconds=plan.history_ready_timeout_seconds,
+    ) as server:
+        at_start = _server_facts(server)
+        if seeding.recoveries(url):
+            # The start-up check found the seeded projections inconsistent with the log.
+            raise servers.BenchError(
+                f"the server had to recover the seeded history:\n{server.log_tail()}"
+            )
+        targets = [server.address]
+        phases = {
+            "reserve_1": _phase(
+                generator,
+                f"history {count} reserve 1",
+                _single(plan, CallKind.RESERVE, targets, **bounds),
+            ),
+            "reserve_saturated": _phase(
+                generator,
+                f"history {count} reserve saturated",
+                _workload(plan, CallKind.RESERVE, targets, **bounds),
+            ),
+        }
+        after_run = _server_facts(server)
+    return {
+        "database_url": url,
+        "seed": report.to_json(),
+        # Every measured Reserve adds a booking: the window the last call saw.
+        "bookings_after_run": _bookings_of(url, policy.lane),
+        "server_at_start": at_start,
+        "server_after_run": after_run,
+        "phases": phases,
+    }
+
+
+def _bookings_of(url: str, lane: str) -> int:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as connection:
+            query = sa.select(sa.func.count()).where(schema.bookings.c.lane == lane)
+            return int(connection.execute(query).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def history_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:
+    """(4) The same Reserve against a lane with few and with very many bookings
+    inside its window; (5) the rebuild of the large log, and the server's memory."""
+    sizes: dict[str, Any] = {}
+    for count in (plan.history_small_bookings, plan.history_large_bookings):
+        try:
+            sizes[str(count)] = _history_size(plan, generator, workdir, count)
+        except Exception as error:
+            log.exception("history %d failed", count)
+            sizes[str(count)] = {"failed": f"{type(error).__name__}: {error}"}
+    result: dict[str, Any] = {
+        "small_bookings": plan.history_small_bookings,
+        "large_bookings": plan.history_large_bookings,
+        "sizes": sizes,
+    }
+    large = sizes[str(plan.history_large_bookings)]
+    if "failed" in large:
+        result["rebuild"] = {"failed": "no large history to rebuild"}
+        return result
+    log.info("rebuilding the projections of %d events", large["seed"]["events"])
+    try:
+        result["rebuild"] = rebuild.measure(
+            large["database_url"],
+            large["seed"]["events"],
+            replay_max_events=plan.replay_max_events,
+            timeout_seconds=plan.rebuild_timeout_seconds,
+        )
+    except Exception as error:
+        log.exception("rebuild failed")
+        result["rebuild"] = {"failed": f"{type(error).__name__}: {error}"}
+    return result

@@ -1,0 +1,122 @@
+"""`make bench` still runs: the quick plan, without PostgreSQL, end to end.
+
+It checks that every scenario produced its figures and that nothing failed,
+never how fast anything was: speed is never asserted in a test, the benchmark
+itself is the measure (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+from ledger_service.bench import __main__ as bench
+
+# The quick run takes about half a minute on a busy 2-core machine.
+RUN_TIMEOUT_SECONDS = 240
+
+LOAD_KEYS = {
+    "kind",
+    "processes",
+    "in_flight",
+    "calls",
+    "elapsed_seconds",
+    "throughput_per_second",
+    "latency",
+    "first_rpc",
+    "errors",
+    "denied",
+    "warmup_calls",
+    "dropped_samples",
+    "stopped_by_max_calls",
+}
+PERCENTILE_KEYS = {"count", "p50_ms", "p90_ms", "p99_ms", "max_ms", "mean_ms"}
+MACHINE_KEYS = {"nproc", "cpu_model", "memory_bytes", "python", "grpcio", "sqlite", "postgresql"}
+
+
+def _check_phase(figures: dict[str, Any], where: str) -> None:
+    assert "failed" not in figures, f"{where}: {figures.get('failed')}"
+    assert figures.keys() >= LOAD_KEYS, f"{where} lacks {LOAD_KEYS - figures.keys()}"
+    assert figures["latency"].keys() >= PERCENTILE_KEYS, where
+    assert figures["elapsed_seconds"] > 0, where
+
+
+def _run_quick(output: pathlib.Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ledger_service.bench",
+            "--quick",
+            "--skip-postgres",
+            "--output-dir",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_SECONDS,
+        check=False,
+    )
+    written = sorted(output.glob("bench-*.json"))
+    assert len(written) == 1, f"no JSON written:\n{completed.stderr[-3000:]}"
+    return completed, json.loads(written[0].read_text(encoding="utf-8"))
+
+
+def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
+    completed, results = _run_quick(tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "targets met:" in completed.stdout
+
+    assert results["machine"].keys() >= MACHINE_KEYS
+    assert results["plan"]["name"] == "quick"
+    scenarios = results["scenarios"]
+    for name in ("single_1", "pair_1", "single_saturated", "pair_saturated"):
+        _check_phase(scenarios["echo"]["phases"][name], f"echo {name}")
+    for name in ("reserve_1", "reserve_settle_1", "reserve_settle_saturated"):
+        _check_phase(scenarios["sqlite"]["phases"][name], f"sqlite {name}")
+    assert scenarios["postgres"] == {"skipped": "--skip-postgres"}
+
+    history = scenarios["history"]
+    assert (history["small_bookings"], history["large_bookings"]) == (100, 10_000)
+    for count in ("100", "10000"):
+        size = history["sizes"][count]
+        assert "failed" not in size, size.get("failed")
+        assert size["seed"]["bookings"] == int(count)
+        assert size["seed"]["checked_bookings"] > 0
+        assert size["bookings_after_run"] >= int(count)
+        assert size["server_after_run"]["rss_bytes"] > 0
+        for name in ("reserve_1", "reserve_saturated"):
+            _check_phase(size["phases"][name], f"history {count} {name}")
+
+    rebuild = history["rebuild"]
+    assert "failed" not in rebuild, rebuild.get("failed")
+    assert rebuild["events"] >= 2 * 10_000 and rebuild["events_per_second"] > 0
+    assert rebuild["replay"]["events"] > 0
+
+    assert len(results["targets"]) == 5
+    assert {row["scenario"] for row in results["table"]} >= {
+        "echo, 1 client",
+        "sqlite Reserve, 1 client",
+        "rebuild from the log (events/s)",
+    }
+
+
+def test_documented_commands_are_real() -> None:
+    """docs/benchmarks.md cannot rot: each command it shows parses, or is a make target."""
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+    makefile = doc.parent.parent / "Makefile"
+    commands = [
+        line.removeprefix("$ ").split()
+        for line in doc.read_text(encoding="utf-8").splitlines()
+        if line.startswith("$ ")
+    ]
+    assert commands, "docs/benchmarks.md shows no commands"
+    for words in commands:
+        if words[0] == "make":
+            assert f"\n{words[1]}:" in makefile.read_text(encoding="utf-8"), words
+            continue
+        assert words[1:3] == ["-m", "ledger_service.bench"], words
+        bench.parser().parse_args(words[3:])
