@@ -96,10 +96,11 @@ class ProgressPrinter:
         self._printed = now
         # The caller's clock when it has one (it started before the first batch).
         elapsed = elapsed_seconds if elapsed_seconds > 0 else now - self._started
-        rate = done / max(elapsed, 1e-3)
         share = 100 * done // total if total else 100
+        # A rate over a few milliseconds says nothing (40,001 events "at 40M/s").
+        rate = f", {done / elapsed:,.0f}/s" if elapsed >= 0.1 else ""
         stream = self._stream or sys.stderr
-        print(f"{phase}: {done}/{total} ({share}%), {rate:,.0f}/s", file=stream, flush=True)
+        print(f"{phase}: {done}/{total} ({share}%){rate}", file=stream, flush=True)
 
 
 @contextmanager
