@@ -33,7 +33,7 @@ from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.grants import Keyring, Scope
 from ledger_service.domain.recovery import RecoveryPolicy
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
-from ledger_service.settings import Settings, is_loopback
+from ledger_service.settings import Settings, grpc_server_options, is_loopback
 from ledger_service.storage import database, keyring, migrate
 from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
@@ -121,11 +121,7 @@ class LedgerServer:
                 self._messages,
             ],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-            options=[
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
-                ("grpc.max_send_message_length", settings.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-            ],
+            options=grpc_server_options(settings),
         )
         ledger_pb2_grpc.add_LedgerServicer_to_server(
             LedgerServicer(self.ledger, settings, Auditor(self.store, self.clock)), server

@@ -139,6 +139,16 @@ def _numbers_from_environment() -> dict[str, object]:
     return values
 
 
+def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
+    """The channel options of the ledger's grpc.server; the benchmark's echo
+    baseline uses the same ones (without importing the server)."""
+    return [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
 def is_loopback(listen: str) -> bool:
     """Whether HOST:PORT listens on loopback only (127.0.0.0/8, ::1, localhost)."""
     host = listen.rsplit(":", 1)[0] if ":" in listen else listen

@@ -4,7 +4,7 @@ It runs in a process of its own, with the same `grpc.server` construction as
 `LedgerServer._build_grpc_server` (thread pool size, maximum concurrent RPCs,
 channel options, registered method handlers) and no interceptors, no database
 and no work: what it sustains is what the transport sustains on this machine.
-Keep `server_options` in step with server.py.
+The channel options come from `settings.grpc_server_options`, as the server's do.
 
     python -m ledger_service.bench.echo --listen 127.0.0.1:0
 """
@@ -21,7 +21,7 @@ from types import FrameType
 
 import grpc
 
-from ledger_service.settings import Settings
+from ledger_service.settings import Settings, grpc_server_options
 
 SERVICE = "ledger.bench.v1.Echo"
 METHOD = "Echo"
@@ -34,21 +34,12 @@ def echo(request: bytes, _context: grpc.ServicerContext) -> bytes:
     return request
 
 
-def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """The channel options LedgerServer passes to grpc.server."""
-    return [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-
-
 def build_server(settings: Settings) -> grpc.Server:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
         interceptors=[],
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-        options=server_options(settings),
+        options=grpc_server_options(settings),
     )
     # Bytes in, bytes out: no (de)serializer, as cheap as a method can be.
     handlers = {METHOD: grpc.unary_unary_rpc_method_handler(echo)}
