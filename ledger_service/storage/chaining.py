@@ -13,24 +13,36 @@ transaction's own earlier appends.
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, bindparam, select, update
 
 from ledger_service.domain import chain
 from ledger_service.domain.errors import RecoveryRequired
 from ledger_service.domain.events import Event
+from ledger_service.storage.prepared import Statements
 from ledger_service.storage.schema import events, projection_position
 
 POSITION_ROW_ID = 1
 STATE_CURRENT = "current"
 STATE_REBUILDING = "rebuilding"
 
+_STATEMENTS = Statements(
+    head=select(events.c.hash)
+    .where(events.c.lane == bindparam("lane"))
+    .order_by(events.c.seq.desc())
+    .limit(1),
+    advance=update(projection_position)
+    .where(
+        projection_position.c.id == POSITION_ROW_ID,
+        projection_position.c.state == STATE_CURRENT,
+    )
+    .values(last_seq=bindparam("seq")),
+)
+
 
 def lane_head(connection: Connection, lane: str) -> str:
     """The hash of the lane's last event, or "" when it has none."""
-    found = connection.execute(
-        select(events.c.hash).where(events.c.lane == lane).order_by(events.c.seq.desc()).limit(1)
-    ).scalar_one_or_none()
-    return found or chain.GENESIS_HASH
+    row = _STATEMENTS("head", connection).one(connection, {"lane": lane})
+    return (row[0] if row is not None else None) or chain.GENESIS_HASH
 
 
 def seal(connection: Connection, event: Event) -> Event:
@@ -41,13 +53,5 @@ def advance_position(connection: Connection, seq: int) -> None:
     """Records that the projections now include event `seq`, in the append's
     transaction. Refuses (and so rolls the append back) unless the projections
     are current: a rebuild is running, or the marker is gone."""
-    result = connection.execute(
-        update(projection_position)
-        .where(
-            projection_position.c.id == POSITION_ROW_ID,
-            projection_position.c.state == STATE_CURRENT,
-        )
-        .values(last_seq=seq)
-    )
-    if result.rowcount != 1:
+    if _STATEMENTS("advance", connection).run(connection, {"seq": seq}) != 1:
         raise RecoveryRequired()

@@ -1,17 +1,27 @@
 """Group commit for SQLite: many moves, one durable transaction, one fsync.
 
 SQLite has one writer at a time and every durable commit costs an fsync
-(synchronous=FULL). Rather than trading durability for speed, one writer
-thread takes the moves queued while the previous batch was committing, runs
-each inside its own SAVEPOINT (so one move's refusal rolls back only that
-move), and commits them together. No caller is answered before the commit
-that holds its move is on disk.
+(synchronous=FULL). Rather than trading durability for speed, moves that
+arrive while a commit is on its way are committed together in the next one.
+No caller is answered before the commit that holds its move is on disk.
+
+There is no writer thread: the first caller to find no commit under way
+becomes the leader and commits, in its own thread, every move queued by then
+(its own first). Callers arriving meanwhile queue; when the leader is done it
+hands the lead to the oldest of them, which commits all the queued moves in
+one transaction. A lone caller thus pays no hand-off between threads (measured:
+a Reserve+Settle pair in-process 3.6 ms through a writer thread, 2.8 ms
+leading its own commit), and a busy server still commits in batches.
+
+Each move of a batch of several runs inside its own SAVEPOINT, so one move's
+refusal rolls back only that move. A batch of one needs none: a refused move
+rolls back the transaction.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -25,75 +35,107 @@ from ledger_service.domain.errors import LedgerError, StoreUnavailable
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+# A caller whose move was taken into a batch waits this much past its deadline
+# for that batch's commit before it gives up (the move may still commit: the
+# caller retries with the same id, and idempotency answers it).
+COMMIT_GRACE_SECONDS = 1.0
+
 
 class _Move(Generic[T]):
+    __slots__ = ("deadline", "error", "finished", "lead", "result", "wake", "work")
+
     def __init__(self, work: Callable[[Connection], T], deadline: float) -> None:
         self.work = work
         self.deadline = deadline
-        self.done = threading.Event()
+        self.wake = threading.Event()
+        self.lead = False
+        self.finished = False
         self.result: T | None = None
         self.error: BaseException | None = None
 
     def finish(self, result: T | None = None, error: BaseException | None = None) -> None:
-        self.result, self.error = result, error
-        self.done.set()
+        self.result, self.error, self.finished = result, error, True
+        self.wake.set()
 
 
 class GroupCommitter:
     def __init__(self, engine: Engine, *, max_batch: int = 64, max_queue: int = 1024) -> None:
         self._engine = engine
         self._max_batch = max_batch
-        self._queue: queue.Queue[_Move[Any] | None] = queue.Queue(maxsize=max_queue)
+        self._max_queue = max_queue
+        self._mutex = threading.Lock()
+        self._queue: collections.deque[_Move[Any]] = collections.deque()
+        self._leading = False
         self._stopped = False
-        self._writer = threading.Thread(target=self._run, name="group-commit", daemon=True)
-        self._writer.start()
+        self._idle = threading.Condition(self._mutex)
 
     def submit(self, work: Callable[[Connection], T], deadline: float) -> T:
         """Runs `work` in the next batch and returns once that batch is durable."""
-        if self._stopped:
-            raise StoreUnavailable()
         move: _Move[T] = _Move(work, deadline)
-        try:
-            self._queue.put(move, timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Full:
-            raise StoreUnavailable() from None
-        if not move.done.wait(timeout=max(0.0, deadline - time.monotonic()) + 1.0):
-            # The move may still commit later; the caller retries with the same id.
-            raise StoreUnavailable()
+        with self._mutex:
+            if self._stopped or len(self._queue) >= self._max_queue:
+                raise StoreUnavailable()
+            self._queue.append(move)
+            if not self._leading:
+                self._leading = move.lead = True
+        if not move.lead:
+            self._follow(move)
+        if move.lead:
+            self._lead()
         if move.error is not None:
             raise move.error
         return move.result  # type: ignore[return-value]
 
-    def close(self) -> None:
-        self._stopped = True
-        self._queue.put(None)
-        self._writer.join(timeout=10)
-
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
+    def _follow(self, move: _Move[Any]) -> None:
+        """Waits until the move is committed or this caller is handed the lead."""
+        if move.wake.wait(timeout=max(0.0, move.deadline - time.monotonic())):
+            return
+        with self._mutex:
+            if move.lead or move.finished:
                 return
-            batch = [first]
-            while len(batch) < self._max_batch:
-                try:
-                    move = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if move is None:
-                    self._queue.put(None)  # stop after this batch
-                    break
-                batch.append(move)
+            if move in self._queue:
+                # Not taken yet: withdraw it, nothing was written.
+                self._queue.remove(move)
+                raise StoreUnavailable()
+        # Taken into a batch that is committing: wait for it a little longer.
+        move.wake.wait(timeout=COMMIT_GRACE_SECONDS)
+        if not move.finished:
+            raise StoreUnavailable()
+
+    def _lead(self) -> None:
+        """Commits one batch (the leader's own move is its first), then hands
+        the lead to the oldest move still queued."""
+        with self._mutex:
+            batch = [self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))]
+        try:
             self._commit(batch)
+        finally:
+            with self._mutex:
+                if self._queue:
+                    successor = self._queue[0]
+                    successor.lead = True
+                    successor.wake.set()
+                else:
+                    self._leading = False
+                    self._idle.notify_all()
+
+    def close(self, timeout_seconds: float = 10.0) -> None:
+        """Refuses new moves and waits for those under way."""
+        with self._mutex:
+            self._stopped = True
+            self._idle.wait_for(lambda: not self._leading, timeout=timeout_seconds)
 
     def _commit(self, batch: list[_Move[Any]]) -> None:
         outcomes: list[tuple[_Move[Any], Any, BaseException | None]] = []
+        savepoints = len(batch) > 1
         try:
             with self._engine.connect() as connection:
                 connection = connection.execution_options(ledger_write=True)
-                with connection.begin():
+                with connection.begin() as transaction:
                     for move in batch:
-                        outcomes.append((move, *self._one(connection, move)))
+                        outcomes.append((move, *self._one(connection, move, savepoints)))
+                    if not savepoints and outcomes[0][2] is not None:
+                        transaction.rollback()  # the lone move was refused
         except (DBAPIError, LedgerError) as error:
             log.warning("group commit of %d moves failed: %s", len(batch), type(error).__name__)
             for move in batch:
@@ -108,20 +150,20 @@ class GroupCommitter:
             move.finish(result, failure)
 
     @staticmethod
-    def _one(connection: Connection, move: _Move[Any]) -> tuple[Any, BaseException | None]:
+    def _one(
+        connection: Connection, move: _Move[Any], savepoint: bool
+    ) -> tuple[Any, BaseException | None]:
         if time.monotonic() > move.deadline:
             return None, StoreUnavailable()  # its caller has given up: do not book it
-        savepoint = connection.begin_nested()
+        nested = connection.begin_nested() if savepoint else None
         try:
             result = move.work(connection)
-        except LedgerError as error:
-            savepoint.rollback()
-            return None, error
-        except DBAPIError as error:
-            savepoint.rollback()
-            return None, StoreUnavailable().with_traceback(error.__traceback__)
         except Exception as error:
-            savepoint.rollback()
+            if nested is not None:
+                nested.rollback()
+            if isinstance(error, DBAPIError):
+                return None, StoreUnavailable().with_traceback(error.__traceback__)
             return None, error
-        savepoint.commit()
+        if nested is not None:
+            nested.commit()
         return result, None

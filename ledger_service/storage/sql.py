@@ -9,7 +9,7 @@ on PostgreSQL an advisory transaction lock covers the append and the commit.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import random
 import threading
@@ -40,7 +40,7 @@ from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import Event
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
-from ledger_service.storage import chaining, records
+from ledger_service.storage import chaining, prepared, records
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 
@@ -136,46 +136,89 @@ class SqlStore:
         self._engine.dispose()
 
 
-_INSERT_EVENT = insert(events).returning(events.c.seq)
 _OF_MEMBERS = bookings.c.lane.in_(bindparam("members", expanding=True))
+_OF_LANE = bookings.c.lane == bindparam("lane")
 _IS_OPEN = bookings.c.state == "open"
-_STORED_SUMS = select(
-    func.coalesce(func.sum(bookings.c.amount_nanos), 0),
-    func.coalesce(func.sum(case((_IS_OPEN, bookings.c.amount_nanos), else_=0)), 0),
-    func.coalesce(func.sum(case((_IS_OPEN, 1), else_=0)), 0),
-).where(
-    _OF_MEMBERS,
-    bookings.c.reserved_at_us > bindparam("after"),
-    bookings.c.reserved_at_us <= bindparam("until"),
-)
-_OVERDUE = select(
-    func.coalesce(func.sum(bookings.c.amount_nanos), 0),
-    func.coalesce(
-        func.sum(case((bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=0)), 0
-    ),
-    func.count(),
-).where(
-    _OF_MEMBERS,
-    _IS_OPEN,
-    bookings.c.expires_at_us <= bindparam("now"),
-    # "+ 0" keeps the planners off the (lane, reserved_at) index, which would
-    # walk the whole window: open holds past their deadline are few (the
-    # sweeper ends them within a second) and (lane, state, expires_at) finds them.
-    bookings.c.reserved_at_us + 0 > bindparam("window_start"),
-    bookings.c.reserved_at_us + 0 <= bindparam("now"),
-)
 
 
-@functools.cache
-def _upsert_statement(
-    table: Any, keys: tuple[str, ...], columns: tuple[str, ...], is_sqlite: bool
-) -> Any:
-    dialect_insert = sqlite.insert if is_sqlite else postgresql.insert
-    statement = dialect_insert(table)
-    return statement.on_conflict_do_update(
-        index_elements=list(keys),
-        set_={name: statement.excluded[name] for name in columns if name not in keys},
+def _stored_sums(of_budget: Any) -> Any:
+    return select(
+        func.coalesce(func.sum(bookings.c.amount_nanos), 0),
+        func.coalesce(func.sum(case((_IS_OPEN, bookings.c.amount_nanos), else_=0)), 0),
+        func.coalesce(func.sum(case((_IS_OPEN, 1), else_=0)), 0),
+    ).where(
+        of_budget,
+        bookings.c.reserved_at_us > bindparam("after"),
+        bookings.c.reserved_at_us <= bindparam("until"),
     )
+
+
+def _overdue(of_budget: Any) -> Any:
+    return select(
+        func.coalesce(func.sum(bookings.c.amount_nanos), 0),
+        func.coalesce(
+            func.sum(case((bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=0)),
+            0,
+        ),
+        func.count(),
+    ).where(
+        of_budget,
+        _IS_OPEN,
+        bookings.c.expires_at_us <= bindparam("now"),
+        # "+ 0" keeps the planners off the (lane, reserved_at) index, which would
+        # walk the whole window: open holds past their deadline are few (the
+        # sweeper ends them within a second) and (lane, state, expires_at) finds them.
+        bookings.c.reserved_at_us + 0 > bindparam("window_start"),
+        bookings.c.reserved_at_us + 0 <= bindparam("now"),
+    )
+
+
+# A budget of several lanes (a parent) binds its members as an expanding IN
+# and runs through SQLAlchemy; a lane's own budget (most moves) runs prepared.
+_STORED_SUMS = _stored_sums(_OF_MEMBERS)
+_OVERDUE = _overdue(_OF_MEMBERS)
+_EVENT_COLUMNS = tuple(column.name for column in events.c if column.name != "seq")
+
+
+def _upsert(table: Any, keys: tuple[str, ...]) -> Callable[[str], Any]:
+    def build(dialect_name: str) -> Any:
+        dialect_insert = sqlite.insert if dialect_name == "sqlite" else postgresql.insert
+        statement = dialect_insert(table).values(
+            {column.name: bindparam(column.name) for column in table.c}
+        )
+        return statement.on_conflict_do_update(
+            index_elements=list(keys),
+            set_={
+                column.name: statement.excluded[column.name]
+                for column in table.c
+                if column.name not in keys
+            },
+        )
+
+    return build
+
+
+# The statements of every move, compiled once per dialect (storage/prepared.py).
+_HOT = prepared.Statements(
+    lane=select(lanes).where(lanes.c.lane == bindparam("lane")),
+    lane_for_update=select(lanes).where(lanes.c.lane == bindparam("lane")).with_for_update(),
+    children=select(lanes.c.lane).where(lanes.c.parent == bindparam("parent")),
+    booking=select(bookings).where(
+        bookings.c.lane == bindparam("lane"),
+        bookings.c.reservation_id == bindparam("reservation_id"),
+    ),
+    window_state=select(window_states).where(window_states.c.lane == bindparam("lane")),
+    stored_sums=_stored_sums(_OF_LANE),
+    overdue=_overdue(_OF_LANE),
+    append_lock=select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))),
+    insert_event=insert(events)
+    .values({name: bindparam(name) for name in _EVENT_COLUMNS})
+    .returning(events.c.seq),
+    event=select(events).where(events.c.seq == bindparam("seq")),
+    save_lane=_upsert(lanes, ("lane",)),
+    save_booking=_upsert(bookings, ("lane", "reservation_id")),
+    save_window_state=_upsert(window_states, ("lane",)),
+)
 
 
 class SqlTransaction:
@@ -188,14 +231,12 @@ class SqlTransaction:
     # Lanes -----------------------------------------------------------------
 
     def lock_lane(self, lane: str) -> LanePolicy | None:
-        statement = select(lanes).where(lanes.c.lane == lane)
-        if not self._sqlite:
-            statement = statement.with_for_update()
-        row = self._connection.execute(statement).mappings().first()
+        name = "lane" if self._sqlite else "lane_for_update"
+        row = _HOT(name, self._connection).mapping(self._connection, {"lane": lane})
         return records.lane_from_row(row) if row is not None else None
 
     def get_lane(self, lane: str) -> LanePolicy | None:
-        row = self._connection.execute(select(lanes).where(lanes.c.lane == lane)).mappings().first()
+        row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
         return records.lane_from_row(row) if row is not None else None
 
     def list_lanes(self, after_lane: str, limit: int) -> Sequence[LanePolicy]:
@@ -205,40 +246,33 @@ class SqlTransaction:
         return [records.lane_from_row(row) for row in rows]
 
     def save_lane(self, policy: LanePolicy) -> None:
-        values = records.lane_values(policy)
-        self._upsert(lanes, values, ["lane"])
+        _HOT("save_lane", self._connection).run(self._connection, records.lane_values(policy))
 
     # Bookings --------------------------------------------------------------
 
     def get_booking(self, lane: str, reservation_id: str) -> Booking | None:
-        row = (
-            self._connection.execute(
-                select(bookings).where(
-                    bookings.c.lane == lane, bookings.c.reservation_id == reservation_id
-                )
-            )
-            .mappings()
-            .first()
+        row = _HOT("booking", self._connection).mapping(
+            self._connection, {"lane": lane, "reservation_id": reservation_id}
         )
         return records.booking_from_row(row) if row is not None else None
 
     def save_booking(self, booking: Booking) -> None:
-        self._upsert(bookings, records.booking_values(booking), ["lane", "reservation_id"])
-
-    def _upsert(self, table: Any, values: dict[str, Any], keys: list[str]) -> None:
-        # Built once per table and dialect and executed with parameters: building
-        # a statement per call cost more than running it (profiled).
-        statement = _upsert_statement(table, tuple(keys), tuple(values), self._sqlite)
-        self._connection.execute(statement, values)
+        values = records.booking_values(booking)
+        _HOT("save_booking", self._connection).run(self._connection, values)
 
     def subtree(self, lane: str, max_depth: int) -> Sequence[Sequence[str]]:
+        children_of = _HOT("children", self._connection)
         levels: list[list[str]] = [[lane]]
         seen = {lane}
         while len(levels) < max_depth:
-            rows = self._connection.execute(
-                select(lanes.c.lane).where(lanes.c.parent.in_(levels[-1])).order_by(lanes.c.lane)
+            children = sorted(
+                {
+                    name
+                    for parent in levels[-1]
+                    for (name,) in children_of.all(self._connection, {"parent": parent})
+                }
+                - seen
             )
-            children = [name for (name,) in rows if name not in seen]
             if not children:
                 break
             seen.update(children)
@@ -254,18 +288,22 @@ class SqlTransaction:
             self._members[lane] = members
         return members
 
+    def _single(self, lane: str) -> bool:
+        """Whether the lane's budget is its own bookings only (no lanes below it)."""
+        return self._budget_lanes(lane) == [lane]
+
     def _of_budget(self, lane: str) -> Any:
         members = self._budget_lanes(lane)
         return bookings.c.lane == lane if len(members) == 1 else bookings.c.lane.in_(members)
 
     def window_state(self, lane: str) -> WindowState | None:
-        row = self._connection.execute(
-            select(window_states).where(window_states.c.lane == lane)
-        ).first()
+        row = _HOT("window_state", self._connection).mapping(self._connection, {"lane": lane})
         if row is None:
             return None
-        sums = StoredSums(int(row.amount_nanos), int(row.open_amount_nanos), int(row.open_bookings))
-        return WindowState(lane, int(row.window_us), int(row.as_of_us), sums)
+        sums = StoredSums(
+            int(row["amount_nanos"]), int(row["open_amount_nanos"]), int(row["open_bookings"])
+        )
+        return WindowState(lane, int(row["window_us"]), int(row["as_of_us"]), sums)
 
     def save_window_state(self, state: WindowState) -> None:
         values = {
@@ -276,7 +314,7 @@ class SqlTransaction:
             "open_amount_nanos": state.sums.open_amount_nanos,
             "open_bookings": state.sums.open_bookings,
         }
-        self._upsert(window_states, values, ["lane"])
+        _HOT("save_window_state", self._connection).run(self._connection, values)
 
     def drop_window_states(self, lanes: Sequence[str]) -> None:
         self._members.clear()
@@ -286,17 +324,34 @@ class SqlTransaction:
     def stored_sums(self, lane: str, after_us: int, until_us: int) -> StoredSums:
         if after_us >= until_us:
             return StoredSums()
-        parameters = {"members": self._budget_lanes(lane), "after": after_us, "until": until_us}
-        row = self._connection.execute(_STORED_SUMS, parameters).one()
+        if self._single(lane):
+            row = _HOT("stored_sums", self._connection).one(
+                self._connection, {"lane": lane, "after": after_us, "until": until_us}
+            )
+        else:
+            parameters = {
+                "members": self._budget_lanes(lane),
+                "after": after_us,
+                "until": until_us,
+            }
+            row = self._connection.execute(_STORED_SUMS, parameters).one()
+        assert row is not None
         return StoredSums(int(row[0]), int(row[1]), int(row[2]))
 
     def overdue(self, lane: str, now_us: int, window_us: int) -> Overdue:
-        parameters = {
-            "members": self._budget_lanes(lane),
-            "now": now_us,
-            "window_start": now_us - window_us,
-        }
-        row = self._connection.execute(_OVERDUE, parameters).one()
+        window_start = now_us - window_us
+        if self._single(lane):
+            row = _HOT("overdue", self._connection).one(
+                self._connection, {"lane": lane, "now": now_us, "window_start": window_start}
+            )
+        else:
+            parameters = {
+                "members": self._budget_lanes(lane),
+                "now": now_us,
+                "window_start": window_start,
+            }
+            row = self._connection.execute(_OVERDUE, parameters).one()
+        assert row is not None
         return Overdue(int(row[0]), int(row[1]), int(row[2]))
 
     def _in_window(self, lane: str, now_us: int, window_us: int) -> Any:
@@ -357,18 +412,22 @@ class SqlTransaction:
     def append(self, event: Event) -> Event:
         if not self._sqlite and not self._append_locked:
             # Held to commit: seqs become visible in the order they were given.
-            self._connection.execute(
-                select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY)))
-            )
+            _HOT("append_lock", self._connection).one(self._connection, {})
             self._append_locked = True
         # After the lock: the lane's last hash is read where no append can race it.
         event = chaining.seal(self._connection, event)
-        seq = self._connection.execute(_INSERT_EVENT, records.event_values(event)).scalar_one()
+        values = records.event_values(event)
+        row = _HOT("insert_event", self._connection).one(self._connection, values)
+        assert row is not None
+        seq = int(row[0])
         chaining.advance_position(self._connection, seq)
-        return records.event_from_row({**records.event_values(event), "seq": seq})
+        if event.policy is not None:
+            # As a reader will see it: the policy through its JSON column.
+            return records.event_from_row({**values, "seq": seq})
+        return dataclasses.replace(event, seq=seq)
 
     def get_event(self, seq: int) -> Event | None:
-        row = self._connection.execute(select(events).where(events.c.seq == seq)).mappings().first()
+        row = _HOT("event", self._connection).mapping(self._connection, {"seq": seq})
         return records.event_from_row(row) if row is not None else None
 
     def list_events(self, query: EventQuery) -> Sequence[Event]:
