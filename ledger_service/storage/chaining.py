@@ -8,7 +8,8 @@ on what it is checking. The read is consistent because appends are serialized:
 on PostgreSQL by the advisory lock `append` takes first (held to commit, and a
 READ COMMITTED statement after it sees every earlier append), on SQLite by the
 database's single writer. Inside one transaction it also sees the
-transaction's own earlier appends.
+transaction's own earlier appends. A writer that remembers the head it wrote
+last (storage/sql.py, WriterMemo) reads it only once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from sqlalchemy import Connection, bindparam, select, update
 
 from ledger_service.domain import chain
 from ledger_service.domain.errors import RecoveryRequired
-from ledger_service.domain.events import Event
 from ledger_service.storage.prepared import Statements
 from ledger_service.storage.schema import events, projection_position
 
@@ -43,10 +43,6 @@ def lane_head(connection: Connection, lane: str) -> str:
     """The hash of the lane's last event, or "" when it has none."""
     row = _STATEMENTS("head", connection).one(connection, {"lane": lane})
     return (row[0] if row is not None else None) or chain.GENESIS_HASH
-
-
-def seal(connection: Connection, event: Event) -> Event:
-    return chain.sealed(event, lane_head(connection, event.lane))
 
 
 def advance_position(connection: Connection, seq: int) -> None:

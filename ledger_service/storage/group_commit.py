@@ -16,6 +16,12 @@ leading its own commit), and a busy server still commits in batches.
 Each move of a batch of several runs inside its own SAVEPOINT, so one move's
 refusal rolls back only that move. A batch of one needs none: a refused move
 rolls back the transaction.
+
+All batches run on one connection, kept for the committer's life (and
+replaced after a database error): leaders follow one another, never overlap.
+`on_begin` runs first in every batch's transaction and `on_failure` after a
+batch or one of its moves failed; the store keeps its writer's memo with them
+(storage/sql.py).
 """
 
 from __future__ import annotations
@@ -59,8 +65,19 @@ class _Move(Generic[T]):
 
 
 class GroupCommitter:
-    def __init__(self, engine: Engine, *, max_batch: int = 64, max_queue: int = 1024) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_batch: int = 64,
+        max_queue: int = 1024,
+        on_begin: Callable[[Connection], None] = lambda _connection: None,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
         self._engine = engine
+        self._on_begin = on_begin
+        self._on_failure = on_failure
+        self._connection: Connection | None = None
         self._max_batch = max_batch
         self._max_queue = max_queue
         self._mutex = threading.Lock()
@@ -124,28 +141,49 @@ class GroupCommitter:
         with self._mutex:
             self._stopped = True
             self._idle.wait_for(lambda: not self._leading, timeout=timeout_seconds)
+            if not self._leading:
+                self._disconnect()
+
+    def _connect(self) -> Connection:
+        if self._connection is None:
+            self._connection = self._engine.connect().execution_options(ledger_write=True)
+        return self._connection
+
+    def _disconnect(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                connection.close()
+            except DBAPIError:
+                log.warning("closing the writer's connection failed", exc_info=True)
 
     def _commit(self, batch: list[_Move[Any]]) -> None:
         outcomes: list[tuple[_Move[Any], Any, BaseException | None]] = []
         savepoints = len(batch) > 1
         try:
-            with self._engine.connect() as connection:
-                connection = connection.execution_options(ledger_write=True)
-                with connection.begin() as transaction:
-                    for move in batch:
-                        outcomes.append((move, *self._one(connection, move, savepoints)))
-                    if not savepoints and outcomes[0][2] is not None:
-                        transaction.rollback()  # the lone move was refused
+            connection = self._connect()
+            with connection.begin() as transaction:
+                self._on_begin(connection)
+                for move in batch:
+                    outcomes.append((move, *self._one(connection, move, savepoints)))
+                if not savepoints and outcomes[0][2] is not None:
+                    transaction.rollback()  # the lone move was refused
         except (DBAPIError, LedgerError) as error:
             log.warning("group commit of %d moves failed: %s", len(batch), type(error).__name__)
+            self._on_failure()
+            self._disconnect()
             for move in batch:
                 move.finish(error=StoreUnavailable())
             return
         except BaseException as error:  # a bug: never leave a caller waiting
             log.exception("group commit failed")
+            self._on_failure()
+            self._disconnect()
             for move in batch:
                 move.finish(error=error)
             return
+        if any(failure is not None for _, _, failure in outcomes):
+            self._on_failure()
         for move, result, failure in outcomes:
             move.finish(result, failure)
 

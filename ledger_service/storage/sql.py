@@ -35,6 +35,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.application.ports import EventQuery, StateTally, StoreTransaction
+from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import Event
@@ -71,9 +72,16 @@ class SqlStore:
         self._max_retries = max_transaction_retries
         self._deadline_seconds = request_deadline_seconds
         self._sqlite_writer = threading.Lock()
-        # SQLite: moves queued while a commit is on its way share the next one.
+        # SQLite: moves queued while a commit is on its way share the next one,
+        # and the one writer keeps what it knows between transactions.
+        self._memo = WriterMemo()
         self._committer = (
-            GroupCommitter(engine, max_batch=group_commit_batch)
+            GroupCommitter(
+                engine,
+                max_batch=group_commit_batch,
+                on_begin=self._memo.begin,
+                on_failure=self._memo.clear,
+            )
             if self._sqlite and group_commit_batch > 1
             else None
         )
@@ -106,7 +114,7 @@ class SqlStore:
     def _run_once(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
         if self._committer is not None and write:
             return self._committer.submit(
-                lambda connection: work(SqlTransaction(connection, True)), deadline
+                lambda connection: work(SqlTransaction(connection, True, self._memo)), deadline
             )
         if self._sqlite and write:
             if not self._sqlite_writer.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -211,6 +219,7 @@ _HOT = prepared.Statements(
     stored_sums=_stored_sums(_OF_LANE),
     overdue=_overdue(_OF_LANE),
     append_lock=select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))),
+    data_version=text("PRAGMA data_version"),
     insert_event=insert(events)
     .values({name: bindparam(name) for name in _EVENT_COLUMNS})
     .returning(events.c.seq),
@@ -221,19 +230,67 @@ _HOT = prepared.Statements(
 )
 
 
+class WriterMemo:
+    """What a writer knows of the projections it wrote: lane policies, budget
+    members, each lane's chain head and kept window, so that a move need not
+    read them again.
+
+    A transaction's own memo (the default) lives as long as the transaction,
+    whose locks keep it true. SQLite's group committer keeps one memo across
+    its transactions: it is this process's only writer, and at the start of
+    every batch SQLite says whether any other connection committed since
+    (PRAGMA data_version, which changes on every commit but the connection's
+    own); if one did, the memo is dropped. It is dropped too when a move or
+    a batch fails, since what it holds may then never have been committed.
+    Bounded: past MAX_ENTRIES entries in all it starts afresh.
+    """
+
+    MAX_ENTRIES = 40_000
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, LanePolicy] = {}
+        self.members: dict[str, list[str]] = {}
+        self.heads: dict[str, str] = {}
+        self.windows: dict[str, WindowState] = {}
+        self._data_version: int | None = None
+
+    def begin(self, connection: Connection) -> None:
+        """At the start of a batch's transaction (SQLite)."""
+        row = _HOT("data_version", connection).one(connection, {})
+        version = int(row[0]) if row is not None else None
+        size = len(self.lanes) + len(self.members) + len(self.heads) + len(self.windows)
+        if version != self._data_version or size > self.MAX_ENTRIES:
+            self.clear()
+            self._data_version = version
+
+    def clear(self) -> None:
+        self.lanes.clear()
+        self.members.clear()
+        self.heads.clear()
+        self.windows.clear()
+
+
 class SqlTransaction:
-    def __init__(self, connection: Connection, is_sqlite: bool) -> None:
+    def __init__(
+        self, connection: Connection, is_sqlite: bool, memo: WriterMemo | None = None
+    ) -> None:
         self._connection = connection
         self._sqlite = is_sqlite
         self._append_locked = False
-        self._members: dict[str, list[str]] = {}
+        self._memo = memo if memo is not None else WriterMemo()
 
     # Lanes -----------------------------------------------------------------
 
     def lock_lane(self, lane: str) -> LanePolicy | None:
-        name = "lane" if self._sqlite else "lane_for_update"
-        row = _HOT(name, self._connection).mapping(self._connection, {"lane": lane})
-        return records.lane_from_row(row) if row is not None else None
+        # Known only once locked: in this transaction, or by SQLite's one writer.
+        policy = self._memo.lanes.get(lane)
+        if policy is None:
+            name = "lane" if self._sqlite else "lane_for_update"
+            row = _HOT(name, self._connection).mapping(self._connection, {"lane": lane})
+            if row is None:
+                return None
+            policy = self._memo.lanes[lane] = records.lane_from_row(row)
+        return policy
 
     def get_lane(self, lane: str) -> LanePolicy | None:
         row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
@@ -247,6 +304,8 @@ class SqlTransaction:
 
     def save_lane(self, policy: LanePolicy) -> None:
         _HOT("save_lane", self._connection).run(self._connection, records.lane_values(policy))
+        self._memo.lanes[policy.lane] = policy
+        self._memo.members.clear()
 
     # Bookings --------------------------------------------------------------
 
@@ -282,10 +341,10 @@ class SqlTransaction:
     def _budget_lanes(self, lane: str) -> list[str]:
         # A budget's members do not change inside a move (PutLane drops its kept
         # windows), so one look per transaction is enough.
-        members = self._members.get(lane)
+        members = self._memo.members.get(lane)
         if members is None:
             members = [name for level in self.subtree(lane, MAX_BUDGET_DEPTH) for name in level]
-            self._members[lane] = members
+            self._memo.members[lane] = members
         return members
 
     def _single(self, lane: str) -> bool:
@@ -297,13 +356,18 @@ class SqlTransaction:
         return bookings.c.lane == lane if len(members) == 1 else bookings.c.lane.in_(members)
 
     def window_state(self, lane: str) -> WindowState | None:
+        known = self._memo.windows.get(lane)
+        if known is not None:
+            return known
         row = _HOT("window_state", self._connection).mapping(self._connection, {"lane": lane})
         if row is None:
             return None
         sums = StoredSums(
             int(row["amount_nanos"]), int(row["open_amount_nanos"]), int(row["open_bookings"])
         )
-        return WindowState(lane, int(row["window_us"]), int(row["as_of_us"]), sums)
+        state = WindowState(lane, int(row["window_us"]), int(row["as_of_us"]), sums)
+        self._memo.windows[lane] = state
+        return state
 
     def save_window_state(self, state: WindowState) -> None:
         values = {
@@ -315,9 +379,12 @@ class SqlTransaction:
             "open_bookings": state.sums.open_bookings,
         }
         _HOT("save_window_state", self._connection).run(self._connection, values)
+        self._memo.windows[state.lane] = state
 
     def drop_window_states(self, lanes: Sequence[str]) -> None:
-        self._members.clear()
+        self._memo.members.clear()
+        for lane in lanes:
+            self._memo.windows.pop(lane, None)
         if lanes:
             self._connection.execute(delete(window_states).where(window_states.c.lane.in_(lanes)))
 
@@ -415,16 +482,21 @@ class SqlTransaction:
             _HOT("append_lock", self._connection).one(self._connection, {})
             self._append_locked = True
         # After the lock: the lane's last hash is read where no append can race it.
-        event = chaining.seal(self._connection, event)
+        previous = self._memo.heads.get(event.lane)
+        if previous is None:
+            previous = chaining.lane_head(self._connection, event.lane)
+        digest = chain.event_hash(previous, event)
         values = records.event_values(event)
+        values["hash"], values["previous_hash"] = digest, previous
         row = _HOT("insert_event", self._connection).one(self._connection, values)
         assert row is not None
         seq = int(row[0])
         chaining.advance_position(self._connection, seq)
+        self._memo.heads[event.lane] = digest
         if event.policy is not None:
             # As a reader will see it: the policy through its JSON column.
             return records.event_from_row({**values, "seq": seq})
-        return dataclasses.replace(event, seq=seq)
+        return dataclasses.replace(event, seq=seq, hash=digest, previous_hash=previous)
 
     def get_event(self, seq: int) -> Event | None:
         row = _HOT("event", self._connection).mapping(self._connection, {"seq": seq})

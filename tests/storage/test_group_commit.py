@@ -1,0 +1,187 @@
+"""SQLite's group commit and the memo its one writer keeps between transactions.
+
+The committer: concurrent moves share transactions, one move's refusal rolls
+back only that move, a lone refused move leaves nothing behind, a move whose
+caller gave up before it was taken is never written. The memo: whatever
+another connection commits (another process on the same file, a recovery)
+is seen by the next move, never a remembered policy, chain head or window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import Connection
+
+from ledger_service.application.ledger import Ledger
+from ledger_service.application.verification import Verifier
+from ledger_service.domain import moves
+from ledger_service.domain.clock import ManualClock
+from ledger_service.domain.errors import InvalidArgument, StoreUnavailable
+from ledger_service.domain.events import EventKind, Outcome
+from ledger_service.storage import database, migrate
+from ledger_service.storage.group_commit import GroupCommitter
+from ledger_service.storage.recovery import SqlRecoveryStore
+from ledger_service.storage.sql import SqlStore
+from tests.storage.conftest import RECALL, START_US
+
+NOTES = sa.table("notes", sa.column("name"))
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[sa.Engine]:
+    engine = database.create(f"sqlite:///{tmp_path}/commit.db", database.EngineLimits())
+    with engine.begin() as connection:
+        connection.execute(sa.text("CREATE TABLE notes (name TEXT NOT NULL)"))
+    yield engine
+    engine.dispose()
+
+
+def _note(name: str) -> object:
+    def work(connection: Connection) -> str:
+        connection.execute(sa.insert(NOTES).values(name=name))
+        return name
+
+    return work
+
+
+def _refused(name: str) -> object:
+    def work(connection: Connection) -> str:
+        connection.execute(sa.insert(NOTES).values(name=name))
+        raise InvalidArgument("name", "refused after writing")
+
+    return work
+
+
+def _names(engine: sa.Engine) -> list[str]:
+    with engine.connect() as connection:
+        return sorted(connection.execute(sa.select(NOTES.c.name)).scalars())
+
+
+def _soon() -> float:
+    return time.monotonic() + 10.0
+
+
+def test_a_lone_refused_move_leaves_nothing(engine: sa.Engine) -> None:
+    committer = GroupCommitter(engine)
+    try:
+        with pytest.raises(InvalidArgument):
+            committer.submit(_refused("gone"), _soon())  # type: ignore[arg-type]
+        assert committer.submit(_note("kept"), _soon()) == "kept"  # type: ignore[arg-type]
+    finally:
+        committer.close()
+    assert _names(engine) == ["kept"]
+
+
+def test_concurrent_moves_share_commits_and_a_refusal_stays_its_own(engine: sa.Engine) -> None:
+    batches: list[int] = []
+    committer = GroupCommitter(engine, on_begin=lambda connection: batches.append(len(batches)))
+    callers = 24
+    start = threading.Barrier(callers)
+    outcomes: dict[int, object] = {}
+
+    def caller(number: int) -> None:
+        start.wait()
+        work = _refused if number % 4 == 0 else _note
+        try:
+            outcomes[number] = committer.submit(work(f"n{number:02}"), _soon())  # type: ignore[arg-type]
+        except InvalidArgument as error:
+            outcomes[number] = error
+
+    threads = [threading.Thread(target=caller, args=(number,)) for number in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    committer.close()
+
+    written = [f"n{number:02}" for number in range(callers) if number % 4]
+    assert _names(engine) == written
+    assert all(isinstance(outcomes[number], InvalidArgument) for number in range(0, callers, 4))
+    assert [outcomes[number] for number in range(callers) if number % 4] == written
+    # 24 callers released together cannot all have been lone commits.
+    assert len(batches) < callers
+
+
+def test_a_move_whose_caller_gave_up_before_it_was_taken_is_never_written(
+    engine: sa.Engine,
+) -> None:
+    committer = GroupCommitter(engine)
+    leader_inside = threading.Event()
+    release = threading.Event()
+
+    def slow(connection: Connection) -> str:
+        leader_inside.set()
+        release.wait(timeout=10)
+        connection.execute(sa.insert(NOTES).values(name="slow"))
+        return "slow"
+
+    leader = threading.Thread(target=committer.submit, args=(slow, _soon()))
+    leader.start()
+    assert leader_inside.wait(timeout=10)
+    with pytest.raises(StoreUnavailable):
+        committer.submit(_note("late"), time.monotonic() + 0.05)  # type: ignore[arg-type]
+    release.set()
+    leader.join(timeout=10)
+    committer.submit(_note("after"), _soon())  # type: ignore[arg-type]
+    committer.close()
+    assert _names(engine) == ["after", "slow"]
+
+
+def test_a_closed_committer_refuses_moves(engine: sa.Engine) -> None:
+    committer = GroupCommitter(engine)
+    committer.close()
+    with pytest.raises(StoreUnavailable):
+        committer.submit(_note("x"), _soon())  # type: ignore[arg-type]
+
+
+# The writer's memo ---------------------------------------------------------------
+
+
+def _ledger(url: str, clock: ManualClock) -> tuple[Ledger, SqlStore]:
+    engine = database.create(url, database.EngineLimits())
+    migrate.upgrade(engine)
+    store = SqlStore(engine, request_deadline_seconds=10.0)
+    return Ledger(store, clock, verify_windows=True), store
+
+
+def _reserve(ledger: Ledger, rid: str, request_bytes: int = 4_000) -> EventKind:
+    command = moves.ReserveCommand(RECALL.lane, rid, "jev", request_bytes, 100)
+    return ledger.reserve(command).event.kind
+
+
+def test_a_second_writer_on_the_same_file_is_seen_by_the_next_move(tmp_path: Path) -> None:
+    """Two stores on one SQLite file stand for two processes. Each remembers
+    what it wrote; what the other commits must win."""
+    url = f"sqlite:///{tmp_path}/shared.db"
+    clock = ManualClock(START_US)
+    first, first_store = _ledger(url, clock)
+    second, second_store = _ledger(url, clock)
+    try:
+        first.put_lane(RECALL)
+        # Both writers learn the lane, its chain head and its window.
+        for number in range(3):
+            assert _reserve(first, f"a{number}") is EventKind.RESERVED
+            clock.advance_us(1_000)
+            assert _reserve(second, f"b{number}") is EventKind.RESERVED
+            clock.advance_us(1_000)
+        # The second shrinks the limit below what is held; the first must see it.
+        second.put_lane(dataclasses.replace(RECALL, limit_nanos=1))
+        clock.advance_us(1_000)
+        assert _reserve(first, "after-shrink") is EventKind.DENIED
+        # The first settles; the second's window must include it.
+        first.settle(moves.SettleCommand(RECALL.lane, "a0", Outcome.SUCCEEDED, 10, 10))
+        clock.advance_us(1_000)
+        assert _reserve(second, "after-settle") is EventKind.DENIED
+        assert first.balance(RECALL.lane) == second.balance(RECALL.lane)
+        report = Verifier(SqlRecoveryStore(first_store.engine)).verify(clock.now_us())
+        assert report.ok, report
+    finally:
+        first_store.close()
+        second_store.close()
