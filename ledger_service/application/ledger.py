@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ledger_service.application.budgets import BudgetWindow, open_window, record_windows
 from ledger_service.application.ports import EventQuery, Store, StoreTransaction
@@ -406,9 +406,10 @@ def _event(tx: StoreTransaction, seq: int) -> Event:
     return event
 
 
-def _with_balance(event: Event, policy: LanePolicy, totals: WindowTotals) -> Event:
+def _with_balance(event: Event, policy: LanePolicy, totals: WindowTotals, **changes: Any) -> Event:
     return dataclasses.replace(
         event,
+        **changes,
         spent_after_nanos=totals.spent_nanos,
         held_after_nanos=totals.held_nanos,
         charged_after_nanos=totals.charged_nanos,
@@ -433,9 +434,7 @@ def record_booking_event(
     for window in windows:
         window.change(before, preview, now_us)
     lane = windows[0]
-    stored = tx.append(
-        _with_balance(dataclasses.replace(event, trace_id=trace_id), lane.policy, lane.totals)
-    )
+    stored = tx.append(_with_balance(event, lane.policy, lane.totals, trace_id=trace_id))
     after = bookings.apply(stored, before)
     tx.save_booking(after)
     record_windows(tx, windows)
