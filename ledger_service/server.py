@@ -24,6 +24,7 @@ from ledger_service.api import tracing
 from ledger_service.api.auth import AuthInterceptor
 from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.gate import RecoveryGateInterceptor
+from ledger_service.api.pipeline import MethodPipeline
 from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
 from ledger_service.application.audit import Auditor
 from ledger_service.application.ledger import Ledger
@@ -109,17 +110,19 @@ class LedgerServer:
 
     def _build_grpc_server(self) -> grpc.Server:
         settings = self.settings
+        # Tracing outermost, so a call refused by auth or the error table is
+        # traced with its status; the message observer innermost, on decoded messages.
+        chain = [
+            self._tracing,
+            ErrorInterceptor(),
+            *self._auth_interceptors(),
+            RecoveryGateInterceptor(self.guard.is_ready, self.guard.required),
+            self._messages,
+        ]
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
-            # Tracing outermost, so a call refused by auth or the error table is
-            # traced with its status; the message observer innermost, on decoded messages.
-            interceptors=[
-                self._tracing,
-                ErrorInterceptor(),
-                *self._auth_interceptors(),
-                RecoveryGateInterceptor(self.guard.is_ready, self.guard.required),
-                self._messages,
-            ],
+            # Composed once per method, not on every call (api/pipeline.py).
+            interceptors=[MethodPipeline(chain)],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             options=grpc_server_options(settings),
         )
@@ -157,6 +160,10 @@ class LedgerServer:
         if self.port == 0:
             raise RuntimeError(f"could not listen on {self.settings.listen}")
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
+        # Python's 5 ms switch interval is kept on purpose: 0.5 ms (sys.setswitchinterval)
+        # was measured on 2026-11-30 and did not lower the one-client Reserve p50 (SQLite,
+        # 3.14 -> 3.31 ms; a 150 us writer-thread handoff, 1.16 -> 1.22 ms; medians of 6
+        # interleaved rounds on the shared 2-core machine).
         self._server.start()
         self.guard.start()
         self._check_database()

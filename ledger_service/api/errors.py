@@ -132,11 +132,19 @@ def _decoding(behaviour: Behaviour, decode: Callable[[bytes], Any] | None) -> Be
         return behaviour
 
     def decoded(request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, bytes):
-            return behaviour(_decode(request, decode, context), context)
-        return behaviour((_decode(item, decode, context) for item in request), context)
+        return behaviour(decode_request(request, decode, context), context)
 
     return decoded
+
+
+def decode_request(
+    request: Any, decode: Callable[[bytes], Any], context: grpc.ServicerContext
+) -> Any:
+    """The decoded request, or a stream that decodes each message as it is read.
+    Ends the call with INVALID_ARGUMENT (a constant text) on bytes that do not decode."""
+    if isinstance(request, bytes):
+        return _decode(request, decode, context)
+    return (_decode(item, decode, context) for item in request)
 
 
 def _decode(raw: bytes, decode: Callable[[bytes], Any], context: grpc.ServicerContext) -> Any:

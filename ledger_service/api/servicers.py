@@ -77,15 +77,11 @@ class LedgerServicer(pb_grpc.LedgerServicer):
 
     def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
         result = self._ledger.settle(convert.settle_command(request), trace_id_of(context))
-        return pb.SettleResponse(
-            charged_nanos=result.charged_nanos,
-            balance=convert.balance(result.balance),
-            state=convert.booking_state(result.state),
-        )
+        return convert.settle_response(result)
 
     def Refund(self, request: pb.RefundRequest, context: grpc.ServicerContext) -> pb.RefundResponse:
         result = self._ledger.refund(convert.refund_command(request), trace_id_of(context))
-        return pb.RefundResponse(balance=convert.balance(result.balance))
+        return convert.refund_response(result)
 
     def GetBalance(
         self, request: pb.GetBalanceRequest, context: grpc.ServicerContext

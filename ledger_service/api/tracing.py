@@ -20,7 +20,11 @@ call is traced with the status code the caller got.
 
 Cost: with no exporter the tracer samples nothing (spans are non-recording but
 still carry trace ids) and there is no meter, so a call pays for a traceparent
-parse, two random ids and a context switch, and builds no attributes at all.
+parse (only when one came in), two random ids and a context switch, and builds
+no attributes at all. Both interceptors read everything that varies from call to
+call (the metadata, the peer) inside the wrapped behaviour, never while choosing
+the handler, so one wrapper serves every call of a method
+(`pipeline.MethodPipeline` builds it once).
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ RESERVE_METHOD = "/ledger.v1.Ledger/Reserve"
 ENDING_METHODS = frozenset({"/ledger.v1.Ledger/Settle", "/ledger.v1.Ledger/Refund"})
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+TRACEPARENT_KEY = "traceparent"
 _RECORD_KEY = otel_context.create_key("ledger-call-record")
+# The parent of a call that brought no traceparent: an empty context, never changed
+# (set_value and set_span_in_context copy it), so one serves every such call.
+_NO_PARENT = Context()
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
@@ -209,13 +217,10 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         full_name = handler_call_details.method
         if handler is None or full_name.startswith(UNTRACED_SERVICES):
             return handler
-        method = self._method(full_name)
-        metadata = handler_call_details.invocation_metadata or ()
-        parent = _PROPAGATOR.extract(metadata, context=Context(), getter=_GETTER)
         return replace_behaviour(
             handler,
-            unary=lambda behaviour: self._traced_unary(behaviour, method, parent),
-            stream=lambda behaviour: self._traced_stream(behaviour, method, parent),
+            unary=lambda behaviour: self._traced_unary(behaviour, full_name),
+            stream=lambda behaviour: self._traced_stream(behaviour, full_name),
             request_deserializer=handler.request_deserializer,
         )
 
@@ -235,8 +240,11 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return method
 
     def _start(
-        self, method: _Method, parent: Context, context: grpc.ServicerContext
-    ) -> tuple[trace.Span, CallRecord | None, Context]:
+        self, full_name: str, context: grpc.ServicerContext
+    ) -> tuple[_Method, trace.Span, CallRecord | None, Context]:
+        # Looked up per call, not captured by the wrapper: listening_on may come later.
+        method = self._method(full_name)
+        parent = _parent_of(context.invocation_metadata())
         span = self._tracer.start_span(
             method.name, context=parent, kind=trace.SpanKind.SERVER, attributes=method.attributes
         )
@@ -246,9 +254,9 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 span.set_attribute(key, value)
         call_context = trace.set_span_in_context(span, parent)
         if not recording and self._metrics is None:
-            return span, None, call_context
+            return method, span, None, call_context
         record = CallRecord()
-        return span, record, otel_context.set_value(_RECORD_KEY, record, call_context)
+        return method, span, record, otel_context.set_value(_RECORD_KEY, record, call_context)
 
     def _finish(
         self,
@@ -270,10 +278,10 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             elapsed_ms = (time.perf_counter_ns() - started_ns) / 1e6
             self._metrics.record(method, code, elapsed_ms, record)
 
-    def _traced_unary(self, behaviour: Behaviour, method: _Method, parent: Context) -> Behaviour:
+    def _traced_unary(self, behaviour: Behaviour, full_name: str) -> Behaviour:
         def traced(request: Any, context: grpc.ServicerContext) -> Any:
             started_ns = time.perf_counter_ns()
-            span, record, call_context = self._start(method, parent, context)
+            method, span, record, call_context = self._start(full_name, context)
             token = otel_context.attach(call_context)
             code = grpc.StatusCode.UNKNOWN
             try:
@@ -289,12 +297,10 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         return traced
 
-    def _traced_stream(
-        self, behaviour: Behaviour, method: _Method, parent: Context
-    ) -> Callable[..., Iterator[Any]]:
+    def _traced_stream(self, behaviour: Behaviour, full_name: str) -> Callable[..., Iterator[Any]]:
         def traced(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             started_ns = time.perf_counter_ns()
-            span, record, call_context = self._start(method, parent, context)
+            method, span, record, call_context = self._start(full_name, context)
             code = grpc.StatusCode.UNKNOWN
             responses: Iterator[Any] = iter(())
             try:
@@ -324,6 +330,20 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 self._finish(method, span, record, code, started_ns)
 
         return traced
+
+
+def _parent_of(metadata: Metadata | None) -> Context:
+    """The caller's span context from a W3C `traceparent`, if one came in.
+
+    Most calls bring none: looking for the header first spares them the
+    propagator (which reads `tracestate` only after a valid `traceparent`).
+    """
+    if not metadata:
+        return _NO_PARENT
+    for name, _value in metadata:
+        if name == TRACEPARENT_KEY:
+            return _PROPAGATOR.extract(metadata, context=Context(), getter=_GETTER)
+    return _NO_PARENT
 
 
 def _attached(call_context: Context, work: Callable[[], Any]) -> Any:
