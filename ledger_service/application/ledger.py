@@ -20,7 +20,7 @@ from ledger_service.domain import bookings, moves
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.clock import Clock
 from ledger_service.domain.errors import BookingNotFound, InvalidArgument, LaneNotFound
-from ledger_service.domain.events import Event, EventKind, Outcome
+from ledger_service.domain.events import Event, EventKind, Outcome, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_to_dict
 from ledger_service.domain.window import Balance, WindowTotals
 
@@ -407,7 +407,7 @@ def _event(tx: StoreTransaction, seq: int) -> Event:
 
 
 def _with_balance(event: Event, policy: LanePolicy, totals: WindowTotals, **changes: Any) -> Event:
-    return dataclasses.replace(
+    return evolve(
         event,
         **changes,
         spent_after_nanos=totals.spent_nanos,

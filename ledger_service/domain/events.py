@@ -86,3 +86,19 @@ class Event:
     hash: str = ""
     # Assigned by the store when the event is appended; 0 before.
     seq: int = 0
+
+
+_FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(Event))
+# evolve() holds only while Event's __init__ does nothing but store every field.
+assert not hasattr(Event, "__post_init__") and not hasattr(Event, "__slots__")
+
+
+def evolve(event: Event, **changes: Any) -> Event:
+    """dataclasses.replace(event, **changes), built directly: replace calls
+    __init__ with all 40 fields, ~15 us, and a move makes several copies."""
+    unknown = changes.keys() - _FIELD_NAMES
+    if unknown:
+        raise TypeError(f"Event has no fields {sorted(unknown)}")
+    copy: Event = object.__new__(Event)
+    copy.__dict__.update(event.__dict__, **changes)
+    return copy

@@ -14,6 +14,7 @@ parameters hidden), so callers keep one error model.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ class Prepared:
         self.sql = str(compiled)
         self._positional = bool(compiled.positional)
         self._names: tuple[str, ...] = tuple(compiled.positiontup or ())
+        self._in_order = operator.itemgetter(*self._names) if self._names else None
         # Values fixed in the statement itself (a LIMIT, a literal), by name.
         self._fixed = {name: value for name, value in compiled.params.items() if value is not None}
         self._dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
@@ -41,9 +43,12 @@ class Prepared:
     def _parameters(self, values: Mapping[str, Any]) -> Any:
         if self._fixed:
             values = {**self._fixed, **values}
-        if self._positional:
-            return tuple(values[name] for name in self._names)
-        return values
+        if not self._positional:
+            return values
+        if self._in_order is None:
+            return ()
+        ordered = self._in_order(values)
+        return ordered if len(self._names) > 1 else (ordered,)
 
     def cursor(self, connection: Connection, values: Mapping[str, Any]) -> Any:
         """Runs the statement in the connection's transaction; returns the cursor."""

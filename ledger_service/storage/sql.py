@@ -9,7 +9,6 @@ on PostgreSQL an advisory transaction lock covers the append and the commit.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import threading
@@ -38,7 +37,7 @@ from ledger_service.application.ports import EventQuery, StateTally, StoreTransa
 from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import LedgerError, StoreUnavailable
-from ledger_service.domain.events import Event
+from ledger_service.domain.events import Event, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 from ledger_service.storage import chaining, prepared, records
@@ -496,7 +495,7 @@ class SqlTransaction:
         if event.policy is not None:
             # As a reader will see it: the policy through its JSON column.
             return records.event_from_row({**values, "seq": seq})
-        return dataclasses.replace(event, seq=seq, hash=digest, previous_hash=previous)
+        return evolve(event, seq=seq, hash=digest, previous_hash=previous)
 
     def get_event(self, seq: int) -> Event | None:
         row = _HOT("event", self._connection).mapping(self._connection, {"seq": seq})
