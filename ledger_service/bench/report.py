@@ -178,6 +178,8 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
         )
     )
 
+    rows.append(_commit_floor_row(scenarios, echo_1))
+
     mix_1 = phase(scenarios, *sqlite, "reserve_settle_1")
     row = _load_row(scenarios, "sqlite Reserve+Settle, 1 client", (*sqlite, "reserve_settle_1"))
     rows.append(
@@ -208,6 +210,21 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
     rows += _rebuild_rows(scenarios, targets)
     rows += _memory_rows(scenarios)
     return rows, targets
+
+
+def _commit_floor_row(scenarios: Mapping[str, Any], echo_1: Mapping[str, Any] | None) -> Row:
+    """One durable SQLite commit timed alone, and what a lone Reserve could
+    reach at best: one echo round trip plus that commit."""
+    label = "sqlite durable commit alone (the floor)"
+    floor = phase(scenarios, "sqlite", "commit_floor")
+    if floor is None:
+        return Row(label, notes="not measured")
+    p50 = _p50(floor)
+    echo_p50 = _p50(echo_1)
+    best = None if p50 is None or echo_p50 is None else _ratio(p50 + echo_p50, echo_p50)
+    versus = "" if best is None else f"echo + commit: {best:.2f}x echo"
+    p99 = _float(floor["latency"]["p99_ms"])
+    return Row(label, None, p50, p99, versus, notes=f"n={floor['commits']}, no server")
 
 
 def _postgres_rows(

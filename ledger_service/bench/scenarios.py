@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import pathlib
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -66,6 +67,8 @@ class Plan:
     call_timeout_seconds: float
     rebuild_timeout_seconds: float
     replay_max_events: int
+    # Durable SQLite commits timed alone: the floor under one client's Reserve.
+    commit_floor_commits: int
 
     @property
     def saturating_calls(self) -> int:
@@ -90,6 +93,7 @@ FULL = Plan(
     call_timeout_seconds=10.0,
     rebuild_timeout_seconds=180.0,
     replay_max_events=200_000,
+    commit_floor_commits=2_000,
 )
 
 QUICK = dataclasses.replace(
@@ -106,6 +110,7 @@ QUICK = dataclasses.replace(
     stop_timeout_seconds=15.0,
     rebuild_timeout_seconds=30.0,
     replay_max_events=5_000,
+    commit_floor_commits=50,
 )
 
 
@@ -250,10 +255,44 @@ def _replica(
         yield server
 
 
+# One event's row, about the size the ledger writes (bytes of payload).
+COMMIT_FLOOR_ROW_BYTES = 600
+
+
+def durable_commit_floor(path: pathlib.Path, commits: int) -> dict[str, Any]:
+    """What one durable SQLite commit costs on this disk, with nothing else:
+    WAL, synchronous=FULL, BEGIN IMMEDIATE, one row into a table with one
+    index, COMMIT; each timed end to end. A lone client's Reserve cannot
+    answer sooner than a round trip plus one such commit, since no move is
+    answered before the commit that holds it is on disk."""
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute("PRAGMA synchronous=FULL")
+        connection.execute("CREATE TABLE log (seq INTEGER PRIMARY KEY, lane TEXT, body TEXT)")
+        connection.execute("CREATE INDEX ix_log_lane_seq ON log (lane, seq)")
+        body = "x" * COMMIT_FLOOR_ROW_BYTES
+        samples: list[int] = []
+        for _ in range(commits):
+            started = time.perf_counter_ns()
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute("INSERT INTO log (lane, body) VALUES (?, ?)", ("floor", body))
+            connection.execute("COMMIT")
+            samples.append(time.perf_counter_ns() - started)
+    finally:
+        connection.close()
+    latency = load.Percentiles.of(samples)
+    return {"commits": commits, "latency": dataclasses.asdict(latency)}
+
+
 def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:
     """(2) The ledger on SQLite: Reserve alone at 1 client, Reserve+Settle at 1 and
-    near saturation. Each phase has lanes of its own, so none inherits another's window."""
+    near saturation. Each phase has lanes of its own, so none inherits another's window.
+    Beside them, one durable commit timed alone (the floor under a lone Reserve)."""
     directory = workdir / "sqlite"
+    directory.mkdir(parents=True, exist_ok=True)
+    floor = durable_commit_floor(directory / "commit-floor.db", plan.commit_floor_commits)
+    log.info("durable commit alone: p50 %.3f ms", floor["latency"]["p50_ms"])
     settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
     with _replica(plan, "ledger-sqlite", directory, settings) as server:
         targets = [server.address]
@@ -276,7 +315,7 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
                 _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=spread),
             ),
         }
-        return {"server": _server_facts(server), "phases": phases}
+        return {"server": _server_facts(server), "phases": phases, "commit_floor": floor}
 
 
 def postgres_problem(url: str) -> str | None:
