@@ -193,15 +193,31 @@ class GroupCommitter:
     ) -> tuple[Any, BaseException | None]:
         if time.monotonic() > move.deadline:
             return None, StoreUnavailable()  # its caller has given up: do not book it
-        nested = connection.begin_nested() if savepoint else None
+        # Issued on the driver's connection: through SQLAlchemy's begin_nested a
+        # savepoint and its release were 29% of the server's GIL time at 16
+        # calls in flight (py-spy --gil), most of it compiling the two statements.
+        if savepoint:
+            _driver_execute(connection, "SAVEPOINT move")
         try:
             result = move.work(connection)
         except Exception as error:
-            if nested is not None:
-                nested.rollback()
+            if savepoint:
+                _driver_execute(connection, "ROLLBACK TO SAVEPOINT move")
+                _driver_execute(connection, "RELEASE SAVEPOINT move")
             if isinstance(error, DBAPIError):
                 return None, StoreUnavailable().with_traceback(error.__traceback__)
             return None, error
-        if nested is not None:
-            nested.commit()
+        if savepoint:
+            _driver_execute(connection, "RELEASE SAVEPOINT move")
         return result, None
+
+
+def _driver_execute(connection: Connection, sql: str) -> None:
+    """Runs a statement on the driver's connection, inside the transaction
+    SQLAlchemy began on it; driver errors are raised as DBAPIError."""
+    driver = connection.connection.driver_connection
+    dbapi_error: type[Exception] = connection.dialect.loaded_dbapi.Error
+    try:
+        driver.execute(sql)  # type: ignore[union-attr]
+    except dbapi_error as error:
+        raise DBAPIError.instance(sql, None, error, dbapi_error) from error
