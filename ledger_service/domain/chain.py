@@ -21,7 +21,10 @@ import dataclasses
 import enum
 import hashlib
 import json
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from itertools import compress
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from ledger_service.domain.events import Event
@@ -29,6 +32,9 @@ from ledger_service.domain.events import Event
 GENESIS_HASH = ""
 _NOT_HASHED = frozenset({"seq", "hash", "previous_hash"})
 _EVENT_FIELDS = tuple(field for field in dataclasses.fields(Event) if field.name not in _NOT_HASHED)
+# Shapes (see `_Shape`) are few: one per kind and set of fields in use. Past
+# this many, texts are still made the same way, only not kept.
+MAX_SHAPES = 4096
 
 
 def plain(value: Any) -> Any:
@@ -48,9 +54,8 @@ def plain(value: Any) -> Any:
     return value
 
 
-def canonical_json(value: Any) -> str:
-    """Compact JSON with sorted keys: one text for one value, on every machine."""
-    return json.dumps(plain(value), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def _default_of(field: dataclasses.Field[Any]) -> Any:
@@ -61,17 +66,202 @@ def _default_of(field: dataclasses.Field[Any]) -> Any:
     return dataclasses.MISSING
 
 
+# The fast encoding --------------------------------------------------------------
+#
+# The chain is checked at every rebuild, so an event's text must cost little.
+# It is the same text as `_dumps(plain(...))` (tests/domain/test_chain_canonical.py
+# keeps that reference and compares), made without building a dict: an object's
+# field values are read in sorted-key order in one call, and the values' types
+# (and, for events, which values are falsy, i.e. at their default) pick a cached
+# template for str.format, e.g. '{{"amount_nanos":{0},"kind":"{7._value_}",...}}'.
+# Integers and enums of plain string values are written by str.format itself;
+# strings (escaped) and anything else (through the reference) by a converter
+# each, into slots after the values.
+
+
+def _reference_text(value: Any) -> str:
+    return _dumps(plain(value))
+
+
+def _bool_text(value: bool) -> str:
+    return "true" if value else "false"
+
+
+# How one field is written after its key: a constant text, the value as
+# str.format writes it (an attribute of it), or the text of a converter.
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    key: str = ""
+    constant: str | None = None
+    direct: str | None = None  # "" the value itself, or ".attribute"
+    converter: Callable[[Any], str] | None = None
+    quote: str = ""
+
+
+_LEFT_OUT = _Piece()
+
+
+def _braced(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+class _Shape:
+    """A template for objects whose fields have these types (and, for events,
+    whose values are falsy in these places)."""
+
+    __slots__ = ("converted", "converters", "template")
+
+    def __init__(self, pieces: Sequence[_Piece]) -> None:
+        parts: list[str] = []
+        converters: list[Callable[[Any], str]] = []
+        converted: list[bool] = []
+        # Converted values go in slots after the values themselves.
+        slot = len(pieces)
+        for index, piece in enumerate(pieces):
+            converted.append(piece.converter is not None)
+            if not piece.key:  # left out: at its default
+                continue
+            if piece.constant is not None:
+                parts.append(_braced(piece.key + piece.constant))
+                continue
+            if piece.direct is not None:
+                field = f"{{{index}{piece.direct}}}"
+            else:
+                assert piece.converter is not None
+                converters.append(piece.converter)
+                field = f"{{{slot}}}"
+                slot += 1
+            parts.append(_braced(piece.key + piece.quote) + field + _braced(piece.quote))
+        self.template = "{{" + ",".join(parts) + "}}"
+        self.converters = tuple(converters)
+        self.converted = tuple(converted)
+
+    def text(self, values: tuple[Any, ...]) -> str:
+        if not self.converters:
+            return self.template.format(*values)
+        return self.template.format(
+            *values, *map(operator.call, self.converters, compress(values, self.converted))
+        )
+
+
+_enum_pieces: dict[type[Any], bool] = {}
+
+
+def _piece(name: str, kind: type[Any], truthy: bool | None = None) -> _Piece:
+    """How a value of exactly this type is written, after its key (`truthy`:
+    whether it is, when known)."""
+    key = encode_basestring_ascii(name) + ":"
+    if kind is type(None):
+        return _Piece(key, constant="null")
+    if kind is int:
+        # str.format writes an int as repr does, as json does.
+        return _Piece(key, direct="")
+    if kind is str:
+        return _Piece(key, converter=encode_basestring_ascii)
+    if kind is bool:
+        if truthy is None:
+            return _Piece(key, converter=_bool_text)
+        return _Piece(key, constant=_bool_text(truthy))
+    if isinstance(kind, type) and issubclass(kind, enum.Enum) and _plain_enum(kind):
+        return _Piece(key, direct="._value_", quote='"')
+    if dataclasses.is_dataclass(kind) and not issubclass(kind, enum.Enum):
+        return _Piece(key, converter=_dataclass_text)
+    return _Piece(key, converter=_reference_text)
+
+
+def _plain_enum(kind: type[enum.Enum]) -> bool:
+    """Whether every value is a str that JSON writes as it is, in quotes: then
+    a member is written as its `_value_` (its `value` is a property)."""
+    plain_values = _enum_pieces.get(kind)
+    if plain_values is None:
+        values = [member._value_ for member in kind]
+        plain_values = all(type(value) is str and _dumps(value) == f'"{value}"' for value in values)
+        _enum_pieces[kind] = plain_values
+    return plain_values
+
+
+class _DataclassEncoder:
+    __slots__ = ("names", "shapes", "values")
+
+    def __init__(self, kind: type[Any]) -> None:
+        self.names = tuple(sorted(field.name for field in dataclasses.fields(kind)))
+        self.values = operator.attrgetter(*self.names) if self.names else None
+        self.shapes: dict[tuple[type[Any], ...], _Shape] = {}
+
+    def text(self, value: Any) -> str:
+        if self.values is None:
+            return "{}"
+        values = self.values(value)
+        if len(self.names) == 1:
+            values = (values,)
+        types = tuple(map(type, values))
+        shape = self.shapes.get(types)
+        if shape is None:
+            shape = _Shape(
+                [_piece(name, kind) for name, kind in zip(self.names, types, strict=True)]
+            )
+            if len(self.shapes) < MAX_SHAPES:
+                self.shapes[types] = shape
+        return shape.text(values)
+
+
+_dataclass_encoders: dict[type[Any], _DataclassEncoder] = {}
+
+
+def _dataclass_text(value: Any) -> str:
+    kind = type(value)
+    encoder = _dataclass_encoders.get(kind)
+    if encoder is None:
+        encoder = _DataclassEncoder(kind)
+        if len(_dataclass_encoders) < MAX_SHAPES:
+            _dataclass_encoders[kind] = encoder
+    return encoder.text(value)
+
+
+def canonical_json(value: Any) -> str:
+    """Compact JSON with sorted keys: one text for one value, on every machine."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type | enum.Enum):
+        return _dataclass_text(value)
+    return _reference_text(value)
+
+
+_HASHED_NAMES = tuple(sorted(field.name for field in _EVENT_FIELDS))
+_hashed_values = operator.attrgetter(*_HASHED_NAMES)
+_FIELD_DEFAULTS = {field.name: _default_of(field) for field in _EVENT_FIELDS}
+_HASHED_DEFAULTS = tuple(_FIELD_DEFAULTS[name] for name in _HASHED_NAMES)
+_event_shapes: dict[tuple[tuple[type[Any], ...], tuple[bool, ...]], _Shape] = {}
+# canonical_event tells a value at its default by its type and truth, which
+# holds for these defaults only (the one falsy value of their type).
+assert all(
+    default is dataclasses.MISSING
+    or (type(default) in (int, str, bool, type(None)) and not default)
+    for default in _HASHED_DEFAULTS
+), "an Event field's default is not 0, '', False or None: extend canonical_event"
+
+
+def _event_shape(types: tuple[type[Any], ...], truths: tuple[bool, ...]) -> _Shape:
+    pieces: list[_Piece] = []
+    for name, kind, truthy, default in zip(
+        _HASHED_NAMES, types, truths, _HASHED_DEFAULTS, strict=True
+    ):
+        # A field is left out only at its default, of the default's very type
+        # (0 and None, 0 and False stay apart); a MISSING default never matches.
+        # For the defaults' types (int 0, str "", None) falsy is at the default.
+        at_default = kind is type(default) and not truthy
+        pieces.append(_LEFT_OUT if at_default else _piece(name, kind, truthy))
+    return _Shape(pieces)
+
+
 def canonical_event(event: Event) -> str:
     """The hashed text of an event (see the module docstring)."""
-    data: dict[str, Any] = {}
-    for field in _EVENT_FIELDS:
-        value = getattr(event, field.name)
-        default = _default_of(field)
-        # `type(...) is` keeps 0 and None (and 0 and False) apart.
-        if default is not dataclasses.MISSING and type(value) is type(default) and value == default:
-            continue
-        data[field.name] = value
-    return canonical_json(data)
+    values = _hashed_values(event)
+    key = (tuple(map(type, values)), tuple(map(bool, values)))
+    shape = _event_shapes.get(key)
+    if shape is None:
+        shape = _event_shape(*key)
+        if len(_event_shapes) < MAX_SHAPES:
+            _event_shapes[key] = shape
+    return shape.text(values)
 
 
 def event_hash(previous_hash: str, event: Event) -> str:
