@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from ledger_service.domain import bookings as booking_fold
@@ -43,6 +43,13 @@ STATE_REBUILDING = "rebuilding"
 # At most this many chain breaks are named; more are only counted.
 MAX_NAMED_BREAKS = 1000
 FULL_LOG_SOURCE = "log"
+# A rebuild carries the bookings of up to this many batches' worth of events
+# from one batch to the next (see _CarriedBookings).
+CARRIED_BATCHES = 16
+# The size of a rebuild's filter of the booking keys it wrote (a power of two,
+# 2**27 at most): 16 MiB, about one key in 100,000 read back in vain at a
+# million bookings (three bits per key).
+SEEN_FILTER_BITS = 1 << 27
 
 # (phase, done, total, elapsed_seconds)
 ProgressFn = Callable[[str, int, int, float], None]
@@ -292,6 +299,69 @@ def _booking_keys(batch: Sequence[Event]) -> list[tuple[str, str]]:
         and event.kind not in (EventKind.RESERVED, EventKind.DENIED)
     }
     return sorted(keys)
+
+
+def _probes(digest: int, mask: int) -> tuple[int, int, int]:
+    """Three bits of the filter for a key's hash: two slices of it, and a slice
+    of it mixed (Fibonacci hashing) for the third."""
+    mixed = (digest * 0x9E37_79B9_7F4A_7C15) >> 64
+    return digest & mask, (digest >> 27) & mask, mixed & mask
+
+
+class _CarriedBookings:
+    """What a rebuild knows of the bookings it has put in the projections, so
+    that a batch need not read back the bookings its events end.
+
+    The bookings written last are carried, newest last (a booking usually ends
+    soon after it opens), at most `limit` of them. Every key written or restored
+    is also marked in a fixed-size filter (a Bloom filter: no false negatives).
+    A key neither carried nor marked has no booking in the projections, so it is
+    not read either: in a batch that opens a booking and ends it, the ending finds
+    the opening's booking without a read, exactly as the read would have said.
+    While the rebuild holds its claim nothing else writes bookings, so what is
+    carried is what the projections hold.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(limit, 1)
+        self._bookings: dict[tuple[str, str], Booking] = {}
+        self._marks = bytearray(SEEN_FILTER_BITS // 8)
+
+    def mark(self, keys: Iterable[tuple[str, str]]) -> None:
+        marks, mask = self._marks, SEEN_FILTER_BITS - 1
+        for key in keys:
+            digest = hash(key)
+            for bit in _probes(digest, mask):
+                marks[bit >> 3] |= 1 << (bit & 7)
+
+    def _maybe_written(self, key: tuple[str, str]) -> bool:
+        marks, mask, digest = self._marks, SEEN_FILTER_BITS - 1, hash(key)
+        first, second, third = _probes(digest, mask)
+        return bool(
+            marks[first >> 3] & (1 << (first & 7))
+            and marks[second >> 3] & (1 << (second & 7))
+            and marks[third >> 3] & (1 << (third & 7))
+        )
+
+    def known(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> tuple[dict[tuple[str, str], Booking], list[tuple[str, str]]]:
+        """(the carried bookings of `keys`, the keys to read from the projections)."""
+        carried = self._bookings
+        known = {key: carried[key] for key in keys if key in carried}
+        return known, [key for key in keys if key not in known and self._maybe_written(key)]
+
+    def written(self, bookings: Mapping[tuple[str, str], Booking]) -> None:
+        carried = self._bookings
+        for key, booking in bookings.items():
+            carried.pop(key, None)
+            carried[key] = booking
+        self.mark(bookings)
+        if len(carried) > self._limit:
+            # Keep the newest half: dropping one at a time from the front of a
+            # dict costs a scan over the freed slots each time.
+            newest = list(carried.items())[len(carried) - self._limit // 2 :]
+            self._bookings = dict(newest)
 
 
 # The recovery service -------------------------------------------------------------
@@ -558,8 +628,9 @@ class Recovery:
         snapshot = route.snapshot
         position = snapshot.position_seq if snapshot else 0
         self._store.reset_projections(self.owner, position, self._wall.now_us())
+        carried = _CarriedBookings(CARRIED_BATCHES * self.settings.batch_events)
         if snapshot is not None:
-            self._restore(snapshot, progress, started)
+            self._restore(snapshot, progress, started, carried)
         walker = ChainWalker(snapshot.chain_heads if snapshot else None)
         total = self._store.count_events_after(position)
         done = 0
@@ -571,7 +642,9 @@ class Recovery:
                 found = walker.check(event)
                 if found is not None and found.seq not in route.tolerated_breaks:
                     raise ChainBroken(found)
-            known = self._store.bookings_by_key(_booking_keys(batch))
+            known, missing = carried.known(_booking_keys(batch))
+            if missing:
+                known.update(self._store.bookings_by_key(missing))
             lanes, changed = fold_batch(batch, known)
             position = batch[-1].seq
             self._store.apply_batch(
@@ -581,11 +654,18 @@ class Recovery:
                 position,
                 self._wall.now_us(),
             )
+            carried.written(changed)
             done += len(batch)
             progress("replay", done, max(total, done), time.perf_counter() - started)
         return self.projection_digest()
 
-    def _restore(self, snapshot: SnapshotInfo, progress: ProgressFn, started: float) -> None:
+    def _restore(
+        self,
+        snapshot: SnapshotInfo,
+        progress: ProgressFn,
+        started: float,
+        carried: _CarriedBookings,
+    ) -> None:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
         done = 0
         for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
@@ -594,6 +674,7 @@ class Recovery:
             for booking in chunk.bookings:
                 digest.add_booking(booking)
             self._store.restore_chunk(self.owner, chunk, self._wall.now_us())
+            carried.mark((booking.lane, booking.reservation_id) for booking in chunk.bookings)
             done += len(chunk.lanes) + len(chunk.bookings)
             progress("restore", done, snapshot.rows, time.perf_counter() - started)
         if digest.hexdigest() != snapshot.digest:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import (
@@ -27,10 +27,8 @@ from sqlalchemy import (
     literal,
     or_,
     select,
-    tuple_,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -50,7 +48,7 @@ from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.recovery import Manifest
 from ledger_service.domain.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
 from ledger_service.domain.window import WindowTotals
-from ledger_service.storage import records, schema
+from ledger_service.storage import records
 from ledger_service.storage.chaining import POSITION_ROW_ID
 from ledger_service.storage.schema import (
     bookings,
@@ -68,6 +66,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 SNAPSHOT_TAKING = "taking"
 SNAPSHOT_COMPLETE = "complete"
+# Reservation ids per IN (...) when bookings are read by key.
+MAX_KEYS_PER_QUERY = 500
 # How many complete snapshots are ever read: retention keeps fewer.
 MAX_LISTED_SNAPSHOTS = 10
 ANSWER_KINDS = ("reserved", "denied")
@@ -136,10 +136,43 @@ def _facts(connection: Connection) -> LogFacts:
     )
 
 
+class _RebuildSql:
+    """The rebuild's statements as plain SQL, run with tuples of parameters:
+    per row, SQLAlchemy's own parameter handling costs more than the database."""
+
+    def __init__(self, placeholder: str) -> None:
+        self.events_after = (
+            f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
+            f"WHERE seq > {placeholder} ORDER BY seq LIMIT {placeholder}"
+        )
+        self.bookings_in_order = (
+            f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
+            "ORDER BY lane, reservation_id"
+        )
+        self.upsert_lanes = _upsert_sql(lanes, records.LANE_COLUMNS, ("lane",), placeholder)
+        self.upsert_bookings = _upsert_sql(
+            bookings, records.BOOKING_COLUMNS, ("lane", "reservation_id"), placeholder
+        )
+
+
+def _upsert_sql(table: Table, columns: Sequence[str], keys: Sequence[str], placeholder: str) -> str:
+    """INSERT ... ON CONFLICT DO UPDATE, in the syntax SQLite and PostgreSQL share."""
+    assert set(columns) == set(table.c.keys()), f"{table.name}: {columns}"
+    updates = ", ".join(f"{name} = excluded.{name}" for name in columns if name not in keys)
+    return (
+        f"INSERT INTO {table.name} ({', '.join(columns)}) "
+        f"VALUES ({', '.join(placeholder for _ in columns)}) "
+        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
+    )
+
+
 class SqlProjectionView:
-    def __init__(self, connection: Connection, batch_rows: int) -> None:
+    def __init__(
+        self, connection: Connection, batch_rows: int, sql: _RebuildSql | None = None
+    ) -> None:
         self._connection = connection
         self._batch = batch_rows
+        self._sql = sql or _RebuildSql("?" if connection.dialect.paramstyle == "qmark" else "%s")
         self._facts = _facts(connection)
 
     @property
@@ -166,11 +199,12 @@ class SqlProjectionView:
             yield records.lane_from_row(row)
 
     def bookings(self) -> Iterator[Booking]:
-        result = self._connection.execution_options(yield_per=self._batch).execute(
-            select(bookings).order_by(bookings.c.lane, bookings.c.reservation_id)
+        """Every booking, by (lane, reservation_id), `batch_rows` rows in memory at a time."""
+        result = self._connection.execution_options(yield_per=self._batch).exec_driver_sql(
+            self._sql.bookings_in_order
         )
-        for row in result.mappings():
-            yield records.booking_from_row(row)
+        for rows in result.partitions():
+            yield from records.bookings_from_rows(rows)
 
 
 class SqlRecoveryStore:
@@ -178,6 +212,7 @@ class SqlRecoveryStore:
         self._engine = engine
         self._sqlite = engine.dialect.name == "sqlite"
         self._batch = batch_rows
+        self._sql = _RebuildSql("?" if engine.dialect.paramstyle == "qmark" else "%s")
 
     # Transactions -----------------------------------------------------------
 
@@ -217,7 +252,7 @@ class SqlRecoveryStore:
     def view(self) -> Iterator[SqlProjectionView]:
         try:
             with self._reading() as connection:
-                yield SqlProjectionView(connection, self._batch)
+                yield SqlProjectionView(connection, self._batch, self._sql)
         except (DBAPIError, PoolTimeoutError) as error:
             raise StoreUnavailable() from error
 
@@ -225,9 +260,14 @@ class SqlRecoveryStore:
     def events_after(
         self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()
     ) -> Sequence[Event]:
-        query = EventQuery(lane=lane, kinds=kinds, after_seq=after_seq, limit=limit)
+        if lane or kinds:
+            query = EventQuery(lane=lane, kinds=kinds, after_seq=after_seq, limit=limit)
+            with self._reading() as connection:
+                return SqlTransaction(connection, self._sqlite).list_events(query)
+        # The rebuild's read: plain rows in one round trip, converted in bulk.
         with self._reading() as connection:
-            return SqlTransaction(connection, self._sqlite).list_events(query)
+            rows = connection.exec_driver_sql(self._sql.events_after, (after_seq, limit)).all()
+        return records.events_from_rows(rows)
 
     @_unavailable_on_database_errors
     def count_events_after(self, after_seq: int) -> int:
@@ -265,13 +305,22 @@ class SqlRecoveryStore:
     def bookings_by_key(self, keys: Sequence[tuple[str, str]]) -> Mapping[tuple[str, str], Booking]:
         if not keys:
             return {}
+        # One lane at a time, by the primary key: SQLite scans the whole table
+        # for a (lane, reservation_id) IN (...) of pairs.
+        by_lane: dict[str, list[str]] = {}
+        for lane, reservation_id in keys:
+            by_lane.setdefault(lane, []).append(reservation_id)
+        found: list[Booking] = []
         with self._reading() as connection:
-            rows = connection.execute(
-                select(bookings).where(
-                    tuple_(bookings.c.lane, bookings.c.reservation_id).in_(list(keys))
-                )
-            ).mappings()
-            found = [records.booking_from_row(row) for row in rows]
+            for lane, reservation_ids in by_lane.items():
+                for start in range(0, len(reservation_ids), MAX_KEYS_PER_QUERY):
+                    chunk = reservation_ids[start : start + MAX_KEYS_PER_QUERY]
+                    rows = connection.execute(
+                        select(*(bookings.c[name] for name in records.BOOKING_COLUMNS)).where(
+                            bookings.c.lane == lane, bookings.c.reservation_id.in_(chunk)
+                        )
+                    ).all()
+                    found += records.bookings_from_rows(rows)
         return {(booking.lane, booking.reservation_id): booking for booking in found}
 
     # Snapshots -------------------------------------------------------------------
@@ -478,15 +527,12 @@ class SqlRecoveryStore:
             try:
                 if not dry_run:
                     self._advance(connection, owner, applied_seq, now_us)
-                    self._upsert(
-                        connection, schema.lanes, ["lane"], map(records.lane_values, lanes)
+                    if lanes:
+                        connection.exec_driver_sql(self._sql.upsert_lanes, records.lane_rows(lanes))
+                if bookings:
+                    connection.exec_driver_sql(
+                        self._sql.upsert_bookings, records.booking_rows(bookings)
                     )
-                self._upsert(
-                    connection,
-                    schema.bookings,
-                    ["lane", "reservation_id"],
-                    map(records.booking_values, bookings),
-                )
             except BaseException:
                 transaction.rollback()
                 raise
@@ -494,25 +540,6 @@ class SqlRecoveryStore:
                 transaction.rollback()
             else:
                 transaction.commit()
-
-    def _upsert(
-        self,
-        connection: Connection,
-        table: Table,
-        keys: list[str],
-        rows: Iterable[dict[str, Any]],
-    ) -> None:
-        """One executemany INSERT ... ON CONFLICT DO UPDATE for a whole batch."""
-        values = list(rows)
-        if not values:
-            return
-        dialect_insert = sqlite.insert if self._sqlite else postgresql.insert
-        statement = dialect_insert(table)
-        statement = statement.on_conflict_do_update(
-            index_elements=keys,
-            set_={name: statement.excluded[name] for name in values[0] if name not in keys},
-        )
-        connection.execute(statement, values)
 
     @_unavailable_on_database_errors
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
