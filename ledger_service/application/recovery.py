@@ -43,6 +43,9 @@ STATE_REBUILDING = "rebuilding"
 # At most this many chain breaks are named; more are only counted.
 MAX_NAMED_BREAKS = 1000
 FULL_LOG_SOURCE = "log"
+# The server's snapshots come at most this many copied rows per event apart
+# (see Recovery.snapshot_due).
+SNAPSHOT_ROWS_PER_EVENT = 10
 # A rebuild carries the bookings of up to this many batches' worth of events
 # from one batch to the next (see _CarriedBookings).
 CARRIED_BATCHES = 16
@@ -694,6 +697,15 @@ class Recovery:
     # Snapshots ---------------------------------------------------------------
 
     def snapshot_due(self, every_events: int) -> bool:
+        """Whether the server should snapshot now: `every_events` events after
+        the newest snapshot, or more when the projections are large.
+
+        A snapshot copies every lane and booking. With a million bookings, one
+        every 10,000 events would have the server copying rows much of the
+        time, so the interval grows with the newest snapshot's size: each event
+        pays for at most SNAPSHOT_ROWS_PER_EVENT copied rows. The tail a
+        recovery replays after the snapshot grows with it, in proportion to
+        the rows it restores."""
         if every_events <= 0:
             return False
         position = self._store.position()
@@ -701,7 +713,10 @@ class Recovery:
             return False
         newest = next(iter(self._store.snapshots()), None)
         since = newest.position_seq if newest else 0
-        return position.last_seq - since >= every_events
+        interval = every_events
+        if newest is not None:
+            interval = max(interval, newest.rows // SNAPSHOT_ROWS_PER_EVENT)
+        return position.last_seq - since >= interval
 
     def take_snapshot(self) -> SnapshotInfo | None:
         """Snapshots the projections if they are consistent with the log, then

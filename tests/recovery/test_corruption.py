@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger_service.application.recovery import Recovery
+from ledger_service.application.recovery import SNAPSHOT_ROWS_PER_EVENT, Recovery
 from ledger_service.application.verification import Verifier
 from ledger_service.domain.errors import RecoveryRequired
 from ledger_service.domain.moves import ReserveCommand
@@ -243,3 +243,21 @@ def test_a_rebuild_runs_in_bounded_batches_with_progress(sqlite_history: History
     assert isinstance(events, int)
     assert [done for _, done, _ in seen] == [*range(25, events, 25), events]
     assert _verify(history) == []
+
+
+def test_snapshots_come_further_apart_as_the_projections_grow(history: History) -> None:
+    """A snapshot copies every row: the server's interval is at least the
+    newest snapshot's rows over SNAPSHOT_ROWS_PER_EVENT events, so each event
+    pays for a bounded share of the copying."""
+    recovery = history.recovery()
+    snapshot = recovery.take_snapshot()
+    assert snapshot is not None
+    spacing = snapshot.rows // SNAPSHOT_ROWS_PER_EVENT
+    assert spacing >= 2, "the history is too small to show the spacing"
+    assert not recovery.snapshot_due(1)
+    for index in range(spacing - 1):
+        history.ledger.reserve(ReserveCommand("recall", f"spaced{index}", "jev", 35_000, 1000))
+    assert not recovery.snapshot_due(1), "due before its rows were paid for"
+    history.ledger.reserve(ReserveCommand("recall", "spaced-last", "jev", 35_000, 1000))
+    assert recovery.snapshot_due(1)
+    assert not recovery.snapshot_due(spacing + 1), "the configured interval still holds"
