@@ -108,15 +108,6 @@ def test_an_open_hold_past_its_deadline_counts_as_its_expire_charge() -> None:
     assert at_deadline == WindowTotals(held_nanos=0, charged_nanos=700, open_bookings=0)
 
 
-def test_moved_updates_totals_like_a_recount() -> None:
-    before = reserved("a", START_US, 700)
-    after = settled(before, 250, START_US + 3)
-    totals = totals_of([before], START_US + 3, WINDOW_US)
-    moved = totals.moved(before, after, START_US + 3, WINDOW_US)
-    assert moved == totals_of([after], START_US + 3, WINDOW_US)
-    assert moved == WindowTotals(0, 250, 0)
-
-
 def test_available_can_be_negative_and_overrun_reports_it() -> None:
     balance = Balance("recall", 1000, WINDOW_US, START_US, WindowTotals(200, 1100, 1))
     assert balance.spent_nanos == 1300

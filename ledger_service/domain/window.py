@@ -31,23 +31,6 @@ class WindowTotals:
     def spent_nanos(self) -> int:
         return self.held_nanos + self.charged_nanos
 
-    def moved(
-        self, before: Booking | None, after: Booking, now_us: int, window_us: int
-    ) -> WindowTotals:
-        """The totals after one booking changed from `before` to `after`."""
-        if not in_window(after.reserved_at_us, now_us, window_us):
-            return self
-        held, charged, open_count = self.held_nanos, self.charged_nanos, self.open_bookings
-        if before is not None:
-            held_before, charged_before = before.contribution(now_us)
-            held -= held_before
-            charged -= charged_before
-            open_count -= int(before.is_open_at(now_us))
-        held_after, charged_after = after.contribution(now_us)
-        return WindowTotals(
-            held + held_after, charged + charged_after, open_count + int(after.is_open_at(now_us))
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class Balance:
