@@ -521,6 +521,7 @@ class SqlTransaction:
 
     def execute_text(self, sql: str) -> None:
         """For tests of the append-only guard only."""
+        self._memo.clear()  # whatever it changed is not remembered
         self._connection.execute(text(sql))
 
     # The audit ---------------------------------------------------------------
