@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -46,6 +47,10 @@ SERVICE_NAMES = tuple(
     ledger_pb2.DESCRIPTOR.services_by_name[name].full_name
     for name in ("Ledger", "LaneAdmin", "TestClock")
 )
+
+
+class ListenFailed(Exception):
+    """The server could not bind its address."""
 
 
 def build_store(settings: Settings) -> SqlStore:
@@ -153,12 +158,20 @@ class LedgerServer:
         if not self.settings.auth_enabled:
             log.warning("AUTH IS OFF (--insecure-no-auth): anyone who reaches %s can spend "
                         "every lane's budget", self.settings.listen)  # fmt: skip
-        if self.server_credentials is None:
-            self.port = self._server.add_insecure_port(self.settings.listen)
-        else:
-            self.port = self._server.add_secure_port(self.settings.listen, self.server_credentials)
+        try:
+            if self.server_credentials is None:
+                self.port = self._server.add_insecure_port(self.settings.listen)
+            else:
+                self.port = self._server.add_secure_port(
+                    self.settings.listen, self.server_credentials
+                )
+        except RuntimeError:  # grpcio's "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not listen on {self.settings.listen}")
+            raise ListenFailed(
+                f"cannot listen on {self.settings.listen}: the port is taken "
+                "(is another ledger running?) or the address is not this machine's"
+            )
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
         # Python's 5 ms switch interval is kept on purpose: 0.5 ms (sys.setswitchinterval)
         # was measured on 2026-11-30 and did not lower the one-client Reserve p50 (SQLite,
@@ -329,7 +342,13 @@ def serve_existing(settings: Settings) -> int:
 def serve(settings: Settings, *, run_migrations: bool = True) -> int:
     """Runs until SIGTERM or SIGINT, then stops with a grace period."""
     server = LedgerServer(settings, run_migrations=run_migrations)
-    server.start()
+    try:
+        server.start()
+    except ListenFailed as error:
+        log.error("%s", error)
+        print(f"ledger: {error}", file=sys.stderr)
+        server.stop(0)
+        return 1
     print(f"ledger listening on {settings.listen.rsplit(':', 1)[0]}:{server.port}", flush=True)
     done = threading.Event()
 

@@ -1132,3 +1132,24 @@ def test_bad_tls_options_are_refused_before_any_call(
         run = ledger("lane", "list", "--server", "127.0.0.1:9", *options)
         assert one_line_error(run).startswith(f"ledger: {start}"), (options, run)
         assert run.code == talk.EXIT_BAD_VALUE
+
+
+def test_a_taken_port_is_one_clear_line_and_exit_status_1(
+    ledger_process: LedgerProcess, tmp_path: pathlib.Path
+) -> None:
+    """A second `ledger serve` on the same address (a newcomer's second `make
+    run`) says why in one line, without a traceback."""
+    finished = subprocess.run(
+        [str(LEDGER), "serve", "--listen", ledger_process.address, "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=server_environment(),
+        timeout=START_SECONDS + STOP_SECONDS,
+        check=False,
+    )
+    assert finished.returncode == 1
+    assert f"ledger: cannot listen on {ledger_process.address}: the port is taken" in (
+        finished.stderr
+    )
+    assert "Traceback" not in finished.stderr
+    assert "ledger listening" not in finished.stdout
