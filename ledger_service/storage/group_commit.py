@@ -19,8 +19,8 @@ rolls back the transaction.
 
 All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
-`on_begin` runs first in every batch's transaction and `on_failure` after a
-batch or one of its moves failed; the store keeps its writer's memo with them
+`on_begin` runs first in every batch's transaction and `on_failure` as soon
+as one of its moves, or the batch, failed; the store keeps its writer's memo with them
 (storage/sql.py).
 """
 
@@ -136,6 +136,11 @@ class GroupCommitter:
                     self._leading = False
                     self._idle.notify_all()
 
+    def queued(self) -> int:
+        """Moves waiting for a batch (the one committing not counted)."""
+        with self._mutex:
+            return len(self._queue)
+
     def close(self, timeout_seconds: float = 10.0) -> None:
         """Refuses new moves and waits for those under way."""
         with self._mutex:
@@ -165,7 +170,12 @@ class GroupCommitter:
             with connection.begin() as transaction:
                 self._on_begin(connection)
                 for move in batch:
-                    outcomes.append((move, *self._one(connection, move, savepoints)))
+                    outcome = (move, *self._one(connection, move, savepoints))
+                    outcomes.append(outcome)
+                    if outcome[2] is not None:
+                        # What the refused move left in the memo was rolled back
+                        # with it; the next move of this batch must not see it.
+                        self._on_failure()
                 if not savepoints and outcomes[0][2] is not None:
                     transaction.rollback()  # the lone move was refused
         except (DBAPIError, LedgerError) as error:
@@ -182,8 +192,6 @@ class GroupCommitter:
             for move in batch:
                 move.finish(error=error)
             return
-        if any(failure is not None for _, _, failure in outcomes):
-            self._on_failure()
         for move, result, failure in outcomes:
             move.finish(result, failure)
 

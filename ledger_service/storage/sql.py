@@ -89,6 +89,10 @@ class SqlStore:
     def engine(self) -> Engine:
         return self._engine
 
+    def queued_moves(self) -> int:
+        """Moves waiting for SQLite's next group commit (0 without one)."""
+        return self._committer.queued() if self._committer is not None else 0
+
     def run(self, work: Callable[[StoreTransaction], T], *, write: bool = True) -> T:
         deadline = time.monotonic() + self._deadline_seconds
         for attempt in range(self._max_retries + 1):

@@ -20,11 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy import Connection
 
 from ledger_service.application.ledger import Ledger
+from ledger_service.application.ports import StoreTransaction
 from ledger_service.application.verification import Verifier
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import InvalidArgument, StoreUnavailable
-from ledger_service.domain.events import EventKind, Outcome
+from ledger_service.domain.events import Event, EventKind, Outcome
+from ledger_service.domain.policies import policy_to_dict
 from ledger_service.storage import database, migrate
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.recovery import SqlRecoveryStore
@@ -185,3 +187,59 @@ def test_a_second_writer_on_the_same_file_is_seen_by_the_next_move(tmp_path: Pat
     finally:
         first_store.close()
         second_store.close()
+
+
+def test_a_move_refused_after_appending_leaves_no_chain_head_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """A move that appends and is then refused is rolled back to its savepoint.
+    The next move of the same batch must chain to the log as it stands, not
+    to the hash the refused move remembered."""
+    clock = ManualClock(START_US)
+    ledger, store = _ledger(f"sqlite:///{tmp_path}/refused.db", clock)
+    try:
+        ledger.put_lane(RECALL)
+        configured = Event(
+            kind=EventKind.LANE_CONFIGURED,
+            lane=RECALL.lane,
+            occurred_at_us=START_US,
+            policy=policy_to_dict(RECALL),
+        )
+
+        def refused(tx: StoreTransaction) -> None:
+            tx.append(configured)
+            raise InvalidArgument("lane", "refused after appending")
+
+        inside, release = threading.Event(), threading.Event()
+
+        def hold(_tx: StoreTransaction) -> None:
+            inside.set()
+            release.wait(timeout=10)
+
+        leader = threading.Thread(target=store.run, args=(hold,))
+        leader.start()
+        assert inside.wait(timeout=10)
+        outcomes: list[object] = []
+
+        def submit(work: object) -> None:
+            try:
+                outcomes.append(store.run(work))  # type: ignore[arg-type]
+            except InvalidArgument as error:
+                outcomes.append(error)
+
+        first = threading.Thread(target=submit, args=(refused,))
+        first.start()
+        while store.queued_moves() < 1:
+            time.sleep(0.001)
+        second = threading.Thread(target=submit, args=(lambda tx: tx.append(configured),))
+        second.start()
+        while store.queued_moves() < 2:
+            time.sleep(0.001)
+        release.set()  # both now commit in one batch, the refused one first
+        for thread in (leader, first, second):
+            thread.join(timeout=10)
+        assert sum(isinstance(outcome, InvalidArgument) for outcome in outcomes) == 1
+        report = Verifier(SqlRecoveryStore(store.engine)).verify(clock.now_us())
+        assert not report.broken_links, report.broken_links
+    finally:
+        store.close()
