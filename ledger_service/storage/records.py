@@ -61,46 +61,7 @@ def event_values(event: Event) -> dict[str, Any]:
 
 
 def event_from_row(row: Mapping[Any, Any]) -> Event:
-    return Event(
-        seq=row["seq"],
-        kind=EventKind(row["kind"]),
-        lane=row["lane"],
-        occurred_at_us=row["occurred_at_us"],
-        reservation_id=row["reservation_id"],
-        amount_nanos=row["amount_nanos"],
-        previous_amount_nanos=row["previous_amount_nanos"],
-        model=row["model"],
-        request_bytes=row["request_bytes"],
-        max_output_tokens=row["max_output_tokens"],
-        estimate_nanos=row["estimate_nanos"],
-        requested_ttl_us=row["requested_ttl_us"],
-        hold_nanos=row["hold_nanos"],
-        cap_nanos=row["cap_nanos"],
-        reserved_at_us=row["reserved_at_us"],
-        expires_at_us=row["expires_at_us"],
-        retry_after_us=row["retry_after_us"],
-        denial_reason=DenialReason(row["denial_reason"]) if row["denial_reason"] else None,
-        input_nanos_per_million_tokens=row["input_nanos_per_million_tokens"],
-        output_nanos_per_million_tokens=row["output_nanos_per_million_tokens"],
-        expire_charge=ExpireCharge(row["expire_charge"]) if row["expire_charge"] else None,
-        outcome=Outcome(row["outcome"]) if row["outcome"] else None,
-        input_tokens=row["input_tokens"],
-        output_tokens=row["output_tokens"],
-        billed_nanos=row["billed_nanos"],
-        http_status=row["http_status"],
-        reason=row["reason"],
-        policy=json.loads(row["policy_json"]) if row["policy_json"] else None,
-        trace_id=row["trace_id"],
-        spent_after_nanos=row["spent_after_nanos"],
-        held_after_nanos=row["held_after_nanos"],
-        charged_after_nanos=row["charged_after_nanos"],
-        limit_nanos=row["limit_nanos"],
-        window_us=row["window_us"],
-        open_bookings_after=row["open_bookings_after"],
-        denied_by=row["denied_by"],
-        hash=row["hash"],
-        previous_hash=row["previous_hash"],
-    )
+    return events_from_rows([[row[column] for column in EVENT_COLUMNS]])[0]
 
 
 def lane_values(policy: LanePolicy) -> dict[str, Any]:
@@ -142,58 +103,11 @@ def lane_from_row(row: Mapping[Any, Any]) -> LanePolicy:
 
 
 def booking_values(booking: Booking) -> dict[str, Any]:
-    return {
-        "lane": booking.lane,
-        "reservation_id": booking.reservation_id,
-        "model": booking.model,
-        "request_bytes": booking.request_bytes,
-        "max_output_tokens": booking.max_output_tokens,
-        "estimate_nanos": booking.estimate_nanos,
-        "requested_ttl_us": booking.requested_ttl_us,
-        "cap_nanos": booking.cap_nanos,
-        "hold_nanos": booking.hold_nanos,
-        "reserved_at_us": booking.reserved_at_us,
-        "expires_at_us": booking.expires_at_us,
-        "input_nanos_per_million_tokens": booking.price.input_nanos_per_million_tokens,
-        "output_nanos_per_million_tokens": booking.price.output_nanos_per_million_tokens,
-        "expire_charge": booking.expire_charge.value,
-        "state": booking.state.value,
-        "amount_nanos": booking.amount_nanos,
-        "answer_seq": booking.answer_seq,
-        "ended_seq": booking.ended_seq,
-        "outcome": booking.outcome.value if booking.outcome else None,
-        "input_tokens": booking.input_tokens,
-        "output_tokens": booking.output_tokens,
-        "billed_nanos": booking.billed_nanos,
-    }
+    return dict(zip(BOOKING_COLUMNS, booking_rows([booking])[0], strict=True))
 
 
 def booking_from_row(row: Mapping[Any, Any]) -> Booking:
-    return Booking(
-        lane=row["lane"],
-        reservation_id=row["reservation_id"],
-        model=row["model"],
-        request_bytes=row["request_bytes"],
-        max_output_tokens=row["max_output_tokens"],
-        estimate_nanos=row["estimate_nanos"],
-        requested_ttl_us=row["requested_ttl_us"],
-        cap_nanos=row["cap_nanos"],
-        hold_nanos=row["hold_nanos"],
-        reserved_at_us=row["reserved_at_us"],
-        expires_at_us=row["expires_at_us"],
-        price=ModelPrice(
-            row["input_nanos_per_million_tokens"], row["output_nanos_per_million_tokens"]
-        ),
-        expire_charge=ExpireCharge(row["expire_charge"]),
-        state=BookingState(row["state"]),
-        amount_nanos=row["amount_nanos"],
-        answer_seq=row["answer_seq"],
-        ended_seq=row["ended_seq"],
-        outcome=Outcome(row["outcome"]) if row["outcome"] else None,
-        input_tokens=row["input_tokens"],
-        output_tokens=row["output_tokens"],
-        billed_nanos=row["billed_nanos"],
-    )
+    return bookings_from_rows([[row[column] for column in BOOKING_COLUMNS]])[0]
 
 
 # Whole batches, for the rebuild ---------------------------------------------------
