@@ -1,6 +1,6 @@
 """`make bench`: run every scenario, print one table, write bench-results/bench-<stamp>.json.
 
-    python -m ledger_service.bench                  # the full run (11-13 minutes here)
+    python -m ledger_service.bench                  # the full run (9-13 minutes here)
     python -m ledger_service.bench --quick          # a smoke run: tiny durations and counts
     python -m ledger_service.bench --skip-postgres  # without the PostgreSQL scenario
 
