@@ -394,35 +394,30 @@ class SqlTransaction:
     def stored_sums(self, lane: str, after_us: int, until_us: int) -> StoredSums:
         if after_us >= until_us:
             return StoredSums()
-        if self._single(lane):
-            row = _HOT("stored_sums", self._connection).one(
-                self._connection, {"lane": lane, "after": after_us, "until": until_us}
-            )
-        else:
-            parameters = {
-                "members": self._budget_lanes(lane),
-                "after": after_us,
-                "until": until_us,
-            }
-            row = self._connection.execute(_STORED_SUMS, parameters).one()
-        assert row is not None
+        row = self._budget_row(
+            "stored_sums", _STORED_SUMS, lane, {"after": after_us, "until": until_us}
+        )
         return StoredSums(int(row[0]), int(row[1]), int(row[2]))
 
     def overdue(self, lane: str, now_us: int, window_us: int) -> Overdue:
-        window_start = now_us - window_us
+        parameters = {"now": now_us, "window_start": now_us - window_us}
+        row = self._budget_row("overdue", _OVERDUE, lane, parameters)
+        return Overdue(int(row[0]), int(row[1]), int(row[2]))
+
+    def _budget_row(
+        self, prepared_name: str, of_members: Any, lane: str, parameters: dict[str, Any]
+    ) -> Sequence[Any]:
+        """One aggregate row over the lane's budget: prepared for a lane that is
+        its own budget (most moves), through SQLAlchemy's expanding IN for a parent."""
         if self._single(lane):
-            row = _HOT("overdue", self._connection).one(
-                self._connection, {"lane": lane, "now": now_us, "window_start": window_start}
+            row = _HOT(prepared_name, self._connection).one(
+                self._connection, {"lane": lane, **parameters}
             )
         else:
-            parameters = {
-                "members": self._budget_lanes(lane),
-                "now": now_us,
-                "window_start": window_start,
-            }
-            row = self._connection.execute(_OVERDUE, parameters).one()
+            members = {"members": self._budget_lanes(lane), **parameters}
+            row = self._connection.execute(of_members, members).one()
         assert row is not None
-        return Overdue(int(row[0]), int(row[1]), int(row[2]))
+        return row
 
     def _in_window(self, lane: str, now_us: int, window_us: int) -> Any:
         return and_(
