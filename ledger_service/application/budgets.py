@@ -50,18 +50,26 @@ def open_window(
     tx: StoreTransaction, policy: LanePolicy, now_us: int, *, verify: bool = False
 ) -> BudgetWindow:
     """The budget's window at now_us, moved incrementally from where it was kept."""
-    state = tx.window_state(policy.lane)
-    if state is None or state.window_us != policy.window_us:
-        sums = tx.stored_sums(policy.lane, now_us - policy.window_us, now_us)
-        state = WindowState(policy.lane, policy.window_us, now_us, sums)
-    elif state.as_of_us != now_us:
-        (enter_after, enter_until), (leave_after, leave_until) = state.edges_to(now_us)
-        state = state.moved_to(
-            now_us,
-            tx.stored_sums(policy.lane, enter_after, enter_until),
-            tx.stored_sums(policy.lane, leave_after, leave_until),
-        )
-    window = BudgetWindow(policy, state, tx.overdue(policy.lane, now_us, policy.window_us))
+    window_us = policy.window_us
+    kept = tx.window_state(policy.lane)
+    if kept is not None and kept.window_us != window_us:
+        kept = None  # kept for another window: sum this one afresh
+    nothing = (now_us, now_us)
+    if kept is None:
+        entering, leaving = (now_us - window_us, now_us), nothing
+    elif kept.as_of_us == now_us:
+        entering, leaving = nothing, nothing
+    else:
+        entering, leaving = kept.edges_to(now_us)
+    # The window's two edges and its overdue holds, in one read.
+    entered, left, overdue = tx.window_edges(policy.lane, entering, leaving, now_us, window_us)
+    if kept is None:
+        state = WindowState(policy.lane, window_us, now_us, entered)
+    elif kept.as_of_us == now_us:
+        state = kept
+    else:
+        state = kept.moved_to(now_us, entered, left)
+    window = BudgetWindow(policy, state, overdue)
     if verify:
         full = tx.window_totals(policy.lane, now_us, policy.window_us)
         assert window.totals == full, (

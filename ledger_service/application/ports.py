@@ -16,6 +16,8 @@ from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 
 T = TypeVar("T")
+# A half-open range (after, until] of instants, in microseconds.
+Range = tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +76,13 @@ class StoreTransaction(Protocol):
         """Forgets kept window sums (a window or a lane tree changed)."""
         ...
 
-    def stored_sums(self, lane: str, after_us: int, until_us: int) -> StoredSums:
-        """Stored amounts of the budget's bookings with after < reserved_at <= until."""
-        ...
-
-    def overdue(self, lane: str, now_us: int, window_us: int) -> Overdue:
-        """The budget's open holds inside the window whose deadline has passed."""
+    def window_edges(
+        self, lane: str, entering: Range, leaving: Range, now_us: int, window_us: int
+    ) -> tuple[StoredSums, StoredSums, Overdue]:
+        """In one read, for the lane's budget: the stored amounts of its bookings
+        with after < reserved_at <= until for each of the two (after, until]
+        ranges (an empty range sums to nothing), and its open holds inside the
+        window at now_us whose deadline has passed."""
         ...
 
     def aging(self, lane: str, now_us: int, window_us: int) -> Iterator[tuple[int, int]]:
