@@ -35,7 +35,8 @@ export interface LaneClientOptions {
  * `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`, lowercase, ids not all zeros)
  * is sent as gRPC metadata and wins over the active OpenTelemetry context; an
  * invalid one is ignored, never sent. `tracestate` goes only with a valid
- * traceparent of its own.
+ * traceparent of its own. With neither, `call()` starts a trace of its own
+ * and sends it with both its Reserve and its Settle or Refund.
  */
 export interface TraceOptions {
   traceparent?: string;

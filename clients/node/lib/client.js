@@ -6,7 +6,7 @@ const { ledgerPackage } = require('./proto');
 const { ledgerErrorOf, LedgerError } = require('./errors');
 const wire = require('./wire');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
-const { traceHeaders, setTraceHeaders } = require('./tracing');
+const { traceHeaders, freshTraceHeaders, setTraceHeaders } = require('./tracing');
 
 // Why 250 ms: in the recall budget jam (shared/seeds/000_835af494282c4981.txt)
 // a 2.0 s step lost 0.8 s to grant and key lookups and 1.0 s to a retry
@@ -213,7 +213,7 @@ class LaneClient {
    * `fn` throws, the booking is ended first and the error is rethrown.
    * Its Reserve and its Settle or Refund carry one trace context, taken when
    * call() starts: `request.traceparent` when valid, else the active
-   * OpenTelemetry context (see tracing.js).
+   * OpenTelemetry context (see tracing.js), else a new trace of its own.
    * @param {import('../index').CallRequest} request
    * @param {(booking: import('../index').ReserveResult) => Promise<import('../index').CallReport>} fn
    * @returns {Promise<Denied|Completed>}
@@ -221,7 +221,7 @@ class LaneClient {
   async call(request, fn) {
     if (typeof fn !== 'function') throw new TypeError('call() needs a function that makes the model call');
     // Taken now, before any await: the caller's context, shared by every ledger call of this one.
-    const trace = traceHeaders(request);
+    const trace = traceHeaders(request) ?? freshTraceHeaders();
     const reservationId = randomUUID();
     const answer = await this._reserveOrForget({ ...request, reservationId }, trace);
     if (!answer.admitted) return new Denied(answer);

@@ -1,4 +1,5 @@
 'use strict';
+const { randomBytes } = require('node:crypto');
 // W3C trace context for the ledger's calls. The ledger starts a SERVER span
 // for every RPC as a child of the `traceparent` that came in, and stores that
 // span's trace id on every event the call writes (Event.trace_id): so a lane
@@ -83,6 +84,14 @@ function traceHeaders(options) {
   return explicitHeaders(options?.traceparent, options?.tracestate) ?? activeHeaders();
 }
 
+/**
+ * Headers of a new trace, for a call() given no context: its Reserve and its
+ * Settle or Refund then share one trace id, as the Python client's do.
+ */
+function freshTraceHeaders() {
+  return { traceparent: `00-${randomBytes(16).toString('hex')}-${randomBytes(8).toString('hex')}-01` };
+}
+
 /** Puts the headers on gRPC metadata, replacing any there. */
 function setTraceHeaders(metadata, headers) {
   if (headers === null || headers === undefined) return;
@@ -91,4 +100,4 @@ function setTraceHeaders(metadata, headers) {
   else metadata.remove('tracestate');
 }
 
-module.exports = { traceHeaders, setTraceHeaders, traceIdOf, isValidTraceparent, openTelemetry };
+module.exports = { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf, isValidTraceparent, openTelemetry };

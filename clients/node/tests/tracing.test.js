@@ -7,7 +7,7 @@
 const { after, before, describe, test } = require('node:test');
 const assert = require('node:assert/strict');
 const { execFileSync } = require('node:child_process');
-const { randomBytes } = require('node:crypto');
+const { randomBytes, randomUUID } = require('node:crypto');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const otel = require('@opentelemetry/api');
@@ -163,10 +163,24 @@ describe('against the real ledger', () => {
     }
   });
 
-  test('without a traceparent or a context, each call has a fresh server trace', async () => {
+  test('without a traceparent or a context, call() starts one trace for its Reserve and its Settle', async () => {
     const client = await laneClient('trace-none');
-    const result = await client.call(REQUEST, SUCCEEDED);
-    const traces = await events('trace-none', result.reservationId);
+    const first = await client.call(REQUEST, SUCCEEDED);
+    const second = await client.call(REQUEST, SUCCEEDED);
+    const traces = await events('trace-none', first.reservationId);
+    const next = await events('trace-none', second.reservationId);
+    assert.match(traces.reserved, HEX32);
+    assert.equal(traces.settled, traces.reserved);
+    assert.equal(next.settled, next.reserved);
+    assert.notEqual(next.reserved, traces.reserved);
+  });
+
+  test('without a traceparent or a context, reserve() and settle() each get a server trace', async () => {
+    const client = await laneClient('trace-none-moves');
+    const reservationId = randomUUID();
+    await client.reserve({ ...REQUEST, reservationId });
+    await client.settle({ reservationId, outcome: 'SUCCEEDED', httpStatus: 200 });
+    const traces = await events('trace-none-moves', reservationId);
     assert.match(traces.reserved, HEX32);
     assert.match(traces.settled, HEX32);
     assert.notEqual(traces.reserved, traces.settled);
@@ -230,12 +244,12 @@ describe('against the real ledger', () => {
       });
     });
 
-    test('outside any span nothing is sent', async () => {
+    test('outside any span call() starts a trace of its own', async () => {
       const client = await laneClient('trace-otel-none');
       const result = await client.call(REQUEST, SUCCEEDED);
       const traces = await events('trace-otel-none', result.reservationId);
       assert.match(traces.reserved, HEX32);
-      assert.notEqual(traces.reserved, traces.settled);
+      assert.equal(traces.settled, traces.reserved);
     });
   });
 });
@@ -301,10 +315,18 @@ describe('the headers on the wire', () => {
     await client.balance({ traceparent: INVALID[0][1] });
     const sent = traceHeadersSent(from);
     assert.equal(sent.length, INVALID.length * 2 + 3);
-    for (const { traceparent, tracestate } of sent) {
-      assert.equal(traceparent, undefined);
-      assert.equal(tracestate, undefined);
+    const invalid = new Set(INVALID.map(([, traceparent]) => traceparent));
+    // Each call() sends a new trace of its own instead, the same on its Reserve and its Settle.
+    for (let index = 0; index + 1 < sent.length; index += 2) {
+      const [reserve, settle] = [sent[index], sent[index + 1]];
+      assert.deepEqual([reserve.method, settle.method], ['Reserve', 'Settle']);
+      assert.notEqual(traceIdOf(reserve.traceparent), null);
+      assert.ok(!invalid.has(reserve.traceparent));
+      assert.equal(settle.traceparent, reserve.traceparent);
     }
+    assert.equal(new Set(sent.slice(0, -1).map(({ traceparent }) => traceparent)).size, INVALID.length + 1);
+    assert.deepEqual(sent.at(-1), { method: 'GetBalance', traceparent: undefined, tracestate: undefined });
+    for (const { tracestate } of sent) assert.equal(tracestate, undefined);
   });
 
   test('a tracestate that cannot be a header value is dropped, the traceparent kept', async () => {
@@ -317,12 +339,19 @@ describe('the headers on the wire', () => {
     }
   });
 
-  test('@opentelemetry/api installed but no propagator registered: nothing is sent', async () => {
+  test('@opentelemetry/api installed but no propagator registered: the span is not sent', async () => {
     const client = fakeClient();
     const from = fake.calls.length;
-    const span = otel.trace.wrapSpanContext({ traceId: newTraceId(), spanId: SPAN_ID, traceFlags: 1 });
+    const traceId = newTraceId();
+    const span = otel.trace.wrapSpanContext({ traceId, spanId: SPAN_ID, traceFlags: 1 });
     await otel.context.with(otel.trace.setSpan(otel.context.active(), span), () => client.call(REQUEST, SUCCEEDED));
-    for (const { traceparent } of traceHeadersSent(from)) assert.equal(traceparent, undefined);
+    await otel.context.with(otel.trace.setSpan(otel.context.active(), span), () => client.balance());
+    const [reserve, settle, balance] = traceHeadersSent(from);
+    // call() starts a trace of its own; balance() sends none.
+    assert.match(traceIdOf(reserve.traceparent) ?? '', HEX32);
+    assert.notEqual(traceIdOf(reserve.traceparent), traceId);
+    assert.equal(settle.traceparent, reserve.traceparent);
+    assert.equal(balance.traceparent, undefined);
   });
 });
 
