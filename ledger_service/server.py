@@ -339,9 +339,17 @@ def serve_existing(settings: Settings) -> int:
     return serve(settings, run_migrations=False)
 
 
-def serve(settings: Settings, *, run_migrations: bool = True) -> int:
-    """Runs until SIGTERM or SIGINT, then stops with a grace period."""
+def serve(
+    settings: Settings,
+    *,
+    run_migrations: bool = True,
+    prepare: Callable[[LedgerServer], None] | None = None,
+) -> int:
+    """Runs until SIGTERM or SIGINT, then stops with a grace period. `prepare`
+    sees the server before it starts (the benchmark's storeless server)."""
     server = LedgerServer(settings, run_migrations=run_migrations)
+    if prepare is not None:
+        prepare(server)
     try:
         server.start()
     except ListenFailed as error:

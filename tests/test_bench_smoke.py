@@ -75,7 +75,13 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
     scenarios = results["scenarios"]
     for name in ("single_1", "pair_1", "single_saturated", "pair_saturated"):
         _check_phase(scenarios["echo"]["phases"][name], f"echo {name}")
-    for name in ("reserve_1", "reserve_settle_1", "reserve_settle_saturated"):
+    for name in (
+        "reserve_1",
+        "reserve_settle_1",
+        "reserve_settle_saturated",
+        "storeless_reserve_1",
+        "storeless_reserve_settle_saturated",
+    ):
         _check_phase(scenarios["sqlite"]["phases"][name], f"sqlite {name}")
     assert scenarios["postgres"] == {"skipped": "--skip-postgres"}
 
@@ -100,6 +106,7 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
     assert {row["scenario"] for row in results["table"]} >= {
         "echo, 1 client",
         "sqlite Reserve, 1 client",
+        "storeless Reserve, 1 client",
         "rebuild from the log (events/s)",
     }
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ledger_service import server
+from ledger_service.bench import storeless
 from ledger_service.settings import Settings
 
 _PATH_FIELDS = frozenset({"data_dir", "tls_cert_path", "tls_key_path", "tls_client_ca_path"})
@@ -43,6 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ledger_service.bench.replica")
     parser.add_argument("--settings", required=True, help="Settings fields as a JSON object")
     parser.add_argument("--no-migrate", action="store_true", help="the schema is already there")
+    parser.add_argument(
+        "--storeless",
+        action="store_true",
+        help="answer Reserve and Settle without the store (bench/storeless.py)",
+    )
     arguments = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -52,7 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     settings = settings_from(json.loads(arguments.settings))
-    return server.serve(settings, run_migrations=not arguments.no_migrate)
+    return server.serve(
+        settings,
+        run_migrations=not arguments.no_migrate,
+        prepare=storeless.storeless if arguments.storeless else None,
+    )
 
 
 if __name__ == "__main__":

@@ -205,6 +205,7 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
         )
     )
 
+    rows += _storeless_rows(scenarios, saturated, echo_1, echo_pair_sat)
     rows += _postgres_rows(scenarios, postgres, saturated, echo_pair_sat, targets)
     rows += _history_rows(scenarios, saturated, echo_1, echo_sat, targets)
     rows += _rebuild_rows(scenarios, targets)
@@ -225,6 +226,33 @@ def _commit_floor_row(scenarios: Mapping[str, Any], echo_1: Mapping[str, Any] | 
     versus = "" if best is None else f"echo + commit: {best:.2f}x echo"
     p99 = _float(floor["latency"]["p99_ms"])
     return Row(label, None, p50, p99, versus, notes=f"n={floor['commits']}, no server")
+
+
+def _storeless_rows(
+    scenarios: Mapping[str, Any],
+    saturated: str,
+    echo_1: Mapping[str, Any] | None,
+    echo_pair_sat: Mapping[str, Any] | None,
+) -> list[Row]:
+    """The ledger's API without its store: where between the echo and the
+    ledger the transport and the API layer alone stand."""
+    path = ("sqlite", "phases")
+    single = phase(scenarios, *path, "storeless_reserve_1")
+    pair = phase(scenarios, *path, "storeless_reserve_settle_saturated")
+    return [
+        _load_row(
+            scenarios,
+            "storeless Reserve, 1 client",
+            (*path, "storeless_reserve_1"),
+            _times(_ratio(_p50(single), _p50(echo_1)), "echo"),
+        ),
+        _load_row(
+            scenarios,
+            f"storeless Reserve+Settle, {saturated}",
+            (*path, "storeless_reserve_settle_saturated"),
+            _share(_ratio(_per_second(pair), _per_second(echo_pair_sat)), "echo pair"),
+        ),
+    ]
 
 
 def _postgres_rows(

@@ -242,11 +242,12 @@ def _replica(
     settings: dict[str, Any],
     *,
     migrate: bool = True,
+    storeless: bool = False,
     ready_timeout_seconds: float | None = None,
 ) -> Iterator[servers.ServerProcess]:
     with servers.running(
         name,
-        servers.replica_argv(settings, migrate=migrate),
+        servers.replica_argv(settings, migrate=migrate, storeless=storeless),
         workdir,
         health=True,
         ready_timeout_seconds=ready_timeout_seconds or plan.server_ready_timeout_seconds,
@@ -315,7 +316,34 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
                 _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=spread),
             ),
         }
-        return {"server": _server_facts(server), "phases": phases, "commit_floor": floor}
+        facts = _server_facts(server)
+    phases.update(storeless_phases(plan, generator, directory / "storeless"))
+    return {"server": facts, "phases": phases, "commit_floor": floor}
+
+
+def storeless_phases(
+    plan: Plan, generator: LoadGenerator, directory: pathlib.Path
+) -> dict[str, Any]:
+    """The same calls against a ledger that answers without its store
+    (bench/storeless.py): what the transport and the API layer cost alone."""
+    directory.mkdir(parents=True, exist_ok=True)
+    settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
+    with _replica(plan, "ledger-storeless", directory, settings, storeless=True) as server:
+        targets = [server.address]
+        lanes = lanes_named("storeless", 1)
+        put_lanes(server.address, lanes)
+        return {
+            "storeless_reserve_1": _phase(
+                generator,
+                "storeless reserve 1",
+                _single(plan, CallKind.RESERVE, targets, lanes=lanes),
+            ),
+            "storeless_reserve_settle_saturated": _phase(
+                generator,
+                "storeless reserve+settle saturated",
+                _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=lanes),
+            ),
+        }
 
 
 def postgres_problem(url: str) -> str | None:

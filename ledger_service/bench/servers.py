@@ -190,7 +190,10 @@ def echo_argv() -> list[str]:
     return [sys.executable, "-m", "ledger_service.bench.echo", "--listen", "127.0.0.1:0"]
 
 
-def replica_argv(settings: Mapping[str, Any], *, migrate: bool = True) -> list[str]:
+def replica_argv(
+    settings: Mapping[str, Any], *, migrate: bool = True, storeless: bool = False
+) -> list[str]:
     argv = [sys.executable, "-m", "ledger_service.bench.replica"]
     argv += ["--settings", json.dumps(dict(settings), sort_keys=True, default=str)]
-    return argv if migrate else [*argv, "--no-migrate"]
+    argv += [] if migrate else ["--no-migrate"]
+    return [*argv, "--storeless"] if storeless else argv
