@@ -21,7 +21,7 @@ from ledger_service.domain.errors import (
     TtlExceedsLaneHoldTtl,
     UnknownModel,
 )
-from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
+from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome, evolve
 from ledger_service.domain.policies import LanePolicy, validate_name
 from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, cap_nanos
 from ledger_service.domain.window import WindowTotals, retry_after_us
@@ -196,7 +196,7 @@ def decide_reserve(budgets: Sequence[Budget], command: ReserveCommand, now_us: i
     )
     for budget in budgets:
         if hold > budget.policy.limit_nanos:
-            return dataclasses.replace(
+            return evolve(
                 base,
                 kind=EventKind.DENIED,
                 denial_reason=DenialReason.HOLD_EXCEEDS_LIMIT,
@@ -206,7 +206,7 @@ def decide_reserve(budgets: Sequence[Budget], command: ReserveCommand, now_us: i
             )
     short = [budget for budget in budgets if hold > budget.available_nanos]
     if not short:
-        return dataclasses.replace(base, amount_nanos=hold)
+        return evolve(base, amount_nanos=hold)
     return _denied_for_budget(base, hold, short)
 
 
@@ -228,7 +228,7 @@ def _denied_for_budget(base: Event, hold: int, short: Sequence[Budget]) -> Event
         assert retry_at is not None
         if instant > retry_at:
             binding, retry_at = budget, instant
-    return dataclasses.replace(
+    return evolve(
         base,
         kind=EventKind.DENIED,
         denial_reason=DenialReason.BUDGET_EXHAUSTED,
@@ -329,7 +329,7 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
         )
     event = _ending_event(booking, EventKind.REFUNDED, 0, now_us)
     return Verdict(
-        event=dataclasses.replace(event, http_status=command.http_status, reason=command.reason)
+        event=evolve(event, http_status=command.http_status, reason=command.reason)
     )
 
 
@@ -355,7 +355,7 @@ def _ending_event(
     )
     if command is None:
         return event
-    return dataclasses.replace(
+    return evolve(
         event,
         outcome=command.outcome,
         input_tokens=command.input_tokens,
