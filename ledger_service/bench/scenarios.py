@@ -301,21 +301,7 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
         pair_one = lanes_named("sqlite-mix-1", 1)
         spread = lanes_named("sqlite-mix-saturated", plan.spread_lanes)
         put_lanes(server.address, [*one, *pair_one, *spread])
-        phases = {
-            "reserve_1": _phase(
-                generator, "sqlite reserve 1", _single(plan, CallKind.RESERVE, targets, lanes=one)
-            ),
-            "reserve_settle_1": _phase(
-                generator,
-                "sqlite reserve+settle 1",
-                _single(plan, CallKind.RESERVE_SETTLE, targets, lanes=pair_one),
-            ),
-            "reserve_settle_saturated": _phase(
-                generator,
-                "sqlite reserve+settle saturated",
-                _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=spread),
-            ),
-        }
+        phases = _move_phases(plan, generator, "sqlite", targets, one, pair_one, spread)
         facts = _server_facts(server)
     phases.update(storeless_phases(plan, generator, directory / "storeless"))
     return {"server": facts, "phases": phases, "commit_floor": floor}
@@ -332,18 +318,40 @@ def storeless_phases(
         targets = [server.address]
         lanes = lanes_named("storeless", 1)
         put_lanes(server.address, lanes)
-        return {
-            "storeless_reserve_1": _phase(
-                generator,
-                "storeless reserve 1",
-                _single(plan, CallKind.RESERVE, targets, lanes=lanes),
-            ),
-            "storeless_reserve_settle_saturated": _phase(
-                generator,
-                "storeless reserve+settle saturated",
-                _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=lanes),
-            ),
-        }
+        phases = _move_phases(plan, generator, "storeless", targets, lanes, (), lanes)
+        return {f"storeless_{name}": figures for name, figures in phases.items()}
+
+
+def _move_phases(
+    plan: Plan,
+    generator: LoadGenerator,
+    label: str,
+    targets: Sequence[str],
+    one: Sequence[str],
+    pair_one: Sequence[str],
+    spread: Sequence[str],
+) -> dict[str, Any]:
+    """Reserve at 1 client on `one`, Reserve+Settle at 1 client on `pair_one`
+    (left out when empty), Reserve+Settle near saturation on `spread`."""
+    phases = {
+        "reserve_1": _phase(
+            generator,
+            f"{label} reserve 1",
+            _single(plan, CallKind.RESERVE, targets, lanes=tuple(one)),
+        )
+    }
+    if pair_one:
+        phases["reserve_settle_1"] = _phase(
+            generator,
+            f"{label} reserve+settle 1",
+            _single(plan, CallKind.RESERVE_SETTLE, targets, lanes=tuple(pair_one)),
+        )
+    phases["reserve_settle_saturated"] = _phase(
+        generator,
+        f"{label} reserve+settle saturated",
+        _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=tuple(spread)),
+    )
+    return phases
 
 
 def postgres_problem(url: str) -> str | None:
