@@ -328,9 +328,7 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
             f"booking {booking.reservation_id!r} was already settled; it cannot be refunded"
         )
     event = _ending_event(booking, EventKind.REFUNDED, 0, now_us)
-    return Verdict(
-        event=evolve(event, http_status=command.http_status, reason=command.reason)
-    )
+    return Verdict(event=evolve(event, http_status=command.http_status, reason=command.reason))
 
 
 def _ending_event(
