@@ -68,7 +68,6 @@ def build_store(settings: Settings) -> SqlStore:
         max_transaction_retries=settings.max_transaction_retries,
         request_deadline_seconds=settings.request_deadline_seconds,
         group_commit_batch=settings.group_commit_batch,
-        checkpoint_interval_seconds=settings.sqlite_checkpoint_interval_seconds,
     )
 
 

@@ -59,9 +59,6 @@ class Settings:
     # SQLite group commit: at most this many moves share one durable commit
     # (1 turns it off: one commit, and one fsync, per move).
     group_commit_batch: int = 64
-    # SQLite's WAL checkpoints run in a thread of their own, at most this often,
-    # instead of inside whichever commit fills the WAL (0: inside, as SQLite does).
-    sqlite_checkpoint_interval_seconds: float = 0.1
     # Bounded retries of serialization failures and deadlocks.
     max_transaction_retries: int = 5
     # Expiry sweeper: how often it looks, and how many holds per transaction.

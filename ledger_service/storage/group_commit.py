@@ -19,10 +19,9 @@ rolls back the transaction.
 
 All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
-`on_connect` sees each new connection, `on_begin` runs first in every batch's
-transaction, `on_failure` as soon as one of its moves, or the batch, failed, and
-`on_commit` after each commit, before anyone is answered; the store keeps its
-writer's memo and its WAL checkpoints with them (storage/sql.py, storage/checkpoint.py).
+`on_begin` runs first in every batch's transaction and `on_failure` as soon
+as one of its moves, or the batch, failed; the store keeps its writer's memo with them
+(storage/sql.py).
 """
 
 from __future__ import annotations
@@ -90,16 +89,12 @@ class GroupCommitter:
         *,
         max_batch: int = 64,
         max_queue: int = 1024,
-        on_connect: Callable[[Connection], None] = lambda _connection: None,
         on_begin: Callable[[Connection], None] = lambda _connection: None,
         on_failure: Callable[[], None] = lambda: None,
-        on_commit: Callable[[], None] = lambda: None,
     ) -> None:
         self._engine = engine
-        self._on_connect = on_connect
         self._on_begin = on_begin
         self._on_failure = on_failure
-        self._on_commit = on_commit
         self._connection: Connection | None = None
         self._max_batch = max_batch
         self._max_queue = max_queue
@@ -174,9 +169,7 @@ class GroupCommitter:
 
     def _connect(self) -> Connection:
         if self._connection is None:
-            connection = self._engine.connect().execution_options(ledger_write=True)
-            self._on_connect(connection)
-            self._connection = connection
+            self._connection = self._engine.connect().execution_options(ledger_write=True)
         return self._connection
 
     def _disconnect(self) -> None:
@@ -217,7 +210,6 @@ class GroupCommitter:
             for move in batch:
                 move.finish(error=error)
             return
-        self._on_commit()
         for move, result, failure in outcomes:
             move.finish(result, failure)
 

@@ -42,7 +42,6 @@ from ledger_service.domain.events import Event, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 from ledger_service.storage import chaining, prepared, records
-from ledger_service.storage.checkpoint import Checkpointer, keep_safety_net
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 
@@ -67,7 +66,6 @@ class SqlStore:
         max_transaction_retries: int = 5,
         request_deadline_seconds: float = 5.0,
         group_commit_batch: int = 64,
-        checkpoint_interval_seconds: float = 0.1,
     ) -> None:
         self._engine = engine
         self._sqlite = engine.dialect.name == "sqlite"
@@ -77,23 +75,16 @@ class SqlStore:
         # SQLite: moves queued while a commit is on its way share the next one,
         # and the one writer keeps what it knows between transactions.
         self._memo = WriterMemo()
-        self._committer: GroupCommitter | None = None
-        # SQLite's WAL checkpoints in a thread of their own (storage/checkpoint.py).
-        self._checkpointer: Checkpointer | None = None
-        if self._sqlite and group_commit_batch > 1:
-            on_connect: Callable[[Connection], None] = _no_connection_setup
-            on_commit: Callable[[], None] = _nothing
-            if checkpoint_interval_seconds > 0:
-                self._checkpointer = Checkpointer(engine, checkpoint_interval_seconds)
-                on_connect, on_commit = keep_safety_net, self._checkpointer.committed
-            self._committer = GroupCommitter(
+        self._committer = (
+            GroupCommitter(
                 engine,
                 max_batch=group_commit_batch,
-                on_connect=on_connect,
                 on_begin=self._memo.begin,
                 on_failure=self._memo.clear,
-                on_commit=on_commit,
             )
+            if self._sqlite and group_commit_batch > 1
+            else None
+        )
 
     @property
     def engine(self) -> Engine:
@@ -151,24 +142,10 @@ class SqlStore:
         except (DBAPIError, PoolTimeoutError) as error:
             raise StoreUnavailable() from error
 
-    def checkpoints(self) -> tuple[int, tuple[int, int, int] | None]:
-        """The checkpointer's count and last result; (0, None) without one."""
-        return self._checkpointer.stats() if self._checkpointer is not None else (0, None)
-
     def close(self) -> None:
         if self._committer is not None:
             self._committer.close()
-        if self._checkpointer is not None:
-            self._checkpointer.close()
         self._engine.dispose()
-
-
-def _no_connection_setup(_connection: Connection) -> None:
-    pass
-
-
-def _nothing() -> None:
-    pass
 
 
 _OF_MEMBERS = bookings.c.lane.in_(bindparam("members", expanding=True))
