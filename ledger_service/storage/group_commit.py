@@ -19,6 +19,8 @@ rolls back the transaction.
 
 All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
+A batch's transaction is held inside `write_gate` (storage/database.py), the
+lock every writer of this process takes around its write transaction.
 `on_begin` runs first in every batch's transaction and `on_failure` as soon
 as one of its moves, or the batch, failed; the store keeps its writer's memo with them
 (storage/sql.py).
@@ -91,8 +93,10 @@ class GroupCommitter:
         max_queue: int = 1024,
         on_begin: Callable[[Connection], None] = lambda _connection: None,
         on_failure: Callable[[], None] = lambda: None,
+        write_gate: threading.Lock | None = None,
     ) -> None:
         self._engine = engine
+        self._write_gate = write_gate
         self._on_begin = on_begin
         self._on_failure = on_failure
         self._connection: Connection | None = None
@@ -181,6 +185,20 @@ class GroupCommitter:
                 log.warning("closing the writer's connection failed", exc_info=True)
 
     def _commit(self, batch: list[_Move[Any]]) -> None:
+        gate = self._write_gate
+        if gate is not None and not gate.acquire(
+            timeout=max(0.0, batch[0].deadline - time.monotonic())
+        ):
+            for move in batch:
+                move.finish(error=StoreUnavailable())
+            return
+        try:
+            self._commit_in_gate(batch)
+        finally:
+            if gate is not None:
+                gate.release()
+
+    def _commit_in_gate(self, batch: list[_Move[Any]]) -> None:
         outcomes: list[tuple[_Move[Any], Any, BaseException | None]] = []
         savepoints = len(batch) > 1
         try:

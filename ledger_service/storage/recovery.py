@@ -48,7 +48,7 @@ from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.recovery import Manifest
 from ledger_service.domain.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
 from ledger_service.domain.window import WindowTotals
-from ledger_service.storage import records
+from ledger_service.storage import database, records
 from ledger_service.storage.chaining import POSITION_ROW_ID
 from ledger_service.storage.schema import (
     bookings,
@@ -61,6 +61,9 @@ from ledger_service.storage.schema import (
     window_states,
 )
 from ledger_service.storage.sql import EVENT_APPEND_LOCK_KEY, SqlTransaction
+
+# How long a write waits for this process's other SQLite writers (as busy_timeout).
+WRITE_GATE_TIMEOUT_SECONDS = 5.0
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -227,14 +230,22 @@ class SqlRecoveryStore:
 
     @contextlib.contextmanager
     def _writing(self, *, marker: bool = False) -> Iterator[Connection]:
-        with self._engine.connect() as connection:
-            connection = connection.execution_options(ledger_write=True)
-            with connection.begin():
-                if marker and not self._sqlite:
-                    connection.execute(
-                        select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY)))
-                    )
-                yield connection
+        # SQLite: in this process's write gate, beside the group commit (database.write_gate).
+        gate = database.write_gate(self._engine)
+        if gate is not None and not gate.acquire(timeout=WRITE_GATE_TIMEOUT_SECONDS):
+            raise StoreUnavailable()
+        try:
+            with self._engine.connect() as connection:
+                connection = connection.execution_options(ledger_write=True)
+                with connection.begin():
+                    if marker and not self._sqlite:
+                        connection.execute(
+                            select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY)))
+                        )
+                    yield connection
+        finally:
+            if gate is not None:
+                gate.release()
 
     # Reads -------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import Event, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
-from ledger_service.storage import chaining, prepared, records
+from ledger_service.storage import chaining, database, prepared, records
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 
@@ -71,7 +71,8 @@ class SqlStore:
         self._sqlite = engine.dialect.name == "sqlite"
         self._max_retries = max_transaction_retries
         self._deadline_seconds = request_deadline_seconds
-        self._sqlite_writer = threading.Lock()
+        # SQLite: this process's writers queue here, not in SQLite's busy handler.
+        self._sqlite_writer = database.write_gate(engine) or threading.Lock()
         # SQLite: moves queued while a commit is on its way share the next one,
         # and the one writer keeps what it knows between transactions.
         self._memo = WriterMemo()
@@ -79,6 +80,7 @@ class SqlStore:
             GroupCommitter(
                 engine,
                 max_batch=group_commit_batch,
+                write_gate=self._sqlite_writer,
                 on_begin=self._memo.begin,
                 on_failure=self._memo.clear,
             )
