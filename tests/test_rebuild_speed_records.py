@@ -1,9 +1,9 @@
 """The rebuild's fast paths give what the plain ones give (issue 8).
 
 The rebuild reads events and bookings as plain rows, converts them in bulk,
-writes bookings with one prebuilt statement, carries bookings from one batch to
-the next, and ends bookings without dataclasses.replace. Each is compared here
-with the path it replaces, on SQLite and PostgreSQL.
+and ends bookings without dataclasses.replace. Each is compared here with the
+path it replaces, on SQLite and PostgreSQL. (The database's fold of bookings
+is compared with the domain's in tests/storage/test_sql_fold.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from ledger_service.application.recovery import (
     FULL_LOG_SOURCE,
     REBUILD_GC_THRESHOLDS,
     Route,
-    _CarriedBookings,
 )
 from ledger_service.domain import bookings as booking_fold
 from ledger_service.domain.bookings import Booking, BookingState
@@ -185,40 +184,18 @@ def test_rows_convert_as_the_row_functions_do(history: History) -> None:
         tuple(records.lane_values(policy).values()) for policy in policies
     ]
     assert tuple(records.lane_values(policies[0])) == records.LANE_COLUMNS
-    keys = [(booking.lane, booking.reservation_id) for booking in expected_bookings]
-    found = store.bookings_by_key([*keys, ("recall", "nobody"), ("nowhere", "r1")])
-    assert found == {key: booking for key, booking in zip(keys, expected_bookings, strict=True)}
 
 
 @pytest.mark.parametrize("batch_events", [1, 3, 1000])
 def test_a_rebuild_gives_the_projections_the_live_path_kept(
     history: History, batch_events: int
 ) -> None:
-    """Batches of one event carry (and drop) bookings between batches; the
-    projection digest must be the live path's every time."""
+    """Batches of one event end, in the database's fold, bookings opened in
+    earlier batches; the projection digest must be the live path's every time."""
     recovery = history.recovery(batch_events=batch_events)
     kept = recovery.projection_digest()
     assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept
     assert recovery.assess().consistent
-
-
-def test_carried_bookings_are_read_back_only_when_they_may_be_projected() -> None:
-    def booking(rid: str) -> Booking:
-        return Booking(
-            "recall", rid, "jev", 1, 2, None, None, 3, 4, 5, 6, ModelPrice(7, 8),
-            ExpireCharge.HOLD, BookingState.OPEN, 9, 10,
-        )  # fmt: skip
-
-    carried = _CarriedBookings(limit=2)
-    carried.written({("recall", rid): booking(rid) for rid in ("a", "b", "c")})
-    carried.mark([("recall", "restored")])
-    keys = [("recall", rid) for rid in ("a", "b", "c", "restored", "never")]
-    known, to_read = carried.known(keys)
-    # At most `limit` carried; the others written (or restored) are read back;
-    # a key never written cannot be in the projections and is not read.
-    assert len(known) <= 2
-    assert set(known) | set(to_read) == set(keys) - {("recall", "never")}
-    assert all(known[key] == booking(key[1]) for key in known)
 
 
 def test_an_ending_builds_what_replace_built() -> None:

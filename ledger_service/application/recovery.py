@@ -16,16 +16,16 @@ projections untouched and the server closed to moves.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from ledger_service.domain import bookings as booking_fold
 from ledger_service.domain import recovery as planner
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import ChainBreak, ChainWalker
@@ -47,14 +47,6 @@ FULL_LOG_SOURCE = "log"
 # The server's snapshots come at most this many copied rows per event apart
 # (see Recovery.snapshot_due).
 SNAPSHOT_ROWS_PER_EVENT = 10
-# A rebuild carries the bookings of up to this many batches' worth of events
-# from one batch to the next (see _CarriedBookings).
-CARRIED_BATCHES = 16
-# The size of a rebuild's filter of the booking keys it wrote (a power of two,
-# 2**27 at most): 16 MiB, about one key in 100,000 read back in vain at a
-# million bookings (three bits per key).
-SEEN_FILTER_BITS = 1 << 27
-
 # The cyclic garbage collector's thresholds while a rebuild runs (see
 # _FewerCollections). The defaults, (700, 10, 10), collect generation 0 every
 # 700 container allocations; a rebuild allocates several per event (rows,
@@ -171,26 +163,28 @@ class RecoveryStore(Protocol):
 
     def prune_snapshots(self, keep: int, unfinished_before_us: int) -> int: ...
 
-    def bookings_by_key(
-        self, keys: Sequence[tuple[str, str]]
-    ) -> Mapping[tuple[str, str], Booking]: ...
-
     def claim_rebuild(self, owner: str, now_us: int, lease_us: int) -> bool: ...
 
     def reset_projections(self, owner: str, position_seq: int, now_us: int) -> None: ...
 
     def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None: ...
 
-    def apply_batch(
+    def fold_events(
         self,
         owner: str,
         lanes: Sequence[LanePolicy],
-        bookings: Sequence[Booking],
-        applied_seq: int,
+        after_seq: int,
+        through_seq: int,
         now_us: int,
         *,
         dry_run: bool = False,
-    ) -> None: ...
+    ) -> None:
+        """In one transaction: writes `lanes`, and every booking an event in
+        (after_seq, through_seq] touches, as `bookings.apply` folds it from the
+        log (its opening event's fields with its latest ending's), and moves
+        the marker to through_seq. Raises RebuildFailed, writing nothing, when
+        an event of the range cannot be folded."""
+        ...
 
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
         """Marks the projections current at applied_seq if that is the log's head."""
@@ -281,102 +275,16 @@ class _Walk:
         return [found for found in self.breaks if found.seq > seq]
 
 
-def fold_batch(
-    batch: Sequence[Event], known: Mapping[tuple[str, str], Booking]
-) -> tuple[dict[str, LanePolicy], dict[tuple[str, str], Booking]]:
-    """The lanes and bookings a batch of events leaves, from the bookings as
-    they were before it: the same folds as the live path (`bookings.apply`,
-    `policy_from_dict`)."""
+def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
+    """The lanes as the batch's lane_configured events leave them (the same
+    fold as the live path: `policy_from_dict`)."""
     lanes: dict[str, LanePolicy] = {}
-    touched: dict[tuple[str, str], Booking] = dict(known)
-    changed: dict[tuple[str, str], Booking] = {}
     for event in batch:
         if event.kind is EventKind.LANE_CONFIGURED:
             if event.policy is None:
                 raise RebuildFailed(f"event {event.seq} configures a lane without a policy")
             lanes[event.lane] = policy_from_dict(event.policy, event.seq, event.occurred_at_us)
-            continue
-        key = (event.lane, event.reservation_id)
-        try:
-            after = booking_fold.apply(event, touched.get(key))
-        except AssertionError as error:
-            raise RebuildFailed(f"event {event.seq} cannot be applied: {error}") from error
-        touched[key] = after
-        changed[key] = after
-    return lanes, changed
-
-
-def _booking_keys(batch: Sequence[Event]) -> list[tuple[str, str]]:
-    keys = {
-        (event.lane, event.reservation_id)
-        for event in batch
-        if event.kind is not EventKind.LANE_CONFIGURED
-        and event.kind not in (EventKind.RESERVED, EventKind.DENIED)
-    }
-    return sorted(keys)
-
-
-def _probes(digest: int, mask: int) -> tuple[int, int, int]:
-    """Three bits of the filter for a key's hash: two slices of it, and a slice
-    of it mixed (Fibonacci hashing) for the third."""
-    mixed = (digest * 0x9E37_79B9_7F4A_7C15) >> 64
-    return digest & mask, (digest >> 27) & mask, mixed & mask
-
-
-class _CarriedBookings:
-    """What a rebuild knows of the bookings it has put in the projections, so
-    that a batch need not read back the bookings its events end.
-
-    The bookings written last are carried, newest last (a booking usually ends
-    soon after it opens), at most `limit` of them. Every key written or restored
-    is also marked in a fixed-size filter (a Bloom filter: no false negatives).
-    A key neither carried nor marked has no booking in the projections, so it is
-    not read either: in a batch that opens a booking and ends it, the ending finds
-    the opening's booking without a read, exactly as the read would have said.
-    While the rebuild holds its claim nothing else writes bookings, so what is
-    carried is what the projections hold.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = max(limit, 1)
-        self._bookings: dict[tuple[str, str], Booking] = {}
-        self._marks = bytearray(SEEN_FILTER_BITS // 8)
-
-    def mark(self, keys: Iterable[tuple[str, str]]) -> None:
-        marks, mask = self._marks, SEEN_FILTER_BITS - 1
-        for key in keys:
-            digest = hash(key)
-            for bit in _probes(digest, mask):
-                marks[bit >> 3] |= 1 << (bit & 7)
-
-    def _maybe_written(self, key: tuple[str, str]) -> bool:
-        marks, mask, digest = self._marks, SEEN_FILTER_BITS - 1, hash(key)
-        first, second, third = _probes(digest, mask)
-        return bool(
-            marks[first >> 3] & (1 << (first & 7))
-            and marks[second >> 3] & (1 << (second & 7))
-            and marks[third >> 3] & (1 << (third & 7))
-        )
-
-    def known(
-        self, keys: Sequence[tuple[str, str]]
-    ) -> tuple[dict[tuple[str, str], Booking], list[tuple[str, str]]]:
-        """(the carried bookings of `keys`, the keys to read from the projections)."""
-        carried = self._bookings
-        known = {key: carried[key] for key in keys if key in carried}
-        return known, [key for key in keys if key not in known and self._maybe_written(key)]
-
-    def written(self, bookings: Mapping[tuple[str, str], Booking]) -> None:
-        carried = self._bookings
-        for key, booking in bookings.items():
-            carried.pop(key, None)
-            carried[key] = booking
-        self.mark(bookings)
-        if len(carried) > self._limit:
-            # Keep the newest half: dropping one at a time from the front of a
-            # dict costs a scan over the freed slots each time.
-            newest = list(carried.items())[len(carried) - self._limit // 2 :]
-            self._bookings = dict(newest)
+    return lanes
 
 
 class _FewerCollections:
@@ -632,19 +540,21 @@ class Recovery:
         return ""
 
     def measure_rate(self) -> float:
-        """Events per second of the rebuild pipeline (read, fold, write), measured
-        on a sample of the log's first events written in a transaction that is
-        rolled back."""
+        """Events per second of the rebuild pipeline (read, check the chain,
+        fold and write), measured on a sample of the log's first events folded
+        in a transaction that is rolled back. The rebuild overlaps the fold
+        with the next batch's check; the sample does not, so it errs slow."""
         started = time.perf_counter()
         sample = self._store.events_after(0, self.settings.sample_events)
         if not sample:
             return 1_000_000.0
-        self._store.bookings_by_key(_booking_keys(sample))
-        lanes, changed = fold_batch(sample, {})
-        self._store.apply_batch(
+        walker = ChainWalker()
+        for event in sample:
+            walker.check(event)
+        self._store.fold_events(
             self.owner,
-            list(lanes.values()),
-            list(changed.values()),
+            list(lanes_of(sample).values()),
+            0,
             sample[-1].seq,
             self._wall.now_us(),
             dry_run=True,
@@ -679,35 +589,42 @@ class Recovery:
         snapshot = route.snapshot
         position = snapshot.position_seq if snapshot else 0
         self._store.reset_projections(self.owner, position, self._wall.now_us())
-        carried = _CarriedBookings(CARRIED_BATCHES * self.settings.batch_events)
         if snapshot is not None:
-            self._restore(snapshot, progress, started, carried)
+            self._restore(snapshot, progress, started)
         walker = ChainWalker(snapshot.chain_heads if snapshot else None)
         total = self._store.count_events_after(position)
         done = 0
-        while True:
-            batch = self._store.events_after(position, self.settings.batch_events)
-            if not batch:
-                break
-            for event in batch:
-                found = walker.check(event)
-                if found is not None and found.seq not in route.tolerated_breaks:
-                    raise ChainBroken(found)
-            known, missing = carried.known(_booking_keys(batch))
-            if missing:
-                known.update(self._store.bookings_by_key(missing))
-            lanes, changed = fold_batch(batch, known)
-            position = batch[-1].seq
-            self._store.apply_batch(
-                self.owner,
-                list(lanes.values()),
-                list(changed.values()),
-                position,
-                self._wall.now_us(),
-            )
-            carried.written(changed)
-            done += len(batch)
-            progress("replay", done, max(total, done), time.perf_counter() - started)
+        # The database folds one batch while this thread reads and checks the
+        # next: the fold is one statement, run without the GIL (sqlite3 and
+        # psycopg release it), and the chain check is Python. A batch is
+        # folded only after every link in it checked out, and in log order.
+        with concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder:
+            folding: concurrent.futures.Future[None] | None = None
+            while True:
+                batch = self._store.events_after(position, self.settings.batch_events)
+                if not batch:
+                    break
+                for event in batch:
+                    found = walker.check(event)
+                    if found is not None and found.seq not in route.tolerated_breaks:
+                        raise ChainBroken(found)
+                lanes = list(lanes_of(batch).values())
+                if folding is not None:
+                    folding.result()
+                    progress("replay", done, max(total, done), time.perf_counter() - started)
+                folding = folder.submit(
+                    self._store.fold_events,
+                    self.owner,
+                    lanes,
+                    position,
+                    batch[-1].seq,
+                    self._wall.now_us(),
+                )
+                position = batch[-1].seq
+                done += len(batch)
+            if folding is not None:
+                folding.result()
+                progress("replay", done, max(total, done), time.perf_counter() - started)
         return self.projection_digest()
 
     def _restore(
@@ -715,7 +632,6 @@ class Recovery:
         snapshot: SnapshotInfo,
         progress: ProgressFn,
         started: float,
-        carried: _CarriedBookings,
     ) -> None:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
         done = 0
@@ -725,7 +641,6 @@ class Recovery:
             for booking in chunk.bookings:
                 digest.add_booking(booking)
             self._store.restore_chunk(self.owner, chunk, self._wall.now_us())
-            carried.mark((booking.lane, booking.reservation_id) for booking in chunk.bookings)
             done += len(chunk.lanes) + len(chunk.bookings)
             progress("restore", done, snapshot.rows, time.perf_counter() - started)
         if digest.hexdigest() != snapshot.digest:

@@ -91,31 +91,40 @@ class Booking:
         )
 
 
+# The fold's rule, as data (a rebuild's store applies it in SQL as well:
+# storage/recovery.py). A booking is its opening event's fields (the answer to
+# its Reserve) with the fields of its latest ending, and the state below.
+OPENING_STATES = {EventKind.RESERVED: BookingState.OPEN, EventKind.DENIED: BookingState.REJECTED}
+ENDING_STATES = {
+    EventKind.SETTLED: BookingState.SETTLED_UNKNOWN,
+    EventKind.REFUNDED: BookingState.REFUNDED,
+    EventKind.EXPIRED: BookingState.EXPIRED,
+    EventKind.RECONCILED: BookingState.RECONCILED,
+}
+# ... except a settled event that says the call succeeded: its charge is real.
+SETTLED_SUCCEEDED_STATE = BookingState.SETTLED
+
+
+def ending_state(event: Event) -> BookingState:
+    if event.kind is EventKind.SETTLED and event.outcome is Outcome.SUCCEEDED:
+        return SETTLED_SUCCEEDED_STATE
+    state = ENDING_STATES.get(event.kind)
+    if state is None:
+        raise AssertionError(f"event kind {event.kind.value} is not about a booking")
+    return state
+
+
 def apply(event: Event, booking: Booking | None) -> Booking:
     """The booking after `event`. The one fold for live moves and replays."""
-    if event.kind in (EventKind.RESERVED, EventKind.DENIED):
+    if event.kind in OPENING_STATES:
         assert booking is None, f"second {event.kind.value} for {event.reservation_id!r}"
         return _opened(event)
     assert booking is not None, f"{event.kind.value} before reserve of {event.reservation_id!r}"
-    if event.kind is EventKind.SETTLED:
-        state = (
-            BookingState.SETTLED
-            if event.outcome is Outcome.SUCCEEDED
-            else BookingState.SETTLED_UNKNOWN
-        )
-        return _ended(booking, event, state)
-    if event.kind is EventKind.REFUNDED:
-        return _ended(booking, event, BookingState.REFUNDED)
-    if event.kind is EventKind.EXPIRED:
-        return _ended(booking, event, BookingState.EXPIRED)
-    if event.kind is EventKind.RECONCILED:
-        return _ended(booking, event, BookingState.RECONCILED)
-    raise AssertionError(f"event kind {event.kind.value} is not about a booking")
+    return _ended(booking, event, ending_state(event))
 
 
 def _opened(event: Event) -> Booking:
     assert event.expire_charge is not None
-    admitted = event.kind is EventKind.RESERVED
     price: ModelPrice = object.__new__(ModelPrice)
     price.__dict__.update(
         input_nanos_per_million_tokens=event.input_nanos_per_million_tokens,
@@ -137,7 +146,7 @@ def _opened(event: Event) -> Booking:
         expires_at_us=event.expires_at_us,
         price=price,
         expire_charge=event.expire_charge,
-        state=BookingState.OPEN if admitted else BookingState.REJECTED,
+        state=OPENING_STATES[event.kind],
         amount_nanos=event.amount_nanos,
         answer_seq=event.seq,
         ended_seq=0,
