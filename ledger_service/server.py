@@ -277,6 +277,7 @@ def build_recovery(settings: Settings, store: SqlStore, owner: str) -> Recovery:
             sample_events=settings.recovery_sample_events,
             snapshot_keep=settings.snapshot_keep,
             lease_seconds=settings.rebuild_lease_seconds,
+            check_processes=settings.recovery_check_processes,
         ),
         owner,
     )

@@ -84,6 +84,9 @@ class Settings:
     # sample that measures the replay rate.
     recovery_batch_events: int = 1000
     recovery_sample_events: int = 2000
+    # Processes that check events' hashes while a rebuild of at least 50,000
+    # events folds them (0: the rebuild's own thread checks them).
+    recovery_check_processes: int = 2
     # While refusing moves: how often to look again; while serving: how often
     # to check the projections against the log (0: never).
     recovery_check_interval_seconds: float = 5.0

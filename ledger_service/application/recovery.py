@@ -16,6 +16,7 @@ projections untouched and the server closed to moves.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -24,11 +25,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol
+from concurrent.futures import Future
+from typing import NamedTuple, Protocol
 
 from ledger_service.domain import recovery as planner
 from ledger_service.domain.bookings import Booking
-from ledger_service.domain.chain import ChainBreak, ChainWalker
+from ledger_service.domain.chain import ChainBreak, ChainWalker, altered
 from ledger_service.domain.clock import MICROS_PER_SECOND, Clock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import Event, EventKind
@@ -109,11 +111,45 @@ class ProjectionView(Protocol):
     @property
     def facts(self) -> LogFacts: ...
 
+    @property
+    def position(self) -> Position | None:
+        """facts.position, without the rest of the facts."""
+        ...
+
     def chain_heads(self, through_seq: int) -> Mapping[str, str]: ...
 
     def lanes(self) -> Iterator[LanePolicy]: ...
 
     def bookings(self) -> Iterator[Booking]: ...
+
+    def booking_texts(self) -> Iterator[str]:
+        """chain.canonical_json of each of `bookings`, in the same order."""
+        ...
+
+
+class ChainLink(NamedTuple):
+    """What a link of the chain is checked by (chain.ChainWalker.check_link)."""
+
+    seq: int
+    lane: str
+    previous_hash: str
+    hash: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkBatch:
+    """The links of a batch of the log, in seq order, and the whole events of
+    its lane_configured ones (the rebuild folds those itself)."""
+
+    links: Sequence[ChainLink]
+    lane_events: Sequence[Event]
+
+
+class ContentChecks(Protocol):
+    def submit(self, after_seq: int, through_seq: int) -> Future[list[int]]:
+        """Starts checking that every sealed event in (after_seq, through_seq]
+        still hashes to its stored hash; the future gives those that do not."""
+        ...
 
 
 class RebuildClaimLost(Exception):
@@ -134,6 +170,13 @@ class RecoveryStore(Protocol):
     ) -> Sequence[Event]: ...
 
     def count_events_after(self, after_seq: int) -> int: ...
+
+    def links_after(self, after_seq: int, limit: int) -> LinkBatch: ...
+
+    def content_checks(self, processes: int) -> contextlib.AbstractContextManager[ContentChecks]:
+        """Checks of events' contents, run by up to `processes` other processes
+        (none: in the caller's thread)."""
+        ...
 
     def log_lanes(self) -> Sequence[str]: ...
 
@@ -206,6 +249,10 @@ class RecoverySettings:
     sample_events: int = 2000
     snapshot_keep: int = 2
     lease_seconds: float = 30.0
+    # Processes that check events' contents during a rebuild of at least
+    # parallel_min_events events (see storage/content_check.py); 0: none.
+    check_processes: int = 0
+    parallel_min_events: int = 50_000
     # Accept the log's last event as the position to restore to, even when the
     # marker or a snapshot says the projections had gone further (events lost).
     accept_log_head: bool = False
@@ -389,19 +436,16 @@ class Recovery:
         pending = sorted(position for position in positions if position >= after)
         while pending and pending[0] == after:
             walk.heads_at[pending.pop(0)] = dict(walker.heads)
-        while True:
-            batch = self._store.events_after(after, self.settings.batch_events)
-            if through_seq is not None:
-                batch = [event for event in batch if event.seq <= through_seq]
-            for event in batch:
-                while pending and pending[0] < event.seq:
-                    walk.heads_at[pending.pop(0)] = dict(walker.heads)
-                found = walker.check(event)
-                if found is not None:
-                    walk.note(found)
-            if len(batch) < self.settings.batch_events:
-                break
-            after = batch[-1].seq
+        with self._content_checks(after) as checks:
+            for batch, _, altered_seqs in self._batches(after, checks, through_seq):
+                for link in batch.links:
+                    while pending and pending[0] < link.seq:
+                        walk.heads_at[pending.pop(0)] = dict(walker.heads)
+                    found = walker.check_link(*link)
+                    if found is None and link.seq in altered_seqs:
+                        found = altered(link.seq, link.lane)
+                    if found is not None:
+                        walk.note(found)
         for position in pending:
             walk.heads_at[position] = dict(walker.heads)
         walk.unsealed = walker.unsealed
@@ -593,39 +637,91 @@ class Recovery:
             self._restore(snapshot, progress, started)
         walker = ChainWalker(snapshot.chain_heads if snapshot else None)
         total = self._store.count_events_after(position)
-        done = 0
-        # The database folds one batch while this thread reads and checks the
-        # next: the fold is one statement, run without the GIL (sqlite3 and
-        # psycopg release it), and the chain check is Python. A batch is
-        # folded only after every link in it checked out, and in log order.
-        with concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder:
-            folding: concurrent.futures.Future[None] | None = None
-            while True:
-                batch = self._store.events_after(position, self.settings.batch_events)
-                if not batch:
+        with self._content_checks(position, total) as checks:
+            self._replay(route, walker, checks, position, total, progress, started)
+        return self.projection_digest()
+
+    def _content_checks(
+        self, after_seq: int, events: int | None = None
+    ) -> contextlib.AbstractContextManager[ContentChecks]:
+        """Checks of the contents of the events after `after_seq` (`events` of
+        them, counted when not given): in other processes when they are many."""
+        processes = self.settings.check_processes
+        if processes > 0:
+            if events is None:
+                events = self._store.count_events_after(after_seq)
+            if events < self.settings.parallel_min_events:
+                processes = 0
+        return self._store.content_checks(processes)
+
+    def _batches(
+        self, after_seq: int, checks: ContentChecks, through_seq: int | None = None
+    ) -> Iterator[tuple[LinkBatch, int, set[int]]]:
+        """The log after `after_seq` (up to `through_seq`) in batches of links,
+        in order, each with the position before it and the seqs of its events
+        whose content does not give their hash. The contents of the next few
+        batches are being checked (by `checks`) while the caller walks one."""
+        ahead = max(2, 2 * self.settings.check_processes)
+        pending: collections.deque[tuple[LinkBatch, int, Future[list[int]]]] = collections.deque()
+        read_to, exhausted = after_seq, False
+        while True:
+            while not exhausted and len(pending) < ahead:
+                batch = self._store.links_after(read_to, self.settings.batch_events)
+                exhausted = len(batch.links) < self.settings.batch_events
+                if through_seq is not None and batch.links and batch.links[-1].seq > through_seq:
+                    batch = LinkBatch(
+                        [link for link in batch.links if link.seq <= through_seq],
+                        [event for event in batch.lane_events if event.seq <= through_seq],
+                    )
+                    exhausted = True
+                if not batch.links:
                     break
-                for event in batch:
-                    found = walker.check(event)
+                through = batch.links[-1].seq
+                pending.append((batch, read_to, checks.submit(read_to, through)))
+                read_to = through
+            if not pending:
+                return
+            batch, before, checked = pending.popleft()
+            yield batch, before, set(checked.result())
+
+    def _replay(
+        self,
+        route: Route,
+        walker: ChainWalker,
+        checks: ContentChecks,
+        position: int,
+        total: int,
+        progress: ProgressFn,
+        started: float,
+    ) -> None:
+        """Checks and folds the log after `position`, in batches, as a pipeline:
+        this thread reads a batch's links while other processes check the
+        contents of the batches read before it (`checks`), then walks the
+        links of the oldest, and the database folds it in a thread of its own
+        (one statement, without the GIL) while the next is walked. A batch is
+        folded only after each of its events checked out, and in log order."""
+        done = 0
+        with concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder:
+            folding: Future[None] | None = None
+            for batch, after, altered_seqs in self._batches(position, checks):
+                for link in batch.links:
+                    found = walker.check_link(*link)
+                    if found is None and link.seq in altered_seqs:
+                        found = altered(link.seq, link.lane)
                     if found is not None and found.seq not in route.tolerated_breaks:
                         raise ChainBroken(found)
-                lanes = list(lanes_of(batch).values())
+                lanes = list(lanes_of(batch.lane_events).values())
                 if folding is not None:
                     folding.result()
                     progress("replay", done, max(total, done), time.perf_counter() - started)
+                through = batch.links[-1].seq
                 folding = folder.submit(
-                    self._store.fold_events,
-                    self.owner,
-                    lanes,
-                    position,
-                    batch[-1].seq,
-                    self._wall.now_us(),
+                    self._store.fold_events, self.owner, lanes, after, through, self._wall.now_us()
                 )
-                position = batch[-1].seq
-                done += len(batch)
+                done += len(batch.links)
             if folding is not None:
                 folding.result()
                 progress("replay", done, max(total, done), time.perf_counter() - started)
-        return self.projection_digest()
 
     def _restore(
         self,
@@ -649,12 +745,12 @@ class Recovery:
     def projection_digest(self) -> str:
         """The digest of the projections as they stand (for cross-checks)."""
         with self._store.view() as view:
-            position = view.facts.position
+            position = view.position
             digest = ProjectionDigest(position.last_seq if position else 0, {})
             for policy in view.lanes():
                 digest.add_lane(policy)
-            for booking in view.bookings():
-                digest.add_booking(booking)
+            for text in view.booking_texts():
+                digest.add_booking_text(text)
         return digest.hexdigest()
 
     # Snapshots ---------------------------------------------------------------

@@ -252,9 +252,20 @@ def _event_shape(types: tuple[type[Any], ...], truths: tuple[bool, ...]) -> _Sha
     return _Shape(pieces)
 
 
+# The names of the hashed fields, in the order canonical_values takes them.
+HASHED_NAMES = _HASHED_NAMES
+
+
 def canonical_event(event: Event) -> str:
     """The hashed text of an event (see the module docstring)."""
-    values = _hashed_values(event)
+    return canonical_values(_hashed_values(event))
+
+
+def canonical_values(values: tuple[Any, ...]) -> str:
+    """The hashed text of an event whose fields in HASHED_NAMES have these
+    values. An enum field may be given as its member or as its member's value:
+    both are written as the value (for the plain enums of Event, see
+    _plain_enum)."""
     key = (tuple(map(type, values)), tuple(map(bool, values)))
     shape = _event_shapes.get(key)
     if shape is None:
@@ -307,25 +318,38 @@ class ChainWalker:
         self.last_seq = 0
 
     def check(self, event: Event) -> ChainBreak | None:
+        found = self.check_link(event.seq, event.lane, event.previous_hash, event.hash)
+        if found is None and event.hash and event_hash(event.previous_hash, event) != event.hash:
+            return altered(event.seq, event.lane)
+        return found
+
+    def check_link(self, seq: int, lane: str, previous_hash: str, hash_: str) -> ChainBreak | None:
+        """The link alone: what `check` finds except an altered content, which
+        the caller checks apart (`content_matches`), for events with a hash."""
         self.checked += 1
-        self.last_seq = event.seq
-        expected = self.heads.get(event.lane, GENESIS_HASH)
-        if not event.hash:
-            if expected or event.previous_hash:
-                return ChainBreak(event.seq, event.lane, "has no hash, after sealed events")
+        self.last_seq = seq
+        expected = self.heads.get(lane, GENESIS_HASH)
+        if not hash_:
+            if expected or previous_hash:
+                return ChainBreak(seq, lane, "has no hash, after sealed events")
             self.unsealed += 1
             return None
-        self.heads[event.lane] = event.hash
-        if event.previous_hash != expected:
+        self.heads[lane] = hash_
+        if previous_hash != expected:
             return ChainBreak(
-                event.seq,
-                event.lane,
-                f"previous_hash {event.previous_hash[:16] or '(empty)'} is not the hash of "
+                seq,
+                lane,
+                f"previous_hash {previous_hash[:16] or '(empty)'} is not the hash of "
                 f"the lane's previous event ({expected[:16] or 'none: the first event'}); "
                 "an event before it was removed or altered",
             )
-        if event_hash(event.previous_hash, event) != event.hash:
-            return ChainBreak(
-                event.seq, event.lane, "its content does not match its hash: altered after append"
-            )
         return None
+
+
+def altered(seq: int, lane: str) -> ChainBreak:
+    return ChainBreak(seq, lane, "its content does not match its hash: altered after append")
+
+
+def content_matches(previous_hash: str, hash_: str, text: str) -> bool:
+    """Whether an event whose canonical text is `text` hashes to `hash_`."""
+    return hashlib.sha256(f"{previous_hash}\n{text}".encode()).hexdigest() == hash_

@@ -67,8 +67,12 @@ class ProjectionDigest:
         self._line("lane " + canonical_json(policy))
 
     def add_booking(self, booking: Booking) -> None:
+        self.add_booking_text(canonical_json(booking))
+
+    def add_booking_text(self, text: str) -> None:
+        """add_booking of the booking whose canonical_json is `text`."""
         self.bookings += 1
-        self._line("booking " + canonical_json(booking))
+        self._line("booking " + text)
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()

@@ -64,13 +64,27 @@ def is_sqlite(url: str | URL) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
+# The URL each engine was created from: its own lacks the server options
+# moved into its connect arguments.
+_SOURCE_URLS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
+
+
 def create(url: str, limits: EngineLimits) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        return _sqlite_engine(parsed, limits)
-    if parsed.get_backend_name() == "postgresql":
-        return _postgres_engine(parsed, limits)
-    raise ValueError("the database URL must be sqlite:/// or postgresql+psycopg://")
+        engine = _sqlite_engine(parsed, limits)
+    elif parsed.get_backend_name() == "postgresql":
+        engine = _postgres_engine(parsed, limits)
+    else:
+        raise ValueError("the database URL must be sqlite:/// or postgresql+psycopg://")
+    _SOURCE_URLS[engine] = url
+    return engine
+
+
+def source_url(engine: Engine) -> str:
+    """The URL `create` made the engine from, for another process to open
+    the same database (secret: it may hold a password)."""
+    return _SOURCE_URLS.get(engine) or engine.url.render_as_string(hide_password=False)
 
 
 def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:

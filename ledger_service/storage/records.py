@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import operator
 from collections.abc import Iterable, Mapping, Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any, TypeVar
 
 from ledger_service.domain.bookings import Booking, BookingState
+from ledger_service.domain.chain import canonical_json
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge, LanePolicy
 from ledger_service.domain.pricing import ModelPrice
@@ -334,3 +337,98 @@ def lane_rows(policies: Iterable[LanePolicy]) -> list[tuple[Any, ...]]:
         values = lane_values(policy)
         rows.append(tuple(values[name] for name in LANE_COLUMNS))
     return rows
+
+
+# Bookings' canonical texts straight from rows ------------------------------------
+#
+# A projection digest (domain/snapshots.py) hashes chain.canonical_json of every
+# booking: compact JSON with sorted keys of all its fields, the price as an
+# object, enums by value, None as null. Made from the row, without the Booking,
+# it costs a fifth: a template per combination of the row's value types, the
+# three free strings escaped as json does. A row with a type or an enum value
+# the template does not foresee takes the reference path (and fails as
+# bookings_from_rows would). tests/storage/test_booking_texts.py compares.
+
+# Type combinations a process keeps templates for (past them: made each time).
+MAX_BOOKING_TEMPLATES = 256
+_PRICE_COLUMNS = {
+    "input_nanos_per_million_tokens": BOOKING_COLUMNS.index("input_nanos_per_million_tokens"),
+    "output_nanos_per_million_tokens": BOOKING_COLUMNS.index("output_nanos_per_million_tokens"),
+}
+_FREE_STRINGS = tuple(BOOKING_COLUMNS.index(name) for name in ("lane", "reservation_id", "model"))
+_free_strings = operator.itemgetter(*_FREE_STRINGS)
+_STATE, _CHARGE, _OUTCOME = (
+    BOOKING_COLUMNS.index(name) for name in ("state", "expire_charge", "outcome")
+)
+_STATE_VALUES = frozenset(member.value for member in BookingState)
+_CHARGE_VALUES = frozenset(member.value for member in ExpireCharge)
+_OUTCOME_VALUES = frozenset(member.value for member in Outcome)
+_NULLABLE = frozenset(
+    BOOKING_COLUMNS.index(name)
+    for name in ("estimate_nanos", "requested_ttl_us", "outcome", "billed_nanos")
+)
+_ENUM_COLUMNS = frozenset((_STATE, _CHARGE, _OUTCOME))
+
+
+def _booking_field(index: int, kind: type[Any], escaped_slot: dict[int, int]) -> str | None:
+    """How column `index` holding a value of `kind` is written, as a str.format
+    field (braces doubled elsewhere); None when no template foresees it."""
+    if kind is type(None):
+        return "null" if index in _NULLABLE else None
+    if index in escaped_slot:
+        return f"{{{escaped_slot[index]}}}" if kind is str else None
+    if index in _ENUM_COLUMNS:
+        return f'"{{{index}}}"' if kind is str else None
+    return f"{{{index}}}" if kind is int else None
+
+
+def _booking_template(types: tuple[type[Any], ...]) -> str | None:
+    escaped_slot = {index: len(BOOKING_COLUMNS) + n for n, index in enumerate(_FREE_STRINGS)}
+    parts: list[str] = []
+    for field in sorted(dataclasses.fields(Booking), key=lambda field: field.name):
+        if field.name == "price":
+            inner = []
+            for name, index in sorted(_PRICE_COLUMNS.items()):
+                written = _booking_field(index, types[index], escaped_slot)
+                if written is None:
+                    return None
+                inner.append(f'"{name}":{written}')
+            parts.append('"price":{{' + ",".join(inner) + "}}")
+            continue
+        index = BOOKING_COLUMNS.index(field.name)
+        written = _booking_field(index, types[index], escaped_slot)
+        if written is None:
+            return None
+        parts.append(f'"{field.name}":{written}')
+    return "{{" + ",".join(parts) + "}}"
+
+
+_booking_templates: dict[tuple[type[Any], ...], str | None] = {}
+assert {field.name for field in dataclasses.fields(Booking)} - {"price"} | set(
+    _PRICE_COLUMNS
+) == set(BOOKING_COLUMNS), "a Booking field has no column: extend booking_texts_from_rows"
+
+
+def booking_texts_from_rows(rows: Iterable[Sequence[Any]]) -> list[str]:
+    """chain.canonical_json of the booking of each row of BOOKING_COLUMNS."""
+    texts: list[str] = []
+    templates, escape = _booking_templates, encode_basestring_ascii
+    states, charges, outcomes = _STATE_VALUES, _CHARGE_VALUES, _OUTCOME_VALUES
+    for row in rows:
+        types = tuple(map(type, row))
+        template = templates.get(types, "")
+        if template == "":
+            template = _booking_template(types)
+            if len(templates) < MAX_BOOKING_TEMPLATES:
+                templates[types] = template
+        outcome = row[_OUTCOME]
+        if (
+            template is None
+            or row[_STATE] not in states
+            or row[_CHARGE] not in charges
+            or (outcome is not None and outcome not in outcomes)
+        ):
+            texts.append(canonical_json(bookings_from_rows([row])[0]))
+            continue
+        texts.append(template.format(*row, *map(escape, _free_strings(row))))
+    return texts

@@ -36,6 +36,9 @@ from ledger_service.application.ports import EventQuery
 from ledger_service.application.recovery import (
     STATE_CURRENT,
     STATE_REBUILDING,
+    ChainLink,
+    ContentChecks,
+    LinkBatch,
     LogFacts,
     Position,
     RebuildClaimLost,
@@ -50,7 +53,7 @@ from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.recovery import Manifest
 from ledger_service.domain.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
 from ledger_service.domain.window import WindowTotals
-from ledger_service.storage import database, records
+from ledger_service.storage import content_check, database, records
 from ledger_service.storage.chaining import POSITION_ROW_ID
 from ledger_service.storage.schema import (
     bookings,
@@ -74,6 +77,7 @@ SNAPSHOT_COMPLETE = "complete"
 # How many complete snapshots are ever read: retention keeps fewer.
 MAX_LISTED_SNAPSHOTS = 10
 ANSWER_KINDS = ("reserved", "denied")
+LANE_CONFIGURED = EventKind.LANE_CONFIGURED.value
 
 
 def _unavailable_on_database_errors(method: Callable[P, T]) -> Callable[P, T]:
@@ -146,6 +150,10 @@ class _RebuildSql:
     def __init__(self, placeholder: str) -> None:
         self.events_after = (
             f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
+            f"WHERE seq > {placeholder} ORDER BY seq LIMIT {placeholder}"
+        )
+        self.links_after = (
+            f"SELECT seq, lane, previous_hash, hash, kind FROM {events.name} "
             f"WHERE seq > {placeholder} ORDER BY seq LIMIT {placeholder}"
         )
         self.bookings_in_order = (
@@ -260,11 +268,19 @@ class SqlProjectionView:
         self._connection = connection
         self._batch = batch_rows
         self._sql = sql or _RebuildSql("?" if connection.dialect.paramstyle == "qmark" else "%s")
-        self._facts = _facts(connection)
+        self._facts: LogFacts | None = None
 
     @property
     def facts(self) -> LogFacts:
+        # Counting and the stale-booking join take a while on a large log:
+        # only when asked, once (the view is one snapshot).
+        if self._facts is None:
+            self._facts = _facts(self._connection)
         return self._facts
+
+    @property
+    def position(self) -> Position | None:
+        return self._facts.position if self._facts is not None else _position(self._connection)
 
     def chain_heads(self, through_seq: int) -> Mapping[str, str]:
         last = (
@@ -292,6 +308,14 @@ class SqlProjectionView:
         )
         for rows in result.partitions():
             yield from records.bookings_from_rows(rows)
+
+    def booking_texts(self) -> Iterator[str]:
+        """chain.canonical_json of every booking, in the order of `bookings`."""
+        result = self._connection.execution_options(stream_results=True).exec_driver_sql(
+            self._sql.bookings_in_order
+        )
+        while rows := result.fetchmany(self._batch):
+            yield from records.booking_texts_from_rows(rows)
 
 
 class SqlRecoveryStore:
@@ -365,6 +389,26 @@ class SqlRecoveryStore:
         with self._reading() as connection:
             rows = connection.exec_driver_sql(self._sql.events_after, (after_seq, limit)).all()
         return records.events_from_rows(rows)
+
+    @_unavailable_on_database_errors
+    def links_after(self, after_seq: int, limit: int) -> LinkBatch:
+        with self._reading() as connection:
+            rows = connection.exec_driver_sql(self._sql.links_after, (after_seq, limit)).all()
+            configured = [seq for seq, _, _, _, kind in rows if kind == LANE_CONFIGURED]
+            lane_events: Sequence[Event] = []
+            if configured:
+                lane_events = SqlTransaction(connection, self._sqlite).list_events(
+                    EventQuery(
+                        kinds=(LANE_CONFIGURED,),
+                        after_seq=after_seq,
+                        limit=len(configured),
+                    )
+                )
+        links = [ChainLink(seq, lane, previous, hash_) for seq, lane, previous, hash_, _ in rows]
+        return LinkBatch(links, lane_events)
+
+    def content_checks(self, processes: int) -> contextlib.AbstractContextManager[ContentChecks]:
+        return content_check.content_checks(self._engine, processes)
 
     @_unavailable_on_database_errors
     def count_events_after(self, after_seq: int) -> int:

@@ -1,0 +1,225 @@
+"""Checking that events still hash to their stored hashes, in other processes.
+
+A chain check has two parts (domain/chain.py). The link (an event's
+previous_hash is its lane's previous hash) needs the log in order, but only
+four short columns of it. The content (the event's fields still give its
+hash) needs every column and most of the work: reading and converting the
+row, its canonical text and a SHA-256, about 20 us of Python an event. It
+needs nothing but the row itself, so ranges of the log can be checked apart,
+in processes of their own, while the caller walks the links and the database
+folds what was checked: on the 2-core machine that is the other core.
+
+A range is read in one snapshot by a process of a pool (spawned, never
+forked: the server's threads and connections are not copied), through its own
+engine. Below `parallel_min_events`, or with no processes, ranges are checked
+in the calling thread: starting the processes costs about a second.
+
+The text is made from the row's values directly (chain.canonical_values),
+without building the Event: enum columns hold their members' plain values,
+which are written the same. A row with a policy (whose stored JSON is not the
+canonical text) or with a value no enum member has takes the reference path,
+as events_from_rows and canonical_event would, and fails as they would.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import operator
+from collections.abc import Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from ledger_service.domain import chain
+from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
+from ledger_service.domain.policies import ExpireCharge
+from ledger_service.storage import database, records
+from ledger_service.storage.schema import events
+
+log = logging.getLogger(__name__)
+
+# At most this many processes check contents, whatever the settings say.
+MAX_PROCESSES = 8
+# Rows a check reads at a time.
+FETCH_ROWS = 2000
+
+_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(Event))
+_hashed = operator.itemgetter(*(_FIELD_NAMES.index(name) for name in chain.HASHED_NAMES))
+_SEQ = _FIELD_NAMES.index("seq")
+_HASH = _FIELD_NAMES.index("hash")
+_PREVIOUS = _FIELD_NAMES.index("previous_hash")
+_POLICY = _FIELD_NAMES.index("policy")
+# Columns that hold an enum member's value, and the values they may hold.
+_KIND, _DENIAL, _CHARGE, _OUTCOME = (
+    _FIELD_NAMES.index(name) for name in ("kind", "denial_reason", "expire_charge", "outcome")
+)
+_KINDS = frozenset(member.value for member in EventKind)
+# The optional ones may also be None.
+_DENIALS = frozenset(member.value for member in DenialReason) | {None}
+_CHARGES = frozenset(member.value for member in ExpireCharge) | {None}
+_OUTCOMES = frozenset(member.value for member in Outcome) | {None}
+assert records.EVENT_COLUMNS[_POLICY] == "policy_json"
+
+
+def _text(row: Sequence[Any]) -> str:
+    """chain.canonical_event of the row's event."""
+    if (
+        row[_POLICY] is None
+        and row[_KIND] in _KINDS
+        and row[_DENIAL] in _DENIALS
+        and row[_CHARGE] in _CHARGES
+        and row[_OUTCOME] in _OUTCOMES
+    ):
+        return chain.canonical_values(_hashed(row))
+    return chain.canonical_event(records.events_from_rows([row])[0])
+
+
+def altered_seqs(rows: Sequence[Sequence[Any]]) -> list[int]:
+    """The seqs of the sealed events among `rows` (of EVENT_COLUMNS) whose
+    content no longer gives their hash."""
+    matches = chain.content_matches
+    return [
+        row[_SEQ]
+        for row in rows
+        if row[_HASH] and not matches(row[_PREVIOUS], row[_HASH], _text(row))
+    ]
+
+
+def _range_sql(engine: Engine) -> str:
+    placeholder = "?" if engine.dialect.paramstyle == "qmark" else "%s"
+    return (
+        f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
+        f"WHERE seq > {placeholder} AND seq <= {placeholder} ORDER BY seq"
+    )
+
+
+def check_range(engine: Engine, after_seq: int, through_seq: int) -> list[int]:
+    """altered_seqs over the events in (after_seq, through_seq], read in one
+    transaction, FETCH_ROWS rows in memory at a time."""
+    altered: list[int] = []
+    try:
+        with engine.connect() as connection, connection.begin():
+            result = connection.exec_driver_sql(_range_sql(engine), (after_seq, through_seq))
+            while rows := result.fetchmany(FETCH_ROWS):
+                altered += altered_seqs(rows)
+    except (DBAPIError, PoolTimeoutError) as error:
+        raise StoreUnavailable() from error
+    return altered
+
+
+# The worker processes' side -----------------------------------------------------
+
+_worker_engines: dict[str, Engine] = {}
+
+
+def _checked_in_worker(url: str, after_seq: int, through_seq: int) -> list[int] | None:
+    """check_range in a worker process; None when the database is unavailable
+    (StoreUnavailable does not cross a process boundary)."""
+    engine = _worker_engines.get(url)
+    if engine is None:
+        engine = database.create(url, database.EngineLimits(pool_size=1, pool_max_overflow=0))
+        _worker_engines[url] = engine
+    try:
+        return check_range(engine, after_seq, through_seq)
+    except StoreUnavailable:
+        return None
+
+
+# The caller's side -------------------------------------------------------------
+
+
+class ContentChecks:
+    """Checks ranges of the log's contents: `submit` returns a future of the
+    altered seqs of a range, raising StoreUnavailable from `result` when the
+    database failed.
+
+    When the processes cannot run (a program that starts a rebuild from an
+    unguarded main module cannot spawn any, as multiprocessing documents) or
+    one dies, the ranges are checked in this process instead: slower, never
+    skipped."""
+
+    def __init__(self, engine: Engine, processes: int) -> None:
+        self._engine = engine
+        self._url = database.source_url(engine)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        if processes > 0:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=min(processes, MAX_PROCESSES),
+                mp_context=multiprocessing.get_context("spawn"),
+            )
+
+    def submit(self, after_seq: int, through_seq: int) -> concurrent.futures.Future[list[int]]:
+        checked: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        pool = self._pool
+        if pool is not None:
+            try:
+                running = pool.submit(_checked_in_worker, self._url, after_seq, through_seq)
+            except BrokenProcessPool:
+                self._broken()
+            else:
+                running.add_done_callback(
+                    lambda done: self._settle(checked, done, after_seq, through_seq)
+                )
+                return checked
+        self._check_here(checked, after_seq, through_seq)
+        return checked
+
+    def _check_here(
+        self, checked: concurrent.futures.Future[list[int]], after_seq: int, through_seq: int
+    ) -> None:
+        try:
+            checked.set_result(check_range(self._engine, after_seq, through_seq))
+        except Exception as error:
+            checked.set_exception(error)
+
+    def _broken(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            log.warning("content-checking processes failed; checking in this process")
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _settle(
+        self,
+        checked: concurrent.futures.Future[list[int]],
+        done: concurrent.futures.Future[list[int] | None],
+        after_seq: int,
+        through_seq: int,
+    ) -> None:
+        try:
+            found = done.result()
+        except BrokenProcessPool:
+            self._broken()
+            self._check_here(checked, after_seq, through_seq)
+            return
+        except concurrent.futures.CancelledError:
+            checked.cancel()
+            return
+        except Exception as error:
+            checked.set_exception(error)
+            return
+        if found is None:
+            checked.set_exception(StoreUnavailable())
+        else:
+            checked.set_result(found)
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def content_checks(engine: Engine, processes: int) -> Iterator[ContentChecks]:
+    checks = ContentChecks(engine, processes)
+    try:
+        yield checks
+    finally:
+        checks.close()
