@@ -15,8 +15,11 @@ stopped at its time limit (the database is scratch by then):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
+import os
+import signal
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -96,6 +99,9 @@ def _rebuild(database_url: str, connection: Connection) -> dict[str, Any]:
 
 
 def _probe_main(database_url: str, replay_max_events: int, connection: Connection) -> None:
+    # A process group of its own, with the rebuild's checking processes, so
+    # that stopping it at the time limit stops them too.
+    os.setpgrp()
     try:
         connection.send(("replay", _replay(database_url, replay_max_events)))
         connection.send(("rebuilt", _rebuild(database_url, connection)))
@@ -110,8 +116,11 @@ def measure(
     events); stops the rebuild after `timeout_seconds`."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
+    # Not daemonic: the rebuild checks hashes in processes of its own, which a
+    # daemonic process may not start. It is killed at the time limit (its
+    # checking processes then end on their queue's EOF).
     process = context.Process(
-        target=_probe_main, args=(database_url, replay_max_events, child), daemon=True
+        target=_probe_main, args=(database_url, replay_max_events, child), daemon=False
     )
     process.start()
     child.close()
@@ -140,8 +149,9 @@ def measure(
     except EOFError:
         result["failed"] = "the rebuild process ended without a word"
     finally:
-        if process.is_alive():
-            process.kill()
+        if process.is_alive() and process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         process.join(10)
         parent.close()
     if last is not None:

@@ -150,7 +150,8 @@ class ContentChecks:
         self._engine = engine
         self._url = database.source_url(engine)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        if processes > 0:
+        # A daemonic process may not start processes of its own.
+        if processes > 0 and not multiprocessing.current_process().daemon:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=min(processes, MAX_PROCESSES),
                 mp_context=multiprocessing.get_context("spawn"),
@@ -162,7 +163,9 @@ class ContentChecks:
         if pool is not None:
             try:
                 running = pool.submit(_checked_in_worker, self._url, after_seq, through_seq)
-            except BrokenProcessPool:
+            except (BrokenProcessPool, OSError, AssertionError, RuntimeError):
+                # Broken, or its processes could not start (no resources, a
+                # daemonic or bootstrapping parent).
                 self._broken()
             else:
                 running.add_done_callback(

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import multiprocessing
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -172,3 +174,26 @@ def test_when_a_checking_process_dies_the_ranges_are_checked_here(history: Histo
         assert checks.submit(0, seqs[-1]).result() == [altered]
         assert checks.submit(altered, seqs[-1]).result() == []
         assert checks._pool is None
+
+
+def _check_in_a_daemon(url: str, through_seq: int, results: Any) -> None:
+    from ledger_service.storage import database
+
+    engine = database.create(url, database.EngineLimits(pool_size=1))
+    with content_check.content_checks(engine, 2) as checks:
+        results.put((checks._pool is None, checks.submit(0, through_seq).result()))
+
+
+def test_a_daemonic_process_checks_in_its_own_thread(history: History) -> None:
+    """A daemonic process may start no processes: its checks run in it."""
+    seqs = [row[SEQ] for row in _rows(history)]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    daemon = context.Process(
+        target=_check_in_a_daemon, args=(history.url, seqs[-1], results), daemon=True
+    )
+    daemon.start()
+    try:
+        assert results.get(timeout=60) == (True, [])
+    finally:
+        daemon.join(10)
