@@ -322,6 +322,15 @@ class _Walk:
         return [found for found in self.breaks if found.seq > seq]
 
 
+def _checked(walker: ChainWalker, link: ChainLink, altered_seqs: set[int]) -> ChainBreak | None:
+    """What ChainWalker.check finds at the link's event, given the seqs whose
+    content was found not to give their hash."""
+    found = walker.check_link(*link)
+    if found is None and link.seq in altered_seqs:
+        return altered(link.seq, link.lane)
+    return found
+
+
 def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
     """The lanes as the batch's lane_configured events leave them (the same
     fold as the live path: `policy_from_dict`)."""
@@ -441,9 +450,7 @@ class Recovery:
                 for link in batch.links:
                     while pending and pending[0] < link.seq:
                         walk.heads_at[pending.pop(0)] = dict(walker.heads)
-                    found = walker.check_link(*link)
-                    if found is None and link.seq in altered_seqs:
-                        found = altered(link.seq, link.lane)
+                    found = _checked(walker, link, altered_seqs)
                     if found is not None:
                         walk.note(found)
         for position in pending:
@@ -705,9 +712,7 @@ class Recovery:
             folding: Future[None] | None = None
             for batch, after, altered_seqs in self._batches(position, checks):
                 for link in batch.links:
-                    found = walker.check_link(*link)
-                    if found is None and link.seq in altered_seqs:
-                        found = altered(link.seq, link.lane)
+                    found = _checked(walker, link, altered_seqs)
                     if found is not None and found.seq not in route.tolerated_breaks:
                         raise ChainBroken(found)
                 lanes = list(lanes_of(batch.lane_events).values())
