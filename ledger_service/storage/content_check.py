@@ -29,6 +29,9 @@ import dataclasses
 import logging
 import multiprocessing
 import operator
+import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -118,6 +121,21 @@ def check_range(engine: Engine, after_seq: int, through_seq: int) -> list[int]:
 # The worker processes' side -----------------------------------------------------
 
 _worker_engines: dict[str, Engine] = {}
+# How often a checking process looks whether the process that started it is
+# still there.
+PARENT_POLL_SECONDS = 1.0
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """A checking process's initializer: it ends itself once the process that
+    started it is gone (killed, say), instead of waiting for work forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ledger-check-parent", daemon=True).start()
 
 
 def _checked_in_worker(url: str, after_seq: int, through_seq: int) -> list[int] | None:
@@ -155,6 +173,8 @@ class ContentChecks:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=min(processes, MAX_PROCESSES),
                 mp_context=multiprocessing.get_context("spawn"),
+                initializer=_watch_parent,
+                initargs=(os.getpid(),),
             )
 
     def submit(self, after_seq: int, through_seq: int) -> concurrent.futures.Future[list[int]]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing
+import pathlib
+import time
 from typing import Any
 
 import pytest
@@ -197,3 +199,32 @@ def test_a_daemonic_process_checks_in_its_own_thread(history: History) -> None:
         assert results.get(timeout=60) == (True, [])
     finally:
         daemon.join(10)
+
+
+def _check_and_wait(url: str, results: Any) -> None:
+    from ledger_service.storage import database
+
+    engine = database.create(url, database.EngineLimits(pool_size=1))
+    checks = content_check.ContentChecks(engine, 1)
+    checks.submit(0, 1).result()
+    pool = checks._pool
+    assert pool is not None
+    results.put([process.pid for process in pool._processes.values()])
+    time.sleep(120)
+
+
+def test_checking_processes_end_when_their_parent_is_killed(history: History) -> None:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    parent = context.Process(target=_check_and_wait, args=(history.url, results))
+    parent.start()
+    try:
+        [worker] = results.get(timeout=60)
+    finally:
+        parent.kill()
+        parent.join(10)
+    deadline = time.monotonic() + 10 * content_check.PARENT_POLL_SECONDS
+    while time.monotonic() < deadline and pathlib.Path(f"/proc/{worker}").exists():
+        time.sleep(0.1)
+    status = pathlib.Path(f"/proc/{worker}/status")
+    assert not status.exists() or "zombie" in status.read_text()
