@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ledger_service.domain import recovery as planner
 from ledger_service.domain.bookings import Booking
@@ -103,6 +103,23 @@ class LogFacts:
 class SnapshotChunk:
     lanes: Sequence[LanePolicy] = ()
     bookings: Sequence[Booking] = ()
+    # Bookings as rows the store keeps them in (opaque here), with each one's
+    # canonical text (chain.canonical_json of its Booking): how the projections
+    # are copied into a snapshot and back without a Booking built for each.
+    booking_rows: Sequence[Sequence[Any]] = ()
+    booking_texts: Sequence[str] = ()
+
+    def add_to(self, digest: ProjectionDigest) -> None:
+        for policy in self.lanes:
+            digest.add_lane(policy)
+        for booking in self.bookings:
+            digest.add_booking(booking)
+        for text in self.booking_texts:
+            digest.add_booking_text(text)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lanes) + len(self.bookings) + len(self.booking_rows)
 
 
 class ProjectionView(Protocol):
@@ -124,6 +141,10 @@ class ProjectionView(Protocol):
 
     def booking_texts(self) -> Iterator[str]:
         """chain.canonical_json of each of `bookings`, in the same order."""
+        ...
+
+    def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
+        """`bookings`, `size` at a time, as chunks of rows with their texts."""
         ...
 
 
@@ -575,10 +596,7 @@ class Recovery:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
         try:
             for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
-                for policy in chunk.lanes:
-                    digest.add_lane(policy)
-                for booking in chunk.bookings:
-                    digest.add_booking(booking)
+                chunk.add_to(digest)
         except (ValueError, KeyError, TypeError) as error:
             return f"unreadable: {type(error).__name__}"
         if (digest.lanes, digest.bookings) != (snapshot.lanes_count, snapshot.bookings_count):
@@ -737,12 +755,9 @@ class Recovery:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
         done = 0
         for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
-            for policy in chunk.lanes:
-                digest.add_lane(policy)
-            for booking in chunk.bookings:
-                digest.add_booking(booking)
+            chunk.add_to(digest)
             self._store.restore_chunk(self.owner, chunk, self._wall.now_us())
-            done += len(chunk.lanes) + len(chunk.bookings)
+            done += chunk.rows
             progress("restore", done, snapshot.rows, time.perf_counter() - started)
         if digest.hexdigest() != snapshot.digest:
             raise RebuildFailed(f"snapshot {snapshot.snapshot_id} changed while it was restored")
@@ -846,17 +861,10 @@ class Recovery:
         if lanes:
             self._store.write_snapshot_chunk(snapshot_id, chunk_no, SnapshotChunk(lanes=lanes))
             chunk_no += 1
-        batch: list[Booking] = []
-        for booking in view.bookings():
-            digest.add_booking(booking)
-            batch.append(booking)
-            if len(batch) == size:
-                self._store.write_snapshot_chunk(
-                    snapshot_id, chunk_no, SnapshotChunk(bookings=batch)
-                )
-                chunk_no, batch = chunk_no + 1, []
-        if batch:
-            self._store.write_snapshot_chunk(snapshot_id, chunk_no, SnapshotChunk(bookings=batch))
+        for chunk in view.booking_chunks(size):
+            chunk.add_to(digest)
+            self._store.write_snapshot_chunk(snapshot_id, chunk_no, chunk)
+            chunk_no += 1
 
     # The whole of it -------------------------------------------------------------
 
