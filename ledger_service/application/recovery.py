@@ -166,10 +166,37 @@ class LinkBatch:
     lane_events: Sequence[Event]
 
 
+@dataclasses.dataclass(frozen=True)
+class WalkedRange:
+    """A range of the log walked on its own, without the heads its lanes had
+    before it (`take_range` ends the walk with them).
+
+    A lane's events up to and including its first sealed one in the range
+    (`leading`) need the head from before the range, so they are left to the
+    caller, with which of them no longer hash to their hash (`altered`). Every
+    later event was checked here, link and content, by a ChainWalker that
+    starts from that first sealed hash: `breaks` is what it found, in seq
+    order, `heads` the lanes' heads after the range and `unsealed` how many
+    unsealed events it passed."""
+
+    events: int
+    last_seq: int
+    leading: Sequence[ChainLink]
+    altered: Sequence[int]
+    breaks: Sequence[ChainBreak]
+    heads: Mapping[str, str]
+    unsealed: int
+    lane_events: Sequence[Event]
+
+
 class ContentChecks(Protocol):
     def submit(self, after_seq: int, through_seq: int) -> Future[list[int]]:
         """Starts checking that every sealed event in (after_seq, through_seq]
         still hashes to its stored hash; the future gives those that do not."""
+        ...
+
+    def submit_walk(self, after_seq: int, through_seq: int) -> Future[WalkedRange]:
+        """Starts walking (after_seq, through_seq] on its own (WalkedRange)."""
         ...
 
 
@@ -191,6 +218,10 @@ class RecoveryStore(Protocol):
     ) -> Sequence[Event]: ...
 
     def count_events_after(self, after_seq: int) -> int: ...
+
+    def last_seq(self) -> int:
+        """The log's last seq (0 when empty)."""
+        ...
 
     def links_after(self, after_seq: int, limit: int) -> LinkBatch: ...
 
@@ -350,6 +381,27 @@ def _checked(walker: ChainWalker, link: ChainLink, altered_seqs: set[int]) -> Ch
     if found is None and link.seq in altered_seqs:
         return altered(link.seq, link.lane)
     return found
+
+
+def take_range(walker: ChainWalker, walked: WalkedRange) -> list[ChainBreak]:
+    """Ends the walk of a range with the walker's heads from before it: its
+    lanes' leading events are checked here, then the walker goes on from the
+    heads the range left. Returns what was found, here or in the range, in seq
+    order: what `walker.check` over each of the range's events would have
+    found (tests/recovery/test_parallel_rebuild.py compares)."""
+    found: list[ChainBreak] = []
+    altered_seqs = set(walked.altered)
+    for link in walked.leading:
+        broken = _checked(walker, link, altered_seqs)
+        if broken is not None:
+            found.append(broken)
+    found += walked.breaks
+    walker.heads.update(walked.heads)
+    walker.unsealed += walked.unsealed
+    walker.checked += walked.events - len(walked.leading)
+    if walked.events:
+        walker.last_seq = walked.last_seq
+    return sorted(found, key=lambda broken: broken.seq)
 
 
 def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
@@ -719,29 +771,41 @@ class Recovery:
         progress: ProgressFn,
         started: float,
     ) -> None:
-        """Checks and folds the log after `position`, in batches, as a pipeline:
-        this thread reads a batch's links while other processes check the
-        contents of the batches read before it (`checks`), then walks the
-        links of the oldest, and the database folds it in a thread of its own
-        (one statement, without the GIL) while the next is walked. A batch is
-        folded only after each of its events checked out, and in log order."""
+        """Checks and folds the log after `position` as a pipeline over ranges
+        of `batch_events` seqs: other processes walk the next few ranges on
+        their own (`checks`, WalkedRange), this thread ends the walk of the
+        oldest with the heads from before it (`take_range`), and the database
+        folds it in a thread of its own (one statement, without the GIL) while
+        the next is taken. A range is folded only after every event in it
+        checked out, and in log order."""
+        head = self._store.last_seq()
+        size = max(1, self.settings.batch_events)
+        ahead = max(2, 2 * self.settings.check_processes)
+        pending: collections.deque[tuple[int, int, Future[WalkedRange]]] = collections.deque()
+        read_to = position
         done = 0
         with concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder:
             folding: Future[None] | None = None
-            for batch, after, altered_seqs in self._batches(position, checks):
-                for link in batch.links:
-                    found = _checked(walker, link, altered_seqs)
-                    if found is not None and found.seq not in route.tolerated_breaks:
-                        raise ChainBroken(found)
-                lanes = list(lanes_of(batch.lane_events).values())
+            while True:
+                while read_to < head and len(pending) < ahead:
+                    through = min(read_to + size, head)
+                    pending.append((read_to, through, checks.submit_walk(read_to, through)))
+                    read_to = through
+                if not pending:
+                    break
+                after, through, walked = pending.popleft()
+                taken = walked.result()
+                for broken in take_range(walker, taken):
+                    if broken.seq not in route.tolerated_breaks:
+                        raise ChainBroken(broken)
+                lanes = list(lanes_of(taken.lane_events).values())
                 if folding is not None:
                     folding.result()
                     progress("replay", done, max(total, done), time.perf_counter() - started)
-                through = batch.links[-1].seq
                 folding = folder.submit(
                     self._store.fold_events, self.owner, lanes, after, through, self._wall.now_us()
                 )
-                done += len(batch.links)
+                done += taken.events
             if folding is not None:
                 folding.result()
                 progress("replay", done, max(total, done), time.perf_counter() - started)

@@ -9,6 +9,13 @@ needs nothing but the row itself, so ranges of the log can be checked apart,
 in processes of their own, while the caller walks the links and the database
 folds what was checked: on the 2-core machine that is the other core.
 
+A rebuild hands the processes the links as well (`walk_range`): each walks
+its range with a ChainWalker of its own, which cannot know the heads the
+lanes had before the range, so it leaves each lane's events up to its first
+sealed one to the rebuild (application/recovery.py: `take_range`), and checks
+every later one itself. The rebuild's own thread then does almost nothing per
+event, and the two cores are left to the checks and the database's fold.
+
 A range is read in one snapshot by a process of a pool (spawned, never
 forked: the server's threads and connections are not copied), through its own
 engine. Below `parallel_min_events`, or with no processes, ranges are checked
@@ -32,14 +39,15 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from ledger_service.application.recovery import ChainLink, WalkedRange
 from ledger_service.domain import chain
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
@@ -48,6 +56,7 @@ from ledger_service.storage import database, records
 from ledger_service.storage.schema import events
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # At most this many processes check contents, whatever the settings say.
 MAX_PROCESSES = 8
@@ -60,6 +69,8 @@ _SEQ = _FIELD_NAMES.index("seq")
 _HASH = _FIELD_NAMES.index("hash")
 _PREVIOUS = _FIELD_NAMES.index("previous_hash")
 _POLICY = _FIELD_NAMES.index("policy")
+_LANE = _FIELD_NAMES.index("lane")
+_LANE_CONFIGURED = EventKind.LANE_CONFIGURED.value
 # Columns that hold an enum member's value, and the values they may hold.
 _KIND, _DENIAL, _CHARGE, _OUTCOME = (
     _FIELD_NAMES.index(name) for name in ("kind", "denial_reason", "expire_charge", "outcome")
@@ -118,6 +129,58 @@ def check_range(engine: Engine, after_seq: int, through_seq: int) -> list[int]:
     return altered
 
 
+def walk_rows(rows: Sequence[Sequence[Any]]) -> WalkedRange:
+    """The WalkedRange of `rows` (of EVENT_COLUMNS, a range of the log in seq
+    order): each lane's leading events left to the caller, every later one
+    checked, link and content."""
+    walker = chain.ChainWalker()
+    heads = walker.heads
+    matches = chain.content_matches
+    leading: list[ChainLink] = []
+    altered: list[int] = []
+    breaks: list[chain.ChainBreak] = []
+    lane_events: list[Event] = []
+    for row in rows:
+        seq, lane, previous, hash_ = row[_SEQ], row[_LANE], row[_PREVIOUS], row[_HASH]
+        if row[_KIND] == _LANE_CONFIGURED:
+            lane_events += records.events_from_rows([row])
+        changed = bool(hash_) and not matches(previous, hash_, _text(row))
+        if lane not in heads:
+            # The head before the range decides this one: the caller's.
+            leading.append(ChainLink(seq, lane, previous, hash_))
+            if changed:
+                altered.append(seq)
+            if hash_:
+                heads[lane] = hash_
+            continue
+        found = walker.check_link(seq, lane, previous, hash_)
+        if found is None and changed:
+            found = chain.altered(seq, lane)
+        if found is not None:
+            breaks.append(found)
+    return WalkedRange(
+        events=len(rows),
+        last_seq=rows[-1][_SEQ] if rows else 0,
+        leading=leading,
+        altered=altered,
+        breaks=breaks,
+        heads=dict(heads),
+        unsealed=walker.unsealed,
+        lane_events=lane_events,
+    )
+
+
+def walk_range(engine: Engine, after_seq: int, through_seq: int) -> WalkedRange:
+    """walk_rows over the events in (after_seq, through_seq], read in one
+    transaction. A range holds at most a rebuild batch of seqs."""
+    try:
+        with engine.connect() as connection, connection.begin():
+            rows = connection.exec_driver_sql(_range_sql(engine), (after_seq, through_seq)).all()
+    except (DBAPIError, PoolTimeoutError) as error:
+        raise StoreUnavailable() from error
+    return walk_rows(rows)
+
+
 # The worker processes' side -----------------------------------------------------
 
 _worker_engines: dict[str, Engine] = {}
@@ -138,15 +201,17 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="ledger-check-parent", daemon=True).start()
 
 
-def _checked_in_worker(url: str, after_seq: int, through_seq: int) -> list[int] | None:
-    """check_range in a worker process; None when the database is unavailable
-    (StoreUnavailable does not cross a process boundary)."""
+def _in_worker(
+    work: Callable[[Engine, int, int], T], url: str, after_seq: int, through_seq: int
+) -> T | None:
+    """check_range or walk_range in a worker process; None when the database
+    is unavailable (StoreUnavailable does not cross a process boundary)."""
     engine = _worker_engines.get(url)
     if engine is None:
         engine = database.create(url, database.EngineLimits(pool_size=1, pool_max_overflow=0))
         _worker_engines[url] = engine
     try:
-        return check_range(engine, after_seq, through_seq)
+        return work(engine, after_seq, through_seq)
     except StoreUnavailable:
         return None
 
@@ -178,30 +243,44 @@ class ContentChecks:
             )
 
     def submit(self, after_seq: int, through_seq: int) -> concurrent.futures.Future[list[int]]:
-        checked: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        return self._submit(check_range, after_seq, through_seq)
+
+    def submit_walk(
+        self, after_seq: int, through_seq: int
+    ) -> concurrent.futures.Future[WalkedRange]:
+        return self._submit(walk_range, after_seq, through_seq)
+
+    def _submit(
+        self, work: Callable[[Engine, int, int], T], after_seq: int, through_seq: int
+    ) -> concurrent.futures.Future[T]:
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         pool = self._pool
         if pool is not None:
             try:
-                running = pool.submit(_checked_in_worker, self._url, after_seq, through_seq)
+                running = pool.submit(_in_worker, work, self._url, after_seq, through_seq)
             except (BrokenProcessPool, OSError, AssertionError, RuntimeError):
                 # Broken, or its processes could not start (no resources, a
                 # daemonic or bootstrapping parent).
                 self._broken()
             else:
                 running.add_done_callback(
-                    lambda done: self._settle(checked, done, after_seq, through_seq)
+                    lambda ran: self._settle(done, ran, work, after_seq, through_seq)
                 )
-                return checked
-        self._check_here(checked, after_seq, through_seq)
-        return checked
+                return done
+        self._run_here(done, work, after_seq, through_seq)
+        return done
 
-    def _check_here(
-        self, checked: concurrent.futures.Future[list[int]], after_seq: int, through_seq: int
+    def _run_here(
+        self,
+        done: concurrent.futures.Future[T],
+        work: Callable[[Engine, int, int], T],
+        after_seq: int,
+        through_seq: int,
     ) -> None:
         try:
-            checked.set_result(check_range(self._engine, after_seq, through_seq))
+            done.set_result(work(self._engine, after_seq, through_seq))
         except Exception as error:
-            checked.set_exception(error)
+            done.set_exception(error)
 
     def _broken(self) -> None:
         pool, self._pool = self._pool, None
@@ -211,27 +290,28 @@ class ContentChecks:
 
     def _settle(
         self,
-        checked: concurrent.futures.Future[list[int]],
-        done: concurrent.futures.Future[list[int] | None],
+        done: concurrent.futures.Future[T],
+        ran: concurrent.futures.Future[T | None],
+        work: Callable[[Engine, int, int], T],
         after_seq: int,
         through_seq: int,
     ) -> None:
         try:
-            found = done.result()
+            found = ran.result()
         except BrokenProcessPool:
             self._broken()
-            self._check_here(checked, after_seq, through_seq)
+            self._run_here(done, work, after_seq, through_seq)
             return
         except concurrent.futures.CancelledError:
-            checked.cancel()
+            done.cancel()
             return
         except Exception as error:
-            checked.set_exception(error)
+            done.set_exception(error)
             return
         if found is None:
-            checked.set_exception(StoreUnavailable())
+            done.set_exception(StoreUnavailable())
         else:
-            checked.set_result(found)
+            done.set_result(found)
 
     def close(self) -> None:
         pool, self._pool = self._pool, None

@@ -423,6 +423,11 @@ class SqlRecoveryStore:
         return content_check.content_checks(self._engine, processes)
 
     @_unavailable_on_database_errors
+    def last_seq(self) -> int:
+        with self._reading() as connection:
+            return SqlTransaction(connection, self._sqlite).last_seq()
+
+    @_unavailable_on_database_errors
     def count_events_after(self, after_seq: int) -> int:
         with self._reading() as connection:
             return int(

@@ -16,13 +16,15 @@ import itertools
 import json
 import multiprocessing
 import pathlib
+import random
 import time
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from ledger_service.application.recovery import FULL_LOG_SOURCE, ChainBroken, Route
+from ledger_service.application.recovery import FULL_LOG_SOURCE, ChainBroken, Route, take_range
+from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import ChainWalker, canonical_event, canonical_json
 from ledger_service.domain.events import Event, EventKind
@@ -301,3 +303,60 @@ def test_a_snapshot_missing_a_column_is_unreadable(history: History) -> None:
     assert snapshot is not None
     _rewrite_booking_chunks(history, _column_dropped)
     assert recovery.check_snapshot(snapshot) == "unreadable: KeyError"
+
+
+def _walk_log(rng: random.Random) -> list[Event]:
+    """Three lanes' chains with every kind of damage a walk reports: unsealed
+    events at a lane's start and after sealed ones, a removed event (a broken
+    link) and altered contents."""
+    heads: dict[str, str] = {}
+    log: list[Event] = []
+    for seq in range(1, 400):
+        lane = rng.choice(["recall", "filter", "dreaming"])
+        event = Event(
+            kind=EventKind.RESERVED,
+            lane=lane,
+            occurred_at_us=seq,
+            reservation_id=f"r{seq}",
+            amount_nanos=rng.randrange(1, 10**6),
+            expire_charge=ExpireCharge.HOLD,
+            seq=seq,
+        )
+        if (lane == "dreaming" and seq < 60) or rng.random() < 0.01:
+            log.append(event)  # unsealed: no hash
+            continue
+        event = chain.sealed(event, heads.get(lane, chain.GENESIS_HASH))
+        heads[lane] = event.hash
+        if rng.random() < 0.02:
+            continue  # removed after sealing: the next one's link breaks
+        if rng.random() < 0.02:
+            event = dataclasses.replace(event, amount_nanos=event.amount_nanos + 1)
+        log.append(event)
+    return log
+
+
+def _row(event: Event) -> tuple[Any, ...]:
+    values = {**records.event_values(event), "seq": event.seq}
+    return tuple(values[name] for name in records.EVENT_COLUMNS)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_ranges_walked_apart_find_what_one_walk_finds(seed: int) -> None:
+    """Cut at random, walked range by range (walk_rows) and ended with the
+    heads from before each range (take_range): the same breaks, in the same
+    order, the same heads and the same count of unsealed events as
+    ChainWalker.check over the whole log."""
+    rng = random.Random(seed)
+    log = _walk_log(rng)
+    whole = ChainWalker()
+    expected = [found for event in log if (found := whole.check(event)) is not None]
+    reasons = {found.reason.split(" ")[0] for found in expected}
+    assert {"has", "previous_hash", "its"} <= reasons, reasons
+    cuts = sorted(rng.sample(range(1, len(log)), 15))
+    walker = ChainWalker()
+    found: list[object] = []
+    for start, end in itertools.pairwise([0, *cuts, len(log)]):
+        walked = content_check.walk_rows([_row(event) for event in log[start:end]])
+        found += take_range(walker, walked)
+    assert found == expected
+    assert (walker.heads, walker.unsealed) == (whole.heads, whole.unsealed)
