@@ -306,27 +306,28 @@ class SqlProjectionView:
         for row in result.mappings():
             yield records.lane_from_row(row)
 
-    def bookings(self) -> Iterator[Booking]:
-        """Every booking, by (lane, reservation_id), `batch_rows` rows in memory at a time."""
-        result = self._connection.execution_options(yield_per=self._batch).exec_driver_sql(
-            self._sql.bookings_in_order
-        )
-        for rows in result.partitions():
-            yield from records.bookings_from_rows(rows)
-
-    def booking_texts(self) -> Iterator[str]:
-        """chain.canonical_json of every booking, in the order of `bookings`."""
-        for chunk in self.booking_chunks(self._batch):
-            yield from chunk.booking_texts
-
-    def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
+    def _booking_rows(self, size: int) -> Iterator[list[tuple[Any, ...]]]:
+        """Every booking's row, by (lane, reservation_id), `size` at a time."""
         result = self._connection.execution_options(stream_results=True).exec_driver_sql(
             self._sql.bookings_in_order
         )
         while rows := result.fetchmany(size):
-            plain = [tuple(row) for row in rows]
+            yield [tuple(row) for row in rows]
+
+    def bookings(self) -> Iterator[Booking]:
+        """Every booking, by (lane, reservation_id), `batch_rows` rows in memory at a time."""
+        for rows in self._booking_rows(self._batch):
+            yield from records.bookings_from_rows(rows)
+
+    def booking_texts(self) -> Iterator[str]:
+        """chain.canonical_json of every booking, in the order of `bookings`."""
+        for rows in self._booking_rows(self._batch):
+            yield from records.booking_texts_from_rows(rows)
+
+    def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
+        for rows in self._booking_rows(size):
             yield SnapshotChunk(
-                booking_rows=plain, booking_texts=records.booking_texts_from_rows(plain)
+                booking_rows=rows, booking_texts=records.booking_texts_from_rows(rows)
             )
 
 
