@@ -192,17 +192,34 @@ class LoadResult:
         return dataclasses.asdict(self)
 
 
-def merge(workload: Workload, schedule: Schedule, reports: Sequence[WorkerReport]) -> LoadResult:
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One run of a workload: its schedule and every worker's report."""
+
+    workload: Workload
+    schedule: Schedule
+    reports: tuple[WorkerReport, ...]
+
+    @property
+    def elapsed_seconds(self) -> float:
+        end_ns = self.schedule.measure_end_ns
+        if self.reports and all(report.exhausted for report in self.reports):
+            end_ns = min(end_ns, max(report.last_end_ns for report in self.reports))
+        return max(end_ns - self.schedule.warmup_end_ns, 1) / 1e9
+
+
+def merge_rounds(rounds: Sequence[Round]) -> LoadResult:
+    """One result of several rounds of one workload: percentiles of all their
+    samples, throughput over the sum of their measured times."""
+    assert rounds, "no rounds"
+    reports = [report for round_ in rounds for report in round_.reports]
     latencies = [sample for report in reports for sample in report.latencies_ns]
     first = [sample for report in reports for sample in report.first_rpc_ns]
     errors: collections.Counter[str] = collections.Counter()
     for report in reports:
         errors.update(report.errors)
-    exhausted = all(report.exhausted for report in reports)
-    end_ns = schedule.measure_end_ns
-    if exhausted:
-        end_ns = min(end_ns, max(report.last_end_ns for report in reports))
-    elapsed_seconds = max(end_ns - schedule.warmup_end_ns, 1) / 1e9
+    elapsed_seconds = sum(round_.elapsed_seconds for round_ in rounds)
+    workload = rounds[0].workload
     return LoadResult(
         kind=workload.kind.value,
         processes=workload.processes,
@@ -216,7 +233,7 @@ def merge(workload: Workload, schedule: Schedule, reports: Sequence[WorkerReport
         denied=sum(report.denied for report in reports),
         warmup_calls=sum(report.warmup_calls for report in reports),
         dropped_samples=sum(report.dropped_samples for report in reports),
-        stopped_by_max_calls=exhausted,
+        stopped_by_max_calls=all(report.exhausted for report in reports),
     )
 
 
@@ -425,8 +442,13 @@ class LoadGenerator:
         return [process.pid or 0 for process, _ in self._workers]
 
     def run(self, workload: Workload) -> LoadResult:
-        """Runs one phase. After a failure the workers are replaced, so that no
-        message of the failed phase is read by the next one."""
+        """Runs one phase."""
+        return merge_rounds([self.run_round(workload)])
+
+    def run_round(self, workload: Workload) -> Round:
+        """Runs one phase, or one round of one (see merge_rounds). After a failure
+        the workers are replaced, so that no message of the failed phase is
+        read by the next one."""
         workload.validate()
         if workload.processes > len(self._workers):
             raise ValueError(f"only {len(self._workers)} load processes were started")
@@ -437,7 +459,7 @@ class LoadGenerator:
             self._spawn()
             raise
 
-    def _run(self, workload: Workload) -> LoadResult:
+    def _run(self, workload: Workload) -> Round:
         workers = self._workers[: workload.processes]
         for index, (_, connection) in enumerate(workers):
             connection.send(("run", workload, index))
@@ -453,7 +475,7 @@ class LoadGenerator:
         wait_seconds = (schedule.measure_end_ns - time.monotonic_ns()) / 1e9
         wait_seconds += workload.call_timeout_seconds + REPORT_SLACK_SECONDS
         reports = [self._expect(connection, "done", wait_seconds) for _, connection in workers]
-        return merge(workload, schedule, reports)
+        return Round(workload, schedule, tuple(reports))
 
     def _expect(self, connection: Connection, kind: str, timeout_seconds: float) -> Any:
         if not connection.poll(max(0.0, timeout_seconds)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import pathlib
 import sqlite3
 import time
@@ -32,6 +33,8 @@ from ledger_service.storage import database, schema
 
 log = logging.getLogger("ledger.bench")
 
+# The warm-up of every round of an interleaved phase but its first.
+ROUND_WARMUP_SECONDS = 0.5
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 # A lane the benchmark can never exhaust: every Reserve is admitted.
 LIMIT_NANOS = 10**18
@@ -59,6 +62,10 @@ class Plan:
     # At most this many measured calls in each history phase: each adds a
     # booking to the window, and the small window should stay small.
     history_max_calls: int
+    # The two sizes are served at once and measured in this many alternating
+    # rounds (small, large, large, small, ...), so that the machine's drift
+    # over the minutes of a run falls on both alike.
+    history_rounds: int
     seed_batch_rows: int
     server_ready_timeout_seconds: float
     # The history server checks its whole log at start-up.
@@ -86,6 +93,7 @@ FULL = Plan(
     history_large_bookings=1_000_000,
     history_measure_seconds=10.0,
     history_max_calls=500,
+    history_rounds=6,
     seed_batch_rows=5000,
     server_ready_timeout_seconds=60.0,
     history_ready_timeout_seconds=900.0,
@@ -106,6 +114,7 @@ QUICK = dataclasses.replace(
     history_large_bookings=10_000,
     history_measure_seconds=0.5,
     history_max_calls=100,
+    history_rounds=2,
     history_ready_timeout_seconds=60.0,
     stop_timeout_seconds=15.0,
     rebuild_timeout_seconds=30.0,
@@ -454,9 +463,18 @@ def postgres_scenario(
     return {"server_version": postgres_version(url), "phases": phases}
 
 
-def _history_size(
-    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, count: int
-) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class _History:
+    """One seeded history size."""
+
+    count: int
+    url: str
+    directory: pathlib.Path
+    lane: str
+    seed: seeding.SeedReport
+
+
+def _seed_history(plan: Plan, workdir: pathlib.Path, count: int) -> _History:
     directory = workdir / f"history-{count}"
     url = f"sqlite:///{directory}/ledger.db"
     policy = lane_policy(f"history-{count}")
@@ -465,50 +483,112 @@ def _history_size(
         url, policy, count, SystemClock().now_us(), batch_rows=plan.seed_batch_rows
     )
     log.info("seeded %d bookings in %.1f s", count, report.seconds)
-    settings = _replica_settings(
-        url, directory, consistency_check_interval_seconds=0.0, snapshot_every_events=0
-    )
-    lanes = (policy.lane,)
-    bounds = {
-        "lanes": lanes,
-        "measure_seconds": plan.history_measure_seconds,
-        "max_calls": plan.history_max_calls,
-    }
-    with _replica(
-        plan,
-        f"ledger-history-{count}",
-        directory,
-        settings,
-        ready_timeout_seconds=plan.history_ready_timeout_seconds,
-    ) as server:
-        at_start = _server_facts(server)
-        if seeding.recoveries(url):
-            # The start-up check found the seeded projections inconsistent with the log.
-            raise servers.BenchError(
-                f"the server had to recover the seeded history:\n{server.log_tail()}"
+    return _History(count, url, directory, policy.lane, report)
+
+
+def _interleaved(
+    generator: LoadGenerator, name: str, workloads: dict[int, Workload], rounds: int
+) -> dict[int, dict[str, Any]]:
+    """Each workload run in `rounds` rounds, alternating ABBA, merged per workload.
+    A failed round fails its workload's result, not the others'."""
+    taken: dict[int, list[load.Round]] = {key: [] for key in workloads}
+    failed: dict[int, str] = {}
+    keys = list(workloads)
+    for index in range(rounds):
+        for key in keys if index % 2 == 0 else reversed(keys):
+            if key in failed:
+                continue
+            workload = workloads[key]
+            if index:
+                # Connected and warmed once already: a short warm-up per round.
+                warmup = min(workload.warmup_seconds, ROUND_WARMUP_SECONDS)
+                workload = dataclasses.replace(workload, warmup_seconds=warmup)
+            try:
+                taken[key].append(generator.run_round(workload))
+            except Exception as error:
+                log.exception("phase %s %d, round %d failed", name, key, index)
+                failed[key] = f"{type(error).__name__}: {error}"
+    results: dict[int, dict[str, Any]] = {}
+    for key in keys:
+        if key in failed:
+            results[key] = {"failed": failed[key]}
+            continue
+        result = load.merge_rounds(taken[key]).to_json()
+        result["rounds"] = rounds
+        results[key] = result
+        log.info(
+            "phase %s %d: %.0f calls/s, p50 %.2f ms, p99 %.2f ms, %d errors, %d rounds",
+            name,
+            key,
+            result["throughput_per_second"],
+            result["latency"]["p50_ms"],
+            result["latency"]["p99_ms"],
+            sum(result["errors"].values()),
+            rounds,
+        )
+    return results
+
+
+def _history_sizes(
+    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, counts: Sequence[int]
+) -> dict[str, Any]:
+    """Every size seeded, then served by a server each, all at once, and each
+    phase measured on them in alternating rounds."""
+    histories = [_seed_history(plan, workdir, count) for count in counts]
+    rounds = max(1, plan.history_rounds)
+    with contextlib.ExitStack() as stack:
+        running: dict[int, servers.ServerProcess] = {}
+        for history in histories:
+            settings = _replica_settings(
+                history.url,
+                history.directory,
+                consistency_check_interval_seconds=0.0,
+                snapshot_every_events=0,
             )
-        targets = [server.address]
-        phases = {
-            "reserve_1": _phase(
-                generator,
-                f"history {count} reserve 1",
-                _single(plan, CallKind.RESERVE, targets, **bounds),
-            ),
-            "reserve_saturated": _phase(
-                generator,
-                f"history {count} reserve saturated",
-                _workload(plan, CallKind.RESERVE, targets, **bounds),
-            ),
-        }
-        after_run = _server_facts(server)
+            server = stack.enter_context(
+                _replica(
+                    plan,
+                    f"ledger-history-{history.count}",
+                    history.directory,
+                    settings,
+                    ready_timeout_seconds=plan.history_ready_timeout_seconds,
+                )
+            )
+            if seeding.recoveries(history.url):
+                # The start-up check found the seeded projections inconsistent with the log.
+                raise servers.BenchError(
+                    f"the server had to recover the seeded history:\n{server.log_tail()}"
+                )
+            running[history.count] = server
+        at_start = {count: _server_facts(server) for count, server in running.items()}
+        phases: dict[int, dict[str, Any]] = {history.count: {} for history in histories}
+        for phase_name, make in (("reserve_1", _single), ("reserve_saturated", _workload)):
+            workloads = {
+                history.count: make(
+                    plan,
+                    CallKind.RESERVE,
+                    [running[history.count].address],
+                    lanes=(history.lane,),
+                    measure_seconds=plan.history_measure_seconds / rounds,
+                    max_calls=math.ceil(plan.history_max_calls / rounds),
+                )
+                for history in histories
+            }
+            label = f"history {phase_name.replace('_', ' ')}"
+            for count, result in _interleaved(generator, label, workloads, rounds).items():
+                phases[count][phase_name] = result
+        after_run = {count: _server_facts(server) for count, server in running.items()}
     return {
-        "database_url": url,
-        "seed": report.to_json(),
-        # Every measured Reserve adds a booking: the window the last call saw.
-        "bookings_after_run": _bookings_of(url, policy.lane),
-        "server_at_start": at_start,
-        "server_after_run": after_run,
-        "phases": phases,
+        str(history.count): {
+            "database_url": history.url,
+            "seed": history.seed.to_json(),
+            # Every measured Reserve adds a booking: the window the last call saw.
+            "bookings_after_run": _bookings_of(history.url, history.lane),
+            "server_at_start": at_start[history.count],
+            "server_after_run": after_run[history.count],
+            "phases": phases[history.count],
+        }
+        for history in histories
     }
 
 
@@ -525,13 +605,12 @@ def _bookings_of(url: str, lane: str) -> int:
 def history_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:
     """(4) The same Reserve against a lane with few and with very many bookings
     inside its window; (5) the rebuild of the large log, and the server's memory."""
-    sizes: dict[str, Any] = {}
-    for count in (plan.history_small_bookings, plan.history_large_bookings):
-        try:
-            sizes[str(count)] = _history_size(plan, generator, workdir, count)
-        except Exception as error:
-            log.exception("history %d failed", count)
-            sizes[str(count)] = {"failed": f"{type(error).__name__}: {error}"}
+    counts = (plan.history_small_bookings, plan.history_large_bookings)
+    try:
+        sizes = _history_sizes(plan, generator, workdir, counts)
+    except Exception as error:
+        log.exception("history failed")
+        sizes = {str(count): {"failed": f"{type(error).__name__}: {error}"} for count in counts}
     result: dict[str, Any] = {
         "small_bookings": plan.history_small_bookings,
         "large_bookings": plan.history_large_bookings,
