@@ -51,11 +51,13 @@ def test_rounds_merge_into_percentiles_of_every_sample_and_summed_time() -> None
 class _Recorder:
     def __init__(self, failing: str = "") -> None:
         self.ran: list[tuple[str, float]] = []
+        self.prefixes: list[tuple[str, str]] = []
         self.failing = failing
 
     def run_round(self, workload: Workload) -> load.Round:
         target = workload.targets[0]
         self.ran.append((target, workload.warmup_seconds))
+        self.prefixes.append((target, workload.id_prefix))
         if target == self.failing:
             raise load.LoadGeneratorError("lost")
         return _round(workload, [len(self.ran)], measured_seconds=1)
@@ -71,6 +73,8 @@ def test_interleaved_rounds_alternate_abba_and_warm_up_fully_once() -> None:
     assert warmups[:2] == [2.0, 2.0]
     assert set(warmups[2:]) == {scenarios.ROUND_WARMUP_SECONDS}
     assert results[100]["rounds"] == 4
+    # Every round books new reservations: none is an idempotent replay of another's.
+    assert len(set(recorder.prefixes)) == len(recorder.prefixes)
     assert results[100]["calls"] == results[1_000_000]["calls"] == 4
     assert results[100]["elapsed_seconds"] == pytest.approx(4.0)
 

@@ -499,6 +499,9 @@ def _interleaved(
             if key in failed:
                 continue
             workload = workloads[key]
+            # Reservation ids of its own: a round that repeated another's ids
+            # would measure idempotent replays, which write nothing.
+            workload = dataclasses.replace(workload, id_prefix=f"{workload.id_prefix}r{index}")
             if index:
                 # Connected and warmed once already: a short warm-up per round.
                 warmup = min(workload.warmup_seconds, ROUND_WARMUP_SECONDS)
