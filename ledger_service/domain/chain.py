@@ -147,10 +147,15 @@ class _Shape:
 _enum_pieces: dict[type[Any], bool] = {}
 
 
+def field_key(name: str) -> str:
+    """How an object's key is written, its colon included."""
+    return encode_basestring_ascii(name) + ":"
+
+
 def _piece(name: str, kind: type[Any], truthy: bool | None = None) -> _Piece:
     """How a value of exactly this type is written, after its key (`truthy`:
     whether it is, when known)."""
-    key = encode_basestring_ascii(name) + ":"
+    key = field_key(name)
     if kind is type(None):
         return _Piece(key, constant="null")
     if kind is int:
@@ -162,14 +167,14 @@ def _piece(name: str, kind: type[Any], truthy: bool | None = None) -> _Piece:
         if truthy is None:
             return _Piece(key, converter=_bool_text)
         return _Piece(key, constant=_bool_text(truthy))
-    if isinstance(kind, type) and issubclass(kind, enum.Enum) and _plain_enum(kind):
+    if isinstance(kind, type) and issubclass(kind, enum.Enum) and plain_enum(kind):
         return _Piece(key, direct="._value_", quote='"')
     if dataclasses.is_dataclass(kind) and not issubclass(kind, enum.Enum):
         return _Piece(key, converter=_dataclass_text)
     return _Piece(key, converter=_reference_text)
 
 
-def _plain_enum(kind: type[enum.Enum]) -> bool:
+def plain_enum(kind: type[enum.Enum]) -> bool:
     """Whether every value is a str that JSON writes as it is, in quotes: then
     a member is written as its `_value_` (its `value` is a property)."""
     plain_values = _enum_pieces.get(kind)
@@ -265,7 +270,7 @@ def canonical_values(values: tuple[Any, ...]) -> str:
     """The hashed text of an event whose fields in HASHED_NAMES have these
     values. An enum field may be given as its member or as its member's value:
     both are written as the value (for the plain enums of Event, see
-    _plain_enum)."""
+    plain_enum)."""
     key = (tuple(map(type, values)), tuple(map(bool, values)))
     shape = _event_shapes.get(key)
     if shape is None:

@@ -39,11 +39,11 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -52,7 +52,7 @@ from ledger_service.domain import chain
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge
-from ledger_service.storage import database, records
+from ledger_service.storage import canonical_sql, database, records
 from ledger_service.storage.schema import events
 
 log = logging.getLogger(__name__)
@@ -96,55 +96,108 @@ def _text(row: Sequence[Any]) -> str:
     return chain.canonical_event(records.events_from_rows([row])[0])
 
 
+# One event as judged: (seq, lane, previous_hash, hash, whether its content
+# no longer gives its hash, its whole row when it configures a lane).
+Judged = tuple[int, str, str, str, bool, Sequence[Any] | None]
+
+
+def _judged_rows(rows: Iterable[Sequence[Any]]) -> Iterator[Judged]:
+    """Events judged from their whole rows (of EVENT_COLUMNS), texts made here."""
+    matches = chain.content_matches
+    for row in rows:
+        seq, lane, previous, hash_ = row[_SEQ], row[_LANE], row[_PREVIOUS], row[_HASH]
+        changed = bool(hash_) and not matches(previous, hash_, _text(row))
+        yield seq, lane, previous, hash_, changed, row if row[_KIND] == _LANE_CONFIGURED else None
+
+
+def _judged_texts(connection: Connection, rows: Iterable[Sequence[Any]]) -> Iterator[Judged]:
+    """Events judged from rows of _TEXT_SQL: texts SQLite wrote
+    (storage/canonical_sql.py), and, where it wrote none or one that does not
+    give the hash, the whole row read again and its text made here."""
+    matches = chain.content_matches
+    for seq, lane, previous, hash_, kind, text in rows:
+        row = _whole_row(connection, seq) if text is None or kind == _LANE_CONFIGURED else None
+        changed = False
+        if hash_:
+            changed = not matches(previous, hash_, _text(row) if row is not None else text)
+            if changed and row is None:
+                # SQLite escapes less than Python does: Python's text judges.
+                row = _whole_row(connection, seq)
+                changed = not matches(previous, hash_, _text(row))
+        yield seq, lane, previous, hash_, changed, row if kind == _LANE_CONFIGURED else None
+
+
+def _whole_row(connection: Connection, seq: int) -> Sequence[Any]:
+    return connection.exec_driver_sql(_ROW_SQL, (seq,)).one()
+
+
 def altered_seqs(rows: Sequence[Sequence[Any]]) -> list[int]:
     """The seqs of the sealed events among `rows` (of EVENT_COLUMNS) whose
     content no longer gives their hash."""
-    matches = chain.content_matches
-    return [
-        row[_SEQ]
-        for row in rows
-        if row[_HASH] and not matches(row[_PREVIOUS], row[_HASH], _text(row))
-    ]
+    return _altered(_judged_rows(rows))
 
 
-def _range_sql(engine: Engine) -> str:
-    placeholder = "?" if engine.dialect.paramstyle == "qmark" else "%s"
-    return (
-        f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
-        f"WHERE seq > {placeholder} AND seq <= {placeholder} ORDER BY seq"
-    )
+def _altered(judged: Iterable[Judged]) -> list[int]:
+    return [seq for seq, _, _, _, changed, _ in judged if changed]
+
+
+_COLUMNS_SQL = ", ".join(records.EVENT_COLUMNS)
+_RANGE_SQL = f"SELECT {_COLUMNS_SQL} FROM {events.name} WHERE seq > ? AND seq <= ? ORDER BY seq"
+_ROW_SQL = f"SELECT {_COLUMNS_SQL} FROM {events.name} WHERE seq = ?"
+_TEXT_SQL = (
+    f"SELECT seq, lane, previous_hash, hash, kind, {canonical_sql.EVENT_TEXT} "
+    f"FROM {events.name} WHERE seq > ? AND seq <= ? ORDER BY seq"
+)
+
+
+def _paramstyled(engine: Engine, sql: str) -> str:
+    return sql if engine.dialect.paramstyle == "qmark" else sql.replace("?", "%s")
+
+
+def _judged_range(connection: Connection, after_seq: int, through_seq: int) -> Iterator[Judged]:
+    """The events in (after_seq, through_seq], judged, FETCH_ROWS rows in
+    memory at a time; texts written by the database where it can."""
+    engine = connection.engine
+    if canonical_sql.available(connection):
+        result = connection.exec_driver_sql(_TEXT_SQL, (after_seq, through_seq))
+        while rows := result.fetchmany(FETCH_ROWS):
+            yield from _judged_texts(connection, rows)
+        return
+    result = connection.exec_driver_sql(_paramstyled(engine, _RANGE_SQL), (after_seq, through_seq))
+    while rows := result.fetchmany(FETCH_ROWS):
+        yield from _judged_rows(rows)
 
 
 def check_range(engine: Engine, after_seq: int, through_seq: int) -> list[int]:
     """altered_seqs over the events in (after_seq, through_seq], read in one
-    transaction, FETCH_ROWS rows in memory at a time."""
-    altered: list[int] = []
+    transaction."""
     try:
         with engine.connect() as connection, connection.begin():
-            result = connection.exec_driver_sql(_range_sql(engine), (after_seq, through_seq))
-            while rows := result.fetchmany(FETCH_ROWS):
-                altered += altered_seqs(rows)
+            return _altered(_judged_range(connection, after_seq, through_seq))
     except (DBAPIError, PoolTimeoutError) as error:
         raise StoreUnavailable() from error
-    return altered
 
 
 def walk_rows(rows: Sequence[Sequence[Any]]) -> WalkedRange:
     """The WalkedRange of `rows` (of EVENT_COLUMNS, a range of the log in seq
     order): each lane's leading events left to the caller, every later one
     checked, link and content."""
+    return _walk(_judged_rows(rows))
+
+
+def _walk(judged: Iterable[Judged]) -> WalkedRange:
     walker = chain.ChainWalker()
     heads = walker.heads
-    matches = chain.content_matches
     leading: list[ChainLink] = []
     altered: list[int] = []
     breaks: list[chain.ChainBreak] = []
     lane_events: list[Event] = []
-    for row in rows:
-        seq, lane, previous, hash_ = row[_SEQ], row[_LANE], row[_PREVIOUS], row[_HASH]
-        if row[_KIND] == _LANE_CONFIGURED:
-            lane_events += records.events_from_rows([row])
-        changed = bool(hash_) and not matches(previous, hash_, _text(row))
+    count = last_seq = 0
+    for seq, lane, previous, hash_, changed, lane_row in judged:
+        count += 1
+        last_seq = seq
+        if lane_row is not None:
+            lane_events += records.events_from_rows([lane_row])
         if lane not in heads:
             # The head before the range decides this one: the caller's.
             leading.append(ChainLink(seq, lane, previous, hash_))
@@ -159,8 +212,8 @@ def walk_rows(rows: Sequence[Sequence[Any]]) -> WalkedRange:
         if found is not None:
             breaks.append(found)
     return WalkedRange(
-        events=len(rows),
-        last_seq=rows[-1][_SEQ] if rows else 0,
+        events=count,
+        last_seq=last_seq,
         leading=leading,
         altered=altered,
         breaks=breaks,
@@ -172,13 +225,12 @@ def walk_rows(rows: Sequence[Sequence[Any]]) -> WalkedRange:
 
 def walk_range(engine: Engine, after_seq: int, through_seq: int) -> WalkedRange:
     """walk_rows over the events in (after_seq, through_seq], read in one
-    transaction. A range holds at most a rebuild batch of seqs."""
+    transaction."""
     try:
         with engine.connect() as connection, connection.begin():
-            rows = connection.exec_driver_sql(_range_sql(engine), (after_seq, through_seq)).all()
+            return _walk(_judged_range(connection, after_seq, through_seq))
     except (DBAPIError, PoolTimeoutError) as error:
         raise StoreUnavailable() from error
-    return walk_rows(rows)
 
 
 # The worker processes' side -----------------------------------------------------

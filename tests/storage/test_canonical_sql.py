@@ -1,0 +1,272 @@
+"""SQLite writes an event's canonical text (storage/canonical_sql.py, issue 8).
+
+The hash checks of a rebuild read the text SQLite writes from each row
+instead of making it in Python. The reference is chain.canonical_event of the
+Event the row holds. SQLite's text must be that text wherever it writes one
+for a well-formed row; where it writes none (a policy, a value of another
+type, a value no enum has) or one that differs (characters Python escapes
+and json_quote does not), the check falls back to the Python text and judges
+exactly as before. A change to any column is found either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from ledger_service.domain import chain
+from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
+from ledger_service.domain.policies import ExpireCharge
+from ledger_service.storage import canonical_sql, content_check, database, migrate, records
+from ledger_service.storage.schema import events
+
+TEXT = sa.text(f"SELECT seq, {canonical_sql.EVENT_TEXT} FROM events ORDER BY seq")
+# Strings SQLite and Python quote alike, and strings they do not.
+PLAIN = ["", "jev", 'say "hi"', "back\\slash", "tab\tand\nnewline", "ctl\x01\x1f", "{}[],:"]
+ODD = ["café", "emoji \U0001f600", "del\x7f", "zero\x00width\u200b", "\ud7ff", "ü" * 3]
+
+
+@pytest.fixture
+def engine(tmp_path: pathlib.Path) -> Iterator[sa.Engine]:
+    engine = database.create(f"sqlite:///{tmp_path / 'ledger.db'}", database.EngineLimits())
+    migrate.upgrade(engine)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _random_event(rng: random.Random, strings: list[str], index: int) -> Event:
+    kind = rng.choice([kind for kind in EventKind if kind is not EventKind.LANE_CONFIGURED])
+
+    def some_int() -> int:
+        return rng.choice([0, 1, -1, 7, 2**62, -(2**62), rng.randrange(-(10**12), 10**12)])
+
+    def maybe_int() -> int | None:
+        return rng.choice([None, 0, some_int()])
+
+    return Event(
+        kind=kind,
+        lane=rng.choice(strings),
+        occurred_at_us=some_int(),
+        # Unique: a lane's openings may not share one.
+        reservation_id=f"{rng.choice(strings)}{index}",
+        amount_nanos=some_int(),
+        previous_amount_nanos=some_int(),
+        model=rng.choice(strings),
+        request_bytes=some_int(),
+        max_output_tokens=some_int(),
+        estimate_nanos=maybe_int(),
+        requested_ttl_us=maybe_int(),
+        hold_nanos=some_int(),
+        cap_nanos=some_int(),
+        reserved_at_us=some_int(),
+        expires_at_us=some_int(),
+        retry_after_us=maybe_int(),
+        denial_reason=rng.choice([None, *DenialReason]),
+        input_nanos_per_million_tokens=some_int(),
+        output_nanos_per_million_tokens=some_int(),
+        expire_charge=rng.choice([None, *ExpireCharge]),
+        outcome=rng.choice([None, *Outcome]),
+        input_tokens=some_int(),
+        output_tokens=some_int(),
+        billed_nanos=maybe_int(),
+        http_status=rng.choice([0, 200, 429]),
+        reason=rng.choice(strings),
+        trace_id=rng.choice(strings),
+        spent_after_nanos=some_int(),
+        held_after_nanos=some_int(),
+        charged_after_nanos=some_int(),
+        limit_nanos=some_int(),
+        window_us=some_int(),
+        open_bookings_after=some_int(),
+        denied_by=rng.choice(strings),
+    )
+
+
+def _append(engine: sa.Engine, log: list[Event]) -> list[Event]:
+    """The events sealed in their lanes' chains and inserted as the store would."""
+    heads: dict[str, str] = {}
+    sealed: list[Event] = []
+    with engine.begin() as connection:
+        for event in log:
+            event = chain.sealed(event, heads.get(event.lane, chain.GENESIS_HASH))
+            heads[event.lane] = event.hash
+            values = records.event_values(event)
+            values["hash"], values["previous_hash"] = event.hash, event.previous_hash
+            seq = connection.execute(sa.insert(events).values(values).returning(events.c.seq))
+            sealed.append(dataclasses.replace(event, seq=int(seq.scalar_one())))
+    return sealed
+
+
+def _texts(engine: sa.Engine) -> dict[int, str | None]:
+    with engine.connect() as connection:
+        return {int(seq): text for seq, text in connection.execute(TEXT)}
+
+
+def _tamper(engine: sa.Engine, seq: int, column: str, value: Any) -> None:
+    with engine.begin() as connection:
+        connection.exec_driver_sql("DROP TRIGGER events_refuse_update")
+        connection.execute(sa.update(events).where(events.c.seq == seq).values({column: value}))
+        connection.exec_driver_sql(
+            """CREATE TRIGGER events_refuse_update BEFORE UPDATE ON events
+               BEGIN SELECT RAISE(ABORT, 'events are append-only'); END"""
+        )
+
+
+def test_sqlite_writes_the_canonical_text_of_every_plain_event(engine: sa.Engine) -> None:
+    rng = random.Random(8)
+    log = _append(engine, [_random_event(rng, PLAIN, n) for n in range(600)])
+    texts = _texts(engine)
+    assert [texts[event.seq] for event in log] == [chain.canonical_event(e) for e in log]
+    with engine.connect() as connection:
+        assert canonical_sql.available(connection)
+    assert content_check.check_range(engine, 0, log[-1].seq) == []
+
+
+def test_texts_that_differ_fall_back_and_judge_as_python_does(engine: sa.Engine) -> None:
+    rng = random.Random(9)
+    log = _append(engine, [_random_event(rng, PLAIN + ODD, n) for n in range(400)])
+    texts = _texts(engine)
+    differing = [e for e in log if texts[e.seq] != chain.canonical_event(e)]
+    # Only where a string holds what Python escapes and SQLite does not:
+    # DEL and every character past ASCII.
+    assert differing
+    for event in differing:
+        fields = (getattr(event, name) for name in chain.HASHED_NAMES)
+        assert any(isinstance(value, str) and max(value, default=" ") > "~" for value in fields)
+    assert content_check.check_range(engine, 0, log[-1].seq) == []
+    walked = content_check.walk_range(engine, 0, log[-1].seq)
+    assert (walked.events, walked.altered, walked.breaks) == (len(log), [], [])
+
+
+def test_a_policy_leaves_the_text_to_python(engine: sa.Engine) -> None:
+    configured = Event(
+        kind=EventKind.LANE_CONFIGURED,
+        lane="recall",
+        occurred_at_us=5,
+        policy={"lane": "recall", "limit_nanos": 500_000_000},
+    )
+    (event,) = _append(engine, [configured])
+    assert _texts(engine)[event.seq] is None
+    assert content_check.check_range(engine, 0, event.seq) == []
+    walked = content_check.walk_range(engine, 0, event.seq)
+    assert [lane_event.policy for lane_event in walked.lane_events] == [configured.policy]
+
+
+ALTERATIONS: list[tuple[str, Any]] = [
+    ("kind", "refunded"),
+    ("kind", "bogus"),
+    ("lane", "other"),
+    ("occurred_at_us", 6),
+    ("amount_nanos", 999),
+    ("amount_nanos", "five"),
+    ("estimate_nanos", None),
+    ("estimate_nanos", 0),
+    ("billed_nanos", 7),
+    ("model", "café"),
+    ("model", ""),
+    ("reason", 'x","y'),
+    ("denial_reason", "budget_exhausted"),
+    ("outcome", None),
+    ("outcome", "maybe"),
+    ("policy_json", '{"lane":"x"}'),
+]
+
+
+@pytest.mark.parametrize(("column", "value"), ALTERATIONS)
+def test_every_alteration_is_found_as_the_reference_finds_it(
+    engine: sa.Engine, column: str, value: Any
+) -> None:
+    original = Event(
+        kind=EventKind.SETTLED,
+        lane="recall",
+        occurred_at_us=5,
+        reservation_id="r1",
+        amount_nanos=5,
+        billed_nanos=7 if column != "billed_nanos" else None,
+        estimate_nanos=12,
+        model="jev",
+        reason="ok",
+        outcome=Outcome.SUCCEEDED,
+    )
+    (event,) = _append(engine, [original])
+    _tamper(engine, event.seq, column, value)
+    with engine.connect() as connection:
+        row = connection.execute(
+            sa.select(*(events.c[name] for name in records.EVENT_COLUMNS))
+        ).one()
+    try:
+        expected: list[int] | type[Exception] = content_check.altered_seqs([row])
+    except ValueError:
+        expected = ValueError  # a value no enum member has: the reference fails
+    assert expected == [event.seq] or expected is ValueError, (column, value)
+    if expected is ValueError:
+        with pytest.raises(ValueError):
+            content_check.check_range(engine, 0, event.seq)
+        return
+    assert content_check.check_range(engine, 0, event.seq) == expected
+    assert content_check.walk_range(engine, 0, event.seq).altered == expected
+
+
+def test_a_text_in_an_integer_column_cannot_spell_the_original_text(engine: sa.Engine) -> None:
+    """amount_nanos '5,"billed_nanos":7' and billed_nanos NULL: written into
+    the text as it is, the row would read as the original's text and hash."""
+    original = Event(
+        kind=EventKind.SETTLED,
+        lane="recall",
+        occurred_at_us=5,
+        reservation_id="r1",
+        amount_nanos=5,
+        billed_nanos=7,
+        outcome=Outcome.SUCCEEDED,
+    )
+    (event,) = _append(engine, [original])
+    _tamper(engine, event.seq, "amount_nanos", '5,"billed_nanos":7')
+    _tamper(engine, event.seq, "billed_nanos", None)
+    assert _texts(engine)[event.seq] is None
+    assert content_check.check_range(engine, 0, event.seq) == [event.seq]
+
+
+def test_a_batch_longer_than_one_fetch_reads_whole_rows_between_fetches(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(10)
+    log = _append(engine, [_random_event(rng, PLAIN + ODD, n) for n in range(50)])
+    monkeypatch.setattr(content_check, "FETCH_ROWS", 3)
+    tampered = log[20].seq
+    _tamper(engine, tampered, "http_status", 500)
+    assert content_check.check_range(engine, 0, log[-1].seq) == [tampered]
+
+
+def test_a_kind_no_enum_has_fails_even_when_its_hash_was_made_over_it(
+    engine: sa.Engine,
+) -> None:
+    """A row sealed over a kind that does not exist (no ledger writes one):
+    the reference cannot build its event and fails; so must the SQL path,
+    rather than take the text it would write as proof."""
+    (event,) = _append(engine, [Event(kind=EventKind.SETTLED, lane="recall", occurred_at_us=5)])
+    _tamper(engine, event.seq, "kind", "bogus")
+    row = _row(engine)
+    column = {name: name for name in chain.HASHED_NAMES} | {"policy": "policy_json"}
+    hashed = [row[records.EVENT_COLUMNS.index(column[name])] for name in chain.HASHED_NAMES]
+    text = chain.canonical_values(tuple(hashed))
+    assert '"kind":"bogus"' in text
+    _tamper(engine, event.seq, "hash", hashlib.sha256(f"\n{text}".encode()).hexdigest())
+    with pytest.raises(ValueError, match="bogus"):
+        content_check.altered_seqs([_row(engine)])
+    with pytest.raises(ValueError, match="bogus"):
+        content_check.check_range(engine, 0, event.seq)
+
+
+def _row(engine: sa.Engine) -> sa.Row[Any]:
+    with engine.connect() as connection:
+        columns = (events.c[name] for name in records.EVENT_COLUMNS)
+        return connection.execute(sa.select(*columns)).one()
