@@ -49,6 +49,9 @@ FULL_LOG_SOURCE = "log"
 # The server's snapshots come at most this many copied rows per event apart
 # (see Recovery.snapshot_due).
 SNAPSHOT_ROWS_PER_EVENT = 10
+# A rebuild's digest has the bookings' lines made in ranges of this many
+# (about 9 MB of lines each for the benchmark's bookings).
+DIGEST_RANGE_BOOKINGS = 20_000
 # The cyclic garbage collector's thresholds while a rebuild runs (see
 # _FewerCollections). The defaults, (700, 10, 10), collect generation 0 every
 # 700 container allocations; a rebuild allocates several per event (rows,
@@ -122,6 +125,10 @@ class SnapshotChunk:
         return len(self.lanes) + len(self.bookings) + len(self.booking_rows)
 
 
+# A booking's key, (lane, reservation_id): the order of ProjectionView.bookings.
+BookingKey = tuple[str, str]
+
+
 class ProjectionView(Protocol):
     """One consistent read of the database (a snapshot transaction)."""
 
@@ -145,6 +152,11 @@ class ProjectionView(Protocol):
 
     def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
         """`bookings`, `size` at a time, as chunks of rows with their texts."""
+        ...
+
+    def booking_key_after(self, after: BookingKey | None, count: int) -> BookingKey | None:
+        """The key of the `count`th booking after `after` (from the first
+        with None), in the order of `bookings`; None when there are fewer."""
         ...
 
 
@@ -197,6 +209,14 @@ class ContentChecks(Protocol):
 
     def submit_walk(self, after_seq: int, through_seq: int) -> Future[WalkedRange]:
         """Starts walking (after_seq, through_seq] on its own (WalkedRange)."""
+        ...
+
+    def submit_booking_lines(
+        self, after: BookingKey | None, through: BookingKey | None
+    ) -> Future[tuple[int, bytes]]:
+        """Starts making snapshots.booking_lines of the bookings with keys in
+        (after, through] (None: from the first, to the last); the future
+        gives how many there were and the lines."""
         ...
 
 
@@ -716,7 +736,33 @@ class Recovery:
         total = self._store.count_events_after(position)
         with self._content_checks(position, total) as checks:
             self._replay(route, walker, checks, position, total, progress, started)
-        return self.projection_digest()
+            return self._digest_in_ranges(checks)
+
+    def _digest_in_ranges(self, checks: ContentChecks) -> str:
+        """projection_digest, the bookings' lines made by `checks` in ranges of
+        DIGEST_RANGE_BOOKINGS keys: in the checking processes, when there are
+        any, while this thread hashes the ranges in order. Only while nothing
+        writes the projections (a rebuild's marker keeps moves out): the
+        ranges are read in transactions of their own."""
+        ahead = max(2, 2 * self.settings.check_processes)
+        pending: collections.deque[Future[tuple[int, bytes]]] = collections.deque()
+        with self._store.view() as view:
+            position = view.position
+            digest = ProjectionDigest(position.last_seq if position else 0, {})
+            for policy in view.lanes():
+                digest.add_lane(policy)
+            after: BookingKey | None = None
+            while True:
+                through = view.booking_key_after(after, DIGEST_RANGE_BOOKINGS)
+                pending.append(checks.submit_booking_lines(after, through))
+                if len(pending) >= ahead:
+                    digest.add_booking_lines(*pending.popleft().result())
+                if through is None:
+                    break
+                after = through
+        while pending:
+            digest.add_booking_lines(*pending.popleft().result())
+        return digest.hexdigest()
 
     def _content_checks(
         self, after_seq: int, events: int | None = None

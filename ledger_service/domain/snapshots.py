@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import canonical_json
@@ -74,5 +74,16 @@ class ProjectionDigest:
         self.bookings += 1
         self._line("booking " + text)
 
+    def add_booking_lines(self, count: int, lines: bytes) -> None:
+        """add_booking_text of `count` bookings at once, given as booking_lines
+        of their texts (made elsewhere: in another process, say)."""
+        self.bookings += count
+        self._hash.update(lines)
+
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
+
+
+def booking_lines(texts: Iterable[str]) -> bytes:
+    """What ProjectionDigest.add_booking_text hashes for each of `texts`, joined."""
+    return "".join([f"booking {text}\n" for text in texts]).encode("utf-8")

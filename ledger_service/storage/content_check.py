@@ -47,13 +47,13 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from ledger_service.application.recovery import ChainLink, WalkedRange
-from ledger_service.domain import chain
+from ledger_service.application.recovery import BookingKey, ChainLink, WalkedRange
+from ledger_service.domain import chain, snapshots
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge
 from ledger_service.storage import canonical_sql, database, records
-from ledger_service.storage.schema import events
+from ledger_service.storage.schema import bookings, events
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -233,6 +233,37 @@ def walk_range(engine: Engine, after_seq: int, through_seq: int) -> WalkedRange:
         raise StoreUnavailable() from error
 
 
+_BOOKING_KEY = "(lane, reservation_id)"
+
+
+def booking_lines(
+    engine: Engine, after: BookingKey | None, through: BookingKey | None
+) -> tuple[int, bytes]:
+    """How many bookings have keys in (after, through] (None: from the first,
+    to the last), and snapshots.booking_lines of their texts, in key order,
+    read in one transaction."""
+    conditions: list[str] = []
+    parameters: list[str] = []
+    if after is not None:
+        conditions.append(f"{_BOOKING_KEY} > (?, ?)")
+        parameters += after
+    if through is not None:
+        conditions.append(f"{_BOOKING_KEY} <= (?, ?)")
+        parameters += through
+    where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+    sql = (
+        f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name}{where} "
+        "ORDER BY lane, reservation_id"
+    )
+    try:
+        with engine.connect() as connection, connection.begin():
+            result = connection.exec_driver_sql(_paramstyled(engine, sql), tuple(parameters))
+            rows = [tuple(row) for row in result]
+    except (DBAPIError, PoolTimeoutError) as error:
+        raise StoreUnavailable() from error
+    return len(rows), snapshots.booking_lines(records.booking_texts_from_rows(rows))
+
+
 # The worker processes' side -----------------------------------------------------
 
 _worker_engines: dict[str, Engine] = {}
@@ -253,17 +284,16 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="ledger-check-parent", daemon=True).start()
 
 
-def _in_worker(
-    work: Callable[[Engine, int, int], T], url: str, after_seq: int, through_seq: int
-) -> T | None:
-    """check_range or walk_range in a worker process; None when the database
-    is unavailable (StoreUnavailable does not cross a process boundary)."""
+def _in_worker(work: Callable[..., T], url: str, *arguments: Any) -> T | None:
+    """check_range, walk_range or booking_lines in a worker process; None when
+    the database is unavailable (StoreUnavailable does not cross a process
+    boundary)."""
     engine = _worker_engines.get(url)
     if engine is None:
         engine = database.create(url, database.EngineLimits(pool_size=1, pool_max_overflow=0))
         _worker_engines[url] = engine
     try:
-        return work(engine, after_seq, through_seq)
+        return work(engine, *arguments)
     except StoreUnavailable:
         return None
 
@@ -302,35 +332,35 @@ class ContentChecks:
     ) -> concurrent.futures.Future[WalkedRange]:
         return self._submit(walk_range, after_seq, through_seq)
 
-    def _submit(
-        self, work: Callable[[Engine, int, int], T], after_seq: int, through_seq: int
-    ) -> concurrent.futures.Future[T]:
+    def submit_booking_lines(
+        self, after: BookingKey | None, through: BookingKey | None
+    ) -> concurrent.futures.Future[tuple[int, bytes]]:
+        return self._submit(booking_lines, after, through)
+
+    def _submit(self, work: Callable[..., T], *arguments: Any) -> concurrent.futures.Future[T]:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         pool = self._pool
         if pool is not None:
             try:
-                running = pool.submit(_in_worker, work, self._url, after_seq, through_seq)
+                running = pool.submit(_in_worker, work, self._url, *arguments)
             except (BrokenProcessPool, OSError, AssertionError, RuntimeError):
                 # Broken, or its processes could not start (no resources, a
                 # daemonic or bootstrapping parent).
                 self._broken()
             else:
-                running.add_done_callback(
-                    lambda ran: self._settle(done, ran, work, after_seq, through_seq)
-                )
+                running.add_done_callback(lambda ran: self._settle(done, ran, work, arguments))
                 return done
-        self._run_here(done, work, after_seq, through_seq)
+        self._run_here(done, work, arguments)
         return done
 
     def _run_here(
         self,
         done: concurrent.futures.Future[T],
-        work: Callable[[Engine, int, int], T],
-        after_seq: int,
-        through_seq: int,
+        work: Callable[..., T],
+        arguments: tuple[Any, ...],
     ) -> None:
         try:
-            done.set_result(work(self._engine, after_seq, through_seq))
+            done.set_result(work(self._engine, *arguments))
         except Exception as error:
             done.set_exception(error)
 
@@ -344,15 +374,14 @@ class ContentChecks:
         self,
         done: concurrent.futures.Future[T],
         ran: concurrent.futures.Future[T | None],
-        work: Callable[[Engine, int, int], T],
-        after_seq: int,
-        through_seq: int,
+        work: Callable[..., T],
+        arguments: tuple[Any, ...],
     ) -> None:
         try:
             found = ran.result()
         except BrokenProcessPool:
             self._broken()
-            self._run_here(done, work, after_seq, through_seq)
+            self._run_here(done, work, arguments)
             return
         except concurrent.futures.CancelledError:
             done.cancel()

@@ -37,6 +37,7 @@ from ledger_service.application.ports import EventQuery
 from ledger_service.application.recovery import (
     STATE_CURRENT,
     STATE_REBUILDING,
+    BookingKey,
     ChainLink,
     ContentChecks,
     LinkBatch,
@@ -164,6 +165,16 @@ class _RebuildSql:
         self.bookings_in_order = (
             f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
             "ORDER BY lane, reservation_id"
+        )
+        # The key `count` bookings on: the index steps over the others in C.
+        self.first_booking_key_at = (
+            f"SELECT lane, reservation_id FROM {bookings.name} "
+            f"ORDER BY lane, reservation_id LIMIT 1 OFFSET {placeholder}"
+        )
+        self.booking_key_at = (
+            f"SELECT lane, reservation_id FROM {bookings.name} "
+            f"WHERE (lane, reservation_id) > ({placeholder}, {placeholder}) "
+            f"ORDER BY lane, reservation_id LIMIT 1 OFFSET {placeholder}"
         )
         self.upsert_lanes = _upsert_sql(lanes, records.LANE_COLUMNS, ("lane",), placeholder)
 
@@ -323,6 +334,18 @@ class SqlProjectionView:
         """chain.canonical_json of every booking, in the order of `bookings`."""
         for rows in self._booking_rows(self._batch):
             yield from records.booking_texts_from_rows(rows)
+
+    def booking_key_after(self, after: BookingKey | None, count: int) -> BookingKey | None:
+        if count < 1:
+            raise ValueError("count must be positive")
+        if after is None:
+            result = self._connection.exec_driver_sql(self._sql.first_booking_key_at, (count - 1,))
+        else:
+            result = self._connection.exec_driver_sql(
+                self._sql.booking_key_at, (after[0], after[1], count - 1)
+            )
+        row = result.first()
+        return (str(row[0]), str(row[1])) if row is not None else None
 
     def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
         for rows in self._booking_rows(size):

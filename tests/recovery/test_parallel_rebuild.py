@@ -23,16 +23,19 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from ledger_service.application import recovery as recovery_module
 from ledger_service.application.recovery import FULL_LOG_SOURCE, ChainBroken, Route, take_range
 from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import ChainWalker, canonical_event, canonical_json
 from ledger_service.domain.events import Event, EventKind
+from ledger_service.domain.moves import ReserveCommand
 from ledger_service.domain.policies import ExpireCharge
 from ledger_service.domain.pricing import ModelPrice
 from ledger_service.storage import content_check, records
+from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.schema import events
-from tests.recovery.conftest import History
+from tests.recovery.conftest import History, policy_lane
 
 KIND = records.EVENT_COLUMNS.index("kind")
 SEQ = records.EVENT_COLUMNS.index("seq")
@@ -111,6 +114,49 @@ def test_a_parallel_rebuild_builds_what_the_live_path_kept(
     kept = recovery.projection_digest()
     assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept
     assert recovery.assess().consistent
+
+
+def _bookings(history: History) -> int:
+    count = history.scalar("SELECT COUNT(*) FROM bookings")
+    assert isinstance(count, int)
+    return count
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_the_digest_made_in_ranges_is_the_digest_made_in_one_read(
+    history: History, processes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuild hashes the bookings' lines made in ranges of keys (in the
+    checking processes): cut anywhere, even where a lane ends, even into
+    ranges that fill the projection exactly, it is projection_digest."""
+    history.ledger.put_lane(policy_lane("zz-last"))
+    history.ledger.reserve(ReserveCommand("zz-last", "r-last", "jev", 35_000, 1000))
+    count = _bookings(history)
+    recovery = history.recovery(check_processes=processes, parallel_min_events=0)
+    kept = recovery.projection_digest()
+    for size in (1, 3, count // 2, count, count + 1):
+        monkeypatch.setattr(recovery_module, "DIGEST_RANGE_BOOKINGS", size)
+        assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept, size
+
+
+def test_booking_keys_step_over_count_bookings_in_order(history: History) -> None:
+    with history.engine.connect() as connection:
+        keys = [
+            tuple(row)
+            for row in connection.exec_driver_sql(
+                "SELECT lane, reservation_id FROM bookings ORDER BY lane, reservation_id"
+            )
+        ]
+    store = SqlRecoveryStore(history.engine)
+    with store.view() as view:
+        assert view.booking_key_after(None, 1) == keys[0]
+        assert view.booking_key_after(None, 3) == keys[2]
+        assert view.booking_key_after(keys[2], 2) == keys[4]
+        assert view.booking_key_after(keys[-2], 1) == keys[-1]
+        assert view.booking_key_after(keys[-1], 1) is None
+        assert view.booking_key_after(None, len(keys) + 1) is None
+        with pytest.raises(ValueError):
+            view.booking_key_after(None, 0)
 
 
 def test_a_parallel_rebuild_stops_at_an_altered_event(history: History) -> None:
