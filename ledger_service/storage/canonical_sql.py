@@ -1,4 +1,5 @@
-"""An event's canonical text (domain/chain.py), written by SQLite itself.
+"""Canonical texts written by SQLite itself: an event's (domain/chain.py),
+for the rebuild's hash checks, and a booking's, for its digest (below).
 
 Checking an event's hash needs its canonical text: compact JSON with sorted
 keys of its hashed fields, those at their default left out. Made in Python
@@ -42,6 +43,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from ledger_service.domain import chain
+from ledger_service.domain.bookings import Booking
 from ledger_service.domain.events import Event
 
 _FIELDS = {field.name: field for field in dataclasses.fields(Event)}
@@ -104,6 +106,64 @@ _check_defaults()
 EVENT_TEXT = (
     "'{' || substr(" + " || ".join(_piece(name) for name in chain.HASHED_NAMES) + ", 2) || '}'"
 )
+
+
+# A booking's canonical text ------------------------------------------------------
+#
+# chain.canonical_json of the Booking a row of the bookings table holds (the
+# digest's lines, domain/snapshots.py): every field, sorted keys, the price an
+# object of its own. Unlike an event's text, nothing checks it afterwards, so
+# it is written only where it is the Python text by construction, and is NULL
+# elsewhere (the caller makes that row's text in Python):
+#
+# - every integer column holds an integer (or NULL, where the field may be None);
+# - every enum column holds one of its enum's values (or NULL, where it may);
+# - every free text holds ASCII without DEL, which json_object and Python's
+#   json escape alike (control characters included; see the tests).
+
+
+def _booking_value(name: str, kind: Any) -> tuple[str, str]:
+    """The json_object argument of one Booking field, and its guard."""
+    arguments = typing.get_args(kind)
+    optional = isinstance(kind, types.UnionType) and type(None) in arguments
+    if optional:
+        kind = next(argument for argument in arguments if argument is not type(None))
+    if dataclasses.is_dataclass(kind):
+        inner = [(field, *_booking_value(field, hint)) for field, hint in _sorted_hints(kind)]
+        members = ", ".join(f"{_quoted_literal(field)}, {value}" for field, value, _ in inner)
+        return f"json_object({members})", " AND ".join(guard for _, _, guard in inner)
+    nullable = f"{name} IS NULL OR " if optional else ""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        assert chain.plain_enum(kind), f"Booking.{name}: an enum not written as its value"
+        listed = ", ".join(_quoted_literal(member._value_) for member in kind)
+        return name, f"({nullable}{name} IN ({listed}))"
+    if kind is int:
+        return name, f"({nullable}typeof({name}) = 'integer')"
+    if kind is str:
+        # ASCII: as many bytes as characters. Then no DEL.
+        ascii_only = f"length(CAST({name} AS BLOB)) = length({name})"
+        return name, (
+            f"({nullable}(typeof({name}) = 'text' AND {ascii_only} "
+            f"AND instr({name}, char(127)) = 0))"
+        )
+    raise TypeError(f"Booking.{name}: no SQL text for a field of type {kind!r}")
+
+
+def _sorted_hints(kind: Any) -> list[tuple[str, Any]]:
+    hints = typing.get_type_hints(kind)
+    return sorted((field.name, hints[field.name]) for field in dataclasses.fields(kind))
+
+
+def _booking_text() -> str:
+    written = [(name, *_booking_value(name, hint)) for name, hint in _sorted_hints(Booking)]
+    members = ", ".join(f"{_quoted_literal(name)}, {value}" for name, value, _ in written)
+    guards = " AND ".join(guard for _, _, guard in written)
+    return f"CASE WHEN {guards} THEN json_object({members}) END"
+
+
+# A row's chain.canonical_json(Booking), or NULL (see above). Made from the
+# dataclass: each field is a column of the same name (the price's fields too).
+BOOKING_TEXT = _booking_text()
 
 
 def available(connection: Connection) -> bool:

@@ -1,4 +1,4 @@
-"""SQLite writes an event's canonical text (storage/canonical_sql.py, issue 8).
+"""SQLite writes events' and bookings' canonical texts (storage/canonical_sql.py, issue 8).
 
 The hash checks of a rebuild read the text SQLite writes from each row
 instead of making it in Python. The reference is chain.canonical_event of the
@@ -7,6 +7,11 @@ for a well-formed row; where it writes none (a policy, a value of another
 type, a value no enum has) or one that differs (characters Python escapes
 and json_quote does not), the check falls back to the Python text and judges
 exactly as before. A change to any column is found either way.
+
+A rebuild's digest hashes the bookings' texts SQLite writes. Nothing checks
+those afterwards, so SQLite writes one only where it is the Python text
+(records.booking_texts_from_rows) by construction, and the digest's lines
+must be the Python lines for any row.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger_service.domain import chain
+from ledger_service.domain import chain, snapshots
+from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge
+from ledger_service.domain.pricing import ModelPrice
 from ledger_service.storage import canonical_sql, content_check, database, migrate, records
-from ledger_service.storage.schema import events
+from ledger_service.storage.schema import bookings, events
 
 TEXT = sa.text(f"SELECT seq, {canonical_sql.EVENT_TEXT} FROM events ORDER BY seq")
 # Strings SQLite and Python quote alike, and strings they do not.
@@ -270,3 +277,94 @@ def _row(engine: sa.Engine) -> sa.Row[Any]:
     with engine.connect() as connection:
         columns = (events.c[name] for name in records.EVENT_COLUMNS)
         return connection.execute(sa.select(*columns)).one()
+
+
+# Bookings' texts (the digest's lines) -----------------------------------------------
+
+
+def _random_booking(rng: random.Random, strings: list[str], index: int) -> Booking:
+    def some_int() -> int:
+        return rng.choice([0, 1, -1, 2**62, rng.randrange(-(10**12), 10**12)])
+
+    def maybe_int() -> int | None:
+        return rng.choice([None, 0, some_int()])
+
+    return Booking(
+        lane=rng.choice(strings),
+        reservation_id=f"{rng.choice(strings)}{index}",
+        model=rng.choice(strings),
+        request_bytes=some_int(),
+        max_output_tokens=some_int(),
+        estimate_nanos=maybe_int(),
+        requested_ttl_us=maybe_int(),
+        cap_nanos=some_int(),
+        hold_nanos=some_int(),
+        reserved_at_us=some_int(),
+        expires_at_us=some_int(),
+        price=ModelPrice(some_int(), some_int()),
+        expire_charge=rng.choice(list(ExpireCharge)),
+        state=rng.choice(list(BookingState)),
+        amount_nanos=some_int(),
+        answer_seq=some_int(),
+        ended_seq=some_int(),
+        outcome=rng.choice([None, *Outcome]),
+        input_tokens=some_int(),
+        output_tokens=some_int(),
+        billed_nanos=maybe_int(),
+    )
+
+
+def _insert_bookings(engine: sa.Engine, rows: list[Booking]) -> None:
+    with engine.begin() as connection:
+        connection.execute(sa.insert(bookings), [records.booking_values(b) for b in rows])
+
+
+def _python_lines(engine: sa.Engine) -> tuple[int, bytes]:
+    columns = [bookings.c[name] for name in records.BOOKING_COLUMNS]
+    order = (bookings.c.lane, bookings.c.reservation_id)
+    with engine.connect() as connection:
+        rows = [tuple(row) for row in connection.execute(sa.select(*columns).order_by(*order))]
+    return len(rows), snapshots.booking_lines(records.booking_texts_from_rows(rows))
+
+
+def _booking_texts(engine: sa.Engine) -> list[str | None]:
+    query = sa.text(
+        f"SELECT {canonical_sql.BOOKING_TEXT} FROM bookings ORDER BY lane, reservation_id"
+    )
+    with engine.connect() as connection:
+        return [text for (text,) in connection.execute(query)]
+
+
+def test_sqlite_writes_every_plain_bookings_text(engine: sa.Engine) -> None:
+    rng = random.Random(11)
+    _insert_bookings(engine, [_random_booking(rng, PLAIN, n) for n in range(500)])
+    count, lines = _python_lines(engine)
+    assert None not in _booking_texts(engine)
+    assert content_check.booking_lines(engine, None, None) == (count, lines)
+
+
+def test_bookings_sqlite_would_write_otherwise_are_left_to_python(engine: sa.Engine) -> None:
+    rng = random.Random(12)
+    _insert_bookings(engine, [_random_booking(rng, PLAIN + ODD, n) for n in range(300)])
+    texts = _booking_texts(engine)
+    assert None in texts
+    assert content_check.booking_lines(engine, None, None) == _python_lines(engine)
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("amount_nanos", 1e20),
+        ("estimate_nanos", 2.5),
+        ("reservation_id", "café"),
+        ("lane", "del\x7f"),
+    ],
+)
+def test_a_value_of_another_type_is_left_to_python(
+    engine: sa.Engine, column: str, value: object
+) -> None:
+    _insert_bookings(engine, [_random_booking(random.Random(13), PLAIN, 0)])
+    with engine.begin() as connection:
+        connection.execute(sa.update(bookings).values({column: value}))
+    assert _booking_texts(engine) == [None]
+    assert content_check.booking_lines(engine, None, None) == _python_lines(engine)
