@@ -278,6 +278,7 @@ def build_recovery(settings: Settings, store: SqlStore, owner: str) -> Recovery:
             snapshot_keep=settings.snapshot_keep,
             lease_seconds=settings.rebuild_lease_seconds,
             check_processes=settings.recovery_check_processes,
+            replay_range_events=settings.recovery_replay_range_events,
         ),
         owner,
     )

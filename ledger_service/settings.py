@@ -84,6 +84,10 @@ class Settings:
     # sample that measures the replay rate.
     recovery_batch_events: int = 1000
     recovery_sample_events: int = 2000
+    # Seqs per range of a rebuild's replay: a checking process's unit of work
+    # and one fold statement. Larger ranges cost less per event in hand-offs
+    # and statements; a process holds one range's rows at a time.
+    recovery_replay_range_events: int = 5000
     # Processes that check events' hashes while a rebuild of at least 50,000
     # events folds them (0: the rebuild's own thread checks them).
     recovery_check_processes: int = 2

@@ -32,6 +32,8 @@ from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.moves import ReserveCommand
 from ledger_service.domain.policies import ExpireCharge
 from ledger_service.domain.pricing import ModelPrice
+from ledger_service.server import build_recovery, build_store
+from ledger_service.settings import Settings
 from ledger_service.storage import content_check, records
 from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.schema import events
@@ -406,3 +408,37 @@ def test_ranges_walked_apart_find_what_one_walk_finds(seed: int) -> None:
         found += take_range(walker, walked)
     assert found == expected
     assert (walker.heads, walker.unsealed) == (whole.heads, whole.unsealed)
+
+
+@pytest.mark.parametrize(("range_events", "expected"), [(0, 25), (7, 7), (60, 60)])
+def test_a_replay_folds_ranges_of_replay_range_events(
+    sqlite_history: History, range_events: int, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recovery = sqlite_history.recovery(batch_events=25, replay_range_events=range_events)
+    folded: list[tuple[int, int]] = []
+    fold = SqlRecoveryStore.fold_events
+
+    def spy(
+        self: SqlRecoveryStore, owner: str, lanes: Any, after: int, through: int, *a: Any, **k: Any
+    ) -> None:
+        folded.append((after, through))
+        fold(self, owner, lanes, after, through, *a, **k)
+
+    monkeypatch.setattr(SqlRecoveryStore, "fold_events", spy)
+    kept = recovery.projection_digest()
+    assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept
+    sizes = [through - after for after, through in folded]
+    assert sizes[:-1] == [expected] * (len(sizes) - 1) and 0 < sizes[-1] <= expected
+    assert folded[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(folded))
+
+
+def test_the_server_replays_in_ranges_of_its_setting(tmp_path: pathlib.Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'l.db'}", data_dir=tmp_path)
+    store = build_store(dataclasses.replace(settings, recovery_replay_range_events=1234))
+    try:
+        recovery = build_recovery(
+            dataclasses.replace(settings, recovery_replay_range_events=1234), store, "t"
+        )
+        assert recovery.settings.replay_range_events == 1234
+    finally:
+        store.close()
