@@ -442,3 +442,29 @@ def test_the_server_replays_in_ranges_of_its_setting(tmp_path: pathlib.Path) -> 
         assert recovery.settings.replay_range_events == 1234
     finally:
         store.close()
+
+
+def test_the_first_ranges_are_walked_before_the_old_projections_are_deleted(
+    sqlite_history: History, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recovery = sqlite_history.recovery(batch_events=10, check_processes=0)
+    walked: list[tuple[int, int]] = []
+    walk = content_check.ContentChecks.submit_walk
+    reset = SqlRecoveryStore.reset_projections
+    walked_at_reset: list[int] = []
+
+    def submit_walk(self: content_check.ContentChecks, after: int, through: int) -> Any:
+        walked.append((after, through))
+        return walk(self, after, through)
+
+    def reset_projections(self: SqlRecoveryStore, *arguments: Any) -> None:
+        walked_at_reset.append(len(walked))
+        reset(self, *arguments)
+
+    monkeypatch.setattr(content_check.ContentChecks, "submit_walk", submit_walk)
+    monkeypatch.setattr(SqlRecoveryStore, "reset_projections", reset_projections)
+    kept = recovery.projection_digest()
+    assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept
+    events = sqlite_history.scalar("SELECT COUNT(*) FROM events")
+    assert isinstance(events, int) and events > 10 * 3
+    assert walked_at_reset == [min(recovery_module.EARLY_WALKS, -(-events // 10))]
