@@ -21,9 +21,10 @@ All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
 A batch's transaction is held inside `write_gate` (storage/database.py), the
 lock every writer of this process takes around its write transaction.
-`on_begin` runs first in every batch's transaction and `on_failure` as soon
-as one of its moves, or the batch, failed; the store keeps its writer's memo with them
-(storage/sql.py).
+`on_begin` runs first in every batch's transaction, `on_failure` as soon
+as one of its moves, or the batch, failed, and `on_end` last before the
+commit of a batch not rolled back; the store keeps its writer's memo with
+them, and advances the projections' marker once per batch (storage/sql.py).
 """
 
 from __future__ import annotations
@@ -93,12 +94,14 @@ class GroupCommitter:
         max_queue: int = 1024,
         on_begin: Callable[[Connection], None] = lambda _connection: None,
         on_failure: Callable[[], None] = lambda: None,
+        on_end: Callable[[Connection], None] = lambda _connection: None,
         write_gate: threading.Lock | None = None,
     ) -> None:
         self._engine = engine
         self._write_gate = write_gate
         self._on_begin = on_begin
         self._on_failure = on_failure
+        self._on_end = on_end
         self._connection: Connection | None = None
         self._max_batch = max_batch
         self._max_queue = max_queue
@@ -214,6 +217,8 @@ class GroupCommitter:
                         self._on_failure()
                 if not savepoints and outcomes[0][2] is not None:
                     transaction.rollback()  # the lone move was refused
+                else:
+                    self._on_end(connection)
         except (DBAPIError, LedgerError) as error:
             log.warning("group commit of %d moves failed: %s", len(batch), type(error).__name__)
             self._on_failure()

@@ -83,6 +83,7 @@ class SqlStore:
                 write_gate=self._sqlite_writer,
                 on_begin=self._memo.begin,
                 on_failure=self._memo.clear,
+                on_end=self._memo.end,
             )
             if self._sqlite and group_commit_batch > 1
             else None
@@ -282,6 +283,11 @@ class WriterMemo:
         self.heads: dict[str, str] = {}
         self.windows: dict[str, WindowState] = {}
         self._data_version: int | None = None
+        # The group committer's batches (begin/end): the position marker is
+        # checked current once and advanced once per batch, not per append.
+        self.batched = False
+        self.marker_current = False
+        self.appended = False
 
     def begin(self, connection: Connection) -> None:
         """At the start of a batch's transaction (SQLite)."""
@@ -291,6 +297,15 @@ class WriterMemo:
         if version != self._data_version or size > self.MAX_ENTRIES:
             self.clear()
             self._data_version = version
+        self.batched = True
+        self.marker_current = self.appended = False
+
+    def end(self, connection: Connection) -> None:
+        """Last in a batch's transaction, before its commit (SQLite): the
+        marker moves to the log's last event, which every append of the batch
+        that was not rolled back projected."""
+        if self.appended:
+            chaining.advance_position_to_log_end(connection)
 
     def clear(self) -> None:
         self.lanes.clear()
@@ -517,7 +532,14 @@ class SqlTransaction:
         row = _HOT("insert_event", self._connection).one(self._connection, values)
         assert row is not None
         seq = int(row[0])
-        chaining.advance_position(self._connection, seq)
+        memo = self._memo
+        if not memo.batched:
+            chaining.advance_position(self._connection, seq)
+        elif not memo.marker_current:
+            # Once per batch; the batch's end advances the marker (WriterMemo.end).
+            chaining.require_current(self._connection)
+            memo.marker_current = True
+        memo.appended = True
         self._memo.heads[event.lane] = digest
         if event.policy is not None:
             # As a reader will see it: the policy through its JSON column.

@@ -243,3 +243,58 @@ def test_a_move_refused_after_appending_leaves_no_chain_head_for_the_next(
         assert not report.broken_links, report.broken_links
     finally:
         store.close()
+
+
+def test_a_batch_advances_the_marker_to_its_last_kept_event(tmp_path: Path) -> None:
+    """The marker moves once per batch (WriterMemo.end), to the log's last
+    event: past a kept append, never to the seq of one rolled back after it."""
+    clock = ManualClock(START_US)
+    ledger, store = _ledger(f"sqlite:///{tmp_path}/marker.db", clock)
+    try:
+        ledger.put_lane(RECALL)
+        configured = Event(
+            kind=EventKind.LANE_CONFIGURED,
+            lane=RECALL.lane,
+            occurred_at_us=START_US,
+            policy=policy_to_dict(RECALL),
+        )
+
+        def refused(tx: StoreTransaction) -> None:
+            tx.append(configured)
+            raise InvalidArgument("lane", "refused after appending")
+
+        inside, release = threading.Event(), threading.Event()
+
+        def hold(_tx: StoreTransaction) -> None:
+            inside.set()
+            release.wait(timeout=10)
+
+        leader = threading.Thread(target=store.run, args=(hold,))
+        leader.start()
+        assert inside.wait(timeout=10)
+        outcomes: list[object] = []
+
+        def submit(work: object) -> None:
+            try:
+                outcomes.append(store.run(work))  # type: ignore[arg-type]
+            except InvalidArgument as error:
+                outcomes.append(error)
+
+        threads = []
+        for queued, work in enumerate((lambda tx: tx.append(configured), refused), start=1):
+            threads.append(threading.Thread(target=submit, args=(work,)))
+            threads[-1].start()
+            while store.queued_moves() < queued:
+                time.sleep(0.001)
+        release.set()  # one batch: a kept append, then one refused after appending
+        for thread in (leader, *threads):
+            thread.join(timeout=10)
+        assert sum(isinstance(outcome, InvalidArgument) for outcome in outcomes) == 1
+        with store.engine.connect() as connection:
+            last = connection.execute(sa.text("SELECT MAX(seq) FROM events")).scalar_one()
+            marker = connection.execute(
+                sa.text("SELECT last_seq, state FROM projection_position")
+            ).one()
+        assert tuple(marker) == (last, "current")
+    finally:
+        store.close()
