@@ -173,15 +173,6 @@ class ChainLink(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class LinkBatch:
-    """The links of a batch of the log, in seq order, and the whole events of
-    its lane_configured ones (the rebuild folds those itself)."""
-
-    links: Sequence[ChainLink]
-    lane_events: Sequence[Event]
-
-
-@dataclasses.dataclass(frozen=True)
 class WalkedRange:
     """A range of the log walked on its own, without the heads its lanes had
     before it (`take_range` ends the walk with them).
@@ -205,11 +196,6 @@ class WalkedRange:
 
 
 class ContentChecks(Protocol):
-    def submit(self, after_seq: int, through_seq: int) -> Future[list[int]]:
-        """Starts checking that every sealed event in (after_seq, through_seq]
-        still hashes to its stored hash; the future gives those that do not."""
-        ...
-
     def submit_walk(self, after_seq: int, through_seq: int) -> Future[WalkedRange]:
         """Starts walking (after_seq, through_seq] on its own (WalkedRange)."""
         ...
@@ -245,8 +231,6 @@ class RecoveryStore(Protocol):
     def last_seq(self) -> int:
         """The log's last seq (0 when empty)."""
         ...
-
-    def links_after(self, after_seq: int, limit: int) -> LinkBatch: ...
 
     def content_checks(self, processes: int) -> contextlib.AbstractContextManager[ContentChecks]:
         """Checks of events' contents, run by up to `processes` other processes
@@ -479,23 +463,34 @@ fewer_collections = _FewerCollections()
 
 
 class _Walks:
-    """The ranges of a replay, from `position` to `head` in ranges of `size`
-    seqs, each walked by `checks` (WalkedRange) once submitted, in order."""
+    """The ranges of a walk from `position` to `head`, of at most `size` seqs
+    and ending at each of `cuts`, each walked by `checks` (WalkedRange) once
+    submitted, in order."""
 
-    def __init__(self, checks: ContentChecks, position: int, head: int, size: int) -> None:
+    def __init__(
+        self,
+        checks: ContentChecks,
+        position: int,
+        head: int,
+        size: int,
+        cuts: Sequence[int] = (),
+    ) -> None:
         self._checks = checks
         self._head = head
         self._size = size
+        self._cuts = collections.deque(sorted(cut for cut in cuts if position < cut < head))
         self.read_to = position
         self.pending: collections.deque[tuple[int, int, Future[WalkedRange]]] = collections.deque()
 
     def fill(self, ahead: int) -> None:
         """Submits ranges until `ahead` are pending or the head is reached."""
         while self.read_to < self._head and len(self.pending) < ahead:
-            through = min(self.read_to + self._size, self._head)
-            self.pending.append(
-                (self.read_to, through, self._checks.submit_walk(self.read_to, through))
-            )
+            after, through = self.read_to, min(self.read_to + self._size, self._head)
+            while self._cuts and self._cuts[0] <= after:
+                self._cuts.popleft()
+            if self._cuts and self._cuts[0] < through:
+                through = self._cuts.popleft()
+            self.pending.append((after, through, self._checks.submit_walk(after, through)))
             self.read_to = through
 
 
@@ -558,26 +553,36 @@ class Recovery:
         positions: Sequence[int],
         through_seq: int | None = None,
     ) -> _Walk:
-        """Checks every link after `anchor` (or from genesis) up to `through_seq`
-        (or the log's end), in batches; notes the heads at each of `positions`."""
+        """Checks every link and content after `anchor` (or from genesis) up to
+        `through_seq` (or the log's last event when the walk starts), in ranges
+        walked by the checking processes as a rebuild's are, cut at each of
+        `positions` to note the heads there."""
         walk = _Walk()
         walker = ChainWalker(anchor.chain_heads if anchor else None)
         after = anchor.position_seq if anchor else 0
+        head = self._store.last_seq() if through_seq is None else through_seq
         pending = sorted(position for position in positions if position >= after)
         while pending and pending[0] == after:
             walk.heads_at[pending.pop(0)] = dict(walker.heads)
         with self._content_checks(after) as checks:
-            for batch, _, altered_seqs in self._batches(after, checks, through_seq):
-                for link in batch.links:
-                    while pending and pending[0] < link.seq:
-                        walk.heads_at[pending.pop(0)] = dict(walker.heads)
-                    found = _checked(walker, link, altered_seqs)
-                    if found is not None:
-                        walk.note(found)
+            walks = _Walks(checks, after, head, self._replay_range(), cuts=pending)
+            ahead = max(2, 2 * self.settings.check_processes)
+            while True:
+                walks.fill(ahead)
+                if not walks.pending:
+                    break
+                _, through, walked = walks.pending.popleft()
+                for found in take_range(walker, walked.result()):
+                    walk.note(found)
+                while pending and pending[0] <= through:
+                    walk.heads_at[pending.pop(0)] = dict(walker.heads)
         for position in pending:
             walk.heads_at[position] = dict(walker.heads)
         walk.unsealed = walker.unsealed
         return walk
+
+    def _replay_range(self) -> int:
+        return max(1, self.settings.replay_range_events or self.settings.batch_events)
 
     # Planning ----------------------------------------------------------------
 
@@ -759,8 +764,7 @@ class Recovery:
         position = snapshot.position_seq if snapshot else 0
         total = self._store.count_events_after(position)
         with self._content_checks(position, total) as checks:
-            size = max(1, self.settings.replay_range_events or self.settings.batch_events)
-            walks = _Walks(checks, position, self._store.last_seq(), size)
+            walks = _Walks(checks, position, self._store.last_seq(), self._replay_range())
             # The log's ranges need no projection: the processes walk the first
             # ones while the database deletes the old projections (1.4 s for
             # 1,000,000 bookings) and restores a snapshot's.
@@ -810,36 +814,6 @@ class Recovery:
             if events < self.settings.parallel_min_events:
                 processes = 0
         return self._store.content_checks(processes)
-
-    def _batches(
-        self, after_seq: int, checks: ContentChecks, through_seq: int | None = None
-    ) -> Iterator[tuple[LinkBatch, int, set[int]]]:
-        """The log after `after_seq` (up to `through_seq`) in batches of links,
-        in order, each with the position before it and the seqs of its events
-        whose content does not give their hash. The contents of the next few
-        batches are being checked (by `checks`) while the caller walks one."""
-        ahead = max(2, 2 * self.settings.check_processes)
-        pending: collections.deque[tuple[LinkBatch, int, Future[list[int]]]] = collections.deque()
-        read_to, exhausted = after_seq, False
-        while True:
-            while not exhausted and len(pending) < ahead:
-                batch = self._store.links_after(read_to, self.settings.batch_events)
-                exhausted = len(batch.links) < self.settings.batch_events
-                if through_seq is not None and batch.links and batch.links[-1].seq > through_seq:
-                    batch = LinkBatch(
-                        [link for link in batch.links if link.seq <= through_seq],
-                        [event for event in batch.lane_events if event.seq <= through_seq],
-                    )
-                    exhausted = True
-                if not batch.links:
-                    break
-                through = batch.links[-1].seq
-                pending.append((batch, read_to, checks.submit(read_to, through)))
-                read_to = through
-            if not pending:
-                return
-            batch, before, checked = pending.popleft()
-            yield batch, before, set(checked.result())
 
     def _replay(
         self,

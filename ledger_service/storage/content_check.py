@@ -1,31 +1,30 @@
-"""Checking that events still hash to their stored hashes, in other processes.
+"""Walking ranges of the log's hash chain, in other processes.
 
 A chain check has two parts (domain/chain.py). The link (an event's
 previous_hash is its lane's previous hash) needs the log in order, but only
 four short columns of it. The content (the event's fields still give its
-hash) needs every column and most of the work: reading and converting the
-row, its canonical text and a SHA-256, about 20 us of Python an event. It
-needs nothing but the row itself, so ranges of the log can be checked apart,
-in processes of their own, while the caller walks the links and the database
-folds what was checked: on the 2-core machine that is the other core.
-
-A rebuild hands the processes the links as well (`walk_range`): each walks
-its range with a ChainWalker of its own, which cannot know the heads the
-lanes had before the range, so it leaves each lane's events up to its first
-sealed one to the rebuild (application/recovery.py: `take_range`), and checks
-every later one itself. The rebuild's own thread then does almost nothing per
-event, and the two cores are left to the checks and the database's fold.
+hash) needs every column and most of the work: the row, its canonical text
+and a SHA-256. Both are done in ranges (`walk_range`), each by a process of
+its own with a ChainWalker of its own, which cannot know the heads the lanes
+had before the range: it leaves each lane's events up to its first sealed
+one to the caller (application/recovery.py: `take_range`), and checks every
+later one itself. The caller's thread then does almost nothing per event,
+and the cores are left to the walks and, in a rebuild, the database's fold.
+A rebuild's digest has its bookings' lines made here too (`booking_lines`).
 
 A range is read in one snapshot by a process of a pool (spawned, never
 forked: the server's threads and connections are not copied), through its own
-engine. Below `parallel_min_events`, or with no processes, ranges are checked
+engine. Below `parallel_min_events`, or with no processes, ranges are walked
 in the calling thread: starting the processes costs about a second.
 
-The text is made from the row's values directly (chain.canonical_values),
-without building the Event: enum columns hold their members' plain values,
-which are written the same. A row with a policy (whose stored JSON is not the
-canonical text) or with a value no enum member has takes the reference path,
-as events_from_rows and canonical_event would, and fails as they would.
+On SQLite the canonical texts are written by the database
+(storage/canonical_sql.py), a fast path; elsewhere, and for the rows it
+writes none for, the text is made from the row's values directly
+(chain.canonical_values), without building the Event: enum columns hold
+their members' plain values, which are written the same. A row with a policy
+(whose stored JSON is not the canonical text) or with a value no enum member
+has takes the reference path, as events_from_rows and canonical_event would,
+and fails as they would.
 """
 
 from __future__ import annotations
@@ -166,16 +165,6 @@ def _judged_range(connection: Connection, after_seq: int, through_seq: int) -> I
     result = connection.exec_driver_sql(_paramstyled(engine, _RANGE_SQL), (after_seq, through_seq))
     while rows := result.fetchmany(FETCH_ROWS):
         yield from _judged_rows(rows)
-
-
-def check_range(engine: Engine, after_seq: int, through_seq: int) -> list[int]:
-    """altered_seqs over the events in (after_seq, through_seq], read in one
-    transaction."""
-    try:
-        with engine.connect() as connection, connection.begin():
-            return _altered(_judged_range(connection, after_seq, through_seq))
-    except (DBAPIError, PoolTimeoutError) as error:
-        raise StoreUnavailable() from error
 
 
 def walk_rows(rows: Sequence[Sequence[Any]]) -> WalkedRange:
@@ -357,9 +346,6 @@ class ContentChecks:
                 initializer=_watch_parent,
                 initargs=(os.getpid(),),
             )
-
-    def submit(self, after_seq: int, through_seq: int) -> concurrent.futures.Future[list[int]]:
-        return self._submit(check_range, after_seq, through_seq)
 
     def submit_walk(
         self, after_seq: int, through_seq: int

@@ -38,9 +38,7 @@ from ledger_service.application.recovery import (
     STATE_CURRENT,
     STATE_REBUILDING,
     BookingKey,
-    ChainLink,
     ContentChecks,
-    LinkBatch,
     LogFacts,
     Position,
     RebuildClaimLost,
@@ -79,7 +77,6 @@ SNAPSHOT_COMPLETE = "complete"
 # How many complete snapshots are ever read: retention keeps fewer.
 MAX_LISTED_SNAPSHOTS = 10
 ANSWER_KINDS = ("reserved", "denied")
-LANE_CONFIGURED = EventKind.LANE_CONFIGURED.value
 
 
 def _unavailable_on_database_errors(method: Callable[P, T]) -> Callable[P, T]:
@@ -152,10 +149,6 @@ class _RebuildSql:
     def __init__(self, placeholder: str) -> None:
         self.events_after = (
             f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
-            f"WHERE seq > {placeholder} ORDER BY seq LIMIT {placeholder}"
-        )
-        self.links_after = (
-            f"SELECT seq, lane, previous_hash, hash, kind FROM {events.name} "
             f"WHERE seq > {placeholder} ORDER BY seq LIMIT {placeholder}"
         )
         self.insert_bookings = (
@@ -425,23 +418,6 @@ class SqlRecoveryStore:
         with self._reading() as connection:
             rows = connection.exec_driver_sql(self._sql.events_after, (after_seq, limit)).all()
         return records.events_from_rows(rows)
-
-    @_unavailable_on_database_errors
-    def links_after(self, after_seq: int, limit: int) -> LinkBatch:
-        with self._reading() as connection:
-            rows = connection.exec_driver_sql(self._sql.links_after, (after_seq, limit)).all()
-            configured = [seq for seq, _, _, _, kind in rows if kind == LANE_CONFIGURED]
-            lane_events: Sequence[Event] = []
-            if configured:
-                lane_events = SqlTransaction(connection, self._sqlite).list_events(
-                    EventQuery(
-                        kinds=(LANE_CONFIGURED,),
-                        after_seq=after_seq,
-                        limit=len(configured),
-                    )
-                )
-        links = [ChainLink(seq, lane, previous, hash_) for seq, lane, previous, hash_, _ in rows]
-        return LinkBatch(links, lane_events)
 
     def content_checks(self, processes: int) -> contextlib.AbstractContextManager[ContentChecks]:
         return content_check.content_checks(self._engine, processes)

@@ -38,6 +38,7 @@ from ledger_service.storage import content_check, records
 from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.schema import events
 from tests.recovery.conftest import History, policy_lane
+from tests.storage.conftest import altered_by_walk
 
 KIND = records.EVENT_COLUMNS.index("kind")
 SEQ = records.EVENT_COLUMNS.index("seq")
@@ -103,8 +104,8 @@ def test_ranges_checked_in_processes_find_what_the_thread_finds(
     history.tamper_event(altered, 1)
     with content_check.content_checks(history.engine, processes) as checks:
         cuts = [0, seqs[9], altered - 1, altered, seqs[-1]]
-        futures = [checks.submit(a, b) for a, b in itertools.pairwise(cuts)]
-        found = [future.result() for future in futures]
+        futures = [checks.submit_walk(a, b) for a, b in itertools.pairwise(cuts)]
+        found = [altered_by_walk(future.result()) for future in futures]
     assert found == [[], [], [altered], []]
 
 
@@ -217,15 +218,15 @@ def test_when_a_checking_process_dies_the_ranges_are_checked_here(history: Histo
     altered = seqs[len(seqs) // 2]
     history.tamper_event(altered, 1)
     with content_check.content_checks(history.engine, 1) as checks:
-        assert checks.submit(0, seqs[-1]).result() == [altered]
+        assert altered_by_walk(checks.submit_walk(0, seqs[-1]).result()) == [altered]
         pool = checks._pool
         assert pool is not None
         for process in list(pool._processes.values()):
             process.kill()
             process.join(10)
         # The pool is broken now: the range is still checked, here.
-        assert checks.submit(0, seqs[-1]).result() == [altered]
-        assert checks.submit(altered, seqs[-1]).result() == []
+        assert altered_by_walk(checks.submit_walk(0, seqs[-1]).result()) == [altered]
+        assert altered_by_walk(checks.submit_walk(altered, seqs[-1]).result()) == []
         assert checks._pool is None
 
 
@@ -234,7 +235,8 @@ def _check_in_a_daemon(url: str, through_seq: int, results: Any) -> None:
 
     engine = database.create(url, database.EngineLimits(pool_size=1))
     with content_check.content_checks(engine, 2) as checks:
-        results.put((checks._pool is None, checks.submit(0, through_seq).result()))
+        walked = checks.submit_walk(0, through_seq).result()
+        results.put((checks._pool is None, walked.altered, walked.breaks))
 
 
 def test_a_daemonic_process_checks_in_its_own_thread(history: History) -> None:
@@ -247,7 +249,7 @@ def test_a_daemonic_process_checks_in_its_own_thread(history: History) -> None:
     )
     daemon.start()
     try:
-        assert results.get(timeout=60) == (True, [])
+        assert results.get(timeout=60) == (True, [], [])
     finally:
         daemon.join(10)
 
@@ -257,7 +259,7 @@ def _check_and_wait(url: str, results: Any) -> None:
 
     engine = database.create(url, database.EngineLimits(pool_size=1))
     checks = content_check.ContentChecks(engine, 1)
-    checks.submit(0, 1).result()
+    checks.submit_walk(0, 1).result()
     pool = checks._pool
     assert pool is not None
     results.put([process.pid for process in pool._processes.values()])
@@ -468,3 +470,26 @@ def test_the_first_ranges_are_walked_before_the_old_projections_are_deleted(
     events = sqlite_history.scalar("SELECT COUNT(*) FROM events")
     assert isinstance(events, int) and events > 10 * 3
     assert walked_at_reset == [min(recovery_module.EARLY_WALKS, -(-events // 10))]
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_walk_notes_each_positions_heads_as_one_walk_over_the_log_would(
+    history: History, processes: int
+) -> None:
+    """The assessment's walk (and a snapshot's check) runs in ranges too, cut
+    at the positions whose heads it notes: mid-range, at a range's end, at
+    the log's first and last event and before any."""
+    built = records.events_from_rows(_rows(history))
+    seqs = [event.seq for event in built]
+    positions = [0, seqs[0], seqs[3], seqs[7], seqs[8], seqs[len(seqs) // 2], seqs[-1]]
+    recovery = history.recovery(batch_events=7, check_processes=processes, parallel_min_events=0)
+    walk = recovery._walk(None, positions)
+    expected = {}
+    for position in positions:
+        walker = ChainWalker()
+        for event in built:
+            if event.seq <= position:
+                walker.check(event)
+        expected[position] = dict(walker.heads)
+    assert walk.heads_at == expected
+    assert walk.break_count == 0

@@ -15,6 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 from ledger_service.application.ledger import Ledger
+from ledger_service.application.recovery import WalkedRange
+from ledger_service.domain import chain
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.pricing import ModelPrice
@@ -95,3 +97,11 @@ def clock() -> ManualClock:
 @pytest.fixture
 def ledger(store: SqlStore, clock: ManualClock) -> Ledger:
     return Ledger(store, clock, verify_windows=True)
+
+
+def altered_by_walk(walked: WalkedRange) -> list[int]:
+    """The seqs a range's walk found no longer giving their hash: among the
+    lanes' leading events (left to the caller's links) and the others."""
+    content = chain.altered(0, "").reason
+    found = [*walked.altered, *(broken.seq for broken in walked.breaks if broken.reason == content)]
+    return sorted(found)

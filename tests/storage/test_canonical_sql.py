@@ -33,6 +33,7 @@ from ledger_service.domain.policies import ExpireCharge
 from ledger_service.domain.pricing import ModelPrice
 from ledger_service.storage import canonical_sql, content_check, database, migrate, records
 from ledger_service.storage.schema import bookings, events
+from tests.storage.conftest import altered_by_walk
 
 TEXT = sa.text(f"SELECT seq, {canonical_sql.EVENT_TEXT} FROM events ORDER BY seq")
 # Strings SQLite and Python quote alike, and strings they do not.
@@ -135,7 +136,7 @@ def test_sqlite_writes_the_canonical_text_of_every_plain_event(engine: sa.Engine
     assert [texts[event.seq] for event in log] == [chain.canonical_event(e) for e in log]
     with engine.connect() as connection:
         assert canonical_sql.available(connection)
-    assert content_check.check_range(engine, 0, log[-1].seq) == []
+    assert altered_by_walk(content_check.walk_range(engine, 0, log[-1].seq)) == []
 
 
 def test_texts_that_differ_fall_back_and_judge_as_python_does(engine: sa.Engine) -> None:
@@ -149,7 +150,7 @@ def test_texts_that_differ_fall_back_and_judge_as_python_does(engine: sa.Engine)
     for event in differing:
         fields = (getattr(event, name) for name in chain.HASHED_NAMES)
         assert any(isinstance(value, str) and max(value, default=" ") > "~" for value in fields)
-    assert content_check.check_range(engine, 0, log[-1].seq) == []
+    assert altered_by_walk(content_check.walk_range(engine, 0, log[-1].seq)) == []
     walked = content_check.walk_range(engine, 0, log[-1].seq)
     assert (walked.events, walked.altered, walked.breaks) == (len(log), [], [])
 
@@ -163,7 +164,7 @@ def test_a_policy_leaves_the_text_to_python(engine: sa.Engine) -> None:
     )
     (event,) = _append(engine, [configured])
     assert _texts(engine)[event.seq] is None
-    assert content_check.check_range(engine, 0, event.seq) == []
+    assert altered_by_walk(content_check.walk_range(engine, 0, event.seq)) == []
     walked = content_check.walk_range(engine, 0, event.seq)
     assert [lane_event.policy for lane_event in walked.lane_events] == [configured.policy]
 
@@ -217,9 +218,9 @@ def test_every_alteration_is_found_as_the_reference_finds_it(
     assert expected == [event.seq] or expected is ValueError, (column, value)
     if expected is ValueError:
         with pytest.raises(ValueError):
-            content_check.check_range(engine, 0, event.seq)
+            altered_by_walk(content_check.walk_range(engine, 0, event.seq))
         return
-    assert content_check.check_range(engine, 0, event.seq) == expected
+    assert altered_by_walk(content_check.walk_range(engine, 0, event.seq)) == expected
     assert content_check.walk_range(engine, 0, event.seq).altered == expected
 
 
@@ -239,7 +240,7 @@ def test_a_text_in_an_integer_column_cannot_spell_the_original_text(engine: sa.E
     _tamper(engine, event.seq, "amount_nanos", '5,"billed_nanos":7')
     _tamper(engine, event.seq, "billed_nanos", None)
     assert _texts(engine)[event.seq] is None
-    assert content_check.check_range(engine, 0, event.seq) == [event.seq]
+    assert altered_by_walk(content_check.walk_range(engine, 0, event.seq)) == [event.seq]
 
 
 def test_a_batch_longer_than_one_fetch_reads_whole_rows_between_fetches(
@@ -250,7 +251,7 @@ def test_a_batch_longer_than_one_fetch_reads_whole_rows_between_fetches(
     monkeypatch.setattr(content_check, "FETCH_ROWS", 3)
     tampered = log[20].seq
     _tamper(engine, tampered, "http_status", 500)
-    assert content_check.check_range(engine, 0, log[-1].seq) == [tampered]
+    assert altered_by_walk(content_check.walk_range(engine, 0, log[-1].seq)) == [tampered]
 
 
 def test_a_kind_no_enum_has_fails_even_when_its_hash_was_made_over_it(
@@ -270,7 +271,7 @@ def test_a_kind_no_enum_has_fails_even_when_its_hash_was_made_over_it(
     with pytest.raises(ValueError, match="bogus"):
         content_check.altered_seqs([_row(engine)])
     with pytest.raises(ValueError, match="bogus"):
-        content_check.check_range(engine, 0, event.seq)
+        altered_by_walk(content_check.walk_range(engine, 0, event.seq))
 
 
 def _row(engine: sa.Engine) -> sa.Row[Any]:
