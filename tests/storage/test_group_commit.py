@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -189,6 +190,53 @@ def test_a_second_writer_on_the_same_file_is_seen_by_the_next_move(tmp_path: Pat
         second_store.close()
 
 
+def _configured() -> Event:
+    return Event(
+        kind=EventKind.LANE_CONFIGURED,
+        lane=RECALL.lane,
+        occurred_at_us=START_US,
+        policy=policy_to_dict(RECALL),
+    )
+
+
+def _refused_after_appending(tx: StoreTransaction) -> None:
+    tx.append(_configured())
+    raise InvalidArgument("lane", "refused after appending")
+
+
+def _in_one_batch(store: SqlStore, works: list[Any]) -> list[object]:
+    """Runs `works` in one batch of the group commit, in this order: a leader
+    holds the write path while they queue behind it. Their results, or the
+    InvalidArgument each was refused with."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(_tx: StoreTransaction) -> None:
+        inside.set()
+        release.wait(timeout=10)
+
+    leader = threading.Thread(target=store.run, args=(hold,))
+    leader.start()
+    assert inside.wait(timeout=10)
+    outcomes: list[object] = []
+
+    def submit(work: Any) -> None:
+        try:
+            outcomes.append(store.run(work))
+        except InvalidArgument as error:
+            outcomes.append(error)
+
+    threads = []
+    for queued, work in enumerate(works, start=1):
+        threads.append(threading.Thread(target=submit, args=(work,)))
+        threads[-1].start()
+        while store.queued_moves() < queued:
+            time.sleep(0.001)
+    release.set()
+    for thread in (leader, *threads):
+        thread.join(timeout=10)
+    return outcomes
+
+
 def test_a_move_refused_after_appending_leaves_no_chain_head_for_the_next(
     tmp_path: Path,
 ) -> None:
@@ -199,45 +247,10 @@ def test_a_move_refused_after_appending_leaves_no_chain_head_for_the_next(
     ledger, store = _ledger(f"sqlite:///{tmp_path}/refused.db", clock)
     try:
         ledger.put_lane(RECALL)
-        configured = Event(
-            kind=EventKind.LANE_CONFIGURED,
-            lane=RECALL.lane,
-            occurred_at_us=START_US,
-            policy=policy_to_dict(RECALL),
+        # The refused one first.
+        outcomes = _in_one_batch(
+            store, [_refused_after_appending, lambda tx: tx.append(_configured())]
         )
-
-        def refused(tx: StoreTransaction) -> None:
-            tx.append(configured)
-            raise InvalidArgument("lane", "refused after appending")
-
-        inside, release = threading.Event(), threading.Event()
-
-        def hold(_tx: StoreTransaction) -> None:
-            inside.set()
-            release.wait(timeout=10)
-
-        leader = threading.Thread(target=store.run, args=(hold,))
-        leader.start()
-        assert inside.wait(timeout=10)
-        outcomes: list[object] = []
-
-        def submit(work: object) -> None:
-            try:
-                outcomes.append(store.run(work))  # type: ignore[arg-type]
-            except InvalidArgument as error:
-                outcomes.append(error)
-
-        first = threading.Thread(target=submit, args=(refused,))
-        first.start()
-        while store.queued_moves() < 1:
-            time.sleep(0.001)
-        second = threading.Thread(target=submit, args=(lambda tx: tx.append(configured),))
-        second.start()
-        while store.queued_moves() < 2:
-            time.sleep(0.001)
-        release.set()  # both now commit in one batch, the refused one first
-        for thread in (leader, first, second):
-            thread.join(timeout=10)
         assert sum(isinstance(outcome, InvalidArgument) for outcome in outcomes) == 1
         report = Verifier(SqlRecoveryStore(store.engine)).verify(clock.now_us())
         assert not report.broken_links, report.broken_links
@@ -252,43 +265,10 @@ def test_a_batch_advances_the_marker_to_its_last_kept_event(tmp_path: Path) -> N
     ledger, store = _ledger(f"sqlite:///{tmp_path}/marker.db", clock)
     try:
         ledger.put_lane(RECALL)
-        configured = Event(
-            kind=EventKind.LANE_CONFIGURED,
-            lane=RECALL.lane,
-            occurred_at_us=START_US,
-            policy=policy_to_dict(RECALL),
+        # A kept append, then one refused after appending.
+        outcomes = _in_one_batch(
+            store, [lambda tx: tx.append(_configured()), _refused_after_appending]
         )
-
-        def refused(tx: StoreTransaction) -> None:
-            tx.append(configured)
-            raise InvalidArgument("lane", "refused after appending")
-
-        inside, release = threading.Event(), threading.Event()
-
-        def hold(_tx: StoreTransaction) -> None:
-            inside.set()
-            release.wait(timeout=10)
-
-        leader = threading.Thread(target=store.run, args=(hold,))
-        leader.start()
-        assert inside.wait(timeout=10)
-        outcomes: list[object] = []
-
-        def submit(work: object) -> None:
-            try:
-                outcomes.append(store.run(work))  # type: ignore[arg-type]
-            except InvalidArgument as error:
-                outcomes.append(error)
-
-        threads = []
-        for queued, work in enumerate((lambda tx: tx.append(configured), refused), start=1):
-            threads.append(threading.Thread(target=submit, args=(work,)))
-            threads[-1].start()
-            while store.queued_moves() < queued:
-                time.sleep(0.001)
-        release.set()  # one batch: a kept append, then one refused after appending
-        for thread in (leader, *threads):
-            thread.join(timeout=10)
         assert sum(isinstance(outcome, InvalidArgument) for outcome in outcomes) == 1
         with store.engine.connect() as connection:
             last = connection.execute(sa.text("SELECT MAX(seq) FROM events")).scalar_one()
