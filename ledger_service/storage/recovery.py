@@ -30,7 +30,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.application.ports import EventQuery
@@ -200,7 +200,14 @@ class _FoldSql:
 
     `problem` finds, first by seq, an event of the range the fold refuses: an
     ending with no opening before it, an opening without its expiry charge
-    (the Python fold's assertions), or a kind the fold does not know."""
+    (the Python fold's assertions), or a kind the fold does not know. It is
+    run only when the fold itself refused: the fold writes NULL into
+    bookings' NOT NULL columns for a booking whose opening is missing or
+    comes after its first ending in the range, or has no expiry charge (the
+    database refuses the statement), and `unknown_kind` scans the range for
+    kinds first. Running `problem` on every range cost 1.76 s of the 7.2 s
+    the fold took in a rebuild of 2,000,001 events (a correlated probe per
+    ending)."""
 
     def __init__(self, placeholder: str) -> None:
         p = placeholder
@@ -225,7 +232,9 @@ class _FoldSql:
         sources = {
             "state": state,
             "amount_nanos": "CASE WHEN e.seq IS NULL THEN o.amount_nanos ELSE e.amount_nanos END",
-            "answer_seq": "o.seq",
+            # NULL, refused by the NOT NULL column, where the fold cannot apply
+            # the range: no opening, or one after the booking's first ending.
+            "answer_seq": "CASE WHEN o.seq < k.first_end OR k.first_end IS NULL THEN o.seq END",
             "ended_seq": "COALESCE(e.seq, 0)",
             "outcome": "e.outcome",
             "input_tokens": "COALESCE(e.input_tokens, 0)",
@@ -240,9 +249,11 @@ class _FoldSql:
         updates = ", ".join(f"{name} = excluded.{name}" for name in columns if name not in keys)
         self.fold = (
             f"INSERT INTO {bookings.name} ({', '.join(columns)}) SELECT {selected} "
-            f"FROM (SELECT DISTINCT lane, reservation_id FROM {events.name} "
-            f"WHERE seq > {p} AND seq <= {p} AND kind IN ({openings}, {endings})) AS k "
-            f"JOIN {events.name} AS o ON o.lane = k.lane "
+            f"FROM (SELECT lane, reservation_id, "
+            f"min(CASE WHEN kind IN ({endings}) THEN seq END) AS first_end FROM {events.name} "
+            f"WHERE seq > {p} AND seq <= {p} AND kind IN ({openings}, {endings}) "
+            "GROUP BY lane, reservation_id) AS k "
+            f"LEFT JOIN {events.name} AS o ON o.lane = k.lane "
             f"AND o.reservation_id = k.reservation_id AND o.kind IN ({openings}) AND o.seq <= {p} "
             f"LEFT JOIN {events.name} AS e ON e.seq = (SELECT max(x.seq) FROM {events.name} AS x "
             "WHERE x.lane = k.lane AND x.reservation_id = k.reservation_id "
@@ -250,6 +261,10 @@ class _FoldSql:
             # SQLite reads ON CONFLICT after a bare FROM ... JOIN as the join's.
             "WHERE true "
             f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
+        )
+        self.unknown_kind = (
+            f"SELECT 1 FROM {events.name} WHERE seq > {p} AND seq <= {p} "
+            f"AND kind NOT IN ({known}) LIMIT 1"
         )
         self.problem = (
             f"SELECT seq, kind, reservation_id FROM {events.name} AS e "
@@ -662,26 +677,39 @@ class SqlRecoveryStore:
         with self._engine.connect() as connection:
             connection = connection.execution_options(ledger_write=True)
             transaction = connection.begin()
+            range_parameters = self._fold.problem_parameters(after_seq, through_seq)
+            refused = False
+            error: IntegrityError | None = None
             try:
-                found = connection.exec_driver_sql(
-                    self._fold.problem, self._fold.problem_parameters(after_seq, through_seq)
-                ).first()
-                if found is not None:
-                    seq, kind, reservation_id = found
-                    raise RebuildFailed(
-                        f"event {seq} cannot be applied: {kind} of {reservation_id!r} "
-                        "has no reserve before it, no expiry charge, or no known kind"
-                    )
-                if not dry_run:
-                    self._advance(connection, owner, through_seq, now_us)
-                    if lanes:
-                        connection.exec_driver_sql(self._sql.upsert_lanes, records.lane_rows(lanes))
-                connection.exec_driver_sql(
-                    self._fold.fold, self._fold.fold_parameters(after_seq, through_seq)
-                )
+                unknown = connection.exec_driver_sql(self._fold.unknown_kind, range_parameters)
+                refused = unknown.first() is not None
+                if not refused:
+                    if not dry_run:
+                        self._advance(connection, owner, through_seq, now_us)
+                        if lanes:
+                            rows = records.lane_rows(lanes)
+                            connection.exec_driver_sql(self._sql.upsert_lanes, rows)
+                    try:
+                        connection.exec_driver_sql(
+                            self._fold.fold, self._fold.fold_parameters(after_seq, through_seq)
+                        )
+                    except IntegrityError as caught:
+                        refused, error = True, caught
             except BaseException:
                 transaction.rollback()
                 raise
+            if refused:
+                transaction.rollback()
+                with connection.begin():
+                    found = connection.exec_driver_sql(self._fold.problem, range_parameters).first()
+                if found is None:
+                    # Refused by the database for a reason the fold does not know.
+                    raise error or RebuildFailed(f"events after {after_seq} cannot be applied")
+                seq, kind, reservation_id = found
+                raise RebuildFailed(
+                    f"event {seq} cannot be applied: {kind} of {reservation_id!r} "
+                    "has no reserve before it, no expiry charge, or no known kind"
+                )
             if dry_run:
                 transaction.rollback()
             else:

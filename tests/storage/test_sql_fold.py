@@ -11,6 +11,7 @@ events here are not sealed.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -165,6 +166,53 @@ def test_an_ending_without_its_reserve_is_refused_and_nothing_is_written(
     store.reset_projections(OWNER, 0, 1)
     with pytest.raises(RebuildFailed, match=f"event {orphan.seq} cannot be applied"):
         store.fold_events(OWNER, [], 0, orphan.seq, 1)
+    assert _projected(engine) == []
+    position = store.position()
+    assert position is not None and position.last_seq == 0
+
+
+def _refusals() -> dict[str, tuple[list[Event], int, int]]:
+    """Logs the fold must refuse: (events, the range's end, the seq it names)."""
+    rng = random.Random(5)
+    opening = dataclasses.replace(_opening(rng, "recall", "r1", 1_000), seq=1)
+    if opening.kind is not EventKind.RESERVED:
+        opening = dataclasses.replace(opening, kind=EventKind.RESERVED, denial_reason=None)
+    ending = dataclasses.replace(_ending(rng, opening, 2_000), seq=2)
+    later = dataclasses.replace(opening, seq=3)
+    other = dataclasses.replace(_opening(rng, "recall", "r2", 1_500), seq=3)
+    uncharged = dataclasses.replace(other, expire_charge=None)
+    return {
+        "its reserve comes after it, in the range": ([ending, later], 3, 2),
+        "its reserve comes after the range": ([ending, later], 2, 2),
+        "a reserve without its expiry charge": (
+            [dataclasses.replace(opening, expire_charge=None), other],
+            3,
+            1,
+        ),
+        "an unknown kind": ([opening, ending, other], 3, 3),
+        "the first of two refusals": (
+            [ending, uncharged, dataclasses.replace(later, seq=4)],
+            4,
+            2,
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_refusals()))
+def test_every_refusal_names_its_first_event_and_writes_nothing(
+    engine: sa.Engine, case: str
+) -> None:
+    log, through, named = _refusals()[case]
+    rows = [{"seq": e.seq, **records.event_values(e)} for e in log]
+    if case == "an unknown kind":
+        rows[-1]["kind"] = "paused"
+    with engine.begin() as connection:
+        connection.execute(sa.insert(events), rows)
+    store = SqlRecoveryStore(engine)
+    assert store.claim_rebuild(OWNER, 1, 10**9)
+    store.reset_projections(OWNER, 0, 1)
+    with pytest.raises(RebuildFailed, match=f"event {named} cannot be applied"):
+        store.fold_events(OWNER, [], 0, through, 1)
     assert _projected(engine) == []
     position = store.position()
     assert position is not None and position.last_seq == 0
