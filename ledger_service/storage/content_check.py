@@ -130,16 +130,6 @@ def _whole_row(connection: Connection, seq: int) -> Sequence[Any]:
     return connection.exec_driver_sql(_ROW_SQL, (seq,)).one()
 
 
-def altered_seqs(rows: Sequence[Sequence[Any]]) -> list[int]:
-    """The seqs of the sealed events among `rows` (of EVENT_COLUMNS) whose
-    content no longer gives their hash."""
-    return _altered(_judged_rows(rows))
-
-
-def _altered(judged: Iterable[Judged]) -> list[int]:
-    return [seq for seq, _, _, _, changed, _ in judged if changed]
-
-
 _COLUMNS_SQL = ", ".join(records.EVENT_COLUMNS)
 _RANGE_SQL = f"SELECT {_COLUMNS_SQL} FROM {events.name} WHERE seq > ? AND seq <= ? ORDER BY seq"
 _ROW_SQL = f"SELECT {_COLUMNS_SQL} FROM {events.name} WHERE seq = ?"
@@ -308,7 +298,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _in_worker(work: Callable[..., T], url: str, *arguments: Any) -> T | None:
-    """check_range, walk_range or booking_lines in a worker process; None when
+    """walk_range or booking_lines in a worker process; None when
     the database is unavailable (StoreUnavailable does not cross a process
     boundary)."""
     engine = _worker_engines.get(url)
