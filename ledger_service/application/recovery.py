@@ -462,6 +462,15 @@ fewer_collections = _FewerCollections()
 # The recovery service -------------------------------------------------------------
 
 
+def _digest_of_lanes(view: ProjectionView) -> ProjectionDigest:
+    """A projection's digest with its position and lanes, its bookings to come."""
+    position = view.position
+    digest = ProjectionDigest(position.last_seq if position else 0, {})
+    for policy in view.lanes():
+        digest.add_lane(policy)
+    return digest
+
+
 class _Walks:
     """The ranges of a walk from `position` to `head`, of at most `size` seqs
     and ending at each of `cuts`, each walked by `checks` (WalkedRange) once
@@ -566,7 +575,7 @@ class Recovery:
             walk.heads_at[pending.pop(0)] = dict(walker.heads)
         with self._content_checks(after) as checks:
             walks = _Walks(checks, after, head, self._replay_range(), cuts=pending)
-            ahead = max(2, 2 * self.settings.check_processes)
+            ahead = self._ranges_ahead()
             while True:
                 walks.fill(ahead)
                 if not walks.pending:
@@ -583,6 +592,10 @@ class Recovery:
 
     def _replay_range(self) -> int:
         return max(1, self.settings.replay_range_events or self.settings.batch_events)
+
+    def _ranges_ahead(self) -> int:
+        """Ranges submitted to the checking processes ahead of the one taken."""
+        return max(2, 2 * self.settings.check_processes)
 
     # Planning ----------------------------------------------------------------
 
@@ -782,13 +795,10 @@ class Recovery:
         any, while this thread hashes the ranges in order. Only while nothing
         writes the projections (a rebuild's marker keeps moves out): the
         ranges are read in transactions of their own."""
-        ahead = max(2, 2 * self.settings.check_processes)
+        ahead = self._ranges_ahead()
         pending: collections.deque[Future[tuple[int, bytes]]] = collections.deque()
         with self._store.view() as view:
-            position = view.position
-            digest = ProjectionDigest(position.last_seq if position else 0, {})
-            for policy in view.lanes():
-                digest.add_lane(policy)
+            digest = _digest_of_lanes(view)
             after: BookingKey | None = None
             while True:
                 through = view.booking_key_after(after, DIGEST_RANGE_BOOKINGS)
@@ -831,7 +841,7 @@ class Recovery:
         folds it in a thread of its own (one statement, without the GIL) while
         the next is taken. A range is folded only after every event in it
         checked out, and in log order."""
-        ahead = max(2, 2 * self.settings.check_processes)
+        ahead = self._ranges_ahead()
         pending = walks.pending
         done = 0
         with concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder:
@@ -876,10 +886,7 @@ class Recovery:
     def projection_digest(self) -> str:
         """The digest of the projections as they stand (for cross-checks)."""
         with self._store.view() as view:
-            position = view.position
-            digest = ProjectionDigest(position.last_seq if position else 0, {})
-            for policy in view.lanes():
-                digest.add_lane(policy)
+            digest = _digest_of_lanes(view)
             for text in view.booking_texts():
                 digest.add_booking_text(text)
         return digest.hexdigest()
