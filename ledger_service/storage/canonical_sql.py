@@ -37,9 +37,10 @@ import dataclasses
 import enum
 import types
 import typing
+import weakref
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from ledger_service.domain import chain
@@ -166,13 +167,21 @@ def _booking_text() -> str:
 BOOKING_TEXT = _booking_text()
 
 
+# Per engine, asked once: every range of a rebuild asks again.
+_available: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
+
+
 def available(connection: Connection) -> bool:
     """Whether this database writes the texts: SQLite with its JSON functions
     (built in since 3.38, unless left out of the build)."""
     if connection.dialect.name != "sqlite":
         return False
-    try:
-        connection.exec_driver_sql("SELECT json_quote('x')").scalar_one()
-    except DBAPIError:
-        return False
-    return True
+    known = _available.get(connection.engine)
+    if known is None:
+        try:
+            connection.exec_driver_sql("SELECT json_quote('x')").scalar_one()
+            known = True
+        except DBAPIError:
+            known = False
+        _available[connection.engine] = known
+    return known
