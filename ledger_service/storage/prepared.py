@@ -69,6 +69,18 @@ class Prepared:
         cursor.close()
         return count
 
+    def run_many(self, connection: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Runs a statement that returns no rows once for each of `rows`."""
+        cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.executemany(self.sql, [self._parameters(values) for values in rows])
+        except self._dbapi_error as error:
+            raise DBAPIError.instance(
+                self.sql, None, error, self._dbapi_error, hide_parameters=True
+            ) from error
+        finally:
+            cursor.close()
+
     def one(self, connection: Connection, values: Mapping[str, Any]) -> Sequence[Any] | None:
         """The first row (a tuple), or None."""
         cursor = self.cursor(connection, values)

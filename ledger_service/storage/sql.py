@@ -9,6 +9,7 @@ on PostgreSQL an advisory transaction lock covers the append and the commit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -84,6 +85,7 @@ class SqlStore:
                 on_begin=self._memo.begin,
                 on_failure=self._memo.clear,
                 on_end=self._memo.end,
+                changes=self._memo.deferred_changes,
             )
             if self._sqlite and group_commit_batch > 1
             else None
@@ -201,16 +203,77 @@ def _overdue(of_budget: Any) -> Any:
     )
 
 
-def _window_edges(of_budget: Any) -> Any:
+def _window_edges(of_budget: Any, *, quiet: bool = False) -> Any:
     """One row: the stored sums of the bookings entering the window and of those
     leaving it, and the overdue holds inside it. Three aggregates, one statement:
-    each statement a move runs costs more in Python than in SQLite."""
+    each statement a move runs costs more in Python than in SQLite.
+
+    With `quiet` (a lane that is its own budget), three more columns say how
+    long the window will stay quiet (see _Quiet): the first booking reserved
+    after now, the oldest inside the window, the first deadline of an open
+    hold inside it. Each is one step down an index."""
     entering = _stored_sums(of_budget, "enter_after", "enter_until", "entering")
     leaving = _stored_sums(of_budget, "leave_after", "leave_until", "leaving")
     overdue = _overdue(of_budget)
     # Single rows each: joined on true, not left to a cartesian product.
     joined = entering.join(leaving, true()).join(overdue, true())
-    return select(*entering.c, *leaving.c, *overdue.c).select_from(joined)
+    columns = [*entering.c, *leaving.c, *overdue.c]
+    if quiet:
+        reserved_at = bookings.c.reserved_at_us
+        columns += [
+            select(reserved_at)
+            .where(of_budget, reserved_at > bindparam("now"))
+            .order_by(reserved_at)
+            .limit(1)
+            .scalar_subquery(),
+            select(reserved_at)
+            .where(of_budget, reserved_at > bindparam("window_start"))
+            .order_by(reserved_at)
+            .limit(1)
+            .scalar_subquery(),
+            select(bookings.c.expires_at_us)
+            .where(of_budget, _IS_OPEN, reserved_at + 0 > bindparam("window_start"))
+            .order_by(bookings.c.expires_at_us)
+            .limit(1)
+            .scalar_subquery(),
+        ]
+    return select(*columns).select_from(joined)
+
+
+@dataclasses.dataclass
+class _Quiet:
+    """What the writer knows, from its last full read of a lane's window edges
+    at `read_at_us`, about when the next read could find anything: until then
+    a move's read of the edges (SqlTransaction.window_edges) is answered with
+    nothing, without a statement.
+
+    It stays true only while the writer's memo does (no other writer; dropped
+    with the lane's kept window) and while the window only moves forward: a
+    move whose clock is behind the kept window drops it. Then every booking
+    written since the read is reserved at or before the kept window's instant
+    (each move moved the window to its own now first), so nothing enters the
+    window before the first booking that already lay ahead (`future_us`);
+    nothing leaves it before the oldest booking inside it or the read itself
+    (`oldest_us`); and no hold is overdue before the first deadline of an open
+    hold (`first_deadline_us`, lowered by every hold the writer opens since).
+    Only for a lane that is its own budget: a parent's members can change."""
+
+    window_us: int
+    read_at_us: int
+    future_us: int | None
+    oldest_us: int
+    first_deadline_us: int | None
+
+    def holds(self, kept: WindowState, entering: Range, now_us: int, window_us: int) -> bool:
+        """Whether the window moving from `kept` to now_us crosses nothing."""
+        return (
+            window_us == self.window_us == kept.window_us
+            and self.read_at_us <= kept.as_of_us <= now_us
+            and entering == (kept.as_of_us, now_us)
+            and (self.future_us is None or now_us < self.future_us)
+            and now_us - window_us < self.oldest_us
+            and (self.first_deadline_us is None or now_us < self.first_deadline_us)
+        )
 
 
 # A budget of several lanes (a parent) binds its members as an expanding IN
@@ -247,7 +310,7 @@ _HOT = prepared.Statements(
         bookings.c.reservation_id == bindparam("reservation_id"),
     ),
     window_state=select(window_states).where(window_states.c.lane == bindparam("lane")),
-    window_edges=_window_edges(_OF_LANE),
+    window_edges=_window_edges(_OF_LANE, quiet=True),
     append_lock=select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))),
     data_version=text("PRAGMA data_version"),
     insert_event=insert(events)
@@ -273,6 +336,11 @@ class WriterMemo:
     own); if one did, the memo is dropped. It is dropped too when a move or
     a batch fails, since what it holds may then never have been committed.
     Bounded: past MAX_ENTRIES entries in all it starts afresh.
+
+    In a batch the kept windows are written once, at its end (`end`), not by
+    every move: the memo holds them (`pending`) until then, and counts every
+    change it defers, so that the group committer knows a move that changed
+    one cannot be refused alone (storage/group_commit.py).
     """
 
     MAX_ENTRIES = 40_000
@@ -282,6 +350,10 @@ class WriterMemo:
         self.members: dict[str, list[str]] = {}
         self.heads: dict[str, str] = {}
         self.windows: dict[str, WindowState] = {}
+        # Kept windows this batch changed, to be written at its end.
+        self.pending: dict[str, WindowState] = {}
+        self.quiet: dict[str, _Quiet] = {}
+        self._deferred = 0
         self._data_version: int | None = None
         # The group committer's batches (begin/end): the position marker is
         # checked current once and advanced once per batch, not per append.
@@ -293,7 +365,14 @@ class WriterMemo:
         """At the start of a batch's transaction (SQLite)."""
         row = _HOT("data_version", connection).one(connection, {})
         version = int(row[0]) if row is not None else None
-        size = len(self.lanes) + len(self.members) + len(self.heads) + len(self.windows)
+        kept: tuple[dict[str, Any], ...] = (
+            self.lanes,
+            self.members,
+            self.heads,
+            self.windows,
+            self.quiet,
+        )
+        size = sum(len(entries) for entries in kept)
         if version != self._data_version or size > self.MAX_ENTRIES:
             self.clear()
             self._data_version = version
@@ -304,14 +383,51 @@ class WriterMemo:
         """Last in a batch's transaction, before its commit (SQLite): the
         marker moves to the log's last event, which every append of the batch
         that was not rolled back projected."""
+        self.write_pending(connection)
         if self.appended:
             chaining.advance_position_to_log_end(connection)
 
+    def write_pending(self, connection: Connection) -> None:
+        if self.pending:
+            _HOT("save_window_state", connection).run_many(
+                connection, [_window_values(state) for state in self.pending.values()]
+            )
+            self.pending.clear()
+
+    def deferred_changes(self) -> int:
+        """How many changes were deferred to a batch's end, ever."""
+        return self._deferred
+
+    def defer(self, state: WindowState) -> None:
+        self.windows[state.lane] = self.pending[state.lane] = state
+        self._deferred += 1
+
+    def drop(self, lane: str) -> None:
+        self.windows.pop(lane, None)
+        self.quiet.pop(lane, None)
+        if self.pending.pop(lane, None) is not None:
+            self._deferred += 1
+
     def clear(self) -> None:
+        """Forgets everything, the windows waiting for the batch's end too:
+        after the transaction that held them was rolled back."""
         self.lanes.clear()
         self.members.clear()
         self.heads.clear()
         self.windows.clear()
+        self.pending.clear()
+        self.quiet.clear()
+
+
+def _window_values(state: WindowState) -> dict[str, Any]:
+    return {
+        "lane": state.lane,
+        "window_us": state.window_us,
+        "as_of_us": state.as_of_us,
+        "amount_nanos": state.sums.amount_nanos,
+        "open_amount_nanos": state.sums.open_amount_nanos,
+        "open_bookings": state.sums.open_bookings,
+    }
 
 
 class SqlTransaction:
@@ -362,6 +478,11 @@ class SqlTransaction:
     def save_booking(self, booking: Booking) -> None:
         values = records.booking_values(booking)
         _HOT("save_booking", self._connection).run(self._connection, values)
+        quiet = self._memo.quiet.get(booking.lane)
+        if quiet is not None and booking.state is BookingState.OPEN:
+            deadline = booking.expires_at_us
+            if quiet.first_deadline_us is None or deadline < quiet.first_deadline_us:
+                quiet.first_deadline_us = deadline
 
     def subtree(self, lane: str, max_depth: int) -> Sequence[Sequence[str]]:
         children_of = _HOT("children", self._connection)
@@ -414,21 +535,16 @@ class SqlTransaction:
         return state
 
     def save_window_state(self, state: WindowState) -> None:
-        values = {
-            "lane": state.lane,
-            "window_us": state.window_us,
-            "as_of_us": state.as_of_us,
-            "amount_nanos": state.sums.amount_nanos,
-            "open_amount_nanos": state.sums.open_amount_nanos,
-            "open_bookings": state.sums.open_bookings,
-        }
-        _HOT("save_window_state", self._connection).run(self._connection, values)
+        if self._memo.batched:
+            self._memo.defer(state)  # written at the batch's end
+            return
+        _HOT("save_window_state", self._connection).run(self._connection, _window_values(state))
         self._memo.windows[state.lane] = state
 
     def drop_window_states(self, lanes: Sequence[str]) -> None:
         self._memo.members.clear()
         for lane in lanes:
-            self._memo.windows.pop(lane, None)
+            self._memo.drop(lane)
         if lanes:
             self._connection.execute(delete(window_states).where(window_states.c.lane.in_(lanes)))
 
@@ -443,8 +559,24 @@ class SqlTransaction:
             "now": now_us,
             "window_start": now_us - window_us,
         }
+        memo = self._memo
+        quiet = memo.quiet.get(lane)
+        if quiet is not None:
+            kept = memo.windows.get(lane)
+            if kept is not None and quiet.holds(kept, entering, now_us, window_us):
+                return StoredSums(), StoredSums(), Overdue()
+            del memo.quiet[lane]
         row = self._budget_row("window_edges", _WINDOW_EDGES, lane, parameters)
-        values = [int(value) for value in row]
+        values = [int(value) for value in row[0:9]]
+        if memo.batched and len(row) > 9:
+            future, oldest, deadline = row[9:12]
+            memo.quiet[lane] = _Quiet(
+                window_us,
+                now_us,
+                None if future is None else int(future),
+                now_us if oldest is None else min(int(oldest), now_us),
+                None if deadline is None else int(deadline),
+            )
         return StoredSums(*values[0:3]), StoredSums(*values[3:6]), Overdue(*values[6:9])
 
     def _budget_row(
@@ -572,6 +704,7 @@ class SqlTransaction:
 
     def execute_text(self, sql: str) -> None:
         """For tests of the append-only guard only."""
+        self._memo.write_pending(self._connection)
         self._memo.clear()  # whatever it changed is not remembered
         self._connection.execute(text(sql))
 

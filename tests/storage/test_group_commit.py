@@ -1,8 +1,9 @@
 """SQLite's group commit and the memo its one writer keeps between transactions.
 
 The committer: concurrent moves share transactions, one move's refusal rolls
-back only that move, a lone refused move leaves nothing behind, a move whose
-caller gave up before it was taken is never written. The memo: whatever
+back only that move (its batch's others run again when it had written), a
+lone refused move leaves nothing behind, a move whose caller gave up before
+it was taken is never written. The memo: whatever
 another connection commits (another process on the same file, a recovery)
 is seen by the next move, never a remembered policy, chain head or window.
 """
@@ -208,6 +209,12 @@ def _in_one_batch(store: SqlStore, works: list[Any]) -> list[object]:
     """Runs `works` in one batch of the group commit, in this order: a leader
     holds the write path while they queue behind it. Their results, or the
     InvalidArgument each was refused with."""
+    return _together(store, [lambda work=work: store.run(work) for work in works])
+
+
+def _together(store: SqlStore, calls: list[Any]) -> list[object]:
+    """Makes `calls` (each one write of the store) queue behind a leader that
+    holds the write path, in this order, so that they share one batch."""
     inside, release = threading.Event(), threading.Event()
 
     def hold(_tx: StoreTransaction) -> None:
@@ -219,15 +226,15 @@ def _in_one_batch(store: SqlStore, works: list[Any]) -> list[object]:
     assert inside.wait(timeout=10)
     outcomes: list[object] = []
 
-    def submit(work: Any) -> None:
+    def submit(call: Any) -> None:
         try:
-            outcomes.append(store.run(work))
+            outcomes.append(call())
         except InvalidArgument as error:
             outcomes.append(error)
 
     threads = []
-    for queued, work in enumerate(works, start=1):
-        threads.append(threading.Thread(target=submit, args=(work,)))
+    for queued, call in enumerate(calls, start=1):
+        threads.append(threading.Thread(target=submit, args=(call,)))
         threads[-1].start()
         while store.queued_moves() < queued:
             time.sleep(0.001)
@@ -237,12 +244,48 @@ def _in_one_batch(store: SqlStore, works: list[Any]) -> list[object]:
     return outcomes
 
 
+def test_a_batch_writes_the_windows_it_kept_before_its_commit(tmp_path: Path) -> None:
+    """A batch's moves keep their windows in the writer's memo and write them
+    once, at its end. Another writer on the file (a fresh memo) must find them
+    written: a settlement inside the batch changes a booking already in the
+    kept window, which no later read of the window's edges would see."""
+    url = f"sqlite:///{tmp_path}/kept.db"
+    clock = ManualClock(START_US)
+    first, first_store = _ledger(url, clock)
+    try:
+        first.put_lane(RECALL)
+        assert _reserve(first, "r1") is EventKind.RESERVED
+        clock.advance_us(1_000)
+        settle = moves.SettleCommand(RECALL.lane, "r1", Outcome.SUCCEEDED, 10, 10)
+        outcomes = _together(
+            first_store, [lambda: first.settle(settle), lambda: _reserve(first, "r2")]
+        )
+        assert len(outcomes) == 2
+        with first_store.engine.connect() as connection:
+            as_of = connection.execute(
+                sa.text("SELECT as_of_us FROM window_states WHERE lane = :lane"),
+                {"lane": RECALL.lane},
+            ).scalar_one()
+        assert as_of == clock.now_us()
+        clock.advance_us(1_000)
+        # The second writer's window starts from the row and is checked
+        # against a full sum (verify_windows) on its first move.
+        second, second_store = _ledger(url, clock)
+        try:
+            assert _reserve(second, "r3") is EventKind.RESERVED
+            assert second.balance(RECALL.lane) == first.balance(RECALL.lane)
+        finally:
+            second_store.close()
+    finally:
+        first_store.close()
+
+
 def test_a_move_refused_after_appending_leaves_no_chain_head_for_the_next(
     tmp_path: Path,
 ) -> None:
-    """A move that appends and is then refused is rolled back to its savepoint.
-    The next move of the same batch must chain to the log as it stands, not
-    to the hash the refused move remembered."""
+    """A move that appends and is then refused is rolled back with its batch,
+    whose other moves run again. The next move of the same batch must chain
+    to the log as it stands, not to the hash the refused move remembered."""
     clock = ManualClock(START_US)
     ledger, store = _ledger(f"sqlite:///{tmp_path}/refused.db", clock)
     try:
