@@ -15,7 +15,8 @@ leading its own commit), and a busy server still commits in batches.
 
 A batch has no savepoints. A move refused before it wrote anything (most
 refusals: the domain decides before the store writes) leaves nothing to undo,
-and the batch goes on. A move refused after writing cannot be undone alone:
+and the batch goes on. A move refused after writing, or failed by a database
+error (which may have ended the transaction), cannot be undone alone:
 the whole transaction is rolled back, that move is answered with its
 refusal, and the batch's other moves run again in a new transaction. Whether
 a move wrote is counted, not guessed: SQLite's total_changes for the
@@ -225,8 +226,12 @@ class GroupCommitter:
                 self._on_begin(connection)
                 for index, move in enumerate(batch):
                     before = self._changes(connection)
-                    result, failure = self._one(connection, move)
-                    if failure is not None and self._changes(connection) != before:
+                    result, failure, from_database = self._one(connection, move)
+                    # A database error may have ended the transaction itself
+                    # (SQLite rolls back on some): never go on after one.
+                    if failure is not None and (
+                        from_database or self._changes(connection) != before
+                    ):
                         undone = (index, failure)
                         break
                     outcomes.append((move, result, failure))
@@ -261,15 +266,16 @@ class GroupCommitter:
         return sqlite_changes(connection) + self._deferred_changes()
 
     @staticmethod
-    def _one(connection: Connection, move: _Move[Any]) -> tuple[Any, BaseException | None]:
+    def _one(connection: Connection, move: _Move[Any]) -> tuple[Any, BaseException | None, bool]:
+        """The move's result or refusal, and whether it failed in the database."""
         if time.monotonic() > move.deadline:
-            return None, StoreUnavailable()  # its caller has given up: do not book it
+            return None, StoreUnavailable(), False  # its caller has given up: do not book it
         try:
-            return move.work(connection), None
+            return move.work(connection), None, False
         except DBAPIError as error:
-            return None, StoreUnavailable().with_traceback(error.__traceback__)
+            return None, StoreUnavailable().with_traceback(error.__traceback__), True
         except Exception as error:
-            return None, error
+            return None, error, False
 
 
 def sqlite_changes(connection: Connection) -> int:

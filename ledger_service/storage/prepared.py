@@ -6,7 +6,7 @@ SQLite took to run it: profiled at ~150 µs of overhead per statement against
 ~10 µs of work. The hot statements are still written with SQLAlchemy's
 expression language (one definition for both databases), compiled once per
 dialect to SQL text, and executed on the DBAPI connection that SQLAlchemy's
-transaction holds, so they share its transaction and savepoints.
+transaction holds, so they share its transaction.
 
 Driver errors are raised as SQLAlchemy's DBAPIError (with the SQL and the
 parameters hidden), so callers keep one error model.

@@ -138,6 +138,59 @@ def test_a_move_whose_caller_gave_up_before_it_was_taken_is_never_written(
     assert _names(engine) == ["after", "slow"]
 
 
+def test_a_database_error_in_one_move_leaves_the_others_of_its_batch_written(
+    engine: sa.Engine,
+) -> None:
+    """A move failed by the database (which may have ended the transaction
+    itself) gets UNAVAILABLE; the other moves of its batch run again and are
+    written, and nothing of the failed one is."""
+    batches: list[int] = []
+    committer = GroupCommitter(engine, on_begin=lambda connection: batches.append(len(batches)))
+    leader_inside, release = threading.Event(), threading.Event()
+
+    def slow(connection: Connection) -> str:
+        leader_inside.set()
+        release.wait(timeout=10)
+        connection.execute(sa.insert(NOTES).values(name="slow"))
+        return "slow"
+
+    def broken(connection: Connection) -> str:
+        # As SQLite does on some errors (a full disk, an I/O error): the
+        # transaction ends with the error, what the batch wrote before with it.
+        connection.connection.driver_connection.execute("ROLLBACK")  # type: ignore[union-attr]
+        connection.execute(sa.text("SELECT * FROM no_such_table"))
+        return "never"
+
+    outcomes: dict[str, object] = {}
+
+    def submit(name: str, work: object) -> None:
+        try:
+            outcomes[name] = committer.submit(work, _soon())  # type: ignore[arg-type]
+        except StoreUnavailable as error:
+            outcomes[name] = error
+
+    leader = threading.Thread(target=submit, args=("slow", slow))
+    leader.start()
+    assert leader_inside.wait(timeout=10)
+    threads = []
+    for queued, (name, work) in enumerate(
+        [("a", _note("a")), ("broken", broken), ("b", _note("b"))], start=1
+    ):
+        threads.append(threading.Thread(target=submit, args=(name, work)))
+        threads[-1].start()
+        while committer.queued() < queued:
+            time.sleep(0.001)
+    release.set()
+    for thread in (leader, *threads):
+        thread.join(timeout=10)
+    committer.close()
+    assert _names(engine) == ["a", "b", "slow"]
+    assert isinstance(outcomes["broken"], StoreUnavailable)
+    assert (outcomes["a"], outcomes["b"], outcomes["slow"]) == ("a", "b", "slow")
+    # The leader's batch, the queued three, then the two left after the failure.
+    assert len(batches) == 3
+
+
 def test_a_closed_committer_refuses_moves(engine: sa.Engine) -> None:
     committer = GroupCommitter(engine)
     committer.close()
