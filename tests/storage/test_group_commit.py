@@ -72,6 +72,18 @@ def _soon() -> float:
     return time.monotonic() + 10.0
 
 
+def _queue_in_order(targets: list[Any], queued: Any) -> list[threading.Thread]:
+    """Starts a thread for each of `targets`, each once the ones before it
+    are queued (`queued()` counts them), so that they queue in this order."""
+    threads = []
+    for count, target in enumerate(targets, start=1):
+        threads.append(threading.Thread(target=target))
+        threads[-1].start()
+        while queued() < count:
+            time.sleep(0.001)
+    return threads
+
+
 def test_a_lone_refused_move_leaves_nothing(engine: sa.Engine) -> None:
     committer = GroupCommitter(engine)
     try:
@@ -172,14 +184,11 @@ def test_a_database_error_in_one_move_leaves_the_others_of_its_batch_written(
     leader = threading.Thread(target=submit, args=("slow", slow))
     leader.start()
     assert leader_inside.wait(timeout=10)
-    threads = []
-    for queued, (name, work) in enumerate(
-        [("a", _note("a")), ("broken", broken), ("b", _note("b"))], start=1
-    ):
-        threads.append(threading.Thread(target=submit, args=(name, work)))
-        threads[-1].start()
-        while committer.queued() < queued:
-            time.sleep(0.001)
+    queued = [("a", _note("a")), ("broken", broken), ("b", _note("b"))]
+    threads = _queue_in_order(
+        [lambda name=name, work=work: submit(name, work) for name, work in queued],
+        committer.queued,
+    )
     release.set()
     for thread in (leader, *threads):
         thread.join(timeout=10)
@@ -285,12 +294,9 @@ def _together(store: SqlStore, calls: list[Any]) -> list[object]:
         except InvalidArgument as error:
             outcomes.append(error)
 
-    threads = []
-    for queued, call in enumerate(calls, start=1):
-        threads.append(threading.Thread(target=submit, args=(call,)))
-        threads[-1].start()
-        while store.queued_moves() < queued:
-            time.sleep(0.001)
+    threads = _queue_in_order(
+        [lambda call=call: submit(call) for call in calls], store.queued_moves
+    )
     release.set()
     for thread in (leader, *threads):
         thread.join(timeout=10)
