@@ -356,7 +356,9 @@ class WriterMemo:
         self._deferred = 0
         self._data_version: int | None = None
         # The group committer's batches (begin/end): the position marker is
-        # checked current once and advanced once per batch, not per append.
+        # advanced once per batch, not per append, and checked current once
+        # while the memo holds (only a write can change it, and another
+        # connection's write drops the memo).
         self.batched = False
         self.marker_current = False
         self.appended = False
@@ -377,7 +379,7 @@ class WriterMemo:
             self.clear()
             self._data_version = version
         self.batched = True
-        self.marker_current = self.appended = False
+        self.appended = False
 
     def end(self, connection: Connection) -> None:
         """Last in a batch's transaction, before its commit (SQLite): the
@@ -417,6 +419,7 @@ class WriterMemo:
         self.windows.clear()
         self.pending.clear()
         self.quiet.clear()
+        self.marker_current = False
 
 
 def _window_values(state: WindowState) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from ledger_service.application.ports import StoreTransaction
 from ledger_service.application.verification import Verifier
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
-from ledger_service.domain.errors import InvalidArgument, StoreUnavailable
+from ledger_service.domain.errors import InvalidArgument, RecoveryRequired, StoreUnavailable
 from ledger_service.domain.events import Event, EventKind, Outcome
 from ledger_service.domain.policies import policy_to_dict
 from ledger_service.storage import database, migrate
@@ -251,6 +251,31 @@ def test_a_second_writer_on_the_same_file_is_seen_by_the_next_move(tmp_path: Pat
     finally:
         first_store.close()
         second_store.close()
+
+
+def test_a_rebuild_claimed_by_another_connection_refuses_the_next_move(
+    tmp_path: Path,
+) -> None:
+    """The writer checks the projections' marker once while its memo holds.
+    A rebuild's claim, by another connection, drops the memo: the next move
+    is refused with RecoveryRequired, not booked and not UNAVAILABLE."""
+    clock = ManualClock(START_US)
+    ledger, store = _ledger(f"sqlite:///{tmp_path}/claimed.db", clock)
+    try:
+        ledger.put_lane(RECALL)
+        assert _reserve(ledger, "before") is EventKind.RESERVED
+        assert _reserve(ledger, "again") is EventKind.RESERVED
+        with store.engine.begin() as connection:
+            connection.execute(sa.text("UPDATE projection_position SET state = 'rebuilding'"))
+        with pytest.raises(RecoveryRequired):
+            _reserve(ledger, "during")
+        with store.engine.connect() as connection:
+            kinds = connection.execute(
+                sa.text("SELECT COUNT(*) FROM events WHERE reservation_id = 'during'")
+            ).scalar_one()
+        assert kinds == 0
+    finally:
+        store.close()
 
 
 def _configured() -> Event:
