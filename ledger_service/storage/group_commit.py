@@ -263,7 +263,9 @@ class GroupCommitter:
             move.finish(error=error)
 
     def _changes(self, connection: Connection) -> int:
-        return sqlite_changes(connection) + self._deferred_changes()
+        """Rows this connection's SQLite has changed, and changes deferred."""
+        driver = connection.connection.driver_connection
+        return int(driver.total_changes) + self._deferred_changes()  # type: ignore[union-attr]
 
     @staticmethod
     def _one(connection: Connection, move: _Move[Any]) -> tuple[Any, BaseException | None, bool]:
@@ -276,8 +278,3 @@ class GroupCommitter:
             return None, StoreUnavailable().with_traceback(error.__traceback__), True
         except Exception as error:
             return None, error, False
-
-
-def sqlite_changes(connection: Connection) -> int:
-    """Rows the driver's SQLite connection has inserted, updated or deleted."""
-    return int(connection.connection.driver_connection.total_changes)  # type: ignore[union-attr]
