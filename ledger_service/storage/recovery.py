@@ -250,14 +250,22 @@ class _FoldSql:
         self.fold = (
             f"INSERT INTO {bookings.name} ({', '.join(columns)}) SELECT {selected} "
             f"FROM (SELECT lane, reservation_id, "
-            f"min(CASE WHEN kind IN ({endings}) THEN seq END) AS first_end FROM {events.name} "
+            f"min(CASE WHEN kind IN ({openings}) THEN seq END) AS opened, "
+            f"min(CASE WHEN kind IN ({endings}) THEN seq END) AS first_end, "
+            f"max(CASE WHEN kind IN ({endings}) THEN seq END) AS last_end FROM {events.name} "
             f"WHERE seq > {p} AND seq <= {p} AND kind IN ({openings}, {endings}) "
             "GROUP BY lane, reservation_id) AS k "
-            f"LEFT JOIN {events.name} AS o ON o.lane = k.lane "
-            f"AND o.reservation_id = k.reservation_id AND o.kind IN ({openings}) AND o.seq <= {p} "
-            f"LEFT JOIN {events.name} AS e ON e.seq = (SELECT max(x.seq) FROM {events.name} AS x "
+            # The opening and the latest ending are taken by seq from the range
+            # itself where they are in it; only a booking opened (or last
+            # ended) before the range is looked up by its key.
+            f"LEFT JOIN {events.name} AS o ON o.seq = COALESCE(k.opened, "
+            f"(SELECT y.seq FROM {events.name} AS y WHERE y.lane = k.lane "
+            f"AND y.reservation_id = k.reservation_id AND y.kind IN ({openings}) "
+            f"AND y.seq <= {p})) "
+            f"LEFT JOIN {events.name} AS e ON e.seq = COALESCE(k.last_end, "
+            f"(SELECT max(x.seq) FROM {events.name} AS x "
             "WHERE x.lane = k.lane AND x.reservation_id = k.reservation_id "
-            f"AND x.kind IN ({endings}) AND x.seq <= {p}) "
+            f"AND x.kind IN ({endings}) AND x.seq <= {p})) "
             # SQLite reads ON CONFLICT after a bare FROM ... JOIN as the join's.
             "WHERE true "
             f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
