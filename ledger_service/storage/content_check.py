@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import operator
@@ -46,7 +47,12 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from ledger_service.application.recovery import BookingKey, ChainLink, WalkedRange
+from ledger_service.application.recovery import (
+    REBUILD_GC_THRESHOLDS,
+    BookingKey,
+    ChainLink,
+    WalkedRange,
+)
 from ledger_service.domain import chain, snapshots
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
@@ -285,9 +291,12 @@ _worker_engines: dict[str, Engine] = {}
 PARENT_POLL_SECONDS = 1.0
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """A checking process's initializer: it ends itself once the process that
+def _start_checking(parent_pid: int) -> None:
+    """A checking process's initializer. The process only checks: the garbage
+    collector runs at the rebuild's thresholds (its ranges' rows are tuples,
+    freed by reference counting), and it ends itself once the process that
     started it is gone (killed, say), instead of waiting for work forever."""
+    gc.set_threshold(*REBUILD_GC_THRESHOLDS)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -333,7 +342,7 @@ class ContentChecks:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=min(processes, MAX_PROCESSES),
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_watch_parent,
+                initializer=_start_checking,
                 initargs=(os.getpid(),),
             )
 
