@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
@@ -57,10 +57,12 @@ class Prepared:
             cursor.execute(self.sql, self._parameters(values))
         except self._dbapi_error as error:
             cursor.close()
-            raise DBAPIError.instance(
-                self.sql, None, error, self._dbapi_error, hide_parameters=True
-            ) from error
+            raise self._wrapped(error) from error
         return cursor
+
+    def _wrapped(self, error: Exception) -> StatementError:
+        """The driver's error as SQLAlchemy's, the SQL kept and the parameters hidden."""
+        return DBAPIError.instance(self.sql, None, error, self._dbapi_error, hide_parameters=True)
 
     def run(self, connection: Connection, values: Mapping[str, Any]) -> int:
         """Runs a statement that returns no rows; returns the rows it changed."""
@@ -75,9 +77,7 @@ class Prepared:
         try:
             cursor.executemany(self.sql, [self._parameters(values) for values in rows])
         except self._dbapi_error as error:
-            raise DBAPIError.instance(
-                self.sql, None, error, self._dbapi_error, hide_parameters=True
-            ) from error
+            raise self._wrapped(error) from error
         finally:
             cursor.close()
 
