@@ -224,14 +224,13 @@ class GroupCommitter:
             connection = self._connect()
             with connection.begin() as transaction:
                 self._on_begin(connection)
+                driver = connection.connection.driver_connection
                 for index, move in enumerate(batch):
-                    before = self._changes(connection)
+                    before = self._changes(driver)
                     result, failure, from_database = self._one(connection, move)
                     # A database error may have ended the transaction itself
                     # (SQLite rolls back on some): never go on after one.
-                    if failure is not None and (
-                        from_database or self._changes(connection) != before
-                    ):
+                    if failure is not None and (from_database or self._changes(driver) != before):
                         undone = (index, failure)
                         break
                     outcomes.append((move, result, failure))
@@ -262,10 +261,9 @@ class GroupCommitter:
         for move in batch:
             move.finish(error=error)
 
-    def _changes(self, connection: Connection) -> int:
-        """Rows this connection's SQLite has changed, and changes deferred."""
-        driver = connection.connection.driver_connection
-        return int(driver.total_changes) + self._deferred_changes()  # type: ignore[union-attr]
+    def _changes(self, driver: Any) -> int:
+        """Rows the batch connection's SQLite driver has changed, and changes deferred."""
+        return int(driver.total_changes) + self._deferred_changes()
 
     @staticmethod
     def _one(connection: Connection, move: _Move[Any]) -> tuple[Any, BaseException | None, bool]:
