@@ -143,7 +143,10 @@ class ProjectionView(Protocol):
         """facts.position, without the rest of the facts."""
         ...
 
-    def chain_heads(self, through_seq: int) -> Mapping[str, str]: ...
+    def chain_heads(self, through_seq: int) -> Mapping[str, str]:
+        """Each lane's last hash at or before `through_seq`; lanes whose
+        events all predate the chain are left out."""
+        ...
 
     def lanes(self) -> Iterator[LanePolicy]: ...
 
@@ -462,10 +465,17 @@ fewer_collections = _FewerCollections()
 # The recovery service -------------------------------------------------------------
 
 
-def _digest_of_lanes(view: ProjectionView) -> ProjectionDigest:
-    """A projection's digest with its position and lanes, its bookings to come."""
+def _digest_of_lanes(view: ProjectionView, heads: Mapping[str, str] | None) -> ProjectionDigest:
+    """A projection's digest with its position, the lanes' chain heads there
+    (`heads`, or read from the log when None) and its lanes, its bookings to
+    come: what a snapshot taken at that position gives, so that the digest
+    `ledger rebuild` prints is the one `ledger snapshot` printed while the
+    log stood where it stands."""
     position = view.position
-    digest = ProjectionDigest(position.last_seq if position else 0, {})
+    seq = position.last_seq if position else 0
+    if heads is None:
+        heads = view.chain_heads(seq)
+    digest = ProjectionDigest(seq, {lane: head for lane, head in heads.items() if head})
     for policy in view.lanes():
         digest.add_lane(policy)
     return digest
@@ -787,9 +797,9 @@ class Recovery:
                 self._restore(snapshot, progress, started)
             walker = ChainWalker(snapshot.chain_heads if snapshot else None)
             self._replay(route, walker, walks, total, progress, started)
-            return self._digest_in_ranges(checks)
+            return self._digest_in_ranges(checks, walker.heads)
 
-    def _digest_in_ranges(self, checks: ContentChecks) -> str:
+    def _digest_in_ranges(self, checks: ContentChecks, heads: Mapping[str, str]) -> str:
         """projection_digest, the bookings' lines made by `checks` in ranges of
         DIGEST_RANGE_BOOKINGS keys: in the checking processes, when there are
         any, while this thread hashes the ranges in order. Only while nothing
@@ -798,7 +808,7 @@ class Recovery:
         ahead = self._ranges_ahead()
         pending: collections.deque[Future[tuple[int, bytes]]] = collections.deque()
         with self._store.view() as view:
-            digest = _digest_of_lanes(view)
+            digest = _digest_of_lanes(view, heads)
             after: BookingKey | None = None
             while True:
                 through = view.booking_key_after(after, DIGEST_RANGE_BOOKINGS)
@@ -886,7 +896,7 @@ class Recovery:
     def projection_digest(self) -> str:
         """The digest of the projections as they stand (for cross-checks)."""
         with self._store.view() as view:
-            digest = _digest_of_lanes(view)
+            digest = _digest_of_lanes(view, None)
             for text in view.booking_texts():
                 digest.add_booking_text(text)
         return digest.hexdigest()

@@ -322,7 +322,11 @@ class SqlProjectionView:
             .subquery()
         )
         rows = self._connection.execute(
-            select(events.c.lane, events.c.hash).join(last, events.c.seq == last.c.seq)
+            select(events.c.lane, events.c.hash)
+            .join(last, events.c.seq == last.c.seq)
+            # A lane whose events all predate the chain has no head, as in
+            # ChainWalker.heads.
+            .where(events.c.hash != "")
         )
         return {str(lane): str(hash_) for lane, hash_ in rows}
 

@@ -347,6 +347,32 @@ def test_a_snapshot_of_rows_restores_what_was_projected(history: History, rewrit
     assert recovery.assess().consistent
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_rebuild_prints_the_digest_a_snapshot_at_its_position_printed(
+    history: History, processes: int
+) -> None:
+    """An operator keeps the digest `ledger snapshot` printed; a rebuild of
+    the same log, from scratch or from that snapshot, gives that digest back
+    (chain heads included), and so does the live path's projection."""
+    recovery = history.recovery(check_processes=processes, parallel_min_events=0)
+    snapshot = recovery.take_snapshot()
+    assert snapshot is not None and snapshot.chain_heads
+    assert recovery.projection_digest() == snapshot.digest
+    assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == snapshot.digest
+    route = Route(f"snapshot-{snapshot.snapshot_id}", snapshot)
+    assert recovery.rebuild(route) == snapshot.digest
+    history.ledger.reserve(ReserveCommand(snapshot_lane(history), "r-after", "jev", 35_000, 1000))
+    moved = recovery.rebuild(Route(FULL_LOG_SOURCE, None))
+    assert moved != snapshot.digest
+    assert recovery.rebuild(route) == moved == recovery.projection_digest()
+
+
+def snapshot_lane(history: History) -> str:
+    lane = history.scalar("SELECT lane FROM lanes ORDER BY lane LIMIT 1")
+    assert isinstance(lane, str)
+    return lane
+
+
 def test_a_snapshot_missing_a_column_is_unreadable(history: History) -> None:
     recovery = history.recovery()
     snapshot = recovery.take_snapshot()
