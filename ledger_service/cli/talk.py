@@ -24,8 +24,10 @@ import decimal
 import json
 import os
 import pathlib
+import queue
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,6 +60,10 @@ PAGE_SIZE = 1000
 MAX_PAGES = 200
 DEFAULT_HISTORY_EVENTS = 50
 MAX_HISTORY_EVENTS = 10_000
+# --follow: events received and not yet printed, and how often the printing
+# thread looks up from waiting for them (so Ctrl-C is seen at once).
+FOLLOW_QUEUE_EVENTS = 1000
+FOLLOW_POLL_SECONDS = 0.1
 TRACE_ID_SHOWN_CHARACTERS = 8
 REASON_KEY = "ledger-reason"
 FIELD_KEY = "ledger-field"
@@ -868,14 +874,38 @@ def follow(
     widths: Sequence[int],
     columns: Sequence[int],
 ) -> int:
-    """Tails the log until Ctrl-C; the only loop that the user, not a limit, ends."""
+    """Tails the log until Ctrl-C; the only loop that the user, not a limit, ends.
+
+    The stream is read in a thread of its own and printed here, so that the
+    KeyboardInterrupt of a Ctrl-C is raised in this loop, never inside
+    grpc's own code halfway through a step of the stream (with its locks
+    held, where it once left the command hanging after Ctrl-C)."""
     request = pb.WatchEventsRequest(lane=arguments.lane or "", after_seq=after_seq)
     stream = session.ledger.WatchEvents(request, metadata=session.metadata)
+    received: queue.Queue[pb.Event | grpc.RpcError | None] = queue.Queue(FOLLOW_QUEUE_EVENTS)
+
+    def receive() -> None:
+        try:
+            for event in stream:
+                received.put(event)
+            received.put(None)
+        except grpc.RpcError as error:
+            received.put(error)
+
+    threading.Thread(target=receive, name="ledger-follow", daemon=True).start()
     try:
-        for event in stream:
-            if arguments.reservation_id and event.reservation_id != arguments.reservation_id:
+        while True:
+            try:
+                item = received.get(timeout=FOLLOW_POLL_SECONDS)
+            except queue.Empty:
                 continue
-            _print_event(arguments, event, widths, columns)
+            if item is None:
+                break
+            if isinstance(item, grpc.RpcError):
+                raise item
+            if arguments.reservation_id and item.reservation_id != arguments.reservation_id:
+                continue
+            _print_event(arguments, item, widths, columns)
     except KeyboardInterrupt:
         return 0
     finally:
