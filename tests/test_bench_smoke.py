@@ -83,6 +83,10 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
         "storeless_reserve_settle_saturated",
     ):
         _check_phase(scenarios["sqlite"]["phases"][name], f"sqlite {name}")
+    lone = scenarios["sqlite"]["lone_reserve"]
+    for way in ("back_to_back", "after_idle"):
+        assert lone[way]["latency"]["count"] == results["plan"]["lone_reserves"], way
+        assert lone[way]["latency"]["p50_ms"] > 0, way
     assert scenarios["postgres"] == {"skipped": "--skip-postgres"}
 
     history = scenarios["history"]
@@ -107,6 +111,8 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
         "echo, 1 client",
         "sqlite Reserve, 1 client",
         "storeless Reserve, 1 client",
+        "sqlite Reserve in process (no server), back to back",
+        "sqlite Reserve in process (no server), after idle",
         "rebuild from the log (events/s)",
     }
 

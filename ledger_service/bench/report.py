@@ -179,6 +179,7 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
     )
 
     rows.append(_commit_floor_row(scenarios, echo_1))
+    rows += _lone_reserve_rows(scenarios)
 
     mix_1 = phase(scenarios, *sqlite, "reserve_settle_1")
     row = _load_row(scenarios, "sqlite Reserve+Settle, 1 client", (*sqlite, "reserve_settle_1"))
@@ -226,6 +227,34 @@ def _commit_floor_row(scenarios: Mapping[str, Any], echo_1: Mapping[str, Any] | 
     versus = "" if best is None else f"echo + commit: {best:.2f}x echo"
     p99 = _float(floor["latency"]["p99_ms"])
     return Row(label, None, p50, p99, versus, notes=f"n={floor['commits']}, no server")
+
+
+def _lone_reserve_rows(scenarios: Mapping[str, Any]) -> list[Row]:
+    """The same Reserve in process, no server: back to back, and each after
+    a pause, as a lone client's come. Their ratio is what coming back from
+    idle costs the move on this machine."""
+    label = "sqlite Reserve in process (no server)"
+    lone = phase(scenarios, "sqlite", "lone_reserve")
+    if lone is None:
+        return [Row(label, notes="not measured")]
+    warm, idle = lone["back_to_back"], lone["after_idle"]
+    return [
+        Row(
+            f"{label}, back to back",
+            None,
+            _p50(warm),
+            _float(warm["latency"]["p99_ms"]),
+            notes=f"n={warm['latency']['count']}",
+        ),
+        Row(
+            f"{label}, after idle",
+            None,
+            _p50(idle),
+            _float(idle["latency"]["p99_ms"]),
+            _times(_ratio(_p50(idle), _p50(warm)), "back to back"),
+            notes=f"n={idle['latency']['count']}, each after {lone['pause_ms']:g} ms asleep",
+        ),
+    ]
 
 
 def _storeless_rows(

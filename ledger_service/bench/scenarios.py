@@ -76,6 +76,9 @@ class Plan:
     replay_max_events: int
     # Durable SQLite commits timed alone: the floor under one client's Reserve.
     commit_floor_commits: int
+    # In-process Reserves, no server: this many back to back and as many each
+    # after a pause (the machine idle, as a lone client leaves the server).
+    lone_reserves: int
 
     @property
     def saturating_calls(self) -> int:
@@ -102,6 +105,7 @@ FULL = Plan(
     rebuild_timeout_seconds=180.0,
     replay_max_events=200_000,
     commit_floor_commits=2_000,
+    lone_reserves=400,
 )
 
 QUICK = dataclasses.replace(
@@ -120,6 +124,7 @@ QUICK = dataclasses.replace(
     rebuild_timeout_seconds=30.0,
     replay_max_events=5_000,
     commit_floor_commits=50,
+    lone_reserves=20,
 )
 
 
@@ -295,6 +300,64 @@ def durable_commit_floor(path: pathlib.Path, commits: int) -> dict[str, Any]:
     return {"commits": commits, "latency": dataclasses.asdict(latency)}
 
 
+# The pause before each of the lone Reserves timed "after idle", and how many
+# Reserves each way make one round (the two ways alternate round by round).
+IDLE_PAUSE_SECONDS = 0.002
+LONE_ROUND_RESERVES = 50
+
+
+def lone_reserves(directory: pathlib.Path, count: int) -> dict[str, Any]:
+    """The same Reserve in this process, with no server and no gRPC: `count`
+    back to back, and `count` each after IDLE_PAUSE_SECONDS asleep, in
+    alternating rounds. A lone client leaves the server idle between its
+    calls; a machine slow to come back from idle makes the same work slower
+    (docs/benchmarks.md), which this measures apart from the server."""
+    from ledger_service import server
+    from ledger_service.application.ledger import Ledger
+    from ledger_service.domain.moves import ReserveCommand
+    from ledger_service.settings import Settings
+    from ledger_service.storage import migrate
+
+    directory.mkdir(parents=True, exist_ok=True)
+    store = server.build_store(
+        Settings(database_url=f"sqlite:///{directory}/ledger.db", data_dir=directory)
+    )
+    try:
+        migrate.upgrade(store.engine)
+        ledger = Ledger(store, SystemClock())
+        lane = "lone-reserve"
+        ledger.put_lane(lane_policy(lane))
+        samples: dict[str, list[int]] = {"back_to_back": [], "after_idle": []}
+        done = 0
+        for round_ in range(2 * math.ceil(count / LONE_ROUND_RESERVES)):
+            way = "after_idle" if round_ % 2 else "back_to_back"
+            for _ in range(min(LONE_ROUND_RESERVES, count - len(samples[way]))):
+                command = ReserveCommand(
+                    lane,
+                    f"lone-{done}",
+                    load.MODEL,
+                    request_bytes=load.REQUEST_BYTES,
+                    max_output_tokens=load.MAX_OUTPUT_TOKENS,
+                )
+                if way == "after_idle":
+                    time.sleep(IDLE_PAUSE_SECONDS)
+                started = time.perf_counter_ns()
+                admitted = ledger.reserve(command).admitted
+                samples[way].append(time.perf_counter_ns() - started)
+                if not admitted:
+                    raise RuntimeError("a lone Reserve was denied: the lane's limit is too low")
+                done += 1
+    finally:
+        store.close()
+    return {
+        "pause_ms": IDLE_PAUSE_SECONDS * 1000,
+        **{
+            way: {"latency": dataclasses.asdict(load.Percentiles.of(taken))}
+            for way, taken in samples.items()
+        },
+    }
+
+
 def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:
     """(2) The ledger on SQLite: Reserve alone at 1 client, Reserve+Settle at 1 and
     near saturation. Each phase has lanes of its own, so none inherits another's window.
@@ -303,6 +366,12 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
     directory.mkdir(parents=True, exist_ok=True)
     floor = durable_commit_floor(directory / "commit-floor.db", plan.commit_floor_commits)
     log.info("durable commit alone: p50 %.3f ms", floor["latency"]["p50_ms"])
+    lone = lone_reserves(directory / "lone", plan.lone_reserves)
+    log.info(
+        "lone Reserve in process: p50 %.3f ms back to back, %.3f ms after idle",
+        lone["back_to_back"]["latency"]["p50_ms"],
+        lone["after_idle"]["latency"]["p50_ms"],
+    )
     settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
     with _replica(plan, "ledger-sqlite", directory, settings) as server:
         targets = [server.address]
@@ -313,7 +382,7 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
         phases = _move_phases(plan, generator, "sqlite", targets, one, pair_one, spread)
         facts = _server_facts(server)
     phases.update(storeless_phases(plan, generator, directory / "storeless"))
-    return {"server": facts, "phases": phases, "commit_floor": floor}
+    return {"server": facts, "phases": phases, "commit_floor": floor, "lone_reserve": lone}
 
 
 def storeless_phases(
