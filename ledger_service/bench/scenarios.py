@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from ledger_service.bench import load, rebuild, seeding, servers
 from ledger_service.bench.load import CallKind, LoadGenerator, Workload
+from ledger_service.domain import moves
 from ledger_service.domain.clock import SystemClock
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.pricing import ModelPrice
@@ -312,27 +313,18 @@ def lone_reserves(directory: pathlib.Path, count: int) -> dict[str, Any]:
     alternating rounds. A lone client leaves the server idle between its
     calls; a machine slow to come back from idle makes the same work slower
     (docs/benchmarks.md), which this measures apart from the server."""
-    from ledger_service import server
-    from ledger_service.application.ledger import Ledger
-    from ledger_service.domain.moves import ReserveCommand
-    from ledger_service.settings import Settings
-    from ledger_service.storage import migrate
-
+    clock = SystemClock()
     directory.mkdir(parents=True, exist_ok=True)
-    store = server.build_store(
-        Settings(database_url=f"sqlite:///{directory}/ledger.db", data_dir=directory)
-    )
+    scratch = seeding.ScratchLedger(directory, clock.now_us())
     try:
-        migrate.upgrade(store.engine)
-        ledger = Ledger(store, SystemClock())
         lane = "lone-reserve"
-        ledger.put_lane(lane_policy(lane))
+        scratch.ledger.put_lane(lane_policy(lane))
         samples: dict[str, list[int]] = {"back_to_back": [], "after_idle": []}
         done = 0
         for round_ in range(2 * math.ceil(count / LONE_ROUND_RESERVES)):
             way = "after_idle" if round_ % 2 else "back_to_back"
             for _ in range(min(LONE_ROUND_RESERVES, count - len(samples[way]))):
-                command = ReserveCommand(
+                command = moves.ReserveCommand(
                     lane,
                     f"lone-{done}",
                     load.MODEL,
@@ -341,14 +333,15 @@ def lone_reserves(directory: pathlib.Path, count: int) -> dict[str, Any]:
                 )
                 if way == "after_idle":
                     time.sleep(IDLE_PAUSE_SECONDS)
+                scratch.clock.set_us(clock.now_us())
                 started = time.perf_counter_ns()
-                admitted = ledger.reserve(command).admitted
+                admitted = scratch.ledger.reserve(command).admitted
                 samples[way].append(time.perf_counter_ns() - started)
                 if not admitted:
                     raise RuntimeError("a lone Reserve was denied: the lane's limit is too low")
                 done += 1
     finally:
-        store.close()
+        scratch.close()
     return {
         "pause_ms": IDLE_PAUSE_SECONDS * 1000,
         **{
