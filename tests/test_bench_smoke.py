@@ -83,6 +83,15 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
         "storeless_reserve_settle_saturated",
     ):
         _check_phase(scenarios["sqlite"]["phases"][name], f"sqlite {name}")
+    for where, phases in (
+        ("echo", scenarios["echo"]["phases"]),
+        ("sqlite", scenarios["sqlite"]["phases"]),
+    ):
+        for name, figures in phases.items():
+            server = figures["server_usage"]
+            assert server is not None, f"{where} {name}: the server's usage was not read"
+            assert server["calls"] == figures["calls"], f"{where} {name}"
+            assert server["cpu_seconds"] >= 0 and server["voluntary_switches"] >= 0
     lone = scenarios["sqlite"]["lone_reserve"]
     for way in ("back_to_back", "after_idle"):
         assert lone[way]["latency"]["count"] == results["plan"]["lone_reserves"], way

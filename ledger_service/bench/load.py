@@ -21,6 +21,9 @@ A phase runs like this:
    and takes percentiles of the merged list (nearest rank), never an average
    of per-worker percentiles. Throughput is counted calls over the measured
    time.
+5. When the phase names the servers' pids, the parent reads their CPU time
+   and context switches at the end of the warm-up and at the end of the
+   measurement (bench/usage.py): the server's cost per counted call.
 
 A call is one echo RPC (`ECHO`), two echo RPCs back to back (`ECHO_PAIR`, the
 shape of Reserve then Settle), one Reserve (`RESERVE`), or a Reserve then a
@@ -46,7 +49,7 @@ from typing import Any
 
 import grpc
 
-from ledger_service.bench import echo
+from ledger_service.bench import echo, usage
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 
@@ -187,6 +190,8 @@ class LoadResult:
     warmup_calls: int
     dropped_samples: int
     stopped_by_max_calls: bool
+    # The watched servers' CPU and context switches while measured (usage.Usage.per_call).
+    server_usage: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -199,6 +204,8 @@ class Round:
     workload: Workload
     schedule: Schedule
     reports: tuple[WorkerReport, ...]
+    # The watched servers, from the end of the warm-up to the end of the measurement.
+    server_usage: usage.Usage | None = None
 
     @property
     def elapsed_seconds(self) -> float:
@@ -220,6 +227,10 @@ def merge_rounds(rounds: Sequence[Round]) -> LoadResult:
         errors.update(report.errors)
     elapsed_seconds = sum(round_.elapsed_seconds for round_ in rounds)
     workload = rounds[0].workload
+    server_usage = None
+    readings = [round_.server_usage for round_ in rounds if round_.server_usage is not None]
+    if len(readings) == len(rounds):
+        server_usage = sum(readings, usage.ZERO).per_call(len(latencies))
     return LoadResult(
         kind=workload.kind.value,
         processes=workload.processes,
@@ -234,6 +245,7 @@ def merge_rounds(rounds: Sequence[Round]) -> LoadResult:
         warmup_calls=sum(report.warmup_calls for report in reports),
         dropped_samples=sum(report.dropped_samples for report in reports),
         stopped_by_max_calls=all(report.exhausted for report in reports),
+        server_usage=server_usage,
     )
 
 
@@ -410,6 +422,20 @@ class LoadGeneratorError(Exception):
     pass
 
 
+def _watch(pids: Sequence[int], schedule: Schedule) -> usage.Usage | None:
+    """The processes' usage from the end of the warm-up to the end of the
+    measurement (None when one could not be read)."""
+    _sleep_until(schedule.warmup_end_ns)
+    before = usage.read(pids)
+    _sleep_until(schedule.measure_end_ns)
+    after = usage.read(pids)
+    return None if before is None or after is None else after - before
+
+
+def _sleep_until(instant_ns: int) -> None:
+    time.sleep(max(0, instant_ns - time.monotonic_ns()) / 1e9)
+
+
 class LoadGenerator:
     """A fixed pool of worker processes; use it as a context manager."""
 
@@ -441,11 +467,11 @@ class LoadGenerator:
     def pids(self) -> list[int]:
         return [process.pid or 0 for process, _ in self._workers]
 
-    def run(self, workload: Workload) -> LoadResult:
-        """Runs one phase."""
-        return merge_rounds([self.run_round(workload)])
+    def run(self, workload: Workload, watch: Sequence[int] = ()) -> LoadResult:
+        """Runs one phase; `watch`: the pids of the servers whose usage to read."""
+        return merge_rounds([self.run_round(workload, watch)])
 
-    def run_round(self, workload: Workload) -> Round:
+    def run_round(self, workload: Workload, watch: Sequence[int] = ()) -> Round:
         """Runs one phase, or one round of one (see merge_rounds). After a failure
         the workers are replaced, so that no message of the failed phase is
         read by the next one."""
@@ -453,13 +479,13 @@ class LoadGenerator:
         if workload.processes > len(self._workers):
             raise ValueError(f"only {len(self._workers)} load processes were started")
         try:
-            return self._run(workload)
+            return self._run(workload, watch)
         except BaseException:
             self.close()
             self._spawn()
             raise
 
-    def _run(self, workload: Workload) -> Round:
+    def _run(self, workload: Workload, watch: Sequence[int]) -> Round:
         workers = self._workers[: workload.processes]
         for index, (_, connection) in enumerate(workers):
             connection.send(("run", workload, index))
@@ -472,10 +498,11 @@ class LoadGenerator:
         )
         for _, connection in workers:
             connection.send(schedule)
+        server_usage = _watch(watch, schedule) if watch else None
         wait_seconds = (schedule.measure_end_ns - time.monotonic_ns()) / 1e9
         wait_seconds += workload.call_timeout_seconds + REPORT_SLACK_SECONDS
         reports = [self._expect(connection, "done", wait_seconds) for _, connection in workers]
-        return Round(workload, schedule, tuple(reports))
+        return Round(workload, schedule, tuple(reports), server_usage)
 
     def _expect(self, connection: Connection, kind: str, timeout_seconds: float) -> Any:
         if not connection.poll(max(0.0, timeout_seconds)):

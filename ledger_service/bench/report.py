@@ -98,6 +98,12 @@ def _notes(figures: Mapping[str, Any] | None, failure: str = "") -> str:
         notes.append("stopped at max calls")
     if figures.get("denied"):
         notes.append(f"{figures['denied']} denied")
+    server = figures.get("server_usage") or {}
+    if server.get("cpu_ms_per_call") is not None:
+        notes.append(
+            f"server {server['cpu_ms_per_call']:.2f} ms CPU, "
+            f"{server['switches_per_call']:.0f} switches a call"
+        )
     return "; ".join(notes)
 
 

@@ -162,8 +162,11 @@ def _phase(
     name: str,
     workload: Workload,
     before: Callable[[], None] = lambda: None,
+    *,
+    watch: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Runs one phase; a failure becomes {"failed": ...} instead of ending the run."""
+    """Runs one phase; a failure becomes {"failed": ...} instead of ending the run.
+    `watch`: the pids of the servers whose CPU and context switches to read."""
     log.info(
         "phase %s: %s, %d x %d in flight",
         name,
@@ -173,7 +176,7 @@ def _phase(
     )
     try:
         before()
-        result = generator.run(workload).to_json()
+        result = generator.run(workload, watch).to_json()
     except Exception as error:
         log.exception("phase %s failed", name)
         return {"failed": f"{type(error).__name__}: {error}"}
@@ -225,15 +228,22 @@ def echo_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -
         ready_timeout_seconds=plan.server_ready_timeout_seconds,
         stop_timeout_seconds=plan.stop_timeout_seconds,
     ) as server:
-        targets = [server.address]
+        targets, watch = [server.address], (server.pid,)
         phases = {
-            "single_1": _phase(generator, "echo 1", _single(plan, CallKind.ECHO, targets)),
-            "pair_1": _phase(generator, "echo pair 1", _single(plan, CallKind.ECHO_PAIR, targets)),
+            "single_1": _phase(
+                generator, "echo 1", _single(plan, CallKind.ECHO, targets), watch=watch
+            ),
+            "pair_1": _phase(
+                generator, "echo pair 1", _single(plan, CallKind.ECHO_PAIR, targets), watch=watch
+            ),
             "single_saturated": _phase(
-                generator, "echo saturated", _workload(plan, CallKind.ECHO, targets)
+                generator, "echo saturated", _workload(plan, CallKind.ECHO, targets), watch=watch
             ),
             "pair_saturated": _phase(
-                generator, "echo pair saturated", _workload(plan, CallKind.ECHO_PAIR, targets)
+                generator,
+                "echo pair saturated",
+                _workload(plan, CallKind.ECHO_PAIR, targets),
+                watch=watch,
             ),
         }
         return {"server": _server_facts(server), "phases": phases}
@@ -372,7 +382,9 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
         pair_one = lanes_named("sqlite-mix-1", 1)
         spread = lanes_named("sqlite-mix-saturated", plan.spread_lanes)
         put_lanes(server.address, [*one, *pair_one, *spread])
-        phases = _move_phases(plan, generator, "sqlite", targets, one, pair_one, spread)
+        phases = _move_phases(
+            plan, generator, "sqlite", targets, one, pair_one, spread, watch=(server.pid,)
+        )
         facts = _server_facts(server)
     phases.update(storeless_phases(plan, generator, directory / "storeless"))
     return {"server": facts, "phases": phases, "commit_floor": floor, "lone_reserve": lone}
@@ -389,7 +401,9 @@ def storeless_phases(
         targets = [server.address]
         lanes = lanes_named("storeless", 1)
         put_lanes(server.address, lanes)
-        phases = _move_phases(plan, generator, "storeless", targets, lanes, (), lanes)
+        phases = _move_phases(
+            plan, generator, "storeless", targets, lanes, (), lanes, watch=(server.pid,)
+        )
         return {f"storeless_{name}": figures for name, figures in phases.items()}
 
 
@@ -401,6 +415,8 @@ def _move_phases(
     one: Sequence[str],
     pair_one: Sequence[str],
     spread: Sequence[str],
+    *,
+    watch: Sequence[int],
 ) -> dict[str, Any]:
     """Reserve at 1 client on `one`, Reserve+Settle at 1 client on `pair_one`
     (left out when empty), Reserve+Settle near saturation on `spread`."""
@@ -409,6 +425,7 @@ def _move_phases(
             generator,
             f"{label} reserve 1",
             _single(plan, CallKind.RESERVE, targets, lanes=tuple(one)),
+            watch=watch,
         )
     }
     if pair_one:
@@ -416,11 +433,13 @@ def _move_phases(
             generator,
             f"{label} reserve+settle 1",
             _single(plan, CallKind.RESERVE_SETTLE, targets, lanes=tuple(pair_one)),
+            watch=watch,
         )
     phases["reserve_settle_saturated"] = _phase(
         generator,
         f"{label} reserve+settle saturated",
         _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=tuple(spread)),
+        watch=watch,
     )
     return phases
 
@@ -501,6 +520,7 @@ def _postgres_phase(
             generator,
             f"postgres {variant}",
             _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=lanes),
+            watch=[replica.pid for replica in replicas],
         )
         result["replicas"] = [_server_facts(replica) for replica in replicas]
         result["lanes"] = len(lanes)
