@@ -326,7 +326,7 @@ class _Thread:
         schedule, report = self.schedule, self.report
         quota = self.workload.calls_per_thread
         measured = number = 0
-        time.sleep(max(0, schedule.start_ns - time.monotonic_ns()) / 1e9)
+        _sleep_until(schedule.start_ns)
         while True:
             began = time.monotonic_ns()
             if began >= schedule.measure_end_ns or (quota and measured >= quota):
