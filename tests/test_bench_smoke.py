@@ -116,6 +116,10 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
     assert rebuild["replay"]["events"] > 0
 
     assert len(results["targets"]) == 5
+    notes = {row["scenario"]: row["notes"] for row in results["table"]}
+    saturated = results["plan"]["saturating_calls"]
+    assert "a pair past the API" in notes[f"sqlite Reserve+Settle, {saturated} in flight"]
+    assert "a free move's floor" in notes["storeless Reserve, 1 client"]
     assert {row["scenario"] for row in results["table"]} >= {
         "echo, 1 client",
         "sqlite Reserve, 1 client",
