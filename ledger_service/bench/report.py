@@ -226,8 +226,11 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
     return rows, targets
 
 
-def _noted(row: Row, note: str) -> Row:
-    return dataclasses.replace(row, notes="; ".join(filter(None, [row.notes, note])))
+def _noted(row: Row, note: str, *, first: bool = False) -> Row:
+    """The row with `note` after its notes (before them with `first`); an empty
+    note adds nothing."""
+    notes = [note, row.notes] if first else [row.notes, note]
+    return dataclasses.replace(row, notes="; ".join(filter(None, notes)))
 
 
 def move_budget(ledger: float | None, storeless: float | None, echo_pair: float | None) -> str:
@@ -355,9 +358,7 @@ def _postgres_rows(
     )
     hot_row = _judged(hot_row, value, f">= {HOT_LANE_MIN_RATIO:.0%} of spread", met)
     if value is not None:
-        hot_row = dataclasses.replace(
-            hot_row, notes="; ".join(filter(None, [f"{value:.0%} of spread", hot_row.notes]))
-        )
+        hot_row = _noted(hot_row, f"{value:.0%} of spread", first=True)
     spread_row = _load_row(
         scenarios,
         f"postgres 2 replicas, {lanes} lanes, {saturated}",
@@ -433,9 +434,7 @@ def _history_rows(
         grown = phase(scenarios, "history", "sizes", str(count))
         if grown is not None and "bookings_after_run" in grown:
             note = f"window {count:,} -> {grown['bookings_after_run']:,} bookings"
-            rows[index] = dataclasses.replace(
-                rows[index], notes="; ".join(filter(None, [rows[index].notes, note]))
-            )
+            rows[index] = _noted(rows[index], note)
     return rows
 
 
