@@ -83,6 +83,11 @@ class LedgerStub:
                 request_serializer=ledger_dot_v1_dot_ledger__pb2.ReconcileRequest.SerializeToString,
                 response_deserializer=ledger_dot_v1_dot_ledger__pb2.ReconcileResponse.FromString,
                 _registered_method=True)
+        self.Correct = channel.unary_unary(
+                '/ledger.v1.Ledger/Correct',
+                request_serializer=ledger_dot_v1_dot_ledger__pb2.CorrectRequest.SerializeToString,
+                response_deserializer=ledger_dot_v1_dot_ledger__pb2.CorrectResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -149,6 +154,14 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Correct(self, request, context):
+        """Admin only: replaces the charge of an ended booking, recorded as a
+        `corrected` event. Idempotent by correction_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +209,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.Reconcile,
                     request_deserializer=ledger_dot_v1_dot_ledger__pb2.ReconcileRequest.FromString,
                     response_serializer=ledger_dot_v1_dot_ledger__pb2.ReconcileResponse.SerializeToString,
+            ),
+            'Correct': grpc.unary_unary_rpc_method_handler(
+                    servicer.Correct,
+                    request_deserializer=ledger_dot_v1_dot_ledger__pb2.CorrectRequest.FromString,
+                    response_serializer=ledger_dot_v1_dot_ledger__pb2.CorrectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +459,33 @@ class Ledger:
             '/ledger.v1.Ledger/Reconcile',
             ledger_dot_v1_dot_ledger__pb2.ReconcileRequest.SerializeToString,
             ledger_dot_v1_dot_ledger__pb2.ReconcileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Correct(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ledger.v1.Ledger/Correct',
+            ledger_dot_v1_dot_ledger__pb2.CorrectRequest.SerializeToString,
+            ledger_dot_v1_dot_ledger__pb2.CorrectResponse.FromString,
             options,
             channel_credentials,
             insecure,

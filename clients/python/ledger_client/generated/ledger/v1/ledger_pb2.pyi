@@ -135,6 +135,8 @@ class _BookingStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BookingS
     """the Reserve was denied: nothing booked"""
     RECONCILED: _BookingState.ValueType  # 7
     """an estimate corrected by the provider's bill (Reconcile)"""
+    CORRECTED: _BookingState.ValueType  # 8
+    """its charge replaced by an operator's correction (Correct)"""
 
 class BookingState(_BookingState, metaclass=_BookingStateEnumTypeWrapper):
     """The state of one booking."""
@@ -154,6 +156,8 @@ REJECTED: BookingState.ValueType  # 6
 """the Reserve was denied: nothing booked"""
 RECONCILED: BookingState.ValueType  # 7
 """an estimate corrected by the provider's bill (Reconcile)"""
+CORRECTED: BookingState.ValueType  # 8
+"""its charge replaced by an operator's correction (Correct)"""
 Global___BookingState: _TypeAlias = BookingState  # noqa: Y015
 
 @_typing.final
@@ -162,19 +166,34 @@ class ModelPrice(_message.Message):
 
     INPUT_NANOS_PER_MILLION_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_NANOS_PER_MILLION_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_INPUT_NANOS_PER_MILLION_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_WRITE_NANOS_PER_MILLION_TOKENS_FIELD_NUMBER: _builtins.int
     input_nanos_per_million_tokens: _builtins.int
     output_nanos_per_million_tokens: _builtins.int
+    cached_input_nanos_per_million_tokens: _builtins.int
+    """Input tokens read from the provider's prompt cache; unset: the input price."""
+    cache_write_nanos_per_million_tokens: _builtins.int
+    """Input tokens written to the provider's prompt cache; unset: the input price."""
     def __init__(
         self,
         *,
         input_nanos_per_million_tokens: _builtins.int = ...,
         output_nanos_per_million_tokens: _builtins.int = ...,
+        cached_input_nanos_per_million_tokens: _builtins.int | None = ...,
+        cache_write_nanos_per_million_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_write_nanos_per_million_tokens", b"_cache_write_nanos_per_million_tokens", "_cached_input_nanos_per_million_tokens", b"_cached_input_nanos_per_million_tokens", "cache_write_nanos_per_million_tokens", b"cache_write_nanos_per_million_tokens", "cached_input_nanos_per_million_tokens", b"cached_input_nanos_per_million_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_nanos_per_million_tokens", b"input_nanos_per_million_tokens", "output_nanos_per_million_tokens", b"output_nanos_per_million_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_write_nanos_per_million_tokens", b"_cache_write_nanos_per_million_tokens", "_cached_input_nanos_per_million_tokens", b"_cached_input_nanos_per_million_tokens", "cache_write_nanos_per_million_tokens", b"cache_write_nanos_per_million_tokens", "cached_input_nanos_per_million_tokens", b"cached_input_nanos_per_million_tokens", "input_nanos_per_million_tokens", b"input_nanos_per_million_tokens", "output_nanos_per_million_tokens", b"output_nanos_per_million_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cache_write_nanos_per_million_tokens: _TypeAlias = _typing.Literal["cache_write_nanos_per_million_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cache_write_nanos_per_million_tokens: _TypeAlias = _typing.Literal["_cache_write_nanos_per_million_tokens", b"_cache_write_nanos_per_million_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__cached_input_nanos_per_million_tokens: _TypeAlias = _typing.Literal["cached_input_nanos_per_million_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_input_nanos_per_million_tokens: _TypeAlias = _typing.Literal["_cached_input_nanos_per_million_tokens", b"_cached_input_nanos_per_million_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_write_nanos_per_million_tokens) -> _WhichOneofReturnType__cache_write_nanos_per_million_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_input_nanos_per_million_tokens) -> _WhichOneofReturnType__cached_input_nanos_per_million_tokens | None: ...
 
 Global___ModelPrice: _TypeAlias = ModelPrice  # noqa: Y015
 
@@ -216,6 +235,7 @@ class Lane(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     PARENT_FIELD_NUMBER: _builtins.int
+    MAX_CHARGE_MULTIPLE_FIELD_NUMBER: _builtins.int
     lane: _builtins.str
     limit_nanos: _builtins.int
     """Most that may be booked inside one window. Required, > 0."""
@@ -231,6 +251,10 @@ class Lane(_message.Message):
     parent: _builtins.str
     """Optional parent budget: another lane. A Reserve is admitted only when it
     fits this lane and every ancestor (at most 4 levels, no cycles).
+    """
+    max_charge_multiple: _builtins.int
+    """A SUCCEEDED charge above this multiple of the booking's cap is refused as
+    usage no request could have produced. Unset: the default, 100; 0: no bound.
     """
     @_builtins.property
     def window(self) -> _duration_pb2.Duration:
@@ -260,17 +284,22 @@ class Lane(_message.Message):
         version: _builtins.int = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         parent: _builtins.str = ...,
+        max_charge_multiple: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token", "_overhead_tokens", b"_overhead_tokens", "bytes_per_token", b"bytes_per_token", "hold_ttl", b"hold_ttl", "overhead_tokens", b"overhead_tokens", "updated_at", b"updated_at", "window", b"window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token", "_max_charge_multiple", b"_max_charge_multiple", "_overhead_tokens", b"_overhead_tokens", "bytes_per_token", b"bytes_per_token", "hold_ttl", b"hold_ttl", "max_charge_multiple", b"max_charge_multiple", "overhead_tokens", b"overhead_tokens", "updated_at", b"updated_at", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token", "_overhead_tokens", b"_overhead_tokens", "bytes_per_token", b"bytes_per_token", "expire_charge", b"expire_charge", "hold_ttl", b"hold_ttl", "lane", b"lane", "limit_nanos", b"limit_nanos", "overhead_tokens", b"overhead_tokens", "parent", b"parent", "prices", b"prices", "updated_at", b"updated_at", "version", b"version", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token", "_max_charge_multiple", b"_max_charge_multiple", "_overhead_tokens", b"_overhead_tokens", "bytes_per_token", b"bytes_per_token", "expire_charge", b"expire_charge", "hold_ttl", b"hold_ttl", "lane", b"lane", "limit_nanos", b"limit_nanos", "max_charge_multiple", b"max_charge_multiple", "overhead_tokens", b"overhead_tokens", "parent", b"parent", "prices", b"prices", "updated_at", b"updated_at", "version", b"version", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bytes_per_token: _TypeAlias = _typing.Literal["bytes_per_token"]  # noqa: Y015
     _WhichOneofArgType__bytes_per_token: _TypeAlias = _typing.Literal["_bytes_per_token", b"_bytes_per_token"]  # noqa: Y015
+    _WhichOneofReturnType__max_charge_multiple: _TypeAlias = _typing.Literal["max_charge_multiple"]  # noqa: Y015
+    _WhichOneofArgType__max_charge_multiple: _TypeAlias = _typing.Literal["_max_charge_multiple", b"_max_charge_multiple"]  # noqa: Y015
     _WhichOneofReturnType__overhead_tokens: _TypeAlias = _typing.Literal["overhead_tokens"]  # noqa: Y015
     _WhichOneofArgType__overhead_tokens: _TypeAlias = _typing.Literal["_overhead_tokens", b"_overhead_tokens"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__bytes_per_token) -> _WhichOneofReturnType__bytes_per_token | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_charge_multiple) -> _WhichOneofReturnType__max_charge_multiple | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__overhead_tokens) -> _WhichOneofReturnType__overhead_tokens | None: ...
 
@@ -439,17 +468,26 @@ class SettleRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     BILLED_NANOS_FIELD_NUMBER: _builtins.int
     HTTP_STATUS_FIELD_NUMBER: _builtins.int
+    CACHED_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_WRITE_TOKENS_FIELD_NUMBER: _builtins.int
     lane: _builtins.str
     reservation_id: _builtins.str
     outcome: Global___Outcome.ValueType
     input_tokens: _builtins.int
+    """Every input token of the call, cached and cache-write ones included."""
     output_tokens: _builtins.int
+    """Every output token, reasoning tokens included; at most the booking's
+    max_output_tokens.
+    """
     billed_nanos: _builtins.int
     """The provider's billed amount, when known. For SUCCEEDED it is the charge;
     for UNKNOWN it lowers the charge below the hold (never raises it).
     """
     http_status: _builtins.int
     """The provider's HTTP status, for the audit (0 when there was none)."""
+    cached_input_tokens: _builtins.int
+    """The part of input_tokens read from the prompt cache, and the part written to it."""
+    cache_write_tokens: _builtins.int
     def __init__(
         self,
         *,
@@ -460,10 +498,12 @@ class SettleRequest(_message.Message):
         output_tokens: _builtins.int = ...,
         billed_nanos: _builtins.int | None = ...,
         http_status: _builtins.int = ...,
+        cached_input_tokens: _builtins.int = ...,
+        cache_write_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "billed_nanos", b"billed_nanos"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "billed_nanos", b"billed_nanos", "http_status", b"http_status", "input_tokens", b"input_tokens", "lane", b"lane", "outcome", b"outcome", "output_tokens", b"output_tokens", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "billed_nanos", b"billed_nanos", "cache_write_tokens", b"cache_write_tokens", "cached_input_tokens", b"cached_input_tokens", "http_status", b"http_status", "input_tokens", b"input_tokens", "lane", b"lane", "outcome", b"outcome", "output_tokens", b"output_tokens", "reservation_id", b"reservation_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__billed_nanos: _TypeAlias = _typing.Literal["billed_nanos"]  # noqa: Y015
     _WhichOneofArgType__billed_nanos: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos"]  # noqa: Y015
@@ -683,10 +723,14 @@ class Event(_message.Message):
     DENIED_BY_FIELD_NUMBER: _builtins.int
     HASH_FIELD_NUMBER: _builtins.int
     PREVIOUS_HASH_FIELD_NUMBER: _builtins.int
+    CACHED_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_WRITE_TOKENS_FIELD_NUMBER: _builtins.int
+    CORRECTION_ID_FIELD_NUMBER: _builtins.int
+    GRANT_ID_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     lane: _builtins.str
     kind: _builtins.str
-    """reserved, denied, settled, refunded, expired, lane_configured"""
+    """reserved, denied, settled, refunded, expired, lane_configured, reconciled, corrected"""
     reservation_id: _builtins.str
     amount_nanos: _builtins.int
     outcome: Global___Outcome.ValueType
@@ -713,6 +757,12 @@ class Event(_message.Message):
     hash: _builtins.str
     """Tamper evidence: hex SHA-256 chaining this event to the lane's previous one."""
     previous_hash: _builtins.str
+    cached_input_tokens: _builtins.int
+    """settled: the parts of input_tokens read from and written to the prompt cache."""
+    cache_write_tokens: _builtins.int
+    correction_id: _builtins.str
+    """corrected: the operator's correction id, and the id of the grant that made it."""
+    grant_id: _builtins.str
     @_builtins.property
     def occurred_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -760,10 +810,14 @@ class Event(_message.Message):
         denied_by: _builtins.str = ...,
         hash: _builtins.str = ...,
         previous_hash: _builtins.str = ...,
+        cached_input_tokens: _builtins.int = ...,
+        cache_write_tokens: _builtins.int = ...,
+        correction_id: _builtins.str = ...,
+        grant_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "_estimate_nanos", b"_estimate_nanos", "billed_nanos", b"billed_nanos", "estimate_nanos", b"estimate_nanos", "expires_at", b"expires_at", "occurred_at", b"occurred_at", "policy", b"policy", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "_estimate_nanos", b"_estimate_nanos", "amount_nanos", b"amount_nanos", "billed_nanos", b"billed_nanos", "cap_nanos", b"cap_nanos", "denial_reason", b"denial_reason", "denied_by", b"denied_by", "estimate_nanos", b"estimate_nanos", "expires_at", b"expires_at", "hash", b"hash", "hold_nanos", b"hold_nanos", "http_status", b"http_status", "input_tokens", b"input_tokens", "kind", b"kind", "lane", b"lane", "limit_nanos", b"limit_nanos", "max_output_tokens", b"max_output_tokens", "model", b"model", "occurred_at", b"occurred_at", "outcome", b"outcome", "output_tokens", b"output_tokens", "policy", b"policy", "previous_amount_nanos", b"previous_amount_nanos", "previous_hash", b"previous_hash", "reason", b"reason", "request_bytes", b"request_bytes", "reservation_id", b"reservation_id", "reserved_at", b"reserved_at", "retry_after", b"retry_after", "seq", b"seq", "spent_after_nanos", b"spent_after_nanos", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos", "_estimate_nanos", b"_estimate_nanos", "amount_nanos", b"amount_nanos", "billed_nanos", b"billed_nanos", "cache_write_tokens", b"cache_write_tokens", "cached_input_tokens", b"cached_input_tokens", "cap_nanos", b"cap_nanos", "correction_id", b"correction_id", "denial_reason", b"denial_reason", "denied_by", b"denied_by", "estimate_nanos", b"estimate_nanos", "expires_at", b"expires_at", "grant_id", b"grant_id", "hash", b"hash", "hold_nanos", b"hold_nanos", "http_status", b"http_status", "input_tokens", b"input_tokens", "kind", b"kind", "lane", b"lane", "limit_nanos", b"limit_nanos", "max_output_tokens", b"max_output_tokens", "model", b"model", "occurred_at", b"occurred_at", "outcome", b"outcome", "output_tokens", b"output_tokens", "policy", b"policy", "previous_amount_nanos", b"previous_amount_nanos", "previous_hash", b"previous_hash", "reason", b"reason", "request_bytes", b"request_bytes", "reservation_id", b"reservation_id", "reserved_at", b"reserved_at", "retry_after", b"retry_after", "seq", b"seq", "spent_after_nanos", b"spent_after_nanos", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__billed_nanos: _TypeAlias = _typing.Literal["billed_nanos"]  # noqa: Y015
     _WhichOneofArgType__billed_nanos: _TypeAlias = _typing.Literal["_billed_nanos", b"_billed_nanos"]  # noqa: Y015
@@ -998,6 +1052,8 @@ class Audit(_message.Message):
     REFUNDED_COUNT_FIELD_NUMBER: _builtins.int
     RECONCILED_COUNT_FIELD_NUMBER: _builtins.int
     RECONCILED_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    CORRECTED_COUNT_FIELD_NUMBER: _builtins.int
+    CORRECTED_CHARGED_NANOS_FIELD_NUMBER: _builtins.int
     RESERVE_COUNT_FIELD_NUMBER: _builtins.int
     DENIED_COUNT_FIELD_NUMBER: _builtins.int
     DENIAL_RATE_FIELD_NUMBER: _builtins.int
@@ -1022,6 +1078,9 @@ class Audit(_message.Message):
     """Refused calls (4xx) and calls never sent: always charged zero."""
     reconciled_count: _builtins.int
     reconciled_charged_nanos: _builtins.int
+    corrected_count: _builtins.int
+    """Bookings whose charge an operator's correction replaced: real charges."""
+    corrected_charged_nanos: _builtins.int
     reserve_count: _builtins.int
     """Reserves answered in the window, and how many of them were denied."""
     denied_count: _builtins.int
@@ -1063,6 +1122,8 @@ class Audit(_message.Message):
         refunded_count: _builtins.int = ...,
         reconciled_count: _builtins.int = ...,
         reconciled_charged_nanos: _builtins.int = ...,
+        corrected_count: _builtins.int = ...,
+        corrected_charged_nanos: _builtins.int = ...,
         reserve_count: _builtins.int = ...,
         denied_count: _builtins.int = ...,
         denial_rate: _builtins.float = ...,
@@ -1077,7 +1138,7 @@ class Audit(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "next_release_at", b"next_release_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "biggest_bookings", b"biggest_bookings", "denial_rate", b"denial_rate", "denied_count", b"denied_count", "estimated_charged_nanos", b"estimated_charged_nanos", "estimated_to_real_ratio", b"estimated_to_real_ratio", "expired_charged_nanos", b"expired_charged_nanos", "expired_count", b"expired_count", "flags", b"flags", "lane", b"lane", "next_release_at", b"next_release_at", "next_release_nanos", b"next_release_nanos", "open_count", b"open_count", "open_held_nanos", b"open_held_nanos", "real_charged_nanos", b"real_charged_nanos", "reconciled_charged_nanos", b"reconciled_charged_nanos", "reconciled_count", b"reconciled_count", "refunded_count", b"refunded_count", "reserve_count", b"reserve_count", "succeeded_charged_nanos", b"succeeded_charged_nanos", "succeeded_count", b"succeeded_count", "summary", b"summary", "unknown_charged_nanos", b"unknown_charged_nanos", "unknown_count", b"unknown_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "biggest_bookings", b"biggest_bookings", "corrected_charged_nanos", b"corrected_charged_nanos", "corrected_count", b"corrected_count", "denial_rate", b"denial_rate", "denied_count", b"denied_count", "estimated_charged_nanos", b"estimated_charged_nanos", "estimated_to_real_ratio", b"estimated_to_real_ratio", "expired_charged_nanos", b"expired_charged_nanos", "expired_count", b"expired_count", "flags", b"flags", "lane", b"lane", "next_release_at", b"next_release_at", "next_release_nanos", b"next_release_nanos", "open_count", b"open_count", "open_held_nanos", b"open_held_nanos", "real_charged_nanos", b"real_charged_nanos", "reconciled_charged_nanos", b"reconciled_charged_nanos", "reconciled_count", b"reconciled_count", "refunded_count", b"refunded_count", "reserve_count", b"reserve_count", "succeeded_charged_nanos", b"succeeded_charged_nanos", "succeeded_count", b"succeeded_count", "summary", b"summary", "unknown_charged_nanos", b"unknown_charged_nanos", "unknown_count", b"unknown_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1110,6 +1171,7 @@ class ReconcileRequest(_message.Message):
     CONTENT_FIELD_NUMBER: _builtins.int
     DEFAULT_LANE_FIELD_NUMBER: _builtins.int
     DRY_RUN_FIELD_NUMBER: _builtins.int
+    BILL_WINS_FIELD_NUMBER: _builtins.int
     format: Global___ReconcileRequest.Format.ValueType
     content: _builtins.bytes
     """The export itself; a file applies in full or not at all."""
@@ -1117,6 +1179,11 @@ class ReconcileRequest(_message.Message):
     """The lane of rows that name none."""
     dry_run: _builtins.bool
     """Report what would happen, change nothing."""
+    bill_wins: _builtins.bool
+    """Let the bill win: a real (SUCCEEDED, reconciled or corrected) charge that
+    disagrees with the bill is replaced by it, recorded as a `corrected` event.
+    Default: flagged as disagrees, never overwritten.
+    """
     def __init__(
         self,
         *,
@@ -1124,10 +1191,11 @@ class ReconcileRequest(_message.Message):
         content: _builtins.bytes = ...,
         default_lane: _builtins.str = ...,
         dry_run: _builtins.bool = ...,
+        bill_wins: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "default_lane", b"default_lane", "dry_run", b"dry_run", "format", b"format"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bill_wins", b"bill_wins", "content", b"content", "default_lane", b"default_lane", "dry_run", b"dry_run", "format", b"format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1151,7 +1219,8 @@ class ReconcileRow(_message.Message):
     reservation_id: _builtins.str
     status: _builtins.str
     """corrected, matched (already holds this real charge), unmatched, disagrees
-    (holds another real charge: flagged, not overwritten), open (not ended yet:
+    (holds another real charge: flagged, not overwritten), replaced (held
+    another real charge, replaced by the bill: bill_wins only), open (not ended yet:
     left to the lane), refunded (charged zero: flagged), bad (with field and message)
     """
     before_nanos: _builtins.int
@@ -1193,6 +1262,7 @@ class ReconcileResponse(_message.Message):
     DIFFERENCE_NANOS_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
     ROWS_OMITTED_FIELD_NUMBER: _builtins.int
+    REPLACED_COUNT_FIELD_NUMBER: _builtins.int
     applied: _builtins.bool
     """False when any row is bad (then nothing changed) or on a dry run."""
     corrected_count: _builtins.int
@@ -1206,6 +1276,8 @@ class ReconcileResponse(_message.Message):
     difference_nanos: _builtins.int
     rows_omitted: _builtins.int
     """Rows left out of `rows` by those bounds."""
+    replaced_count: _builtins.int
+    """Real charges the bill replaced (bill_wins only)."""
     @_builtins.property
     def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReconcileRow]:
         """The rows in file order: those that need a look (bad, unmatched,
@@ -1228,11 +1300,82 @@ class ReconcileResponse(_message.Message):
         difference_nanos: _builtins.int = ...,
         rows: _abc.Iterable[Global___ReconcileRow] | None = ...,
         rows_omitted: _builtins.int = ...,
+        replaced_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "bad_count", b"bad_count", "corrected_count", b"corrected_count", "difference_nanos", b"difference_nanos", "disagreement_count", b"disagreement_count", "estimated_before_nanos", b"estimated_before_nanos", "matched_count", b"matched_count", "real_after_nanos", b"real_after_nanos", "rows", b"rows", "rows_omitted", b"rows_omitted", "unmatched_count", b"unmatched_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "bad_count", b"bad_count", "corrected_count", b"corrected_count", "difference_nanos", b"difference_nanos", "disagreement_count", b"disagreement_count", "estimated_before_nanos", b"estimated_before_nanos", "matched_count", b"matched_count", "real_after_nanos", b"real_after_nanos", "replaced_count", b"replaced_count", "rows", b"rows", "rows_omitted", b"rows_omitted", "unmatched_count", b"unmatched_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReconcileResponse: _TypeAlias = ReconcileResponse  # noqa: Y015
+
+@_typing.final
+class CorrectRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LANE_FIELD_NUMBER: _builtins.int
+    RESERVATION_ID_FIELD_NUMBER: _builtins.int
+    CHARGE_NANOS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    CORRECTION_ID_FIELD_NUMBER: _builtins.int
+    lane: _builtins.str
+    reservation_id: _builtins.str
+    charge_nanos: _builtins.int
+    """The booking's new charge."""
+    reason: _builtins.str
+    """Why, in words: kept in the event. Required, at most 1000 characters."""
+    correction_id: _builtins.str
+    """Client-chosen, unique within the lane; a retry reuses it."""
+    def __init__(
+        self,
+        *,
+        lane: _builtins.str = ...,
+        reservation_id: _builtins.str = ...,
+        charge_nanos: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        correction_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["charge_nanos", b"charge_nanos", "correction_id", b"correction_id", "lane", b"lane", "reason", b"reason", "reservation_id", b"reservation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CorrectRequest: _TypeAlias = CorrectRequest  # noqa: Y015
+
+@_typing.final
+class CorrectResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREVIOUS_CHARGE_NANOS_FIELD_NUMBER: _builtins.int
+    CHARGED_NANOS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    BALANCE_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    previous_charge_nanos: _builtins.int
+    """The charge before the correction and after it."""
+    charged_nanos: _builtins.int
+    state: Global___BookingState.ValueType
+    seq: _builtins.int
+    """The seq of the corrected event."""
+    @_builtins.property
+    def balance(self) -> Global___Balance:
+        """The lane's balance right after the correction."""
+
+    def __init__(
+        self,
+        *,
+        previous_charge_nanos: _builtins.int = ...,
+        charged_nanos: _builtins.int = ...,
+        state: Global___BookingState.ValueType = ...,
+        balance: Global___Balance | None = ...,
+        seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "charged_nanos", b"charged_nanos", "previous_charge_nanos", b"previous_charge_nanos", "seq", b"seq", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CorrectResponse: _TypeAlias = CorrectResponse  # noqa: Y015

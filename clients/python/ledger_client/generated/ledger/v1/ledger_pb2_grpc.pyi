@@ -61,6 +61,10 @@ class LedgerStub:
     """How a lane's window splits into real charges, estimates, holds and refusals."""
     Reconcile: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.ReconcileRequest, _ledger_pb2.ReconcileResponse]
     """Corrects UNKNOWN and expired charges from the provider's usage export."""
+    Correct: _grpc.UnaryUnaryMultiCallable[_ledger_pb2.CorrectRequest, _ledger_pb2.CorrectResponse]
+    """Admin only: replaces the charge of an ended booking, recorded as a
+    `corrected` event. Idempotent by correction_id.
+    """
 
 @_typing.type_check_only
 class LedgerAsyncStub(LedgerStub):
@@ -81,6 +85,10 @@ class LedgerAsyncStub(LedgerStub):
     """How a lane's window splits into real charges, estimates, holds and refusals."""
     Reconcile: _aio.UnaryUnaryMultiCallable[_ledger_pb2.ReconcileRequest, _ledger_pb2.ReconcileResponse]  # type: ignore[assignment]
     """Corrects UNKNOWN and expired charges from the provider's usage export."""
+    Correct: _aio.UnaryUnaryMultiCallable[_ledger_pb2.CorrectRequest, _ledger_pb2.CorrectResponse]  # type: ignore[assignment]
+    """Admin only: replaces the charge of an ended booking, recorded as a
+    `corrected` event. Idempotent by correction_id.
+    """
 
 class LedgerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -152,6 +160,16 @@ class LedgerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ledger_pb2.ReconcileResponse, _abc.Awaitable[_ledger_pb2.ReconcileResponse]]:
         """Corrects UNKNOWN and expired charges from the provider's usage export."""
+
+    @_abc_1.abstractmethod
+    def Correct(
+        self,
+        request: _ledger_pb2.CorrectRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ledger_pb2.CorrectResponse, _abc.Awaitable[_ledger_pb2.CorrectResponse]]:
+        """Admin only: replaces the charge of an ended booking, recorded as a
+        `corrected` event. Idempotent by correction_id.
+        """
 
 def add_LedgerServicer_to_server(servicer: LedgerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
