@@ -236,9 +236,9 @@ def test_succeeded_charges_the_real_cost_at_the_booking_prices() -> None:
 
 def test_succeeded_above_the_hold_charges_the_real_cost() -> None:
     booking = open_booking(reserve_command(estimate_nanos=10))
-    verdict = moves.decide_settle(booking, settle(input_tokens=1_000_000), START_US)
+    verdict = moves.decide_settle(booking, settle(input_tokens=100_000), START_US)
     assert verdict.event is not None
-    assert verdict.event.amount_nanos == 100_000
+    assert verdict.event.amount_nanos == 10_000 > booking.hold_nanos
 
 
 def test_succeeded_with_a_billed_amount_charges_the_bill() -> None:
@@ -261,11 +261,12 @@ def test_unknown_charges_the_hold_or_a_lower_bill_never_more(
 
 
 def test_a_repeated_settle_names_the_first_answer() -> None:
-    booking = ended(open_booking(), moves.decide_settle(open_booking(), settle(), START_US), 2)
-    verdict = moves.decide_settle(booking, settle(), START_US + 5)
+    first = moves.decide_settle(open_booking(), settle(input_tokens=10), START_US)
+    booking = ended(open_booking(), first, 2)
+    verdict = moves.decide_settle(booking, settle(input_tokens=10), START_US + 5)
     assert verdict == moves.Verdict(event=None, repeat_seq=2)
     # http_status is for the audit and does not make a settle different.
-    repeat = moves.decide_settle(booking, settle(http_status=200), START_US + 5)
+    repeat = moves.decide_settle(booking, settle(input_tokens=10, http_status=200), START_US + 5)
     assert repeat.repeat_seq == 2
 
 

@@ -1,8 +1,8 @@
 """Bookings: one planned model call from Reserve to its end.
 
-A booking is a projection of its events. `apply` is the one fold used both on
-the live path (after each new event) and when rebuilding from the log, so the
-two cannot drift apart.
+A booking is a projection of its events. `apply` is the fold of the live path
+(after each new event) and of a replay; a rebuild's store runs the same rule in
+SQL (storage/recovery.py), and tests hold the two to the same bookings.
 """
 
 from __future__ import annotations
@@ -23,12 +23,24 @@ class BookingState(enum.Enum):
     EXPIRED = "expired"
     REJECTED = "rejected"
     RECONCILED = "reconciled"
+    CORRECTED = "corrected"
 
 
 # The states whose charge is an estimate that real usage may still correct.
 CORRECTABLE_STATES = frozenset({BookingState.SETTLED_UNKNOWN, BookingState.EXPIRED})
 # The states whose charge is real: what the provider said the call cost.
-REAL_STATES = frozenset({BookingState.SETTLED, BookingState.RECONCILED})
+REAL_STATES = frozenset({BookingState.SETTLED, BookingState.RECONCILED, BookingState.CORRECTED})
+# The states of a booking that has ended: an operator's correction may replace their charge.
+ENDED_STATES = frozenset(
+    {
+        BookingState.SETTLED,
+        BookingState.SETTLED_UNKNOWN,
+        BookingState.REFUNDED,
+        BookingState.EXPIRED,
+        BookingState.RECONCILED,
+        BookingState.CORRECTED,
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +68,8 @@ class Booking:
     input_tokens: int = 0
     output_tokens: int = 0
     billed_nanos: int | None = None
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
 
     @property
     def expire_charge_nanos(self) -> int:
@@ -79,7 +93,14 @@ class Booking:
 
     def settle_fingerprint(self) -> tuple[object, ...]:
         """What the Settle that ended this booking said, to recognise a repeat."""
-        return (self.outcome, self.input_tokens, self.output_tokens, self.billed_nanos)
+        return (
+            self.outcome,
+            self.input_tokens,
+            self.output_tokens,
+            self.billed_nanos,
+            self.cached_input_tokens,
+            self.cache_write_tokens,
+        )
 
     def reserve_fingerprint(self) -> tuple[object, ...]:
         return (
@@ -100,6 +121,7 @@ ENDING_STATES = {
     EventKind.REFUNDED: BookingState.REFUNDED,
     EventKind.EXPIRED: BookingState.EXPIRED,
     EventKind.RECONCILED: BookingState.RECONCILED,
+    EventKind.CORRECTED: BookingState.CORRECTED,
 }
 # ... except a settled event that says the call succeeded: its charge is real.
 SETTLED_SUCCEEDED_STATE = BookingState.SETTLED
@@ -129,6 +151,8 @@ def _opened(event: Event) -> Booking:
     price.__dict__.update(
         input_nanos_per_million_tokens=event.input_nanos_per_million_tokens,
         output_nanos_per_million_tokens=event.output_nanos_per_million_tokens,
+        cached_input_nanos_per_million_tokens=event.cached_input_nanos_per_million_tokens,
+        cache_write_nanos_per_million_tokens=event.cache_write_nanos_per_million_tokens,
     )
     # Booking(...) with these fields, built directly (see _ended).
     opened: Booking = object.__new__(Booking)
@@ -154,6 +178,8 @@ def _opened(event: Event) -> Booking:
         input_tokens=0,
         output_tokens=0,
         billed_nanos=None,
+        cached_input_tokens=0,
+        cache_write_tokens=0,
     )
     return opened
 
@@ -172,6 +198,8 @@ def _ended(booking: Booking, event: Event, state: BookingState) -> Booking:
         input_tokens=event.input_tokens,
         output_tokens=event.output_tokens,
         billed_nanos=event.billed_nanos,
+        cached_input_tokens=event.cached_input_tokens,
+        cache_write_tokens=event.cache_write_tokens,
     )
     return ended
 

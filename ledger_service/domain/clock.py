@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Protocol
 
+from ledger_service.domain.errors import InvalidArgument
+
 MICROS_PER_SECOND = 1_000_000
 
 
@@ -37,7 +39,14 @@ class ManualClock:
         with self._lock:
             return self._now_us
 
-    def set_us(self, instant_us: int) -> int:
+    def set_us(self, instant_us: int, not_before_us: int = 0) -> int:
+        """Sets the clock; a ledger's time never runs back past its last
+        recorded event (`not_before_us`)."""
+        if instant_us < not_before_us:
+            raise InvalidArgument(
+                "seconds",
+                "must not be before the last recorded event: a ledger's time never runs backwards",
+            )
         with self._lock:
             self._now_us = instant_us
             return self._now_us

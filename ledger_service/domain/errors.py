@@ -35,6 +35,30 @@ class UnknownModel(InvalidArgument):
     reason = "UNKNOWN_MODEL"
 
 
+class UsageNotEvidence(InvalidArgument):
+    """A SUCCEEDED Settle says nothing a provider bills: no input tokens, no bill."""
+
+    reason = "SETTLE_WITHOUT_USAGE"
+
+
+class OutputExceedsMaxTokens(InvalidArgument):
+    """More output tokens than the booking asked the provider for: impossible."""
+
+    reason = "OUTPUT_EXCEEDS_MAX_TOKENS"
+
+
+class ChargeExceedsCapMultiple(InvalidArgument):
+    """A SUCCEEDED charge above the lane's max_charge_multiple of the booking's cap."""
+
+    reason = "CHARGE_EXCEEDS_CAP_MULTIPLE"
+
+
+class SumOutOfRange(InvalidArgument):
+    """The amount would take a budget's window past the largest sum the ledger keeps."""
+
+    reason = "SUM_OUT_OF_RANGE"
+
+
 class LaneNotFound(LedgerError):
     reason = "LANE_NOT_FOUND"
 
@@ -66,6 +90,26 @@ class BookingAlreadyEnded(LedgerError):
     """A move contradicts how the booking already ended."""
 
     reason = "BOOKING_ALREADY_ENDED"
+
+
+class BookingStillOpen(LedgerError):
+    """A correction replaces the charge of an ended booking; this one is still open."""
+
+    reason = "BOOKING_STILL_OPEN"
+
+    def __init__(self, reservation_id: str) -> None:
+        super().__init__(
+            f"booking {reservation_id!r} is still open: settle or refund it, or let it expire"
+        )
+
+
+class CorrectionConflict(LedgerError):
+    """The correction_id was used before with different content."""
+
+    reason = "CORRECTION_ID_REUSED"
+
+    def __init__(self, correction_id: str) -> None:
+        super().__init__(f"correction_id {correction_id!r} was already used with other content")
 
 
 class BookingWasDenied(LedgerError):

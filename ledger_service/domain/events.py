@@ -24,6 +24,9 @@ class EventKind(enum.Enum):
     LANE_CONFIGURED = "lane_configured"
     # The provider's bill corrected an estimated (UNKNOWN or expired) charge.
     RECONCILED = "reconciled"
+    # An operator replaced the charge of an ended booking (Correct, or a
+    # Reconcile that lets the bill win).
+    CORRECTED = "corrected"
 
 
 class Outcome(enum.Enum):
@@ -60,12 +63,18 @@ class Event:
     # The part of the policy a booking keeps for its whole life (reserved).
     input_nanos_per_million_tokens: int = 0
     output_nanos_per_million_tokens: int = 0
+    # None: the model has no such rate, and those tokens cost the input rate.
+    cached_input_nanos_per_million_tokens: int | None = None
+    cache_write_nanos_per_million_tokens: int | None = None
     expire_charge: ExpireCharge | None = None
     # The ending (settled, refunded).
     outcome: Outcome | None = None
     input_tokens: int = 0
     output_tokens: int = 0
     billed_nanos: int | None = None
+    # The parts of input_tokens read from and written to the prompt cache.
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
     http_status: int = 0
     reason: str = ""
     # lane_configured: the new policy, as policies.policy_to_dict.
@@ -80,6 +89,10 @@ class Event:
     open_bookings_after: int = 0
     # For denied: the budget that said no (this lane or an ancestor).
     denied_by: str = ""
+    # For corrected: the correction's id (unique within the lane) and the id
+    # of the grant that made it.
+    correction_id: str = ""
+    grant_id: str = ""
     # Tamper evidence (domain/chain.py), set by the store when it appends the event:
     # the hash of the lane's previous event ("" for its first) and this event's.
     previous_hash: str = ""

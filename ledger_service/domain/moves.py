@@ -12,18 +12,34 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from ledger_service.domain.bookings import CORRECTABLE_STATES, REAL_STATES, Booking, BookingState
+from ledger_service.domain.bookings import (
+    CORRECTABLE_STATES,
+    ENDED_STATES,
+    REAL_STATES,
+    Booking,
+    BookingState,
+)
 from ledger_service.domain.errors import (
     BookingAlreadyEnded,
+    BookingStillOpen,
     BookingWasDenied,
+    ChargeExceedsCapMultiple,
+    CorrectionConflict,
     InvalidArgument,
+    OutputExceedsMaxTokens,
     ReservationConflict,
+    SumOutOfRange,
     TtlExceedsLaneHoldTtl,
     UnknownModel,
+    UsageNotEvidence,
 )
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome, evolve
-from ledger_service.domain.policies import LanePolicy, validate_name
-from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, cap_nanos
+from ledger_service.domain.policies import (
+    DEFAULT_MAX_CHARGE_MULTIPLE,
+    LanePolicy,
+    validate_name,
+)
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, MAX_WINDOW_SUM_NANOS, cap_nanos
 from ledger_service.domain.window import WindowTotals, retry_after_us
 
 MAX_REQUEST_BYTES = 2**40
@@ -90,12 +106,22 @@ class SettleCommand:
     output_tokens: int = 0
     billed_nanos: int | None = None
     http_status: int = 0
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
 
     def validate(self) -> None:
         validate_name("lane", self.lane)
         validate_reservation_id(self.reservation_id)
         _check_range("input_tokens", self.input_tokens, 0, MAX_TOKENS)
         _check_range("output_tokens", self.output_tokens, 0, MAX_TOKENS)
+        _check_range("cached_input_tokens", self.cached_input_tokens, 0, MAX_TOKENS)
+        _check_range("cache_write_tokens", self.cache_write_tokens, 0, MAX_TOKENS)
+        if self.cached_input_tokens + self.cache_write_tokens > self.input_tokens:
+            raise InvalidArgument(
+                "cached_input_tokens",
+                "cached and cache-write tokens are parts of input_tokens: "
+                "together at most input_tokens",
+            )
         if self.billed_nanos is not None:
             _check_range("billed_nanos", self.billed_nanos, 0, MAX_AMOUNT_NANOS)
         if self.http_status != 0:
@@ -106,7 +132,19 @@ class SettleCommand:
                 )
 
     def fingerprint(self) -> tuple[object, ...]:
-        return (self.outcome, self.input_tokens, self.output_tokens, self.billed_nanos)
+        return (
+            self.outcome,
+            self.input_tokens,
+            self.output_tokens,
+            self.billed_nanos,
+            self.cached_input_tokens,
+            self.cache_write_tokens,
+        )
+
+    @property
+    def charge_field(self) -> str:
+        """The field a SUCCEEDED charge comes from, to name when it is refused."""
+        return "billed_nanos" if self.billed_nanos is not None else "input_tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +228,8 @@ def decide_reserve(budgets: Sequence[Budget], command: ReserveCommand, now_us: i
         expires_at_us=now_us + ttl_us,
         input_nanos_per_million_tokens=price.input_nanos_per_million_tokens,
         output_nanos_per_million_tokens=price.output_nanos_per_million_tokens,
+        cached_input_nanos_per_million_tokens=price.cached_input_nanos_per_million_tokens,
+        cache_write_nanos_per_million_tokens=price.cache_write_nanos_per_million_tokens,
         expire_charge=policy.expire_charge,
         limit_nanos=policy.limit_nanos,
         window_us=policy.window_us,
@@ -277,8 +317,16 @@ class Verdict:
     repeat_seq: int = 0
 
 
-def decide_settle(booking: Booking, command: SettleCommand, now_us: int) -> Verdict:
-    """`booking` has already been expired if it was past its deadline."""
+def decide_settle(
+    booking: Booking,
+    command: SettleCommand,
+    now_us: int,
+    max_charge_multiple: int = DEFAULT_MAX_CHARGE_MULTIPLE,
+) -> Verdict:
+    """`booking` has already been expired if it was past its deadline;
+    `max_charge_multiple` is its lane's as it stands now. A usage no request
+    could have produced is refused, and then nothing is written: the booking
+    stays as it was."""
     state = booking.state
     if state is BookingState.REJECTED:
         raise BookingWasDenied(booking.reservation_id)
@@ -295,17 +343,55 @@ def decide_settle(booking: Booking, command: SettleCommand, now_us: int) -> Verd
     if command.outcome is Outcome.UNKNOWN and state in CORRECTABLE_STATES:
         # An unknown outcome adds nothing to what the ledger already holds.
         return Verdict()
-    return Verdict(event=_settled_event(booking, command, now_us))
+    _check_plausible(booking, command)
+    return Verdict(event=_settled_event(booking, command, now_us, max_charge_multiple))
 
 
-def _settled_event(booking: Booking, command: SettleCommand, now_us: int) -> Event:
+def _check_plausible(booking: Booking, command: SettleCommand) -> None:
+    """Refuses a usage no call of this booking could have produced."""
+    if (
+        command.outcome is Outcome.SUCCEEDED
+        and command.input_tokens == 0
+        and command.billed_nanos is None
+    ):
+        # A call that succeeded read its prompt: no input tokens and no bill
+        # is a report that says nothing, not a free call.
+        raise UsageNotEvidence(
+            "input_tokens",
+            "a SUCCEEDED settle needs its usage: input_tokens above 0, or billed_nanos",
+        )
+    if command.output_tokens > booking.max_output_tokens:
+        # The provider stops at the max_output_tokens it was sent.
+        raise OutputExceedsMaxTokens(
+            "output_tokens",
+            f"{command.output_tokens} is more than the {booking.max_output_tokens} "
+            "max_output_tokens the booking was reserved for",
+        )
+
+
+def _settled_event(
+    booking: Booking, command: SettleCommand, now_us: int, max_charge_multiple: int
+) -> Event:
     if command.outcome is Outcome.SUCCEEDED:
         # Real data wins, even above the hold: that is an overrun, reported.
         charge = (
             command.billed_nanos
             if command.billed_nanos is not None
-            else booking.price.real_cost(command.input_tokens, command.output_tokens)
+            else booking.price.real_cost(
+                command.input_tokens,
+                command.output_tokens,
+                command.cached_input_tokens,
+                command.cache_write_tokens,
+            )
         )
+        if max_charge_multiple and charge > max_charge_multiple * booking.cap_nanos:
+            raise ChargeExceedsCapMultiple(
+                command.charge_field,
+                f"a charge of {charge} nanos is more than {max_charge_multiple} times "
+                f"the booking's cap of {booking.cap_nanos} nanos (the lane's "
+                "max_charge_multiple): no request of its size could cost that; the booking "
+                "stays open",
+            )
     else:
         # Never more than the hold, which is never more than the cap.
         charge = booking.hold_nanos
@@ -360,4 +446,66 @@ def _ending_event(
         output_tokens=command.output_tokens,
         billed_nanos=command.billed_nanos,
         http_status=command.http_status,
+        cached_input_tokens=command.cached_input_tokens,
+        cache_write_tokens=command.cache_write_tokens,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectCommand:
+    """An operator's correction: the booking's charge becomes `charge_nanos`."""
+
+    lane: str
+    reservation_id: str
+    charge_nanos: int
+    reason: str
+    correction_id: str
+
+    def validate(self) -> None:
+        validate_name("lane", self.lane)
+        validate_reservation_id(self.reservation_id)
+        _check_range("charge_nanos", self.charge_nanos, 0, MAX_AMOUNT_NANOS)
+        if not self.reason.strip():
+            raise InvalidArgument("reason", "is required: say why the charge is corrected")
+        if len(self.reason) > MAX_REASON_LENGTH:
+            raise InvalidArgument("reason", f"must be at most {MAX_REASON_LENGTH} characters")
+        if not self.reason.isprintable():
+            raise InvalidArgument("reason", "must be printable text")
+        try:
+            validate_reservation_id(self.correction_id)
+        except InvalidArgument as error:
+            raise InvalidArgument("correction_id", error.message.partition(": ")[2]) from error
+
+    def fingerprint(self) -> tuple[object, ...]:
+        return (self.reservation_id, self.charge_nanos, self.reason)
+
+
+def check_correction_repeat(first: Event, command: CorrectCommand) -> None:
+    """A repeated correction id must carry the same content as the first."""
+    if (first.reservation_id, first.amount_nanos, first.reason) != command.fingerprint():
+        raise CorrectionConflict(command.correction_id)
+
+
+def decide_correct(booking: Booking, command: CorrectCommand, now_us: int, grant_id: str) -> Event:
+    """The corrected event that replaces an ended booking's charge. `booking`
+    has already been expired if it was past its deadline."""
+    if booking.state is BookingState.REJECTED:
+        raise BookingWasDenied(booking.reservation_id)
+    if booking.state not in ENDED_STATES:
+        raise BookingStillOpen(booking.reservation_id)
+    event = _ending_event(booking, EventKind.CORRECTED, command.charge_nanos, now_us)
+    return evolve(
+        event, reason=command.reason, correction_id=command.correction_id, grant_id=grant_id
+    )
+
+
+def check_window_sums(spent_nanos: Iterable[int], field: str) -> None:
+    """Every budget's window after a move must stay within the largest sum the
+    ledger keeps; `field` is the request field whose amount raised it."""
+    for spent in spent_nanos:
+        if spent > MAX_WINDOW_SUM_NANOS:
+            raise SumOutOfRange(
+                field,
+                f"would take a budget's window past {MAX_WINDOW_SUM_NANOS} nanos, "
+                "the largest sum the ledger keeps",
+            )

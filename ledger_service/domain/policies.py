@@ -11,12 +11,26 @@ from typing import Any
 
 from ledger_service.domain.clock import MICROS_PER_SECOND
 from ledger_service.domain.errors import InvalidArgument
-from ledger_service.domain.pricing import BYTES_PER_TOKEN_SCALE, MAX_AMOUNT_NANOS, ModelPrice
+from ledger_service.domain.pricing import (
+    BYTES_PER_TOKEN_SCALE,
+    MAX_AMOUNT_NANOS,
+    ModelPrice,
+    price_from_list,
+    price_to_list,
+)
 
 DEFAULT_WINDOW_US = 86_400 * MICROS_PER_SECOND
 DEFAULT_HOLD_TTL_US = 120 * MICROS_PER_SECOND
 DEFAULT_BYTES_PER_TOKEN_MILLI = 3500
 DEFAULT_OVERHEAD_TOKENS = 0
+# A SUCCEEDED charge above this many times its booking's cap is refused as
+# usage no request could have produced (0: no bound). The cap prices request
+# bytes, and an image or a file named by a short URL can cost far more tokens
+# than its bytes suggest: a 200-byte image URL prices at 58 tokens and can
+# bill about 1,600. 100 leaves room for that, and still refuses a misread
+# usage such as 10^9 tokens on a 7,000-byte request.
+DEFAULT_MAX_CHARGE_MULTIPLE = 100
+MAX_CHARGE_MULTIPLE = 1_000_000
 
 MIN_WINDOW_US = 1 * MICROS_PER_SECOND
 MAX_WINDOW_US = 366 * 86_400 * MICROS_PER_SECOND
@@ -52,6 +66,7 @@ class LanePolicy:
     expire_charge: ExpireCharge = ExpireCharge.HOLD
     # The parent budget (another lane), if any: a Reserve must fit it too.
     parent: str | None = None
+    max_charge_multiple: int = DEFAULT_MAX_CHARGE_MULTIPLE
     # Output only: the seq of the lane_configured event that set this policy.
     version: int = 0
     updated_at_us: int = 0
@@ -72,6 +87,10 @@ class LanePolicy:
         if not 0 <= self.overhead_tokens <= MAX_OVERHEAD_TOKENS:
             raise InvalidArgument(
                 "lane.overhead_tokens", f"must be between 0 and {MAX_OVERHEAD_TOKENS}"
+            )
+        if not 0 <= self.max_charge_multiple <= MAX_CHARGE_MULTIPLE:
+            raise InvalidArgument(
+                "lane.max_charge_multiple", f"must be between 0 and {MAX_CHARGE_MULTIPLE}"
             )
         validate_prices(self.prices)
         if self.parent is not None:
@@ -104,8 +123,10 @@ def validate_prices(prices: Mapping[str, ModelPrice]) -> None:
         for name, value in (
             ("input_nanos_per_million_tokens", price.input_nanos_per_million_tokens),
             ("output_nanos_per_million_tokens", price.output_nanos_per_million_tokens),
+            ("cached_input_nanos_per_million_tokens", price.cached_input_nanos_per_million_tokens),
+            ("cache_write_nanos_per_million_tokens", price.cache_write_nanos_per_million_tokens),
         ):
-            if not 0 <= value <= MAX_PRICE_NANOS_PER_MILLION:
+            if value is not None and not 0 <= value <= MAX_PRICE_NANOS_PER_MILLION:
                 raise InvalidArgument(
                     f"lane.prices[{model}].{name}",
                     f"must be between 0 and {MAX_PRICE_NANOS_PER_MILLION}",
@@ -133,10 +154,8 @@ def policy_to_dict(policy: LanePolicy) -> dict[str, Any]:
         "overhead_tokens": policy.overhead_tokens,
         "expire_charge": policy.expire_charge.value,
         "parent": policy.parent,
-        "prices": {
-            model: [price.input_nanos_per_million_tokens, price.output_nanos_per_million_tokens]
-            for model, price in sorted(policy.prices.items())
-        },
+        "max_charge_multiple": policy.max_charge_multiple,
+        "prices": {model: price_to_list(price) for model, price in sorted(policy.prices.items())},
     }
 
 
@@ -150,9 +169,10 @@ def policy_from_dict(data: Mapping[str, Any], version: int, updated_at_us: int) 
         overhead_tokens=int(data["overhead_tokens"]),
         expire_charge=ExpireCharge(data["expire_charge"]),
         parent=data.get("parent"),
-        prices={
-            model: ModelPrice(int(pair[0]), int(pair[1])) for model, pair in data["prices"].items()
-        },
+        # A policy recorded before the field existed reads as the default, as
+        # a PutLane that leaves it unset does.
+        max_charge_multiple=int(data.get("max_charge_multiple", DEFAULT_MAX_CHARGE_MULTIPLE)),
+        prices={model: price_from_list(values) for model, values in data["prices"].items()},
         version=version,
         updated_at_us=updated_at_us,
     )

@@ -4,7 +4,9 @@ An UNKNOWN or expired booking is charged at its hold because nobody knew what
 the call cost. A provider's export often does know: each matching row corrects
 such a booking with a `reconciled` event, so the audit shows what was
 estimated, what was real, and when it was corrected. Bookings that already
-hold a real charge are never overwritten: a disagreement is flagged.
+hold a real charge are not overwritten by default: a disagreement is flagged.
+When the operator lets the bill win, such a charge is replaced by the bill,
+recorded as a `corrected` event as an operator's correction would be.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ MAX_ROWS = 10_000
 NANOS_PER_USD = 10**9
 COLUMNS = frozenset(
     {"lane", "reservation_id", "billed_nanos", "billed_usd", "input_tokens", "output_tokens",
-     "model"}
+     "cached_input_tokens", "cache_write_tokens", "model"}
 )  # fmt: skip
 
 
@@ -43,6 +45,8 @@ class RowStatus(enum.Enum):
     MATCHED = "matched"
     UNMATCHED = "unmatched"
     DISAGREES = "disagrees"
+    # A real charge that disagreed with the bill, replaced by it (bill wins).
+    REPLACED = "replaced"
     OPEN = "open"
     REFUNDED = "refunded"
     BAD = "bad"
@@ -59,11 +63,15 @@ class ExportRow:
     input_tokens: int
     output_tokens: int
     model: str
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
 
     def real_cost(self, booking: Booking) -> int:
         if self.billed_nanos is not None:
             return self.billed_nanos
-        return booking.price.real_cost(self.input_tokens, self.output_tokens)
+        return booking.price.real_cost(
+            self.input_tokens, self.output_tokens, self.cached_input_tokens, self.cache_write_tokens
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +152,9 @@ def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
         except ValueError:
             records.append((line, "is not valid JSON"))
             continue
+        except RecursionError:
+            records.append((line, "is nested too deeply to be a usage row"))
+            continue
         if not isinstance(value, dict):
             records.append((line, "is not a JSON object"))
         elif set(value) - COLUMNS:
@@ -161,12 +172,28 @@ def _row(line: int, record: Mapping[str, Any], default_lane: str) -> ExportRow:
     billed = _billed_nanos(record)
     input_tokens = _count(record, "input_tokens")
     output_tokens = _count(record, "output_tokens")
+    cached_input_tokens = _count(record, "cached_input_tokens")
+    cache_write_tokens = _count(record, "cache_write_tokens")
     if billed is None and "input_tokens" not in record and "output_tokens" not in record:
         raise InvalidArgument("billed_nanos", "a row needs a billed amount or token counts")
+    if cached_input_tokens + cache_write_tokens > input_tokens and billed is None:
+        raise InvalidArgument(
+            "cached_input_tokens", "cached and cache-write tokens are parts of input_tokens"
+        )
     model = str(record.get("model") or "")
     if model:
         validate_name("model", model)
-    return ExportRow(line, lane, reservation_id, billed, input_tokens, output_tokens, model)
+    return ExportRow(
+        line,
+        lane,
+        reservation_id,
+        billed,
+        input_tokens,
+        output_tokens,
+        model,
+        cached_input_tokens,
+        cache_write_tokens,
+    )
 
 
 def _billed_nanos(record: Mapping[str, Any]) -> int | None:
@@ -202,7 +229,18 @@ def _whole(value: Any, field: str, high: int) -> int:
     return number
 
 
-def decide(booking: Booking | None, row: ExportRow, now_us: int) -> tuple[RowResult, Event | None]:
+@dataclasses.dataclass(frozen=True)
+class BillWins:
+    """Replace disagreeing real charges: the id of this row's correction, and
+    of the grant that asked."""
+
+    correction_id: str
+    grant_id: str
+
+
+def decide(
+    booking: Booking | None, row: ExportRow, now_us: int, bill_wins: BillWins | None = None
+) -> tuple[RowResult, Event | None]:
     """What one export row does to its booking (already expired if past its deadline)."""
     result = RowResult(row.line, row.lane, row.reservation_id, RowStatus.UNMATCHED)
     if booking is None:
@@ -222,10 +260,15 @@ def decide(booking: Booking | None, row: ExportRow, now_us: int) -> tuple[RowRes
     if booking.state in REAL_STATES or booking.state is BookingState.REFUNDED:
         if real == current:
             return dataclasses.replace(result, status=RowStatus.MATCHED), None
+        if bill_wins is not None and booking.state in REAL_STATES:
+            return _replaced(booking, row, result, now_us, bill_wins)
         status = (
             RowStatus.REFUNDED if booking.state is BookingState.REFUNDED else RowStatus.DISAGREES
         )
-        message = f"the ledger holds {current} nanos ({booking.state.value}); not overwritten"
+        message = (
+            f"the bill says {real} nanos, the ledger holds {current} ({booking.state.value}); "
+            "not overwritten"
+        )
         return dataclasses.replace(
             result, status=status, after_nanos=current, message=message
         ), None
@@ -245,6 +288,32 @@ def decide(booking: Booking | None, row: ExportRow, now_us: int) -> tuple[RowRes
         input_tokens=row.input_tokens,
         output_tokens=row.output_tokens,
         billed_nanos=row.billed_nanos,
+        cached_input_tokens=row.cached_input_tokens,
+        cache_write_tokens=row.cache_write_tokens,
         reason=f"provider export line {row.line}",
     )
     return dataclasses.replace(result, status=RowStatus.CORRECTED), event
+
+
+def _replaced(
+    booking: Booking, row: ExportRow, result: RowResult, now_us: int, bill_wins: BillWins
+) -> tuple[RowResult, Event]:
+    """The bill replaces a real charge that disagrees with it: a correction."""
+    event = Event(
+        kind=EventKind.CORRECTED,
+        lane=booking.lane,
+        occurred_at_us=now_us,
+        reservation_id=booking.reservation_id,
+        amount_nanos=result.after_nanos,
+        previous_amount_nanos=result.before_nanos,
+        model=booking.model,
+        hold_nanos=booking.hold_nanos,
+        cap_nanos=booking.cap_nanos,
+        reserved_at_us=booking.reserved_at_us,
+        expires_at_us=booking.expires_at_us,
+        reason=f"the provider's bill wins: export line {row.line}",
+        correction_id=bill_wins.correction_id,
+        grant_id=bill_wins.grant_id,
+    )
+    message = f"the ledger held {result.before_nanos} nanos ({booking.state.value}); the bill wins"
+    return dataclasses.replace(result, status=RowStatus.REPLACED, message=message), event
