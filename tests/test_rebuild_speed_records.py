@@ -63,11 +63,15 @@ def _event_from_row(row: Mapping[Any, Any]) -> Event:
         denial_reason=DenialReason(row["denial_reason"]) if row["denial_reason"] else None,
         input_nanos_per_million_tokens=row["input_nanos_per_million_tokens"],
         output_nanos_per_million_tokens=row["output_nanos_per_million_tokens"],
+        cached_input_nanos_per_million_tokens=row["cached_input_nanos_per_million_tokens"],
+        cache_write_nanos_per_million_tokens=row["cache_write_nanos_per_million_tokens"],
         expire_charge=ExpireCharge(row["expire_charge"]) if row["expire_charge"] else None,
         outcome=Outcome(row["outcome"]) if row["outcome"] else None,
         input_tokens=row["input_tokens"],
         output_tokens=row["output_tokens"],
         billed_nanos=row["billed_nanos"],
+        cached_input_tokens=row["cached_input_tokens"],
+        cache_write_tokens=row["cache_write_tokens"],
         http_status=row["http_status"],
         reason=row["reason"],
         policy=json.loads(row["policy_json"]) if row["policy_json"] else None,
@@ -79,6 +83,8 @@ def _event_from_row(row: Mapping[Any, Any]) -> Event:
         window_us=row["window_us"],
         open_bookings_after=row["open_bookings_after"],
         denied_by=row["denied_by"],
+        correction_id=row["correction_id"],
+        grant_id=row["grant_id"],
         hash=row["hash"],
         previous_hash=row["previous_hash"],
     )
@@ -98,7 +104,10 @@ def _booking_from_row(row: Mapping[Any, Any]) -> Booking:
         reserved_at_us=row["reserved_at_us"],
         expires_at_us=row["expires_at_us"],
         price=ModelPrice(
-            row["input_nanos_per_million_tokens"], row["output_nanos_per_million_tokens"]
+            row["input_nanos_per_million_tokens"],
+            row["output_nanos_per_million_tokens"],
+            row["cached_input_nanos_per_million_tokens"],
+            row["cache_write_nanos_per_million_tokens"],
         ),
         expire_charge=ExpireCharge(row["expire_charge"]),
         state=BookingState(row["state"]),
@@ -109,6 +118,8 @@ def _booking_from_row(row: Mapping[Any, Any]) -> Booking:
         input_tokens=row["input_tokens"],
         output_tokens=row["output_tokens"],
         billed_nanos=row["billed_nanos"],
+        cached_input_tokens=row["cached_input_tokens"],
+        cache_write_tokens=row["cache_write_tokens"],
     )
 
 
@@ -127,6 +138,10 @@ def _booking_values(booking: Booking) -> dict[str, Any]:
         "expires_at_us": booking.expires_at_us,
         "input_nanos_per_million_tokens": booking.price.input_nanos_per_million_tokens,
         "output_nanos_per_million_tokens": booking.price.output_nanos_per_million_tokens,
+        "cached_input_nanos_per_million_tokens": (
+            booking.price.cached_input_nanos_per_million_tokens
+        ),
+        "cache_write_nanos_per_million_tokens": booking.price.cache_write_nanos_per_million_tokens,
         "expire_charge": booking.expire_charge.value,
         "state": booking.state.value,
         "amount_nanos": booking.amount_nanos,
@@ -136,6 +151,8 @@ def _booking_values(booking: Booking) -> dict[str, Any]:
         "input_tokens": booking.input_tokens,
         "output_tokens": booking.output_tokens,
         "billed_nanos": booking.billed_nanos,
+        "cached_input_tokens": booking.cached_input_tokens,
+        "cache_write_tokens": booking.cache_write_tokens,
     }
 
 
@@ -164,6 +181,7 @@ def test_rows_convert_as_the_row_functions_do(history: History) -> None:
         EventKind.SETTLED,
         EventKind.REFUNDED,
         EventKind.EXPIRED,
+        EventKind.CORRECTED,
     }
     store = SqlRecoveryStore(history.engine, batch_rows=7)
     assert store.events_after(0, 10_000) == expected_events

@@ -14,7 +14,7 @@ from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import canonical_json
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge, LanePolicy
-from ledger_service.domain.pricing import ModelPrice
+from ledger_service.domain.pricing import ModelPrice, price_from_list, price_to_list
 
 
 def _dumps(value: Any) -> str:
@@ -42,11 +42,15 @@ def event_values(event: Event) -> dict[str, Any]:
         "denial_reason": event.denial_reason.value if event.denial_reason else None,
         "input_nanos_per_million_tokens": event.input_nanos_per_million_tokens,
         "output_nanos_per_million_tokens": event.output_nanos_per_million_tokens,
+        "cached_input_nanos_per_million_tokens": event.cached_input_nanos_per_million_tokens,
+        "cache_write_nanos_per_million_tokens": event.cache_write_nanos_per_million_tokens,
         "expire_charge": event.expire_charge.value if event.expire_charge else None,
         "outcome": event.outcome.value if event.outcome else None,
         "input_tokens": event.input_tokens,
         "output_tokens": event.output_tokens,
         "billed_nanos": event.billed_nanos,
+        "cached_input_tokens": event.cached_input_tokens,
+        "cache_write_tokens": event.cache_write_tokens,
         "http_status": event.http_status,
         "reason": event.reason,
         "policy_json": _dumps(event.policy) if event.policy is not None else None,
@@ -58,6 +62,8 @@ def event_values(event: Event) -> dict[str, Any]:
         "window_us": event.window_us,
         "open_bookings_after": event.open_bookings_after,
         "denied_by": event.denied_by,
+        "correction_id": event.correction_id,
+        "grant_id": event.grant_id,
         "hash": event.hash,
         "previous_hash": event.previous_hash,
     }
@@ -77,14 +83,12 @@ def lane_values(policy: LanePolicy) -> dict[str, Any]:
         "overhead_tokens": policy.overhead_tokens,
         "expire_charge": policy.expire_charge.value,
         "prices_json": _dumps(
-            {
-                model: [price.input_nanos_per_million_tokens, price.output_nanos_per_million_tokens]
-                for model, price in policy.prices.items()
-            }
+            {model: price_to_list(price) for model, price in policy.prices.items()}
         ),
         "version": policy.version,
         "updated_at_us": policy.updated_at_us,
         "parent": policy.parent,
+        "max_charge_multiple": policy.max_charge_multiple,
     }
 
 
@@ -98,10 +102,11 @@ def lane_from_row(row: Mapping[Any, Any]) -> LanePolicy:
         bytes_per_token_milli=row["bytes_per_token_milli"],
         overhead_tokens=row["overhead_tokens"],
         expire_charge=ExpireCharge(row["expire_charge"]),
-        prices={model: ModelPrice(int(pair[0]), int(pair[1])) for model, pair in prices.items()},
+        prices={model: price_from_list(values) for model, values in prices.items()},
         version=row["version"],
         updated_at_us=row["updated_at_us"],
         parent=row["parent"],
+        max_charge_multiple=row["max_charge_multiple"],
     )
 
 
@@ -140,6 +145,8 @@ BOOKING_COLUMNS: tuple[str, ...] = (
     "expires_at_us",
     "input_nanos_per_million_tokens",
     "output_nanos_per_million_tokens",
+    "cached_input_nanos_per_million_tokens",
+    "cache_write_nanos_per_million_tokens",
     "expire_charge",
     "state",
     "amount_nanos",
@@ -149,6 +156,8 @@ BOOKING_COLUMNS: tuple[str, ...] = (
     "input_tokens",
     "output_tokens",
     "billed_nanos",
+    "cached_input_tokens",
+    "cache_write_tokens",
 )
 LANE_COLUMNS: tuple[str, ...] = (
     "lane",
@@ -162,6 +171,7 @@ LANE_COLUMNS: tuple[str, ...] = (
     "version",
     "updated_at_us",
     "parent",
+    "max_charge_multiple",
 )
 
 E = TypeVar("E", bound=enum.Enum)
@@ -250,6 +260,8 @@ def bookings_from_rows(rows: Iterable[Sequence[Any]]) -> list[Booking]:
             expires_at_us,
             input_price,
             output_price,
+            cached_input_price,
+            cache_write_price,
             expire_charge,
             state,
             amount_nanos,
@@ -259,6 +271,8 @@ def bookings_from_rows(rows: Iterable[Sequence[Any]]) -> list[Booking]:
             input_tokens,
             output_tokens,
             billed_nanos,
+            cached_input_tokens,
+            cache_write_tokens,
         ) = row
         charge = charges.get(expire_charge)
         built.append(
@@ -281,6 +295,8 @@ def bookings_from_rows(rows: Iterable[Sequence[Any]]) -> list[Booking]:
                         {
                             "input_nanos_per_million_tokens": input_price,
                             "output_nanos_per_million_tokens": output_price,
+                            "cached_input_nanos_per_million_tokens": cached_input_price,
+                            "cache_write_nanos_per_million_tokens": cache_write_price,
                         },
                     ),
                     "expire_charge": charge if charge is not None else ExpireCharge(expire_charge),
@@ -292,6 +308,8 @@ def bookings_from_rows(rows: Iterable[Sequence[Any]]) -> list[Booking]:
                     "input_tokens": input_tokens,
                     "output_tokens": output_tokens,
                     "billed_nanos": billed_nanos,
+                    "cached_input_tokens": cached_input_tokens,
+                    "cache_write_tokens": cache_write_tokens,
                 },
             )
         )
@@ -315,6 +333,8 @@ def booking_rows(bookings: Iterable[Booking]) -> list[tuple[Any, ...]]:
             booking.expires_at_us,
             booking.price.input_nanos_per_million_tokens,
             booking.price.output_nanos_per_million_tokens,
+            booking.price.cached_input_nanos_per_million_tokens,
+            booking.price.cache_write_nanos_per_million_tokens,
             # `_value_`: the same as `value`, without the property's cost.
             booking.expire_charge._value_,
             booking.state._value_,
@@ -325,6 +345,8 @@ def booking_rows(bookings: Iterable[Booking]) -> list[tuple[Any, ...]]:
             booking.input_tokens,
             booking.output_tokens,
             booking.billed_nanos,
+            booking.cached_input_tokens,
+            booking.cache_write_tokens,
         )
         for booking in bookings
     ]
@@ -352,8 +374,8 @@ def lane_rows(policies: Iterable[LanePolicy]) -> list[tuple[Any, ...]]:
 # Type combinations a process keeps templates for (past them: made each time).
 MAX_BOOKING_TEMPLATES = 256
 _PRICE_COLUMNS = {
-    "input_nanos_per_million_tokens": BOOKING_COLUMNS.index("input_nanos_per_million_tokens"),
-    "output_nanos_per_million_tokens": BOOKING_COLUMNS.index("output_nanos_per_million_tokens"),
+    name: BOOKING_COLUMNS.index(name)
+    for name in (field.name for field in dataclasses.fields(ModelPrice))
 }
 _FREE_STRINGS = tuple(BOOKING_COLUMNS.index(name) for name in ("lane", "reservation_id", "model"))
 _free_strings = operator.itemgetter(*_FREE_STRINGS)
@@ -365,7 +387,14 @@ _CHARGE_VALUES = frozenset(member.value for member in ExpireCharge)
 _OUTCOME_VALUES = frozenset(member.value for member in Outcome)
 _NULLABLE = frozenset(
     BOOKING_COLUMNS.index(name)
-    for name in ("estimate_nanos", "requested_ttl_us", "outcome", "billed_nanos")
+    for name in (
+        "estimate_nanos",
+        "requested_ttl_us",
+        "outcome",
+        "billed_nanos",
+        "cached_input_nanos_per_million_tokens",
+        "cache_write_nanos_per_million_tokens",
+    )
 )
 _ENUM_COLUMNS = frozenset((_STATE, _CHARGE, _OUTCOME))
 

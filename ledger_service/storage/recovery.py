@@ -240,6 +240,8 @@ class _FoldSql:
             "input_tokens": "COALESCE(e.input_tokens, 0)",
             "output_tokens": "COALESCE(e.output_tokens, 0)",
             "billed_nanos": "e.billed_nanos",
+            "cached_input_tokens": "COALESCE(e.cached_input_tokens, 0)",
+            "cache_write_tokens": "COALESCE(e.cache_write_tokens, 0)",
         }
         columns = records.BOOKING_COLUMNS
         # Every other column of a booking is its opening event's, by name.

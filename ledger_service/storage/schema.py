@@ -52,11 +52,15 @@ class EventRow(Base):
     denial_reason: Mapped[str | None] = mapped_column(String(32))
     input_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_input_nanos_per_million_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    cache_write_nanos_per_million_tokens: Mapped[int | None] = mapped_column(BigInteger)
     expire_charge: Mapped[str | None] = mapped_column(String(8))
     outcome: Mapped[str | None] = mapped_column(String(16))
     input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     billed_nanos: Mapped[int | None] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    cache_write_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     http_status: Mapped[int] = mapped_column(Integer, default=0)
     reason: Mapped[str] = mapped_column(Text, default="")
     policy_json: Mapped[str | None] = mapped_column(Text)
@@ -69,6 +73,9 @@ class EventRow(Base):
     open_bookings_after: Mapped[int] = mapped_column(BigInteger, default=0)
     # For denied: the budget (this lane or an ancestor) that said no.
     denied_by: Mapped[str] = mapped_column(String(200), default="", server_default="")
+    # For corrected: the operator's correction id and the grant that made it.
+    correction_id: Mapped[str] = mapped_column(String(200), default="", server_default="")
+    grant_id: Mapped[str] = mapped_column(String(200), default="", server_default="")
     # Tamper evidence: SHA-256 (hex) chaining each event to its lane's previous one.
     hash: Mapped[str] = mapped_column(String(64), default="", server_default="")
     previous_hash: Mapped[str] = mapped_column(String(64), default="", server_default="")
@@ -85,6 +92,15 @@ class EventRow(Base):
             unique=True,
             sqlite_where=text("kind IN ('reserved', 'denied')"),
             postgresql_where=text("kind IN ('reserved', 'denied')"),
+        ),
+        # A correction id names one correction per lane, whichever replica takes it.
+        Index(
+            "uq_events_lane_correction_id",
+            "lane",
+            "correction_id",
+            unique=True,
+            sqlite_where=text("kind = 'corrected'"),
+            postgresql_where=text("kind = 'corrected'"),
         ),
     )
 
@@ -106,6 +122,7 @@ class LaneRow(Base):
     updated_at_us: Mapped[int] = mapped_column(BigInteger)
     # The parent budget's lane, if any.
     parent: Mapped[str | None] = mapped_column(String(200), index=True)
+    max_charge_multiple: Mapped[int] = mapped_column(BigInteger, server_default="100")
 
 
 class BookingRow(Base):
@@ -126,6 +143,8 @@ class BookingRow(Base):
     expires_at_us: Mapped[int] = mapped_column(BigInteger)
     input_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger)
     output_nanos_per_million_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_input_nanos_per_million_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    cache_write_nanos_per_million_tokens: Mapped[int | None] = mapped_column(BigInteger)
     expire_charge: Mapped[str] = mapped_column(String(8))
     state: Mapped[str] = mapped_column(String(16))
     amount_nanos: Mapped[int] = mapped_column(BigInteger)
@@ -135,6 +154,8 @@ class BookingRow(Base):
     input_tokens: Mapped[int] = mapped_column(BigInteger)
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     billed_nanos: Mapped[int | None] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    cache_write_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
     __table_args__ = (
         Index("ix_bookings_lane_reserved_at_us", "lane", "reserved_at_us"),

@@ -317,6 +317,11 @@ _HOT = prepared.Statements(
     .values({name: bindparam(name) for name in _EVENT_COLUMNS})
     .returning(events.c.seq),
     event=select(events).where(events.c.seq == bindparam("seq")),
+    correction=select(events).where(
+        events.c.lane == bindparam("lane"),
+        events.c.kind == "corrected",
+        events.c.correction_id == bindparam("correction_id"),
+    ),
     save_lane=_upsert(lanes, ("lane",)),
     save_booking=_upsert(bookings, ("lane", "reservation_id")),
     save_window_state=_upsert(window_states, ("lane",)),
@@ -683,6 +688,12 @@ class SqlTransaction:
 
     def get_event(self, seq: int) -> Event | None:
         row = _HOT("event", self._connection).mapping(self._connection, {"seq": seq})
+        return records.event_from_row(row) if row is not None else None
+
+    def get_correction(self, lane: str, correction_id: str) -> Event | None:
+        row = _HOT("correction", self._connection).mapping(
+            self._connection, {"lane": lane, "correction_id": correction_id}
+        )
         return records.event_from_row(row) if row is not None else None
 
     def list_events(self, query: EventQuery) -> Sequence[Event]:

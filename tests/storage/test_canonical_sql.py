@@ -93,6 +93,8 @@ def _random_event(rng: random.Random, strings: list[str], index: int) -> Event:
         kind=rng.choice(kinds),
         # Unique: a lane's openings may not share one.
         reservation_id=f"{rng.choice(strings)}{index}",
+        # Unique too: a lane's corrections may not share one.
+        correction_id=f"{rng.choice(strings)}{index}",
         policy=None,  # a lane's policy: written in Python, tested apart
         previous_hash="",
         hash="",
