@@ -140,7 +140,9 @@ class LedgerServer:
         names = [SERVICE_NAMES[0], SERVICE_NAMES[1]]
         if settings.test_clock:
             assert isinstance(self.clock, ManualClock), "--test-clock needs a ManualClock"
-            ledger_pb2_grpc.add_TestClockServicer_to_server(TestClockServicer(self.clock), server)
+            ledger_pb2_grpc.add_TestClockServicer_to_server(
+                TestClockServicer(self.clock, self.ledger), server
+            )
             names.append(SERVICE_NAMES[2])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -14,6 +14,7 @@ reflection need no grant.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -74,6 +75,17 @@ def _every_lane(request: Any) -> str:
 
 
 ADMIN_ONLY = Rule(Scope.ADMIN, _every_lane)
+# The verified grant of the call being served, for moves that record who made them.
+_CURRENT_GRANT: contextvars.ContextVar[Grant | None] = contextvars.ContextVar(
+    "ledger_current_grant", default=None
+)
+
+
+def current_grant_id() -> str:
+    """The id of the grant the current call was verified with; "" on a server
+    without auth (--insecure-no-auth)."""
+    grant = _CURRENT_GRANT.get()
+    return grant.grant_id if grant is not None else ""
 
 
 def _method(service: str, method: str) -> str:
@@ -92,6 +104,8 @@ def _rules() -> dict[str, Rule]:
         _method("Ledger", "GetAudit"): Rule(Scope.READ, _named_lane),
         # A usage export names lanes row by row, beyond what one request field says.
         _method("Ledger", "Reconcile"): ADMIN_ONLY,
+        # An operator's correction of a charge: never a lane's own grant.
+        _method("Ledger", "Correct"): ADMIN_ONLY,
     }
     for service in ("LaneAdmin", "TestClock"):
         for method in ledger_pb2.DESCRIPTOR.services_by_name[service].methods:
@@ -202,6 +216,10 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 log.info("refused %s: grant %s lacks %s", method, grant.grant_id, rule.scope.value)
                 context.set_trailing_metadata(((REASON_KEY, "PERMISSION_DENIED"),))
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, PERMISSION_DENIED_MESSAGE)
-            return behaviour(request, context)
+            token = _CURRENT_GRANT.set(grant)
+            try:
+                return behaviour(request, context)
+            finally:
+                _CURRENT_GRANT.reset(token)
 
         return checked

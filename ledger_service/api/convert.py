@@ -8,14 +8,19 @@ from __future__ import annotations
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from ledger_service.application.audit import Audit
-from ledger_service.application.ledger import RefundResult, SettleResult
+from ledger_service.application.ledger import CorrectResult, RefundResult, SettleResult
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import ReconcileReport
 from ledger_service.domain import policies
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import InvalidArgument
-from ledger_service.domain.events import DenialReason, Event, Outcome
-from ledger_service.domain.moves import RefundCommand, ReserveCommand, SettleCommand
+from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
+from ledger_service.domain.moves import (
+    CorrectCommand,
+    RefundCommand,
+    ReserveCommand,
+    SettleCommand,
+)
 from ledger_service.domain.policies import ExpireCharge, LanePolicy
 from ledger_service.domain.pricing import ModelPrice
 from ledger_service.domain.reconcile import ExportFormat, RowResult, RowStatus
@@ -44,7 +49,10 @@ _STATES_OUT = {
     BookingState.EXPIRED: pb.EXPIRED,
     BookingState.REJECTED: pb.REJECTED,
     BookingState.RECONCILED: pb.RECONCILED,
+    BookingState.CORRECTED: pb.CORRECTED,
 }
+# Every kind of the one enum can be asked for by its name.
+EVENT_KINDS = frozenset(kind.value for kind in EventKind)
 
 
 # Time ----------------------------------------------------------------------
@@ -114,6 +122,18 @@ def settle_command(request: pb.SettleRequest) -> SettleCommand:
         output_tokens=request.output_tokens,
         billed_nanos=request.billed_nanos if request.HasField("billed_nanos") else None,
         http_status=request.http_status,
+        cached_input_tokens=request.cached_input_tokens,
+        cache_write_tokens=request.cache_write_tokens,
+    )
+
+
+def correct_command(request: pb.CorrectRequest) -> CorrectCommand:
+    return CorrectCommand(
+        lane=request.lane,
+        reservation_id=request.reservation_id,
+        charge_nanos=request.charge_nanos,
+        reason=request.reason,
+        correction_id=request.correction_id,
     )
 
 
@@ -133,12 +153,7 @@ def lane_policy(message: pb.Lane) -> LanePolicy:
     return LanePolicy(
         lane=message.lane,
         limit_nanos=message.limit_nanos,
-        prices={
-            model: ModelPrice(
-                price.input_nanos_per_million_tokens, price.output_nanos_per_million_tokens
-            )
-            for model, price in message.prices.items()
-        },
+        prices={model: model_price(price) for model, price in message.prices.items()},
         window_us=(
             micros_of_duration("lane.window", message.window)
             if message.HasField("window")
@@ -161,13 +176,50 @@ def lane_policy(message: pb.Lane) -> LanePolicy:
         ),
         expire_charge=expire_charge,
         parent=message.parent or None,
+        max_charge_multiple=(
+            message.max_charge_multiple
+            if message.HasField("max_charge_multiple")
+            else policies.DEFAULT_MAX_CHARGE_MULTIPLE
+        ),
     )
+
+
+def model_price(message: pb.ModelPrice) -> ModelPrice:
+    return ModelPrice(
+        message.input_nanos_per_million_tokens,
+        message.output_nanos_per_million_tokens,
+        (
+            message.cached_input_nanos_per_million_tokens
+            if message.HasField("cached_input_nanos_per_million_tokens")
+            else None
+        ),
+        (
+            message.cache_write_nanos_per_million_tokens
+            if message.HasField("cache_write_nanos_per_million_tokens")
+            else None
+        ),
+    )
+
+
+def model_price_message(price: ModelPrice) -> pb.ModelPrice:
+    message = pb.ModelPrice(
+        input_nanos_per_million_tokens=price.input_nanos_per_million_tokens,
+        output_nanos_per_million_tokens=price.output_nanos_per_million_tokens,
+    )
+    if price.cached_input_nanos_per_million_tokens is not None:
+        message.cached_input_nanos_per_million_tokens = price.cached_input_nanos_per_million_tokens
+    if price.cache_write_nanos_per_million_tokens is not None:
+        message.cache_write_nanos_per_million_tokens = price.cache_write_nanos_per_million_tokens
+    return message
 
 
 def event_query(request: pb.ListEventsRequest, page_size: int, after_seq: int) -> EventQuery:
     for kind in request.kinds:
-        if kind not in {"reserved", "denied", "settled", "refunded", "expired", "lane_configured"}:
-            raise InvalidArgument("kinds", f"unknown event kind {kind[:40]!r}")
+        if kind not in EVENT_KINDS:
+            raise InvalidArgument(
+                "kinds",
+                f"unknown event kind {kind[:40]!r}; the kinds are {', '.join(sorted(EVENT_KINDS))}",
+            )
     return EventQuery(
         lane=request.lane,
         reservation_id=request.reservation_id,
@@ -209,17 +261,12 @@ def lane(policy: LanePolicy) -> pb.Lane:
         hold_ttl=duration(policy.hold_ttl_us),
         bytes_per_token=policy.bytes_per_token_milli / 1000,
         overhead_tokens=policy.overhead_tokens,
-        prices={
-            model: pb.ModelPrice(
-                input_nanos_per_million_tokens=price.input_nanos_per_million_tokens,
-                output_nanos_per_million_tokens=price.output_nanos_per_million_tokens,
-            )
-            for model, price in policy.prices.items()
-        },
+        prices={model: model_price_message(price) for model, price in policy.prices.items()},
         expire_charge=_EXPIRE_CHARGES_OUT[policy.expire_charge],
         version=policy.version,
         updated_at=timestamp(policy.updated_at_us),
         parent=policy.parent or "",
+        max_charge_multiple=policy.max_charge_multiple,
     )
 
 
@@ -253,6 +300,17 @@ def settle_response(result: SettleResult) -> pb.SettleResponse:
 
 def refund_response(result: RefundResult) -> pb.RefundResponse:
     response = pb.RefundResponse()
+    fill_balance(response.balance, result.balance)
+    return response
+
+
+def correct_response(result: CorrectResult) -> pb.CorrectResponse:
+    response = pb.CorrectResponse(
+        previous_charge_nanos=result.event.previous_amount_nanos,
+        charged_nanos=result.event.amount_nanos,
+        state=pb.CORRECTED,
+        seq=result.event.seq,
+    )
     fill_balance(response.balance, result.balance)
     return response
 
@@ -306,6 +364,10 @@ def event(value: Event) -> pb.Event:
         denied_by=value.denied_by,
         hash=value.hash,
         previous_hash=value.previous_hash,
+        cached_input_tokens=value.cached_input_tokens,
+        cache_write_tokens=value.cache_write_tokens,
+        correction_id=value.correction_id,
+        grant_id=value.grant_id,
     )
     if value.billed_nanos is not None:
         message.billed_nanos = value.billed_nanos
@@ -383,6 +445,7 @@ def reconcile_response(report: ReconcileReport) -> pb.ReconcileResponse:
             for row in shown
         ],
         rows_omitted=len(report.rows) - len(shown),
+        replaced_count=report.count(RowStatus.REPLACED),
     )
 
 
@@ -405,6 +468,8 @@ def audit(value: Audit) -> pb.Audit:
         refunded_count=value.refunded_count,
         reconciled_count=value.reconciled.count,
         reconciled_charged_nanos=value.reconciled.amount_nanos,
+        corrected_count=value.corrected.count,
+        corrected_charged_nanos=value.corrected.amount_nanos,
         reserve_count=value.reserve_count,
         denied_count=value.denied_count,
         denial_rate=value.denial_rate,

@@ -32,6 +32,8 @@ ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
     (errors.ReservationConflict, grpc.StatusCode.ALREADY_EXISTS),
     (errors.BookingAlreadyEnded, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.BookingWasDenied, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.BookingStillOpen, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.CorrectionConflict, grpc.StatusCode.ALREADY_EXISTS),
     (errors.TooManyWatchers, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.RecoveryRequired, grpc.StatusCode.UNAVAILABLE),

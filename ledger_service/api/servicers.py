@@ -1,9 +1,12 @@
-"""gRPC servicers: decode, call the application, encode. No rules live here."""
+"""gRPC servicers: decode, call the application, encode. The rules live in the
+domain; what is here checks the shape of read requests (a lane name, a page
+token) before they reach it."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -11,19 +14,28 @@ import grpc
 from google.protobuf import duration_pb2, empty_pb2, timestamp_pb2
 from opentelemetry import trace
 
-from ledger_service.api import convert
+from ledger_service.api import auth, convert, tracing
 from ledger_service.application.audit import DEFAULT_BIGGEST, MAX_BIGGEST, Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
-from ledger_service.domain.errors import InvalidArgument, TooManyWatchers
+from ledger_service.domain.errors import (
+    ChargeExceedsCapMultiple,
+    InvalidArgument,
+    OutputExceedsMaxTokens,
+    TooManyWatchers,
+    UsageNotEvidence,
+)
 from ledger_service.domain.policies import validate_name
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.settings import Settings
 
 MAX_PAGE_TOKEN_LENGTH = 64
+log = logging.getLogger(__name__)
+# Settles refused because no request could have produced their usage.
+_IMPLAUSIBLE = (UsageNotEvidence, OutputExceedsMaxTokens, ChargeExceedsCapMultiple)
 
 
 def trace_id_of(context: grpc.ServicerContext) -> str:
@@ -76,7 +88,18 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         return convert.reserve_response(result.event, result.balance)
 
     def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
-        result = self._ledger.settle(convert.settle_command(request), trace_id_of(context))
+        try:
+            result = self._ledger.settle(convert.settle_command(request), trace_id_of(context))
+        except _IMPLAUSIBLE as refusal:
+            log.warning(
+                "refused a Settle of booking %r of lane %r (%s): %s",
+                request.reservation_id[:200],
+                request.lane[:200],
+                refusal.reason,
+                refusal.message,
+            )
+            tracing.note_refused_settle(refusal.reason)
+            raise
         return convert.settle_response(result)
 
     def Refund(self, request: pb.RefundRequest, context: grpc.ServicerContext) -> pb.RefundResponse:
@@ -120,6 +143,13 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             response.next_page_token = _encode_token(str(page[-1].seq))
         return response
 
+    def Correct(
+        self, request: pb.CorrectRequest, context: grpc.ServicerContext
+    ) -> pb.CorrectResponse:
+        command = convert.correct_command(request)
+        result = self._ledger.correct(command, auth.current_grant_id(), trace_id_of(context))
+        return convert.correct_response(result)
+
     def Reconcile(
         self, request: pb.ReconcileRequest, context: grpc.ServicerContext
     ) -> pb.ReconcileResponse:
@@ -133,6 +163,8 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             request.default_lane,
             dry_run=request.dry_run,
             trace_id=trace_id_of(context),
+            bill_wins=request.bill_wins,
+            grant_id=auth.current_grant_id(),
         )
         return convert.reconcile_response(report)
 
@@ -205,14 +237,16 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
 class TestClockServicer(pb_grpc.TestClockServicer):
     """Registered only by a server started with --test-clock."""
 
-    def __init__(self, clock: ManualClock) -> None:
+    def __init__(self, clock: ManualClock, ledger: Ledger) -> None:
         self._clock = clock
+        self._ledger = ledger
 
     def SetTime(
         self, request: timestamp_pb2.Timestamp, context: grpc.ServicerContext
     ) -> timestamp_pb2.Timestamp:
         instant_us = convert.micros_of_timestamp("seconds", request)
-        return convert.timestamp(self._clock.set_us(instant_us))
+        floor_us = self._ledger.last_event_at_us()
+        return convert.timestamp(self._clock.set_us(instant_us, not_before_us=floor_us))
 
     def Advance(
         self, request: duration_pb2.Duration, context: grpc.ServicerContext

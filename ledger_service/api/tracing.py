@@ -142,6 +142,12 @@ class RpcMetrics:
             unit="{booking}",
             description="Settle and Refund answers, by lane and outcome.",
         )
+        self.refused_settles = meter.create_counter(
+            "ledger.settle.refused",
+            unit="{settle}",
+            description="Settles refused as usage no request could have produced (nothing "
+            "booked, the booking left as it was), by lane and ledger-reason.",
+        )
         self.spent = meter.create_gauge(
             "ledger.lane.spent", unit="{nano}", description="Spent in the lane's window."
         )
@@ -163,9 +169,17 @@ class RpcMetrics:
         self.rpc_duration.record(
             elapsed_ms, {**method.attributes, "rpc.grpc.status_code": code.value[0]}
         )
+        found = record.attributes
+        if "ledger.refused" in found:
+            self.refused_settles.add(
+                1,
+                {
+                    "ledger.lane": found.get("ledger.lane", ""),
+                    "ledger.reason": found["ledger.refused"],
+                },
+            )
         if code is not grpc.StatusCode.OK:
             return
-        found = record.attributes
         lane = found.get("ledger.lane", "")
         if method.full_name == RESERVE_METHOD and "ledger.decision" in found:
             decision = {"ledger.lane": lane, "ledger.decision": found["ledger.decision"]}
@@ -419,6 +433,13 @@ def _observed_stream(behaviour: Behaviour) -> Callable[..., Iterator[Any]]:
             record.attributes["ledger.messages_sent"] = sent
 
     return observed
+
+
+def note_refused_settle(reason: str) -> None:
+    """Counts the current call as a refused Settle (RpcMetrics.refused_settles)."""
+    record = otel_context.get_value(_RECORD_KEY)
+    if isinstance(record, CallRecord):
+        record.attributes["ledger.refused"] = reason
 
 
 def note_request(record: CallRecord, request: Message) -> None:

@@ -63,6 +63,8 @@ class Audit:
     # Refused calls and calls never sent: charged zero, so only counted.
     refunded_count: int
     reconciled: Part
+    # Charges an operator's correction replaced: real, as the operator said.
+    corrected: Part
     # Reserves answered inside the window (admitted or denied), and the denied.
     reserve_count: int
     denied_count: int
@@ -79,7 +81,9 @@ class Audit:
 
     @property
     def real_charged_nanos(self) -> int:
-        return self.succeeded.amount_nanos + self.reconciled.amount_nanos
+        return (
+            self.succeeded.amount_nanos + self.reconciled.amount_nanos + self.corrected.amount_nanos
+        )
 
     @property
     def denial_rate(self) -> float:
@@ -131,6 +135,7 @@ def summarize(
         open=open_part,
         refunded_count=parts.get(BookingState.REFUNDED, Part()).count,
         reconciled=parts.get(BookingState.RECONCILED, Part()),
+        corrected=parts.get(BookingState.CORRECTED, Part()),
         reserve_count=sum(part.count for part in parts.values()),
         denied_count=rejected.count,
         biggest=tuple(biggest),

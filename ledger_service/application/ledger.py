@@ -22,6 +22,7 @@ from ledger_service.domain.clock import Clock
 from ledger_service.domain.errors import BookingNotFound, InvalidArgument, LaneNotFound
 from ledger_service.domain.events import Event, EventKind, Outcome, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_to_dict
+from ledger_service.domain.pricing import MAX_WINDOW_SUM_NANOS
 from ledger_service.domain.window import Balance, WindowTotals
 
 _T = TypeVar("_T")
@@ -46,6 +47,12 @@ class SettleResult:
 
 @dataclasses.dataclass(frozen=True)
 class RefundResult:
+    balance: Balance
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectResult:
+    event: Event
     balance: Balance
 
 
@@ -120,6 +127,7 @@ class Ledger:
             tx.drop_window_states(sorted(stale))
             now_us = self._clock.now_us()
             totals = tx.window_totals(policy.lane, now_us, policy.window_us)
+            _check_parent_sums(tx, policy, now_us)
             event = _with_balance(
                 Event(
                     kind=EventKind.LANE_CONFIGURED,
@@ -183,10 +191,12 @@ class Ledger:
 
         def work(tx: StoreTransaction) -> SettleResult:
             booking, windows, now_us = self._open_booking(tx, command, trace_id)
-            verdict = moves.decide_settle(booking, command, now_us)
+            verdict = moves.decide_settle(
+                booking, command, now_us, windows[0].policy.max_charge_multiple
+            )
             if verdict.event is not None:
                 stored, after = record_booking_event(
-                    tx, windows, booking, verdict.event, now_us, trace_id
+                    tx, windows, booking, verdict.event, now_us, trace_id, command.charge_field
                 )
                 return SettleResult(stored.amount_nanos, after.state, balance_after(stored))
             if verdict.repeat_seq:
@@ -220,10 +230,32 @@ class Ledger:
 
         return self._write(work)
 
+    def correct(
+        self, command: moves.CorrectCommand, grant_id: str, trace_id: str = ""
+    ) -> CorrectResult:
+        """An operator's correction of an ended booking's charge; a repeat of the
+        same correction id returns the first answer."""
+        command.validate()
+
+        def work(tx: StoreTransaction) -> CorrectResult:
+            _locked_lane(tx, command.lane)
+            first = tx.get_correction(command.lane, command.correction_id)
+            if first is not None:
+                moves.check_correction_repeat(first, command)
+                return CorrectResult(first, balance_after(first))
+            booking, windows, now_us = self._open_booking(tx, command, trace_id)
+            event = moves.decide_correct(booking, command, now_us, grant_id)
+            stored, _ = record_booking_event(
+                tx, windows, booking, event, now_us, trace_id, "charge_nanos"
+            )
+            return CorrectResult(stored, balance_after(stored))
+
+        return self._write(work)
+
     def _open_booking(
         self,
         tx: StoreTransaction,
-        command: moves.SettleCommand | moves.RefundCommand,
+        command: moves.SettleCommand | moves.RefundCommand | moves.CorrectCommand,
         trace_id: str,
     ) -> tuple[Booking, list[BudgetWindow], int]:
         """Locks the lane and its budgets, finds the booking and expires it first
@@ -318,6 +350,15 @@ class Ledger:
     def last_seq(self) -> int:
         return self._store.run(lambda tx: tx.last_seq(), write=False)
 
+    def last_event_at_us(self) -> int:
+        """When the last recorded event happened (0 with none)."""
+
+        def work(tx: StoreTransaction) -> int:
+            last = tx.get_event(tx.last_seq())
+            return last.occurred_at_us if last is not None else 0
+
+        return self._store.run(work, write=False)
+
     def tail(
         self,
         query: EventQuery,
@@ -400,6 +441,16 @@ def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> None:
         )
 
 
+def _check_parent_sums(tx: StoreTransaction, policy: LanePolicy, now_us: int) -> None:
+    """A lane put under a parent brings its bookings into every ancestor's window:
+    each must stay within the largest sum the ledger keeps. (Counted as if the
+    lane were new to each of them, so the check can only err on the safe side.)"""
+    for ancestor in locked_ancestors(tx, policy):
+        joined = tx.window_totals(policy.lane, now_us, ancestor.window_us).spent_nanos
+        already = tx.window_totals(ancestor.lane, now_us, ancestor.window_us).spent_nanos
+        moves.check_window_sums([joined + already], "lane.parent")
+
+
 def _event(tx: StoreTransaction, seq: int) -> Event:
     event = tx.get_event(seq)
     assert event is not None, f"event {seq} named by a booking is missing"
@@ -426,13 +477,24 @@ def record_booking_event(
     event: Event,
     now_us: int,
     trace_id: str,
+    amount_field: str = "",
 ) -> tuple[Event, Booking]:
     """Appends one booking event and projects it: the booking, and the windows
     of every budget it belongs to (`windows[0]` is its lane's). Returns the
-    stored event and the booking after it."""
+    stored event and the booking after it.
+
+    A move that may raise an amount past its hold (a SUCCEEDED settle, a
+    reconcile, a correction) names the request field it came from, so that a
+    window it would take past the largest sum is refused naming that field.
+    """
     preview = bookings.apply(event, before)
     for window in windows:
         window.change(before, preview, now_us)
+    spent = [window.totals.spent_nanos for window in windows]
+    if amount_field:
+        moves.check_window_sums(spent, amount_field)
+    else:
+        assert all(value <= MAX_WINDOW_SUM_NANOS for value in spent), spent
     lane = windows[0]
     stored = tx.append(_with_balance(event, lane.policy, lane.totals, trace_id=trace_id))
     after = bookings.apply(stored, before)

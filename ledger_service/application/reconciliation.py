@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 
@@ -10,7 +11,12 @@ from ledger_service.application.budgets import BudgetWindow, open_window
 from ledger_service.application.ledger import Ledger, locked_ancestors, record_booking_event
 from ledger_service.application.ports import StoreTransaction
 from ledger_service.domain import moves, reconcile
+from ledger_service.domain.errors import InvalidArgument, SumOutOfRange
+from ledger_service.domain.pricing import MAX_WINDOW_SUM_NANOS
 from ledger_service.domain.reconcile import ExportFormat, RowResult, RowStatus
+
+# Rows that replaced an estimate (corrected) or a real charge (replaced, bill wins).
+CHANGED = (RowStatus.CORRECTED, RowStatus.REPLACED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +36,11 @@ class ReconcileReport:
     def real_after_nanos(self) -> int:
         return sum(r.after_nanos for r in self.rows if r.status is RowStatus.CORRECTED)
 
+    def largest_total_nanos(self) -> int:
+        """The largest sum of amounts the report could state."""
+        changed = [row for row in self.rows if row.status in CHANGED]
+        return max(sum(r.before_nanos for r in changed), sum(r.after_nanos for r in changed))
+
 
 class _DryRun(Exception):
     """Rolls a dry run's transaction back while keeping its answer."""
@@ -47,6 +58,8 @@ def reconcile_export(
     *,
     dry_run: bool = False,
     trace_id: str = "",
+    bill_wins: bool = False,
+    grant_id: str = "",
 ) -> ReconcileReport:
     parsed = reconcile.parse(content, export_format, default_lane)
     if parsed.bad:
@@ -55,7 +68,13 @@ def reconcile_export(
         return ReconcileReport(False, sorted(rows, key=lambda r: r.line))
 
     def work(tx: StoreTransaction) -> list[RowResult]:
-        results = _apply(ledger, tx, parsed.rows, trace_id)
+        results = _apply(ledger, tx, parsed.rows, trace_id, grant_id if bill_wins else None)
+        report = ReconcileReport(True, results)
+        if report.largest_total_nanos() > MAX_WINDOW_SUM_NANOS:
+            # The report's totals must fit the wire's int64, as every sum does.
+            raise InvalidArgument(
+                "content", f"the file's charges add up past {MAX_WINDOW_SUM_NANOS} nanos"
+            )
         if dry_run:
             raise _DryRun(results)
         return results
@@ -72,8 +91,13 @@ def _not_applied(row: reconcile.ExportRow) -> RowResult:
 
 
 def _apply(
-    ledger: Ledger, tx: StoreTransaction, rows: Sequence[reconcile.ExportRow], trace_id: str
+    ledger: Ledger,
+    tx: StoreTransaction,
+    rows: Sequence[reconcile.ExportRow],
+    trace_id: str,
+    bill_wins_grant: str | None,
 ) -> list[RowResult]:
+    """`bill_wins_grant`: the grant id when the bill replaces disagreeing real charges."""
     now_us = ledger.clock.now_us()
     chains = _budget_chains(tx, sorted({row.lane for row in rows}), now_us)
     results: list[RowResult] = []
@@ -83,9 +107,17 @@ def _apply(
         if windows and booking is not None and booking.is_expired_at(now_us):
             expired = moves.expire(booking, now_us)
             _, booking = record_booking_event(tx, windows, booking, expired, now_us, trace_id)
-        result, event = reconcile.decide(booking, row, now_us)
+        bill_wins = (
+            None
+            if bill_wins_grant is None
+            else reconcile.BillWins(f"bill-{uuid.uuid4().hex}", bill_wins_grant)
+        )
+        result, event = reconcile.decide(booking, row, now_us, bill_wins)
         if event is not None and windows:
-            record_booking_event(tx, windows, booking, event, now_us, trace_id)
+            try:
+                record_booking_event(tx, windows, booking, event, now_us, trace_id, "content")
+            except SumOutOfRange as error:
+                raise SumOutOfRange("content", f"line {row.line}: {error.message}") from error
         results.append(result)
     return results
 
