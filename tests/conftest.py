@@ -182,27 +182,27 @@ def lane_message(
     lane: str = "recall",
     *,
     limit_nanos: int = RECALL_LIMIT_NANOS,
-    prices: dict[str, tuple[int, int]] | None = None,
+    prices: dict[str, tuple[int, ...]] | None = None,
     window_seconds: int | None = None,
     hold_ttl_seconds: int | None = None,
     bytes_per_token: float | None = None,
     overhead_tokens: int | None = None,
     expire_charge: int = pb.EXPIRE_CHARGE_UNSPECIFIED,
+    max_charge_multiple: int | None = None,
+    parent: str = "",
 ) -> pb.Lane:
-    """A lane policy; fields left None keep the contract's defaults."""
+    """A lane policy; fields left None keep the contract's defaults. A price is
+    (input, output) or (input, output, cached input, cache write)."""
     chosen = prices or {"jev": (JEV_INPUT_NANOS_PER_MILLION, JEV_OUTPUT_NANOS_PER_MILLION)}
     message = pb.Lane(
         lane=lane,
         limit_nanos=limit_nanos,
-        prices={
-            model: pb.ModelPrice(
-                input_nanos_per_million_tokens=price_in,
-                output_nanos_per_million_tokens=price_out,
-            )
-            for model, (price_in, price_out) in chosen.items()
-        },
+        prices={model: _price_message(*price) for model, price in chosen.items()},
         expire_charge=expire_charge,
+        parent=parent,
     )
+    if max_charge_multiple is not None:
+        message.max_charge_multiple = max_charge_multiple
     if window_seconds is not None:
         message.window.CopyFrom(duration_pb2.Duration(seconds=window_seconds))
     if hold_ttl_seconds is not None:
@@ -211,6 +211,19 @@ def lane_message(
         message.bytes_per_token = bytes_per_token
     if overhead_tokens is not None:
         message.overhead_tokens = overhead_tokens
+    return message
+
+
+def _price_message(
+    price_in: int, price_out: int, cached_in: int | None = None, cache_write: int | None = None
+) -> pb.ModelPrice:
+    message = pb.ModelPrice(
+        input_nanos_per_million_tokens=price_in, output_nanos_per_million_tokens=price_out
+    )
+    if cached_in is not None:
+        message.cached_input_nanos_per_million_tokens = cached_in
+    if cache_write is not None:
+        message.cache_write_nanos_per_million_tokens = cache_write
     return message
 
 
@@ -321,6 +334,8 @@ class LedgerHarness:
         billed_nanos: int | None = None,
         http_status: int = 0,
         metadata: tuple[tuple[str, str], ...] | None = None,
+        cached_input_tokens: int = 0,
+        cache_write_tokens: int = 0,
     ) -> pb.SettleResponse:
         request = pb.SettleRequest(
             lane=lane,
@@ -329,6 +344,8 @@ class LedgerHarness:
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             http_status=http_status,
+            cached_input_tokens=cached_input_tokens,
+            cache_write_tokens=cache_write_tokens,
         )
         if billed_nanos is not None:
             request.billed_nanos = billed_nanos
@@ -343,6 +360,27 @@ class LedgerHarness:
         response: pb.RefundResponse = self.ledger.Refund(
             pb.RefundRequest(
                 lane=lane, reservation_id=reservation_id, http_status=http_status, reason=reason
+            ),
+            timeout=RPC_TIMEOUT_SECONDS,
+        )
+        return response
+
+    def correct(
+        self,
+        reservation_id: str,
+        charge_nanos: int,
+        *,
+        lane: str = "recall",
+        reason: str = "the provider's bill",
+        correction_id: str = "c-1",
+    ) -> pb.CorrectResponse:
+        response: pb.CorrectResponse = self.ledger.Correct(
+            pb.CorrectRequest(
+                lane=lane,
+                reservation_id=reservation_id,
+                charge_nanos=charge_nanos,
+                reason=reason,
+                correction_id=correction_id,
             ),
             timeout=RPC_TIMEOUT_SECONDS,
         )

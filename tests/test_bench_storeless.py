@@ -44,7 +44,9 @@ def test_only_the_first_reserve_and_settle_reach_the_store(
     admin.PutLane(pb.PutLaneRequest(lane=lane_message()), timeout=RPC_TIMEOUT_SECONDS)
     answers = [ledger.Reserve(_reserve(f"r-{n}"), timeout=RPC_TIMEOUT_SECONDS) for n in range(3)]
     assert all(answer == answers[0] for answer in answers)
-    settle = pb.SettleRequest(lane="recall", reservation_id="r-0", outcome=pb.SUCCEEDED)
+    settle = pb.SettleRequest(
+        lane="recall", reservation_id="r-0", outcome=pb.SUCCEEDED, input_tokens=10
+    )
     for reservation_id in ("r-0", "r-1"):
         settle.reservation_id = reservation_id
         ledger.Settle(settle, timeout=RPC_TIMEOUT_SECONDS)

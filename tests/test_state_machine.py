@@ -43,6 +43,10 @@ from hypothesis.stateful import (
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
+# The default max_charge_multiple of a lane (README): a SUCCEEDED charge above
+# this many times the booking's cap is refused.
+DEFAULT_MAX_CHARGE_MULTIPLE = 100
+
 SECOND_US = 1_000_000
 WINDOW_US = 3_600 * SECOND_US
 HOLD_TTL_US = 60 * SECOND_US
@@ -459,23 +463,38 @@ class LedgerMachine(RuleBasedStateMachine):
             else:
                 assert code is FAILED_PRECONDITION, code
             return
-        assert code is grpc.StatusCode.OK, (state, content, code)
         if outcome == pb.UNKNOWN and state in ("unknown", "expired"):
             # Late news of nothing: the current charge stands.
+            assert code is grpc.StatusCode.OK, (state, content, code)
             assert (answer.charged_nanos, answer.state) == (
                 booking.amount_nanos,
                 pb.SETTLED_UNKNOWN if state == "unknown" else pb.EXPIRED,
             )
             self.check_balance(answer.balance)
             return
+        if outcome == pb.SUCCEEDED and input_tokens == 0 and billed_nanos is None:
+            # No evidence of a call: refused, nothing changes.
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, code
+            return
+        if output_tokens > booking.arguments["max_output_tokens"]:
+            # More output than the provider was allowed to write: refused, nothing changes.
+            assert code is grpc.StatusCode.INVALID_ARGUMENT, (state, content, code)
+            return
+        cap = cap_of(booking.arguments["request_bytes"], booking.arguments["max_output_tokens"])
         if outcome == pb.SUCCEEDED:
             charge = (
                 billed_nanos
                 if billed_nanos is not None
                 else real_cost(booking.price, input_tokens, output_tokens)
             )
+            if charge > DEFAULT_MAX_CHARGE_MULTIPLE * cap:
+                # No request of its size could cost that: refused, nothing changes.
+                assert code is grpc.StatusCode.INVALID_ARGUMENT, (state, content, code, cap)
+                return
+            assert code is grpc.StatusCode.OK, (state, content, code)
             booking.state = "settled"
         else:
+            assert code is grpc.StatusCode.OK, (state, content, code)
             charge = (
                 booking.hold_nanos
                 if billed_nanos is None

@@ -224,7 +224,13 @@ class Ledger:
         return response
 
     def settle(
-        self, reservation_id: str, outcome: int, *, lane: str = "recall", input_tokens: int = 0
+        self,
+        reservation_id: str,
+        outcome: int,
+        *,
+        lane: str = "recall",
+        input_tokens: int = 0,
+        output_tokens: int = 0,
     ) -> pb.SettleResponse:
         response: pb.SettleResponse = self.ledger.Settle(
             pb.SettleRequest(
@@ -232,6 +238,7 @@ class Ledger:
                 reservation_id=reservation_id,
                 outcome=outcome,  # type: ignore[arg-type]
                 input_tokens=input_tokens,
+                output_tokens=output_tokens,
             ),
             timeout=RPC_TIMEOUT_SECONDS,
         )

@@ -105,3 +105,30 @@ def test_a_failed_move_is_timed_but_not_counted(
     assert "ledger.reserve.decisions" not in found
     codes = {dict(key)["rpc.grpc.status_code"] for key in points(found["rpc.server.duration"])}
     assert 5 in codes  # NOT_FOUND
+
+
+def test_a_refused_settle_is_counted_by_its_reason(
+    ledger: Any, metric_reader: InMemoryMetricReader
+) -> None:
+    ledger.put_lane()
+    ledger.reserve("r1")  # 10_000 bytes and 500 output tokens: a cap of 486 nanos
+    for usage in (
+        {"input_tokens": 10, "output_tokens": 501},
+        {"input_tokens": 10**7},
+        {"output_tokens": 10},
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            ledger.settle("r1", pb.SUCCEEDED, **usage)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    ledger.settle("r1", pb.SUCCEEDED, input_tokens=1_000)  # still open: settles for real
+    found = metrics_by_name(metric_reader)
+    lane = ("ledger.lane", "recall")
+    assert points(found["ledger.settle.refused"]) == {
+        (lane, ("ledger.reason", reason)): 1
+        for reason in (
+            "OUTPUT_EXCEEDS_MAX_TOKENS",
+            "CHARGE_EXCEEDS_CAP_MULTIPLE",
+            "SETTLE_WITHOUT_USAGE",
+        )
+    }
+    assert points(found["ledger.endings"]) == {(lane, ("ledger.outcome", "succeeded")): 1}

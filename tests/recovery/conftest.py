@@ -19,8 +19,14 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.application.recovery import Recovery, RecoverySettings
 from ledger_service.domain.clock import ManualClock, SystemClock
 from ledger_service.domain.events import Outcome
-from ledger_service.domain.moves import RefundCommand, ReserveCommand, SettleCommand
+from ledger_service.domain.moves import (
+    CorrectCommand,
+    RefundCommand,
+    ReserveCommand,
+    SettleCommand,
+)
 from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.pricing import ModelPrice
 from ledger_service.storage import database, migrate
 from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
@@ -32,7 +38,13 @@ database_url = storage_fixtures.database_url
 postgres_schema_url = storage_fixtures.postgres_schema_url
 __all__ = ["POSTGRES_URL", "database_url", "postgres_schema_url", "require_postgres"]
 
-DREAMING = dataclasses.replace(RECALL, lane="dreaming", limit_nanos=2_000_000)
+# Dreaming's model has prompt-cache prices, so the folds carry them too.
+DREAMING = dataclasses.replace(
+    RECALL,
+    lane="dreaming",
+    limit_nanos=2_000_000,
+    prices={"jev": ModelPrice(100_000, 400_000, 10_000, 125_000)},
+)
 
 
 @dataclasses.dataclass
@@ -99,7 +111,12 @@ def fill(ledger: Ledger, clock: ManualClock, bookings: int = 40) -> None:
         clock.advance_us(1_000_000)
         ending = index % 5
         if ending == 0:
-            ledger.settle(SettleCommand(lane, rid, Outcome.SUCCEEDED, 9000, 200))
+            ledger.settle(
+                SettleCommand(
+                    lane, rid, Outcome.SUCCEEDED, 9000, 200,
+                    cached_input_tokens=6000, cache_write_tokens=1000,
+                )
+            )  # fmt: skip
         elif ending == 1:
             ledger.settle(SettleCommand(lane, rid, Outcome.UNKNOWN))
         elif ending == 2:
@@ -109,6 +126,9 @@ def fill(ledger: Ledger, clock: ManualClock, bookings: int = 40) -> None:
         # ending 4: left open; some of them expire below.
     clock.advance_us(RECALL.hold_ttl_us)
     ledger.sweep(100)
+    # An operator's corrections: of a real charge, and of an estimate.
+    ledger.correct(CorrectCommand("dreaming", "r0", 321, "the bill", "c-0"), "grant-1")
+    ledger.correct(CorrectCommand("recall", "r1", 0, "never billed", "c-1"), "grant-1")
     ledger.put_lane(dataclasses.replace(RECALL, limit_nanos=RECALL.limit_nanos * 2))
 
 

@@ -200,6 +200,11 @@ def request_for(method: Method, lane: str = HOME_LANE) -> Message:
             format=1, content=b"reservation_id,billed_nanos\nmatrix-1,5\n", default_lane=lane,
             dry_run=True,
         )  # fmt: skip
+    if method.name == "Correct":
+        return pb.CorrectRequest(
+            lane=lane, reservation_id="matrix-1", charge_nanos=0, reason="a test",
+            correction_id="matrix-c1",
+        )  # fmt: skip
     if method.name == "SetTime":
         return timestamp_pb2.Timestamp(seconds=1_900_000_000)
     if method.name == "Advance":
