@@ -709,7 +709,18 @@ def test_an_unknown_booking_is_one_line(target: LedgerProcess, ledger: RunLedger
             "RESERVATION_ID",
         ),
         (
-            ["settle", "checks", "c-1", "--outcome", "succeeded", "--http-status", "403"],
+            # With usage: a SUCCEEDED settle without any is refused for that first.
+            [
+                "settle",
+                "checks",
+                "c-1",
+                "--outcome",
+                "succeeded",
+                "--input-tokens",
+                "10",
+                "--http-status",
+                "403",
+            ],
             "--http-status",
         ),
         (

@@ -4,8 +4,10 @@ is made of.
 `audit` prints the server's audit (GetAudit) as a readable report, or JSON with
 `--json`. `report` writes one self-contained HTML page (inline CSS and SVG, no
 script, nothing fetched) with a chart of the window, spent, held and limit over
-time with a marker at each denial, and the audit's figures in a table whose
-cells have stable ids (`spent-nanos`, `denied-count`, ...) holding raw values.
+time with a marker at each denial and at each corrected charge, the audit's
+figures in a table whose cells have stable ids (`spent-nanos`, `denied-count`,
+...) holding raw values, and the window's corrected charges (`corrected`
+events: an operator's Correct, or Reconcile --bill-wins) in a table of their own.
 
 The chart is drawn from the lane's events inside the window (ListEvents): each
 event carries the lane's spent and limit right after it, and what is held is
@@ -25,7 +27,7 @@ import pathlib
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
@@ -51,6 +53,10 @@ DEFAULT_BIGGEST = 5
 MAX_BIGGEST = 100
 MAX_CHART_POINTS = 2_000
 MAX_DENIAL_MARKERS = 500
+MAX_CORRECTION_MARKERS = 500
+# The corrections table lists the newest this many; the count covers them all.
+MAX_CORRECTIONS_LISTED = 100
+CORRECTION_REASON_SHOWN_CHARACTERS = 200
 CHART_WIDTH = 960
 CHART_HEIGHT = 360
 MARGIN_LEFT = 120
@@ -71,6 +77,8 @@ LABELS = {
     "succeeded_charged_nanos": "charged for succeeded calls (real)",
     "reconciled_count": "reconciled calls",
     "reconciled_charged_nanos": "charged after reconciling (real)",
+    "corrected_count": "corrected calls",
+    "corrected_charged_nanos": "charged after an operator's correction (real)",
     "unknown_count": "UNKNOWN outcomes",
     "unknown_charged_nanos": "charged for UNKNOWN outcomes (estimate)",
     "expired_count": "expired holds",
@@ -97,6 +105,9 @@ BALANCE_FIGURES = (
     "open_bookings",
 )
 AUDIT_FIGURES = tuple(name for name in LABELS if name not in BALANCE_FIGURES)
+CORRECTIONS_HEADER = ("seq", "reservation", "at", "charge before", "charge after", "reason",
+                      "correction id")  # fmt: skip
+_Item = TypeVar("_Item")
 
 
 # Reading ---------------------------------------------------------------------
@@ -155,7 +166,8 @@ def audit_lines(audit: pb.Audit) -> list[str]:
          f"({_percent(balance.spent_nanos, balance.limit_nanos)} of the limit)"),
         ("  real charges", f"{usd(audit.real_charged_nanos)}: "
          f"{audit.succeeded_count} succeeded {usd(audit.succeeded_charged_nanos)}, "
-         f"{audit.reconciled_count} reconciled {usd(audit.reconciled_charged_nanos)}"),
+         f"{audit.reconciled_count} reconciled {usd(audit.reconciled_charged_nanos)}"
+         f"{_corrected_part(audit)}"),
         ("  estimates", f"{usd(audit.estimated_charged_nanos)}: "
          f"{audit.unknown_count} UNKNOWN {usd(audit.unknown_charged_nanos)}, "
          f"{audit.expired_count} expired {usd(audit.expired_charged_nanos)}"),
@@ -173,6 +185,14 @@ def audit_lines(audit: pb.Audit) -> list[str]:
         header = ("RESERVATION", "STATE", "AMOUNT", "HOLD", "CAP", "RESERVED (UTC)", "AGES OUT")
         lines += ["", "biggest bookings:", *_table(header, _booking_rows(audit))]
     return [*lines, "", audit.summary]
+
+
+def _corrected_part(audit: pb.Audit) -> str:
+    """The corrected bookings among the real charges; left out when there are none, so
+    that a lane nobody corrected reads as it always has."""
+    if not audit.corrected_count:
+        return ""
+    return f", {audit.corrected_count} corrected {usd(audit.corrected_charged_nanos)}"
 
 
 def _booking_rows(audit: pb.Audit) -> list[tuple[str, ...]]:
@@ -228,7 +248,7 @@ def chart_points(
     return [*points, now], denials
 
 
-def _thinned(points: Sequence[ChartPoint], most: int) -> list[ChartPoint]:
+def _thinned(points: Sequence[_Item], most: int) -> list[_Item]:
     """At most `most` points, evenly spread, keeping the last (the balance now)."""
     if len(points) <= most:
         return list(points)
@@ -269,7 +289,43 @@ def _timestamp(at_us: int) -> timestamp_pb2.Timestamp:
     return timestamp_pb2.Timestamp(seconds=seconds, nanos=rest_us * 1000)
 
 
-def chart_svg(points: Sequence[ChartPoint], denials: Sequence[ChartPoint]) -> str:
+def corrected_events(events: Iterable[pb.Event]) -> list[pb.Event]:
+    """The events that replaced an ended booking's charge (Correct, or Reconcile --bill-wins)."""
+    return [event for event in events if event.kind == "corrected"]
+
+
+def correction_title(event: pb.Event) -> str:
+    """'corrected r-1 at T: $X -> $Y (why)', for a marker's tooltip."""
+    return (
+        f"corrected {event.reservation_id} at {time_text(event.occurred_at)}: "
+        f"{usd(event.previous_amount_nanos)} -> {usd(event.amount_nanos)} ({_reason(event)})"
+    )
+
+
+def _reason(event: pb.Event) -> str:
+    reason = " ".join(event.reason.split())
+    if len(reason) > CORRECTION_REASON_SHOWN_CHARACTERS:
+        return reason[: CORRECTION_REASON_SHOWN_CHARACTERS - 3] + "..."
+    return reason
+
+
+def _correction_markers(corrections: Sequence[pb.Event], scale: _Scale) -> str:
+    """A circle on the spent line at each correction, its tooltip saying what changed."""
+    shown = _thinned(corrections, MAX_CORRECTION_MARKERS) if corrections else []
+    circles = "".join(
+        f'<circle class="correction-marker" cx="{scale.x(micros(event.occurred_at)):.1f}" '
+        f'cy="{scale.y(event.spent_after_nanos):.1f}" r="5">'
+        f"<title>{html.escape(correction_title(event))}</title></circle>"
+        for event in shown
+    )
+    return f'<g id="correction-markers" data-count="{len(corrections)}">{circles}</g>'
+
+
+def chart_svg(
+    points: Sequence[ChartPoint],
+    denials: Sequence[ChartPoint],
+    corrections: Sequence[pb.Event] = (),
+) -> str:
     shown = _thinned(points, MAX_CHART_POINTS)
     marked = _thinned(denials, MAX_DENIAL_MARKERS) if denials else []
     start_us = shown[0].at_us
@@ -295,6 +351,7 @@ def chart_svg(points: Sequence[ChartPoint], denials: Sequence[ChartPoint]) -> st
         f'<polyline id="spent-line" class="spent" points="{_steps(shown, scale, "spent_nanos")}"/>'
         f'<polyline id="held-line" class="held" points="{_steps(shown, scale, "held_nanos")}"/>'
         f'<g id="denial-markers" data-count="{len(denials)}">{markers}</g>'
+        f"{_correction_markers(corrections, scale)}"
         f'<text class="axis" x="{MARGIN_LEFT - 6}" y="{bottom}" text-anchor="end">{usd(0)}</text>'
         f'<text class="axis" x="{MARGIN_LEFT - 6}" y="{scale.y(limit_now) + 4:.1f}" '
         f'text-anchor="end">{usd(limit_now)}</text>'
@@ -307,6 +364,8 @@ def chart_svg(points: Sequence[ChartPoint], denials: Sequence[ChartPoint]) -> st
         f'<text class="legend limit" x="{MARGIN_LEFT + 180}" y="{bottom + 40}">&#9632; limit</text>'
         f'<text class="legend denial" x="{MARGIN_LEFT + 270}" y="{bottom + 40}">'
         f"&#9660; denial ({len(denials)})</text>"
+        f'<text class="legend correction" x="{MARGIN_LEFT + 400}" y="{bottom + 40}">'
+        f"&#9679; correction ({len(corrections)})</text>"
         "</svg>"
     )
 
@@ -331,10 +390,12 @@ svg polyline.spent { stroke: #3b5bdb; }
 svg polyline.held { stroke: #f08c00; stroke-dasharray: 4 3; }
 svg polyline.limit { stroke: #c92a2a; stroke-dasharray: 8 4; }
 svg .denial-marker { fill: #c92a2a; }
+svg .correction-marker { fill: #2f9e44; stroke: white; stroke-width: 1.5; }
 svg text { font: 12px system-ui, sans-serif; fill: #59607a; }
 svg text.spent { fill: #3b5bdb; }
 svg text.held { fill: #f08c00; }
 svg text.limit, svg text.denial { fill: #c92a2a; }
+svg text.correction { fill: #2f9e44; }
 """
 
 
@@ -379,9 +440,45 @@ def _biggest_table(audit: pb.Audit) -> str:
     return f'<table id="biggest-bookings"><tr>{header}</tr>{rows}</table>'
 
 
+def _corrections_table(corrections: Sequence[pb.Event]) -> str:
+    """The newest corrections of the window, one row each; data-count counts them all."""
+    header = "".join(f"<th>{name}</th>" for name in CORRECTIONS_HEADER)
+    listed = corrections[-MAX_CORRECTIONS_LISTED:]
+    rows = "".join(
+        '<tr class="correction">'
+        + "".join(f"<td>{html.escape(cell)}</td>" for cell in _correction_cells(event))
+        + "</tr>"
+        for event in reversed(listed)
+    )
+    if not corrections:
+        rows = f'<tr><td colspan="{len(CORRECTIONS_HEADER)}">none in this window</td></tr>'
+    more = (
+        f"<p>The newest {len(listed)} of {len(corrections)} are listed.</p>"
+        if len(listed) < len(corrections)
+        else ""
+    )
+    return (
+        f'<table id="corrections" data-count="{len(corrections)}"><tr>{header}</tr>{rows}'
+        f"</table>{more}"
+    )
+
+
+def _correction_cells(event: pb.Event) -> tuple[str, ...]:
+    return (
+        str(event.seq),
+        event.reservation_id,
+        time_text(event.occurred_at),
+        usd(event.previous_amount_nanos),
+        usd(event.amount_nanos),
+        _reason(event),
+        event.correction_id,
+    )
+
+
 def render_page(audit: pb.Audit, events: Sequence[pb.Event], truncated: bool = False) -> str:
     """One HTML page, self-contained: inline CSS and SVG, no script, no links out."""
     points, denials = chart_points(events, audit.balance)
+    corrections = corrected_events(events)
     lane = html.escape(audit.lane)
     flags = "".join(f'<li class="flag">{html.escape(flag)}</li>' for flag in audit.flags)
     note = (
@@ -399,10 +496,12 @@ def render_page(audit: pb.Audit, events: Sequence[pb.Event], truncated: bool = F
         f"{html.escape(time_text(audit.balance.as_of))}</time>.</p>"
         f'<p id="summary" class="summary">{html.escape(audit.summary)}</p>'
         f'<ul id="flags" class="flags">{flags}</ul>'
-        f"<h2>Spent, held and limit over the window</h2>{note}{chart_svg(points, denials)}"
+        f"<h2>Spent, held and limit over the window</h2>{note}"
+        f"{chart_svg(points, denials, corrections)}"
         f'<h2>Where the spend went</h2><table id="audit-figures">'
         f"{_figure_rows(audit.balance, BALANCE_FIGURES)}{_figure_rows(audit, AUDIT_FIGURES)}"
         f"</table><h2>Biggest bookings</h2>{_biggest_table(audit)}"
+        f"<h2>Charges corrected</h2>{_corrections_table(corrections)}"
         "</body></html>\n"
     )
 

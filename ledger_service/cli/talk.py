@@ -1,5 +1,5 @@
 """Commands that talk to a running server over gRPC: lanes, the moves, balance, history,
-reconciling with a provider's usage export.
+an operator's correction of a charge, reconciling with a provider's usage export.
 
 Each command parses its own values (so a bad value gets one line naming the option),
 makes a few bounded calls and prints a readable text, or JSON with `--json`. A
@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime
 import decimal
+import hashlib
 import json
 import os
 import pathlib
@@ -65,6 +66,10 @@ MAX_HISTORY_EVENTS = 10_000
 FOLLOW_QUEUE_EVENTS = 1000
 FOLLOW_POLL_SECONDS = 0.1
 TRACE_ID_SHOWN_CHARACTERS = 8
+CORRECTION_REASON_SHOWN_CHARACTERS = 40
+# A derived --correction-id: this prefix and this many hex digits of a SHA-256.
+CORRECTION_ID_PREFIX = "c-"
+CORRECTION_ID_HEX_DIGITS = 24
 REASON_KEY = "ledger-reason"
 FIELD_KEY = "ledger-field"
 
@@ -86,6 +91,7 @@ OPTION_OF_FIELD = {
     "lane.prices": "--price",
     "lane.expire_charge": "--expire-charge",
     "lane.parent": "--parent",
+    "lane.max_charge_multiple": "--max-charge-multiple",
     "reservation_id": "RESERVATION_ID",
     "model": "--model",
     "request_bytes": "--request-bytes",
@@ -95,6 +101,8 @@ OPTION_OF_FIELD = {
     "outcome": "--outcome",
     "input_tokens": "--input-tokens",
     "output_tokens": "--output-tokens",
+    "cached_input_tokens": "--cached-input-tokens",
+    "cache_write_tokens": "--cache-write-tokens",
     "billed_nanos": "--billed",
     "http_status": "--http-status",
     "reason": "--reason",
@@ -102,6 +110,8 @@ OPTION_OF_FIELD = {
     "content": "FILE",
     "format": "--format",
     "default_lane": "--lane",
+    "charge_nanos": "--charge",
+    "correction_id": "--correction-id",
 }
 
 _AMOUNT = re.compile(
@@ -153,20 +163,34 @@ def parse_amount_nanos(option: str, text: str) -> int:
     return -nanos if match["sign"] else nanos
 
 
+# The parts of a --price after MODEL=, in order; the last two may be left out.
+PRICE_PARTS = ("input", "output", "cached input", "cache write")
+
+
 def parse_price(text: str) -> tuple[str, pb.ModelPrice]:
-    """'jev=0.10/0.40' (USD per million tokens) or 'jev=100000000n/400000000n'."""
+    """'jev=0.10/0.40' (USD per million tokens, input / output), 'jev=100000000n/400000000n',
+    or with the prompt cache's prices too: 'jev=0.10/0.40/0.01[/0.125]' (cached input,
+    then cache write). A cache price left out is the input price, on the server."""
     model, equals, prices = text.partition("=")
-    input_text, slash, output_text = prices.partition("/")
-    if not model or not equals or not slash:
+    parts = prices.split("/")
+    if not model or not equals or not 2 <= len(parts) <= len(PRICE_PARTS):
         raise CliError(
-            f"--price: {text[:MAX_VALUE_LENGTH]!r} is not MODEL=IN/OUT "
+            f"--price: {text[:MAX_VALUE_LENGTH]!r} is not MODEL=IN/OUT[/CACHED_IN[/CACHE_WRITE]] "
             "(USD per million tokens, e.g. jev=0.10/0.40)",
             EXIT_BAD_VALUE,
         )
-    return model, pb.ModelPrice(
-        input_nanos_per_million_tokens=parse_amount_nanos(f"--price {model} input", input_text),
-        output_nanos_per_million_tokens=parse_amount_nanos(f"--price {model} output", output_text),
+    nanos = [
+        parse_amount_nanos(f"--price {model} {name}", part)
+        for name, part in zip(PRICE_PARTS, parts, strict=False)
+    ]
+    price = pb.ModelPrice(
+        input_nanos_per_million_tokens=nanos[0], output_nanos_per_million_tokens=nanos[1]
     )
+    if len(nanos) > 2:
+        price.cached_input_nanos_per_million_tokens = nanos[2]
+    if len(nanos) > 3:
+        price.cache_write_nanos_per_million_tokens = nanos[3]
+    return model, price
 
 
 def parse_duration(option: str, text: str) -> duration_pb2.Duration:
@@ -308,19 +332,33 @@ def lane_lines(lane: pb.Lane) -> list[str]:
         ("bytes per token", f"{lane.bytes_per_token:g}"),
         ("overhead tokens", str(lane.overhead_tokens)),
         ("expire charge", _enum_name(pb.ExpireCharge, lane.expire_charge)),
+        ("max charge", max_charge_text(lane)),
         ("version", str(lane.version)),
         ("updated at", time_text(lane.updated_at)),
     ]
-    for model in sorted(lane.prices):
-        price = lane.prices[model]
-        rows.append(
-            (
-                f"price {model}",
-                f"in {usd(price.input_nanos_per_million_tokens)} / out "
-                f"{usd(price.output_nanos_per_million_tokens)} per million tokens",
-            )
-        )
+    rows += [(f"price {model}", price_text(lane.prices[model])) for model in sorted(lane.prices)]
     return _pairs(rows)
+
+
+def max_charge_text(lane: pb.Lane) -> str:
+    """The bound on a SUCCEEDED charge, as the server states it."""
+    if not lane.HasField("max_charge_multiple"):
+        return "the server's default"
+    multiple = lane.max_charge_multiple
+    return f"{multiple}x the cap" if multiple else "no bound"
+
+
+def price_text(price: pb.ModelPrice) -> str:
+    """'in $X / out $Y per million tokens', and the cache prices when the lane sets them."""
+    parts = [
+        f"in {usd(price.input_nanos_per_million_tokens)}",
+        f"out {usd(price.output_nanos_per_million_tokens)}",
+    ]
+    if price.HasField("cached_input_nanos_per_million_tokens"):
+        parts.append(f"cached in {usd(price.cached_input_nanos_per_million_tokens)}")
+    if price.HasField("cache_write_nanos_per_million_tokens"):
+        parts.append(f"cache write {usd(price.cache_write_nanos_per_million_tokens)}")
+    return " / ".join(parts) + " per million tokens"
 
 
 def balance_lines(balance: pb.Balance) -> list[str]:
@@ -398,7 +436,17 @@ def event_outcome(event: pb.Event) -> str:
         return _enum_name(pb.DenialReason, event.denial_reason)
     if event.kind == "lane_configured":
         return f"limit {usd(event.limit_nanos)}"
+    if event.kind == "corrected":
+        return correction_outcome(event)
     return "-"
+
+
+def correction_outcome(event: pb.Event) -> str:
+    """'was $X: why', the reason on one line and cut short: the table stays one row a line."""
+    reason = " ".join(event.reason.split())
+    if len(reason) > CORRECTION_REASON_SHOWN_CHARACTERS:
+        reason = reason[: CORRECTION_REASON_SHOWN_CHARACTERS - 3] + "..."
+    return f"was {usd(event.previous_amount_nanos)}: {reason or event.correction_id}"
 
 
 def event_row(event: pb.Event) -> tuple[str, ...]:
@@ -708,6 +756,10 @@ def lane_put(arguments: argparse.Namespace, session: Session) -> int:
         lane.overhead_tokens = parse_count("--overhead-tokens", arguments.overhead_tokens)
     if arguments.parent is not None:
         lane.parent = arguments.parent
+    if arguments.max_charge_multiple is not None:
+        lane.max_charge_multiple = parse_count(
+            "--max-charge-multiple", arguments.max_charge_multiple
+        )
     saved = session.admin.PutLane(pb.PutLaneRequest(lane=lane), **session.options())
     _emit(arguments, saved, lane_lines(saved))
     return 0
@@ -781,6 +833,8 @@ def settle(arguments: argparse.Namespace, session: Session) -> int:
         input_tokens=parse_count("--input-tokens", arguments.input_tokens),
         output_tokens=parse_count("--output-tokens", arguments.output_tokens),
         http_status=parse_count("--http-status", arguments.http_status),
+        cached_input_tokens=parse_count("--cached-input-tokens", arguments.cached_input_tokens),
+        cache_write_tokens=parse_count("--cache-write-tokens", arguments.cache_write_tokens),
     )
     if arguments.billed is not None:
         request.billed_nanos = parse_amount_nanos("--billed", arguments.billed)
@@ -804,6 +858,36 @@ def refund(arguments: argparse.Namespace, session: Session) -> int:
     response = session.ledger.Refund(request, **session.options())
     lines = [
         f"refunded {arguments.reservation_id}: charged {usd(0)}",
+        balance_summary(response.balance),
+    ]
+    _emit(arguments, response, lines)
+    return 0
+
+
+def correction_id(lane: str, reservation_id: str, charge_nanos: int, reason: str) -> str:
+    """The id of a correction given no --correction-id: derived from what it says, so
+    that running the same command again is the same correction (answered, not redone)."""
+    content = json.dumps([lane, reservation_id, charge_nanos, reason], ensure_ascii=False)
+    digest = hashlib.sha256(content.encode("utf-8")).hexdigest()
+    return CORRECTION_ID_PREFIX + digest[:CORRECTION_ID_HEX_DIGITS]
+
+
+def correct(arguments: argparse.Namespace, session: Session) -> int:
+    charge_nanos = parse_amount_nanos("--charge", arguments.charge)
+    chosen_id = arguments.correction_id or correction_id(
+        arguments.lane, arguments.reservation_id, charge_nanos, arguments.reason
+    )
+    request = pb.CorrectRequest(
+        lane=arguments.lane,
+        reservation_id=arguments.reservation_id,
+        charge_nanos=charge_nanos,
+        reason=arguments.reason,
+        correction_id=chosen_id,
+    )
+    response = session.ledger.Correct(request, **session.options())
+    lines = [
+        f"corrected {arguments.reservation_id}: charge {usd(response.previous_charge_nanos)} "
+        f"-> {usd(response.charged_nanos)}",
         balance_summary(response.balance),
     ]
     _emit(arguments, response, lines)
@@ -939,7 +1023,9 @@ def _print_event(
 
 RECONCILE_HEADER = ("LINE", "LANE", "RESERVATION", "STATUS", "BEFORE -> AFTER", "MESSAGE")
 # Rows whose before and after are charges of a booking the ledger found.
-STATUSES_WITH_AMOUNTS = frozenset({"corrected", "matched", "disagrees", "open", "refunded"})
+STATUSES_WITH_AMOUNTS = frozenset(
+    {"corrected", "matched", "disagrees", "replaced", "open", "refunded"}
+)
 
 
 def read_export(
@@ -991,7 +1077,9 @@ def reconcile_row(row: pb.ReconcileRow) -> tuple[str, ...]:
     )
 
 
-def reconcile_lines(response: pb.ReconcileResponse, dry_run: bool) -> list[str]:
+def reconcile_lines(
+    response: pb.ReconcileResponse, dry_run: bool, bill_wins: bool = False
+) -> list[str]:
     if response.bad_count:
         verdict = "not applied: the file has bad rows, so nothing changed"
     elif response.applied:
@@ -1008,6 +1096,8 @@ def reconcile_lines(response: pb.ReconcileResponse, dry_run: bool) -> list[str]:
         if response.bad_count
         else f"{response.corrected_count} corrected, {response.matched_count} matched, "
         f"{response.unmatched_count} unmatched, {response.disagreement_count} disagreeing"
+        # Only a --bill-wins run replaces charges, so only it counts them.
+        + (f", {response.replaced_count} replaced" if bill_wins or response.replaced_count else "")
     )
     totals = _pairs(
         [
@@ -1056,12 +1146,14 @@ def reconcile(arguments: argparse.Namespace, session: Session) -> int:
         content=content,
         default_lane=arguments.lane or "",
         dry_run=arguments.dry_run,
+        bill_wins=arguments.bill_wins,
     )
     try:
         response = session.ledger.Reconcile(request, **session.options())
     except grpc.RpcError as error:
         raise _reconcile_failure(error, arguments, session) from None
-    _emit(arguments, response, reconcile_lines(response, arguments.dry_run))
+    lines = reconcile_lines(response, arguments.dry_run, arguments.bill_wins)
+    _emit(arguments, response, lines)
     if response.bad_count:
         bad = [str(row.line) for row in response.rows if row.status == "bad"]
         shown = ", ".join(bad[:MAX_LINES_NAMED]) + (", ..." if len(bad) > MAX_LINES_NAMED else "")
@@ -1141,9 +1233,10 @@ def _register_lane(commands: Any, common: argparse.ArgumentParser) -> None:
         "--price",
         action="append",
         required=True,
-        metavar="MODEL=IN/OUT",
+        metavar="MODEL=IN/OUT[/CACHED_IN[/CACHE_WRITE]]",
         help="USD per million tokens, e.g. jev=0.10/0.40 (or nanos: "
-        "jev=100000000n/400000000n); repeat for each model",
+        "jev=100000000n/400000000n); CACHED_IN and CACHE_WRITE price the input tokens "
+        "read from and written to the prompt cache (default: IN); repeat for each model",
     )
     put.add_argument("--window", metavar="DURATION", help="rolling window (default 24h)")
     put.add_argument("--hold-ttl", metavar="DURATION", help="hold lifetime (default 120s)")
@@ -1160,6 +1253,11 @@ def _register_lane(commands: Any, common: argparse.ArgumentParser) -> None:
         metavar="LANE",
         help="a parent budget (another lane) that every Reserve must fit too; "
         "a put replaces the whole policy, so leave it out to have none",
+    )
+    put.add_argument(
+        "--max-charge-multiple",
+        metavar="N",
+        help="refuse a SUCCEEDED charge above N times the booking's cap (default 100; 0: no bound)",
     )
     put.set_defaults(run=_command(lane_put))
     show = actions.add_parser("show", parents=[common], help="show a lane's policy")
@@ -1192,6 +1290,18 @@ def _register_moves(commands: Any, common: argparse.ArgumentParser) -> None:
     end.add_argument("--output-tokens", default="0", metavar="N")
     end.add_argument("--billed", metavar="AMOUNT", help="the provider's billed amount")
     end.add_argument("--http-status", default="0", metavar="N")
+    end.add_argument(
+        "--cached-input-tokens",
+        default="0",
+        metavar="N",
+        help="the part of --input-tokens read from the prompt cache",
+    )
+    end.add_argument(
+        "--cache-write-tokens",
+        default="0",
+        metavar="N",
+        help="the part of --input-tokens written to the prompt cache",
+    )
     end.set_defaults(run=_command(settle))
 
     back = commands.add_parser(
@@ -1209,6 +1319,31 @@ def _register_moves(commands: Any, common: argparse.ArgumentParser) -> None:
         "--reason", default="", metavar="TEXT", help="required when there is no --http-status"
     )
     back.set_defaults(run=_command(refund))
+
+    fix = commands.add_parser(
+        "correct",
+        parents=[common],
+        help="replace the charge of an ended booking (admin grant only)",
+        description="Replaces the charge of an ended booking, recorded as a `corrected` "
+        "event with the reason. Without --correction-id the id is derived from the lane, "
+        "reservation id, charge and reason, so running the same command again changes "
+        "nothing; pass --correction-id to make the same correction anew.",
+    )
+    fix.add_argument("lane", metavar="LANE")
+    fix.add_argument("reservation_id", metavar="RESERVATION_ID")
+    fix.add_argument(
+        "--charge",
+        required=True,
+        metavar="AMOUNT",
+        help="the new charge: $0.50, 0.50 USD or 500000000n",
+    )
+    fix.add_argument("--reason", required=True, metavar="TEXT", help="why, kept in the event")
+    fix.add_argument(
+        "--correction-id",
+        metavar="ID",
+        help="unique within the lane; a retry reuses it (default: derived from the content)",
+    )
+    fix.set_defaults(run=_command(correct))
 
 
 def _register_reading(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -1237,7 +1372,9 @@ def _register_reconcile(commands: Any, common: argparse.ArgumentParser) -> None:
         help="correct UNKNOWN and expired charges from the provider's usage export",
         description="Sends a provider's usage export (CSV with a header row, or JSON lines; "
         "keys reservation_id, lane, billed_nanos or billed_usd, input_tokens, output_tokens, "
-        "model) to the ledger. The file applies in full or not at all. Exits 0 when it "
+        "model) to the ledger. The file applies in full or not at all. A real charge that "
+        "disagrees with the bill is flagged, not changed, unless --bill-wins: then the bill "
+        "replaces it (status replaced, a `corrected` event). Exits 0 when it "
         "applied (or a --dry-run found no bad row), 1 when bad rows kept it from applying. "
         f"--timeout is {RECONCILE_TIMEOUT_SECONDS} s here unless given.",
     )
@@ -1252,5 +1389,11 @@ def _register_reconcile(commands: Any, common: argparse.ArgumentParser) -> None:
     fix.add_argument("--lane", metavar="LANE", help="the lane of rows that name none")
     fix.add_argument(
         "--dry-run", action="store_true", help="show what would change; change nothing"
+    )
+    fix.add_argument(
+        "--bill-wins",
+        action="store_true",
+        help="replace real charges that disagree with the bill (default: flag them, "
+        "change nothing)",
     )
     fix.set_defaults(run=_command(reconcile), timeout=str(RECONCILE_TIMEOUT_SECONDS))
