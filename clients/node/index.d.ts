@@ -86,13 +86,27 @@ export interface ReserveResult {
 export interface SettleRequest extends TraceOptions {
   reservationId: string;
   outcome: 'SUCCEEDED' | 'UNKNOWN';
+  /** Every input token of the call, the cached and cache-write ones included. */
   inputTokens?: Int64Input;
+  /** Every output token, reasoning tokens included; at most the booking's maxOutputTokens. */
   outputTokens?: Int64Input;
   billedNanos?: Int64Input;
   httpStatus?: number;
+  /** The part of inputTokens read from the provider's prompt cache. */
+  cachedInputTokens?: Int64Input;
+  /** The part of inputTokens written to the provider's prompt cache. */
+  cacheWriteTokens?: Int64Input;
 }
 
-export type BookingState = 'OPEN' | 'SETTLED' | 'SETTLED_UNKNOWN' | 'REFUNDED' | 'EXPIRED' | 'REJECTED';
+export type BookingState =
+  | 'OPEN'
+  | 'SETTLED'
+  | 'SETTLED_UNKNOWN'
+  | 'REFUNDED'
+  | 'EXPIRED'
+  | 'REJECTED'
+  | 'RECONCILED'
+  | 'CORRECTED';
 
 export interface SettleResult {
   chargedNanos: bigint;
@@ -131,11 +145,37 @@ export interface CallRequest extends TraceOptions {
   ttlMs?: number;
 }
 
+/**
+ * What the provider reported. inputTokens counts EVERY input token; the cached
+ * (read from the prompt cache) and cache-write ones are parts of it, so
+ * cachedInputTokens + cacheWriteTokens <= inputTokens. outputTokens counts
+ * every output token, reasoning tokens included. usageOf() reads a provider's
+ * body this way.
+ */
 export interface Usage {
   inputTokens?: Int64Input;
   outputTokens?: Int64Input;
   billedNanos?: Int64Input;
+  cachedInputTokens?: Int64Input;
+  cacheWriteTokens?: Int64Input;
 }
+
+/** A provider's usage as usageOf() reads it: every count a BigInt, by the ledger's convention. */
+export interface ProviderUsage {
+  inputTokens: bigint;
+  outputTokens: bigint;
+  cachedInputTokens: bigint;
+  cacheWriteTokens: bigint;
+}
+
+/**
+ * The usage of a provider's parsed response body (or of its `usage` object),
+ * OpenAI-style (`prompt_tokens`, which already counts the cached ones) or
+ * Anthropic-style (`input_tokens`, which excludes the cache: the cache reads and
+ * writes are added). null when the body reports no usage or no input token.
+ * Throws TypeError or RangeError for a count that is not a non-negative integer.
+ */
+export function usageOf(body: unknown): ProviderUsage | null;
 
 /** What the callback of call() says about its model call. */
 export interface CallReport {
@@ -157,7 +197,13 @@ export const Ending: Readonly<{ SUCCEEDED: 'SUCCEEDED'; REFUND: 'REFUND'; UNKNOW
 
 export interface OutcomeReport {
   httpStatus: number;
-  usage: { inputTokens: Int64Input; outputTokens: Int64Input; billedNanos: Int64Input | null } | null;
+  usage: {
+    inputTokens: Int64Input;
+    outputTokens: Int64Input;
+    billedNanos: Int64Input | null;
+    cachedInputTokens: Int64Input;
+    cacheWriteTokens: Int64Input;
+  } | null;
   timedOut: boolean;
   connectionLost: boolean;
   notSent: boolean;
@@ -250,14 +296,26 @@ export class Refusal extends LedgerError {}
 export class InvalidArgument extends Refusal {}
 export class TtlExceedsHoldTtl extends InvalidArgument {}
 export class UnknownModel extends InvalidArgument {}
+/** A SUCCEEDED settle with no input tokens and no billed amount (field input_tokens). */
+export class SettleWithoutUsage extends InvalidArgument {}
+/** More output tokens than the booking's maxOutputTokens (field output_tokens). */
+export class OutputExceedsMaxTokens extends InvalidArgument {}
+/** A SUCCEEDED charge above the lane's max_charge_multiple times the cap (field billed_nanos or input_tokens). */
+export class ChargeExceedsCapMultiple extends InvalidArgument {}
+/** The amount would take a window's sum past 2^62 nanos. */
+export class SumOutOfRange extends InvalidArgument {}
 export class NotFound extends Refusal {}
 export class LaneNotFound extends NotFound {}
 export class BookingNotFound extends NotFound {}
 export class AlreadyExists extends Refusal {}
 export class ReservationIdReused extends AlreadyExists {}
+/** The correction id was used before with other content. */
+export class CorrectionIdReused extends AlreadyExists {}
 export class FailedPrecondition extends Refusal {}
 export class BookingAlreadyEnded extends FailedPrecondition {}
 export class BookingWasDenied extends FailedPrecondition {}
+/** A correction of a booking that is still open. */
+export class BookingStillOpen extends FailedPrecondition {}
 export class ResourceExhausted extends Refusal {}
 export class TooManyWatchers extends ResourceExhausted {}
 export class Unauthenticated extends Refusal {}

@@ -5,6 +5,7 @@ const { LaneClient, Denied, Completed, DEFAULT_DEADLINE_MS, DEFAULT_END_ATTEMPTS
 const errors = require('./lib/errors');
 const { Ending, OUTCOME_TABLE, endingOf, CallNotSent, markNotSent } = require('./lib/outcomes');
 const { ledgerPackage } = require('./lib/proto');
+const { usageOf } = require('./lib/usage');
 
 module.exports = {
   LaneClient,
@@ -15,6 +16,7 @@ module.exports = {
   endingOf,
   CallNotSent,
   markNotSent,
+  usageOf,
   ledgerPackage,
   DEFAULT_DEADLINE_MS,
   DEFAULT_END_ATTEMPTS,

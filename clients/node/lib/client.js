@@ -154,15 +154,20 @@ class LaneClient {
     return this._settle(request, traceHeaders(request));
   }
 
-  async _settle({ reservationId, outcome, inputTokens = 0, outputTokens = 0, billedNanos, httpStatus = 0 }, trace) {
+  async _settle(request, trace) {
+    const { reservationId, outcome, inputTokens = 0, outputTokens = 0, billedNanos, httpStatus = 0 } = request;
+    const { cachedInputTokens = 0, cacheWriteTokens = 0 } = request;
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
       outcome,
+      // Every input token, the cached and cache-write ones (parts of it) included.
       input_tokens: wire.int64(inputTokens, 'inputTokens'),
       output_tokens: wire.int64(outputTokens, 'outputTokens'),
       billed_nanos: wire.optionalInt64(billedNanos, 'billedNanos'),
       http_status: wire.int64(httpStatus, 'httpStatus'),
+      cached_input_tokens: wire.int64(cachedInputTokens, 'cachedInputTokens'),
+      cache_write_tokens: wire.int64(cacheWriteTokens, 'cacheWriteTokens'),
     };
     return wire.settleResultOf(await this._unary('Settle', message, trace));
   }
@@ -301,6 +306,8 @@ class LaneClient {
       inputTokens: usage.inputTokens ?? 0,
       outputTokens: usage.outputTokens ?? 0,
       billedNanos: usage.billedNanos ?? undefined,
+      cachedInputTokens: usage.cachedInputTokens ?? 0,
+      cacheWriteTokens: usage.cacheWriteTokens ?? 0,
       httpStatus: move.httpStatus,
     };
     return this._settle(settle, trace);

@@ -54,14 +54,22 @@ class Refusal extends LedgerError {
 class InvalidArgument extends Refusal {}
 class TtlExceedsHoldTtl extends InvalidArgument {}
 class UnknownModel extends InvalidArgument {}
+// Usage no billed call could have: the booking stays open; settle it with the
+// real usage, or UNKNOWN.
+class SettleWithoutUsage extends InvalidArgument {}
+class OutputExceedsMaxTokens extends InvalidArgument {}
+class ChargeExceedsCapMultiple extends InvalidArgument {}
+class SumOutOfRange extends InvalidArgument {}
 class NotFound extends Refusal {}
 class LaneNotFound extends NotFound {}
 class BookingNotFound extends NotFound {}
 class AlreadyExists extends Refusal {}
 class ReservationIdReused extends AlreadyExists {}
+class CorrectionIdReused extends AlreadyExists {}
 class FailedPrecondition extends Refusal {}
 class BookingAlreadyEnded extends FailedPrecondition {}
 class BookingWasDenied extends FailedPrecondition {}
+class BookingStillOpen extends FailedPrecondition {}
 class ResourceExhausted extends Refusal {
   static retryable = true;
 }
@@ -86,14 +94,20 @@ class InternalError extends LedgerError {}
 const ERROR_TABLE = Object.freeze([
   [Status.INVALID_ARGUMENT, 'TTL_EXCEEDS_HOLD_TTL', TtlExceedsHoldTtl],
   [Status.INVALID_ARGUMENT, 'UNKNOWN_MODEL', UnknownModel],
+  [Status.INVALID_ARGUMENT, 'SETTLE_WITHOUT_USAGE', SettleWithoutUsage],
+  [Status.INVALID_ARGUMENT, 'OUTPUT_EXCEEDS_MAX_TOKENS', OutputExceedsMaxTokens],
+  [Status.INVALID_ARGUMENT, 'CHARGE_EXCEEDS_CAP_MULTIPLE', ChargeExceedsCapMultiple],
+  [Status.INVALID_ARGUMENT, 'SUM_OUT_OF_RANGE', SumOutOfRange],
   [Status.INVALID_ARGUMENT, null, InvalidArgument],
   [Status.NOT_FOUND, 'LANE_NOT_FOUND', LaneNotFound],
   [Status.NOT_FOUND, 'BOOKING_NOT_FOUND', BookingNotFound],
   [Status.NOT_FOUND, null, NotFound],
   [Status.ALREADY_EXISTS, 'RESERVATION_ID_REUSED', ReservationIdReused],
+  [Status.ALREADY_EXISTS, 'CORRECTION_ID_REUSED', CorrectionIdReused],
   [Status.ALREADY_EXISTS, null, AlreadyExists],
   [Status.FAILED_PRECONDITION, 'BOOKING_ALREADY_ENDED', BookingAlreadyEnded],
   [Status.FAILED_PRECONDITION, 'BOOKING_WAS_DENIED', BookingWasDenied],
+  [Status.FAILED_PRECONDITION, 'BOOKING_STILL_OPEN', BookingStillOpen],
   [Status.FAILED_PRECONDITION, null, FailedPrecondition],
   [Status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS', TooManyWatchers],
   [Status.RESOURCE_EXHAUSTED, null, ResourceExhausted],
@@ -151,14 +165,20 @@ module.exports = {
   InvalidArgument,
   TtlExceedsHoldTtl,
   UnknownModel,
+  SettleWithoutUsage,
+  OutputExceedsMaxTokens,
+  ChargeExceedsCapMultiple,
+  SumOutOfRange,
   NotFound,
   LaneNotFound,
   BookingNotFound,
   AlreadyExists,
   ReservationIdReused,
+  CorrectionIdReused,
   FailedPrecondition,
   BookingAlreadyEnded,
   BookingWasDenied,
+  BookingStillOpen,
   ResourceExhausted,
   TooManyWatchers,
   Unauthenticated,

@@ -5,6 +5,8 @@
 // charges more); real usage is the real cost. See ledger-semantics.md, "The
 // five moves".
 
+const wire = require('./wire');
+
 const Ending = Object.freeze({
   /** Settle SUCCEEDED with the usage: charged the real cost. */
   SUCCEEDED: 'SUCCEEDED',
@@ -69,24 +71,40 @@ function statusOf(value) {
   throw new TypeError(`httpStatus must be an HTTP status (100 to 599) or 0, not ${String(value).slice(0, 40)}`);
 }
 
-function usageOf(returned) {
+// The cached and cache-write tokens are parts of inputTokens (see usage.js),
+// so together at most it; the server refuses more, and so does this check.
+function checkCacheParts(usage) {
+  const integer = (value, name) => BigInt(wire.int64(value, name));
+  const parts = integer(usage.cachedInputTokens, 'cachedInputTokens') + integer(usage.cacheWriteTokens, 'cacheWriteTokens');
+  if (parts > integer(usage.inputTokens, 'inputTokens')) {
+    throw new RangeError('cachedInputTokens + cacheWriteTokens must be at most inputTokens, which counts every input token');
+  }
+}
+
+function reportedUsage(returned) {
   const usage = returned.usage ?? null;
   const billedNanos = returned.billedNanos ?? usage?.billedNanos ?? null;
   if (usage === null && billedNanos === null) return null;
   const tokens = usage !== null && (usage.inputTokens !== undefined || usage.outputTokens !== undefined);
   if (!tokens && billedNanos === null) throw new TypeError('usage needs inputTokens/outputTokens or billedNanos');
-  return {
+  const reported = {
     inputTokens: usage?.inputTokens ?? 0,
     outputTokens: usage?.outputTokens ?? 0,
     billedNanos,
+    cachedInputTokens: usage?.cachedInputTokens ?? 0,
+    cacheWriteTokens: usage?.cacheWriteTokens ?? 0,
   };
+  checkCacheParts(reported);
+  return reported;
 }
 
 /**
  * What a callback's return value says about its call:
- * `{httpStatus?, usage?: {inputTokens, outputTokens} | {billedNanos}, billedNanos?,
+ * `{httpStatus?, usage?: {inputTokens, outputTokens, cachedInputTokens?, cacheWriteTokens?} | {billedNanos},
+ *   billedNanos?,
  *   timedOut?, connectionLost?, notSent?, reason?}`.
- * Throws TypeError on a malformed value (the wrapper then settles UNKNOWN).
+ * Throws TypeError on a malformed value, RangeError on cache counts above
+ * inputTokens (the wrapper then settles UNKNOWN).
  */
 function reportOf(returned) {
   if (returned === null || typeof returned !== 'object') {
@@ -94,7 +112,7 @@ function reportOf(returned) {
   }
   return {
     httpStatus: statusOf(returned.httpStatus),
-    usage: usageOf(returned),
+    usage: reportedUsage(returned),
     timedOut: returned.timedOut === true,
     connectionLost: returned.connectionLost === true,
     notSent: returned.notSent === true,

@@ -25,6 +25,10 @@ const {
   BookingWasDenied,
   Unauthenticated,
   Unavailable,
+  SettleWithoutUsage,
+  OutputExceedsMaxTokens,
+  ChargeExceedsCapMultiple,
+  usageOf,
 } = require('..');
 const { status: Status } = require('@grpc/grpc-js');
 
@@ -299,6 +303,51 @@ describe('reserve / settle / refund', () => {
     await assert.rejects(client.reserve({ ...REQUEST, reservationId: 'float', requestBytes: 1.5 }), TypeError);
   });
 
+  test('cache reads and writes are priced at their own rates; the cap at the dearest input rate', async () => {
+    // $3 / $15 per million tokens, $0.30 to read the prompt cache, $3.75 to write it.
+    const cached = {
+      input_nanos_per_million_tokens: '3000000',
+      output_nanos_per_million_tokens: '15000000',
+      cached_input_nanos_per_million_tokens: '300000',
+      cache_write_nanos_per_million_tokens: '3750000',
+    };
+    const client = await laneClient('cache-prices', { prices: { c: cached } });
+    // 35,000 bytes at 3.5 bytes per token: 10,000 request tokens, each at the
+    // write's 3.75 (the dearest input rate), plus 500 output tokens at 15.
+    const request = { model: 'c', requestBytes: 35_000, maxOutputTokens: 500 };
+    const anthropic = {
+      usage: { input_tokens: 2_000, cache_read_input_tokens: 6_000, cache_creation_input_tokens: 2_000, output_tokens: 500 },
+    };
+    let capNanos = null;
+    const result = await client.call(request, async (booking) => {
+      capNanos = booking.capNanos;
+      return { httpStatus: 200, usage: usageOf(anthropic) };
+    });
+    assert.equal(capNanos, 37_500n + 7_500n);
+    // 2,000 uncached * 3 + 6,000 cached * 0.3 + 2,000 written * 3.75 + 500 output * 15.
+    assert.equal(result.chargedNanos, 6_000n + 1_800n + 7_500n + 7_500n);
+  });
+
+  test('usage no billed call could have is refused by the table, and the booking stays open', async () => {
+    const client = await laneClient('implausible');
+    await client.reserve({ ...REQUEST, reservationId: 'odd' });
+    const settle = { reservationId: 'odd', outcome: 'SUCCEEDED' };
+    const refusedAs = (errorClass, field) => (error) => {
+      assert.ok(error instanceof errorClass && error instanceof InvalidArgument, error.name);
+      assert.equal(error.field, field);
+      assert.equal(error.retryable, false);
+      return true;
+    };
+    await assert.rejects(client.settle({ ...settle, outputTokens: 10 }), refusedAs(SettleWithoutUsage, 'input_tokens'));
+    const tooLong = { ...settle, inputTokens: 900, outputTokens: 101 };
+    await assert.rejects(client.settle(tooLong), refusedAs(OutputExceedsMaxTokens, 'output_tokens'));
+    // The lane's default max_charge_multiple: 100 times the cap.
+    const tooDear = { ...settle, billedNanos: 100n * CAP + 1n };
+    await assert.rejects(client.settle(tooDear), refusedAs(ChargeExceedsCapMultiple, 'billed_nanos'));
+    const settled = await client.settle({ ...settle, inputTokens: 900, outputTokens: 20 });
+    assert.equal(settled.chargedNanos, 900n * 1000n + 20n * 4000n);
+  });
+
   test('int64 amounts beyond 2^53 round-trip exactly', async () => {
     // 2^62 nanos is the largest limit this server accepts (MAX_AMOUNT_NANOS).
     const limit = 2n ** 62n;
@@ -357,6 +406,9 @@ describe('README', () => {
     return match[1];
   }
 
+  // Anthropic-style: its input_tokens leaves out the 100 tokens read from the cache.
+  const ANTHROPIC_USAGE = { input_tokens: 40, cache_read_input_tokens: 100, output_tokens: 7 };
+
   /** A provider that refuses prompts saying "refuse" and answers the rest with usage. */
   async function startProvider() {
     const server = http.createServer((request, response) => {
@@ -367,7 +419,7 @@ describe('README', () => {
       request.on('end', () => {
         const refused = body.includes('refuse');
         response.writeHead(refused ? 429 : 200, { 'content-type': 'application/json' });
-        response.end(JSON.stringify(refused ? { error: 'rate limited' } : { text: 'yes', usage: { input_tokens: 40, output_tokens: 7 } }));
+        response.end(JSON.stringify(refused ? { error: 'rate limited' } : { text: 'yes', usage: ANTHROPIC_USAGE }));
       });
     });
     await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
@@ -375,7 +427,11 @@ describe('README', () => {
   }
 
   test('the example runs as written', async () => {
-    const jevSmall = { input_nanos_per_million_tokens: '1000000000', output_nanos_per_million_tokens: '4000000000' };
+    const jevSmall = {
+      input_nanos_per_million_tokens: '1000000000',
+      output_nanos_per_million_tokens: '4000000000',
+      cached_input_nanos_per_million_tokens: '100000000',
+    };
     await laneClient('recall', { prices: { 'jev-small': jevSmall } });
     const provider = await startProvider();
     const environment = {
@@ -393,10 +449,11 @@ describe('README', () => {
     example.ledger.deadlineMs *= STRETCH;
     try {
       await example.ledger.waitForReady();
-      assert.deepEqual(await example.judge('is this memory relevant?'), { text: 'yes', usage: { input_tokens: 40, output_tokens: 7 } });
+      assert.deepEqual(await example.judge('is this memory relevant?'), { text: 'yes', usage: ANTHROPIC_USAGE });
       assert.equal(await example.judge('please refuse'), null);
       const balance = await example.ledger.balance();
-      assert.equal(balance.chargedNanos, 40n * 1000n + 7n * 4000n);
+      // 40 uncached input tokens at 1000, 100 cached at 100, 7 output at 4000.
+      assert.equal(balance.chargedNanos, 40n * 1000n + 100n * 100n + 7n * 4000n);
       assert.equal(balance.heldNanos, 0n);
     } finally {
       example.ledger.close();

@@ -179,7 +179,7 @@ describe('against the real ledger', () => {
     const client = await laneClient('trace-none-moves');
     const reservationId = randomUUID();
     await client.reserve({ ...REQUEST, reservationId });
-    await client.settle({ reservationId, outcome: 'SUCCEEDED', httpStatus: 200 });
+    await client.settle({ reservationId, outcome: 'SUCCEEDED', inputTokens: 10, outputTokens: 2, httpStatus: 200 });
     const traces = await events('trace-none-moves', reservationId);
     assert.match(traces.reserved, HEX32);
     assert.match(traces.settled, HEX32);

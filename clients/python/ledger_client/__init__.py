@@ -18,7 +18,10 @@ from ledger_client.client import LaneClient
 from ledger_client.errors import (
     BookingAlreadyEnded,
     BookingNotFound,
+    BookingStillOpen,
     BookingWasDenied,
+    ChargeExceedsCapMultiple,
+    CorrectionConflict,
     InvalidArgument,
     LaneNotFound,
     LedgerError,
@@ -26,8 +29,11 @@ from ledger_client.errors import (
     LedgerOverloaded,
     LedgerRecovering,
     LedgerUnavailable,
+    OutputExceedsMaxTokens,
     PermissionDenied,
     ReservationConflict,
+    SettleWithoutUsage,
+    SumOutOfRange,
     TooManyWatchers,
     TtlExceedsHoldTtl,
     Unauthenticated,
@@ -39,6 +45,7 @@ from ledger_client.outcomes import CallFailure, CallNotSent, Ending, Settlement,
 from ledger_client.pricing import ModelPrice
 from ledger_client.replay import ReplayReport
 from ledger_client.settings import DEFAULT_DEADLINE_SECONDS, ClientSettings
+from ledger_client.usage import usage_of
 
 __all__ = [
     "DEFAULT_DEADLINE_SECONDS",
@@ -46,12 +53,15 @@ __all__ = [
     "BookingAlreadyEnded",
     "BookingNotFound",
     "BookingState",
+    "BookingStillOpen",
     "BookingWasDenied",
     "CallFailure",
     "CallHandle",
     "CallNotSent",
     "CallSource",
+    "ChargeExceedsCapMultiple",
     "ClientSettings",
+    "CorrectionConflict",
     "DenialReason",
     "Denied",
     "Ending",
@@ -69,6 +79,7 @@ __all__ = [
     "ModelPrice",
     "OutageMode",
     "OutagePolicy",
+    "OutputExceedsMaxTokens",
     "PermissionDenied",
     "Refunded",
     "ReplayReport",
@@ -76,9 +87,11 @@ __all__ = [
     "Reservation",
     "ReservationConflict",
     "ReserveArguments",
+    "SettleWithoutUsage",
     "Settled",
     "Settlement",
     "Source",
+    "SumOutOfRange",
     "TlsSettings",
     "TooManyWatchers",
     "TtlExceedsHoldTtl",
@@ -87,4 +100,5 @@ __all__ = [
     "Usage",
     "classify",
     "new_reservation_id",
+    "usage_of",
 ]

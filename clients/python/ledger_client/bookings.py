@@ -37,6 +37,8 @@ class BookingState(enum.Enum):
     REFUNDED = "refunded"
     EXPIRED = "expired"
     REJECTED = "rejected"
+    RECONCILED = "reconciled"  # an estimate corrected by the provider's bill
+    CORRECTED = "corrected"  # its charge replaced by an operator's correction
 
 
 def new_reservation_id() -> str:

@@ -2,7 +2,7 @@
 
     with client.model_call("model-a", payload, max_output_tokens=512) as call:
         response = post(payload)
-        call.answered(response.status_code, usage_of(response))
+        call.answered(response.status_code, usage_of(response.json()))
 
 Entering reserves with a fresh reservation_id, or raises `Denied` (fall back:
 it carries the reason and, for a budget denial, `retry_after`). Leaving ends
@@ -141,8 +141,15 @@ class CallHandle:
         *,
         billed_nanos: int | None = None,
         http_status: int = 200,
+        cached_input_tokens: int = 0,
+        cache_write_tokens: int = 0,
     ) -> Settlement:
-        return self.answered(http_status, Usage(input_tokens, output_tokens, billed_nanos))
+        """The provider answered with usage. `input_tokens` counts every input
+        token; the cached and cache-write ones are parts of it."""
+        usage = Usage(
+            input_tokens, output_tokens, billed_nanos, cached_input_tokens, cache_write_tokens
+        )
+        return self.answered(http_status, usage)
 
     def failed(self, failure: CallFailure, http_status: int = 0) -> Settlement:
         """The call failed without usage: timed out, lost its connection, ..."""

@@ -30,6 +30,8 @@ _STATES = {
     pb.REFUNDED: BookingState.REFUNDED,
     pb.EXPIRED: BookingState.EXPIRED,
     pb.REJECTED: BookingState.REJECTED,
+    pb.RECONCILED: BookingState.RECONCILED,
+    pb.CORRECTED: BookingState.CORRECTED,
 }
 _OUTCOMES = {
     Settlement.SETTLE_SUCCEEDED: pb.SUCCEEDED,
@@ -77,6 +79,8 @@ def settle_request(lane: str, reservation_id: str, ending: Ending) -> pb.SettleR
     if ending.usage is not None:
         request.input_tokens = ending.usage.input_tokens
         request.output_tokens = ending.usage.output_tokens
+        request.cached_input_tokens = ending.usage.cached_input_tokens
+        request.cache_write_tokens = ending.usage.cache_write_tokens
         if ending.usage.billed_nanos is not None:
             request.billed_nanos = ending.usage.billed_nanos
     return request

@@ -56,6 +56,24 @@ class UnknownModel(InvalidArgument):
     """The lane has no price for this model."""
 
 
+class SettleWithoutUsage(InvalidArgument):
+    """A SUCCEEDED settle with no input tokens and no billed amount: nothing a
+    provider bills. Settle UNKNOWN when the usage is not known."""
+
+
+class OutputExceedsMaxTokens(InvalidArgument):
+    """More output tokens than the booking's max_output_tokens: impossible."""
+
+
+class ChargeExceedsCapMultiple(InvalidArgument):
+    """A SUCCEEDED charge above the lane's max_charge_multiple times the
+    booking's cap: usage no request of that size could have produced."""
+
+
+class SumOutOfRange(InvalidArgument):
+    """The amount would take a window's sum past the largest the ledger keeps (2^62)."""
+
+
 class LaneNotFound(LedgerError):
     pass
 
@@ -70,6 +88,14 @@ class ReservationConflict(LedgerError):
 
 class BookingAlreadyEnded(LedgerError):
     """The move contradicts how the booking already ended."""
+
+
+class BookingStillOpen(LedgerError):
+    """A correction replaces the charge of an ended booking; this one is still open."""
+
+
+class CorrectionConflict(LedgerError):
+    """The correction_id was used before with different content."""
 
 
 class BookingWasDenied(LedgerError):
@@ -102,10 +128,16 @@ REASONS: dict[str, type[LedgerError]] = {
     "UNDECODABLE_REQUEST": InvalidArgument,
     "TTL_EXCEEDS_HOLD_TTL": TtlExceedsHoldTtl,
     "UNKNOWN_MODEL": UnknownModel,
+    "SETTLE_WITHOUT_USAGE": SettleWithoutUsage,
+    "OUTPUT_EXCEEDS_MAX_TOKENS": OutputExceedsMaxTokens,
+    "CHARGE_EXCEEDS_CAP_MULTIPLE": ChargeExceedsCapMultiple,
+    "SUM_OUT_OF_RANGE": SumOutOfRange,
     "LANE_NOT_FOUND": LaneNotFound,
     "BOOKING_NOT_FOUND": BookingNotFound,
     "RESERVATION_ID_REUSED": ReservationConflict,
     "BOOKING_ALREADY_ENDED": BookingAlreadyEnded,
+    "BOOKING_STILL_OPEN": BookingStillOpen,
+    "CORRECTION_ID_REUSED": CorrectionConflict,
     "BOOKING_WAS_DENIED": BookingWasDenied,
     "TOO_MANY_WATCHERS": TooManyWatchers,
     "STORE_UNAVAILABLE": LedgerUnavailable,

@@ -123,6 +123,8 @@ def _end_record(reservation_id: str, ending: Ending, local_charge_nanos: int) ->
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
             "billed_nanos": usage.billed_nanos,
+            "cached_input_tokens": usage.cached_input_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
         },
         "reason": ending.reason,
         "local_charge_nanos": local_charge_nanos,
@@ -138,6 +140,11 @@ def _int(record: dict[str, Any], key: str) -> int:
 
 def _optional_int(record: dict[str, Any], key: str) -> int | None:
     return None if record.get(key) is None else _int(record, key)
+
+
+def _int_or_zero(record: dict[str, Any], key: str) -> int:
+    """For keys added after the format's first lines: a line without one reads as 0."""
+    return 0 if key not in record else _int(record, key)
 
 
 def _text(record: dict[str, Any], key: str) -> str:
@@ -176,6 +183,8 @@ def _ending_of(record: dict[str, Any]) -> Ending:
             input_tokens=_int(usage_record, "input_tokens"),
             output_tokens=_int(usage_record, "output_tokens"),
             billed_nanos=_optional_int(usage_record, "billed_nanos"),
+            cached_input_tokens=_int_or_zero(usage_record, "cached_input_tokens"),
+            cache_write_tokens=_int_or_zero(usage_record, "cache_write_tokens"),
         )
     return Ending(
         settlement=Settlement(_text(record, "settlement")),

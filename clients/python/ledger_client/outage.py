@@ -114,7 +114,12 @@ class OutagePolicy:
             return usage.billed_nanos
         price = self.prices.get(entry.arguments.model)
         assert price is not None, "an allowance entry always has a local price"
-        return price.real_cost(usage.input_tokens, usage.output_tokens)
+        return price.real_cost(
+            usage.input_tokens,
+            usage.output_tokens,
+            usage.cached_input_tokens,
+            usage.cache_write_tokens,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ import enum
 
 MAX_TOKENS = 10**12
 MAX_AMOUNT_NANOS = 2**62
+# Usage's token counts, each between 0 and MAX_TOKENS.
+TOKEN_FIELDS = ("input_tokens", "output_tokens", "cached_input_tokens", "cache_write_tokens")
 
 
 class Settlement(enum.Enum):
@@ -54,17 +56,29 @@ class CallNotSent(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-    """What the provider reported: tokens, or the billed amount, or both."""
+    """What the provider reported: tokens, or the billed amount, or both.
+
+    `input_tokens` counts EVERY input token, the cached and cache-write ones
+    included; `cached_input_tokens` (read from the provider's prompt cache) and
+    `cache_write_tokens` (written to it) are parts of it. `output_tokens`
+    counts every output token, reasoning tokens included. `usage_of` (usage.py)
+    reads a provider's usage block this way."""
 
     input_tokens: int = 0
     output_tokens: int = 0
     billed_nanos: int | None = None
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("input_tokens", "output_tokens"):
+        for name in TOKEN_FIELDS:
             value = getattr(self, name)
             if not 0 <= value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be between 0 and {MAX_TOKENS}")
+        if self.cached_input_tokens + self.cache_write_tokens > self.input_tokens:
+            raise ValueError(
+                "cached_input_tokens + cache_write_tokens must be at most input_tokens"
+            )
         if self.billed_nanos is not None and not 0 <= self.billed_nanos <= MAX_AMOUNT_NANOS:
             raise ValueError(f"billed_nanos must be between 0 and {MAX_AMOUNT_NANOS}")
 

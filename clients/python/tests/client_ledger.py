@@ -130,12 +130,19 @@ class Admin:
     def close(self) -> None:
         self._channel.close()
 
-    def put_lane(self, lane: str, limit_nanos: int, *, hold_ttl_seconds: int = 120) -> None:
+    def put_lane(
+        self,
+        lane: str,
+        limit_nanos: int,
+        *,
+        hold_ttl_seconds: int = 120,
+        prices: dict[str, pb.ModelPrice] | None = None,
+    ) -> None:
         message = pb.Lane(
             lane=lane,
             limit_nanos=limit_nanos,
             hold_ttl=duration_pb2.Duration(seconds=hold_ttl_seconds),
-            prices={"model-a": PRICE},
+            prices={"model-a": PRICE} if prices is None else prices,
         )
         self._lanes.PutLane(pb.PutLaneRequest(lane=message), metadata=self._metadata, timeout=10)
 

@@ -16,6 +16,7 @@ from ledger_client import (
     BookingState,
     BookingWasDenied,
     CallNotSent,
+    ChargeExceedsCapMultiple,
     ClientSettings,
     DenialReason,
     Denied,
@@ -25,13 +26,17 @@ from ledger_client import (
     LedgerUnavailable,
     ModelPrice,
     OutagePolicy,
+    OutputExceedsMaxTokens,
     PermissionDenied,
     ReservationConflict,
+    SettleWithoutUsage,
     TtlExceedsHoldTtl,
     Unauthenticated,
     UnknownModel,
     Usage,
 )
+from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_client.pricing import DEFAULT_BYTES_PER_TOKEN_MILLI, cap_nanos
 
 # The lane's price in conftest: 1 nano per input token, 2 per output token.
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
@@ -106,6 +111,52 @@ def test_errors_come_back_as_exceptions_by_the_table(
     )
     with forged, pytest.raises(Unauthenticated):
         forged.reserve("model-a", 10, 10)
+
+
+# $3 / $15 per million tokens, $0.30 to read the prompt cache, $3.75 to write it.
+CACHED_PRICE = ModelPrice(3_000_000, 15_000_000, 300_000, 3_750_000)
+
+
+def test_the_ledger_prices_cache_tokens_and_the_cap_as_the_client_does(
+    ledger_server: LedgerProcess, admin: Admin, lane_grant: str
+) -> None:
+    lane = new_lane_name()
+    wire_price = pb.ModelPrice(
+        input_nanos_per_million_tokens=CACHED_PRICE.input_nanos_per_million_tokens,
+        output_nanos_per_million_tokens=CACHED_PRICE.output_nanos_per_million_tokens,
+        cached_input_nanos_per_million_tokens=CACHED_PRICE.cached_input_nanos_per_million_tokens,
+        cache_write_nanos_per_million_tokens=CACHED_PRICE.cache_write_nanos_per_million_tokens,
+    )
+    admin.put_lane(lane, 1_000_000, prices={"model-c": wire_price})
+    with LaneClient(ledger_server.address, lane, grant=lane_grant, settings=TEST_SETTINGS) as c:
+        booked = c.reserve("model-c", 35_000, 500)  # 10,000 request tokens
+        local_cap = cap_nanos(CACHED_PRICE, 35_000, 500, DEFAULT_BYTES_PER_TOKEN_MILLI, 0)
+        # Every request token at the dearest input rate (the write's 3.75), plus the output.
+        assert booked.cap_nanos == local_cap == 37_500 + 7_500
+        usage = Usage(10_000, 500, None, cached_input_tokens=6_000, cache_write_tokens=2_000)
+        settled = c.settle(booked.reservation_id, usage)
+    local_charge = CACHED_PRICE.real_cost(10_000, 500, 6_000, 2_000)
+    # 2,000 uncached * 3 + 6,000 cached * 0.3 + 2,000 written * 3.75 + 500 output * 15.
+    assert settled.charged_nanos == local_charge == 6_000 + 1_800 + 7_500 + 7_500
+    (event,) = [e for e in admin.events(lane) if e.kind == "settled"]
+    assert (event.cached_input_tokens, event.cache_write_tokens) == (6_000, 2_000)
+
+
+def test_implausible_usage_is_refused_by_the_table(client: LaneClient) -> None:
+    booked = client.reserve("model-a", len(REQUEST), 500)
+    with pytest.raises(SettleWithoutUsage) as no_usage:
+        client.settle(booked.reservation_id, Usage(0, 10))
+    assert no_usage.value.field == "input_tokens"
+    with pytest.raises(OutputExceedsMaxTokens) as too_long:
+        client.settle(booked.reservation_id, Usage(900, 501))
+    assert too_long.value.field == "output_tokens"
+    # The lane's default max_charge_multiple is 100 times the cap.
+    with pytest.raises(ChargeExceedsCapMultiple) as too_dear:
+        client.settle(booked.reservation_id, Usage(900, 100, 100 * HOLD_NANOS + 1))
+    assert too_dear.value.field == "billed_nanos"
+    # Each refusal left the booking open: the real usage still settles it.
+    settled = client.settle(booked.reservation_id, Usage(900, 100))
+    assert settled.charged_nanos == 1_100
 
 
 def test_a_denied_booking_cannot_be_ended(

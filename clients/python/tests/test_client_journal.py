@@ -180,3 +180,45 @@ def test_each_line_is_written_whole_before_the_call_returns(tmp_path: pathlib.Pa
         assert record["reservation_id"] == one.reservation_id
         assert record["request_bytes"] == 1234 and record["estimate_nanos"] == 90
         assert record["ttl_us"] == 30_000_000 and record["lane"] == LANE
+
+
+def test_cache_counts_survive_a_reopen(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    cached = Usage(10_000, 500, None, cached_input_tokens=6_000, cache_write_tokens=2_000)
+    first = entry()
+    with open_journal(path) as journal:
+        journal.record_reserve(first)
+        journal.record_end(
+            first.reservation_id, Ending(Settlement.SETTLE_SUCCEEDED, 200, cached), 7
+        )
+    with open_journal(path) as journal:
+        reread = journal.entry(first.reservation_id)
+    assert reread is not None and reread.ending is not None
+    assert reread.ending.usage == cached
+
+
+def test_an_ending_journaled_before_the_cache_counts_reads_them_as_zero(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "journal.jsonl"
+    first = entry()
+    with open_journal(path) as journal:
+        journal.record_reserve(first)
+    old_line = {
+        "v": 1,
+        "at": now_text(),
+        "kind": "end",
+        "reservation_id": first.reservation_id,
+        "settlement": "settle_succeeded",
+        "http_status": 200,
+        "usage": {"input_tokens": 10, "output_tokens": 20, "billed_nanos": None},
+        "reason": "",
+        "local_charge_nanos": 42,
+    }
+    with path.open("ab") as file:
+        file.write(json.dumps(old_line).encode() + b"\n")
+    with open_journal(path) as journal:
+        reread = journal.entry(first.reservation_id)
+        assert journal.skipped_lines == 0
+    assert reread is not None and reread.ending is not None
+    assert reread.ending.usage == Usage(10, 20, None, cached_input_tokens=0, cache_write_tokens=0)

@@ -158,6 +158,8 @@ class FakeRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
         (grpc.StatusCode.ALREADY_EXISTS, "RESERVATION_ID_REUSED", errors.ReservationConflict),
         (grpc.StatusCode.FAILED_PRECONDITION, "BOOKING_ALREADY_ENDED", errors.BookingAlreadyEnded),
         (grpc.StatusCode.FAILED_PRECONDITION, "BOOKING_WAS_DENIED", errors.BookingWasDenied),
+        (grpc.StatusCode.FAILED_PRECONDITION, "BOOKING_STILL_OPEN", errors.BookingStillOpen),
+        (grpc.StatusCode.ALREADY_EXISTS, "CORRECTION_ID_REUSED", errors.CorrectionConflict),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_WATCHERS", errors.TooManyWatchers),
         (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE", errors.LedgerUnavailable),
         (grpc.StatusCode.UNAVAILABLE, "RECOVERY_REQUIRED", errors.LedgerRecovering),
@@ -187,6 +189,10 @@ def test_error_table(code: grpc.StatusCode, reason: str, expected: type) -> None
         ("INVALID_ARGUMENT", errors.InvalidArgument),
         ("TTL_EXCEEDS_HOLD_TTL", errors.TtlExceedsHoldTtl),
         ("UNKNOWN_MODEL", errors.UnknownModel),
+        ("SETTLE_WITHOUT_USAGE", errors.SettleWithoutUsage),
+        ("OUTPUT_EXCEEDS_MAX_TOKENS", errors.OutputExceedsMaxTokens),
+        ("CHARGE_EXCEEDS_CAP_MULTIPLE", errors.ChargeExceedsCapMultiple),
+        ("SUM_OUT_OF_RANGE", errors.SumOutOfRange),
     ],
 )
 def test_invalid_argument_names_its_field(reason: str, expected: type) -> None:
@@ -206,3 +212,44 @@ def test_every_unavailable_kind_switches_to_the_outage_mode() -> None:
     assert issubclass(errors.LedgerOverloaded, errors.LedgerUnavailable)
     assert issubclass(errors.LedgerRecovering, errors.LedgerUnavailable)
     assert errors.REASONS["STORE_UNAVAILABLE"] is errors.LedgerUnavailable
+
+
+# The server's newer reasons: bad input, an open booking, a reused correction id.
+NEW_REASONS = {
+    "SETTLE_WITHOUT_USAGE": errors.SettleWithoutUsage,
+    "OUTPUT_EXCEEDS_MAX_TOKENS": errors.OutputExceedsMaxTokens,
+    "CHARGE_EXCEEDS_CAP_MULTIPLE": errors.ChargeExceedsCapMultiple,
+    "SUM_OUT_OF_RANGE": errors.SumOutOfRange,
+    "BOOKING_STILL_OPEN": errors.BookingStillOpen,
+    "CORRECTION_ID_REUSED": errors.CorrectionConflict,
+}
+
+
+def test_each_new_reason_has_its_row_and_never_suggests_a_retry() -> None:
+    for reason, expected in NEW_REASONS.items():
+        assert errors.REASONS[reason] is expected
+        # Only LedgerUnavailable says "retry with the same id" (and drives the
+        # outage mode): a refusal sent again is refused again.
+        assert not issubclass(expected, errors.LedgerUnavailable), reason
+    assert issubclass(errors.BookingStillOpen, errors.LedgerError)
+    assert not issubclass(errors.BookingStillOpen, errors.InvalidArgument)
+    assert not issubclass(errors.CorrectionConflict, errors.InvalidArgument)
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, "SETTLE_WITHOUT_USAGE"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "OUTPUT_EXCEEDS_MAX_TOKENS"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "CHARGE_EXCEEDS_CAP_MULTIPLE"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "SUM_OUT_OF_RANGE"),
+        (grpc.StatusCode.FAILED_PRECONDITION, "BOOKING_STILL_OPEN"),
+        (grpc.StatusCode.ALREADY_EXISTS, "CORRECTION_ID_REUSED"),
+    ],
+)
+def test_each_new_reason_arrives_as_its_class(code: grpc.StatusCode, reason: str) -> None:
+    metadata = (("ledger-reason", reason), ("ledger-field", "output_tokens"))
+    error = errors.from_rpc_error(FakeRpcError(code, metadata))
+    assert type(error) is NEW_REASONS[reason]
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        assert isinstance(error, errors.InvalidArgument) and error.field == "output_tokens"
