@@ -1,0 +1,98 @@
+"""Small faults a new user found (issue 21): every event kind can be filtered,
+a deeply nested usage export is bad input, the test clock never runs back past
+the log, and a lane cannot bring a parent's window past the largest sum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from ledger_service.domain.events import EventKind
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture
+def harness(ledger_harness: Any) -> Any:
+    ledger_harness.make_lane(max_charge_multiple=0)
+    return ledger_harness
+
+
+def one_of_each_kind(harness: Any) -> None:
+    harness.reserve("settled")
+    harness.settle("settled", input_tokens=1_000)
+    harness.reserve("refunded")
+    harness.refund("refunded")
+    harness.reserve("expired", ttl_us=1_000_000)
+    harness.reserve("unknown")
+    harness.settle("unknown", pb.UNKNOWN)
+    harness.reserve("denied", request_bytes=10**11)
+    harness.advance_us(2_000_000)
+    harness.correct("settled", 50)
+    export = b"reservation_id,billed_nanos\nunknown,7\n"
+    reconciled = harness.ledger.Reconcile(
+        pb.ReconcileRequest(format=pb.ReconcileRequest.CSV, content=export, default_lane="recall"),
+        timeout=30,
+    )
+    assert reconciled.corrected_count == 1
+
+
+def test_every_event_kind_can_be_filtered(harness: Any) -> None:
+    one_of_each_kind(harness)
+    harness.settle("expired", input_tokens=10)  # expires it first, then settles it late
+    for kind in EventKind:
+        found = harness.events("recall", kinds=[kind.value])
+        assert found, f"no {kind.value} event to filter"
+        assert {event.kind for event in found} == {kind.value}
+    unknown = harness.fails(INVALID, lambda: harness.events("recall", kinds=["spent"]))
+    assert unknown.field == "kinds"
+    assert "corrected" in unknown.details, "the refusal lists the kinds there are"
+
+
+def test_a_deeply_nested_export_is_a_bad_row_not_internal(harness: Any) -> None:
+    harness.reserve("r1")
+    nested = b"[" * 100_000 + b"]" * 100_000
+    export = b'{"reservation_id": "r1", "billed_nanos": 5}\n' + nested + b"\n"
+    response = harness.ledger.Reconcile(
+        pb.ReconcileRequest(
+            format=pb.ReconcileRequest.JSONL, content=export, default_lane="recall"
+        ),
+        timeout=30,
+    )
+    assert (response.applied, response.bad_count) == (False, 1)
+    [bad] = [row for row in response.rows if row.status == "bad"]
+    assert (bad.line, bad.field) == (2, "content")
+    assert "nested" in bad.message
+
+
+def test_the_test_clock_never_runs_back_past_the_log(harness: Any) -> None:
+    harness.reserve("r1")
+    last_us = harness.START_US
+    refused = harness.fails(INVALID, lambda: harness.set_time_us(last_us - 1))
+    assert "before the last recorded event" in refused.details
+    assert harness.now_us() == last_us, "a refused SetTime leaves the clock where it was"
+    fifty_six_years_us = 56 * 366 * 86_400 * harness.MICROS_PER_SECOND
+    harness.fails(INVALID, lambda: harness.set_time_us(last_us - fifty_six_years_us))
+    # To the instant of the last event, and forward, it may go.
+    assert harness.set_time_us(last_us) == last_us
+    assert harness.set_time_us(last_us + 5) == last_us + 5
+
+
+def test_a_lane_cannot_take_a_parent_past_the_largest_sum(harness: Any) -> None:
+    largest = 2**62
+    for lane in ("a", "b"):
+        harness.make_lane(lane, limit_nanos=largest, max_charge_multiple=0)
+        harness.reserve(f"{lane}-1", lane=lane)
+        harness.settle(f"{lane}-1", lane=lane, billed_nanos=largest // 2 + 1)
+    harness.make_lane("team", limit_nanos=largest)
+    harness.make_lane("a", limit_nanos=largest, max_charge_multiple=0, parent="team")
+    refused = harness.fails(
+        INVALID,
+        lambda: harness.make_lane("b", limit_nanos=largest, max_charge_multiple=0, parent="team"),
+    )
+    assert (refused.reason, refused.field) == ("SUM_OUT_OF_RANGE", "lane.parent")
+    assert harness.balance("team").spent_nanos == largest // 2 + 1
+    assert not harness.admin.GetLane(pb.GetLaneRequest(lane="b"), timeout=30).parent
