@@ -138,6 +138,9 @@ def test_a_derived_correction_id_is_fixed_by_what_the_correction_says() -> None:
 
 def test_lane_lines_show_the_max_charge_and_the_cache_prices() -> None:
     lane = pb.Lane(lane="x", limit_nanos=1)
+    # The server always states it; a lane message without it says whose default applies.
+    assert "max charge       the server's default" in talk.lane_lines(lane)
+    lane.max_charge_multiple = 100
     assert "max charge       100x the cap" in talk.lane_lines(lane)
     lane.max_charge_multiple = 0
     assert "max charge       no bound" in talk.lane_lines(lane)
