@@ -1,13 +1,16 @@
 'use strict';
-// Loads the ledger's wire contract (protos/ledger/v1/ledger.proto) once, at run
-// time. Protobuf stops in this module and in wire.js: the rest of the client
-// sees plain objects with BigInt amounts and Date instants.
+// Loads the ledger's wire contract once, at run time, from the package's own
+// copy (proto/ledger/v1/ledger.proto, copied from the repository's protos/ by
+// the prepack script scripts/copy-proto.js; tests/test_node_package.py at the
+// repository's root fails when the copy drifts), so the package works wherever
+// it is installed. Protobuf stops in this module and in wire.js: the rest of
+// the client sees plain objects with BigInt amounts and Date instants.
 
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
-const PROTO_ROOT = path.resolve(__dirname, '../../../protos');
+const PROTO_ROOT = path.resolve(__dirname, '..', 'proto');
 const PROTO_FILE = 'ledger/v1/ledger.proto';
 
 // keepCase: field names as on the wire. longs: String: every int64 arrives as a
