@@ -1,0 +1,187 @@
+"""The cases both clients run (clients/cases/*.json): the outcome table, the
+error table and local pricing, against this client's own code. The Node client
+runs the same files in clients/node/tests/shared-cases.test.js; the server's
+tests (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the
+files say what the server does."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import grpc
+import pytest
+from ledger_client import errors
+from ledger_client.outcomes import RULES, CallFailure, Settlement, rule_for
+from ledger_client.pricing import ModelPrice, cap_nanos, request_tokens
+
+CASES_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "cases"
+
+
+def _load(name: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((CASES_DIR / name).read_text(encoding="utf-8"))
+    return loaded
+
+
+OUTCOMES = _load("outcomes.json")
+ERRORS = _load("errors.json")
+PRICING = _load("pricing.json")
+
+
+# --- outcomes ---------------------------------------------------------------
+
+
+def _statuses(case: dict[str, Any]) -> range:
+    if "http_status_range" in case:
+        low, high = case["http_status_range"]
+        return range(low, high + 1)
+    return range(case["http_status"], case["http_status"] + 1)
+
+
+@pytest.mark.parametrize("case", OUTCOMES["cases"], ids=lambda case: case["name"])
+def test_outcome_case(case: dict[str, Any]) -> None:
+    failure = CallFailure(case["failure"])
+    expected = Settlement(case["move"])
+    for http_status in _statuses(case):
+        rule = rule_for(http_status, case["usage"], failure)
+        assert rule.settlement is expected, (http_status, rule.why)
+
+
+def test_the_outcome_cases_reach_every_row_of_the_table() -> None:
+    reached = set()
+    for case in OUTCOMES["cases"]:
+        for http_status in _statuses(case):
+            reached.add(rule_for(http_status, case["usage"], CallFailure(case["failure"])))
+    assert [rule.why for rule in RULES if rule not in reached] == []
+
+
+def test_the_outcome_cases_name_every_failure_and_move() -> None:
+    cases = OUTCOMES["cases"]
+    assert {case["failure"] for case in cases} == {failure.value for failure in CallFailure}
+    assert {case["move"] for case in cases} == {move.value for move in Settlement}
+
+
+# --- errors -----------------------------------------------------------------
+
+
+class CaseRpcError(grpc.RpcError, grpc.Call):
+    """A failed call as grpcio hands it over: a status and trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._code = code
+        self._metadata = metadata
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "a message nobody parses"
+
+    def trailing_metadata(self) -> Any:
+        return self._metadata
+
+    def initial_metadata(self) -> Any:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: object) -> bool:
+        return False
+
+
+def _error(status: str, metadata: tuple[tuple[str, str], ...]) -> errors.LedgerError:
+    return errors.from_rpc_error(CaseRpcError(grpc.StatusCode[status], metadata))
+
+
+def _python(value: bool | dict[str, bool]) -> bool:
+    """A case's value for this client (a by_status value may differ per client)."""
+    return value["python"] if isinstance(value, dict) else value
+
+
+def _check_retry_and_outage(error: errors.LedgerError, row: dict[str, Any]) -> None:
+    # This client's one signal: a LedgerUnavailable drives the outage mode and
+    # is safe to retry with the same ids.
+    outage = isinstance(error, errors.LedgerUnavailable)
+    assert outage is _python(row["outage"])
+    if outage:
+        assert _python(row["retry"]) is True
+
+
+@pytest.mark.parametrize("row", ERRORS["reasons"], ids=lambda row: row["reason"])
+def test_error_reason(row: dict[str, Any]) -> None:
+    metadata: tuple[tuple[str, str], ...] = ((errors.REASON_KEY, row["reason"]),)
+    if row["field"]:
+        metadata += ((errors.FIELD_KEY, "request_bytes"),)
+    error = _error(row["status"], metadata)
+    assert type(error).__name__ == row["python"]
+    assert type(error) is getattr(errors, row["python"])
+    assert error.reason == row["reason"] and error.code is grpc.StatusCode[row["status"]]
+    _check_retry_and_outage(error, row)
+    if row["field"]:
+        assert isinstance(error, errors.InvalidArgument) and error.field == "request_bytes"
+
+
+@pytest.mark.parametrize("row", ERRORS["by_status"], ids=lambda row: row["status"])
+def test_error_status_without_a_known_reason(row: dict[str, Any]) -> None:
+    for metadata in ((), ((errors.REASON_KEY, "A_REASON_NOBODY_KNOWS"),)):
+        error = _error(row["status"], metadata)
+        assert type(error) is getattr(errors, row["python"]), metadata
+        _check_retry_and_outage(error, row)
+
+
+def test_every_reason_this_client_knows_is_a_case() -> None:
+    assert set(errors.REASONS) == {row["reason"] for row in ERRORS["reasons"]}
+
+
+# --- pricing ----------------------------------------------------------------
+
+
+def _price(case: dict[str, Any]) -> ModelPrice:
+    price = case["price"]
+
+    def rate(name: str) -> int | None:
+        value = price.get(name)
+        return None if value is None else int(value)
+
+    return ModelPrice(
+        int(price["input"]), int(price["output"]), rate("cached_input"), rate("cache_write")
+    )
+
+
+def _usage(case: dict[str, Any]) -> tuple[int, int, int, int]:
+    usage = case["usage"]
+    return (
+        int(usage["input_tokens"]),
+        int(usage["output_tokens"]),
+        int(usage["cached_input_tokens"]),
+        int(usage["cache_write_tokens"]),
+    )
+
+
+@pytest.mark.parametrize("case", PRICING["caps"], ids=lambda case: case["name"])
+def test_pricing_cap(case: dict[str, Any]) -> None:
+    request_bytes = int(case["request_bytes"])
+    milli = int(case["bytes_per_token_milli"])
+    overhead = int(case["overhead_tokens"])
+    assert request_tokens(request_bytes, milli, overhead) == int(case["request_tokens"])
+    cap = cap_nanos(_price(case), request_bytes, int(case["max_output_tokens"]), milli, overhead)
+    assert cap == int(case["cap_nanos"])
+
+
+@pytest.mark.parametrize("case", PRICING["charges"], ids=lambda case: case["name"])
+def test_pricing_charge(case: dict[str, Any]) -> None:
+    assert _price(case).real_cost(*_usage(case)) == int(case["charge_nanos"])
+
+
+@pytest.mark.parametrize("case", PRICING["refused_charges"], ids=lambda case: case["name"])
+def test_pricing_refuses_cache_parts_above_the_input(case: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="parts of input_tokens"):
+        _price(case).real_cost(*_usage(case))
