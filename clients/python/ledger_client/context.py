@@ -33,6 +33,8 @@ DEFAULT_MIN_TOOL_RESULT_BYTES = 1_024
 DEFAULT_MAX_ITERATIONS = 64
 MAX_TOOL_RESULTS = 1_000
 MAX_ERROR_BODY_BYTES = 64 * 1024
+# Real error bodies nest two or three levels; a deeper one is not read.
+MAX_ERROR_BODY_DEPTH = 64
 
 CONTEXT_OVERFLOW_REPLY = (
     "That question needs more context than the model can take in one request. "
@@ -202,8 +204,13 @@ REQUEST_ERROR_TYPES = frozenset(
 )
 _OVERFLOW_MESSAGE = re.compile(
     r"context[ _-]?length|context[ _-]?window|maximum context|too many tokens|"
-    r"prompt is too long|input is too long|maximum number of tokens|exceeds? the token limit",
-    re.IGNORECASE,
+    r"prompt is too long|input is too long|maximum number of tokens|exceeds? the token limit|"
+    # vLLM's V1 engine: "The decoder prompt (length N) is longer than the maximum
+    # model length of M."
+    r"maximum model length",
+    # ASCII case-folding only, which is what JavaScript's /i does here: a dotless i
+    # (U+0131) or a long s (U+017F) is not an "i" or an "s".
+    re.IGNORECASE | re.ASCII,
 )
 
 
@@ -216,14 +223,51 @@ def _error_fields(body: Mapping[str, object]) -> list[Mapping[str, object]]:
     return fields
 
 
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _nests_too_deep(text: str) -> bool:
+    """Whether arrays and objects nest deeper than MAX_ERROR_BODY_DEPTH (string
+    contents skipped): the parser recurses, and a hostile body must not crash it."""
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > MAX_ERROR_BODY_DEPTH:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
 def _parsed(body: Mapping[str, object] | bytes | str | None) -> Mapping[str, object] | None:
+    """A body as strict JSON (RFC 8259): UTF-8 only (a leading byte order mark
+    is skipped), no NaN or Infinity, at most MAX_ERROR_BODY_BYTES and
+    MAX_ERROR_BODY_DEPTH. Anything else is no body."""
     if body is None or isinstance(body, Mapping):
         return body
-    raw = _utf8(body)
-    if len(raw) > MAX_ERROR_BODY_BYTES:
-        return None
     try:
-        value = json.loads(raw)
+        # Text that cannot be UTF-8 (a lone surrogate) is not a body either.
+        raw = _utf8(body)
+        if len(raw) > MAX_ERROR_BODY_BYTES:
+            return None
+        text = raw.decode("utf-8-sig")
+        if _nests_too_deep(text):
+            return None
+        # Numbers are never read: float takes any number of digits, as a
+        # JavaScript number does, where int refuses more than 4300.
+        value = json.loads(text, parse_int=float, parse_constant=_refuse_constant)
     except ValueError:
         return None
     return value if isinstance(value, Mapping) else None

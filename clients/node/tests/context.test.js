@@ -1,0 +1,147 @@
+'use strict';
+// The shared context-budgeting cases (clients/cases/context.json), which the
+// Python client's tests/test_client_context_cases.py runs too: the same inputs,
+// the same answers. Pure tests, no server.
+
+const { describe, test } = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const path = require('node:path');
+const {
+  CONTEXT_OVERFLOW_REPLY,
+  ContextBudget,
+  estimateTokens,
+  fitToolResults,
+  isContextOverflow,
+  tokensOfBytes,
+  truncationMarker,
+} = require('..');
+
+const CASES = JSON.parse(fs.readFileSync(path.join(__dirname, '..', '..', 'cases', 'context.json'), 'utf8'));
+
+/** The cases name things as the Python client does; the Node client's names are camelCase. */
+const camelCase = (name) => name.replace(/_([a-z])/g, (_, letter) => letter.toUpperCase());
+const budgetOf = (settings = {}) =>
+  new ContextBudget(Object.fromEntries(Object.entries(settings).map(([name, value]) => [camelCase(name), value])));
+
+/**
+ * A text of the cases: a string, head + repeat x count + tail, or head +
+ * repeat repeated and cut to exactly `bytes` bytes with the tail (ASCII).
+ */
+function textOf(spec) {
+  if (typeof spec === 'string') return spec;
+  const { head = '', repeat, tail = '' } = spec;
+  if (spec.count !== undefined) return head + repeat.repeat(spec.count) + tail;
+  assert.ok(/^[\x00-\x7f]*$/.test(head + repeat + tail), 'a text of `bytes` is ASCII');
+  const fill = spec.bytes - head.length - tail.length;
+  return head + repeat.repeat(Math.floor(fill / repeat.length) + 1).slice(0, fill) + tail;
+}
+
+const textsOf = (specs = []) =>
+  Array.isArray(specs) ? specs.map(textOf) : Array.from({ length: specs.count }, () => textOf(specs.each));
+
+const named = (kind) => CASES[kind].map((item, index) => [`${index}: ${item.why}`, item]);
+
+test('the defaults and the reply are the shared ones', () => {
+  assert.deepEqual({ ...new ContextBudget() }, { ...budgetOf(CASES.defaults) });
+  assert.equal(CONTEXT_OVERFLOW_REPLY, CASES.reply);
+});
+
+describe('estimates', () => {
+  for (const [name, item] of named('estimates')) {
+    test(name, () => {
+      const milli = item.bytes_per_token_milli ?? CASES.defaults.bytes_per_token_milli;
+      const estimate = () =>
+        item.text !== undefined ? estimateTokens(textOf(item.text), milli) : tokensOfBytes(item.byte_count, milli);
+      if (item.refused) assert.throws(estimate, (error) => error instanceof RangeError || error instanceof TypeError);
+      else assert.equal(estimate(), item.tokens);
+    });
+  }
+});
+
+describe('budgets', () => {
+  for (const [name, item] of named('budgets')) {
+    test(name, () => {
+      if (item.refused) assert.throws(() => budgetOf(item.budget), RangeError);
+      else assert.equal(budgetOf(item.budget).inputBudgetTokens, item.input_budget_tokens);
+    });
+  }
+});
+
+function fitOf(item) {
+  return fitToolResults(textsOf(item.tool_results), {
+    budget: budgetOf(item.budget),
+    messages: textsOf(item.messages),
+    toolSchemas: textsOf(item.tool_schemas),
+  });
+}
+
+function assertToolResult(original, rendered, want) {
+  if (want === 'unchanged') {
+    assert.equal(rendered, original);
+    return;
+  }
+  const raw = Buffer.from(original, 'utf8');
+  // fatal: a kept head that ended inside a character would throw here.
+  const head = new TextDecoder('utf-8', { fatal: true }).decode(raw.subarray(0, want.kept_bytes));
+  assert.equal(rendered, head + want.marker);
+  assert.equal(Buffer.byteLength(rendered, 'utf8'), want.bytes);
+  assert.equal(want.marker, truncationMarker(raw.length - want.kept_bytes, raw.length));
+}
+
+describe('fitting tool results', () => {
+  for (const [name, item] of named('fits')) {
+    test(name, () => {
+      if (item.refused) {
+        assert.throws(() => fitOf(item), (error) => error instanceof RangeError || error instanceof TypeError);
+        return;
+      }
+      const { expected } = item;
+      const fit = fitOf(item);
+      assert.deepEqual(
+        [fit.fits, fit.iterations, fit.inputTokens, fit.budgetTokens, [...fit.trimmed]],
+        [expected.fits, expected.iterations, expected.input_tokens, expected.budget_tokens, expected.trimmed],
+      );
+      const originals = textsOf(item.tool_results);
+      assert.equal(fit.toolResults.length, originals.length);
+      assert.equal(expected.tool_results.length, originals.length);
+      originals.forEach((original, index) =>
+        assertToolResult(original, fit.toolResults[index], expected.tool_results[index]),
+      );
+      // The same count, made again from what is sent.
+      const budget = budgetOf(item.budget);
+      const sent = [...textsOf(item.messages), ...textsOf(item.tool_schemas), ...fit.toolResults];
+      assert.equal(fit.inputTokens, sent.reduce((sum, text) => sum + budget.tokens(text), 0));
+      assert.equal(fit.fits, fit.inputTokens <= fit.budgetTokens);
+    });
+  }
+});
+
+/** The body in each of its forms: the parsed object, its JSON text, its UTF-8. */
+function bodiesOf(item) {
+  if (item.base64 !== undefined) return [['bytes', Buffer.from(item.base64, 'base64')]];
+  const forms = {};
+  if (item.text !== undefined) {
+    forms.text = textOf(item.text);
+  } else {
+    forms.object = structuredClone(item.body);
+    if (item.set !== undefined) {
+      const keys = item.set.path;
+      const target = keys.slice(0, -1).reduce((object, key) => object[key], forms.object);
+      target[keys.at(-1)] = textOf(item.set.text);
+    }
+    forms.text = JSON.stringify(forms.object);
+  }
+  forms.bytes = Buffer.from(forms.text, 'utf8');
+  return item.as.map((form) => [form, forms[form]]);
+}
+
+describe('recognising an overflow', () => {
+  for (const [name, item] of named('overflows')) {
+    test(name, () => {
+      for (const [form, body] of bodiesOf(item)) {
+        assert.equal(isContextOverflow(item.status, body), item.overflow, form);
+      }
+    });
+  }
+});
