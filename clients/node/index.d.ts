@@ -28,6 +28,22 @@ export interface LaneClientOptions {
   endAttempts?: number;
   /** Extra @grpc/grpc-js channel options. */
   channelOptions?: ChannelOptions;
+  /** What call() does while the ledger cannot be reached; default OutagePolicy.deny() (see README, "When the ledger cannot be reached"). */
+  outage?: OutagePolicy;
+  /** How often the background replayer looks at the journal; default 5000 ms, at most 3,600,000; null: never (call replayJournal()). */
+  replayIntervalMs?: number | null;
+  /** Deadline of each RPC of the replay; default 2000 ms, at most 60,000. */
+  replayDeadlineMs?: number;
+  /** Entries one replay attempt handles at most; default 100, between 1 and 10,000. */
+  maxReplayEntriesPerAttempt?: number;
+  /** Time one replay attempt runs at most; default 10,000 ms, at most 600,000. */
+  maxReplayMsPerAttempt?: number;
+  /** The journal takes no new call past this size; default 16 MiB, at most 1 GiB. */
+  maxJournalBytes?: number;
+  /** A fully replayed journal at least this large is moved aside; default 1 MiB, at most maxJournalBytes. */
+  rotateJournalBytes?: number;
+  /** Where the outage mode's warnings go (a denied replay, a refused one, a journal that failed); default console, null: nowhere. */
+  logger?: { warn(message: string): void; error(message: string): void } | null;
 }
 
 /**
@@ -177,6 +193,126 @@ export interface ProviderUsage {
  */
 export function usageOf(body: unknown): ProviderUsage | null;
 
+/**
+ * A model's price in nanos per million tokens. An unset (undefined or null)
+ * cache rate costs the input rate, as on the ledger.
+ */
+export interface ModelPrice {
+  inputNanosPerMillionTokens: bigint;
+  outputNanosPerMillionTokens: bigint;
+  /** Input tokens read from the provider's prompt cache. */
+  cachedInputNanosPerMillionTokens?: bigint | null;
+  /** Input tokens written to the provider's prompt cache. */
+  cacheWriteNanosPerMillionTokens?: bigint | null;
+}
+
+/** 3.5 bytes per token, in thousandths: 3500n. */
+export const DEFAULT_BYTES_PER_TOKEN_MILLI: bigint;
+
+/**
+ * Pessimistic tokens of a request: ceil(requestBytes * 1000 / bytesPerTokenMilli) + overheadTokens.
+ * Throws TypeError for a non-bigint, RangeError for a negative value or bytesPerTokenMilli 0n.
+ */
+export function requestTokens(requestBytes: bigint, bytesPerTokenMilli: bigint, overheadTokens: bigint): bigint;
+
+/**
+ * The ledger's byte cap, computed locally with its formula and rounding (every
+ * division rounds up): every request token at the dearest input rate (the
+ * largest of input, cached and cache-write), plus maxOutputTokens at the output rate.
+ */
+export function capNanos(
+  price: ModelPrice,
+  requestBytes: bigint,
+  maxOutputTokens: bigint,
+  bytesPerTokenMilli: bigint,
+  overheadTokens: bigint,
+): bigint;
+
+/**
+ * The real cost of a usage as the ledger books it: each kind of token at its
+ * own rate, each part rounded up. cachedInputTokens and cacheWriteTokens are
+ * parts of inputTokens (missing ones count 0n); a RangeError when they exceed it.
+ */
+export function realCostNanos(
+  price: ModelPrice,
+  usage: { inputTokens: bigint; outputTokens: bigint; cachedInputTokens?: bigint; cacheWriteTokens?: bigint },
+): bigint;
+
+/**
+ * Context budgeting (see README, "Context budgeting"): the same rules and answers
+ * as the Python client's ledger_client.context. Token and byte counts are
+ * integer Numbers, exact below 2^53; a count that would pass it is a RangeError.
+ */
+export interface ContextBudgetOptions {
+  /** The served model's window (vLLM's --max-model-len); default 16384, at most 10**9. */
+  maxContextTokens?: number;
+  /** Withheld from the input for the reply; default 2048, less than maxContextTokens. */
+  reserveOutputTokens?: number;
+  /** Bytes per token in thousandths; default 3500 (3.5), between 100 and 64000. */
+  bytesPerTokenMilli?: number;
+  /** A result is never cut below this; default 1024, between 256 and 10**8. */
+  minToolResultBytes?: number;
+  /** Rounds of cutting at most; default 64, between 1 and 10000. */
+  maxIterations?: number;
+}
+
+/** Frozen. Throws TypeError for an unknown option or a non-integer, RangeError out of bounds. */
+export class ContextBudget {
+  constructor(options?: ContextBudgetOptions);
+  readonly maxContextTokens: number;
+  readonly reserveOutputTokens: number;
+  readonly bytesPerTokenMilli: number;
+  readonly minToolResultBytes: number;
+  readonly maxIterations: number;
+  /** maxContextTokens - reserveOutputTokens. */
+  readonly inputBudgetTokens: number;
+  tokens(payload: string | Uint8Array): number;
+}
+
+export interface ContextFit {
+  fits: boolean;
+  /** The tool results to send, in their original order; trimmed ones carry a marker. */
+  toolResults: readonly string[];
+  /** Indexes of the trimmed results. */
+  trimmed: readonly number[];
+  /** Estimated input tokens: messages + tool schemas + results. */
+  inputTokens: number;
+  budgetTokens: number;
+  /** Rounds of cutting done, at most the budget's maxIterations. */
+  iterations: number;
+}
+
+/** ceil(byteCount / bytesPerToken), in integers; bytesPerTokenMilli defaults to 3500. */
+export function tokensOfBytes(byteCount: number, bytesPerTokenMilli?: number): number;
+/** A pessimistic token count from UTF-8 bytes. A string with a lone surrogate is a TypeError. */
+export function estimateTokens(payload: string | Uint8Array, bytesPerTokenMilli?: number): number;
+/** The marker a trimmed result ends with. */
+export function truncationMarker(removedBytes: number, originalBytes: number): string;
+/**
+ * Fits tool results into what the window leaves after the messages, the tool
+ * schemas and the output reserve: largest first, never below the floor, at
+ * most maxIterations rounds. At most 1000 results (RangeError).
+ */
+export function fitToolResults(
+  toolResults: readonly string[],
+  options?: {
+    budget?: ContextBudget | ContextBudgetOptions;
+    messages?: ReadonlyArray<string | Uint8Array>;
+    toolSchemas?: ReadonlyArray<string | Uint8Array>;
+  },
+): ContextFit;
+/**
+ * Whether a provider refused a request (HTTP 400 or 413) for not fitting its
+ * context window, from the error's code, or its type and message. The body is
+ * the parsed object, its text or its bytes (strict UTF-8 JSON, at most 64 KiB).
+ */
+export function isContextOverflow(
+  httpStatus: number,
+  body: object | string | Uint8Array | ArrayBuffer | null | undefined,
+): boolean;
+/** The constant sentence to answer an overflow with, instead of the provider's text. */
+export const CONTEXT_OVERFLOW_REPLY: string;
+
 /** What the callback of call() says about its model call. */
 export interface CallReport {
   /** The provider's HTTP status; 0 or left out when there was none. */
@@ -228,15 +364,32 @@ export class CallNotSent extends Error {
 /** Marks an error thrown by a call() callback as "never sent", like CallNotSent. */
 export function markNotSent<E extends Error>(error: E): E;
 
+/** The ledger's reasons, and the outage mode's: unreachable and failing closed, or the allowance spent. */
+export type CallDenialReason = DenialReason | 'LEDGER_UNAVAILABLE' | 'ALLOWANCE_EXHAUSTED';
+
 export class Denied {
   readonly admitted: false;
   reservationId: string;
-  reason: DenialReason;
+  reason: CallDenialReason;
   message: string;
   retryAfter: Date | null;
   holdNanos: bigint;
   capNanos: bigint;
   balance: Balance | null;
+  /** For LEDGER_UNAVAILABLE and ALLOWANCE_EXHAUSTED: the error that said the ledger is unreachable. */
+  ledgerError: LedgerError | null;
+}
+
+/** Who admitted a call of call(): the ledger, or the outage allowance while the ledger was unreachable. */
+export type CallSource = 'ledger' | 'allowance';
+export const CallSource: Readonly<{ LEDGER: 'ledger'; ALLOWANCE: 'allowance' }>;
+
+/**
+ * What call() hands its callback. On the allowance: holdNanos and capNanos
+ * are the local byte cap, and reservedAt, expiresAt and balance are null.
+ */
+export interface CallBooking extends ReserveResult {
+  source: CallSource;
 }
 
 export class Completed<R = CallReport> {
@@ -249,7 +402,11 @@ export class Completed<R = CallReport> {
   /** null when the ledger could not be told (see ledgerError). */
   chargedNanos: bigint | null;
   balance: Balance | null;
+  /** Why the ledger was not told: its error, or on the allowance the one that made the ledger unreachable. */
   ledgerError: LedgerError | null;
+  source: CallSource;
+  /** Whether the call (or its ending) waits in the journal for the replay. */
+  journaled: boolean;
 }
 
 export const DEFAULT_DEADLINE_MS: number;
@@ -261,8 +418,16 @@ export class LaneClient {
   readonly lane: string;
   readonly deadlineMs: number;
   readonly endAttempts: number;
+  readonly outage: OutagePolicy;
+  /** The outage journal, or null without one. */
+  readonly journal: Journal | null;
   waitForReady(timeoutMs?: number): Promise<void>;
-  close(): void;
+  /** Stops the replayer, closes the channel, then the journal (its lock released). Never rejects. */
+  close(): Promise<void>;
+  /** What is spent of the outage allowance; null without an allowance. */
+  allowanceUsed(): { nanos: bigint; calls: number } | null;
+  /** One bounded replay attempt of the journal, now. */
+  replayJournal(options?: { maxEntries?: number }): Promise<ReplayReport>;
   reserve(request: ReserveRequest): Promise<ReserveResult>;
   settle(request: SettleRequest): Promise<SettleResult>;
   refund(request: RefundRequest): Promise<{ balance: Balance | null }>;
@@ -270,9 +435,145 @@ export class LaneClient {
   booking(reservationId: string, options?: TraceOptions): Promise<Booking>;
   call<R extends CallReport>(
     request: CallRequest,
-    fn: (booking: ReserveResult) => Promise<R> | R,
+    fn: (booking: CallBooking) => Promise<R> | R,
   ): Promise<Denied | Completed<R>>;
 }
+
+// The outage mode --------------------------------------------------------------
+
+export type OutageMode = 'deny' | 'allowance';
+export const OutageMode: Readonly<{ DENY: 'deny'; ALLOWANCE: 'allowance' }>;
+/** maxCalls of an allowance is at most this: 100,000. */
+export const MAX_ALLOWANCE_CALLS: number;
+
+export interface AllowanceOptions {
+  /** At most this much, in nanos, of calls the ledger has not booked: 1 to 2^62. */
+  maxNanos: Int64Input;
+  /** At most this many such calls: 1 to MAX_ALLOWANCE_CALLS. */
+  maxCalls: number;
+  /** The journal (JSON lines, fsync'd); its directory is created. */
+  journalPath: string;
+  /** The lane's prices, copied: model -> price. Rates from 0 to 10^15 nanos per million tokens. */
+  prices: Record<string, ModelPrice> | Map<string, ModelPrice>;
+  /** Default 3500n (3.5 bytes per token), between 100n and 64000n: the lane's own setting. */
+  bytesPerTokenMilli?: Int64Input;
+  /** Default 0n, at most 10,000,000n: the lane's own setting. */
+  overheadTokens?: Int64Input;
+}
+
+/** Frozen. Throws RangeError or TypeError for a limit out of bounds: there is no unbounded allowance. */
+export class OutagePolicy {
+  /** Fail closed. With a journal, unsent endings and unanswered Reserves still reach the ledger later. */
+  static deny(journalPath?: string | null): OutagePolicy;
+  static allowance(options: AllowanceOptions): OutagePolicy;
+  readonly mode: OutageMode;
+  readonly journalPath: string | null;
+  readonly maxNanos: bigint;
+  readonly maxCalls: number;
+  readonly prices: ReadonlyMap<string, Readonly<ModelPrice>>;
+  readonly bytesPerTokenMilli: bigint;
+  readonly overheadTokens: bigint;
+}
+
+export interface ReplayReport {
+  /** The ledger has the booking and its ending. */
+  landed: number;
+  /** Made on the allowance, then denied by the ledger: spent without a booking (logged). */
+  denied: number;
+  /** In-doubt Reserves the ledger never recorded. */
+  absent: number;
+  /** Refused for good; an operator must look at them (logged). */
+  rejected: number;
+  /** The ledger failed on them this time; left for the next attempt. */
+  failed: number;
+  /** Still in the journal after this attempt. */
+  remaining: number;
+  /** The ledger went away, or a limit of the attempt was hit. */
+  stoppedEarly: boolean;
+}
+
+export type Source = 'allowance' | 'ledger' | 'in_doubt';
+export const Source: Readonly<{ ALLOWANCE: 'allowance'; LEDGER: 'ledger'; IN_DOUBT: 'in_doubt' }>;
+export type ReplayResult = 'landed' | 'denied' | 'absent' | 'rejected';
+export const ReplayResult: Readonly<{ LANDED: 'landed'; DENIED: 'denied'; ABSENT: 'absent'; REJECTED: 'rejected' }>;
+export type Settlement = 'settle_succeeded' | 'settle_unknown' | 'refund';
+export const Settlement: Readonly<{ SETTLE_SUCCEEDED: 'settle_succeeded'; SETTLE_UNKNOWN: 'settle_unknown'; REFUND: 'refund' }>;
+
+/** A journaled call's Reserve arguments, as the replay sends them again. */
+export interface JournaledArguments {
+  reservationId: string;
+  model: string;
+  requestBytes: bigint;
+  maxOutputTokens: bigint;
+  estimateNanos: bigint | null;
+  ttlUs: bigint | null;
+}
+
+export interface JournaledEnding {
+  settlement: Settlement;
+  httpStatus: number;
+  usage: {
+    inputTokens: bigint;
+    outputTokens: bigint;
+    billedNanos: bigint | null;
+    cachedInputTokens: bigint;
+    cacheWriteTokens: bigint;
+  } | null;
+  reason: string;
+}
+
+/** One call in the journal: the fold of its lines. */
+export interface JournalEntry {
+  readonly lane: string;
+  readonly reservationId: string;
+  readonly arguments: JournaledArguments;
+  readonly source: Source;
+  /** What the ledger would hold for it (allowance), or held (ledger); 0n in doubt. */
+  readonly localHoldNanos: bigint;
+  readonly writtenAt: string;
+  readonly ending: JournaledEnding | null;
+  /** What the lane thinks its ending costs (allowance entries). */
+  readonly localChargeNanos: bigint;
+  readonly replay: ReplayResult | null;
+  readonly replayDetail: string;
+  /** The W3C trace id of the model call; its replay joins the same trace. */
+  readonly traceId: string;
+}
+
+/** The append-only, fsync'd journal of what the ledger has not heard yet (see README). */
+export class Journal {
+  /** Opens or creates it and takes its lock file; JournalLocked when another process holds it. */
+  constructor(path: string, lane: string, limits?: { maxBytes?: number; rotateBytes?: number });
+  readonly path: string;
+  readonly lane: string;
+  readonly isOpen: boolean;
+  /** Lines not read at start-up (a torn last line counts). */
+  readonly skippedLines: number;
+  readonly sizeBytes: number;
+  /** Entries the ledger has not acknowledged yet, oldest first. */
+  pending(): JournalEntry[];
+  entry(reservationId: string): JournalEntry | null;
+  entries(): JournalEntry[];
+  recordReserve(entry: JournalEntry): Promise<void>;
+  recordEnd(reservationId: string, ending: JournaledEnding, localChargeNanos: bigint): Promise<void>;
+  recordReplay(reservationId: string, result: ReplayResult, detail?: string): Promise<void>;
+  /** Moves a fully replayed journal of at least rotateBytes aside (<journal>.<stamp>.done); resolves with its path or null. */
+  rotateIfReplayed(): Promise<string | null>;
+  close(): Promise<void>;
+}
+/** The journal cannot be used; a lane in outage then fails closed. */
+export class JournalError extends Error {}
+/** Past maxJournalBytes: no new call is journaled (endings still are). */
+export class JournalFull extends JournalError {}
+/** Another process, or another Journal of this one, holds the journal's lock. */
+export class JournalLocked extends JournalError {}
+
+/**
+ * Whether an error says the ledger cannot be reached or answer now (UNAVAILABLE,
+ * DEADLINE_EXCEEDED, CANCELLED as a server shutdown gives, RESOURCE_EXHAUSTED
+ * without a known reason): what switches call() to the outage mode.
+ */
+export function isLedgerUnavailable(error: unknown): boolean;
 
 export function ledgerPackage(): {
   Ledger: ServiceClientConstructor;

@@ -5,7 +5,19 @@ const { LaneClient, Denied, Completed, DEFAULT_DEADLINE_MS, DEFAULT_END_ATTEMPTS
 const errors = require('./lib/errors');
 const { Ending, OUTCOME_TABLE, endingOf, CallNotSent, markNotSent } = require('./lib/outcomes');
 const { ledgerPackage } = require('./lib/proto');
+const { capNanos, realCostNanos, requestTokens, DEFAULT_BYTES_PER_TOKEN_MILLI } = require('./lib/pricing');
 const { usageOf } = require('./lib/usage');
+const {
+  ContextBudget,
+  fitToolResults,
+  estimateTokens,
+  tokensOfBytes,
+  truncationMarker,
+  isContextOverflow,
+  CONTEXT_OVERFLOW_REPLY,
+} = require('./lib/context');
+const { OutagePolicy, OutageMode, CallSource, MAX_ALLOWANCE_CALLS } = require('./lib/outage');
+const { Journal, JournalError, JournalFull, JournalLocked, Source, ReplayResult, Settlement } = require('./lib/journal');
 
 module.exports = {
   LaneClient,
@@ -17,8 +29,30 @@ module.exports = {
   CallNotSent,
   markNotSent,
   usageOf,
+  ContextBudget,
+  fitToolResults,
+  estimateTokens,
+  tokensOfBytes,
+  truncationMarker,
+  isContextOverflow,
+  CONTEXT_OVERFLOW_REPLY,
+  capNanos,
+  realCostNanos,
+  requestTokens,
+  DEFAULT_BYTES_PER_TOKEN_MILLI,
   ledgerPackage,
   DEFAULT_DEADLINE_MS,
   DEFAULT_END_ATTEMPTS,
+  OutagePolicy,
+  OutageMode,
+  CallSource,
+  MAX_ALLOWANCE_CALLS,
+  Journal,
+  JournalError,
+  JournalFull,
+  JournalLocked,
+  Source,
+  ReplayResult,
+  Settlement,
   ...errors,
 };

@@ -1,12 +1,15 @@
 'use strict';
 
-const { randomUUID } = require('node:crypto');
+const { randomBytes, randomUUID } = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
-const { ledgerErrorOf, LedgerError } = require('./errors');
+const { ledgerErrorOf, LedgerError, Unavailable, isLedgerUnavailable } = require('./errors');
 const wire = require('./wire');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
-const { traceHeaders, freshTraceHeaders, setTraceHeaders } = require('./tracing');
+const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
+const { Journal, Source, Settlement, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
+const { OutagePolicy, OutageMode, Allowance, DenialReason, CallSource, argumentsOf, isJournalTrouble } = require('./outage');
+const { Replayer, replaySettingsOf, emptyReport, IN_DOUBT_REASON } = require('./replay');
 
 // Why 250 ms: in the recall budget jam (shared/seeds/000_835af494282c4981.txt)
 // a 2.0 s step lost 0.8 s to grant and key lookups and 1.0 s to a retry
@@ -18,13 +21,25 @@ const DEFAULT_DEADLINE_MS = 250;
 // the same content; without this an ended call would expire at its hold.
 const DEFAULT_END_ATTEMPTS = 3;
 const END_RETRY_PAUSE_MS = 20;
+// In-doubt Reserves journaled for a later refund, at most (beyond: refunded
+// once in the background, as without a journal).
+const MAX_IN_DOUBT_ENTRIES = 1000;
+// Refunds of unanswered Reserves sent in the background without a journal, at
+// most this many at a time (beyond: the hold expires under expire_charge).
+const MAX_BACKGROUND_REFUNDS = 100;
+const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
+const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
-/** A Reserve the ledger denied: the call was not made. */
+/** A Reserve the ledger denied, or the outage mode did: the call was not made. */
 class Denied {
-  constructor(answer) {
+  constructor(answer, ledgerError = null) {
     this.admitted = false;
     this.reservationId = answer.reservationId;
-    /** "BUDGET_EXHAUSTED" or "HOLD_EXCEEDS_LIMIT". */
+    /**
+     * "BUDGET_EXHAUSTED" or "HOLD_EXCEEDS_LIMIT" (the ledger said no), or, with
+     * the ledger unreachable, "LEDGER_UNAVAILABLE" (the lane fails closed) or
+     * "ALLOWANCE_EXHAUSTED" (its outage allowance is spent).
+     */
     this.reason = answer.denialReason;
     /** The server's sentence for people. */
     this.message = answer.reason;
@@ -33,7 +48,79 @@ class Denied {
     this.holdNanos = answer.holdNanos;
     this.capNanos = answer.capNanos;
     this.balance = answer.balance;
+    /** For an outage denial: the error that said the ledger is unreachable; else null. */
+    this.ledgerError = ledgerError;
   }
+}
+
+function outageDenial(reservationId, denialReason, message, ledgerError) {
+  const answer = { reservationId, denialReason, reason: message, retryAfter: null, holdNanos: 0n, capNanos: 0n, balance: null };
+  return new Denied(answer, ledgerError);
+}
+
+/** The booking call() hands its callback when the outage allowance admitted the call. */
+function allowanceBooking(reservationId, { holdNanos, capNanos }) {
+  return {
+    reservationId,
+    admitted: true,
+    decision: 'ADMITTED',
+    holdNanos,
+    capNanos,
+    reservedAt: null,
+    expiresAt: null,
+    retryAfter: null,
+    denialReason: null,
+    reason: '',
+    balance: null,
+    source: CallSource.ALLOWANCE,
+  };
+}
+
+const SETTLEMENT_OF_ENDING = Object.freeze({
+  [Ending.SUCCEEDED]: Settlement.SETTLE_SUCCEEDED,
+  [Ending.UNKNOWN]: Settlement.SETTLE_UNKNOWN,
+  [Ending.REFUND]: Settlement.REFUND,
+});
+const ENDING_OF_SETTLEMENT = Object.freeze(Object.fromEntries(Object.entries(SETTLEMENT_OF_ENDING).map(([ending, settlement]) => [settlement, ending])));
+
+/** A move of endingOf() as the journal keeps it: every count a BigInt. */
+function journalEndingOf(move) {
+  const integer = (value, name) => BigInt(wire.int64(value ?? 0, name));
+  const usage = move.usage;
+  return {
+    settlement: SETTLEMENT_OF_ENDING[move.ending],
+    httpStatus: move.httpStatus,
+    usage:
+      usage === null || usage === undefined
+        ? null
+        : {
+            inputTokens: integer(usage.inputTokens, 'inputTokens'),
+            outputTokens: integer(usage.outputTokens, 'outputTokens'),
+            billedNanos: usage.billedNanos === null || usage.billedNanos === undefined ? null : integer(usage.billedNanos, 'billedNanos'),
+            cachedInputTokens: integer(usage.cachedInputTokens, 'cachedInputTokens'),
+            cacheWriteTokens: integer(usage.cacheWriteTokens, 'cacheWriteTokens'),
+          },
+    reason: move.reason ?? '',
+  };
+}
+
+/** A journaled ending as the move _endOnce sends. */
+function moveOfJournalEnding(ending) {
+  return { ending: ENDING_OF_SETTLEMENT[ending.settlement], httpStatus: ending.httpStatus, usage: ending.usage, reason: ending.reason };
+}
+
+/** The headers a replay sends: the original call's trace id under a new span. */
+function replayTrace(traceId) {
+  if (!traceId) return null;
+  return { traceparent: `00-${traceId}-${randomBytes(8).toString('hex')}-01` };
+}
+
+function checkLogger(logger) {
+  if (logger === null) return null;
+  if (typeof logger?.warn !== 'function' || typeof logger?.error !== 'function') {
+    throw new TypeError('logger must have warn() and error() methods, or be null');
+  }
+  return logger;
 }
 
 /** An admitted call that ran; how its booking ended. */
@@ -55,12 +142,20 @@ function channelCredentials(tls) {
   return grpc.credentials.createSsl(pem(options.rootCerts), pem(options.clientKey), pem(options.clientCert));
 }
 
+// A lost connection is retried within 100 ms, then at most every 2 s (the
+// Python client's settings), so a ledger that comes back is noticed within
+// seconds, not grpc-js's default two minutes: an outage mode ends when it can.
+const RECONNECT_OPTIONS = Object.freeze({
+  'grpc.initial_reconnect_backoff_ms': 100,
+  'grpc.max_reconnect_backoff_ms': 2000,
+});
+
 function channelOptions(options) {
   const serverName = options.tls && options.tls !== true ? options.tls.serverName : undefined;
   const extra = serverName
     ? { 'grpc.ssl_target_name_override': serverName, 'grpc.default_authority': serverName }
     : {};
-  return { ...extra, ...(options.channelOptions ?? {}) };
+  return { ...RECONNECT_OPTIONS, ...extra, ...(options.channelOptions ?? {}) };
 }
 
 /**
@@ -83,8 +178,62 @@ class LaneClient {
       throw new RangeError('endAttempts must be an integer of at least 1');
     }
     this._grant = options.grant ?? null;
+    /** The lane's outage mode; deny (fail closed) unless set. */
+    this.outage = options.outage ?? OutagePolicy.deny();
+    if (!(this.outage instanceof OutagePolicy)) throw new TypeError('outage must be an OutagePolicy');
+    this._replaySettings = replaySettingsOf(options);
+    this._journalLimits = {
+      maxBytes: options.maxJournalBytes ?? JOURNAL_DEFAULTS.maxJournalBytes,
+      rotateBytes: options.rotateJournalBytes ?? JOURNAL_DEFAULTS.rotateJournalBytes,
+    };
+    this._logger = checkLogger(options.logger === undefined ? console : options.logger);
+    this._journal = null;
+    this._allowance = null;
+    this._replayer = null;
+    this._backgroundRefunds = 0;
+    this._closed = null;
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
+    try {
+      this._openJournal();
+    } catch (error) {
+      this._stub.close();
+      throw error;
+    }
+  }
+
+  _openJournal() {
+    if (this.outage.journalPath === null) return;
+    this._journal = new Journal(this.outage.journalPath, this.lane, this._journalLimits);
+    const moves = {
+      reserve: (args, traceId, deadlineMs) => this._reserve(args, replayTrace(traceId), deadlineMs),
+      end: (reservationId, ending, traceId, deadlineMs) =>
+        this._endOnce(reservationId, moveOfJournalEnding(ending), replayTrace(traceId), deadlineMs),
+    };
+    this._replayer = new Replayer(moves, this._journal, this._replaySettings, this._logger);
+    if (this.outage.mode === OutageMode.ALLOWANCE) this._allowance = new Allowance(this.outage, this._journal);
+    if (this._replaySettings.replayIntervalMs !== null) this._replayer.start(this._replaySettings.replayIntervalMs);
+  }
+
+  /** The outage journal, or null without one. */
+  get journal() {
+    return this._journal;
+  }
+
+  /** What is spent of the outage allowance, {nanos, calls}; null without an allowance. */
+  allowanceUsed() {
+    return this._allowance === null ? null : this._allowance.used();
+  }
+
+  /**
+   * One bounded replay attempt of the journal, now: at most `maxEntries`
+   * entries (and maxReplayEntriesPerAttempt). Resolves with its report.
+   * @param {{maxEntries?: number}} [options]
+   * @returns {Promise<import('../index').ReplayReport>}
+   */
+  async replayJournal({ maxEntries } = {}) {
+    if (this._replayer === null) return emptyReport();
+    return this._replayer.replayOnce(maxEntries);
   }
 
   /** Resolves once the channel is connected (call it at start-up, off the hot path). */
@@ -94,9 +243,22 @@ class LaneClient {
     });
   }
 
-  /** Closes the channel. */
+  /**
+   * Stops the background replayer, closes the channel, then the journal (once
+   * its writes under way are on disk) and releases its lock. Idempotent; the
+   * promise it returns never rejects.
+   */
   close() {
+    if (this._closed !== null) return this._closed;
+    this._replayer?.stop();
     this._stub.close();
+    const replayer = this._replayer;
+    const journal = this._journal;
+    this._closed = (async () => {
+      await replayer?.idle().catch(() => undefined);
+      await journal?.close().catch(() => undefined);
+    })();
+    return this._closed;
   }
 
   async _metadata(trace) {
@@ -110,14 +272,19 @@ class LaneClient {
   }
 
   /** `trace`: the W3C headers to send ({traceparent, tracestate?}), or null for none. */
-  async _unary(method, request, trace) {
+  async _unary(method, request, trace, deadlineMs = this.deadlineMs) {
     const metadata = await this._metadata(trace);
     return new Promise((resolve, reject) => {
-      const deadline = Date.now() + this.deadlineMs;
-      this._stub[method](request, metadata, { deadline }, (error, response) => {
-        if (error) reject(ledgerErrorOf(error));
-        else resolve(response);
-      });
+      const deadline = Date.now() + deadlineMs;
+      try {
+        this._stub[method](request, metadata, { deadline }, (error, response) => {
+          if (error) reject(ledgerErrorOf(error));
+          else resolve(response);
+        });
+      } catch (error) {
+        // The call did not start (a closed channel): the ledger is not reachable from here.
+        reject(new Unavailable('the ledger call did not start', { code: grpc.status.UNAVAILABLE, cause: error }));
+      }
     });
   }
 
@@ -131,7 +298,14 @@ class LaneClient {
     return this._reserve(request, traceHeaders(request));
   }
 
-  async _reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs }, trace) {
+  async _reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs }, trace, deadlineMs) {
+    let ttl;
+    if (ttlUs !== undefined && ttlUs !== null) {
+      // A journaled call's ttl, in microseconds (BigInt).
+      ttl = { seconds: String(ttlUs / 1_000_000n), nanos: Number(ttlUs % 1_000_000n) * 1000 };
+    } else if (ttlMs !== undefined && ttlMs !== null) {
+      ttl = wire.durationOfMs(ttlMs, 'ttlMs');
+    }
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
@@ -139,9 +313,9 @@ class LaneClient {
       request_bytes: wire.int64(requestBytes, 'requestBytes'),
       max_output_tokens: wire.int64(maxOutputTokens, 'maxOutputTokens'),
       estimate_nanos: wire.optionalInt64(estimateNanos, 'estimateNanos'),
-      ttl: ttlMs === undefined || ttlMs === null ? undefined : wire.durationOfMs(ttlMs, 'ttlMs'),
+      ttl,
     };
-    return wire.reserveResultOf(await this._unary('Reserve', message, trace), reservationId);
+    return wire.reserveResultOf(await this._unary('Reserve', message, trace, deadlineMs), reservationId);
   }
 
   /**
@@ -154,7 +328,7 @@ class LaneClient {
     return this._settle(request, traceHeaders(request));
   }
 
-  async _settle(request, trace) {
+  async _settle(request, trace, deadlineMs) {
     const { reservationId, outcome, inputTokens = 0, outputTokens = 0, billedNanos, httpStatus = 0 } = request;
     const { cachedInputTokens = 0, cacheWriteTokens = 0 } = request;
     const message = {
@@ -169,7 +343,7 @@ class LaneClient {
       cached_input_tokens: wire.int64(cachedInputTokens, 'cachedInputTokens'),
       cache_write_tokens: wire.int64(cacheWriteTokens, 'cacheWriteTokens'),
     };
-    return wire.settleResultOf(await this._unary('Settle', message, trace));
+    return wire.settleResultOf(await this._unary('Settle', message, trace, deadlineMs));
   }
 
   /**
@@ -182,14 +356,14 @@ class LaneClient {
     return this._refund(request, traceHeaders(request));
   }
 
-  async _refund({ reservationId, httpStatus = 0, reason = '' }, trace) {
+  async _refund({ reservationId, httpStatus = 0, reason = '' }, trace, deadlineMs) {
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
       http_status: wire.int64(httpStatus, 'httpStatus'),
       reason,
     };
-    const response = await this._unary('Refund', message, trace);
+    const response = await this._unary('Refund', message, trace, deadlineMs);
     return { balance: wire.balanceOf(response.balance) };
   }
 
@@ -219,8 +393,13 @@ class LaneClient {
    * Its Reserve and its Settle or Refund carry one trace context, taken when
    * call() starts: `request.traceparent` when valid, else the active
    * OpenTelemetry context (see tracing.js), else a new trace of its own.
+   *
+   * When the ledger cannot be reached (isLedgerUnavailable), the lane's outage
+   * mode answers instead: a Denied with reason LEDGER_UNAVAILABLE (deny), or a
+   * call admitted on the allowance and journaled before `fn` runs (its
+   * booking's `source` is "allowance"), or a Denied with ALLOWANCE_EXHAUSTED.
    * @param {import('../index').CallRequest} request
-   * @param {(booking: import('../index').ReserveResult) => Promise<import('../index').CallReport>} fn
+   * @param {(booking: import('../index').CallBooking) => Promise<import('../index').CallReport>} fn
    * @returns {Promise<Denied|Completed>}
    */
   async call(request, fn) {
@@ -228,14 +407,42 @@ class LaneClient {
     // Taken now, before any await: the caller's context, shared by every ledger call of this one.
     const trace = traceHeaders(request) ?? freshTraceHeaders();
     const reservationId = randomUUID();
-    const answer = await this._reserveOrForget({ ...request, reservationId }, trace);
-    if (!answer.admitted) return new Denied(answer);
+    const replayer = this._replayer;
+    // Before anything is journaled, so the replayer never takes this call for
+    // the orphan of a dead process.
+    replayer?.hold(reservationId);
+    try {
+      return await this._call({ ...request, reservationId }, fn, trace);
+    } finally {
+      replayer?.release(reservationId);
+    }
+  }
+
+  async _call(request, fn, trace) {
+    const { reservationId } = request;
+    let booking;
+    let outageError = null;
+    try {
+      const answer = await this._reserve(request, trace);
+      if (!answer.admitted) return new Denied(answer);
+      this._wakeReplayer();
+      booking = { ...answer, source: CallSource.LEDGER };
+    } catch (error) {
+      if (!isLedgerUnavailable(error)) {
+        await this._forgetUnanswered(request, trace, error);
+        throw error;
+      }
+      const admitted = await this._reserveInOutage(request, trace, error);
+      if (admitted instanceof Denied) return admitted;
+      booking = admitted;
+      outageError = error;
+    }
 
     let report;
     let value;
     let thrown = null;
     try {
-      value = await fn(answer);
+      value = await fn(booking);
       report = reportOf(value);
     } catch (error) {
       thrown = error;
@@ -243,11 +450,17 @@ class LaneClient {
     }
     const move = endingOf(report);
     let ended = null;
-    let ledgerError = null;
-    try {
-      ended = await this._end(reservationId, move, trace);
-    } catch (error) {
-      ledgerError = error;
+    let ledgerError = outageError;
+    let journaled = false;
+    if (booking.source === CallSource.ALLOWANCE) {
+      journaled = await this._endOnAllowance(reservationId, move);
+    } else {
+      try {
+        ended = await this._end(reservationId, move, trace);
+      } catch (error) {
+        ledgerError = error;
+        if (isLedgerUnavailable(error)) journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
+      }
     }
     if (thrown !== null) {
       // The caller needs its own error; the ledger's failure rides along on it.
@@ -260,26 +473,103 @@ class LaneClient {
       reservationId,
       ending: move.ending,
       value,
-      holdNanos: answer.holdNanos,
+      holdNanos: booking.holdNanos,
       chargedNanos: ended === null ? null : ended.chargedNanos,
       balance: ended === null ? null : ended.balance,
       ledgerError,
+      source: booking.source,
+      journaled,
     });
   }
 
-  async _reserveOrForget(request, trace) {
-    try {
-      return await this._reserve(request, trace);
-    } catch (error) {
-      // The hold may have been booked although no answer came back: refund
-      // it, since the call will not be made. Without this it would expire
-      // and could be charged at the hold for a call that never happened.
-      if (error instanceof LedgerError && error.mayHaveApplied) {
-        const forget = { reservationId: request.reservationId, reason: 'not sent: the Reserve went unanswered' };
-        await this._refund(forget, trace).catch(() => undefined);
-      }
-      throw error;
+  // The outage mode ------------------------------------------------------------
+
+  /** The allowance's booking for this call, or the Denied of the outage mode. */
+  async _reserveInOutage(request, trace, error) {
+    const { reservationId } = request;
+    let reason = DenialReason.LEDGER_UNAVAILABLE;
+    let message = 'the ledger is unreachable and this lane fails closed';
+    if (this._allowance !== null) {
+      const verdict = await this._allowance.take(this.lane, request, traceIdOf(trace?.traceparent) ?? '');
+      if (verdict.admitted) return allowanceBooking(reservationId, verdict);
+      reason = verdict.denialReason;
+      message = verdict.message;
     }
+    // The Reserve may have reached the ledger without its answer reaching us.
+    await this._forgetUnanswered(request, trace, error);
+    return outageDenial(reservationId, reason, message, error);
+  }
+
+  /**
+   * The Reserve got no answer and the call will not be made, but the ledger
+   * may hold a booking for it: refund it, so that it costs nothing instead of
+   * expiring at its hold. With a journal the refund is journaled (in doubt)
+   * and replayed; without one it is sent once, in the background, off the
+   * call's path.
+   */
+  async _forgetUnanswered(request, trace, error) {
+    if (!(error instanceof LedgerError && error.mayHaveApplied)) return;
+    if (await this._journalInDoubt(request, trace)) return;
+    if (this._backgroundRefunds >= MAX_BACKGROUND_REFUNDS) return;
+    this._backgroundRefunds += 1;
+    this._refund({ reservationId: request.reservationId, reason: UNANSWERED_REASON }, trace)
+      .catch(() => undefined)
+      .finally(() => {
+        this._backgroundRefunds -= 1;
+      });
+  }
+
+  async _journalInDoubt(request, trace) {
+    const journal = this._journal;
+    if (journal === null || !journal.isOpen) return false;
+    let inDoubt = 0;
+    for (const entry of journal.pending()) if (entry.source === Source.IN_DOUBT) inDoubt += 1;
+    if (inDoubt >= MAX_IN_DOUBT_ENTRIES) return false;
+    try {
+      const entry = newEntry(this.lane, argumentsOf(request), Source.IN_DOUBT, 0n, { traceId: traceIdOf(trace?.traceparent) ?? '' });
+      await journal.recordReserve(entry);
+      await journal.recordEnd(entry.reservationId, { settlement: Settlement.REFUND, httpStatus: 0, usage: null, reason: IN_DOUBT_REASON }, 0n);
+      return true;
+    } catch (failure) {
+      if (!(isJournalTrouble(failure) || failure instanceof TypeError)) throw failure;
+      this._logger?.warn(`ledger journal: could not journal an unanswered reserve: ${failure.message}`);
+      return false;
+    }
+  }
+
+  /** Journals the ending of a call the ledger admitted but could not be told about. */
+  async _journalEnding(request, holdNanos, move, trace) {
+    const journal = this._journal;
+    if (journal === null) {
+      this._logger?.warn(`ledger: could not end booking ${request.reservationId} and there is no journal: it will expire`);
+      return false;
+    }
+    try {
+      const entry = newEntry(this.lane, argumentsOf(request), Source.LEDGER, holdNanos, { traceId: traceIdOf(trace?.traceparent) ?? '' });
+      await journal.recordReserve(entry);
+      await journal.recordEnd(entry.reservationId, journalEndingOf(move), 0n);
+      return true;
+    } catch (failure) {
+      if (!(isJournalTrouble(failure) || failure instanceof TypeError)) throw failure;
+      this._logger?.error(`ledger journal: could not journal the ending of ${request.reservationId}: ${failure.message}`);
+      return false;
+    }
+  }
+
+  async _endOnAllowance(reservationId, move) {
+    try {
+      await this._allowance.recordEnd(reservationId, journalEndingOf(move));
+      return true;
+    } catch (failure) {
+      // The replay ends it UNKNOWN (an orphan), charged at the hold: never under-booked.
+      if (!(isJournalTrouble(failure) || failure instanceof TypeError)) throw failure;
+      this._logger?.error(`ledger journal: could not journal the ending of ${reservationId}: ${failure.message}`);
+      return false;
+    }
+  }
+
+  _wakeReplayer() {
+    if (this._replayer !== null && this._journal.isOpen && this._journal.pending().length > 0) this._replayer.wake();
   }
 
   async _end(reservationId, move, trace) {
@@ -293,10 +583,10 @@ class LaneClient {
     }
   }
 
-  async _endOnce(reservationId, move, trace) {
+  async _endOnce(reservationId, move, trace, deadlineMs) {
     if (move.ending === Ending.REFUND) {
       const refund = { reservationId, httpStatus: move.httpStatus, reason: move.reason };
-      const { balance } = await this._refund(refund, trace);
+      const { balance } = await this._refund(refund, trace, deadlineMs);
       return { chargedNanos: 0n, balance };
     }
     const usage = move.usage ?? {};
@@ -310,8 +600,16 @@ class LaneClient {
       cacheWriteTokens: usage.cacheWriteTokens ?? 0,
       httpStatus: move.httpStatus,
     };
-    return this._settle(settle, trace);
+    return this._settle(settle, trace, deadlineMs);
   }
 }
 
-module.exports = { LaneClient, Denied, Completed, DEFAULT_DEADLINE_MS, DEFAULT_END_ATTEMPTS };
+module.exports = {
+  LaneClient,
+  Denied,
+  Completed,
+  DEFAULT_DEADLINE_MS,
+  DEFAULT_END_ATTEMPTS,
+  MAX_IN_DOUBT_ENTRIES,
+  MAX_BACKGROUND_REFUNDS,
+};

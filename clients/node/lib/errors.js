@@ -86,8 +86,34 @@ class StoreUnavailable extends Unavailable {}
 class DeadlineExceeded extends LedgerError {
   static retryable = true;
 }
-class Cancelled extends LedgerError {}
+// Cut off before its answer: grpc-js reports CANCELLED for a call the server
+// reset, as a server shutting down does (and for calls on a channel this
+// client closed). The client never cancels a call of its own, so this is an
+// outage, not a refusal: retried like Unavailable, and it drives the outage mode.
+class Cancelled extends LedgerError {
+  static retryable = true;
+}
 class InternalError extends LedgerError {}
+
+/**
+ * Whether the ledger could not be reached or could not answer now: the Python
+ * client's LedgerUnavailable family. UNAVAILABLE (any reason: a refused or
+ * dropped connection, a GOAWAY from a server shutting down, STORE_UNAVAILABLE,
+ * RECOVERY_REQUIRED), DEADLINE_EXCEEDED, CANCELLED (a server shutdown), and
+ * RESOURCE_EXHAUSTED without a known reason (an overloaded server). This is
+ * what switches call() to the lane's outage mode; every such error is safe to
+ * retry with the same reservation id.
+ * @param {unknown} error
+ * @returns {boolean}
+ */
+function isLedgerUnavailable(error) {
+  return (
+    error instanceof Unavailable ||
+    error instanceof DeadlineExceeded ||
+    error instanceof Cancelled ||
+    (error instanceof ResourceExhausted && error.constructor === ResourceExhausted)
+  );
+}
 
 // [gRPC status, ledger-reason or null for "any other reason, or none", class].
 // A row with a reason wins over the row of its status without one.
@@ -160,6 +186,7 @@ module.exports = {
   ERROR_TABLE,
   errorClassOf,
   ledgerErrorOf,
+  isLedgerUnavailable,
   LedgerError,
   Refusal,
   InvalidArgument,

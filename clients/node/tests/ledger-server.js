@@ -1,6 +1,8 @@
 'use strict';
 // Starts a real ledger server (the Python package in ../../.venv) with a test
-// clock on a free port, and gives the tests admin and clock stubs. Not a test
+// clock on a free port, and gives the tests admin and clock stubs and the
+// lane's events. halt() ends the process and restart() starts it again on the
+// same port and data directory (an outage the lane lives through). Not a test
 // file itself: node --test runs only *.test.js here.
 
 const { spawn } = require('node:child_process');
@@ -52,56 +54,118 @@ function listeningPort(child, logs) {
   });
 }
 
-/**
- * @returns {Promise<{address: string, adminGrant: string|null, admin: object, clock: object,
- *   stop: () => Promise<void>}>}
- */
-async function startLedger() {
-  const dataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-'));
+/** Spawns `ledger serve` on `listen` over `dataDir`; resolves once it listens. */
+async function spawnLedger(dataDir, listen, logs) {
   const child = spawn(
     LEDGER_BIN,
-    ['serve', '--listen', '127.0.0.1:0', '--data-dir', dataDir, '--test-clock'],
+    ['serve', '--listen', listen, '--data-dir', dataDir, '--test-clock'],
     { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, LEDGER_DATABASE_URL: '' } },
   );
   // Killed with the test process too, whatever way it ends.
   const killOnExit = () => child.kill('SIGKILL');
   process.once('exit', killOnExit);
-  const logs = { text: '' };
   child.stderr.setEncoding('utf8');
   child.stderr.on('data', (chunk) => {
     logs.text = (logs.text + chunk).slice(-MAX_LOG_CHARS);
   });
-  let port;
+  const exited = new Promise((resolve) => child.once('exit', (code, signal) => resolve(code ?? signal)));
   try {
-    port = await listeningPort(child, logs);
+    const port = await listeningPort(child, logs);
+    return { child, port, exited, killOnExit };
   } catch (error) {
     child.kill('SIGKILL');
+    process.removeListener('exit', killOnExit);
+    throw error;
+  }
+}
+
+/** Ends the process with `signal` (SIGKILL after STOP_TIMEOUT_MS); resolves with its exit code or signal. */
+async function endProcess(running, signal) {
+  running.child.kill(signal);
+  const timer = setTimeout(() => running.child.kill('SIGKILL'), STOP_TIMEOUT_MS);
+  const ended = await running.exited;
+  clearTimeout(timer);
+  process.removeListener('exit', running.killOnExit);
+  return ended;
+}
+
+/**
+ * @returns {Promise<{address: string, adminGrant: string|null, admin: object, clock: object,
+ *   events: (lane: string) => Promise<object[]>, halt: (signal?: string) => Promise<number|string>,
+ *   restart: () => Promise<void>, stop: () => Promise<void>}>}
+ */
+async function startLedger() {
+  const dataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-'));
+  const logs = { text: '' };
+  let running;
+  try {
+    running = await spawnLedger(dataDir, '127.0.0.1:0', logs);
+  } catch (error) {
     fs.rmSync(dataDir, { recursive: true, force: true });
     throw error;
   }
+  const port = running.port;
   const address = `127.0.0.1:${port}`;
   const adminGrant = adminGrantOf(dataDir);
   const metadata = new grpc.Metadata();
   if (adminGrant) metadata.set('authorization', `Bearer ${adminGrant}`);
-  const { LaneAdmin, TestClock } = ledgerPackage();
+  const { Ledger, LaneAdmin, TestClock } = ledgerPackage();
   const credentials = grpc.credentials.createInsecure();
   const adminStub = new LaneAdmin(address, credentials);
   const clockStub = new TestClock(address, credentials);
-  const exited = new Promise((resolve) => child.once('exit', resolve));
+  const ledgerStub = new Ledger(address, credentials);
+  const listEvents = promisify(ledgerStub, 'ListEvents', metadata);
+
+  /** Every event of the lane, oldest first (as the admin sees them). */
+  async function events(lane) {
+    const all = [];
+    let token = '';
+    for (let page = 0; page < 100; page += 1) {
+      const response = await listEvents({ lane, page_size: 1000, page_token: token });
+      all.push(...response.events);
+      token = response.next_page_token;
+      if (!token) return all;
+    }
+    throw new Error('more events than a test makes');
+  }
+
+  /** Ends the server process (SIGTERM: a graceful stop), keeping its data directory and port. */
+  async function halt(signal = 'SIGTERM') {
+    if (running === null) throw new Error('the ledger is not running');
+    const ended = await endProcess(running, signal);
+    running = null;
+    return ended;
+  }
+
+  /** Starts the server again on the same port and data directory. */
+  async function restart() {
+    if (running !== null) throw new Error('the ledger is running');
+    const deadline = Date.now() + START_TIMEOUT_MS;
+    for (;;) {
+      try {
+        running = await spawnLedger(dataDir, address, logs);
+        return;
+      } catch (error) {
+        // The port may take a moment to be free again.
+        if (Date.now() >= deadline) throw error;
+        await new Promise((resolve) => setTimeout(resolve, 200));
+      }
+    }
+  }
 
   async function stop() {
     adminStub.close();
     clockStub.close();
-    child.kill('SIGTERM');
-    const timer = setTimeout(() => child.kill('SIGKILL'), STOP_TIMEOUT_MS);
-    await exited;
-    clearTimeout(timer);
-    process.removeListener('exit', killOnExit);
+    ledgerStub.close();
+    if (running !== null) await endProcess(running, 'SIGTERM');
+    running = null;
     fs.rmSync(dataDir, { recursive: true, force: true });
   }
 
   return {
     address,
+    port,
+    dataDir,
     logs,
     /** Allows everything on every lane; null when the server runs without auth. */
     adminGrant,
@@ -114,6 +178,9 @@ async function startLedger() {
       advance: promisify(clockStub, 'Advance', metadata),
       getTime: promisify(clockStub, 'GetTime', metadata),
     },
+    events,
+    halt,
+    restart,
     stop,
   };
 }

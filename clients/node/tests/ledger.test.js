@@ -216,16 +216,18 @@ describe('call()', () => {
     assert.equal(never.retryAfter, null);
   });
 
-  test('a ledger that cannot be reached: rejects Unavailable, callback not run', async () => {
+  test('a ledger that cannot be reached: a LEDGER_UNAVAILABLE denial, callback not run', async () => {
     const client = new LaneClient('127.0.0.1:1', 'nowhere', { deadlineMs: DEADLINE_MS });
     let ran = false;
-    await assert.rejects(
-      client.call(REQUEST, async () => {
-        ran = true;
-      }),
-      Unavailable,
-    );
+    const denied = await client.call(REQUEST, async () => {
+      ran = true;
+    });
     assert.equal(ran, false);
+    assert.ok(denied instanceof Denied);
+    assert.equal(denied.reason, 'LEDGER_UNAVAILABLE');
+    assert.ok(denied.ledgerError instanceof Unavailable);
+    // The bare move still rejects: only call() has an outage mode.
+    await assert.rejects(client.reserve({ ...REQUEST, reservationId: 'bare' }), Unavailable);
     client.close();
   });
 });

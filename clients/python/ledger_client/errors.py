@@ -151,6 +151,8 @@ REASONS: dict[str, type[LedgerError]] = {
 STATUS_CODES: dict[grpc.StatusCode, type[LedgerError]] = {
     grpc.StatusCode.UNAVAILABLE: LedgerUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: LedgerUnavailable,
+    # A call a server's shutdown cut off: the ledger went away, as for UNAVAILABLE.
+    grpc.StatusCode.CANCELLED: LedgerUnavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: LedgerOverloaded,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: BookingNotFound,

@@ -1,0 +1,411 @@
+'use strict';
+// call() while the ledger cannot be reached: deny and the bounded allowance
+// (clients/python/tests/test_client_allowance.py), and calls cut off by a
+// server shutting down. No real server here: a closed port, and a scripted
+// one (fake-ledger.js) that is shut down under a call. The replay against a
+// real server that comes back is in outage-server.test.js.
+
+const { afterEach, before, beforeEach, describe, test } = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const net = require('node:net');
+const os = require('node:os');
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const { startFakeLedger, ledgerStatus } = require('./fake-ledger');
+const {
+  LaneClient,
+  OutagePolicy,
+  Denied,
+  Completed,
+  CallNotSent,
+  JournalLocked,
+  Source,
+  Settlement,
+  MAX_ALLOWANCE_CALLS,
+  isLedgerUnavailable,
+  ledgerErrorOf,
+  Unavailable,
+  StoreUnavailable,
+  DeadlineExceeded,
+  Cancelled,
+  ResourceExhausted,
+  TooManyWatchers,
+  InternalError,
+  InvalidArgument,
+  Unauthenticated,
+} = require('..');
+
+// 1 nano per input token, 2 per output token (per million: 10^6 and 2 * 10^6).
+const PRICES = Object.freeze({ 'model-a': { inputNanosPerMillionTokens: 1_000_000n, outputNanosPerMillionTokens: 2_000_000n } });
+// A call of 3,500 request bytes (1,000 tokens) and 500 output tokens holds 2,000 nanos.
+const REQUEST = Object.freeze({ model: 'model-a', requestBytes: 3_500, maxOutputTokens: 500 });
+const HOLD_NANOS = 2_000n;
+const DEADLINE_MS = 3000;
+const OK = Object.freeze({ httpStatus: 200, usage: { inputTokens: 900, outputTokens: 100 } });
+
+let closedAddress;
+let directory;
+let journalPath;
+const clients = [];
+
+before(async () => {
+  // A port nobody listens on: every connection is refused at once.
+  const probe = net.createServer();
+  await new Promise((resolve) => probe.listen(0, '127.0.0.1', resolve));
+  closedAddress = `127.0.0.1:${probe.address().port}`;
+  await new Promise((resolve) => probe.close(resolve));
+});
+
+beforeEach(() => {
+  directory = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-outage-'));
+  journalPath = path.join(directory, 'journal.jsonl');
+});
+
+afterEach(async () => {
+  for (const client of clients.splice(0)) await client.close();
+  fs.rmSync(directory, { recursive: true, force: true });
+});
+
+function client(outage, options = {}, address = closedAddress) {
+  const made = new LaneClient(address, 'recall', { deadlineMs: DEADLINE_MS, outage, replayIntervalMs: null, logger: null, ...options });
+  clients.push(made);
+  return made;
+}
+
+function allowance({ maxNanos = 10n ** 9n, maxCalls = 100 } = {}) {
+  return OutagePolicy.allowance({ maxNanos, maxCalls, journalPath, prices: PRICES });
+}
+
+/** A call whose callback must not run. */
+async function denied(lane, request = REQUEST) {
+  let ran = false;
+  const result = await lane.call(request, async () => {
+    ran = true;
+    return OK;
+  });
+  assert.equal(ran, false, 'the model must not be called');
+  assert.ok(result instanceof Denied, `expected a Denied, got ${result?.constructor?.name}`);
+  return result;
+}
+
+const succeed = (lane, request = REQUEST) => lane.call(request, async () => OK);
+
+describe('deny (the default)', () => {
+  test('an unreachable ledger is a LEDGER_UNAVAILABLE denial, and the callback is not run', async () => {
+    const lane = client(undefined);
+    assert.equal(lane.outage.mode, 'deny');
+    const result = await denied(lane);
+    assert.equal(result.admitted, false);
+    assert.equal(result.reason, 'LEDGER_UNAVAILABLE');
+    assert.equal(result.retryAfter, null);
+    assert.match(result.message, /fails closed/);
+    assert.ok(result.ledgerError instanceof Unavailable);
+    assert.equal(lane.journal, null);
+    assert.equal(lane.allowanceUsed(), null);
+    assert.deepEqual(await lane.replayJournal(), {
+      landed: 0, denied: 0, absent: 0, rejected: 0, failed: 0, remaining: 0, stoppedEarly: false,
+    });
+  });
+
+  test('a ledger that never answers is a denial too, once the deadline passes', async () => {
+    // Accepts connections and says nothing: each RPC runs into its deadline.
+    const sockets = new Set();
+    const silent = net.createServer((socket) => sockets.add(socket));
+    await new Promise((resolve) => silent.listen(0, '127.0.0.1', resolve));
+    try {
+      const lane = client(undefined, { deadlineMs: 300 }, `127.0.0.1:${silent.address().port}`);
+      const result = await denied(lane);
+      assert.equal(result.reason, 'LEDGER_UNAVAILABLE');
+      assert.ok(result.ledgerError instanceof DeadlineExceeded, result.ledgerError.name);
+    } finally {
+      for (const socket of sockets) socket.destroy();
+      await new Promise((resolve) => silent.close(resolve));
+    }
+  });
+
+  test('with a journal, an unanswered Reserve is journaled to be refunded later', async () => {
+    const lane = client(OutagePolicy.deny(journalPath));
+    await denied(lane);
+    const [entry] = lane.journal.pending();
+    assert.equal(lane.journal.pending().length, 1);
+    assert.equal(entry.source, Source.IN_DOUBT);
+    assert.equal(entry.ending.settlement, Settlement.REFUND);
+    const report = await lane.replayJournal();
+    assert.equal(report.stoppedEarly, true, 'still unreachable');
+    assert.equal(report.remaining, 1);
+  });
+
+  test('a journal holds one process: a second client on it is refused', () => {
+    client(OutagePolicy.deny(journalPath));
+    assert.throws(() => client(OutagePolicy.deny(journalPath)), JournalLocked);
+  });
+});
+
+describe('a bounded allowance', () => {
+  test('limits the number of calls', async () => {
+    const lane = client(allowance({ maxCalls: 3 }));
+    for (let index = 0; index < 3; index += 1) {
+      const result = await succeed(lane);
+      assert.ok(result instanceof Completed);
+      assert.equal(result.source, 'allowance');
+      assert.equal(result.journaled, true);
+      assert.equal(result.chargedNanos, null, 'the ledger has not booked it yet');
+      assert.ok(result.ledgerError instanceof Unavailable);
+    }
+    const result = await denied(lane);
+    assert.equal(result.reason, 'ALLOWANCE_EXHAUSTED');
+    assert.match(result.message, /all 3 allowance calls are used/);
+    assert.equal(lane.allowanceUsed().calls, 3);
+  });
+
+  test('limits the nanos, each call held at the local byte cap', async () => {
+    const lane = client(allowance({ maxNanos: 5_000n }));
+    let small = null;
+    const first = await lane.call(REQUEST, async (firstBooking) => {
+      assert.equal(firstBooking.source, 'allowance');
+      assert.equal(firstBooking.holdNanos, HOLD_NANOS, 'priced like the ledger: the byte cap');
+      assert.equal(firstBooking.capNanos, HOLD_NANOS);
+      await lane.call(REQUEST, async (secondBooking) => {
+        assert.equal(secondBooking.holdNanos, HOLD_NANOS);
+        const third = await denied(lane); // a third hold of 2,000 does not fit the 1,000 left
+        assert.equal(third.reason, 'ALLOWANCE_EXHAUSTED');
+        assert.match(third.message, /a hold of 2000 nanos does not fit the 1000 nanos left/);
+        small = await lane.call({ ...REQUEST, requestBytes: 0 }, async (booking) => {
+          assert.equal(booking.holdNanos, 1_000n); // 1,000 nanos still fits
+          return { httpStatus: 200 }; // no usage: charged at the hold
+        });
+        return { httpStatus: 429 }; // refused: costs nothing
+      });
+      return { timedOut: true }; // unknown: charged at the hold
+    });
+    assert.equal(first.ending, 'UNKNOWN');
+    assert.equal(small.ending, 'UNKNOWN');
+    assert.deepEqual(lane.allowanceUsed(), { calls: 3, nanos: HOLD_NANOS + 0n + 1_000n });
+  });
+
+  test('a known usage is charged at the local real cost; an estimate lowers the hold', async () => {
+    const lane = client(allowance());
+    await succeed(lane); // 900 input + 100 output tokens: 900 + 200 nanos
+    const estimated = await lane.call({ ...REQUEST, estimateNanos: 700n }, async (booking) => {
+      assert.equal(booking.holdNanos, 700n);
+      return { connectionLost: true };
+    });
+    assert.equal(estimated.holdNanos, 700n);
+    assert.deepEqual(lane.allowanceUsed(), { calls: 2, nanos: 1_100n + 700n });
+  });
+
+  test('a thrown error is journaled as its ending and rethrown', async () => {
+    const lane = client(allowance());
+    const never = new CallNotSent('circuit open');
+    await assert.rejects(lane.call(REQUEST, async () => {
+      throw never;
+    }), (error) => error === never && error.ledgerError instanceof Unavailable);
+    const [entry] = lane.journal.pending();
+    assert.equal(entry.ending.settlement, Settlement.REFUND);
+    assert.equal(entry.ending.reason, 'circuit open');
+    assert.deepEqual(lane.allowanceUsed(), { calls: 1, nanos: 0n });
+  });
+
+  test('a model without a local price fails closed', async () => {
+    const lane = client(allowance());
+    const result = await denied(lane, { ...REQUEST, model: 'model-unpriced' });
+    assert.equal(result.reason, 'LEDGER_UNAVAILABLE');
+    assert.match(result.message, /no price for this model/);
+  });
+
+  test('survives a restart of the lane', async () => {
+    const first = client(allowance({ maxCalls: 2 }));
+    await succeed(first);
+    await succeed(first);
+    await first.close();
+    const second = client(allowance({ maxCalls: 2 }));
+    assert.deepEqual(second.allowanceUsed(), { calls: 2, nanos: 2n * 1_100n });
+    const result = await denied(second);
+    assert.equal(result.reason, 'ALLOWANCE_EXHAUSTED');
+  });
+
+  test('journals the call before the model call, and its ending after', async () => {
+    const lane = client(allowance());
+    let reservationId;
+    await lane.call(REQUEST, async (booking) => {
+      reservationId = booking.reservationId;
+      const text = fs.readFileSync(journalPath, 'utf8');
+      assert.ok(text.includes(`"reservation_id":"${reservationId}"`) && text.includes('"kind":"reserve"'));
+      assert.ok(!text.includes('"kind":"end"'));
+      return { httpStatus: 200, usage: { inputTokens: 5, outputTokens: 5 } };
+    });
+    const lines = fs.readFileSync(journalPath, 'utf8').trimEnd().split('\n').map((line) => JSON.parse(line));
+    assert.deepEqual(lines.map((record) => record.kind), ['reserve', 'end']);
+    assert.equal(lines[1].local_charge_nanos, 15);
+  });
+
+  test('a full journal takes no more allowance calls', async () => {
+    const lane = client(allowance(), { maxJournalBytes: 400, rotateJournalBytes: 400 });
+    assert.equal((await succeed(lane)).source, 'allowance');
+    const result = await denied(lane);
+    assert.equal(result.reason, 'ALLOWANCE_EXHAUSTED');
+    assert.match(result.message, /the journal cannot take another call/);
+  });
+
+  test('is never unbounded', () => {
+    const base = { journalPath: 'j', prices: PRICES };
+    for (const limits of [
+      { maxNanos: 0n, maxCalls: 1 },
+      { maxNanos: 1n, maxCalls: 0 },
+      { maxNanos: 1n, maxCalls: MAX_ALLOWANCE_CALLS + 1 },
+      { maxNanos: 2n ** 62n + 1n, maxCalls: 1 },
+    ]) {
+      assert.throws(() => OutagePolicy.allowance({ ...base, ...limits }), RangeError, JSON.stringify(Object.keys(limits)));
+    }
+    assert.throws(() => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, journalPath: 'j', prices: {} }), RangeError);
+    assert.throws(() => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, prices: PRICES }), TypeError, 'a journal is required');
+    assert.throws(() => OutagePolicy.allowance({ ...base, maxNanos: 1.5, maxCalls: 1 }), TypeError, 'never a float');
+    const negative = { 'model-a': { inputNanosPerMillionTokens: -1n, outputNanosPerMillionTokens: 1n } };
+    assert.throws(() => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, journalPath: 'j', prices: negative }), RangeError);
+    for (const bytesPerTokenMilli of [99n, 64_001n]) {
+      assert.throws(() => OutagePolicy.allowance({ ...base, maxNanos: 1n, maxCalls: 1, bytesPerTokenMilli }), RangeError);
+    }
+    assert.throws(() => OutagePolicy.allowance({ ...base, maxNanos: 1n, maxCalls: 1, overheadTokens: 10_000_001n }), RangeError);
+    assert.throws(() => new LaneClient(closedAddress, 'recall', { outage: { mode: 'allowance' } }), TypeError);
+    const policy = OutagePolicy.allowance({ ...base, maxNanos: 1n, maxCalls: 1 });
+    assert.ok(Object.isFrozen(policy));
+    assert.equal(policy.prices.get('model-a').inputNanosPerMillionTokens, 1_000_000n);
+  });
+});
+
+describe('a server that shuts down under a call', () => {
+  const ADMITTED = { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
+
+  /** A scripted server whose `method` hangs until the server is shut down under it. */
+  async function hangingOn(method) {
+    let arrived;
+    const arrival = new Promise((resolve) => {
+      arrived = resolve;
+    });
+    const script = {
+      Reserve: () => ADMITTED,
+      [method]: () => {
+        arrived();
+        return new Promise(() => {});
+      },
+    };
+    const fake = await startFakeLedger(script);
+    return { fake, arrival };
+  }
+
+  test('a Reserve cut off is an outage (a denial), not an error', async () => {
+    const { fake, arrival } = await hangingOn('Reserve');
+    const lane = client(undefined, {}, `127.0.0.1:${fake.port}`);
+    const pending = denied(lane);
+    await arrival;
+    await fake.stop(); // grpc-js resets the stream: CANCELLED
+    const result = await pending;
+    assert.equal(result.reason, 'LEDGER_UNAVAILABLE');
+    assert.ok(result.ledgerError instanceof Cancelled, result.ledgerError.name);
+  });
+
+  test('a Settle cut off is journaled for the replay', async () => {
+    const { fake, arrival } = await hangingOn('Settle');
+    const lane = client(OutagePolicy.deny(journalPath), {}, `127.0.0.1:${fake.port}`);
+    const pending = lane.call(REQUEST, async (booking) => {
+      assert.equal(booking.source, 'ledger');
+      return OK;
+    });
+    await arrival;
+    await fake.stop();
+    const result = await pending;
+    assert.ok(result instanceof Completed);
+    assert.equal(result.chargedNanos, null);
+    assert.ok(isLedgerUnavailable(result.ledgerError), result.ledgerError.name);
+    assert.equal(result.journaled, true);
+    const [entry] = lane.journal.pending();
+    assert.equal(entry.reservationId, result.reservationId);
+    assert.equal(entry.source, Source.LEDGER);
+    assert.equal(entry.ending.settlement, Settlement.SETTLE_SUCCEEDED);
+    assert.equal(entry.localHoldNanos, 5000n);
+  });
+
+  test('the error table: which errors are an outage', () => {
+    const error = (code, reason = '') => {
+      const metadata = new grpc.Metadata();
+      if (reason) metadata.set('ledger-reason', reason);
+      return ledgerErrorOf({ code, details: 'x', metadata });
+    };
+    const outage = [
+      [error(grpc.status.UNAVAILABLE), Unavailable],
+      [error(grpc.status.UNAVAILABLE, 'STORE_UNAVAILABLE'), StoreUnavailable],
+      [error(grpc.status.UNAVAILABLE, 'RECOVERY_REQUIRED'), Unavailable],
+      [error(grpc.status.DEADLINE_EXCEEDED), DeadlineExceeded],
+      [error(grpc.status.CANCELLED), Cancelled],
+      [error(grpc.status.RESOURCE_EXHAUSTED), ResourceExhausted],
+    ];
+    for (const [made, errorClass] of outage) {
+      assert.ok(made instanceof errorClass, made.name);
+      assert.equal(isLedgerUnavailable(made), true, made.name);
+      assert.equal(made.retryable, true, made.name);
+    }
+    for (const made of [
+      error(grpc.status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS'),
+      error(grpc.status.INTERNAL, 'INTERNAL'),
+      error(grpc.status.INTERNAL), // a stream reset without a status is not read as an outage
+      error(grpc.status.INVALID_ARGUMENT),
+      error(grpc.status.UNAUTHENTICATED),
+    ]) {
+      assert.equal(isLedgerUnavailable(made), false, made.name);
+    }
+    assert.ok(error(grpc.status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS') instanceof TooManyWatchers);
+    assert.ok(error(grpc.status.INTERNAL) instanceof InternalError);
+    assert.ok(error(grpc.status.INVALID_ARGUMENT) instanceof InvalidArgument);
+    assert.ok(error(grpc.status.UNAUTHENTICATED) instanceof Unauthenticated);
+    assert.equal(isLedgerUnavailable(new Error('not a ledger error')), false);
+  });
+
+  test('a refusal is not an outage: it rejects as before', async () => {
+    const fake = await startFakeLedger({
+      Reserve: () => {
+        throw ledgerStatus(grpc.status.NOT_FOUND, 'LANE_NOT_FOUND');
+      },
+    });
+    try {
+      const lane = client(allowance(), {}, `127.0.0.1:${fake.port}`);
+      let ran = false;
+      await assert.rejects(lane.call(REQUEST, async () => {
+        ran = true;
+      }), (thrown) => thrown.reason === 'LANE_NOT_FOUND');
+      assert.equal(ran, false);
+      assert.deepEqual(lane.journal.pending(), [], 'a refusal books nothing: nothing to refund');
+    } finally {
+      await fake.stop();
+    }
+  });
+
+  test('a closed client is an outage too, not a crash', async () => {
+    const lane = client(undefined);
+    await lane.close();
+    const result = await denied(lane);
+    assert.equal(result.reason, 'LEDGER_UNAVAILABLE');
+  });
+});
+
+describe('README', () => {
+  test('the outage example runs as written', async () => {
+    const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
+    const block = [...readme.matchAll(/```js\n([\s\S]*?)```/g)].map((match) => match[1]).find((code) => code.includes('OutagePolicy.allowance'));
+    assert.ok(block, 'the README has the outage example');
+    const code = block.replaceAll('/var/lib/recall/ledger-journal.jsonl', journalPath);
+    const load = new Function('require', 'address', 'GRANT', `${code}\nreturn { closed, bounded, ledger };`);
+    const example = load((name) => require(name === '@lane-ledger/client' ? '..' : name), closedAddress, 'grant');
+    try {
+      assert.equal(example.closed.mode, 'deny');
+      assert.equal(example.bounded.maxNanos, 50_000_000n);
+      assert.equal(example.bounded.prices.get('model-a').cacheWriteNanosPerMillionTokens, 187_500_000n);
+      const result = await example.ledger.call({ model: 'model-a', requestBytes: 3500, maxOutputTokens: 100 }, async () => OK);
+      assert.equal(result.source, 'allowance');
+      // 1,000 request tokens at the dearest input rate (cache writes), 100 output tokens.
+      assert.equal(result.holdNanos, 187_500n + 60_000n);
+    } finally {
+      await example.ledger.close();
+    }
+  });
+});

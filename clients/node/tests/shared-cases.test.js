@@ -1,0 +1,206 @@
+'use strict';
+// The cases both clients run (clients/cases/*.json): the outcome table, the
+// error table and local pricing, against this client's lib/outcomes.js,
+// lib/errors.js and lib/pricing.js. The Python client runs the same files in
+// clients/python/tests/test_client_shared_cases.py; the server's tests
+// (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the files
+// say what the server does.
+
+const { describe, test } = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const outcomes = require('../lib/outcomes');
+const errors = require('../lib/errors');
+const pricing = require('../lib/pricing');
+
+const CASES_DIR = path.resolve(__dirname, '..', '..', 'cases');
+const load = (name) => JSON.parse(fs.readFileSync(path.join(CASES_DIR, name), 'utf8'));
+const OUTCOMES = load('outcomes.json');
+const ERRORS = load('errors.json');
+const PRICING = load('pricing.json');
+
+// --- outcomes ----------------------------------------------------------------
+
+const MOVES = Object.freeze({
+  settle_succeeded: outcomes.Ending.SUCCEEDED,
+  settle_unknown: outcomes.Ending.UNKNOWN,
+  refund: outcomes.Ending.REFUND,
+});
+
+function statusesOf(outcomeCase) {
+  const [low, high] = outcomeCase.http_status_range ?? [outcomeCase.http_status, outcomeCase.http_status];
+  const statuses = [];
+  for (let status = low; status <= high; status += 1) statuses.push(status);
+  return statuses;
+}
+
+/** The report the client makes of a call that ended this way (see reportOf/reportOfError). */
+function reportOf(failure, httpStatus, usagePresent) {
+  const usage = usagePresent
+    ? { inputTokens: 10n, outputTokens: 5n, billedNanos: null, cachedInputTokens: 0n, cacheWriteTokens: 0n }
+    : null;
+  const base = { httpStatus, usage, timedOut: false, connectionLost: false, notSent: false, thrown: false, reason: '' };
+  switch (failure) {
+    case 'none':
+      return base;
+    case 'not_sent':
+      return { ...base, notSent: true, reason: 'refused locally' };
+    case 'timeout':
+      return { ...base, timedOut: true };
+    case 'connection_lost':
+      return { ...base, connectionLost: true };
+    case 'exception':
+      return { ...base, thrown: true };
+    default:
+      throw new Error(`unknown failure kind ${failure}`);
+  }
+}
+
+describe('outcome cases', () => {
+  for (const outcomeCase of OUTCOMES.cases) {
+    test(outcomeCase.name, () => {
+      const expected = MOVES[outcomeCase.move];
+      assert.ok(expected, `unknown move ${outcomeCase.move}`);
+      for (const httpStatus of statusesOf(outcomeCase)) {
+        const ended = outcomes.endingOf(reportOf(outcomeCase.failure, httpStatus, outcomeCase.usage));
+        assert.equal(ended.ending, expected, `${httpStatus}: ${ended.when}`);
+      }
+    });
+  }
+
+  test('the cases reach every row of the table', () => {
+    const reached = new Set();
+    for (const outcomeCase of OUTCOMES.cases) {
+      for (const httpStatus of statusesOf(outcomeCase)) {
+        reached.add(outcomes.endingOf(reportOf(outcomeCase.failure, httpStatus, outcomeCase.usage)).when);
+      }
+    }
+    assert.deepEqual(outcomes.OUTCOME_TABLE.map((row) => row.when).filter((when) => !reached.has(when)), []);
+  });
+
+  test('the cases name every move', () => {
+    assert.deepEqual(new Set(OUTCOMES.cases.map((c) => c.move)), new Set(Object.keys(MOVES)));
+  });
+});
+
+// --- errors ------------------------------------------------------------------
+
+function serviceError(statusName, pairs) {
+  const code = grpc.status[statusName];
+  assert.equal(typeof code, 'number', `unknown status ${statusName}`);
+  const metadata = new grpc.Metadata();
+  for (const [key, value] of pairs) metadata.set(key, value);
+  return Object.assign(new Error('a message nobody parses'), { code, details: 'a message nobody parses', metadata });
+}
+
+/** A case's value for this client (a by_status value may differ per client). */
+const forNode = (value) => (typeof value === 'object' && value !== null ? value.node : value);
+
+function checkRetryAndOutage(error, row) {
+  assert.equal(error.retryable, forNode(row.retry), 'retryable');
+  assert.equal(errors.isLedgerUnavailable(error), forNode(row.outage), 'isLedgerUnavailable');
+}
+
+function errorClass(name) {
+  const found = errors[name];
+  assert.equal(typeof found, 'function', `lib/errors.js exports no ${name}`);
+  return found;
+}
+
+describe('error cases', () => {
+  for (const row of ERRORS.reasons) {
+    test(`${row.status} ${row.reason}`, () => {
+      const pairs = [['ledger-reason', row.reason]];
+      if (row.field) pairs.push(['ledger-field', 'request_bytes']);
+      const error = errors.ledgerErrorOf(serviceError(row.status, pairs));
+      assert.equal(error.constructor, errorClass(row.node), `${row.reason} -> ${error.constructor.name}`);
+      assert.equal(error.reason, row.reason);
+      assert.equal(error.code, grpc.status[row.status]);
+      checkRetryAndOutage(error, row);
+      if (row.field) {
+        assert.ok(error instanceof errors.InvalidArgument);
+        assert.equal(error.field, 'request_bytes');
+      }
+    });
+  }
+
+  for (const row of ERRORS.by_status) {
+    test(`${row.status} without a known reason`, () => {
+      for (const pairs of [[], [['ledger-reason', 'A_REASON_NOBODY_KNOWS']]]) {
+        const error = errors.ledgerErrorOf(serviceError(row.status, pairs));
+        assert.equal(error.constructor, errorClass(row.node), JSON.stringify(pairs));
+        checkRetryAndOutage(error, row);
+      }
+    });
+  }
+
+  test('every reason of the table is a case', () => {
+    const listed = new Set(ERRORS.reasons.map((row) => row.reason));
+    const known = errors.ERROR_TABLE.map(([, reason]) => reason).filter((reason) => reason !== null);
+    assert.deepEqual(known.filter((reason) => !listed.has(reason)), []);
+  });
+});
+
+// --- pricing -----------------------------------------------------------------
+
+function priceOf(pricingCase) {
+  const { input, output, cached_input: cached, cache_write: write } = pricingCase.price;
+  return {
+    inputNanosPerMillionTokens: BigInt(input),
+    outputNanosPerMillionTokens: BigInt(output),
+    cachedInputNanosPerMillionTokens: cached === undefined ? undefined : BigInt(cached),
+    cacheWriteNanosPerMillionTokens: write === undefined ? null : BigInt(write),
+  };
+}
+
+function usageOf(pricingCase) {
+  const usage = pricingCase.usage;
+  return {
+    inputTokens: BigInt(usage.input_tokens),
+    outputTokens: BigInt(usage.output_tokens),
+    cachedInputTokens: BigInt(usage.cached_input_tokens),
+    cacheWriteTokens: BigInt(usage.cache_write_tokens),
+  };
+}
+
+describe('pricing cases', () => {
+  for (const capCase of PRICING.caps) {
+    test(`cap: ${capCase.name}`, () => {
+      const requestBytes = BigInt(capCase.request_bytes);
+      const milli = BigInt(capCase.bytes_per_token_milli);
+      const overhead = BigInt(capCase.overhead_tokens);
+      assert.equal(pricing.requestTokens(requestBytes, milli, overhead), BigInt(capCase.request_tokens));
+      const cap = pricing.capNanos(priceOf(capCase), requestBytes, BigInt(capCase.max_output_tokens), milli, overhead);
+      assert.equal(cap, BigInt(capCase.cap_nanos));
+    });
+  }
+
+  for (const chargeCase of PRICING.charges) {
+    test(`charge: ${chargeCase.name}`, () => {
+      assert.equal(pricing.realCostNanos(priceOf(chargeCase), usageOf(chargeCase)), BigInt(chargeCase.charge_nanos));
+    });
+  }
+
+  for (const refusedCase of PRICING.refused_charges) {
+    test(`refused: ${refusedCase.name}`, () => {
+      assert.throws(() => pricing.realCostNanos(priceOf(refusedCase), usageOf(refusedCase)), RangeError);
+    });
+  }
+
+  test('the package exports the pricing API', () => {
+    const index = require('..');
+    assert.equal(index.capNanos, pricing.capNanos);
+    assert.equal(index.realCostNanos, pricing.realCostNanos);
+  });
+
+  test('arguments are BigInts', () => {
+    const price = { inputNanosPerMillionTokens: 1n, outputNanosPerMillionTokens: 1n };
+    assert.throws(() => pricing.capNanos(price, 1, 1n, 3500n, 0n), TypeError);
+    assert.throws(() => pricing.capNanos({ ...price, inputNanosPerMillionTokens: 1 }, 1n, 1n, 3500n, 0n), TypeError);
+    assert.throws(() => pricing.capNanos(price, 1n, 1n, 0n, 0n), RangeError);
+    assert.throws(() => pricing.realCostNanos(price, { inputTokens: -1n, outputTokens: 0n }), RangeError);
+    assert.equal(pricing.realCostNanos(price, { inputTokens: 1n, outputTokens: 0n }), 1n);
+  });
+});
