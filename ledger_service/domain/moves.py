@@ -397,7 +397,7 @@ def _settled_event(
         charge = booking.hold_nanos
         if command.billed_nanos is not None:
             charge = min(charge, command.billed_nanos)
-    return _ending_event(booking, EventKind.SETTLED, charge, now_us, command=command)
+    return ending_event(booking, EventKind.SETTLED, charge, now_us, command=command)
 
 
 def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verdict:
@@ -413,17 +413,19 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
         raise BookingAlreadyEnded(
             f"booking {booking.reservation_id!r} was already settled; it cannot be refunded"
         )
-    event = _ending_event(booking, EventKind.REFUNDED, 0, now_us)
+    event = ending_event(booking, EventKind.REFUNDED, 0, now_us)
     return Verdict(event=evolve(event, http_status=command.http_status, reason=command.reason))
 
 
-def _ending_event(
+def ending_event(
     booking: Booking,
     kind: EventKind,
     charge_nanos: int,
     now_us: int,
     command: SettleCommand | None = None,
 ) -> Event:
+    """The event that changes a booking's charge to `charge_nanos` (an ending, a
+    reconcile, a correction), carrying what every such event carries."""
     event = Event(
         kind=kind,
         lane=booking.lane,
@@ -493,7 +495,7 @@ def decide_correct(booking: Booking, command: CorrectCommand, now_us: int, grant
         raise BookingWasDenied(booking.reservation_id)
     if booking.state not in ENDED_STATES:
         raise BookingStillOpen(booking.reservation_id)
-    event = _ending_event(booking, EventKind.CORRECTED, command.charge_nanos, now_us)
+    event = ending_event(booking, EventKind.CORRECTED, command.charge_nanos, now_us)
     return evolve(
         event, reason=command.reason, correction_id=command.correction_id, grant_id=grant_id
     )

@@ -22,8 +22,8 @@ from typing import Any
 
 from ledger_service.domain.bookings import CORRECTABLE_STATES, REAL_STATES, Booking, BookingState
 from ledger_service.domain.errors import InvalidArgument
-from ledger_service.domain.events import Event, EventKind
-from ledger_service.domain.moves import MAX_TOKENS, validate_reservation_id
+from ledger_service.domain.events import Event, EventKind, evolve
+from ledger_service.domain.moves import MAX_TOKENS, ending_event, validate_reservation_id
 from ledger_service.domain.policies import validate_name
 from ledger_service.domain.pricing import MAX_AMOUNT_NANOS
 
@@ -273,18 +273,8 @@ def decide(
             result, status=status, after_nanos=current, message=message
         ), None
     assert booking.state in CORRECTABLE_STATES
-    event = Event(
-        kind=EventKind.RECONCILED,
-        lane=booking.lane,
-        occurred_at_us=now_us,
-        reservation_id=booking.reservation_id,
-        amount_nanos=real,
-        previous_amount_nanos=current,
-        model=booking.model,
-        hold_nanos=booking.hold_nanos,
-        cap_nanos=booking.cap_nanos,
-        reserved_at_us=booking.reserved_at_us,
-        expires_at_us=booking.expires_at_us,
+    event = evolve(
+        ending_event(booking, EventKind.RECONCILED, real, now_us),
         input_tokens=row.input_tokens,
         output_tokens=row.output_tokens,
         billed_nanos=row.billed_nanos,
@@ -299,18 +289,8 @@ def _replaced(
     booking: Booking, row: ExportRow, result: RowResult, now_us: int, bill_wins: BillWins
 ) -> tuple[RowResult, Event]:
     """The bill replaces a real charge that disagrees with it: a correction."""
-    event = Event(
-        kind=EventKind.CORRECTED,
-        lane=booking.lane,
-        occurred_at_us=now_us,
-        reservation_id=booking.reservation_id,
-        amount_nanos=result.after_nanos,
-        previous_amount_nanos=result.before_nanos,
-        model=booking.model,
-        hold_nanos=booking.hold_nanos,
-        cap_nanos=booking.cap_nanos,
-        reserved_at_us=booking.reserved_at_us,
-        expires_at_us=booking.expires_at_us,
+    event = evolve(
+        ending_event(booking, EventKind.CORRECTED, result.after_nanos, now_us),
         reason=f"the provider's bill wins: export line {row.line}",
         correction_id=bill_wins.correction_id,
         grant_id=bill_wins.grant_id,
