@@ -7,7 +7,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install run test lint typecheck protos protos-check migrate bench test-python test-node test-node-package clean
+.PHONY: install run test test-fast lint typecheck protos protos-check migrate bench test-python test-node test-node-package clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy ledger_service clients/python/ledger_client
+
+# The fast tier, to run while working: domain and unit tests, no server, no
+# database, no process (conftest.py says which tests are slow). Under 90 s.
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
 
 # Servers started by tests check every incremental window read against a full sum.
 test-python: $(STAMP)
