@@ -69,8 +69,6 @@ class Settings:
     max_page_size: int = 1000
     watch_poll_interval_seconds: float = 0.2
     watch_batch_size: int = 500
-    # How long a tail waits for a gap in seq (an uncommitted transaction) to fill.
-    watch_gap_wait_seconds: float = 2.0
     max_watchers: int = 64
     # Recovery (docs/recovery.md). A snapshot of the projections every this many
     # events (0: none), the newest snapshot_keep kept.
@@ -99,8 +97,6 @@ class Settings:
     rebuild_lease_seconds: float = 30.0
     # Input bounds.
     max_id_length: int = 200
-    max_models_per_lane: int = 256
-    max_lanes: int = 100_000
 
     @classmethod
     def from_environment(cls, **overrides: object) -> Settings:
