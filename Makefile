@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
-	$(BIN)/mypy ledger_service clients/python/ledger_client
+	$(BIN)/mypy ledger_service clients/python/ledger_client bench
 
 # The fast tier, to run while working: domain and unit tests, no server, no
 # database, no process (conftest.py says which tests are slow). Under 90 s.
@@ -61,7 +61,7 @@ test-node-package: $(STAMP)
 test: lint typecheck protos-check test-python test-node test-node-package
 
 bench: $(STAMP)
-	$(PY) -m ledger_service.bench
+	$(PY) -m bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

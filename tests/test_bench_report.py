@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ledger_service.bench import report
+from bench import report
 
 
 def _phase(per_second: float, p50_ms: float) -> dict[str, Any]:

@@ -6,8 +6,8 @@ import array
 
 import pytest
 
-from ledger_service.bench import load, scenarios
-from ledger_service.bench.load import CallKind, Schedule, WorkerReport, Workload
+from bench import load, scenarios
+from bench.load import CallKind, Schedule, WorkerReport, Workload
 
 SECOND_NS = 1_000_000_000
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ledger_service.bench import __main__ as bench
+from bench import __main__ as bench
 
 # The quick run takes about half a minute on a busy 2-core machine.
 RUN_TIMEOUT_SECONDS = 240
@@ -49,7 +49,7 @@ def _run_quick(output: pathlib.Path) -> tuple[subprocess.CompletedProcess[str], 
         [
             sys.executable,
             "-m",
-            "ledger_service.bench",
+            "bench",
             "--quick",
             "--skip-postgres",
             "--output-dir",
@@ -144,5 +144,5 @@ def test_documented_commands_are_real() -> None:
         if words[0] == "make":
             assert f"\n{words[1]}:" in makefile.read_text(encoding="utf-8"), words
             continue
-        assert words[1:3] == ["-m", "ledger_service.bench"], words
+        assert words[1:3] == ["-m", "bench"], words
         bench.parser().parse_args(words[3:])

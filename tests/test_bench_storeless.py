@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from ledger_service.bench.storeless import storeless
+from bench.storeless import storeless
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer

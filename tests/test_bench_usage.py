@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from ledger_service.bench import load, report, usage
-from ledger_service.bench.load import CallKind, Schedule, WorkerReport, Workload
+from bench import load, report, usage
+from bench.load import CallKind, Schedule, WorkerReport, Workload
 
 SECOND_NS = 1_000_000_000
 

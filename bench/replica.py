@@ -7,7 +7,7 @@ a million-booking log would otherwise land in the middle of a measurement (the
 start-up check still runs, and its time is reported). Everything else is the
 server's own code: `server.serve`, its interceptors, its health and its stop.
 
-    python -m ledger_service.bench.replica --settings '{"database_url": "...", ...}'
+    python -m bench.replica --settings '{"database_url": "...", ...}'
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bench import storeless
 from ledger_service import server
-from ledger_service.bench import storeless
 from ledger_service.settings import Settings
 
 _PATH_FIELDS = frozenset({"data_dir", "tls_cert_path", "tls_key_path", "tls_client_ca_path"})
@@ -41,7 +41,7 @@ def settings_from(values: Mapping[str, Any]) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ledger_service.bench.replica")
+    parser = argparse.ArgumentParser(prog="python -m bench.replica")
     parser.add_argument("--settings", required=True, help="Settings fields as a JSON object")
     parser.add_argument("--no-migrate", action="store_true", help="the schema is already there")
     parser.add_argument(

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ledger_service.bench import echo
+from bench import echo
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 # How often a starting server is looked at.
@@ -33,6 +33,8 @@ POLL_SECONDS = 0.05
 # One probe RPC's deadline while waiting for a server to become ready.
 PROBE_TIMEOUT_SECONDS = 2.0
 LOG_TAIL_BYTES = 4000
+# The directory holding the `bench` package.
+CHECKOUT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class BenchError(Exception):
@@ -50,6 +52,10 @@ def server_environment() -> dict[str, str]:
     environment.update(
         OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", PYTHONUNBUFFERED="1"
     )
+    # The bench is not installed: its servers run from a scratch directory and
+    # find `bench` on the path of the checkout it lives in.
+    path = environment.get("PYTHONPATH", "")
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, (str(CHECKOUT), path)))
     return environment
 
 
@@ -187,13 +193,13 @@ def running(
 
 
 def echo_argv() -> list[str]:
-    return [sys.executable, "-m", "ledger_service.bench.echo", "--listen", "127.0.0.1:0"]
+    return [sys.executable, "-m", "bench.echo", "--listen", "127.0.0.1:0"]
 
 
 def replica_argv(
     settings: Mapping[str, Any], *, migrate: bool = True, storeless: bool = False
 ) -> list[str]:
-    argv = [sys.executable, "-m", "ledger_service.bench.replica"]
+    argv = [sys.executable, "-m", "bench.replica"]
     argv += ["--settings", json.dumps(dict(settings), sort_keys=True, default=str)]
     argv += [] if migrate else ["--no-migrate"]
     return [*argv, "--storeless"] if storeless else argv

@@ -22,15 +22,15 @@ from typing import Any
 import grpc
 import sqlalchemy as sa
 
-from ledger_service.bench import load, rebuild, seeding, servers
-from ledger_service.bench.load import CallKind, LoadGenerator, Workload
+from bench import load, rebuild, seeding, servers
+from bench.load import CallKind, LoadGenerator, Workload
 from ledger_service.domain import moves
 from ledger_service.domain.clock import SystemClock
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.pricing import ModelPrice
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from ledger_service.storage import database, schema
+from ledger_service.seeding import ScratchLedger, booking_count, recoveries
 
 log = logging.getLogger("ledger.bench")
 
@@ -44,6 +44,15 @@ OUTPUT_NANOS_PER_MILLION = 15_000_000_000
 ADMIN_TIMEOUT_SECONDS = 30.0
 DROP_SCHEMA_ATTEMPTS = 3
 DROP_SCHEMA_PAUSE_SECONDS = 2.0
+# Every seeded booking is one of the load generator's calls.
+BOOKING_SHAPE = seeding.BookingShape(
+    model=load.MODEL,
+    request_bytes=load.REQUEST_BYTES,
+    max_output_tokens=load.MAX_OUTPUT_TOKENS,
+    input_tokens=load.INPUT_TOKENS,
+    output_tokens=load.OUTPUT_TOKENS,
+    http_status=load.HTTP_STATUS,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +334,7 @@ def lone_reserves(directory: pathlib.Path, count: int) -> dict[str, Any]:
     (docs/benchmarks.md), which this measures apart from the server."""
     clock = SystemClock()
     directory.mkdir(parents=True, exist_ok=True)
-    scratch = seeding.ScratchLedger(directory, clock.now_us())
+    scratch = ScratchLedger(directory, clock.now_us())
     try:
         lane = "lone-reserve"
         scratch.ledger.put_lane(lane_policy(lane))
@@ -450,7 +459,8 @@ def postgres_problem(url: str) -> str | None:
         with engine.connect() as connection:
             connection.execute(sa.text("SELECT 1"))
     except sa.exc.SQLAlchemyError as error:
-        return f"PostgreSQL at {database.redacted(url)} is unreachable: {type(error).__name__}"
+        shown = sa.engine.make_url(url).render_as_string(hide_password=True)
+        return f"PostgreSQL at {shown} is unreachable: {type(error).__name__}"
     finally:
         engine.dispose()
     return None
@@ -562,7 +572,7 @@ def _seed_history(plan: Plan, workdir: pathlib.Path, count: int) -> _History:
     policy = lane_policy(f"history-{count}")
     log.info("seeding %d bookings", count)
     report = seeding.seed(
-        url, policy, count, SystemClock().now_us(), batch_rows=plan.seed_batch_rows
+        url, policy, count, SystemClock().now_us(), BOOKING_SHAPE, batch_rows=plan.seed_batch_rows
     )
     log.info("seeded %d bookings in %.1f s", count, report.seconds)
     return _History(count, url, directory, policy.lane, report)
@@ -639,7 +649,7 @@ def _history_sizes(
                     ready_timeout_seconds=plan.history_ready_timeout_seconds,
                 )
             )
-            if seeding.recoveries(history.url):
+            if recoveries(history.url):
                 # The start-up check found the seeded projections inconsistent with the log.
                 raise servers.BenchError(
                     f"the server had to recover the seeded history:\n{server.log_tail()}"
@@ -668,23 +678,13 @@ def _history_sizes(
             "database_url": history.url,
             "seed": history.seed.to_json(),
             # Every measured Reserve adds a booking: the window the last call saw.
-            "bookings_after_run": _bookings_of(history.url, history.lane),
+            "bookings_after_run": booking_count(history.url, history.lane),
             "server_at_start": at_start[history.count],
             "server_after_run": after_run[history.count],
             "phases": phases[history.count],
         }
         for history in histories
     }
-
-
-def _bookings_of(url: str, lane: str) -> int:
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as connection:
-            query = sa.select(sa.func.count()).where(schema.bookings.c.lane == lane)
-            return int(connection.execute(query).scalar_one())
-    finally:
-        engine.dispose()
 
 
 def history_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:

@@ -1,12 +1,13 @@
 """A lane with a long history: N settled bookings inside its window, bulk-inserted.
 
 Writing a million bookings through the server would take the better part of an
-hour, so the rows are inserted in batches instead, and made to be exactly the
-rows the server would have written:
+hour, so the rows are inserted in batches instead (`ledger_service.seeding`,
+the service's one seeding entry point), and made to be exactly the rows the
+server would have written:
 
 - The lane and booking 0 are made by the application itself: `Ledger.put_lane`,
-  `Ledger.reserve` and `Ledger.settle` on the server's own SQL store, in a
-  scratch SQLite database, and their rows are read back, every column.
+  `Ledger.reserve` and `Ledger.settle` on the server's own store, in a scratch
+  SQLite database (`seeding.ScratchLedger`), and their rows are read back.
 - Every other booking's rows are booking 0's rows with the fields that vary
   (reservation id, instants, the balance after each event, seqs, hashes)
   filled in, and every event is sealed into the lane's hash chain: the seeded
@@ -18,8 +19,7 @@ rows the server would have written:
   log, and the history scenario fails if that start-up had to recover anything.
 
 Projections the store keeps only as a cache (the incremental window sums) are
-not seeded: the first Reserve computes them, inside the warm-up. The
-projections' position marker is set to the log's last event.
+not seeded: the first Reserve computes them, inside the warm-up.
 """
 
 from __future__ import annotations
@@ -30,22 +30,16 @@ import json
 import pathlib
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from sqlalchemy import Engine, func, select
-
-from ledger_service import server
-from ledger_service.application.ledger import Ledger
-from ledger_service.bench import load
-from ledger_service.domain import chain, moves
-from ledger_service.domain.clock import MICROS_PER_SECOND, ManualClock
+from ledger_service import seeding
+from ledger_service.domain import moves
+from ledger_service.domain.clock import MICROS_PER_SECOND
 from ledger_service.domain.events import Event, Outcome
 from ledger_service.domain.policies import LanePolicy
-from ledger_service.settings import Settings
-from ledger_service.storage import chaining, database, migrate, records
-from ledger_service.storage.schema import bookings, events, lanes, recovery_manifests
+from ledger_service.seeding import ScratchLedger
 
 MAX_BOOKINGS = 10_000_000
 DEFAULT_BATCH_ROWS = 5_000
@@ -62,6 +56,18 @@ _EVENT_DEFAULTS = {
 }
 
 Row = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class BookingShape:
+    """What every seeded booking asks for and is settled with."""
+
+    model: str
+    request_bytes: int
+    max_output_tokens: int
+    input_tokens: int
+    output_tokens: int
+    http_status: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,67 +99,38 @@ def reservation_id(index: int) -> str:
     return f"seed-{index:08d}"
 
 
-class ScratchLedger:
-    """The server's own store and application, on a scratch SQLite database."""
+def book(
+    scratch: ScratchLedger, shape: BookingShape, lane: str, index: int, timeline: Timeline
+) -> None:
+    """Booking `index`, made as the load generator's calls make theirs."""
+    name = reservation_id(index)
+    scratch.clock.set_us(timeline.reserved_at(index))
+    reserve = moves.ReserveCommand(
+        lane,
+        name,
+        shape.model,
+        request_bytes=shape.request_bytes,
+        max_output_tokens=shape.max_output_tokens,
+    )
+    assert scratch.ledger.reserve(reserve).admitted, "a seeded booking must be admitted"
+    scratch.clock.set_us(timeline.settled_at(index))
+    settle = moves.SettleCommand(
+        lane,
+        name,
+        Outcome.SUCCEEDED,
+        input_tokens=shape.input_tokens,
+        output_tokens=shape.output_tokens,
+        http_status=shape.http_status,
+    )
+    scratch.ledger.settle(settle)
 
-    def __init__(self, directory: pathlib.Path, at_us: int) -> None:
-        url = f"sqlite:///{directory}/scratch.db"
-        self.store = server.build_store(Settings(database_url=url, data_dir=directory))
-        migrate.upgrade(self.store.engine)
-        self.clock = ManualClock(at_us)
-        self.ledger = Ledger(self.store, self.clock)
 
-    def close(self) -> None:
-        self.store.close()
-
-    def book(self, lane: str, index: int, timeline: Timeline) -> None:
-        """Booking `index`, made as the load generator's calls make theirs."""
-        name = reservation_id(index)
-        self.clock.set_us(timeline.reserved_at(index))
-        reserve = moves.ReserveCommand(
-            lane,
-            name,
-            load.MODEL,
-            request_bytes=load.REQUEST_BYTES,
-            max_output_tokens=load.MAX_OUTPUT_TOKENS,
-        )
-        assert self.ledger.reserve(reserve).admitted, "a seeded booking must be admitted"
-        self.clock.set_us(timeline.settled_at(index))
-        settle = moves.SettleCommand(
-            lane,
-            name,
-            Outcome.SUCCEEDED,
-            input_tokens=load.INPUT_TOKENS,
-            output_tokens=load.OUTPUT_TOKENS,
-            http_status=load.HTTP_STATUS,
-        )
-        self.ledger.settle(settle)
-
-    def rows(self, lane: str, index: int) -> BookingRows:
-        name = reservation_id(index)
-        with self.store.engine.connect() as connection:
-            found = connection.execute(
-                select(events)
-                .where(events.c.lane == lane, events.c.reservation_id == name)
-                .order_by(events.c.seq)
-            ).mappings()
-            reserved, settled = (dict(row) for row in found)
-            booking = connection.execute(
-                select(bookings).where(bookings.c.lane == lane, bookings.c.reservation_id == name)
-            ).mappings()
-            return BookingRows(reserved, settled, dict(booking.one()))
-
-    def lane_rows(self, lane: str) -> tuple[Row, Row]:
-        """The lane_configured event and the lanes row."""
-        with self.store.engine.connect() as connection:
-            first = select(events).where(events.c.lane == lane).order_by(events.c.seq).limit(1)
-            event = connection.execute(first).mappings().one()
-            row = connection.execute(select(lanes).where(lanes.c.lane == lane)).mappings().one()
-            return dict(event), dict(row)
+def rows_of(scratch: ScratchLedger, lane: str, index: int) -> BookingRows:
+    return BookingRows(*scratch.booking_rows(lane, reservation_id(index)))
 
 
 def _canonical(row: Row) -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads(chain.canonical_event(records.event_from_row(row)))
+    loaded: dict[str, Any] = json.loads(seeding.canonical_text(row))
     return loaded
 
 
@@ -242,26 +219,30 @@ class HistoryRows:
         return self.first_seq + 2 * count - 1
 
 
-def templates(policy: LanePolicy, timeline: Timeline, directory: pathlib.Path) -> HistoryRows:
+def templates(
+    policy: LanePolicy, timeline: Timeline, shape: BookingShape, directory: pathlib.Path
+) -> HistoryRows:
     """The lane and booking 0, made by the application and read back as rows."""
     scratch = ScratchLedger(directory, timeline.configured_at)
     try:
         scratch.ledger.put_lane(policy)
-        scratch.book(policy.lane, 0, timeline)
+        book(scratch, shape, policy.lane, 0, timeline)
         lane_event, lane_row = scratch.lane_rows(policy.lane)
-        return HistoryRows(lane_event, lane_row, scratch.rows(policy.lane, 0), timeline)
+        return HistoryRows(lane_event, lane_row, rows_of(scratch, policy.lane, 0), timeline)
     finally:
         scratch.close()
 
 
-def check(history: HistoryRows, index: int, directory: pathlib.Path) -> None:
+def check(history: HistoryRows, shape: BookingShape, index: int, directory: pathlib.Path) -> None:
     """The pair assertion: booking `index` made by the application, after the
     template rows of the bookings before it, has the template's rows."""
     scratch = ScratchLedger(directory, history.timeline.configured_at)
     try:
-        _insert_rows(scratch.store.engine, history, index, DEFAULT_BATCH_ROWS)
-        scratch.book(history.lane, index, history.timeline)
-        made = scratch.rows(history.lane, index)
+        scratch.insert_history(
+            history.lane_event, history.lane_row, _batches(history, index, DEFAULT_BATCH_ROWS)
+        )
+        book(scratch, shape, history.lane, index, history.timeline)
+        made = rows_of(scratch, history.lane, index)
     finally:
         scratch.close()
     head = history.genesis
@@ -357,31 +338,27 @@ def seed(
     policy: LanePolicy,
     count: int,
     now_us: int,
+    shape: BookingShape,
     *,
     batch_rows: int = DEFAULT_BATCH_ROWS,
 ) -> SeedReport:
     """Migrates a fresh SQLite database and fills `policy.lane` with `count` bookings."""
     if not 1 <= count <= MAX_BOOKINGS:
         raise ValueError(f"count must be between 1 and {MAX_BOOKINGS}")
-    if not database.is_sqlite(database_url):
-        raise ValueError("the history is seeded into SQLite only")
     started = time.perf_counter()
     step_us = max(2, SPAN_US // count)
     first_us = now_us - END_BEFORE_NOW_US - step_us * count
     assert count * step_us < policy.window_us, "every seeded booking must be inside the window"
     timeline = Timeline(first_us, step_us)
     with tempfile.TemporaryDirectory(prefix="ledger-seed-") as scratch:
-        history = templates(policy, timeline, pathlib.Path(scratch) / "templates")
+        history = templates(policy, timeline, shape, pathlib.Path(scratch) / "templates")
         assert step_us // 2 < history.ttl_us, "a seeded booking must be settled before it expires"
         checked = [index for index in CHECKED_INDEXES if index < count]
         for index in checked:
-            check(history, index, pathlib.Path(scratch) / f"check-{index}")
-    engine = database.create(database_url, database.EngineLimits(pool_size=1))
-    try:
-        migrate.upgrade(engine)
-        _insert_rows(engine, history, count, batch_rows)
-    finally:
-        engine.dispose()
+            check(history, shape, index, pathlib.Path(scratch) / f"check-{index}")
+    seeding.insert_history(
+        database_url, history.lane_event, history.lane_row, _batches(history, count, batch_rows)
+    )
     return SeedReport(
         lane=policy.lane,
         bookings=count,
@@ -394,74 +371,11 @@ def seed(
     )
 
 
-def recoveries(database_url: str) -> int:
-    """How many recovery manifests the database holds: 0 unless a server found
-    its projections inconsistent with its log."""
-    engine = database.create(database_url, database.EngineLimits(pool_size=1))
-    try:
-        with engine.connect() as connection:
-            query = select(func.count()).select_from(recovery_manifests)
-            return int(connection.execute(query).scalar_one())
-    finally:
-        engine.dispose()
-
-
-def _insert_sql(table: str, columns: Sequence[str]) -> str:
-    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
-
-
-def _insert_rows(engine: Engine, history: HistoryRows, count: int, batch_rows: int) -> None:
-    """Inserts the lane and `count` bookings with the driver's executemany, one
-    transaction a batch, into a migrated database with no events yet.
-
-    synchronous=OFF: a crash while seeding only loses a benchmark's scratch data.
-    """
-    event_columns = list(history.lane_event)
-    booking_columns = list(history.templates.booking)
-    lane_columns = list(history.lane_row)
-    connection = engine.raw_connection()
-    try:
-        cursor = connection.cursor()
-        cursor.execute("PRAGMA synchronous=OFF")
-        cursor.execute("BEGIN")
-        cursor.execute(
-            _insert_sql("events", event_columns), [history.lane_event[c] for c in event_columns]
-        )
-        cursor.execute(
-            _insert_sql("lanes", lane_columns), [history.lane_row[c] for c in lane_columns]
-        )
-        cursor.execute("COMMIT")
-        for batch in _batches(history.all_rows(count), batch_rows):
-            cursor.execute("BEGIN")
-            cursor.executemany(
-                _insert_sql("events", event_columns),
-                [
-                    tuple(event[c] for c in event_columns)
-                    for rows in batch
-                    for event in (rows.reserved, rows.settled)
-                ],
-            )
-            cursor.executemany(
-                _insert_sql("bookings", booking_columns),
-                [tuple(rows.booking[c] for c in booking_columns) for rows in batch],
-            )
-            cursor.execute("COMMIT")
-        cursor.execute("BEGIN")
-        cursor.execute(
-            "UPDATE projection_position SET last_seq = ? WHERE id = ?",
-            (history.head_seq(count), chaining.POSITION_ROW_ID),
-        )
-        assert cursor.rowcount == 1, "the migrations made no position marker"
-        cursor.execute("COMMIT")
-        cursor.close()
-    finally:
-        connection.close()
-
-
-def _batches(rows: Iterable[BookingRows], size: int) -> Iterator[list[BookingRows]]:
-    batch: list[BookingRows] = []
-    for made in rows:
-        batch.append(made)
+def _batches(history: HistoryRows, count: int, size: int) -> Iterator[list[tuple[Row, Row, Row]]]:
+    """Bookings 0 to count-1 as (reserved, settled, booking) rows, `size` at a time."""
+    batch: list[tuple[Row, Row, Row]] = []
+    for made in history.all_rows(count):
+        batch.append((made.reserved, made.settled, made.booking))
         if len(batch) == size:
             yield batch
             batch = []

@@ -6,7 +6,7 @@ channel options, registered method handlers) and no interceptors, no database
 and no work: what it sustains is what the transport sustains on this machine.
 The channel options come from `settings.grpc_server_options`, as the server's do.
 
-    python -m ledger_service.bench.echo --listen 127.0.0.1:0
+    python -m bench.echo --listen 127.0.0.1:0
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def serve(listen: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ledger_service.bench.echo")
+    parser = argparse.ArgumentParser(prog="python -m bench.echo")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks one)")
     return serve(parser.parse_args(argv).listen)
 

@@ -1,8 +1,8 @@
 """`make bench`: run every scenario, print one table, write bench-results/bench-<stamp>.json.
 
-    python -m ledger_service.bench                  # the full run (9-13 minutes here)
-    python -m ledger_service.bench --quick          # a smoke run: tiny durations and counts
-    python -m ledger_service.bench --skip-postgres  # without the PostgreSQL scenario
+    python -m bench                  # the full run (9-13 minutes here)
+    python -m bench --quick          # a smoke run: tiny durations and counts
+    python -m bench --skip-postgres  # without the PostgreSQL scenario
 
 Exit status 0 when every scenario ran (whether or not it met its target), 1
 when one failed, 2 on bad arguments. docs/benchmarks.md explains the figures.
@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from ledger_service.bench import machine, report, scenarios
-from ledger_service.bench.load import LoadGenerator
-from ledger_service.bench.scenarios import Plan
+from bench import machine, report, scenarios
+from bench.load import LoadGenerator
+from bench.scenarios import Plan
 
 log = logging.getLogger("ledger.bench")
 FORMAT_VERSION = 1
@@ -36,7 +36,7 @@ OPTIONAL_SCENARIOS = ("sqlite", "postgres", "history")
 
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
-        prog="python -m ledger_service.bench",
+        prog="python -m bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -49,7 +49,7 @@ from typing import Any
 
 import grpc
 
-from ledger_service.bench import echo, usage
+from bench import echo, usage
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 

@@ -35,7 +35,7 @@ GIT_TIMEOUT_SECONDS = 10.0
 
 def source_revision() -> dict[str, Any]:
     """The commit measured, and whether the working tree differed from it."""
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[1]
 
     def git(*arguments: str) -> str:
         done = subprocess.run(
@@ -50,7 +50,9 @@ def source_revision() -> dict[str, Any]:
 
     try:
         commit = git("rev-parse", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", "ledger_service")
+        changed = git(
+            "status", "--porcelain", "--untracked-files=no", "--", "ledger_service", "bench"
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": "", "uncommitted_changes": None}
     return {"commit": commit, "uncommitted_changes": bool(changed) if commit else None}
