@@ -29,7 +29,7 @@ import grpc
 import pytest
 
 from ledger_service import cli
-from ledger_service.cli import talk
+from ledger_service.cli import connection, exits, reconcile, render, values
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
@@ -200,7 +200,7 @@ def reserve(ledger: RunLedger, lane: str, reservation_id: str, *extra: str) -> R
     ],
 )
 def test_amounts_parse_to_exact_nanos(text: str, nanos: int) -> None:
-    assert talk.parse_amount_nanos("--limit", text) == nanos
+    assert values.parse_amount_nanos("--limit", text) == nanos
 
 
 @pytest.mark.parametrize(
@@ -208,18 +208,18 @@ def test_amounts_parse_to_exact_nanos(text: str, nanos: int) -> None:
     ["0.0000000001", "$0.0000000005", "1.5n", "$5n", "0.5 EUR", "abc", "", "1e3", "9" * 80],
 )
 def test_amounts_finer_than_a_nano_or_malformed_are_refused(text: str) -> None:
-    with pytest.raises(talk.CliError) as refused:
-        talk.parse_amount_nanos("--limit", text)
-    assert refused.value.exit_code == talk.EXIT_BAD_VALUE
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_amount_nanos("--limit", text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
     assert refused.value.message.startswith("--limit: ")
 
 
 def test_amounts_print_as_usd_with_nine_decimals() -> None:
-    assert talk.usd(1400) == "$0.000001400"
-    assert talk.usd(500_000_000) == "$0.500000000"
-    assert talk.usd(0) == "$0.000000000"
-    assert talk.usd(-1) == "-$0.000000001"
-    assert talk.usd(12_345_000_000_001) == "$12345.000000001"
+    assert render.usd(1400) == "$0.000001400"
+    assert render.usd(500_000_000) == "$0.500000000"
+    assert render.usd(0) == "$0.000000000"
+    assert render.usd(-1) == "-$0.000000001"
+    assert render.usd(12_345_000_000_001) == "$12345.000000001"
 
 
 @pytest.mark.parametrize(
@@ -235,27 +235,27 @@ def test_amounts_print_as_usd_with_nine_decimals() -> None:
     ],
 )
 def test_durations_parse_and_print(text: str, micros: int, shown: str) -> None:
-    value = talk.parse_duration("--window", text)
+    value = values.parse_duration("--window", text)
     assert value.seconds * 1_000_000 + value.nanos // 1000 == micros
-    assert talk.duration_text(value) == shown
+    assert render.duration_text(value) == shown
 
 
 @pytest.mark.parametrize("text", ["5x", "-1s", "1.0000001s", "s", "99999999999d"])
 def test_bad_durations_are_refused(text: str) -> None:
-    with pytest.raises(talk.CliError, match=r"^--window: "):
-        talk.parse_duration("--window", text)
+    with pytest.raises(exits.CliError, match=r"^--window: "):
+        values.parse_duration("--window", text)
 
 
 def test_prices_are_usd_per_million_tokens_or_nanos() -> None:
-    model, price = talk.parse_price("jev=0.10/0.40")
+    model, price = values.parse_price("jev=0.10/0.40")
     assert (model, price.input_nanos_per_million_tokens) == ("jev", 100_000_000)
     assert price.output_nanos_per_million_tokens == 400_000_000
-    model, price = talk.parse_price("big/model=$3/15000000000n")
+    model, price = values.parse_price("big/model=$3/15000000000n")
     assert (model, price.input_nanos_per_million_tokens) == ("big/model", 3_000_000_000)
     assert price.output_nanos_per_million_tokens == 15_000_000_000
     for text in ("jev", "jev=0.1", "=0.1/0.2", "jev=0.1/0.0000000001"):
-        with pytest.raises(talk.CliError, match=r"^--price"):
-            talk.parse_price(text)
+        with pytest.raises(exits.CliError, match=r"^--price"):
+            values.parse_price(text)
 
 
 def test_grant_comes_from_the_flag_then_the_environment_then_the_admin_grant_file(
@@ -263,14 +263,14 @@ def test_grant_comes_from_the_flag_then_the_environment_then_the_admin_grant_fil
 ) -> None:
     monkeypatch.delenv("LEDGER_GRANT", raising=False)
     monkeypatch.setenv("LEDGER_DATA_DIR", str(tmp_path))
-    assert talk.resolve_grant(None) == ("", "")
+    assert connection.resolve_grant(None) == ("", "")
     (tmp_path / "admin.grant").write_text("from-file\n")
-    assert talk.resolve_grant(None) == ("from-file", str(tmp_path / "admin.grant"))
+    assert connection.resolve_grant(None) == ("from-file", str(tmp_path / "admin.grant"))
     monkeypatch.setenv("LEDGER_GRANT", "from-env")
-    assert talk.resolve_grant(None) == ("from-env", "LEDGER_GRANT")
-    assert talk.resolve_grant("from-flag") == ("from-flag", "--grant")
+    assert connection.resolve_grant(None) == ("from-env", "LEDGER_GRANT")
+    assert connection.resolve_grant("from-flag") == ("from-flag", "--grant")
     arguments = cli.parser().parse_args(["balance", "recall", "--server", "127.0.0.1:1"])
-    with talk.connect(arguments) as session:
+    with connection.connect(arguments) as session:
         assert session.metadata == (("authorization", "Bearer from-env"),)
         assert session.server == "127.0.0.1:1"
 
@@ -307,7 +307,7 @@ def test_no_server_says_so_in_one_line(ledger: RunLedger, command: list[str]) ->
     run = ledger(*command, "--server", address)
     assert UNREACHABLE.fullmatch(one_line_error(run))
     assert address in run.err
-    assert run.code == talk.EXIT_UNREACHABLE
+    assert run.code == exits.EXIT_UNREACHABLE
 
 
 def test_a_server_that_never_answers_times_out(ledger: RunLedger) -> None:
@@ -321,7 +321,7 @@ def test_a_server_that_never_answers_times_out(ledger: RunLedger) -> None:
     assert one_line_error(run) == (
         f"ledger: the ledger at {address} did not answer within 0.5 s (see --timeout)\n"
     )
-    assert run.code == talk.EXIT_UNREACHABLE
+    assert run.code == exits.EXIT_UNREACHABLE
     assert elapsed < 5
 
 
@@ -426,7 +426,7 @@ def test_a_parent_budget_is_set_shown_and_listed(target: LedgerProcess, ledger: 
     # The child's own budget has room; its parent's does not.
     assert reserve(ledger, "team-recall", "p-1").code == 0
     denied = reserve(ledger, "team-recall", "p-2")
-    assert denied.code == talk.EXIT_DENIED
+    assert denied.code == exits.EXIT_DENIED
     assert denied.out.startswith("denied p-2 by the budget of team: budget exhausted: "), denied
     # A put replaces the whole policy: without --parent the lane has none.
     assert "parent" not in put_recall(ledger, "team-recall").out
@@ -499,7 +499,7 @@ def test_a_denial_is_an_answer_with_exit_code_4(target: LedgerProcess, ledger: R
     ledger("lane", "put", "tight", "--limit", "300000n", "--price", JEV_PRICE)
     assert reserve(ledger, "tight", "t-1").code == 0
     denied = reserve(ledger, "tight", "t-2")
-    assert denied.code == talk.EXIT_DENIED
+    assert denied.code == exits.EXIT_DENIED
     assert denied.err == ""
     assert denied.out.startswith("denied t-2: budget exhausted: ")
     assert "retry after " in denied.out
@@ -515,7 +515,7 @@ def test_a_denial_is_an_answer_with_exit_code_4(target: LedgerProcess, ledger: R
         "0",
         "--json",
     )
-    assert never.code == talk.EXIT_DENIED
+    assert never.code == exits.EXIT_DENIED
     assert never.json()["denial_reason"] == "HOLD_EXCEEDS_LIMIT"
     assert "retry_after" not in never.json()
 
@@ -638,7 +638,7 @@ def test_an_unknown_lane_is_one_line(
 ) -> None:
     run = ledger(*command)
     assert one_line_error(run) == "ledger: lane 'nowhere' does not exist (LANE_NOT_FOUND)\n"
-    assert run.code == talk.EXIT_FAILED
+    assert run.code == exits.EXIT_FAILED
 
 
 def test_an_unknown_booking_is_one_line(target: LedgerProcess, ledger: RunLedger) -> None:
@@ -749,7 +749,7 @@ def test_a_bad_value_names_the_option_the_server_refused(
     run = ledger(*command)
     error = one_line_error(run)
     assert error.startswith(f"ledger: bad value for {option} (field "), error
-    assert run.code == talk.EXIT_FAILED
+    assert run.code == exits.EXIT_FAILED
 
 
 @pytest.mark.parametrize(
@@ -802,7 +802,7 @@ def test_a_malformed_value_is_refused_before_any_call(
 ) -> None:
     run = ledger(*command)
     assert one_line_error(run).startswith(f"ledger: {start}")
-    assert run.code == talk.EXIT_BAD_VALUE
+    assert run.code == exits.EXIT_BAD_VALUE
 
 
 def test_a_contradicting_move_fails_with_its_reason(
@@ -826,7 +826,7 @@ def test_a_missing_or_refused_grant_is_one_line(
     monkeypatch.setenv("LEDGER_DATA_DIR", str(tmp_path))
     missing = ledger("lane", "list")
     assert "needs a grant and none was found: pass --grant" in one_line_error(missing)
-    assert missing.code == talk.EXIT_FAILED
+    assert missing.code == exits.EXIT_FAILED
     refused = ledger("lane", "list", "--grant", "not-a-grant")
     assert "refused the grant from --grant (" in one_line_error(refused)
 
@@ -835,14 +835,14 @@ def test_the_server_option_wins_over_the_environment(
     target: LedgerProcess, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LEDGER_SERVER", f"127.0.0.1:{free_port()}")
-    assert ledger("lane", "list").code == talk.EXIT_UNREACHABLE
+    assert ledger("lane", "list").code == exits.EXIT_UNREACHABLE
     assert ledger("lane", "list", "--server", target.address).code == 0
 
 
 def test_json_values_keep_amounts_as_integers() -> None:
     event = pb.Event(seq=7, kind="settled", amount_nanos=2**62, outcome=pb.UNKNOWN)
     event.billed_nanos = 0
-    value = talk.message_json(event)
+    value = render.message_json(event)
     assert value["amount_nanos"] == 2**62
     assert value["billed_nanos"] == 0
     assert "estimate_nanos" not in value
@@ -852,8 +852,8 @@ def test_json_values_keep_amounts_as_integers() -> None:
 
 def test_an_rpc_error_without_a_status_is_still_one_line() -> None:
     arguments = cli.parser().parse_args(["balance", "recall", "--server", "127.0.0.1:9"])
-    with talk.connect(arguments) as session:
-        error = talk.explain(grpc.RpcError(), session)
+    with connection.connect(arguments) as session:
+        error = connection.explain(grpc.RpcError(), session)
     assert error.message == "the call to the ledger at 127.0.0.1:9 failed"
 
 
@@ -926,7 +926,7 @@ def test_reconcile_bad_rows_exit_1_with_their_lines_and_fields(
         "not json\n"
     )
     run = ledger("reconcile", str(export))
-    assert run.code == talk.EXIT_FAILED
+    assert run.code == exits.EXIT_FAILED
     assert run.err == "ledger: not applied: 2 bad rows (lines 2, 4); nothing changed\n"
     rows = [line.split() for line in run.out.splitlines()[1:4]]
     assert rows[0][:4] == ["1", "bad-bill", "u-1", "not_applied"]
@@ -935,7 +935,7 @@ def test_reconcile_bad_rows_exit_1_with_their_lines_and_fields(
     assert "not applied: the file has bad rows, so nothing changed: 2 bad, 1 not checked" in run.out
     assert ledger("balance", "bad-bill", "--json").json()["charged_nanos"] == CAP_NANOS + 1000
     # A dry run of the same file fails the same way: it would not apply.
-    assert ledger("reconcile", str(export), "--dry-run", "--json").code == talk.EXIT_FAILED
+    assert ledger("reconcile", str(export), "--dry-run", "--json").code == exits.EXIT_FAILED
 
 
 def test_reconcile_refuses_what_it_cannot_send(
@@ -945,15 +945,15 @@ def test_reconcile_refuses_what_it_cannot_send(
     unknown.write_text("reservation_id,billed_nanos\nx,1\n")
     run = ledger("reconcile", str(unknown))
     assert "cannot tell the format" in one_line_error(run)
-    assert run.code == talk.EXIT_BAD_VALUE
+    assert run.code == exits.EXIT_BAD_VALUE
     huge = tmp_path / "huge.csv"
     with huge.open("wb") as out:
-        out.truncate(talk.MAX_EXPORT_BYTES + 1)
+        out.truncate(reconcile.MAX_EXPORT_BYTES + 1)
     run = ledger("reconcile", str(huge))
     assert one_line_error(run) == (
         f"ledger: FILE: {huge} is larger than 4 MiB: split the export into smaller files\n"
     )
-    assert run.code == talk.EXIT_BAD_VALUE
+    assert run.code == exits.EXIT_BAD_VALUE
     missing = ledger("reconcile", str(tmp_path / "nowhere.csv"))
     assert "FILE: there is no file" in one_line_error(missing)
     headless = tmp_path / "headless.csv"
@@ -1058,7 +1058,7 @@ def test_tls_round_trip_and_the_name_checked(
         f"ledger: TLS: the certificate of the ledger at {address} is not issued to "
         "ledger.example (see --tls-server-name)\n"
     )
-    assert elsewhere.code == talk.EXIT_UNREACHABLE
+    assert elsewhere.code == exits.EXIT_UNREACHABLE
     plaintext = ledger("balance", "secure", "--server", address)
     assert "if it serves TLS, pass --tls-ca" in one_line_error(plaintext)
 
@@ -1076,7 +1076,7 @@ def test_a_wrong_ca_is_one_line(
         f"ledger: TLS: the certificate of the ledger at {address} is not signed by the CA in "
         "LEDGER_TLS_CA (CERTIFICATE_VERIFY_FAILED)\n"
     )
-    assert run.code == talk.EXIT_UNREACHABLE
+    assert run.code == exits.EXIT_UNREACHABLE
     # The option wins over the environment.
     assert ledger("lane", "list", "--server", address, "--tls-ca", str(pem.ca)).code == 0
 
@@ -1112,7 +1112,7 @@ def test_mutual_tls_round_trip(
         "closed the connection during the handshake: does it demand a client certificate "
         "(--tls-cert and --tls-key)?\n"
     )
-    assert none.code == talk.EXIT_UNREACHABLE
+    assert none.code == exits.EXIT_UNREACHABLE
 
 
 def test_tls_to_a_plaintext_server_says_so(
@@ -1142,7 +1142,7 @@ def test_bad_tls_options_are_refused_before_any_call(
     for options, start in cases:
         run = ledger("lane", "list", "--server", "127.0.0.1:9", *options)
         assert one_line_error(run).startswith(f"ledger: {start}"), (options, run)
-        assert run.code == talk.EXIT_BAD_VALUE
+        assert run.code == exits.EXIT_BAD_VALUE
 
 
 def test_a_taken_port_is_one_clear_line_and_exit_status_1(

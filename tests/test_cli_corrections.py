@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from ledger_service.cli import talk
+from ledger_service.cli import exits, lanes, moves, reading, reconcile, values
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from tests import test_cli
 from tests.test_cli import (
@@ -91,16 +91,16 @@ def kinds(ledger: RunLedger, lane: str) -> list[str]:
 
 
 def test_prices_may_name_the_cache_prices_too() -> None:
-    model, price = talk.parse_price("jev=0.10/0.40/0.01")
+    model, price = values.parse_price("jev=0.10/0.40/0.01")
     assert model == "jev"
     assert price.cached_input_nanos_per_million_tokens == 10_000_000
     assert not price.HasField("cache_write_nanos_per_million_tokens")
-    _, price = talk.parse_price("big/model=$3/$15/300000000n/$3.75")
+    _, price = values.parse_price("big/model=$3/$15/300000000n/$3.75")
     assert price.input_nanos_per_million_tokens == 3_000_000_000
     assert price.output_nanos_per_million_tokens == 15_000_000_000
     assert price.cached_input_nanos_per_million_tokens == 300_000_000
     assert price.cache_write_nanos_per_million_tokens == 3_750_000_000
-    _, plain = talk.parse_price(JEV_PRICE)
+    _, plain = values.parse_price(JEV_PRICE)
     assert not plain.HasField("cached_input_nanos_per_million_tokens")
 
 
@@ -114,24 +114,24 @@ def test_prices_may_name_the_cache_prices_too() -> None:
     ],
 )
 def test_bad_cache_prices_name_their_part(text: str, start: str) -> None:
-    with pytest.raises(talk.CliError) as refused:
-        talk.parse_price(text)
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_price(text)
     assert refused.value.message.startswith(start), refused.value.message
-    assert refused.value.exit_code == talk.EXIT_BAD_VALUE
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
 
 
 def test_a_derived_correction_id_is_fixed_by_what_the_correction_says() -> None:
-    first = talk.correction_id("recall", "r-1", 240_000, "why")
+    first = moves.correction_id("recall", "r-1", 240_000, "why")
     assert re.fullmatch(r"c-[0-9a-f]{24}", first)
-    assert talk.correction_id("recall", "r-1", 240_000, "why") == first
+    assert moves.correction_id("recall", "r-1", 240_000, "why") == first
     others = {
-        talk.correction_id("recall2", "r-1", 240_000, "why"),
-        talk.correction_id("recall", "r-2", 240_000, "why"),
-        talk.correction_id("recall", "r-1", 240_001, "why"),
-        talk.correction_id("recall", "r-1", 240_000, "why not"),
+        moves.correction_id("recall2", "r-1", 240_000, "why"),
+        moves.correction_id("recall", "r-2", 240_000, "why"),
+        moves.correction_id("recall", "r-1", 240_001, "why"),
+        moves.correction_id("recall", "r-1", 240_000, "why not"),
         # No two fields run into each other.
-        talk.correction_id("recall", "r-1", 240_000, "why "),
-        talk.correction_id("recal", "lr-1", 240_000, "why"),
+        moves.correction_id("recall", "r-1", 240_000, "why "),
+        moves.correction_id("recal", "lr-1", 240_000, "why"),
     }
     assert first not in others and len(others) == 6
 
@@ -139,14 +139,14 @@ def test_a_derived_correction_id_is_fixed_by_what_the_correction_says() -> None:
 def test_lane_lines_show_the_max_charge_and_the_cache_prices() -> None:
     lane = pb.Lane(lane="x", limit_nanos=1)
     # The server always states it; a lane message without it says whose default applies.
-    assert "max charge       the server's default" in talk.lane_lines(lane)
+    assert "max charge       the server's default" in lanes.lane_lines(lane)
     lane.max_charge_multiple = 100
-    assert "max charge       100x the cap" in talk.lane_lines(lane)
+    assert "max charge       100x the cap" in lanes.lane_lines(lane)
     lane.max_charge_multiple = 0
-    assert "max charge       no bound" in talk.lane_lines(lane)
+    assert "max charge       no bound" in lanes.lane_lines(lane)
     lane.max_charge_multiple = 7
-    lane.prices["jev"].CopyFrom(talk.parse_price(JEV_CACHE_PRICE)[1])
-    lines = talk.lane_lines(lane)
+    lane.prices["jev"].CopyFrom(values.parse_price(JEV_CACHE_PRICE)[1])
+    lines = lanes.lane_lines(lane)
     assert "max charge       7x the cap" in lines
     assert (
         "price jev        in $0.100000000 / out $0.400000000 / cached in $0.010000000 / "
@@ -164,12 +164,12 @@ def test_a_corrected_event_shows_the_old_charge_and_the_reason_on_one_line() -> 
         reason="typo\nin   the bill, " + "x" * 100,
         correction_id="c-1",
     )
-    outcome = talk.event_row(event)[7]
+    outcome = reading.event_row(event)[7]
     assert outcome.startswith("was $500.000000000: typo in the bill, xxx")
     assert outcome.endswith("...")
-    assert len(outcome) == len("was $500.000000000: ") + talk.CORRECTION_REASON_SHOWN_CHARACTERS
+    assert len(outcome) == len("was $500.000000000: ") + reading.CORRECTION_REASON_SHOWN_CHARACTERS
     event.reason = ""
-    assert talk.event_row(event)[7] == "was $500.000000000: c-1"
+    assert reading.event_row(event)[7] == "was $500.000000000: c-1"
 
 
 def test_replaced_rows_show_their_amounts_and_are_counted() -> None:
@@ -187,13 +187,13 @@ def test_replaced_rows_show_their_amounts_and_are_counted() -> None:
             )
         ],
     )
-    lines = talk.reconcile_lines(response, dry_run=False, bill_wins=True)
+    lines = reconcile.reconcile_lines(response, dry_run=False, bill_wins=True)
     assert lines[1].split() == ["2", "bill", "s-1", "replaced", "$0.000001000", "->",
                                 "$0.000002000"]  # fmt: skip
     assert "applied: 0 corrected, 0 matched, 0 unmatched, 0 disagreeing, 1 replaced" in lines
     # Without --bill-wins and nothing replaced, the totals read as they always have.
     response.replaced_count = 0
-    quiet = talk.reconcile_lines(response, dry_run=False)
+    quiet = reconcile.reconcile_lines(response, dry_run=False)
     assert "applied: 0 corrected, 0 matched, 0 unmatched, 0 disagreeing" in quiet
 
 
@@ -254,8 +254,8 @@ def test_lane_put_takes_a_max_charge_multiple_and_cache_prices(
 @pytest.mark.parametrize(
     ("value", "code", "start"),
     [
-        ("ten", talk.EXIT_BAD_VALUE, "ledger: --max-charge-multiple: "),
-        ("-1", talk.EXIT_FAILED, "ledger: bad value for --max-charge-multiple (field "),
+        ("ten", exits.EXIT_BAD_VALUE, "ledger: --max-charge-multiple: "),
+        ("-1", exits.EXIT_FAILED, "ledger: bad value for --max-charge-multiple (field "),
     ],
 )
 def test_a_bad_max_charge_multiple_names_the_option(
@@ -276,7 +276,7 @@ def test_a_charge_above_the_max_charge_multiple_is_refused(
     assert reserve(ledger, "bounded-10", "b-1").code == 0
     refused = settle_real(ledger, "bounded-10", "b-1", "--billed", JAM_BILL)
     assert one_line_error(refused).startswith("ledger: bad value for --billed (field "), refused
-    assert refused.code == talk.EXIT_FAILED
+    assert refused.code == exits.EXIT_FAILED
     # Ten times the cap is still a charge the lane takes.
     assert settle_real(ledger, "bounded-10", "b-1", "--billed", f"{10 * CAP_NANOS}n").code == 0
 
@@ -314,10 +314,10 @@ def test_bad_cache_token_counts_name_their_option(
     reserve(ledger, "cached-bad", "k-1")
     run = settle_real(ledger, "cached-bad", "k-1", *extra)
     assert one_line_error(run).startswith(f"ledger: bad value for {option} (field "), run
-    assert run.code == talk.EXIT_FAILED
+    assert run.code == exits.EXIT_FAILED
     words = settle_real(ledger, "cached-bad", "k-1", "--cache-write-tokens", "many")
     assert one_line_error(words).startswith("ledger: --cache-write-tokens: "), words
-    assert words.code == talk.EXIT_BAD_VALUE
+    assert words.code == exits.EXIT_BAD_VALUE
 
 
 # Correct -----------------------------------------------------------------------
@@ -339,7 +339,7 @@ def test_one_correct_unjams_a_lane_and_running_it_again_changes_nothing(
     jam(ledger, "jammed")
     jammed = balance_json(ledger, "jammed")
     assert jammed["available_nanos"] == LIMIT_NANOS - JAM_BILL_NANOS
-    assert reserve(ledger, "jammed", "r-2").code == talk.EXIT_DENIED
+    assert reserve(ledger, "jammed", "r-2").code == exits.EXIT_DENIED
 
     fixed = correct(ledger, "jammed", "r-1")
     assert fixed.code == 0, fixed
@@ -375,7 +375,7 @@ def test_correct_json_is_the_raw_response(target: LedgerProcess, ledger: RunLedg
     corrected = events[-1]
     assert corrected["seq"] == response["seq"]
     assert corrected["kind"] == "corrected"
-    assert corrected["correction_id"] == talk.correction_id(
+    assert corrected["correction_id"] == moves.correction_id(
         "jammed-json", "r-1", REAL_NANOS, REASON
     )
     assert (corrected["previous_amount_nanos"], corrected["amount_nanos"]) == (
@@ -410,12 +410,12 @@ def test_a_correction_shows_in_history_and_audit(target: LedgerProcess, ledger: 
 
 def test_correct_refusals_are_one_line(target: LedgerProcess, ledger: RunLedger) -> None:
     jam(ledger, "jammed-refusals")
-    assert reserve(ledger, "jammed-refusals", "still-open").code == talk.EXIT_DENIED
+    assert reserve(ledger, "jammed-refusals", "still-open").code == exits.EXIT_DENIED
     put_recall(ledger, "open-lane")
     assert reserve(ledger, "open-lane", "o-1").code == 0
     still_open = correct(ledger, "open-lane", "o-1")
     assert one_line_error(still_open).endswith("(BOOKING_STILL_OPEN)\n"), still_open
-    assert still_open.code == talk.EXIT_FAILED
+    assert still_open.code == exits.EXIT_FAILED
 
     assert correct(ledger, "jammed-refusals", "r-1", "--correction-id", "fix-1").code == 0
     other = ledger(
@@ -423,19 +423,19 @@ def test_correct_refusals_are_one_line(target: LedgerProcess, ledger: RunLedger)
         "--correction-id", "fix-1",
     )  # fmt: skip
     assert one_line_error(other).endswith("(CORRECTION_ID_REUSED)\n"), other
-    assert other.code == talk.EXIT_FAILED
+    assert other.code == exits.EXIT_FAILED
     assert balance_json(ledger, "jammed-refusals")["charged_nanos"] == REAL_NANOS
 
 
 @pytest.mark.parametrize(
     ("options", "code", "start"),
     [
-        (["--charge", "abc", "--reason", "x"], talk.EXIT_BAD_VALUE, "ledger: --charge: "),
-        (["--charge=-1n", "--reason", "x"], talk.EXIT_FAILED,
+        (["--charge", "abc", "--reason", "x"], exits.EXIT_BAD_VALUE, "ledger: --charge: "),
+        (["--charge=-1n", "--reason", "x"], exits.EXIT_FAILED,
          "ledger: bad value for --charge (field charge_nanos): "),
-        (["--charge", "$0", "--reason", " "], talk.EXIT_FAILED,
+        (["--charge", "$0", "--reason", " "], exits.EXIT_FAILED,
          "ledger: bad value for --reason (field reason): "),
-        (["--charge", "$0", "--reason", "x", "--correction-id", "has space"], talk.EXIT_FAILED,
+        (["--charge", "$0", "--reason", "x", "--correction-id", "has space"], exits.EXIT_FAILED,
          "ledger: bad value for --correction-id (field correction_id): "),
     ],
 )  # fmt: skip
@@ -457,14 +457,14 @@ def test_correct_needs_an_admin_grant(target: LedgerProcess, ledger: RunLedger) 
     assert issued.code == 0, issued
     run = correct(ledger, "jammed-grant", "r-1", "--grant", issued.out.strip())
     assert one_line_error(run).startswith("ledger: "), run
-    assert run.code == talk.EXIT_FAILED
+    assert run.code == exits.EXIT_FAILED
     assert balance_json(ledger, "jammed-grant")["charged_nanos"] == JAM_BILL_NANOS
 
 
 def test_correct_without_a_server_is_one_line(ledger: RunLedger) -> None:
     run = correct(ledger, "x", "r-1", "--server", "127.0.0.1:9")
     assert "cannot reach the ledger at 127.0.0.1:9" in one_line_error(run)
-    assert run.code == talk.EXIT_UNREACHABLE
+    assert run.code == exits.EXIT_UNREACHABLE
 
 
 # Reconcile --bill-wins ---------------------------------------------------------

@@ -13,7 +13,17 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ledger_service.cli import grants, observe, operate, recovery, talk
+from ledger_service.cli import (
+    connection,
+    grants,
+    lanes,
+    moves,
+    observe,
+    operate,
+    reading,
+    reconcile,
+    recovery,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -23,7 +33,11 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
     operate.register(commands)
-    talk.register(commands)
+    common = connection.common_options()
+    lanes.register(commands, common)
+    moves.register(commands, common)
+    reading.register(commands, common)
+    reconcile.register(commands, common)
     grants.register(commands)
     recovery.register(commands)
     observe.register(commands)

@@ -31,22 +31,15 @@ from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
-from ledger_service.cli.talk import (
-    EXIT_BAD_VALUE,
-    MAX_PAGES,
-    PAGE_SIZE,
-    CliError,
-    Session,
-    _command,
-    _common_options,
-    _emit,
-    _pairs,
-    _table,
-    duration_text,
-    parse_count,
-    time_text,
-    usd,
-)
+from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session
+from ledger_service.cli.connection import command as _command
+from ledger_service.cli.connection import common_options as _common_options
+from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
+from ledger_service.cli.render import duration_text, time_text, usd
+from ledger_service.cli.render import emit as _emit
+from ledger_service.cli.render import pairs as _pairs
+from ledger_service.cli.render import table as _table
+from ledger_service.cli.values import parse_count
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 DEFAULT_BIGGEST = 5

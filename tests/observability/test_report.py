@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ledger_service import cli
-from ledger_service.cli.talk import message_json
+from ledger_service.cli.render import message_json
 from ledger_service.server import LedgerServer
 from tests.observability.jam import make_jam
 

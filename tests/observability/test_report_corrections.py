@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ledger_service.cli import observe, talk
+from ledger_service.cli import observe, render
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.server import LedgerServer
 from tests.observability.jam import HOLD_NANOS, make_jam
@@ -77,7 +77,7 @@ def test_the_report_marks_and_lists_the_correction(
         [
             str(event.seq),
             "u0",
-            talk.time_text(event.occurred_at),
+            render.time_text(event.occurred_at),
             "$0.000000486",
             "$0.000000030",
             REASON,

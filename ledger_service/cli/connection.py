@@ -1,0 +1,268 @@
+"""One session with a running server: the channel, the grant, the options every
+call carries, and the one line a failed call becomes (from its status code and
+the `ledger-reason` / `ledger-field` trailers), with a failed TLS handshake
+explained. `command` wraps each command in all of that."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import pathlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from ledger_service.cli.exits import EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
+from ledger_service.cli.tls import Tls, resolve_tls
+from ledger_service.cli.values import DEFAULT_TIMEOUT_SECONDS, parse_timeout_seconds
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+DEFAULT_DATA_DIR = "data"
+MAX_GRANT_BYTES = 16 * 1024
+# Paging: every listing stops after MAX_PAGES pages of PAGE_SIZE, whatever the server says.
+PAGE_SIZE = 1000
+MAX_PAGES = 200
+REASON_KEY = "ledger-reason"
+FIELD_KEY = "ledger-field"
+# Which command-line name to blame for a field the server names in `ledger-field`.
+OPTION_OF_FIELD = {
+    "lane": "LANE",
+    "lane.lane": "LANE",
+    "lane.limit_nanos": "--limit",
+    "lane.window": "--window",
+    "lane.hold_ttl": "--hold-ttl",
+    "lane.bytes_per_token": "--bytes-per-token",
+    "lane.overhead_tokens": "--overhead-tokens",
+    "lane.prices": "--price",
+    "lane.expire_charge": "--expire-charge",
+    "lane.parent": "--parent",
+    "lane.max_charge_multiple": "--max-charge-multiple",
+    "reservation_id": "RESERVATION_ID",
+    "model": "--model",
+    "request_bytes": "--request-bytes",
+    "max_output_tokens": "--max-output-tokens",
+    "estimate_nanos": "--estimate",
+    "ttl": "--ttl",
+    "outcome": "--outcome",
+    "input_tokens": "--input-tokens",
+    "output_tokens": "--output-tokens",
+    "cached_input_tokens": "--cached-input-tokens",
+    "cache_write_tokens": "--cache-write-tokens",
+    "billed_nanos": "--billed",
+    "http_status": "--http-status",
+    "reason": "--reason",
+    "after_seq": "--after-seq",
+    "content": "FILE",
+    "format": "--format",
+    "default_lane": "--lane",
+    "charge_nanos": "--charge",
+    "correction_id": "--correction-id",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """One channel to the server and the options every call carries."""
+
+    server: str
+    ledger: pb_grpc.LedgerStub
+    admin: pb_grpc.LaneAdminStub
+    timeout_seconds: float
+    metadata: tuple[tuple[str, str], ...]
+    # Where the grant came from, for error messages ("" when none was found).
+    grant_source: str = ""
+    # None: plaintext.
+    tls: Tls | None = None
+
+    def options(self) -> dict[str, Any]:
+        return {"timeout": self.timeout_seconds, "metadata": self.metadata}
+
+
+def resolve_grant(given: str | None) -> tuple[str, str]:
+    """The grant and where it came from: --grant, else LEDGER_GRANT, else the
+    admin grant the server wrote to <LEDGER_DATA_DIR or ./data>/admin.grant."""
+    if given:
+        return given.strip(), "--grant"
+    if os.environ.get("LEDGER_GRANT"):
+        return os.environ["LEDGER_GRANT"].strip(), "LEDGER_GRANT"
+    path = pathlib.Path(os.environ.get("LEDGER_DATA_DIR") or DEFAULT_DATA_DIR) / "admin.grant"
+    try:
+        with path.open("rb") as grant_file:
+            return grant_file.read(MAX_GRANT_BYTES).decode("ascii").strip(), str(path)
+    except FileNotFoundError:
+        return "", ""
+    except (OSError, UnicodeDecodeError) as error:
+        raise CliError(f"cannot read the grant in {path}: {error.__class__.__name__}") from None
+
+
+@contextlib.contextmanager
+def connect(arguments: argparse.Namespace) -> Iterator[Session]:
+    server = arguments.server or os.environ.get("LEDGER_SERVER") or DEFAULT_SERVER
+    timeout_seconds = parse_timeout_seconds(arguments.timeout)
+    grant, grant_source = resolve_grant(arguments.grant)
+    metadata = (("authorization", f"Bearer {grant}"),) if grant else ()
+    tls = resolve_tls(arguments)
+    channel = (
+        grpc.insecure_channel(server)
+        if tls is None
+        else grpc.secure_channel(server, tls.credentials(), options=tls.options())
+    )
+    with channel:
+        yield Session(
+            server=server,
+            ledger=pb_grpc.LedgerStub(channel),
+            admin=pb_grpc.LaneAdminStub(channel),
+            timeout_seconds=timeout_seconds,
+            metadata=metadata,
+            grant_source=grant_source if grant else "",
+            tls=tls,
+        )
+
+
+def explain(error: grpc.RpcError, session: Session) -> CliError:
+    """One line for a failed call, from its status code and ledger trailers."""
+    server = session.server
+    if not isinstance(error, grpc.Call):
+        return CliError(f"the call to the ledger at {server} failed")
+    code = error.code()
+    details = error.details() or ""
+    trailers = {
+        key: value for key, value in error.trailing_metadata() or () if isinstance(value, str)
+    }
+    reason = trailers.get(REASON_KEY, "")
+    if code is grpc.StatusCode.UNAVAILABLE and not reason:
+        return CliError(_unreachable(session, details), EXIT_UNREACHABLE)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return CliError(
+            f"the ledger at {server} did not answer within {session.timeout_seconds:g} s "
+            "(see --timeout)",
+            EXIT_UNREACHABLE,
+        )
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        field = trailers.get(FIELD_KEY, "")
+        option = OPTION_OF_FIELD.get(field) or OPTION_OF_FIELD.get(field.split("[")[0]) or field
+        message = details.removeprefix(f"{field}: ")
+        return CliError(f"bad value for {option} (field {field}): {message}")
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return CliError(_unauthenticated(session, reason or code.name))
+    return CliError(f"{details} ({reason or code.name})")
+
+
+def _unreachable(session: Session, details: str) -> str:
+    """Why no call got through: nobody listening, or a TLS handshake that failed, and why."""
+    server, tls = session.server, session.tls
+    closed = "Socket closed" in details or "Connection reset" in details
+    if tls is None:
+        if closed:
+            return (
+                f"the ledger at {server} closed the connection: if it serves TLS, pass --tls-ca "
+                "(and --tls-cert and --tls-key if it demands a client certificate)"
+            )
+        return f"cannot reach the ledger at {server}: is `ledger serve` running?"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        trusted = f"the CA in {tls.ca_source}" if tls.ca_source else "the system's root CAs"
+        return (
+            f"TLS: the certificate of the ledger at {server} is not signed by {trusted} "
+            "(CERTIFICATE_VERIFY_FAILED)"
+        )
+    if "Hostname Verification" in details:
+        name = tls.server_name or server.rsplit(":", 1)[0]
+        return (
+            f"TLS: the certificate of the ledger at {server} is not issued to {name} "
+            "(see --tls-server-name)"
+        )
+    if "WRONG_VERSION_NUMBER" in details:
+        return (
+            f"TLS: the ledger at {server} does not speak TLS (WRONG_VERSION_NUMBER); "
+            "leave out --tls-ca, --tls-cert and --tls-key"
+        )
+    if closed:
+        ask = (
+            f"does it trust the CA of the client certificate in {tls.client_source}?"
+            if tls.client_source
+            else "does it demand a client certificate (--tls-cert and --tls-key)?"
+        )
+        return f"TLS: the ledger at {server} closed the connection during the handshake: {ask}"
+    if "handshake" in details.lower() or "ssl" in details.lower():
+        last = " ".join(details.split())[-300:]
+        return f"TLS: the handshake with the ledger at {server} failed: {last}"
+    return f"cannot reach the ledger at {server}: is `ledger serve` running?"
+
+
+def _unauthenticated(session: Session, reason: str) -> str:
+    if not session.grant_source:
+        return (
+            f"the ledger at {session.server} needs a grant and none was found: pass --grant, "
+            f"set LEDGER_GRANT, or point LEDGER_DATA_DIR at the server's data directory ({reason})"
+        )
+    return (
+        f"the ledger at {session.server} refused the grant from {session.grant_source} ({reason})"
+    )
+
+
+def command(behaviour: Callable[[argparse.Namespace, Session], int]) -> Callable[..., int]:
+    """Wraps a command: connects, runs, and turns every expected failure into one line."""
+
+    def run(arguments: argparse.Namespace) -> int:
+        server = "the server"
+        try:
+            with connect(arguments) as session:
+                server = session.server
+                try:
+                    return behaviour(arguments, session)
+                except grpc.RpcError as error:
+                    raise explain(error, session) from None
+        except CliError as error:
+            print(f"ledger: {error.message}", file=sys.stderr)
+            return error.exit_code
+        except KeyboardInterrupt:
+            print(f"ledger: interrupted while talking to {server}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+    return run
+
+
+def common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    talk = common.add_argument_group("talking to the server")
+    talk.add_argument(
+        "--server", metavar="HOST:PORT", help=f"default LEDGER_SERVER or {DEFAULT_SERVER}"
+    )
+    talk.add_argument(
+        "--grant",
+        metavar="TOKEN",
+        help="default LEDGER_GRANT, else the contents of <LEDGER_DATA_DIR or ./data>/admin.grant",
+    )
+    talk.add_argument(
+        "--timeout", metavar="SECONDS", help=f"per call (default {DEFAULT_TIMEOUT_SECONDS})"
+    )
+    talk.add_argument(
+        "--json", action="store_true", help="machine-readable output: amounts in raw nanos"
+    )
+    tls = common.add_argument_group("TLS (plaintext unless --tls-ca or --tls-cert is given)")
+    tls.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="PEM root certificates to check the server with; speaks TLS (default LEDGER_TLS_CA)",
+    )
+    tls.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="PEM client certificate for mutual TLS (default LEDGER_TLS_CLIENT_CERT); "
+        "without --tls-ca the system's root certificates check the server",
+    )
+    tls.add_argument(
+        "--tls-key", metavar="FILE", help="its PEM private key (default LEDGER_TLS_CLIENT_KEY)"
+    )
+    tls.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the server's certificate must carry, when it is not the host of "
+        "--server (default LEDGER_TLS_SERVER_NAME)",
+    )
+    return common

@@ -1,0 +1,19 @@
+"""The exit codes of the `ledger` commands that talk to a server, and the one
+failure they tell the user about: a line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+EXIT_FAILED = 1  # the server refused or failed the call
+EXIT_BAD_VALUE = 2  # a value on the command line is wrong (as argparse does)
+EXIT_UNREACHABLE = 3  # no answer from the server
+EXIT_DENIED = 4  # `reserve` was answered with a denial
+EXIT_INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """A failure the user is told about in one line, with an exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code

@@ -1,0 +1,252 @@
+"""Reading the ledger: `ledger balance`, and `ledger history` as a table, with
+`--follow` to tail the log until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import queue
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session, command
+from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
+from ledger_service.cli.render import (
+    duration_text,
+    emit,
+    enum_name,
+    message_json,
+    pairs,
+    row_text,
+    time_text,
+    usd,
+)
+from ledger_service.cli.values import parse_count
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+DEFAULT_HISTORY_EVENTS = 50
+MAX_HISTORY_EVENTS = 10_000
+# --follow: events received and not yet printed, and how often the printing
+# thread looks up from waiting for them (so Ctrl-C is seen at once).
+FOLLOW_QUEUE_EVENTS = 1000
+FOLLOW_POLL_SECONDS = 0.1
+TRACE_ID_SHOWN_CHARACTERS = 8
+CORRECTION_REASON_SHOWN_CHARACTERS = 40
+HISTORY_HEADER = (
+    "SEQ",
+    "TIME (UTC)",
+    "LANE",
+    "KIND",
+    "RESERVATION",
+    "AMOUNT",
+    "SPENT AFTER",
+    "OUTCOME",
+    "TRACE",
+)
+
+# Minimum widths, so that rows printed later by --follow stay in their columns.
+HISTORY_WIDTHS = (5, 24, 8, 15, 12, 12, 12, 14, 8)
+
+
+def balance_lines(balance: pb.Balance) -> list[str]:
+    return pairs(
+        [
+            ("lane", balance.lane),
+            ("as of", time_text(balance.as_of)),
+            ("window", duration_text(balance.window)),
+            ("limit", usd(balance.limit_nanos)),
+            ("spent", usd(balance.spent_nanos)),
+            ("  held", usd(balance.held_nanos)),
+            ("  charged", usd(balance.charged_nanos)),
+            ("available", usd(balance.available_nanos)),
+            ("overrun", usd(balance.overrun_nanos)),
+            ("open bookings", str(balance.open_bookings)),
+        ]
+    )
+
+
+def event_outcome(event: pb.Event) -> str:
+    """What ended the booking, in a few words: the 'outcome/http status' column."""
+    if event.kind == "settled":
+        status = f" http {event.http_status}" if event.http_status else ""
+        return f"{enum_name(pb.Outcome, event.outcome)}{status}"
+    if event.kind == "refunded":
+        return f"http {event.http_status}" if event.http_status else event.reason[:40]
+    if event.kind == "denied":
+        return enum_name(pb.DenialReason, event.denial_reason)
+    if event.kind == "lane_configured":
+        return f"limit {usd(event.limit_nanos)}"
+    if event.kind == "corrected":
+        return correction_outcome(event)
+    return "-"
+
+
+def correction_outcome(event: pb.Event) -> str:
+    """'was $X: why', the reason on one line and cut short: the table stays one row a line."""
+    reason = " ".join(event.reason.split())
+    if len(reason) > CORRECTION_REASON_SHOWN_CHARACTERS:
+        reason = reason[: CORRECTION_REASON_SHOWN_CHARACTERS - 3] + "..."
+    return f"was {usd(event.previous_amount_nanos)}: {reason or event.correction_id}"
+
+
+def event_row(event: pb.Event) -> tuple[str, ...]:
+    return (
+        str(event.seq),
+        time_text(event.occurred_at),
+        event.lane,
+        event.kind,
+        event.reservation_id or "-",
+        usd(event.amount_nanos),
+        usd(event.spent_after_nanos),
+        event_outcome(event),
+        event.trace_id[:TRACE_ID_SHOWN_CHARACTERS] or "-",
+    )
+
+
+def balance(arguments: argparse.Namespace, session: Session) -> int:
+    value = session.ledger.GetBalance(
+        pb.GetBalanceRequest(lane=arguments.lane), **session.options()
+    )
+    emit(arguments, value, balance_lines(value))
+    return 0
+
+
+def history(arguments: argparse.Namespace, session: Session) -> int:
+    limit = parse_count("--limit", arguments.limit)
+    if not 1 <= limit <= MAX_HISTORY_EVENTS:
+        raise CliError(f"--limit: must be between 1 and {MAX_HISTORY_EVENTS}", EXIT_BAD_VALUE)
+    after_seq = parse_count("--after-seq", arguments.after_seq)
+    if arguments.lane:
+        # Fails with a clear "does not exist" instead of an empty table.
+        session.admin.GetLane(pb.GetLaneRequest(lane=arguments.lane), **session.options())
+    events, last_seq = recent_events(arguments, session, after_seq, limit)
+    widths = _history_widths(events)
+    columns = _history_columns(arguments)
+    if not arguments.json:
+        print(row_text([HISTORY_HEADER[i] for i in columns], [widths[i] for i in columns]))
+    for event in events:
+        _print_event(arguments, event, widths, columns)
+    if arguments.follow:
+        return follow(arguments, session, last_seq, widths, columns)
+    return 0
+
+
+def recent_events(
+    arguments: argparse.Namespace, session: Session, after_seq: int, limit: int
+) -> tuple[list[pb.Event], int]:
+    """The newest `limit` events after `after_seq`, and the last seq read."""
+    kept: collections.deque[pb.Event] = collections.deque(maxlen=limit)
+    last_seq = after_seq
+    token = ""
+    for _ in range(MAX_PAGES):
+        request = pb.ListEventsRequest(
+            lane=arguments.lane or "",
+            reservation_id=arguments.reservation_id or "",
+            page_size=PAGE_SIZE,
+            page_token=token,
+            after_seq=after_seq,
+        )
+        page = session.ledger.ListEvents(request, **session.options())
+        kept.extend(page.events)
+        last_seq = page.events[-1].seq if page.events else last_seq
+        token = page.next_page_token
+        if not token:
+            return list(kept), last_seq
+    print(
+        f"ledger: read {MAX_PAGES * PAGE_SIZE} events and stopped; "
+        f"use --after-seq {last_seq} to read on",
+        file=sys.stderr,
+    )
+    return list(kept), last_seq
+
+
+def follow(
+    arguments: argparse.Namespace,
+    session: Session,
+    after_seq: int,
+    widths: Sequence[int],
+    columns: Sequence[int],
+) -> int:
+    """Tails the log until Ctrl-C; the only loop that the user, not a limit, ends.
+
+    The stream is read in a thread of its own and printed here, so that the
+    KeyboardInterrupt of a Ctrl-C is raised in this loop, never inside
+    grpc's own code halfway through a step of the stream (with its locks
+    held, where it once left the command hanging after Ctrl-C)."""
+    request = pb.WatchEventsRequest(lane=arguments.lane or "", after_seq=after_seq)
+    stream = session.ledger.WatchEvents(request, metadata=session.metadata)
+    received: queue.Queue[pb.Event | grpc.RpcError | None] = queue.Queue(FOLLOW_QUEUE_EVENTS)
+
+    def receive() -> None:
+        try:
+            for event in stream:
+                received.put(event)
+            received.put(None)
+        except grpc.RpcError as error:
+            received.put(error)
+
+    threading.Thread(target=receive, name="ledger-follow", daemon=True).start()
+    try:
+        while True:
+            try:
+                item = received.get(timeout=FOLLOW_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            if item is None:
+                break
+            if isinstance(item, grpc.RpcError):
+                raise item
+            if arguments.reservation_id and item.reservation_id != arguments.reservation_id:
+                continue
+            _print_event(arguments, item, widths, columns)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stream.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves it untyped
+    raise CliError(f"the ledger at {session.server} ended the stream")
+
+
+def _history_columns(arguments: argparse.Namespace) -> list[int]:
+    """Every column, less LANE when one lane is asked for."""
+    return [i for i, name in enumerate(HISTORY_HEADER) if name != "LANE" or not arguments.lane]
+
+
+def _history_widths(events: Sequence[pb.Event]) -> list[int]:
+    rows = [HISTORY_HEADER, *(event_row(event) for event in events)]
+    return [
+        max(minimum, *(len(row[i]) for row in rows)) for i, minimum in enumerate(HISTORY_WIDTHS)
+    ]
+
+
+def _print_event(
+    arguments: argparse.Namespace, event: pb.Event, widths: Sequence[int], columns: Sequence[int]
+) -> None:
+    if arguments.json:
+        print(json.dumps(message_json(event), sort_keys=True), flush=True)
+        return
+    row = event_row(event)
+    print(row_text([row[i] for i in columns], [widths[i] for i in columns]), flush=True)
+
+
+def register(commands: Any, common: argparse.ArgumentParser) -> None:
+    money = commands.add_parser("balance", parents=[common], help="a lane's window right now")
+    money.add_argument("lane", metavar="LANE")
+    money.set_defaults(run=command(balance))
+
+    log = commands.add_parser("history", parents=[common], help="the event log as a table")
+    log.add_argument("lane", metavar="LANE", nargs="?", help="default: every lane")
+    log.add_argument("--reservation-id", metavar="ID", help="only this booking's events")
+    log.add_argument(
+        "--limit",
+        default=str(DEFAULT_HISTORY_EVENTS),
+        metavar="N",
+        help=f"the newest N events (default {DEFAULT_HISTORY_EVENTS})",
+    )
+    log.add_argument("--after-seq", default="0", metavar="SEQ", help="only events after SEQ")
+    log.add_argument("--follow", action="store_true", help="then print new events until Ctrl-C")
+    log.set_defaults(run=command(history))

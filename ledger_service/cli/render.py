@@ -1,0 +1,92 @@
+"""Text for people: money with all nine decimals, durations, UTC times,
+aligned tables and pairs; and JSON with amounts as plain integers (`--json`)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf import descriptor, duration_pb2, timestamp_pb2
+from google.protobuf.message import Message
+
+from ledger_service.cli.values import MICROS_PER_UNIT, NANOS_PER_USD
+
+
+def usd(nanos: int) -> str:
+    """Nanos as USD with all nine decimals: 1400 -> '$0.000001400'."""
+    whole, fraction = divmod(abs(nanos), NANOS_PER_USD)
+    return f"{'-' if nanos < 0 else ''}${whole}.{fraction:09d}"
+
+
+def duration_text(value: duration_pb2.Duration) -> str:
+    """The largest unit that states the duration exactly: 86400 s -> '1d'."""
+    micros = value.seconds * 10**6 + value.nanos // 1000
+    for unit in ("d", "h", "m", "s", "ms"):
+        if micros and micros % MICROS_PER_UNIT[unit] == 0:
+            return f"{micros // MICROS_PER_UNIT[unit]}{unit}"
+    return f"{micros}us"
+
+
+def time_text(value: timestamp_pb2.Timestamp) -> str:
+    """UTC ISO 8601 to the millisecond, or '-' when unset."""
+    if value.seconds == 0 and value.nanos == 0:
+        return "-"
+    instant = datetime.datetime.fromtimestamp(value.seconds, tz=datetime.UTC)
+    return f"{instant:%Y-%m-%dT%H:%M:%S}.{value.nanos // 1_000_000:03d}Z"
+
+
+def enum_name(enum: Any, number: int) -> str:
+    return str(enum.Name(number)).lower().replace("_", " ")
+
+
+def message_json(message: Message) -> dict[str, Any]:
+    """A message as JSON with amounts as plain integers (protobuf's own JSON quotes int64)."""
+    result: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            result[field.name] = {
+                key: _json_value(value_field, item) for key, item in value.items()
+            }
+        elif field.is_repeated:
+            result[field.name] = [_json_value(field, item) for item in value]
+        elif not field.has_presence or message.HasField(field.name):
+            result[field.name] = _json_value(field, value)
+    return result
+
+
+def _json_value(field: Any, value: Any) -> Any:
+    # `field` is a FieldDescriptor; the stubs type it two ways (pure Python and upb).
+    if field.type == descriptor.FieldDescriptor.TYPE_MESSAGE:
+        if isinstance(value, timestamp_pb2.Timestamp | duration_pb2.Duration):
+            return value.ToJsonString()
+        return message_json(value)
+    if field.type == descriptor.FieldDescriptor.TYPE_ENUM:
+        known = field.enum_type.values_by_number.get(value) if field.enum_type else None
+        return known.name if known is not None else value
+    return value
+
+
+def pairs(rows: Sequence[tuple[str, str]]) -> list[str]:
+    width = max(len(name) for name, _ in rows)
+    return [f"{name:<{width}}  {value}".rstrip() for name, value in rows]
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
+    return [row_text(row, widths) for row in [header, *rows]]
+
+
+def row_text(row: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths, strict=True)).rstrip()
+
+
+def emit(arguments: argparse.Namespace, message: Message, lines: Sequence[str]) -> None:
+    if arguments.json:
+        print(json.dumps(message_json(message), sort_keys=True))
+    else:
+        print("\n".join(lines))

@@ -1,0 +1,147 @@
+"""Command-line values parsed into what the wire carries: amounts, prices,
+durations, counts, --timeout. A bad value gets one line naming its option.
+
+Money is integer nanos throughout: "$0.50" and "0.50 USD" are parsed with
+Decimal, and anything finer than a nano is refused rather than rounded.
+"""
+
+from __future__ import annotations
+
+import decimal
+import re
+
+from google.protobuf import duration_pb2
+
+from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+NANOS_PER_USD = 10**9
+MAX_INT64 = 2**63 - 1
+MICROS_PER_UNIT = {"us": 1, "ms": 1000, "s": 10**6, "m": 60 * 10**6, "h": 3600 * 10**6}
+MICROS_PER_UNIT["d"] = 24 * MICROS_PER_UNIT["h"]
+MAX_DURATION_MICROS = 10 * 366 * MICROS_PER_UNIT["d"]
+MAX_VALUE_LENGTH = 64
+DEFAULT_TIMEOUT_SECONDS = decimal.Decimal(5)
+MAX_TIMEOUT_SECONDS = decimal.Decimal(3600)
+_AMOUNT = re.compile(
+    r"^(?P<sign>-?)\s*(?P<dollar>\$?)\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)$"
+)
+
+_DURATION = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>us|ms|s|m|h|d|)$")
+_COUNT = re.compile(r"^-?\d{1,19}$")
+_DECIMAL = re.compile(r"^\d{1,6}(?:\.\d{1,6})?$")
+
+
+def parse_amount_nanos(option: str, text: str) -> int:
+    """'$0.50', '0.50 USD', '0.50' (USD) or '500000000n' / '500000000 nanos' -> nanos."""
+    match = _AMOUNT.match(text.strip()) if len(text) <= MAX_VALUE_LENGTH else None
+    if match is None:
+        raise CliError(
+            f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not an amount "
+            "(write $0.50, 0.50 USD or 500000000n)",
+            EXIT_BAD_VALUE,
+        )
+    unit = match["unit"].lower()
+    number = decimal.Decimal(match["number"])
+    if unit in {"n", "nanos"} and not match["dollar"]:
+        if number != number.to_integral_value():
+            raise CliError(f"{option}: nanos are whole numbers, not {text!r}", EXIT_BAD_VALUE)
+        nanos = int(number)
+    elif unit in {"", "usd"}:
+        scaled = number * NANOS_PER_USD
+        if scaled != scaled.to_integral_value():
+            raise CliError(
+                f"{option}: {text!r} is finer than one nano ($0.000000001)", EXIT_BAD_VALUE
+            )
+        nanos = int(scaled)
+    else:
+        raise CliError(f"{option}: unknown unit {match['unit']!r} (use USD or n)", EXIT_BAD_VALUE)
+    if nanos > MAX_INT64:
+        raise CliError(f"{option}: {text!r} is too large", EXIT_BAD_VALUE)
+    return -nanos if match["sign"] else nanos
+
+
+# The parts of a --price after MODEL=, in order; the last two may be left out.
+PRICE_PARTS = ("input", "output", "cached input", "cache write")
+
+
+def parse_price(text: str) -> tuple[str, pb.ModelPrice]:
+    """'jev=0.10/0.40' (USD per million tokens, input / output), 'jev=100000000n/400000000n',
+    or with the prompt cache's prices too: 'jev=0.10/0.40/0.01[/0.125]' (cached input,
+    then cache write). A cache price left out is the input price, on the server."""
+    model, equals, prices = text.partition("=")
+    parts = prices.split("/")
+    if not model or not equals or not 2 <= len(parts) <= len(PRICE_PARTS):
+        raise CliError(
+            f"--price: {text[:MAX_VALUE_LENGTH]!r} is not MODEL=IN/OUT[/CACHED_IN[/CACHE_WRITE]] "
+            "(USD per million tokens, e.g. jev=0.10/0.40)",
+            EXIT_BAD_VALUE,
+        )
+    nanos = [
+        parse_amount_nanos(f"--price {model} {name}", part)
+        for name, part in zip(PRICE_PARTS, parts, strict=False)
+    ]
+    price = pb.ModelPrice(
+        input_nanos_per_million_tokens=nanos[0], output_nanos_per_million_tokens=nanos[1]
+    )
+    if len(nanos) > 2:
+        price.cached_input_nanos_per_million_tokens = nanos[2]
+    if len(nanos) > 3:
+        price.cache_write_nanos_per_million_tokens = nanos[3]
+    return model, price
+
+
+def parse_duration(option: str, text: str) -> duration_pb2.Duration:
+    """'90s', '2m', '24h', '1d', '250ms' (a bare number is seconds)."""
+    match = _DURATION.match(text.strip()) if len(text) <= MAX_VALUE_LENGTH else None
+    if match is None:
+        raise CliError(
+            f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not a duration (write 90s, 2m, 24h or 1d)",
+            EXIT_BAD_VALUE,
+        )
+    micros = decimal.Decimal(match["number"]) * MICROS_PER_UNIT[match["unit"] or "s"]
+    if micros != micros.to_integral_value() or micros > MAX_DURATION_MICROS:
+        raise CliError(
+            f"{option}: {text!r} is finer than a microsecond or longer than ten years",
+            EXIT_BAD_VALUE,
+        )
+    seconds, remainder_micros = divmod(int(micros), 10**6)
+    return duration_pb2.Duration(seconds=seconds, nanos=remainder_micros * 1000)
+
+
+def parse_count(option: str, text: str) -> int:
+    """A whole number. A negative one goes to the server, which refuses it naming the field."""
+    if not _COUNT.match(text.strip()) or not -MAX_INT64 <= int(text) <= MAX_INT64:
+        raise CliError(
+            f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not a whole number", EXIT_BAD_VALUE
+        )
+    return int(text)
+
+
+def parse_bytes_per_token(text: str) -> float:
+    """The wire carries a double; the server keeps thousandths, so more decimals are refused."""
+    if not _DECIMAL.match(text.strip()):
+        raise CliError(
+            f"--bytes-per-token: {text[:MAX_VALUE_LENGTH]!r} is not a number like 3.5",
+            EXIT_BAD_VALUE,
+        )
+    value = decimal.Decimal(text.strip())
+    if value * 1000 != (value * 1000).to_integral_value():
+        raise CliError("--bytes-per-token: at most three decimals", EXIT_BAD_VALUE)
+    return float(value)
+
+
+def parse_timeout_seconds(text: str | None) -> float:
+    if text is None:
+        return float(DEFAULT_TIMEOUT_SECONDS)
+    try:
+        value = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        value = decimal.Decimal(-1)
+    if not decimal.Decimal(0) < value <= MAX_TIMEOUT_SECONDS:
+        raise CliError(
+            f"--timeout: {text[:MAX_VALUE_LENGTH]!r} is not a number of seconds "
+            f"between 0 and {MAX_TIMEOUT_SECONDS}",
+            EXIT_BAD_VALUE,
+        )
+    return float(value)
