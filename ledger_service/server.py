@@ -31,7 +31,7 @@ from ledger_service.application.audit import Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.recovery import Recovery, RecoveryGuard, RecoverySettings
 from ledger_service.domain.clock import Clock, ManualClock, SystemClock
-from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.grants import Keyring, Scope
 from ledger_service.domain.recovery import RecoveryPolicy
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
@@ -121,7 +121,7 @@ class LedgerServer:
             self._tracing,
             ErrorInterceptor(),
             *self._auth_interceptors(),
-            RecoveryGateInterceptor(self.guard.is_ready, self.guard.required),
+            RecoveryGateInterceptor(self._ready_for_moves, self.guard.required),
             self._messages,
         ]
         server = grpc.server(
@@ -199,10 +199,21 @@ class LedgerServer:
         for name in self._service_names:
             self.health.set(name, status)
 
+    def _ready_for_moves(self) -> bool:
+        """The gate's question. A damaged store answers with its own error, not
+        with RECOVERY_REQUIRED: no recovery can run until an operator repairs it."""
+        damage = self.store.damage
+        if damage is not None:
+            raise StoreDamaged(damage.what, damage.advice)
+        return self.guard.is_ready()
+
     def _check_database(self) -> bool:
+        """Whether the database answers; health NOT_SERVING when not. A damaged
+        store (the store logs what and what to do, once) stays NOT_SERVING, and
+        the maintenance thread stops its recovery checks and sweeps."""
         try:
             self.store.ping()
-        except StoreUnavailable:
+        except (StoreDamaged, StoreUnavailable):
             if not self._stopping.is_set():
                 self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             return False
@@ -231,6 +242,8 @@ class LedgerServer:
                         log.info("expired %d holds past their deadline", expired)
                     if expired < self.settings.sweep_batch_size:
                         break
+            except StoreDamaged:
+                pass  # the store logged it; the next turn's check stops the sweeps
             except StoreUnavailable:
                 log.warning("sweeper: database unavailable; will retry")
             except Exception:

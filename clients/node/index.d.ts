@@ -624,6 +624,7 @@ export class PermissionDenied extends Refusal {}
 export class Unimplemented extends Refusal {}
 export class Unavailable extends LedgerError {}
 export class StoreUnavailable extends Unavailable {}
+export class StoreDamaged extends Unavailable {}
 export class DeadlineExceeded extends LedgerError {}
 export class Cancelled extends LedgerError {}
 export class InternalError extends LedgerError {}

@@ -23,7 +23,13 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from ledger_service.api.errors import REASON_KEY, Behaviour, decode_request, replace_behaviour
+from ledger_service.api.errors import (
+    Behaviour,
+    decode_request,
+    refuse_permission,
+    refuse_unauthenticated,
+    replace_behaviour,
+)
 from ledger_service.domain.clock import Clock
 from ledger_service.domain.grants import (
     ALL_LANES,
@@ -178,8 +184,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             return self._verify(bearer_token(context.invocation_metadata()))
         except GrantRejected as rejection:
             log.info("refused %s: %s grant", method, rejection.why.value)
-            context.set_trailing_metadata(((REASON_KEY, "UNAUTHENTICATED"),))
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+            refuse_unauthenticated(context, UNAUTHENTICATED_MESSAGE)
             raise  # unreachable: abort raises
 
     def _verify(self, token: str) -> Grant:
@@ -214,8 +219,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             lane = rule.lane_of(request) if isinstance(request, Message) else ALL_LANES
             if not grant.allows(rule.scope, lane):
                 log.info("refused %s: grant %s lacks %s", method, grant.grant_id, rule.scope.value)
-                context.set_trailing_metadata(((REASON_KEY, "PERMISSION_DENIED"),))
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, PERMISSION_DENIED_MESSAGE)
+                refuse_permission(context, PERMISSION_DENIED_MESSAGE)
             token = _CURRENT_GRANT.set(grant)
             try:
                 return behaviour(request, context)

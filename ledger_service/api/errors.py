@@ -23,6 +23,9 @@ ERROR_ID_KEY = "ledger-error-id"
 INTERNAL_MESSAGE = "internal error"
 UNDECODABLE_REASON = "UNDECODABLE_REQUEST"
 UNDECODABLE_MESSAGE = "the request is not a valid message for this method"
+# The grant interceptor's refusals (api/auth.py), the table's rows for auth.
+UNAUTHENTICATED_REASON = "UNAUTHENTICATED"
+PERMISSION_DENIED_REASON = "PERMISSION_DENIED"
 
 # Most specific first: the first matching class wins.
 ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
@@ -35,6 +38,12 @@ ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
     (errors.BookingStillOpen, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.CorrectionConflict, grpc.StatusCode.ALREADY_EXISTS),
     (errors.TooManyWatchers, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # UNAVAILABLE, not DATA_LOSS: the caller's request is sound and nothing was
+    # booked, the clients' outage mode (which UNAVAILABLE drives) is what a lane
+    # needs while the ledger cannot answer, and once an operator restores the
+    # database the same request, sent again with the same ids, succeeds.
+    # The reason tells it from an outage that heals by itself.
+    (errors.StoreDamaged, grpc.StatusCode.UNAVAILABLE),
     (errors.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.RecoveryRequired, grpc.StatusCode.UNAVAILABLE),
 )
@@ -59,6 +68,18 @@ def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
     log.error("internal error %s", error_id, exc_info=error)
     context.set_trailing_metadata(((REASON_KEY, "INTERNAL"), (ERROR_ID_KEY, error_id)))
     context.abort(grpc.StatusCode.INTERNAL, f"{INTERNAL_MESSAGE} (id {error_id})")
+
+
+def refuse_unauthenticated(context: grpc.ServicerContext, message: str) -> None:
+    """Ends the call: no valid grant came. Raises."""
+    context.set_trailing_metadata(((REASON_KEY, UNAUTHENTICATED_REASON),))
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def refuse_permission(context: grpc.ServicerContext, message: str) -> None:
+    """Ends the call: the grant does not cover the method or the lane. Raises."""
+    context.set_trailing_metadata(((REASON_KEY, PERMISSION_DENIED_REASON),))
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
 
 
 def _is_abort(error: BaseException, context: grpc.ServicerContext) -> bool:

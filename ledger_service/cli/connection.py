@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from ledger_service.api.errors import FIELD_KEY, REASON_KEY
 from ledger_service.cli.exits import EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.tls import Tls, resolve_tls
 from ledger_service.cli.values import DEFAULT_TIMEOUT_SECONDS, parse_timeout_seconds
@@ -27,8 +28,6 @@ MAX_GRANT_BYTES = 16 * 1024
 # Paging: every listing stops after MAX_PAGES pages of PAGE_SIZE, whatever the server says.
 PAGE_SIZE = 1000
 MAX_PAGES = 200
-REASON_KEY = "ledger-reason"
-FIELD_KEY = "ledger-field"
 # Which command-line name to blame for a field the server names in `ledger-field`.
 OPTION_OF_FIELD = {
     "lane": "LANE",

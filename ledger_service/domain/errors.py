@@ -137,6 +137,23 @@ class StoreUnavailable(LedgerError):
         super().__init__("the ledger's database is unavailable; retry later")
 
 
+class StoreDamaged(StoreUnavailable):
+    """The database says its own content is broken (a corrupt page, a file that
+    is no longer a database, PostgreSQL's data-corruption class). Not safe to
+    serve from and not healed by retrying: an operator restores a backup, or
+    rebuilds the projections when the log is whole (docs/recovery.md).
+    A kind of StoreUnavailable (the database cannot answer, nothing was done),
+    so that code which handles an outage handles it; its reason and message
+    say what is damaged and what to do."""
+
+    reason = "STORE_DAMAGED"
+
+    def __init__(self, what: str, advice: str) -> None:
+        LedgerError.__init__(self, f"the ledger's database is damaged: {what}; {advice}")
+        self.what = what
+        self.advice = advice
+
+
 class RecoveryRequired(LedgerError):
     """The projections are missing, behind or inconsistent with the log, or being
     rebuilt: no move is taken until a recovery makes them whole (docs/recovery.md)."""

@@ -48,7 +48,8 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from ledger_service.domain.errors import LedgerError, StoreUnavailable
+from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
+from ledger_service.storage import translate
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -221,26 +222,12 @@ class GroupCommitter:
         outcomes: list[tuple[_Move[Any], Any, BaseException | None]] = []
         undone: tuple[int, BaseException] | None = None
         try:
-            connection = self._connect()
-            with connection.begin() as transaction:
-                self._on_begin(connection)
-                driver = connection.connection.driver_connection
-                for index, move in enumerate(batch):
-                    before = self._changes(driver)
-                    result, failure, from_database = self._one(connection, move)
-                    # A database error may have ended the transaction itself
-                    # (SQLite rolls back on some): never go on after one.
-                    if failure is not None and (from_database or self._changes(driver) != before):
-                        undone = (index, failure)
-                        break
-                    outcomes.append((move, result, failure))
-                if undone is not None:
-                    transaction.rollback()
-                else:
-                    self._on_end(connection)
-        except (DBAPIError, LedgerError) as error:
+            with translate.translated():
+                undone = self._run_batch(batch, outcomes)
+        except LedgerError as error:
             log.warning("group commit of %d moves failed: %s", len(batch), type(error).__name__)
-            self._fail(batch, StoreUnavailable())
+            # Damage is told as such; any other failure of the batch as unavailable.
+            self._fail(batch, error if isinstance(error, StoreDamaged) else StoreUnavailable())
             return []
         except BaseException as error:  # a bug: never leave a caller waiting
             log.exception("group commit failed")
@@ -248,12 +235,37 @@ class GroupCommitter:
             return []
         if undone is not None:
             self._on_failure()
-            index, failure = undone
-            batch[index].finish(error=failure)
+            index, refusal = undone
+            batch[index].finish(error=refusal)
             return batch[:index] + batch[index + 1 :]
         for move, result, failure in outcomes:
             move.finish(result, failure)
         return []
+
+    def _run_batch(
+        self, batch: list[_Move[Any]], outcomes: list[tuple[_Move[Any], Any, BaseException | None]]
+    ) -> tuple[int, BaseException] | None:
+        """Runs the batch's moves in one transaction, appending to `outcomes`;
+        returns the first move that cannot be undone alone, and its failure."""
+        undone: tuple[int, BaseException] | None = None
+        connection = self._connect()
+        with connection.begin() as transaction:
+            self._on_begin(connection)
+            driver = connection.connection.driver_connection
+            for index, move in enumerate(batch):
+                before = self._changes(driver)
+                result, failure, from_database = self._one(connection, move)
+                # A database error may have ended the transaction itself
+                # (SQLite rolls back on some): never go on after one.
+                if failure is not None and (from_database or self._changes(driver) != before):
+                    undone = (index, failure)
+                    break
+                outcomes.append((move, result, failure))
+            if undone is not None:
+                transaction.rollback()
+            else:
+                self._on_end(connection)
+        return undone
 
     def _fail(self, batch: list[_Move[Any]], error: BaseException) -> None:
         self._on_failure()
@@ -271,8 +283,7 @@ class GroupCommitter:
         if time.monotonic() > move.deadline:
             return None, StoreUnavailable(), False  # its caller has given up: do not book it
         try:
-            return move.work(connection), None, False
-        except DBAPIError as error:
-            return None, StoreUnavailable().with_traceback(error.__traceback__), True
+            with translate.translated():
+                return move.work(connection), None, False
         except Exception as error:
-            return None, error, False
+            return None, error, translate.foreign_cause(error) is not None

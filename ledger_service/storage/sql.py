@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -24,6 +25,7 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
+    event,
     func,
     insert,
     literal,
@@ -32,17 +34,17 @@ from sqlalchemy import (
     true,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.application.ports import EventQuery, Range, StateTally, StoreTransaction
 from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
-from ledger_service.domain.errors import LedgerError, StoreUnavailable
+from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.events import Event, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
-from ledger_service.storage import chaining, database, prepared, records
+from ledger_service.storage import chaining, database, prepared, records, translate
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 
@@ -51,12 +53,6 @@ log = logging.getLogger(__name__)
 
 # The key of the advisory lock that orders event appends on PostgreSQL.
 EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
-# SQLSTATEs worth a bounded retry: serialization failure, deadlock, lock timeout.
-RETRYABLE_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
-
-
-def _sqlstate(error: DBAPIError) -> str:
-    return str(getattr(error.orig, "sqlstate", "") or getattr(error.orig, "pgcode", "") or "")
 
 
 class SqlStore:
@@ -77,6 +73,9 @@ class SqlStore:
         # SQLite: moves queued while a commit is on its way share the next one,
         # and the one writer keeps what it knows between transactions.
         self._memo = WriterMemo()
+        self._damage: StoreDamaged | None = None
+        self._damage_lock = threading.Lock()
+        event.listen(engine, "handle_error", self._on_engine_error)
         self._committer = (
             GroupCommitter(
                 engine,
@@ -103,22 +102,59 @@ class SqlStore:
         deadline = time.monotonic() + self._deadline_seconds
         for attempt in range(self._max_retries + 1):
             try:
-                return self._run_once(work, write, deadline)
-            except LedgerError:
-                raise
-            except (OperationalError, DBAPIError) as error:
-                retryable = _sqlstate(error) in RETRYABLE_SQLSTATES
-                if not retryable or attempt == self._max_retries:
-                    log.warning("database error (%s): %s", _sqlstate(error), type(error.orig))
-                    raise StoreUnavailable() from error
+                with self._translated():
+                    return self._run_once(work, write, deadline)
+            except StoreUnavailable as error:
+                if not translate.is_retryable(error) or attempt == self._max_retries:
+                    raise
                 pause = min(0.05 * 2**attempt, 0.5) * random.random()
                 if time.monotonic() + pause > deadline:
-                    raise StoreUnavailable() from error
+                    raise
                 time.sleep(pause)
-            except PoolTimeoutError as error:
-                log.warning("no database connection free within the pool timeout")
-                raise StoreUnavailable() from error
         raise AssertionError("unreachable")
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        """translate.translated(), noting a damaged store and logging a failure."""
+        try:
+            with translate.translated():
+                yield
+        except StoreDamaged as error:
+            self._note_damage(error)
+            raise
+        except StoreUnavailable as error:
+            cause = error.__cause__
+            if isinstance(cause, PoolTimeoutError):
+                log.warning("no database connection free within the pool timeout")
+            elif cause is not None and not translate.is_retryable(error):
+                driver = translate.driver_error(cause)
+                log.warning("database error (%s): %s", translate.driver_code(cause), type(driver))
+            raise
+
+    @property
+    def damage(self) -> StoreDamaged | None:
+        """The damage the database reported, if it ever did: kept until the
+        process stops, since a damaged store does not heal by itself."""
+        return self._damage
+
+    def _note_damage(self, error: StoreDamaged) -> None:
+        with self._damage_lock:
+            first = self._damage is None
+            if first:
+                self._damage = error
+        if first:
+            log.error(
+                "THE DATABASE IS DAMAGED (%s): %s. Nothing is served from it: every move "
+                "is refused with STORE_DAMAGED until it is repaired",
+                error.what,
+                error.advice,
+            )
+
+    def _on_engine_error(self, context: ExceptionContext) -> None:
+        """Any statement on the engine (recovery's included) that meets damage."""
+        domain = translate.translate(context.original_exception)
+        if isinstance(domain, StoreDamaged):
+            self._note_damage(domain)
 
     def _run_once(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
         if self._committer is not None and write:
@@ -141,11 +177,14 @@ class SqlStore:
                 return work(SqlTransaction(connection, self._sqlite))
 
     def ping(self) -> None:
-        try:
-            with self._engine.connect() as connection:
-                connection.execute(select(literal(1))).scalar_one()
-        except (DBAPIError, PoolTimeoutError) as error:
-            raise StoreUnavailable() from error
+        """Raises StoreUnavailable unless the database answers, StoreDamaged once
+        it reported damage. On SQLite it reads the schema, which a damaged
+        header or a truncated file fails."""
+        if self._damage is not None:
+            raise self._damage
+        probe = text("SELECT count(*) FROM sqlite_master") if self._sqlite else select(literal(1))
+        with self._translated(), self._engine.connect() as connection:
+            connection.execute(probe).scalar_one()
 
     def close(self) -> None:
         if self._committer is not None:
@@ -156,6 +195,31 @@ class SqlStore:
 _OF_MEMBERS = bookings.c.lane.in_(bindparam("members", expanding=True))
 _OF_LANE = bookings.c.lane == bindparam("lane")
 _IS_OPEN = bookings.c.state == "open"
+
+
+# The domain's expiry rule in SQL, the one copy every query uses: "open past
+# its deadline counts as expired", from that instant, swept or not
+# (Booking.is_expired_at, is_open_at, amount_at in domain/bookings.py).
+# tests/storage/test_expiry_rule.py holds them to the domain on both databases.
+# `now` is an instant in microseconds: an int or a bound parameter.
+
+
+def expired_at(now: Any) -> Any:
+    """Booking.is_expired_at(now): open, and now at or past its deadline."""
+    return and_(_IS_OPEN, bookings.c.expires_at_us <= now)
+
+
+def held_at(now: Any) -> Any:
+    """Booking.is_open_at(now): open, and its deadline still ahead."""
+    return and_(_IS_OPEN, bookings.c.expires_at_us > now)
+
+
+def amount_at(now: Any) -> Any:
+    """Booking.amount_at(now): an expired booking counts its expire charge."""
+    expire_charge = case(
+        (bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=literal(0)
+    )
+    return case((expired_at(now), expire_charge), else_=bookings.c.amount_nanos)
 
 
 def _stored_sums(of_budget: Any, after: str, until: str, name: str) -> Any:
@@ -191,8 +255,7 @@ def _overdue(of_budget: Any) -> Any:
         )
         .where(
             of_budget,
-            _IS_OPEN,
-            bookings.c.expires_at_us <= bindparam("now"),
+            expired_at(bindparam("now")),
             # "+ 0" keeps the planners off the (lane, reserved_at) index, which would
             # walk the whole window: open holds past their deadline are few (the
             # sweeper ends them within a second) and (lane, state, expires_at) finds them.
@@ -610,27 +673,10 @@ class SqlTransaction:
             bookings.c.state != "rejected",
         )
 
-    @staticmethod
-    def _amount_now(now_us: int) -> Any:
-        """A booking's amount at now_us: an open hold past its deadline counts
-        as its expire charge, whether or not the sweeper has run."""
-        expired_charge = case(
-            (bookings.c.expire_charge == "hold", bookings.c.hold_nanos), else_=literal(0)
-        )
-        return case(
-            (
-                and_(bookings.c.state == "open", bookings.c.expires_at_us <= now_us),
-                expired_charge,
-            ),
-            else_=bookings.c.amount_nanos,
-        )
-
     def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
-        is_held = and_(bookings.c.state == "open", bookings.c.expires_at_us > now_us)
+        is_held = held_at(now_us)
         held = func.coalesce(func.sum(case((is_held, bookings.c.amount_nanos), else_=0)), 0)
-        charged = func.coalesce(
-            func.sum(case((is_held, literal(0)), else_=self._amount_now(now_us))), 0
-        )
+        charged = func.coalesce(func.sum(case((is_held, literal(0)), else_=amount_at(now_us))), 0)
         open_count = func.coalesce(func.sum(case((is_held, 1), else_=0)), 0)
         row = self._connection.execute(
             select(held, charged, open_count).where(self._in_window(lane, now_us, window_us))
@@ -639,7 +685,7 @@ class SqlTransaction:
 
     def aging(self, lane: str, now_us: int, window_us: int) -> Iterator[tuple[int, int]]:
         result = self._connection.execute(
-            select(bookings.c.reserved_at_us, self._amount_now(now_us))
+            select(bookings.c.reserved_at_us, amount_at(now_us))
             .where(self._in_window(lane, now_us, window_us))
             .order_by(bookings.c.reserved_at_us)
         )
@@ -649,7 +695,7 @@ class SqlTransaction:
     def expired_open_bookings(self, now_us: int, limit: int) -> Sequence[Booking]:
         rows = self._connection.execute(
             select(bookings)
-            .where(bookings.c.state == "open", bookings.c.expires_at_us <= now_us)
+            .where(expired_at(now_us))
             .order_by(bookings.c.expires_at_us)
             .limit(limit)
         ).mappings()
@@ -737,16 +783,13 @@ class SqlTransaction:
         self, lanes: Sequence[str], now_us: int, window_us: int
     ) -> Sequence[StateTally]:
         state_now = case(
-            (
-                and_(bookings.c.state == "open", bookings.c.expires_at_us <= now_us),
-                literal("expired"),
-            ),
+            (expired_at(now_us), literal("expired")),
             else_=bookings.c.state,
         )
         # Grouped in an outer query: PostgreSQL cannot match a GROUP BY on an
         # expression with bound parameters to the same expression in SELECT.
         per_booking = (
-            select(state_now.label("state"), self._amount_now(now_us).label("amount"))
+            select(state_now.label("state"), amount_at(now_us).label("amount"))
             .where(self._reserved_inside(lanes, now_us, window_us))
             .subquery()
         )
@@ -765,7 +808,7 @@ class SqlTransaction:
     def biggest_bookings(
         self, lanes: Sequence[str], now_us: int, window_us: int, limit: int
     ) -> Sequence[Booking]:
-        amount = self._amount_now(now_us)
+        amount = amount_at(now_us)
         rows = self._connection.execute(
             select(bookings)
             .where(self._reserved_inside(lanes, now_us, window_us), amount > 0)
@@ -777,7 +820,7 @@ class SqlTransaction:
     def next_release(
         self, lanes: Sequence[str], now_us: int, window_us: int
     ) -> tuple[int, int] | None:
-        amount = self._amount_now(now_us)
+        amount = amount_at(now_us)
         counting = and_(self._reserved_inside(lanes, now_us, window_us), amount > 0)
         oldest = self._connection.execute(
             select(func.min(bookings.c.reserved_at_us)).where(counting)

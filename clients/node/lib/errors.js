@@ -83,6 +83,8 @@ class Unavailable extends LedgerError {
   static retryable = true;
 }
 class StoreUnavailable extends Unavailable {}
+// The ledger's database reports damage: no answer until an operator restores it.
+class StoreDamaged extends Unavailable {}
 class DeadlineExceeded extends LedgerError {
   static retryable = true;
 }
@@ -141,6 +143,7 @@ const ERROR_TABLE = Object.freeze([
   [Status.PERMISSION_DENIED, null, PermissionDenied],
   [Status.UNIMPLEMENTED, null, Unimplemented],
   [Status.UNAVAILABLE, 'STORE_UNAVAILABLE', StoreUnavailable],
+  [Status.UNAVAILABLE, 'STORE_DAMAGED', StoreDamaged],
   [Status.UNAVAILABLE, null, Unavailable],
   [Status.DEADLINE_EXCEEDED, null, DeadlineExceeded],
   [Status.CANCELLED, null, Cancelled],
@@ -213,6 +216,7 @@ module.exports = {
   Unimplemented,
   Unavailable,
   StoreUnavailable,
+  StoreDamaged,
   DeadlineExceeded,
   Cancelled,
   InternalError,

@@ -40,6 +40,11 @@ class LedgerRecovering(LedgerUnavailable):
     until it is whole again (RECOVERY_REQUIRED)."""
 
 
+class LedgerStoreDamaged(LedgerUnavailable):
+    """The ledger's database reports damage (STORE_DAMAGED): it answers nothing
+    until an operator restores it. An outage, and safe to retry once it is fixed."""
+
+
 class InvalidArgument(LedgerError):
     """A request field broke a rule; `field` names it (a bug in the caller)."""
 
@@ -141,6 +146,7 @@ REASONS: dict[str, type[LedgerError]] = {
     "BOOKING_WAS_DENIED": BookingWasDenied,
     "TOO_MANY_WATCHERS": TooManyWatchers,
     "STORE_UNAVAILABLE": LedgerUnavailable,
+    "STORE_DAMAGED": LedgerStoreDamaged,
     "RECOVERY_REQUIRED": LedgerRecovering,
     "UNAUTHENTICATED": Unauthenticated,
     "PERMISSION_DENIED": PermissionDenied,

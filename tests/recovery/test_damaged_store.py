@@ -1,0 +1,126 @@
+"""A damaged SQLite file: the server never serves from it, says so with its
+own reason (STORE_DAMAGED, not RECOVERY_REQUIRED), is NOT_SERVING, logs what is
+damaged and what to do, and stops its recovery checks instead of retrying them
+forever."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.server import LedgerServer
+from ledger_service.settings import Settings
+from tests.recovery.conftest import History
+from tests.recovery.test_server import NOT_SERVING, Running
+
+PAGE_BYTES = 4096
+
+
+def _truncate(path: pathlib.Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _overwrite_header(path: pathlib.Path) -> None:
+    with path.open("r+b") as file:
+        file.write(b"\xa5" * 100)
+
+
+def _overwrite_middle_pages(path: pathlib.Path) -> None:
+    pages = path.stat().st_size // PAGE_BYTES
+    with path.open("r+b") as file:
+        for page in range(pages // 3, 2 * pages // 3 + 1):
+            file.seek(page * PAGE_BYTES)
+            file.write(bytes((page * 7 + offset) % 251 for offset in range(PAGE_BYTES)))
+
+
+DAMAGE = {
+    "truncated": _truncate,
+    "header": _overwrite_header,
+    "middle pages": _overwrite_middle_pages,
+}
+
+
+def _damaged_file(history: History, damage: Callable[[pathlib.Path], None]) -> str:
+    path = pathlib.Path(history.url.removeprefix("sqlite:///"))
+    history.store.close()
+    with sqlite3.connect(path) as connection:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        connection.execute("PRAGMA journal_mode=DELETE")
+    for suffix in ("-wal", "-shm"):
+        pathlib.Path(f"{path}{suffix}").unlink(missing_ok=True)
+    damage(path)
+    return history.url
+
+
+@pytest.fixture
+def started(tmp_path: pathlib.Path) -> Iterator[Callable[[str], Running]]:
+    running: list[Running] = []
+
+    def start(url: str) -> Running:
+        settings = Settings(
+            database_url=url,
+            data_dir=tmp_path / "server",
+            listen="127.0.0.1:0",
+            auth_enabled=False,
+            sweep_interval_seconds=0.05,
+            recovery_check_interval_seconds=0.1,
+        )
+        server = LedgerServer(settings, run_migrations=False)
+        server.start()
+        running.append(Running(server))
+        return running[-1]
+
+    yield start
+    for each in running:
+        each.channel.close()
+        each.server.stop(0)
+
+
+def _reason(call: Callable[[], object]) -> str:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()  # an answer here would be an answer from a damaged store
+    error = caught.value
+    assert isinstance(error, grpc.Call) and error.code() is grpc.StatusCode.UNAVAILABLE
+    return str(dict(error.trailing_metadata() or ()).get("ledger-reason"))
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_a_damaged_store_is_refused_with_its_own_reason(
+    kind: str,
+    sqlite_history: History,
+    started: Callable[[str], Running],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    running = started(_damaged_file(sqlite_history, DAMAGE[kind]))
+    running.wait_for(NOT_SERVING)
+    calls: list[Callable[[], object]] = [
+        lambda: running.reserve("after-damage"),
+        lambda: running.ledger.GetBalance(pb.GetBalanceRequest(lane="recall"), timeout=5),
+    ]
+    deadline = time.monotonic() + 10
+    reasons = [_reason(call) for call in calls]
+    while reasons != ["STORE_DAMAGED"] * len(calls):
+        assert set(reasons) <= {"STORE_DAMAGED", "RECOVERY_REQUIRED"}, reasons
+        assert time.monotonic() < deadline, f"never told STORE_DAMAGED: {reasons}"
+        time.sleep(0.05)
+        reasons = [_reason(call) for call in calls]
+    assert running.status() == NOT_SERVING
+    damaged = [r.getMessage() for r in caplog.records if "DATABASE IS DAMAGED" in r.getMessage()]
+    assert len(damaged) == 1 and "backup" in damaged[0] and "docs/recovery.md" in damaged[0]
+    # Damage found, the recovery checks stop: no retrying forever.
+    time.sleep(0.3)
+    before = len(caplog.records)
+    time.sleep(1.0)
+    later = [r.getMessage() for r in caplog.records[before:] if r.levelno >= logging.WARNING]
+    assert later == [], later
+    assert running.status() == health_pb2.HealthCheckResponse.NOT_SERVING

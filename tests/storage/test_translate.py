@@ -1,0 +1,118 @@
+"""storage/translate.py: the one mapping from the drivers' exceptions to the
+ledger's errors is complete, and tells damage from an outage."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import psycopg
+import psycopg.errors
+import pytest
+import sqlalchemy.exc
+from sqlalchemy.exc import DBAPIError
+
+from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
+from ledger_service.storage import translate
+
+
+def _subclasses(base: type[BaseException]) -> set[type[BaseException]]:
+    found = {base}
+    for sub in base.__subclasses__():
+        found |= _subclasses(sub)
+    return found
+
+
+def _instance(error_class: type[BaseException]) -> BaseException:
+    if issubclass(error_class, DBAPIError):
+        return error_class("SELECT 1", None, sqlite3.Error("x"))
+    return error_class("x")
+
+
+@pytest.mark.parametrize(
+    "base", [sqlite3.Error, psycopg.Error, sqlalchemy.exc.DBAPIError, sqlalchemy.exc.TimeoutError]
+)
+def test_every_exception_a_driver_or_the_pool_raises_meets_a_row(
+    base: type[BaseException],
+) -> None:
+    for error_class in _subclasses(base):
+        error = _instance(error_class)
+        assert translate.row_of(error) is not None, error_class
+        with pytest.raises(LedgerError), translate.translated():
+            raise error
+
+
+def test_every_row_is_reachable_and_names_a_domain_error() -> None:
+    for raised, code, domain, _ in translate.MAPPING:
+        assert issubclass(domain, LedgerError)
+        earlier = translate.MAPPING[: translate.MAPPING.index((raised, code, domain, _))]
+        assert (raised, code) not in [(row[0], row[1]) for row in earlier]
+        if domain is StoreDamaged:
+            assert code in translate.DAMAGE
+
+
+def _sqlite_error(message: str) -> DBAPIError:
+    return DBAPIError.instance("SELECT 1", None, sqlite3.DatabaseError(message), sqlite3.Error)
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        _sqlite_error("database disk image is malformed"),
+        _sqlite_error("file is not a database"),
+        psycopg.errors.lookup("XX001")("bad page"),
+        DBAPIError.instance("SELECT 1", None, psycopg.errors.lookup("XX002")("x"), psycopg.Error),
+    ],
+)
+def test_a_damaged_store_is_told_as_damage_with_what_to_do(foreign: BaseException) -> None:
+    with pytest.raises(StoreDamaged) as caught, translate.translated():
+        raise foreign
+    error = caught.value
+    assert error.reason == "STORE_DAMAGED" and error.__cause__ is foreign
+    assert "backup" in error.message and "docs/recovery.md" in error.message
+    assert "SELECT" not in error.message
+    assert not translate.is_retryable(error)
+
+
+def test_sqlite_names_its_error_codes() -> None:
+    connection = sqlite3.connect(":memory:")
+    try:
+        connection.execute("PRAGMA no_such_pragma")
+        with pytest.raises(sqlite3.Error) as caught:
+            connection.execute("SELECT * FROM nowhere")
+    finally:
+        connection.close()
+    assert translate.driver_code(caught.value) == "SQLITE_ERROR"
+    assert isinstance(translate.translate(caught.value), StoreUnavailable)
+
+
+@pytest.mark.parametrize("sqlstate", ["40001", "40P01", "55P03"])
+def test_a_lost_race_is_unavailable_and_retryable(sqlstate: str) -> None:
+    foreign = DBAPIError.instance(
+        "SELECT 1", None, psycopg.errors.lookup(sqlstate)("x"), psycopg.Error
+    )
+    with pytest.raises(StoreUnavailable) as caught, translate.translated():
+        raise foreign
+    assert translate.is_retryable(caught.value)
+
+
+def test_an_outage_is_unavailable_and_not_retried_at_once() -> None:
+    for foreign in (
+        DBAPIError.instance(
+            "SELECT 1", None, sqlite3.OperationalError("database is locked"), sqlite3.Error
+        ),
+        psycopg.OperationalError("connection refused"),
+        sqlalchemy.exc.TimeoutError("pool"),
+    ):
+        with pytest.raises(StoreUnavailable) as caught, translate.translated():
+            raise foreign
+        assert not isinstance(caught.value, StoreDamaged)
+        assert not translate.is_retryable(caught.value)
+
+
+def test_domain_errors_and_bugs_pass_unchanged() -> None:
+    refusal = StoreUnavailable()
+    with pytest.raises(StoreUnavailable) as caught, translate.translated():
+        raise refusal
+    assert caught.value is refusal
+    with pytest.raises(KeyError), translate.translated():
+        raise KeyError("a bug")

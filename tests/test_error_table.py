@@ -1,0 +1,39 @@
+"""Every LedgerError the server defines has a row in the one error table
+(api/errors.py ERROR_TABLE): a status other than INTERNAL and a reason of its
+own kind; the auth refusals are rows there too."""
+
+from __future__ import annotations
+
+import grpc
+
+from ledger_service.api import errors as api_errors
+from ledger_service.domain import errors as domain_errors
+from tests.test_error_cases import _import_every_module, _subclasses
+
+
+def test_every_ledger_error_maps_to_a_status_and_a_reason() -> None:
+    _import_every_module()
+    classes = {
+        error_class
+        for error_class in _subclasses(domain_errors.LedgerError)
+        if error_class.__module__.startswith("ledger_service.")
+    }
+    assert domain_errors.StoreDamaged in classes
+    for error_class in classes:
+        status = next(
+            (code for row, code in api_errors.ERROR_TABLE if issubclass(error_class, row)),
+            grpc.StatusCode.INTERNAL,
+        )
+        assert status is not grpc.StatusCode.INTERNAL, f"{error_class} is not in ERROR_TABLE"
+        assert error_class.reason.isupper() and error_class.reason != "LEDGER_ERROR", error_class
+
+
+def test_a_damaged_store_is_its_own_reason() -> None:
+    error = domain_errors.StoreDamaged("the file is corrupt", "restore a backup")
+    assert api_errors.status_of(error) is grpc.StatusCode.UNAVAILABLE
+    assert error.reason == "STORE_DAMAGED" != domain_errors.StoreUnavailable.reason
+
+
+def test_the_auth_refusals_are_in_the_table() -> None:
+    assert api_errors.UNAUTHENTICATED_REASON == "UNAUTHENTICATED"
+    assert api_errors.PERMISSION_DENIED_REASON == "PERMISSION_DENIED"
