@@ -9,7 +9,6 @@ is compared with the domain's in tests/storage/test_sql_fold.py.)
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -19,7 +18,6 @@ import sqlalchemy as sa
 
 from ledger_service.application.recovery import (
     FULL_LOG_SOURCE,
-    REBUILD_GC_THRESHOLDS,
     Route,
 )
 from ledger_service.domain import bookings as booking_fold
@@ -267,25 +265,3 @@ def test_an_ending_builds_what_replace_built() -> None:
     assert type(ended) is Booking and hash(ended) == hash(dataclasses.replace(ended))
     assert list(vars(ended)) == list(vars(opened))
     assert opened.state is BookingState.OPEN  # the booking it ended is unchanged
-
-
-def test_a_rebuild_collects_garbage_less_often_and_restores_the_thresholds(
-    history: History,
-) -> None:
-    before = gc.get_threshold()
-    during: list[tuple[int, ...]] = []
-
-    def progress(phase: str, done: int, total: int, elapsed_seconds: float) -> None:
-        during.append(gc.get_threshold())
-
-    recovery = history.recovery(batch_events=10)
-    recovery.rebuild(Route(FULL_LOG_SOURCE, None), progress)
-    assert during and set(during) == {REBUILD_GC_THRESHOLDS}
-    assert gc.get_threshold() == before
-
-    def failing(phase: str, done: int, total: int, elapsed_seconds: float) -> None:
-        raise RuntimeError("stop")
-
-    with pytest.raises(RuntimeError):
-        recovery.rebuild(Route(FULL_LOG_SOURCE, None), failing)
-    assert gc.get_threshold() == before

@@ -20,7 +20,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import gc
 import logging
 import threading
 import time
@@ -55,16 +54,6 @@ DIGEST_RANGE_BOOKINGS = 20_000
 # Ranges a rebuild has walked before it deletes the old projections (their
 # results are a few links and heads each; the rows stay in the processes).
 EARLY_WALKS = 64
-# The cyclic garbage collector's thresholds while a rebuild runs (see
-# _FewerCollections). The defaults, (700, 10, 10), collect generation 0 every
-# 700 container allocations; a rebuild allocates several per event (rows,
-# events and their field dicts, bookings) and holds a batch of them alive, so
-# the collector kept walking each batch and moving it into the old generations,
-# whose walks then took in the whole heap. Side by side, full rebuilds of a
-# seeded log: 200,000 events at 22,700-24,500/s with the defaults, 24,100-
-# 28,500/s with these (about as fast as with the collector off); 2,000,000
-# events at 22,500-24,100/s and 25,400-26,000/s.
-REBUILD_GC_THRESHOLDS = (100_000, 50, 1000)
 
 # (phase, done, total, elapsed_seconds)
 ProgressFn = Callable[[str, int, int, float], None]
@@ -430,38 +419,6 @@ def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
     return lanes
 
 
-class _FewerCollections:
-    """A context in which the garbage collector runs at REBUILD_GC_THRESHOLDS.
-
-    The thresholds are the process's: the ones in force when the first of
-    any overlapping rebuilds began come back when the last one ends, by
-    exception or not. Collection stays on (cycles are still freed, later), and
-    nothing a rebuild checks or writes depends on it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved: tuple[int, int, int] = gc.get_threshold()
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._lock:
-            if self._users == 0:
-                self._saved = gc.get_threshold()
-                gc.set_threshold(*REBUILD_GC_THRESHOLDS)
-            self._users += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    gc.set_threshold(*self._saved)
-
-
-fewer_collections = _FewerCollections()
-
-
 # The recovery service -------------------------------------------------------------
 
 
@@ -776,10 +733,6 @@ class Recovery:
     def rebuild_uncommitted(self, route: Route, progress: ProgressFn = no_progress) -> str:
         """Rebuilds, leaving the marker "rebuilding" (no move is taken meanwhile);
         returns the digest of the projections built, for a cross-check."""
-        with fewer_collections():
-            return self._rebuild_uncommitted(route, progress)
-
-    def _rebuild_uncommitted(self, route: Route, progress: ProgressFn) -> str:
         started = time.perf_counter()
         if not self._store.claim_rebuild(self.owner, self._wall.now_us(), self._lease_us()):
             raise RebuildClaimLost("another process is rebuilding the projections")

@@ -9,7 +9,7 @@ its own with a ChainWalker of its own, which cannot know the heads the lanes
 had before the range: it leaves each lane's events up to its first sealed
 one to the caller (application/recovery.py: `take_range`), and checks every
 later one itself. The caller's thread then does almost nothing per event,
-and the cores are left to the walks and, in a rebuild, the database's fold.
+and the cores are left to the walks and, in a rebuild, the fold.
 A rebuild's digest has its bookings' lines made here too (`booking_lines`).
 
 A range is read in one snapshot by a process of a pool (spawned, never
@@ -17,9 +17,7 @@ forked: the server's threads and connections are not copied), through its own
 engine. Below `parallel_min_events`, or with no processes, ranges are walked
 in the calling thread: starting the processes costs about a second.
 
-On SQLite the canonical texts are written by the database
-(storage/canonical_sql.py), a fast path; elsewhere, and for the rows it
-writes none for, the text is made from the row's values directly
+An event's canonical text is made from the row's values directly
 (chain.canonical_values), without building the Event: enum columns hold
 their members' plain values, which are written the same. A row with a policy
 (whose stored JSON is not the canonical text) or with a value no enum member
@@ -32,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import gc
 import logging
 import multiprocessing
 import operator
@@ -44,21 +41,19 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.application.recovery import (
-    REBUILD_GC_THRESHOLDS,
     BookingKey,
     ChainLink,
     WalkedRange,
 )
 from ledger_service.domain import chain, snapshots
-from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge
-from ledger_service.storage import canonical_sql, database, records
+from ledger_service.storage import database, records
 from ledger_service.storage.schema import bookings, events
+from ledger_service.storage.translate import translated
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,34 +110,8 @@ def _judged_rows(rows: Iterable[Sequence[Any]]) -> Iterator[Judged]:
         yield seq, lane, previous, hash_, changed, row if row[_KIND] == _LANE_CONFIGURED else None
 
 
-def _judged_texts(connection: Connection, rows: Iterable[Sequence[Any]]) -> Iterator[Judged]:
-    """Events judged from rows of _TEXT_SQL: texts SQLite wrote
-    (storage/canonical_sql.py), and, where it wrote none or one that does not
-    give the hash, the whole row read again and its text made here."""
-    matches = chain.content_matches
-    for seq, lane, previous, hash_, kind, text in rows:
-        row = _whole_row(connection, seq) if text is None or kind == _LANE_CONFIGURED else None
-        changed = False
-        if hash_:
-            changed = not matches(previous, hash_, _text(row) if row is not None else text)
-            if changed and row is None:
-                # SQLite escapes less than Python does: Python's text judges.
-                row = _whole_row(connection, seq)
-                changed = not matches(previous, hash_, _text(row))
-        yield seq, lane, previous, hash_, changed, row if kind == _LANE_CONFIGURED else None
-
-
-def _whole_row(connection: Connection, seq: int) -> Sequence[Any]:
-    return connection.exec_driver_sql(_ROW_SQL, (seq,)).one()
-
-
 _COLUMNS_SQL = ", ".join(records.EVENT_COLUMNS)
 _RANGE_SQL = f"SELECT {_COLUMNS_SQL} FROM {events.name} WHERE seq > ? AND seq <= ? ORDER BY seq"
-_ROW_SQL = f"SELECT {_COLUMNS_SQL} FROM {events.name} WHERE seq = ?"
-_TEXT_SQL = (
-    f"SELECT seq, lane, previous_hash, hash, kind, {canonical_sql.EVENT_TEXT} "
-    f"FROM {events.name} WHERE seq > ? AND seq <= ? ORDER BY seq"
-)
 
 
 def _paramstyled(engine: Engine, sql: str) -> str:
@@ -151,13 +120,8 @@ def _paramstyled(engine: Engine, sql: str) -> str:
 
 def _judged_range(connection: Connection, after_seq: int, through_seq: int) -> Iterator[Judged]:
     """The events in (after_seq, through_seq], judged, FETCH_ROWS rows in
-    memory at a time; texts written by the database where it can."""
+    memory at a time."""
     engine = connection.engine
-    if canonical_sql.available(connection):
-        result = connection.exec_driver_sql(_TEXT_SQL, (after_seq, through_seq))
-        while rows := result.fetchmany(FETCH_ROWS):
-            yield from _judged_texts(connection, rows)
-        return
     result = connection.exec_driver_sql(_paramstyled(engine, _RANGE_SQL), (after_seq, through_seq))
     while rows := result.fetchmany(FETCH_ROWS):
         yield from _judged_rows(rows)
@@ -211,11 +175,8 @@ def _walk(judged: Iterable[Judged]) -> WalkedRange:
 def walk_range(engine: Engine, after_seq: int, through_seq: int) -> WalkedRange:
     """walk_rows over the events in (after_seq, through_seq], read in one
     transaction."""
-    try:
-        with engine.connect() as connection, connection.begin():
-            return _walk(_judged_range(connection, after_seq, through_seq))
-    except (DBAPIError, PoolTimeoutError) as error:
-        raise StoreUnavailable() from error
+    with translated(), engine.connect() as connection, connection.begin():
+        return _walk(_judged_range(connection, after_seq, through_seq))
 
 
 _BOOKING_KEY = "(lane, reservation_id)"
@@ -236,51 +197,14 @@ def booking_lines(
         conditions.append(f"{_BOOKING_KEY} <= (?, ?)")
         parameters += through
     where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
-    try:
-        with engine.connect() as connection, connection.begin():
-            if canonical_sql.available(connection):
-                texts = _booking_texts_written(connection, where, tuple(parameters))
-            else:
-                sql = (
-                    f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name}{where} "
-                    "ORDER BY lane, reservation_id"
-                )
-                result = connection.exec_driver_sql(_paramstyled(engine, sql), tuple(parameters))
-                texts = records.booking_texts_from_rows([tuple(row) for row in result])
-    except (DBAPIError, PoolTimeoutError) as error:
-        raise StoreUnavailable() from error
-    return len(texts), snapshots.booking_lines(texts)
-
-
-_BOOKING_ROW_SQL = (
-    f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
-    "WHERE lane = ? AND reservation_id = ?"
-)
-
-
-def _booking_texts_written(
-    connection: Connection, where: str, parameters: tuple[str, ...]
-) -> list[str]:
-    """The bookings' texts as SQLite writes them (canonical_sql.BOOKING_TEXT:
-    9 us a booking in Python, 4 here), each row it writes none for read
-    whole and made in Python."""
-    result = connection.exec_driver_sql(
-        f"SELECT lane, reservation_id, {canonical_sql.BOOKING_TEXT} "
-        f"FROM {bookings.name}{where} ORDER BY lane, reservation_id",
-        parameters,
+    sql = (
+        f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name}{where} "
+        "ORDER BY lane, reservation_id"
     )
-    # The driver's rows, plain tuples: SQLAlchemy's cost 1 us a booking more.
-    try:
-        written = result.cursor.fetchall()
-    except connection.dialect.loaded_dbapi.Error as error:
-        raise StoreUnavailable() from error
-    texts: list[str] = []
-    for lane, reservation_id, text in written:
-        if text is None:
-            row = connection.exec_driver_sql(_BOOKING_ROW_SQL, (lane, reservation_id)).one()
-            text = records.booking_texts_from_rows([tuple(row)])[0]
-        texts.append(text)
-    return texts
+    with translated(), engine.connect() as connection, connection.begin():
+        result = connection.exec_driver_sql(_paramstyled(engine, sql), tuple(parameters))
+        texts = records.booking_texts_from_rows([tuple(row) for row in result])
+    return len(texts), snapshots.booking_lines(texts)
 
 
 # The worker processes' side -----------------------------------------------------
@@ -292,11 +216,9 @@ PARENT_POLL_SECONDS = 1.0
 
 
 def _start_checking(parent_pid: int) -> None:
-    """A checking process's initializer. The process only checks: the garbage
-    collector runs at the rebuild's thresholds (its ranges' rows are tuples,
-    freed by reference counting), and it ends itself once the process that
-    started it is gone (killed, say), instead of waiting for work forever."""
-    gc.set_threshold(*REBUILD_GC_THRESHOLDS)
+    """A checking process's initializer: the process ends itself once the
+    process that started it is gone (killed, say), instead of waiting for
+    work forever."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -307,16 +229,16 @@ def _start_checking(parent_pid: int) -> None:
 
 
 def _in_worker(work: Callable[..., T], url: str, *arguments: Any) -> T | None:
-    """walk_range or booking_lines in a worker process; None when
-    the database is unavailable (StoreUnavailable does not cross a process
-    boundary)."""
+    """walk_range or booking_lines in a worker process; None when the
+    database failed (domain errors do not cross a process boundary: the
+    caller reports StoreUnavailable)."""
     engine = _worker_engines.get(url)
     if engine is None:
         engine = database.create(url, database.EngineLimits(pool_size=1, pool_max_overflow=0))
         _worker_engines[url] = engine
     try:
         return work(engine, *arguments)
-    except StoreUnavailable:
+    except LedgerError:
         return None
 
 

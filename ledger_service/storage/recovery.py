@@ -30,8 +30,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import DBAPIError, IntegrityError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.exc import IntegrityError
 
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.recovery import (
@@ -66,6 +65,7 @@ from ledger_service.storage.schema import (
     window_states,
 )
 from ledger_service.storage.sql import EVENT_APPEND_LOCK_KEY, SqlTransaction
+from ledger_service.storage.translate import translated
 
 # How long a write waits for this process's other SQLite writers (as busy_timeout).
 WRITE_GATE_TIMEOUT_SECONDS = 5.0
@@ -80,14 +80,12 @@ ANSWER_KINDS = ("reserved", "denied")
 
 
 def _unavailable_on_database_errors(method: Callable[P, T]) -> Callable[P, T]:
-    """Database errors become StoreUnavailable: constant, no SQL or URL in it."""
+    """The method with database errors translated (storage/translate.py)."""
 
     @functools.wraps(method)
     def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
+        with translated():
             return method(*args, **kwargs)
-        except (DBAPIError, PoolTimeoutError) as error:
-            raise StoreUnavailable() from error
 
     return wrapped
 
@@ -193,10 +191,12 @@ class _FoldSql:
     run by the database: every booking an event of the range touches is
     written as its opening event's fields with its latest ending's (up to the
     range's end) and the state the fold gives them. One INSERT ... SELECT ...
-    ON CONFLICT DO UPDATE, in the syntax SQLite and PostgreSQL share, instead of
-    reading, folding and writing each booking in Python: side by side over a
-    seeded log of 200,000 events, 221,000 events/s for the statement against
-    about 50,000/s for the Python fold with its reads and writes.
+    ON CONFLICT DO UPDATE, in the syntax SQLite and PostgreSQL share, built
+    from the domain's rule as data (OPENING_STATES, ENDING_STATES). A speed
+    copy kept because the rebuild's target needs it (with the fold in Python
+    the rebuild of 2,000,001 events ran at 24,000-31,000 events/s against a
+    target of 50,000: docs/recovery.md); tests/storage/test_sql_fold.py holds
+    it to `bookings.apply` over random event logs on both databases.
 
     `problem` finds, first by seq, an event of the range the fold refuses: an
     ending with no opening before it, an opening without its expiry charge
@@ -429,11 +429,8 @@ class SqlRecoveryStore:
 
     @contextlib.contextmanager
     def view(self) -> Iterator[SqlProjectionView]:
-        try:
-            with self._reading() as connection:
-                yield SqlProjectionView(connection, self._batch, self._sql)
-        except (DBAPIError, PoolTimeoutError) as error:
-            raise StoreUnavailable() from error
+        with translated(), self._reading() as connection:
+            yield SqlProjectionView(connection, self._batch, self._sql)
 
     @_unavailable_on_database_errors
     def events_after(

@@ -1,17 +1,12 @@
-"""SQLite writes events' and bookings' canonical texts (storage/canonical_sql.py, issue 8).
+"""The rebuild's content checks judge every row as the reference does.
 
-The hash checks of a rebuild read the text SQLite writes from each row
-instead of making it in Python. The reference is chain.canonical_event of the
-Event the row holds. SQLite's text must be that text wherever it writes one
-for a well-formed row; where it writes none (a policy, a value of another
-type, a value no enum has) or one that differs (characters Python escapes
-and json_quote does not), the check falls back to the Python text and judges
-exactly as before. A change to any column is found either way.
-
-A rebuild's digest hashes the bookings' texts SQLite writes. Nothing checks
-those afterwards, so SQLite writes one only where it is the Python text
-(records.booking_texts_from_rows) by construction, and the digest's lines
-must be the Python lines for any row.
+A rebuild's walk (storage/content_check.py) makes each event's canonical text
+from the row's values, without building the Event; the reference is
+chain.canonical_event of the Event the row holds. A change to any column is
+found either way, and a value no enum has fails as the reference fails. A
+rebuild's digest hashes the bookings' texts (records.booking_texts_from_rows).
+(Moved from tests/storage/test_canonical_sql.py when SQLite stopped writing
+the texts: the tests of SQLite's texts went with it.)
 """
 
 from __future__ import annotations
@@ -31,11 +26,10 @@ import sqlalchemy as sa
 from ledger_service.domain import chain, snapshots
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.events import Event, EventKind, Outcome
-from ledger_service.storage import canonical_sql, content_check, database, migrate, records
+from ledger_service.storage import content_check, database, migrate, records
 from ledger_service.storage.schema import bookings, events
 from tests.storage.conftest import altered_by_walk
 
-TEXT = sa.text(f"SELECT seq, {canonical_sql.EVENT_TEXT} FROM events ORDER BY seq")
 # Strings SQLite and Python quote alike, and strings they do not.
 PLAIN = ["", "jev", 'say "hi"', "back\\slash", "tab\tand\nnewline", "ctl\x01\x1f", "{}[],:"]
 ODD = ["café", "emoji \U0001f600", "del\x7f", "zero\x00width\u200b", "\ud7ff", "ü" * 3]
@@ -118,11 +112,6 @@ def _append(engine: sa.Engine, log: list[Event]) -> list[Event]:
     return sealed
 
 
-def _texts(engine: sa.Engine) -> dict[int, str | None]:
-    with engine.connect() as connection:
-        return {int(seq): text for seq, text in connection.execute(TEXT)}
-
-
 def _tamper(engine: sa.Engine, seq: int, column: str, value: Any) -> None:
     with engine.begin() as connection:
         connection.exec_driver_sql("DROP TRIGGER events_refuse_update")
@@ -131,46 +120,6 @@ def _tamper(engine: sa.Engine, seq: int, column: str, value: Any) -> None:
             """CREATE TRIGGER events_refuse_update BEFORE UPDATE ON events
                BEGIN SELECT RAISE(ABORT, 'events are append-only'); END"""
         )
-
-
-def test_sqlite_writes_the_canonical_text_of_every_plain_event(engine: sa.Engine) -> None:
-    rng = random.Random(8)
-    log = _append(engine, [_random_event(rng, PLAIN, n) for n in range(600)])
-    texts = _texts(engine)
-    assert [texts[event.seq] for event in log] == [chain.canonical_event(e) for e in log]
-    with engine.connect() as connection:
-        assert canonical_sql.available(connection)
-    assert altered_by_walk(content_check.walk_range(engine, 0, log[-1].seq)) == []
-
-
-def test_texts_that_differ_fall_back_and_judge_as_python_does(engine: sa.Engine) -> None:
-    rng = random.Random(9)
-    log = _append(engine, [_random_event(rng, PLAIN + ODD, n) for n in range(400)])
-    texts = _texts(engine)
-    differing = [e for e in log if texts[e.seq] != chain.canonical_event(e)]
-    # Only where a string holds what Python escapes and SQLite does not:
-    # DEL and every character past ASCII.
-    assert differing
-    for event in differing:
-        fields = (getattr(event, name) for name in chain.HASHED_NAMES)
-        assert any(isinstance(value, str) and max(value, default=" ") > "~" for value in fields)
-    assert altered_by_walk(content_check.walk_range(engine, 0, log[-1].seq)) == []
-    walked = content_check.walk_range(engine, 0, log[-1].seq)
-    assert (walked.events, walked.altered, walked.breaks) == (len(log), [], [])
-
-
-def test_a_policy_leaves_the_text_to_python(engine: sa.Engine) -> None:
-    configured = Event(
-        kind=EventKind.LANE_CONFIGURED,
-        lane="recall",
-        occurred_at_us=5,
-        policy={"lane": "recall", "limit_nanos": 500_000_000},
-    )
-    (event,) = _append(engine, [configured])
-    assert _texts(engine)[event.seq] is None
-    assert altered_by_walk(content_check.walk_range(engine, 0, event.seq)) == []
-    walked = content_check.walk_range(engine, 0, event.seq)
-    assert [lane_event.policy for lane_event in walked.lane_events] == [configured.policy]
 
 
 # A settled event whose amount is 5 and billed 7.
@@ -240,7 +189,6 @@ def test_a_text_in_an_integer_column_cannot_spell_the_original_text(engine: sa.E
     (event,) = _append(engine, [SETTLED])
     _tamper(engine, event.seq, "amount_nanos", '5,"billed_nanos":7')
     _tamper(engine, event.seq, "billed_nanos", None)
-    assert _texts(engine)[event.seq] is None
     assert altered_by_walk(content_check.walk_range(engine, 0, event.seq)) == [event.seq]
 
 
@@ -304,30 +252,6 @@ def _python_lines(engine: sa.Engine) -> tuple[int, bytes]:
     return len(rows), snapshots.booking_lines(records.booking_texts_from_rows(rows))
 
 
-def _booking_texts(engine: sa.Engine) -> list[str | None]:
-    query = sa.text(
-        f"SELECT {canonical_sql.BOOKING_TEXT} FROM bookings ORDER BY lane, reservation_id"
-    )
-    with engine.connect() as connection:
-        return [text for (text,) in connection.execute(query)]
-
-
-def test_sqlite_writes_every_plain_bookings_text(engine: sa.Engine) -> None:
-    rng = random.Random(11)
-    _insert_bookings(engine, [_random_booking(rng, PLAIN, n) for n in range(500)])
-    count, lines = _python_lines(engine)
-    assert None not in _booking_texts(engine)
-    assert content_check.booking_lines(engine, None, None) == (count, lines)
-
-
-def test_bookings_sqlite_would_write_otherwise_are_left_to_python(engine: sa.Engine) -> None:
-    rng = random.Random(12)
-    _insert_bookings(engine, [_random_booking(rng, PLAIN + ODD, n) for n in range(300)])
-    texts = _booking_texts(engine)
-    assert None in texts
-    assert content_check.booking_lines(engine, None, None) == _python_lines(engine)
-
-
 @pytest.mark.parametrize(
     ("column", "value"),
     [
@@ -337,16 +261,6 @@ def test_bookings_sqlite_would_write_otherwise_are_left_to_python(engine: sa.Eng
         ("lane", "del\x7f"),
     ],
 )
-def test_a_value_of_another_type_is_left_to_python(
-    engine: sa.Engine, column: str, value: object
-) -> None:
-    _insert_bookings(engine, [_random_booking(random.Random(13), PLAIN, 0)])
-    with engine.begin() as connection:
-        connection.execute(sa.update(bookings).values({column: value}))
-    assert _booking_texts(engine) == [None]
-    assert content_check.booking_lines(engine, None, None) == _python_lines(engine)
-
-
 def _altered_rows(rows: list[Any]) -> list[int]:
     """The seqs among `rows` (of EVENT_COLUMNS) whose content no longer gives
     their hash, as a range's walk judges them."""
