@@ -116,8 +116,14 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
         store.close()
 
 
-def _unavailable(command: str) -> int:
-    print(f"ledger {command}: the database is unavailable", file=sys.stderr)
+def _unavailable(command: str, error: Exception) -> int:
+    """Exit 2: the database did not answer, or (a damaged store) says what to do."""
+    from ledger_service.domain.errors import StoreDamaged
+
+    if isinstance(error, StoreDamaged):
+        print(f"ledger {command}: {error.message}", file=sys.stderr)
+    else:
+        print(f"ledger {command}: the database is unavailable", file=sys.stderr)
     return 2
 
 
@@ -131,8 +137,8 @@ def _verify(arguments: argparse.Namespace) -> int:
         verifier = Verifier(recovery.store, settings.recovery_batch_events)
         try:
             report = verifier.verify(now_us, ProgressPrinter())
-        except StoreUnavailable:
-            return _unavailable("verify")
+        except StoreUnavailable as error:
+            return _unavailable("verify", error)
     summary = (
         f"{report.events} events, {report.lanes} lanes, {report.bookings} bookings, "
         f"window totals at {now_us}"
@@ -157,8 +163,8 @@ def _snapshot(arguments: argparse.Namespace) -> int:
     with _recovery(arguments, "snapshot") as (_, recovery):
         try:
             info = recovery.take_snapshot()
-        except StoreUnavailable:
-            return _unavailable("snapshot")
+        except StoreUnavailable as error:
+            return _unavailable("snapshot", error)
     if info is None:
         print("ledger snapshot: the projections are not consistent with the log; "
               "run `ledger verify`, then `ledger recover`", file=sys.stderr)  # fmt: skip
@@ -193,8 +199,8 @@ def _rebuild(arguments: argparse.Namespace) -> int:
             print(f"rebuilding from {route.source_id}", file=sys.stderr)
             started = time.monotonic()
             digest = recovery.rebuild(route, ProgressPrinter())
-        except StoreUnavailable:
-            return _unavailable("rebuild")
+        except StoreUnavailable as error:
+            return _unavailable("rebuild", error)
         except ChainBroken as error:
             print(f"ledger rebuild: stopped at a broken link: {error}. `ledger verify` lists "
                   "them; `ledger recover --max-risk 1` accepts them", file=sys.stderr)  # fmt: skip
@@ -230,8 +236,8 @@ def _recover(arguments: argparse.Namespace) -> int:
         )
         try:
             outcome = recovery.recover(policy, recovery.owner, ProgressPrinter())
-        except StoreUnavailable:
-            return _unavailable("recover")
+        except StoreUnavailable as error:
+            return _unavailable("recover", error)
     if outcome.manifest is not None:
         print(json.dumps(json.loads(outcome.manifest.to_json()), indent=2, sort_keys=True))
     print(f"ledger recover: {outcome.detail}", file=sys.stderr)

@@ -124,3 +124,17 @@ def test_a_damaged_store_is_refused_with_its_own_reason(
     later = [r.getMessage() for r in caplog.records[before:] if r.levelno >= logging.WARNING]
     assert later == [], later
     assert running.status() == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize("damage", ["header", "middle pages"])
+def test_ledger_verify_says_the_database_is_damaged_and_what_to_do(
+    sqlite_history: History, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ledger_service import cli
+
+    url = _damaged_file(sqlite_history, DAMAGE[damage])
+    assert cli.main(["verify", "--database-url", url]) == 2
+    said = capsys.readouterr().err
+    assert "the ledger's database is damaged" in said, said
+    assert "restore the database from a backup" in said, said
+    assert "unavailable" not in said
