@@ -175,10 +175,6 @@ class LedgerServer:
                 "(is another ledger running?) or the address is not this machine's"
             )
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
-        # Python's 5 ms switch interval is kept on purpose: 0.5 ms (sys.setswitchinterval)
-        # was measured on 2026-11-30 and did not lower the one-client Reserve p50 (SQLite,
-        # 3.14 -> 3.31 ms; a 150 us writer-thread handoff, 1.16 -> 1.22 ms; medians of 6
-        # interleaved rounds on the shared 2-core machine).
         self._server.start()
         self.guard.start()
         self._check_database()

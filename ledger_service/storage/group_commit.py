@@ -9,9 +9,8 @@ There is no writer thread: the first caller to find no commit under way
 becomes the leader and commits, in its own thread, every move queued by then
 (its own first). Callers arriving meanwhile queue; when the leader is done it
 hands the lead to the oldest of them, which commits all the queued moves in
-one transaction. A lone caller thus pays no hand-off between threads (measured:
-a Reserve+Settle pair in-process 3.6 ms through a writer thread, 2.8 ms
-leading its own commit), and a busy server still commits in batches.
+one transaction. A lone caller thus pays no hand-off between threads, and a
+busy server still commits in batches (docs/benchmarks.md has the figures).
 
 A batch has no savepoints. A move refused before it wrote anything (most
 refusals: the domain decides before the store writes) leaves nothing to undo,
@@ -21,8 +20,7 @@ the whole transaction is rolled back, that move is answered with its
 refusal, and the batch's other moves run again in a new transaction. Whether
 a move wrote is counted, not guessed: SQLite's total_changes for the
 connection, plus what the caller's `changes` counts (writes it defers to the
-batch's end). Measured: a SAVEPOINT and its RELEASE per move were 2 of the 7
-statements a Reserve ran in a batch.
+batch's end); a savepoint per move would add two statements to each.
 
 All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
