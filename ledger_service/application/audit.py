@@ -200,8 +200,11 @@ def summary_of(audit: Audit, flags: Sequence[Flag]) -> str:
             f"{spent}, mostly estimates, {times}: {split}; {denied}; "
             "check the lane's timeouts and expired holds before blaming the provider."
         )
-    if Flag.HIGH_DENIAL_RATE in flags or Flag.NEAR_LIMIT in flags:
+    if Flag.NEAR_LIMIT in flags:
         return f"{spent}, close to its limit: {split}; {denied}."
+    if Flag.HIGH_DENIAL_RATE in flags:
+        # Denials without a full window: what was denied then has aged out or been corrected since.
+        return f"{spent}, with many Reserves denied: {split}; {denied}."
     return f"{spent}: {split}; {denied}."
 
 

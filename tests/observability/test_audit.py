@@ -131,3 +131,17 @@ def test_biggest_defaults_to_five_and_is_bounded(ledger: Any) -> None:
     with pytest.raises(grpc.RpcError) as unknown:
         ledger.audit(lane="nobody")
     assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_many_denials_far_from_the_limit_are_not_called_close_to_it() -> None:
+    # A lane unjammed by a correction: its window spent 0.05%, but 2 of 3 Reserves denied.
+    tallies = [
+        StateTally(BookingState.CORRECTED, 1, 240_000),
+        StateTally(BookingState.REJECTED, 2, 0),
+    ]
+    audit = summarize("recall", 500_000_000, DAY_US, DAY_US, tallies)
+    assert audit.flags == (Flag.HIGH_DENIAL_RATE,)
+    assert "close to its limit" not in audit.summary
+    assert "with many Reserves denied" in audit.summary
+    near = summarize("recall", 250_000, DAY_US, DAY_US, tallies)
+    assert Flag.NEAR_LIMIT in near.flags and "close to its limit" in near.summary
