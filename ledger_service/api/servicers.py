@@ -20,13 +20,7 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
-from ledger_service.domain.errors import (
-    ChargeExceedsCapMultiple,
-    InvalidArgument,
-    OutputExceedsMaxTokens,
-    TooManyWatchers,
-    UsageNotEvidence,
-)
+from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument, TooManyWatchers
 from ledger_service.domain.policies import validate_name
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
@@ -34,8 +28,6 @@ from ledger_service.settings import Settings
 
 MAX_PAGE_TOKEN_LENGTH = 64
 log = logging.getLogger(__name__)
-# Settles refused because no request could have produced their usage.
-_IMPLAUSIBLE = (UsageNotEvidence, OutputExceedsMaxTokens, ChargeExceedsCapMultiple)
 
 
 def trace_id_of(context: grpc.ServicerContext) -> str:
@@ -90,7 +82,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
     def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
         try:
             result = self._ledger.settle(convert.settle_command(request), trace_id_of(context))
-        except _IMPLAUSIBLE as refusal:
+        except ImplausibleUsage as refusal:
             log.warning(
                 "refused a Settle of booking %r of lane %r (%s): %s",
                 request.reservation_id[:200],

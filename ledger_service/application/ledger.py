@@ -127,7 +127,11 @@ class Ledger:
             tx.drop_window_states(sorted(stale))
             now_us = self._clock.now_us()
             totals = tx.window_totals(policy.lane, now_us, policy.window_us)
-            _check_parent_sums(tx, policy, now_us)
+            joins_parent = policy.parent is not None and (
+                existing is None or existing.parent != policy.parent
+            )
+            if joins_parent:
+                _check_parent_sums(tx, policy, now_us)
             event = _with_balance(
                 Event(
                     kind=EventKind.LANE_CONFIGURED,
@@ -442,9 +446,10 @@ def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> None:
 
 
 def _check_parent_sums(tx: StoreTransaction, policy: LanePolicy, now_us: int) -> None:
-    """A lane put under a parent brings its bookings into every ancestor's window:
-    each must stay within the largest sum the ledger keeps. (Counted as if the
-    lane were new to each of them, so the check can only err on the safe side.)"""
+    """A lane put under a new parent brings its bookings into every ancestor's
+    window: each must stay within the largest sum the ledger keeps. (Counted as
+    if the lane were new to each ancestor, so the check can only err on the
+    safe side.)"""
     for ancestor in locked_ancestors(tx, policy):
         joined = tx.window_totals(policy.lane, now_us, ancestor.window_us).spent_nanos
         already = tx.window_totals(ancestor.lane, now_us, ancestor.window_us).spent_nanos

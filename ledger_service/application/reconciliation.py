@@ -11,8 +11,7 @@ from ledger_service.application.budgets import BudgetWindow, open_window
 from ledger_service.application.ledger import Ledger, locked_ancestors, record_booking_event
 from ledger_service.application.ports import StoreTransaction
 from ledger_service.domain import moves, reconcile
-from ledger_service.domain.errors import InvalidArgument, SumOutOfRange
-from ledger_service.domain.pricing import MAX_WINDOW_SUM_NANOS
+from ledger_service.domain.errors import SumOutOfRange
 from ledger_service.domain.reconcile import ExportFormat, RowResult, RowStatus
 
 # Rows that replaced an estimate (corrected) or a real charge (replaced, bill wins).
@@ -69,12 +68,8 @@ def reconcile_export(
 
     def work(tx: StoreTransaction) -> list[RowResult]:
         results = _apply(ledger, tx, parsed.rows, trace_id, grant_id if bill_wins else None)
-        report = ReconcileReport(True, results)
-        if report.largest_total_nanos() > MAX_WINDOW_SUM_NANOS:
-            # The report's totals must fit the wire's int64, as every sum does.
-            raise InvalidArgument(
-                "content", f"the file's charges add up past {MAX_WINDOW_SUM_NANOS} nanos"
-            )
+        # The report's totals must fit the wire's int64, as every sum does.
+        moves.check_window_sums([ReconcileReport(True, results).largest_total_nanos()], "content")
         if dry_run:
             raise _DryRun(results)
         return results

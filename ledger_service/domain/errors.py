@@ -35,19 +35,24 @@ class UnknownModel(InvalidArgument):
     reason = "UNKNOWN_MODEL"
 
 
-class UsageNotEvidence(InvalidArgument):
+class ImplausibleUsage(InvalidArgument):
+    """A Settle's usage that no call of its booking could have produced: refused
+    before anything is written (the subclasses say which rule)."""
+
+
+class UsageNotEvidence(ImplausibleUsage):
     """A SUCCEEDED Settle says nothing a provider bills: no input tokens, no bill."""
 
     reason = "SETTLE_WITHOUT_USAGE"
 
 
-class OutputExceedsMaxTokens(InvalidArgument):
+class OutputExceedsMaxTokens(ImplausibleUsage):
     """More output tokens than the booking asked the provider for: impossible."""
 
     reason = "OUTPUT_EXCEEDS_MAX_TOKENS"
 
 
-class ChargeExceedsCapMultiple(InvalidArgument):
+class ChargeExceedsCapMultiple(ImplausibleUsage):
     """A SUCCEEDED charge above the lane's max_charge_multiple of the booking's cap."""
 
     reason = "CHARGE_EXCEEDS_CAP_MULTIPLE"

@@ -501,13 +501,14 @@ def decide_correct(booking: Booking, command: CorrectCommand, now_us: int, grant
     )
 
 
-def check_window_sums(spent_nanos: Iterable[int], field: str) -> None:
-    """Every budget's window after a move must stay within the largest sum the
-    ledger keeps; `field` is the request field whose amount raised it."""
-    for spent in spent_nanos:
-        if spent > MAX_WINDOW_SUM_NANOS:
+def check_window_sums(sums_nanos: Iterable[int], field: str) -> None:
+    """Every sum the ledger keeps (a budget's window after a move, a report's
+    total) must stay within the largest it keeps; `field` is the request field
+    whose amounts raised it."""
+    for total in sums_nanos:
+        if total > MAX_WINDOW_SUM_NANOS:
             raise SumOutOfRange(
                 field,
-                f"would take a budget's window past {MAX_WINDOW_SUM_NANOS} nanos, "
-                "the largest sum the ledger keeps",
+                f"would take a sum past {MAX_WINDOW_SUM_NANOS} nanos, "
+                "the largest the ledger keeps (a budget's window, a report's total)",
             )
