@@ -31,7 +31,9 @@ from bench.scenarios import Plan
 log = logging.getLogger("ledger.bench")
 FORMAT_VERSION = 1
 # The echo baseline always runs: every other figure is a ratio to it.
-OPTIONAL_SCENARIOS = ("sqlite", "postgres", "history")
+# `roundtrips` (through a latency proxy) needs PostgreSQL, like `postgres`.
+OPTIONAL_SCENARIOS = ("sqlite", "postgres", "roundtrips", "history")
+NEEDS_POSTGRES = ("postgres", "roundtrips")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,7 +47,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tiny durations and 10,000 bookings instead of 1,000,000",
     )
-    root.add_argument("--skip-postgres", action="store_true", help="leave out scenario (3)")
+    root.add_argument(
+        "--skip-postgres", action="store_true", help="leave out scenarios (3) and (6)"
+    )
     root.add_argument(
         "--only",
         action="append",
@@ -108,17 +112,18 @@ def run_all(plan: Plan, arguments: argparse.Namespace) -> dict[str, Any]:
         found["echo"] = _guarded("echo", lambda: scenarios.echo_scenario(plan, generator, workdir))
         wanted = set(arguments.only or OPTIONAL_SCENARIOS)
         if arguments.skip_postgres:
-            wanted.discard("postgres")
+            wanted.difference_update(NEEDS_POSTGRES)
         runs: dict[str, Callable[[], dict[str, Any]]] = {
             "sqlite": lambda: scenarios.sqlite_scenario(plan, generator, workdir),
             "postgres": lambda: scenarios.postgres_scenario(plan, generator, workdir, postgres_url),
+            "roundtrips": lambda: scenarios.roundtrips_scenario(plan, workdir, postgres_url),
             "history": lambda: scenarios.history_scenario(plan, generator, workdir),
         }
         for name, run in runs.items():
             if name in wanted:
                 found[name] = _guarded(name, run)
             else:
-                by_flag = name == "postgres" and arguments.skip_postgres
+                by_flag = name in NEEDS_POSTGRES and arguments.skip_postgres
                 found[name] = {"skipped": "--skip-postgres" if by_flag else "not in --only"}
     postgres = found["postgres"].get("server_version", "")
     results["machine"] = machine.describe(postgres)

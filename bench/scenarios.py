@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import pathlib
@@ -22,7 +23,7 @@ from typing import Any
 import grpc
 import sqlalchemy as sa
 
-from bench import load, rebuild, seeding, servers
+from bench import latency_proxy, load, pg_floor, rebuild, seeding, servers
 from bench.load import CallKind, LoadGenerator, Workload
 from ledger_service.domain import moves
 from ledger_service.domain.clock import SystemClock
@@ -89,6 +90,14 @@ class Plan:
     # In-process Reserves, no server: this many back to back and as many each
     # after a pause (the machine idle, as a lone client leaves the server).
     lone_reserves: int
+    # Round trips a move (the `roundtrips` scenario): the latency proxy's
+    # delay each way, the pings that measure what it adds to a round trip,
+    # the Reserve+Settle pairs (one client, back to back) timed with and
+    # without the delay after as many unmeasured, and the floor's moves.
+    roundtrip_delay_seconds: float
+    roundtrip_pings: int
+    roundtrip_pairs: int
+    roundtrip_floor_moves: int
 
     @property
     def saturating_calls(self) -> int:
@@ -116,6 +125,10 @@ FULL = Plan(
     replay_max_events=200_000,
     commit_floor_commits=2_000,
     lone_reserves=400,
+    roundtrip_delay_seconds=0.005,
+    roundtrip_pings=100,
+    roundtrip_pairs=40,
+    roundtrip_floor_moves=60,
 )
 
 QUICK = dataclasses.replace(
@@ -135,6 +148,9 @@ QUICK = dataclasses.replace(
     replay_max_events=5_000,
     commit_floor_commits=50,
     lone_reserves=20,
+    roundtrip_pings=10,
+    roundtrip_pairs=3,
+    roundtrip_floor_moves=5,
 )
 
 
@@ -537,22 +553,207 @@ def _postgres_phase(
         return result
 
 
+def _postgres_floor(plan: Plan, url: str, variant: str) -> dict[str, Any]:
+    """The bare Reserve-shaped transaction (bench/pg_floor.py) with the ledger
+    phase's processes, connections (one per call in flight) and lanes, on
+    tables of its own in a fresh schema."""
+    lanes = lanes_named(f"floor-{variant}", 1 if variant == "hot" else plan.spread_lanes)
+    with fresh_schema(url) as schema_url:
+        pg_floor.create_tables(schema_url, lanes)
+        workload = pg_floor.FloorWorkload(
+            conninfo=pg_floor.conninfo(schema_url),
+            lanes=lanes,
+            processes=plan.processes,
+            connections=plan.in_flight_per_process,
+            warmup_seconds=plan.warmup_seconds,
+            measure_seconds=plan.measure_seconds,
+        )
+        log.info(
+            "phase postgres floor %s: %d x %d connections",
+            variant,
+            workload.processes,
+            workload.connections,
+        )
+        result = pg_floor.measure(workload)
+    log.info(
+        "phase postgres floor %s: %.0f moves/s, client %.3f ms CPU a move, %d errors",
+        variant,
+        result["moves_per_second"],
+        result["client_cpu_ms_per_move"] or 0.0,
+        sum(result["errors"].values()),
+    )
+    return result
+
+
 def postgres_scenario(
     plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, url: str
 ) -> dict[str, Any]:
     """(3) Two replicas on one PostgreSQL, Reserve+Settle near saturation: every call
-    on one hot lane, then spread over many lanes; each in a fresh schema."""
+    on one hot lane, then spread over many lanes; each in a fresh schema. Right
+    before each, the bare transaction's floor in the same shape."""
     problem = postgres_problem(url)
     if problem is not None:
         return {"skipped": problem}
     phases: dict[str, Any] = {}
     for variant in ("hot", "spread"):
-        try:
-            phases[variant] = _postgres_phase(plan, generator, workdir, url, variant)
-        except Exception as error:
-            log.exception("postgres %s failed", variant)
-            phases[variant] = {"failed": f"{type(error).__name__}: {error}"}
+        phases[f"floor_{variant}"] = _failed_as_figures(
+            f"postgres floor {variant}", functools.partial(_postgres_floor, plan, url, variant)
+        )
+        phases[variant] = _failed_as_figures(
+            f"postgres {variant}",
+            functools.partial(_postgres_phase, plan, generator, workdir, url, variant),
+        )
     return {"server_version": postgres_version(url), "phases": phases}
+
+
+def _failed_as_figures(name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """run(), or {"failed": ...} when it raised: the run goes on."""
+    try:
+        return run()
+    except Exception as error:
+        log.exception("%s failed", name)
+        return {"failed": f"{type(error).__name__}: {error}"}
+
+
+@contextlib.contextmanager
+def _proxied(url: str) -> Iterator[tuple[latency_proxy.LatencyProxy, str]]:
+    """A latency proxy (no delay yet) in front of `url`'s database, and the
+    URL that reaches the database through it."""
+    parsed = sa.engine.make_url(url)
+    with latency_proxy.LatencyProxy(parsed.host or "127.0.0.1", parsed.port or 5432) as proxy:
+        through = parsed.set(host=proxy.listen_host, port=proxy.port)
+        yield proxy, through.render_as_string(hide_password=False)
+
+
+# Each way (no delay, the delay) is timed in this many rounds, alternating
+# ABBA, so that the machine's drift falls on both alike.
+ROUND_TRIP_ROUNDS = 4
+
+
+def _alternating_ways(
+    proxy: latency_proxy.LatencyProxy,
+    delay_seconds: float,
+    count: int,
+    measure: Callable[[str, int], dict[str, float]],
+) -> dict[str, Any]:
+    """measure(prefix, n) of n back-to-back moves or pairs, summed per way over
+    the rounds; the proxy's turns and new connections counted per way too."""
+    ways: dict[str, dict[str, Any]] = {
+        way: {"count": 0, "turns": 0, "connections_opened": 0} for way in ("no_delay", "delayed")
+    }
+    rounds = max(1, min(ROUND_TRIP_ROUNDS, count))
+    for index in range(rounds):
+        order = ("no_delay", "delayed") if index % 2 == 0 else ("delayed", "no_delay")
+        for way in order:
+            proxy.delay_seconds = delay_seconds if way == "delayed" else 0.0
+            turns, connections = proxy.turns, proxy.connections
+            share = count // rounds + (1 if index < count % rounds else 0)
+            for name, value in measure(f"{way}-{index}", share).items():
+                ways[way][name] = ways[way].get(name, 0.0) + value
+            ways[way]["count"] += share
+            ways[way]["turns"] += proxy.turns - turns
+            ways[way]["connections_opened"] += proxy.connections - connections
+    proxy.delay_seconds = 0.0
+    return ways
+
+
+def _timed_pairs(
+    stub: pb_grpc.LedgerStub, lane: str, prefix: str, pairs: int, timeout_seconds: float
+) -> dict[str, float]:
+    """`pairs` Reserve then Settle, back to back; the seconds of each RPC, summed."""
+    reserve_seconds = settle_seconds = 0.0
+    for number in range(pairs):
+        reservation_id = f"{prefix}-{number}"
+        started = time.perf_counter()
+        reply = stub.Reserve(load.reserve_request(lane, reservation_id), timeout=timeout_seconds)
+        reserved = time.perf_counter()
+        if reply.decision != pb.ADMITTED:
+            raise servers.BenchError(f"Reserve {reservation_id} was not admitted")
+        stub.Settle(load.settle_request(lane, reservation_id), timeout=timeout_seconds)
+        reserve_seconds += reserved - started
+        settle_seconds += time.perf_counter() - reserved
+    return {"reserve_seconds": reserve_seconds, "settle_seconds": settle_seconds}
+
+
+def _ledger_round_trips(plan: Plan, workdir: pathlib.Path, url: str) -> dict[str, Any]:
+    """One client, one lane, Reserve then Settle back to back, through one
+    ledger server whose database is behind the proxy: timed with no delay and
+    with the delay, and the proxy's turns counted while each ran."""
+    directory = workdir / "roundtrips"
+    lane = "roundtrips-00"
+    with fresh_schema(url) as schema_url, _proxied(schema_url) as (proxy, proxy_url):
+        settings = _replica_settings(proxy_url, directory)
+        # Migrated and made ready with no delay: only the moves are measured.
+        with _replica(plan, "ledger-roundtrips", directory, settings) as server:
+            put_lanes(server.address, [lane])
+            with grpc.insecure_channel(server.address) as channel:
+                stub = pb_grpc.LedgerStub(channel)
+                timeout = plan.call_timeout_seconds
+                _timed_pairs(stub, lane, "warm", plan.roundtrip_pairs, timeout)
+                ways = _alternating_ways(
+                    proxy,
+                    plan.roundtrip_delay_seconds,
+                    plan.roundtrip_pairs,
+                    lambda prefix, pairs: _timed_pairs(stub, lane, prefix, pairs, timeout),
+                )
+            facts = _server_facts(server)
+    for figures in ways.values():
+        figures["pairs"] = figures["count"]
+        figures["reserve_mean_seconds"] = figures.pop("reserve_seconds") / figures["count"]
+        figures["settle_mean_seconds"] = figures.pop("settle_seconds") / figures["count"]
+    return {"server": facts, **ways}
+
+
+def _floor_round_trips(plan: Plan, url: str) -> dict[str, Any]:
+    """The bare transaction on one connection, moves back to back, through the
+    same proxy: with no delay and with the delay. Should come out 6 or 7."""
+    lane = "roundtrips-floor-00"
+    with fresh_schema(url) as schema_url, _proxied(schema_url) as (proxy, proxy_url):
+        pg_floor.create_tables(schema_url, [lane])
+        mover = pg_floor.Mover(pg_floor.conninfo(proxy_url), lane)
+        try:
+            # Past psycopg's prepare threshold (5 runs of a statement) first.
+            pg_floor.timed_moves_on(mover, plan.roundtrip_floor_moves, "warm")
+            ways = _alternating_ways(
+                proxy,
+                plan.roundtrip_delay_seconds,
+                plan.roundtrip_floor_moves,
+                lambda prefix, moves: {
+                    "seconds": sum(pg_floor.timed_moves_on(mover, moves, prefix))
+                },
+            )
+        finally:
+            mover.close()
+    for figures in ways.values():
+        figures["moves"] = figures["count"]
+        figures["move_mean_seconds"] = figures.pop("seconds") / figures["count"]
+    return ways
+
+
+def roundtrips_scenario(plan: Plan, workdir: pathlib.Path, url: str) -> dict[str, Any]:
+    """(6) Round trips to the database a move: the ledger's and the bare
+    transaction's, each through a latency proxy (bench/latency_proxy.py),
+    beside what the proxy adds to one round trip, measured with a TCP echo."""
+    problem = postgres_problem(url)
+    if problem is not None:
+        return {"skipped": problem}
+    delay = plan.roundtrip_delay_seconds
+    result: dict[str, Any] = {
+        "delay_seconds": delay,
+        "proxy": latency_proxy.added_round_trip_seconds(delay, plan.roundtrip_pings),
+    }
+    log.info(
+        "latency proxy at %.1f ms each way adds %.2f ms a round trip",
+        delay * 1000,
+        result["proxy"]["added_round_trip_seconds"] * 1000,
+    )
+    result["ledger"] = _failed_as_figures(
+        "round trips of the ledger", functools.partial(_ledger_round_trips, plan, workdir, url)
+    )
+    result["floor"] = _failed_as_figures(
+        "round trips of the floor", functools.partial(_floor_round_trips, plan, url)
+    )
+    return result
 
 
 @dataclasses.dataclass(frozen=True)
