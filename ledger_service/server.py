@@ -29,15 +29,15 @@ from ledger_service.api.pipeline import MethodPipeline
 from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
 from ledger_service.application.audit import Auditor
 from ledger_service.application.ledger import Ledger
-from ledger_service.application.recovery import Recovery, RecoveryGuard, RecoverySettings
 from ledger_service.domain.clock import Clock, ManualClock, SystemClock
 from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.grants import Keyring, Scope
-from ledger_service.domain.recovery import RecoveryPolicy
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
+from ledger_service.recovery.plan import RecoveryPolicy
+from ledger_service.recovery.rebuild import Recovery, RecoveryGuard, RecoverySettings
+from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.settings import Settings, grpc_server_options, is_loopback
 from ledger_service.storage import database, keyring, migrate
-from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
 from ledger_service.telemetry import Telemetry, configure_telemetry
 

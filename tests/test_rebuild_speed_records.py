@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger_service.application.recovery import (
-    FULL_LOG_SOURCE,
-    Route,
-)
 from ledger_service.domain import bookings as booking_fold
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge
 from ledger_service.domain.pricing import ModelPrice
+from ledger_service.recovery.rebuild import (
+    FULL_LOG_SOURCE,
+    Route,
+)
+from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.storage import records
-from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.schema import bookings, events, lanes
 from tests.recovery.conftest import History, open_history
 from tests.storage import conftest as storage_fixtures

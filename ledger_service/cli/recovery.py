@@ -22,7 +22,7 @@ from ledger_service.cli.operate import settings_from
 from ledger_service.settings import Settings
 
 if TYPE_CHECKING:  # the commands import the server lazily, as `serve` does
-    from ledger_service.application.recovery import Recovery
+    from ledger_service.recovery.rebuild import Recovery
 
 
 def register(commands: Any) -> None:
@@ -128,9 +128,9 @@ def _unavailable(command: str, error: Exception) -> int:
 
 
 def _verify(arguments: argparse.Namespace) -> int:
-    from ledger_service.application.verification import Verifier
     from ledger_service.domain.clock import SystemClock
     from ledger_service.domain.errors import StoreUnavailable
+    from ledger_service.recovery.verify import Verifier
 
     with _recovery(arguments, "verify") as (settings, recovery):
         now_us = arguments.at_us if arguments.at_us is not None else SystemClock().now_us()
@@ -177,14 +177,9 @@ def _snapshot(arguments: argparse.Namespace) -> int:
 
 
 def _rebuild(arguments: argparse.Namespace) -> int:
-    from ledger_service.application.recovery import (
-        FULL_LOG_SOURCE,
-        ChainBroken,
-        RebuildClaimLost,
-        RebuildFailed,
-        Route,
-    )
     from ledger_service.domain.errors import StoreUnavailable
+    from ledger_service.recovery.rebuild import FULL_LOG_SOURCE, ChainBroken, Route
+    from ledger_service.recovery.store import RebuildClaimLost, RebuildFailed
 
     with _recovery(arguments, "rebuild") as (_, recovery):
         try:
@@ -216,7 +211,7 @@ def _recover(arguments: argparse.Namespace) -> int:
     import dataclasses
 
     from ledger_service.domain.errors import StoreUnavailable
-    from ledger_service.domain.recovery import RecoveryPolicy
+    from ledger_service.recovery.plan import RecoveryPolicy
 
     with _recovery(arguments, "recover") as (settings, recovery):
         policy = RecoveryPolicy(

@@ -2,7 +2,7 @@
 
 A booking is a projection of its events. `apply` is the fold of the live path
 (after each new event) and of a replay; a rebuild's store runs the same rule in
-SQL (storage/recovery.py), and tests hold the two to the same bookings.
+SQL (recovery/store.py), and tests hold the two to the same bookings.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Booking:
 
 
 # The fold's rule, as data (a rebuild's store applies it in SQL as well:
-# storage/recovery.py). A booking is its opening event's fields (the answer to
+# recovery/store.py). A booking is its opening event's fields (the answer to
 # its Reserve) with the fields of its latest ending, and the state below.
 OPENING_STATES = {EventKind.RESERVED: BookingState.OPEN, EventKind.DENIED: BookingState.REJECTED}
 ENDING_STATES = {

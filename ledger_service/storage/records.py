@@ -363,7 +363,7 @@ def lane_rows(policies: Iterable[LanePolicy]) -> list[tuple[Any, ...]]:
 
 # Bookings' canonical texts straight from rows ------------------------------------
 #
-# A projection digest (domain/snapshots.py) hashes chain.canonical_json of every
+# A projection digest (recovery/snapshots.py) hashes chain.canonical_json of every
 # booking: compact JSON with sorted keys of all its fields, the price as an
 # object, enums by value, None as null. Made from the row, without the Booking,
 # it costs a fifth: a template per combination of the row's value types, the

@@ -16,7 +16,6 @@ import pytest
 import sqlalchemy as sa
 
 from ledger_service.application.ledger import Ledger
-from ledger_service.application.recovery import Recovery, RecoverySettings
 from ledger_service.domain.clock import ManualClock, SystemClock
 from ledger_service.domain.events import Outcome
 from ledger_service.domain.moves import (
@@ -27,8 +26,9 @@ from ledger_service.domain.moves import (
 )
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.pricing import ModelPrice
+from ledger_service.recovery.rebuild import Recovery, RecoverySettings
+from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.storage import database, migrate
-from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
 from tests.storage import conftest as storage_fixtures
 from tests.storage.conftest import POSTGRES_URL, RECALL, START_US, require_postgres

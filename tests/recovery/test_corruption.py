@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from ledger_service.application.recovery import SNAPSHOT_ROWS_PER_EVENT, Recovery
-from ledger_service.application.verification import Verifier
 from ledger_service.domain.errors import RecoveryRequired
 from ledger_service.domain.moves import ReserveCommand
-from ledger_service.domain.recovery import RecoveryPolicy, Verdict
-from ledger_service.storage.recovery import SqlRecoveryStore
+from ledger_service.recovery.plan import RecoveryPolicy, Verdict
+from ledger_service.recovery.rebuild import SNAPSHOT_ROWS_PER_EVENT, Recovery
+from ledger_service.recovery.store import SqlRecoveryStore
+from ledger_service.recovery.verify import Verifier
 from tests.recovery.conftest import History
 
 DEFAULT = RecoveryPolicy(max_budget_seconds=60.0, max_risk_score=0.3)

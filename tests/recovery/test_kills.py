@@ -33,12 +33,12 @@ import grpc
 import pytest
 
 from ledger_service import cli
-from ledger_service.application.verification import Verifier
 from ledger_service.domain.clock import SystemClock
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.recovery.store import SqlRecoveryStore
+from ledger_service.recovery.verify import Verifier
 from ledger_service.storage import database, migrate
-from ledger_service.storage.recovery import SqlRecoveryStore
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLIENTS = 4

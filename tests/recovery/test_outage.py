@@ -26,14 +26,14 @@ import pytest
 import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ledger_service.application.verification import Verifier
 from ledger_service.domain.clock import SystemClock
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.recovery.store import SqlRecoveryStore
+from ledger_service.recovery.verify import Verifier
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
 from ledger_service.storage import database
-from ledger_service.storage.recovery import SqlRecoveryStore
 from tests.storage.conftest import POSTGRES_URL, require_postgres
 
 pytestmark = pytest.mark.postgres

@@ -1,10 +1,9 @@
-"""A rebuild's hash checks in other processes, and texts made from rows (issue 8).
+"""A rebuild's hash checks in a helper process, and texts made from rows (issue 8).
 
-The content of each event is checked against its hash from its row
-(storage/content_check.py), in processes of a pool while the rebuild walks the
-links and folds. The reference is chain.canonical_event of the Event that
-events_from_rows builds, checked by ChainWalker.check in the rebuild's own
-thread, as before. Bookings' canonical texts for the projection digest are
+Each event is checked against its chain from its row (recovery/walk.py), in
+a helper process while the rebuild folds. The reference is
+chain.canonical_event of the Event that events_from_rows builds, checked by
+ChainWalker.check. Bookings' canonical texts for the projection digest are
 made from rows too (records.booking_texts_from_rows); the reference is
 chain.canonical_json of the Booking. On SQLite and PostgreSQL.
 """
@@ -23,8 +22,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger_service.application import recovery as recovery_module
-from ledger_service.application.recovery import FULL_LOG_SOURCE, ChainBroken, Route, take_range
 from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import ChainWalker, canonical_event, canonical_json
@@ -32,16 +29,21 @@ from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.moves import ReserveCommand
 from ledger_service.domain.policies import ExpireCharge
 from ledger_service.domain.pricing import ModelPrice
+from ledger_service.recovery import rebuild as recovery_module
+from ledger_service.recovery import walk as chain_walk
+from ledger_service.recovery.rebuild import FULL_LOG_SOURCE, ChainBroken, Route
+from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.server import build_recovery, build_store
 from ledger_service.settings import Settings
-from ledger_service.storage import content_check, records
-from ledger_service.storage.recovery import SqlRecoveryStore
+from ledger_service.storage import records
 from ledger_service.storage.schema import events
 from tests.recovery.conftest import History, policy_lane
 from tests.storage.conftest import altered_by_walk
 
 KIND = records.EVENT_COLUMNS.index("kind")
 SEQ = records.EVENT_COLUMNS.index("seq")
+LANE = records.EVENT_COLUMNS.index("lane")
+PREVIOUS = records.EVENT_COLUMNS.index("previous_hash")
 
 
 def _rows(history: History) -> list[sa.Row[object]]:
@@ -54,7 +56,7 @@ def test_texts_from_rows_are_the_events_canonical_texts(history: History) -> Non
     rows = _rows(history)
     built = records.events_from_rows(rows)
     assert {event.kind for event in built} >= {EventKind.LANE_CONFIGURED, EventKind.EXPIRED}
-    assert [content_check._text(row) for row in rows] == [canonical_event(e) for e in built]
+    assert [chain_walk._text(row) for row in rows] == [canonical_event(e) for e in built]
     assert _altered_rows(rows) == []
 
 
@@ -102,10 +104,10 @@ def test_ranges_checked_in_processes_find_what_the_thread_finds(
     seqs = [row[SEQ] for row in _rows(history)]
     altered = seqs[len(seqs) // 2]
     history.tamper_event(altered, 1)
-    with content_check.content_checks(history.engine, processes) as checks:
-        cuts = [0, seqs[9], altered - 1, altered, seqs[-1]]
-        futures = [checks.submit_walk(a, b) for a, b in itertools.pairwise(cuts)]
-        found = [altered_by_walk(future.result()) for future in futures]
+    ends = [seqs[9], altered - 1, altered, seqs[-1]]
+    store = SqlRecoveryStore(history.engine)
+    with chain_walk.ChainWalk(store, {}, 0, ends, processes=processes) as walked:
+        found = [altered_by_walk(taken) for taken in walked]
     assert found == [[], [], [altered], []]
 
 
@@ -129,8 +131,8 @@ def _bookings(history: History) -> int:
 def test_the_digest_made_in_ranges_is_the_digest_made_in_one_read(
     history: History, processes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A rebuild hashes the bookings' lines made in ranges of keys (in the
-    checking processes): cut anywhere, even where a lane ends, even into
+    """A rebuild hashes the bookings' lines made in ranges of keys (in
+    other processes): cut anywhere, even where a lane ends, even into
     ranges that fill the projection exactly, it is projection_digest."""
     history.ledger.put_lane(policy_lane("zz-last"))
     history.ledger.reserve(ReserveCommand("zz-last", "r-last", "jev", 35_000, 1000))
@@ -151,15 +153,8 @@ def test_booking_keys_step_over_count_bookings_in_order(history: History) -> Non
             )
         ]
     store = SqlRecoveryStore(history.engine)
-    with store.view() as view:
-        assert view.booking_key_after(None, 1) == keys[0]
-        assert view.booking_key_after(None, 3) == keys[2]
-        assert view.booking_key_after(keys[2], 2) == keys[4]
-        assert view.booking_key_after(keys[-2], 1) == keys[-1]
-        assert view.booking_key_after(keys[-1], 1) is None
-        assert view.booking_key_after(None, len(keys) + 1) is None
-        with pytest.raises(ValueError):
-            view.booking_key_after(None, 0)
+    for every in (1, 2, 3, len(keys) - 1, len(keys), len(keys) + 1):
+        assert store.booking_keys(every) == keys[every - 1 :: every], every
 
 
 def test_a_parallel_rebuild_stops_at_an_altered_event(history: History) -> None:
@@ -213,30 +208,29 @@ def test_an_event_built_from_a_row_hashes_as_its_event() -> None:
     assert canonical_event(event).startswith('{"kind":"reserved"')
 
 
-def test_when_a_checking_process_dies_the_ranges_are_checked_here(history: History) -> None:
+def test_when_the_checking_process_dies_the_ranges_are_checked_here(history: History) -> None:
     seqs = [row[SEQ] for row in _rows(history)]
     altered = seqs[len(seqs) // 2]
     history.tamper_event(altered, 1)
-    with content_check.content_checks(history.engine, 1) as checks:
-        assert altered_by_walk(checks.submit_walk(0, seqs[-1]).result()) == [altered]
-        pool = checks._pool
-        assert pool is not None
-        for process in list(pool._processes.values()):
-            process.kill()
-            process.join(10)
-        # The pool is broken now: the range is still checked, here.
-        assert altered_by_walk(checks.submit_walk(0, seqs[-1]).result()) == [altered]
-        assert altered_by_walk(checks.submit_walk(altered, seqs[-1]).result()) == []
-        assert checks._pool is None
+    store = SqlRecoveryStore(history.engine)
+    ends = [seqs[3], altered, seqs[-1]]
+    with chain_walk.ChainWalk(store, {}, 0, ends, processes=1) as walked:
+        [(process, _)] = walked._helpers
+        process.kill()
+        process.join(10)
+        # Every range is still walked, here.
+        found = [altered_by_walk(taken) for taken in walked]
+    assert found == [[], [altered], []]
 
 
 def _check_in_a_daemon(url: str, through_seq: int, results: Any) -> None:
     from ledger_service.storage import database
 
     engine = database.create(url, database.EngineLimits(pool_size=1))
-    with content_check.content_checks(engine, 2) as checks:
-        walked = checks.submit_walk(0, through_seq).result()
-        results.put((checks._pool is None, walked.altered, walked.breaks))
+    store = SqlRecoveryStore(engine)
+    with chain_walk.ChainWalk(store, {}, 0, [through_seq], processes=1) as walked:
+        found = [list(taken.breaks) for taken in walked]
+        results.put((not walked._helpers, found))
 
 
 def test_a_daemonic_process_checks_in_its_own_thread(history: History) -> None:
@@ -249,7 +243,7 @@ def test_a_daemonic_process_checks_in_its_own_thread(history: History) -> None:
     )
     daemon.start()
     try:
-        assert results.get(timeout=60) == (True, [], [])
+        assert results.get(timeout=60) == (True, [[]])
     finally:
         daemon.join(10)
 
@@ -258,11 +252,10 @@ def _check_and_wait(url: str, results: Any) -> None:
     from ledger_service.storage import database
 
     engine = database.create(url, database.EngineLimits(pool_size=1))
-    checks = content_check.ContentChecks(engine, 1)
-    checks.submit_walk(0, 1).result()
-    pool = checks._pool
-    assert pool is not None
-    results.put([process.pid for process in pool._processes.values()])
+    store = SqlRecoveryStore(engine)
+    walked = chain_walk.ChainWalk(store, {}, 0, list(range(1, 10_000)), processes=1)
+    [(process, _)] = walked._helpers
+    results.put([process.pid])
     time.sleep(120)
 
 
@@ -276,7 +269,7 @@ def test_checking_processes_end_when_their_parent_is_killed(history: History) ->
     finally:
         parent.kill()
         parent.join(10)
-    deadline = time.monotonic() + 10 * content_check.PARENT_POLL_SECONDS
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline and pathlib.Path(f"/proc/{worker}").exists():
         time.sleep(0.1)
     status = pathlib.Path(f"/proc/{worker}/status")
@@ -418,10 +411,10 @@ def _row(event: Event) -> tuple[Any, ...]:
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_ranges_walked_apart_find_what_one_walk_finds(seed: int) -> None:
-    """Cut at random, walked range by range (walk_rows) and ended with the
-    heads from before each range (take_range): the same breaks, in the same
-    order, the same heads and the same count of unsealed events as
-    ChainWalker.check over the whole log."""
+    """Cut at random and walked range by range from rows (walk_rows), one
+    walker carried across: the same breaks, in the same order, the same heads
+    and the same count of unsealed events as ChainWalker.check over the whole
+    log."""
     rng = random.Random(seed)
     log = _walk_log(rng)
     whole = ChainWalker()
@@ -432,8 +425,7 @@ def test_ranges_walked_apart_find_what_one_walk_finds(seed: int) -> None:
     walker = ChainWalker()
     found: list[object] = []
     for start, end in itertools.pairwise([0, *cuts, len(log)]):
-        walked = content_check.walk_rows([_row(event) for event in log[start:end]])
-        found += take_range(walker, walked)
+        found += chain_walk.walk_rows(walker, [_row(event) for event in log[start:end]])
     assert found == expected
     assert (walker.heads, walker.unsealed) == (whole.heads, whole.unsealed)
 
@@ -472,30 +464,27 @@ def test_the_server_replays_in_ranges_of_its_setting(tmp_path: pathlib.Path) -> 
         store.close()
 
 
-def test_the_first_ranges_are_walked_before_the_old_projections_are_deleted(
+def test_the_walk_starts_before_the_old_projections_are_deleted(
     sqlite_history: History, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    recovery = sqlite_history.recovery(batch_events=10, check_processes=0)
-    walked: list[tuple[int, int]] = []
-    walk = content_check.ContentChecks.submit_walk
+    recovery = sqlite_history.recovery(batch_events=10, check_processes=2, parallel_min_events=0)
+    steps: list[str] = []
+    start = chain_walk.ChainWalk.__init__
     reset = SqlRecoveryStore.reset_projections
-    walked_at_reset: list[int] = []
 
-    def submit_walk(self: content_check.ContentChecks, after: int, through: int) -> Any:
-        walked.append((after, through))
-        return walk(self, after, through)
+    def started(self: chain_walk.ChainWalk, *arguments: Any, **options: Any) -> None:
+        start(self, *arguments, **options)
+        steps.append("walk" if self._helpers else "walk here")
 
     def reset_projections(self: SqlRecoveryStore, *arguments: Any) -> None:
-        walked_at_reset.append(len(walked))
+        steps.append("reset")
         reset(self, *arguments)
 
-    monkeypatch.setattr(content_check.ContentChecks, "submit_walk", submit_walk)
+    monkeypatch.setattr(chain_walk.ChainWalk, "__init__", started)
     monkeypatch.setattr(SqlRecoveryStore, "reset_projections", reset_projections)
     kept = recovery.projection_digest()
     assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept
-    events = sqlite_history.scalar("SELECT COUNT(*) FROM events")
-    assert isinstance(events, int) and events > 10 * 3
-    assert walked_at_reset == [min(recovery_module.EARLY_WALKS, -(-events // 10))]
+    assert steps == ["walk", "reset"]
 
 
 @pytest.mark.parametrize("processes", [0, 2])
@@ -523,5 +512,11 @@ def test_a_walk_notes_each_positions_heads_as_one_walk_over_the_log_would(
 
 def _altered_rows(rows: list[Any]) -> list[int]:
     """The seqs among `rows` (of EVENT_COLUMNS) whose content no longer gives
-    their hash, as a range's walk judges them."""
-    return altered_by_walk(content_check.walk_rows(rows))
+    their hash, as a range's walk judges them, from each lane's first
+    previous_hash on."""
+    heads: dict[str, str] = {}
+    for row in rows:
+        heads.setdefault(row[LANE], row[PREVIOUS])
+    content = chain.altered(0, "").reason
+    found = chain_walk.walk_rows(ChainWalker(heads), rows)
+    return [broken.seq for broken in found if broken.reason == content]

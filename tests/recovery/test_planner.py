@@ -1,4 +1,4 @@
-"""The recovery planner (domain/recovery.py): the seed's decision boundary."""
+"""The recovery planner (recovery/plan.py): the seed's decision boundary."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ledger_service.domain.recovery import RecoveryPolicy, Source, Verdict, plan
+from ledger_service.recovery.plan import RecoveryPolicy, Source, Verdict, plan
 
 POLICY = RecoveryPolicy(max_budget_seconds=10.0, max_risk_score=0.3, min_viable_sources=1)
 LOG = Source("log", cost_seconds=8.0, risk_score=0.0)

@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ledger_service import cli
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
-from ledger_service.storage.recovery import SqlRecoveryStore
 from tests.recovery.conftest import History
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

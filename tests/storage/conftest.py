@@ -15,11 +15,11 @@ import pytest
 import sqlalchemy as sa
 
 from ledger_service.application.ledger import Ledger
-from ledger_service.application.recovery import WalkedRange
 from ledger_service.domain import chain
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.pricing import ModelPrice
+from ledger_service.recovery.walk import WalkedRange
 from ledger_service.storage import database, migrate
 from ledger_service.storage.sql import SqlStore
 
@@ -100,8 +100,6 @@ def ledger(store: SqlStore, clock: ManualClock) -> Ledger:
 
 
 def altered_by_walk(walked: WalkedRange) -> list[int]:
-    """The seqs a range's walk found no longer giving their hash: among the
-    lanes' leading events (left to the caller's links) and the others."""
+    """The seqs a range's walk found no longer giving their hash."""
     content = chain.altered(0, "").reason
-    found = [*walked.altered, *(broken.seq for broken in walked.breaks if broken.reason == content)]
-    return sorted(found)
+    return sorted(broken.seq for broken in walked.breaks if broken.reason == content)

@@ -1,6 +1,6 @@
 """The rebuild's content checks judge every row as the reference does.
 
-A rebuild's walk (storage/content_check.py) makes each event's canonical text
+A rebuild's walk (recovery/walk.py) makes each event's canonical text
 from the row's values, without building the Event; the reference is
 chain.canonical_event of the Event the row holds. A change to any column is
 found either way, and a value no enum has fails as the reference fails. A
@@ -23,13 +23,18 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from ledger_service.domain import chain, snapshots
+from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking
+from ledger_service.domain.chain import ChainWalker
 from ledger_service.domain.events import Event, EventKind, Outcome
-from ledger_service.storage import content_check, database, migrate, records
+from ledger_service.recovery import snapshots
+from ledger_service.recovery import walk as chain_walk
+from ledger_service.recovery.store import SqlRecoveryStore
+from ledger_service.storage import database, migrate, records
 from ledger_service.storage.schema import bookings, events
 from tests.storage.conftest import altered_by_walk
 
+PREVIOUS = records.EVENT_COLUMNS.index("previous_hash")
 # Strings SQLite and Python quote alike, and strings they do not.
 PLAIN = ["", "jev", 'say "hi"', "back\\slash", "tab\tand\nnewline", "ctl\x01\x1f", "{}[],:"]
 ODD = ["café", "emoji \U0001f600", "del\x7f", "zero\x00width\u200b", "\ud7ff", "ü" * 3]
@@ -177,10 +182,9 @@ def test_every_alteration_is_found_as_the_reference_finds_it(
     assert expected == [event.seq] or expected is ValueError, (column, value)
     if expected is ValueError:
         with pytest.raises(ValueError):
-            altered_by_walk(content_check.walk_range(engine, 0, event.seq))
+            altered_by_walk(_walk_range(engine, 0, event.seq))
         return
-    assert altered_by_walk(content_check.walk_range(engine, 0, event.seq)) == expected
-    assert content_check.walk_range(engine, 0, event.seq).altered == expected
+    assert altered_by_walk(_walk_range(engine, 0, event.seq)) == expected
 
 
 def test_a_text_in_an_integer_column_cannot_spell_the_original_text(engine: sa.Engine) -> None:
@@ -189,7 +193,7 @@ def test_a_text_in_an_integer_column_cannot_spell_the_original_text(engine: sa.E
     (event,) = _append(engine, [SETTLED])
     _tamper(engine, event.seq, "amount_nanos", '5,"billed_nanos":7')
     _tamper(engine, event.seq, "billed_nanos", None)
-    assert altered_by_walk(content_check.walk_range(engine, 0, event.seq)) == [event.seq]
+    assert altered_by_walk(_walk_range(engine, 0, event.seq)) == [event.seq]
 
 
 def test_a_batch_longer_than_one_fetch_reads_whole_rows_between_fetches(
@@ -197,10 +201,9 @@ def test_a_batch_longer_than_one_fetch_reads_whole_rows_between_fetches(
 ) -> None:
     rng = random.Random(10)
     log = _append(engine, [_random_event(rng, PLAIN + ODD, n) for n in range(50)])
-    monkeypatch.setattr(content_check, "FETCH_ROWS", 3)
     tampered = log[20].seq
     _tamper(engine, tampered, "http_status", 500)
-    assert altered_by_walk(content_check.walk_range(engine, 0, log[-1].seq)) == [tampered]
+    assert altered_by_walk(_walk_range(engine, 0, log[-1].seq)) == [tampered]
 
 
 def test_a_kind_no_enum_has_fails_even_when_its_hash_was_made_over_it(
@@ -220,7 +223,7 @@ def test_a_kind_no_enum_has_fails_even_when_its_hash_was_made_over_it(
     with pytest.raises(ValueError, match="bogus"):
         _altered_rows([_row(engine)])
     with pytest.raises(ValueError, match="bogus"):
-        altered_by_walk(content_check.walk_range(engine, 0, event.seq))
+        altered_by_walk(_walk_range(engine, 0, event.seq))
 
 
 def _row(engine: sa.Engine) -> sa.Row[Any]:
@@ -264,4 +267,16 @@ def _python_lines(engine: sa.Engine) -> tuple[int, bytes]:
 def _altered_rows(rows: list[Any]) -> list[int]:
     """The seqs among `rows` (of EVENT_COLUMNS) whose content no longer gives
     their hash, as a range's walk judges them."""
-    return altered_by_walk(content_check.walk_rows(rows))
+    heads: dict[str, str] = {}
+    for row in rows:
+        heads.setdefault(row[records.EVENT_COLUMNS.index("lane")], row[PREVIOUS])
+    content = chain.altered(0, "").reason
+    found = chain_walk.walk_rows(ChainWalker(heads), rows)
+    return [broken.seq for broken in found if broken.reason == content]
+
+
+def _walk_range(engine: sa.Engine, after_seq: int, through_seq: int) -> chain_walk.WalkedRange:
+    """The walk of (after_seq, through_seq], read in one transaction."""
+    with chain_walk.ChainWalk(SqlRecoveryStore(engine), {}, after_seq, [through_seq]) as walk:
+        (walked,) = walk
+    return walked

@@ -23,15 +23,15 @@ from sqlalchemy import Connection
 
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import StoreTransaction
-from ledger_service.application.verification import Verifier
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import InvalidArgument, RecoveryRequired, StoreUnavailable
 from ledger_service.domain.events import Event, EventKind, Outcome
 from ledger_service.domain.policies import policy_to_dict
+from ledger_service.recovery.store import SqlRecoveryStore
+from ledger_service.recovery.verify import Verifier
 from ledger_service.storage import database, migrate
 from ledger_service.storage.group_commit import GroupCommitter
-from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 

@@ -18,12 +18,11 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from ledger_service.application.recovery import RebuildFailed
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome, evolve
 from ledger_service.domain.policies import ExpireCharge
 from ledger_service.domain.replay import replay
+from ledger_service.recovery.store import RebuildFailed, SqlRecoveryStore
 from ledger_service.storage import database, migrate, records
-from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.schema import bookings, events
 
 OWNER = "test-fold"

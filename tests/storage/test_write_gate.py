@@ -16,8 +16,8 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.storage import database, migrate
-from ledger_service.storage.recovery import SqlRecoveryStore
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 

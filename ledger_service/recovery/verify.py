@@ -12,18 +12,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from ledger_service.application.recovery import (
-    ProgressFn,
-    RecoveryStore,
-    no_progress,
-    projection_findings,
-)
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import ChainWalker
 from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_from_dict
 from ledger_service.domain.replay import Projection
 from ledger_service.domain.window import WindowTotals, totals_of
+from ledger_service.recovery.rebuild import ProgressFn, no_progress, projection_findings
+from ledger_service.recovery.store import SqlRecoveryStore
 
 MAX_KEPT_FINDINGS = 100
 
@@ -63,7 +59,7 @@ def _first_difference(expected: object, found: object) -> str:
 
 
 class Verifier:
-    def __init__(self, store: RecoveryStore, batch_events: int = 1000) -> None:
+    def __init__(self, store: SqlRecoveryStore, batch_events: int = 1000) -> None:
         self._store = store
         self._batch = batch_events
 

@@ -1,20 +1,21 @@
-"""The SQL side of recovery: facts, snapshots, rebuild batches, manifests.
+"""The SQL of recovery: facts, snapshots, rebuild ranges, manifests.
 
 Reads that must agree with each other (the facts, a snapshot's rows) run in one
 snapshot transaction: REPEATABLE READ on PostgreSQL, a read transaction in WAL
-mode on SQLite. Writes that change the position marker take the same advisory
-lock as appends on PostgreSQL (SQLite has one writer anyway), so that a claim,
-a finish and an append are never interleaved.
+mode on SQLite. Writes that change the position marker take the append lock
+(`_writing(marker=True)`, the one place that takes it), so that a claim, a
+finish and an append are never interleaved. `_position` is the one reader of
+the marker.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import json
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import (
     Connection,
@@ -33,26 +34,16 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from ledger_service.application.ports import EventQuery
-from ledger_service.application.recovery import (
-    STATE_CURRENT,
-    STATE_REBUILDING,
-    BookingKey,
-    ContentChecks,
-    LogFacts,
-    Position,
-    RebuildClaimLost,
-    RebuildFailed,
-    SnapshotChunk,
-)
 from ledger_service.domain import bookings as booking_fold
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import Event, EventKind, Outcome
 from ledger_service.domain.policies import LanePolicy
-from ledger_service.domain.recovery import Manifest
-from ledger_service.domain.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
 from ledger_service.domain.window import WindowTotals
-from ledger_service.storage import content_check, database, records
+from ledger_service.recovery import snapshots as snapshots_module
+from ledger_service.recovery.plan import Manifest
+from ledger_service.recovery.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
+from ledger_service.storage import database, records
 from ledger_service.storage.chaining import POSITION_ROW_ID
 from ledger_service.storage.schema import (
     bookings,
@@ -70,8 +61,8 @@ from ledger_service.storage.translate import translated
 # How long a write waits for this process's other SQLite writers (as busy_timeout).
 WRITE_GATE_TIMEOUT_SECONDS = 5.0
 
-P = ParamSpec("P")
-T = TypeVar("T")
+STATE_CURRENT = "current"
+STATE_REBUILDING = "rebuilding"
 SNAPSHOT_TAKING = "taking"
 SNAPSHOT_COMPLETE = "complete"
 # How many complete snapshots are ever read: retention keeps fewer.
@@ -79,24 +70,83 @@ MAX_LISTED_SNAPSHOTS = 10
 ANSWER_KINDS = ("reserved", "denied")
 
 
-def _unavailable_on_database_errors(method: Callable[P, T]) -> Callable[P, T]:
-    """The method with database errors translated (storage/translate.py)."""
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """The projections' position marker."""
 
-    @functools.wraps(method)
-    def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:
-        with translated():
-            return method(*args, **kwargs)
+    last_seq: int
+    state: str
+    owner: str
+    updated_at_us: int
 
-    return wrapped
+
+@dataclasses.dataclass(frozen=True)
+class LogFacts:
+    """What one consistent, cheap look at the database shows."""
+
+    position: Position | None
+    head_seq: int
+    event_count: int
+    # reserved + denied events: each is one booking.
+    answer_events: int
+    # Lanes with a lane_configured event: each is one lanes row.
+    configured_lanes: int
+    bookings: int
+    lanes: int
+    # Bookings whose latest event (max of answer_seq, ended_seq) is missing or
+    # names another amount, lane or reservation id.
+    stale_bookings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotChunk:
+    lanes: Sequence[LanePolicy] = ()
+    bookings: Sequence[Booking] = ()
+    # Bookings as rows of BOOKING_COLUMNS, with each one's canonical text
+    # (chain.canonical_json of its Booking): copied into a snapshot and back
+    # without a Booking built for each.
+    booking_rows: Sequence[Sequence[Any]] = ()
+    booking_texts: Sequence[str] = ()
+
+    def add_to(self, digest: ProjectionDigest) -> None:
+        for policy in self.lanes:
+            digest.add_lane(policy)
+        for booking in self.bookings:
+            digest.add_booking(booking)
+        for text in self.booking_texts:
+            digest.add_booking_text(text)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lanes) + len(self.bookings) + len(self.booking_rows)
+
+
+# A booking's key, (lane, reservation_id): the order of the bookings everywhere.
+BookingKey = tuple[str, str]
+
+
+class RebuildClaimLost(Exception):
+    """Another process took the rebuild over (its lease had expired for ours)."""
+
+
+class RebuildFailed(Exception):
+    pass
 
 
 def _position(connection: Connection) -> Position | None:
+    """The marker's row: the one place recovery reads it."""
     row = connection.execute(
         select(projection_position).where(projection_position.c.id == POSITION_ROW_ID)
     ).first()
     if row is None:
         return None
-    return Position(int(row.last_seq), str(row.state), str(row.owner), int(row.updated_at_us))
+    last_seq = int(row.last_seq)
+    if row.state == STATE_CURRENT and connection.dialect.name != "sqlite":
+        # PostgreSQL's appends leave the marker alone (storage/chaining.py):
+        # while current, the projections cover the whole log.
+        head = connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
+        last_seq = int(head)
+    return Position(last_seq, str(row.state), str(row.owner), int(row.updated_at_us))
 
 
 def _facts(connection: Connection) -> LogFacts:
@@ -145,29 +195,35 @@ class _RebuildSql:
     per row, SQLAlchemy's own parameter handling costs more than the database."""
 
     def __init__(self, placeholder: str) -> None:
+        p = placeholder
         self.events_after = (
             f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
-            f"WHERE seq > {placeholder} ORDER BY seq LIMIT {placeholder}"
+            f"WHERE seq > {p} ORDER BY seq LIMIT {p}"
+        )
+        self.events_between = (
+            f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
+            f"WHERE seq > {p} AND seq <= {p} ORDER BY seq"
+        )
+        self.links_between = (
+            f"SELECT seq, lane, previous_hash, hash FROM {events.name} "
+            f"WHERE seq > {p} AND seq <= {p} ORDER BY seq"
         )
         self.insert_bookings = (
             f"INSERT INTO {bookings.name} ({', '.join(records.BOOKING_COLUMNS)}) "
-            f"VALUES ({', '.join(placeholder for _ in records.BOOKING_COLUMNS)})"
+            f"VALUES ({', '.join(p for _ in records.BOOKING_COLUMNS)})"
         )
         self.bookings_in_order = (
             f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
             "ORDER BY lane, reservation_id"
         )
+        self.upsert_lanes = _upsert_sql(lanes, records.LANE_COLUMNS, ("lane",), p)
         # The key `count` bookings on: the index steps over the others in C.
-        self.first_booking_key_at = (
-            f"SELECT lane, reservation_id FROM {bookings.name} "
-            f"ORDER BY lane, reservation_id LIMIT 1 OFFSET {placeholder}"
-        )
+        keys = "ORDER BY lane, reservation_id LIMIT 1 OFFSET"
+        self.first_booking_key_at = f"SELECT lane, reservation_id FROM {bookings.name} {keys} {p}"
         self.booking_key_at = (
             f"SELECT lane, reservation_id FROM {bookings.name} "
-            f"WHERE (lane, reservation_id) > ({placeholder}, {placeholder}) "
-            f"ORDER BY lane, reservation_id LIMIT 1 OFFSET {placeholder}"
+            f"WHERE (lane, reservation_id) > ({p}, {p}) {keys} {p}"
         )
-        self.upsert_lanes = _upsert_sql(lanes, records.LANE_COLUMNS, ("lane",), placeholder)
 
 
 def _upsert_sql(table: Table, columns: Sequence[str], keys: Sequence[str], placeholder: str) -> str:
@@ -192,22 +248,17 @@ class _FoldSql:
     written as its opening event's fields with its latest ending's (up to the
     range's end) and the state the fold gives them. One INSERT ... SELECT ...
     ON CONFLICT DO UPDATE, in the syntax SQLite and PostgreSQL share, built
-    from the domain's rule as data (OPENING_STATES, ENDING_STATES). A speed
-    copy kept because the rebuild's target needs it (with the fold in Python
-    the rebuild of 2,000,001 events ran at 24,000-31,000 events/s against a
-    target of 50,000: docs/recovery.md); tests/storage/test_sql_fold.py holds
-    it to `bookings.apply` over random event logs on both databases.
+    from the domain's rule as data (OPENING_STATES, ENDING_STATES). A copy
+    kept because the rebuild's target needs it (docs/recovery.md);
+    tests/storage/test_sql_fold.py holds it to `bookings.apply` over random
+    event logs on both databases.
 
     `problem` finds, first by seq, an event of the range the fold refuses: an
-    ending with no opening before it, an opening without its expiry charge
-    (the Python fold's assertions), or a kind the fold does not know. It is
-    run only when the fold itself refused: the fold writes NULL into
-    bookings' NOT NULL columns for a booking whose opening is missing or
-    comes after its first ending in the range, or has no expiry charge (the
-    database refuses the statement), and `unknown_kind` scans the range for
-    kinds first. Running `problem` on every range cost 1.76 s of the 7.2 s
-    the fold took in a rebuild of 2,000,001 events (a correlated probe per
-    ending)."""
+    ending with no opening before it, an opening without its expiry charge,
+    or a kind the fold does not know. It runs only when the fold refused (it
+    writes NULL into NOT NULL columns for a booking it cannot fold; an
+    unknown kind is looked for first): on every range it was a correlated
+    probe per ending (docs/benchmarks.md)."""
 
     def __init__(self, placeholder: str) -> None:
         p = placeholder
@@ -357,18 +408,6 @@ class SqlProjectionView:
         for rows in self._booking_rows(self._batch):
             yield from records.booking_texts_from_rows(rows)
 
-    def booking_key_after(self, after: BookingKey | None, count: int) -> BookingKey | None:
-        if count < 1:
-            raise ValueError("count must be positive")
-        if after is None:
-            result = self._connection.exec_driver_sql(self._sql.first_booking_key_at, (count - 1,))
-        else:
-            result = self._connection.exec_driver_sql(
-                self._sql.booking_key_at, (after[0], after[1], count - 1)
-            )
-        row = result.first()
-        return (str(row[0]), str(row[1])) if row is not None else None
-
     def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
         for rows in self._booking_rows(size):
             yield SnapshotChunk(
@@ -382,15 +421,20 @@ class SqlRecoveryStore:
         self._sqlite = engine.dialect.name == "sqlite"
         self._batch = batch_rows
         placeholder = "?" if engine.dialect.paramstyle == "qmark" else "%s"
+        self._placeholder = placeholder
         self._sql = _RebuildSql(placeholder)
         self._fold = _FoldSql(placeholder)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
 
     # Transactions -----------------------------------------------------------
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[Connection]:
-        """One snapshot transaction."""
-        with self._engine.connect() as connection:
+        """One snapshot transaction, its database errors translated."""
+        with translated(), self._engine.connect() as connection:
             if not self._sqlite:
                 connection = connection.execution_options(isolation_level="REPEATABLE READ")
             with connection.begin():
@@ -403,7 +447,7 @@ class SqlRecoveryStore:
         if gate is not None and not gate.acquire(timeout=WRITE_GATE_TIMEOUT_SECONDS):
             raise StoreUnavailable()
         try:
-            with self._engine.connect() as connection:
+            with translated(), self._engine.connect() as connection:
                 connection = connection.execution_options(ledger_write=True)
                 with connection.begin():
                     if marker and not self._sqlite:
@@ -417,22 +461,19 @@ class SqlRecoveryStore:
 
     # Reads -------------------------------------------------------------------
 
-    @_unavailable_on_database_errors
     def facts(self) -> LogFacts:
         with self._reading() as connection:
             return _facts(connection)
 
-    @_unavailable_on_database_errors
     def position(self) -> Position | None:
         with self._reading() as connection:
             return _position(connection)
 
     @contextlib.contextmanager
     def view(self) -> Iterator[SqlProjectionView]:
-        with translated(), self._reading() as connection:
+        with self._reading() as connection:
             yield SqlProjectionView(connection, self._batch, self._sql)
 
-    @_unavailable_on_database_errors
     def events_after(
         self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()
     ) -> Sequence[Event]:
@@ -445,15 +486,10 @@ class SqlRecoveryStore:
             rows = connection.exec_driver_sql(self._sql.events_after, (after_seq, limit)).all()
         return records.events_from_rows(rows)
 
-    def content_checks(self, processes: int) -> contextlib.AbstractContextManager[ContentChecks]:
-        return content_check.content_checks(self._engine, processes)
-
-    @_unavailable_on_database_errors
     def last_seq(self) -> int:
         with self._reading() as connection:
             return SqlTransaction(connection, self._sqlite).last_seq()
 
-    @_unavailable_on_database_errors
     def count_events_after(self, after_seq: int) -> int:
         with self._reading() as connection:
             return int(
@@ -462,32 +498,27 @@ class SqlRecoveryStore:
                 ).scalar_one()
             )
 
-    @_unavailable_on_database_errors
     def log_lanes(self) -> Sequence[str]:
         with self._reading() as connection:
             rows = connection.execute(select(events.c.lane).distinct().order_by(events.c.lane))
             return [str(lane) for (lane,) in rows]
 
-    @_unavailable_on_database_errors
     def projected_lanes(self) -> Sequence[LanePolicy]:
         with self._reading() as connection:
             rows = connection.execute(select(lanes).order_by(lanes.c.lane)).mappings()
             return [records.lane_from_row(row) for row in rows]
 
-    @_unavailable_on_database_errors
     def projected_bookings(self, lane: str) -> Sequence[Booking]:
         with self._reading() as connection:
             rows = connection.execute(select(bookings).where(bookings.c.lane == lane)).mappings()
             return [records.booking_from_row(row) for row in rows]
 
-    @_unavailable_on_database_errors
     def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
         with self._reading() as connection:
             return SqlTransaction(connection, self._sqlite).window_totals(lane, now_us, window_us)
 
     # Snapshots -------------------------------------------------------------------
 
-    @_unavailable_on_database_errors
     def snapshots(self) -> Sequence[SnapshotInfo]:
         with self._reading() as connection:
             rows = connection.execute(
@@ -508,7 +539,6 @@ class SqlRecoveryStore:
             after = int(row.chunk_no)
             yield _chunk_of(str(row.kind), json.loads(row.payload))
 
-    @_unavailable_on_database_errors
     def _chunk_after(self, snapshot_id: int, after: int) -> Any:
         with self._reading() as connection:
             return connection.execute(
@@ -521,7 +551,6 @@ class SqlRecoveryStore:
                 .limit(1)
             ).first()
 
-    @_unavailable_on_database_errors
     def begin_snapshot(
         self, position_seq: int, chain_heads: Mapping[str, str], taken_at_us: int
     ) -> int:
@@ -544,7 +573,6 @@ class SqlRecoveryStore:
                 ).scalar_one()
             )
 
-    @_unavailable_on_database_errors
     def write_snapshot_chunk(self, snapshot_id: int, chunk_no: int, chunk: SnapshotChunk) -> None:
         kind, rows = _rows_of(chunk)
         with self._writing() as connection:
@@ -557,7 +585,6 @@ class SqlRecoveryStore:
                 )
             )
 
-    @_unavailable_on_database_errors
     def complete_snapshot(
         self, snapshot_id: int, digest: ProjectionDigest, chain_verified: bool
     ) -> None:
@@ -574,7 +601,6 @@ class SqlRecoveryStore:
                 )
             )
 
-    @_unavailable_on_database_errors
     def prune_snapshots(self, keep: int, unfinished_before_us: int) -> int:
         """Keeps the newest `keep` complete snapshots and unfinished ones still
         young enough to be in progress; deletes the rest with their chunks."""
@@ -609,17 +635,14 @@ class SqlRecoveryStore:
 
     # Rebuilding ------------------------------------------------------------------
 
-    @_unavailable_on_database_errors
     def claim_rebuild(self, owner: str, now_us: int, lease_us: int) -> bool:
         with self._writing(marker=True) as connection:
-            row = connection.execute(
-                select(projection_position).where(projection_position.c.id == POSITION_ROW_ID)
-            ).first()
+            row = _position(connection)
             if (
                 row is not None
                 and row.state == STATE_REBUILDING
                 and row.owner != owner
-                and now_us - int(row.updated_at_us) < lease_us
+                and now_us - row.updated_at_us < lease_us
             ):
                 return False
             values = {"state": STATE_REBUILDING, "owner": owner, "updated_at_us": now_us}
@@ -649,7 +672,6 @@ class SqlRecoveryStore:
         if result.rowcount != 1:
             raise RebuildClaimLost("the rebuild was taken over by another process")
 
-    @_unavailable_on_database_errors
     def reset_projections(self, owner: str, position_seq: int, now_us: int) -> None:
         with self._writing() as connection:
             self._advance(connection, owner, position_seq, now_us)
@@ -658,15 +680,10 @@ class SqlRecoveryStore:
             # Kept window sums are a cache over the bookings: recomputed on first use.
             connection.execute(delete(window_states))
 
-    @_unavailable_on_database_errors
     def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None:
         with self._writing() as connection:
-            row = connection.execute(
-                select(projection_position.c.last_seq).where(
-                    projection_position.c.id == POSITION_ROW_ID
-                )
-            ).scalar_one_or_none()
-            self._advance(connection, owner, int(row or 0), now_us)
+            row = _position(connection)
+            self._advance(connection, owner, row.last_seq if row else 0, now_us)
             if chunk.booking_rows:
                 connection.exec_driver_sql(self._sql.insert_bookings, list(chunk.booking_rows))
             elif chunk.lanes:
@@ -674,7 +691,69 @@ class SqlRecoveryStore:
             elif chunk.bookings:
                 connection.execute(insert(bookings), _rows_of(chunk)[1])
 
-    @_unavailable_on_database_errors
+    def event_rows(self, after_seq: int, through_seq: int) -> list[tuple[Any, ...]]:
+        """The events in (after_seq, through_seq] as rows of EVENT_COLUMNS, in seq order."""
+        return self._range(self._sql.events_between, after_seq, through_seq)
+
+    def booking_keys(self, every: int) -> list[BookingKey]:
+        """The key of every `every`-th booking, in key order: where parts of
+        the bookings end."""
+        found: list[BookingKey] = []
+        with self._reading() as connection:
+            while True:
+                if not found:
+                    row = connection.exec_driver_sql(self._sql.first_booking_key_at, (every - 1,))
+                else:
+                    row = connection.exec_driver_sql(
+                        self._sql.booking_key_at, (*found[-1], every - 1)
+                    )
+                key = row.first()
+                if key is None:
+                    return found
+                found.append((str(key[0]), str(key[1])))
+
+    def booking_lines(
+        self, after: BookingKey | None, through: BookingKey | None
+    ) -> tuple[int, bytes]:
+        """How many bookings have keys in (after, through] (None: from the
+        first, to the last), and snapshots.booking_lines of their texts, in
+        key order."""
+        conditions: list[str] = []
+        parameters: list[str] = []
+        if after is not None:
+            conditions.append(
+                f"(lane, reservation_id) > ({self._placeholder}, {self._placeholder})"
+            )
+            parameters += after
+        if through is not None:
+            conditions.append(
+                f"(lane, reservation_id) <= ({self._placeholder}, {self._placeholder})"
+            )
+            parameters += through
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+        sql = (
+            f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name}{where} "
+            "ORDER BY lane, reservation_id"
+        )
+        with self._reading() as connection:
+            rows = [tuple(row) for row in connection.exec_driver_sql(sql, tuple(parameters))]
+        texts = records.booking_texts_from_rows(rows)
+        return len(texts), snapshots_module.booking_lines(texts)
+
+    def link_rows(self, after_seq: int, through_seq: int) -> list[tuple[Any, ...]]:
+        """(seq, lane, previous_hash, hash) of the events in (after_seq, through_seq]."""
+        return self._range(self._sql.links_between, after_seq, through_seq)
+
+    def _range(self, sql: str, after_seq: int, through_seq: int) -> list[tuple[Any, ...]]:
+        # Through the driver's own cursor: rows as plain tuples, in one read.
+        with self._reading() as connection:
+            cursor = connection.connection.cursor()
+            try:
+                cursor.execute(sql, (after_seq, through_seq))
+                return list(cursor.fetchall())
+            finally:
+                cursor.close()
+
     def fold_events(
         self,
         owner: str,
@@ -685,7 +764,7 @@ class SqlRecoveryStore:
         *,
         dry_run: bool = False,
     ) -> None:
-        with self._engine.connect() as connection:
+        with translated(), self._engine.connect() as connection:
             connection = connection.execution_options(ledger_write=True)
             transaction = connection.begin()
             range_parameters = self._fold.problem_parameters(after_seq, through_seq)
@@ -726,7 +805,6 @@ class SqlRecoveryStore:
             else:
                 transaction.commit()
 
-    @_unavailable_on_database_errors
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
         with self._writing(marker=True) as connection:
             head = connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
@@ -747,7 +825,6 @@ class SqlRecoveryStore:
 
     # Manifests ---------------------------------------------------------------------
 
-    @_unavailable_on_database_errors
     def save_manifest(
         self, manifest: Manifest, actor: str, created_at_us: int, outcome: str
     ) -> int:
@@ -768,7 +845,6 @@ class SqlRecoveryStore:
                 ).scalar_one()
             )
 
-    @_unavailable_on_database_errors
     def update_manifest(self, manifest_id: int, outcome: str, elapsed_ms: int) -> None:
         with self._writing() as connection:
             connection.execute(
@@ -777,7 +853,6 @@ class SqlRecoveryStore:
                 .values(outcome=outcome, elapsed_ms=elapsed_ms)
             )
 
-    @_unavailable_on_database_errors
     def manifests(self, limit: int = 10) -> Sequence[Mapping[str, Any]]:
         """The newest manifests, newest first (for people and tests)."""
         with self._reading() as connection:

@@ -6,54 +6,53 @@ written in the same transaction as each event. When a look at the database
 `plan` lists the sources that could rebuild them (each recent snapshot plus the
 tail of the log after it, or the whole log), verifies each one (snapshot
 digests, hash-chain links), estimates each one's cost from a replay rate
-measured on a sample, scores its risk, and lets the domain planner
-(`domain/recovery.py`) decide. An admissible plan is carried out by `rebuild`
-in bounded batches; anything else is a clean refusal that leaves the
-projections untouched and the server closed to moves.
+measured on a sample, scores its risk, and lets the planner (`plan.py`)
+decide. An admissible plan is carried out by `rebuild` in ranges of the log;
+anything else is a clean refusal that leaves the projections untouched and
+the server closed to moves.
 
 `RecoveryGuard` is the server's side of it (see docs/recovery.md).
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence
 
-from ledger_service.domain import recovery as planner
-from ledger_service.domain.bookings import Booking
-from ledger_service.domain.chain import ChainBreak, ChainWalker, altered
+from ledger_service.domain.chain import ChainBreak, ChainWalker
 from ledger_service.domain.clock import MICROS_PER_SECOND, Clock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.policies import LanePolicy, policy_from_dict
-from ledger_service.domain.recovery import Manifest, RecoveryPolicy, Source
-from ledger_service.domain.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
-from ledger_service.domain.window import WindowTotals
+from ledger_service.recovery import plan as planner
+from ledger_service.recovery.plan import Manifest, RecoveryPolicy, Source
+from ledger_service.recovery.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
+from ledger_service.recovery.store import (
+    STATE_CURRENT,
+    STATE_REBUILDING,
+    BookingKey,
+    LogFacts,
+    RebuildClaimLost,
+    RebuildFailed,
+    SnapshotChunk,
+    SqlProjectionView,
+    SqlRecoveryStore,
+)
+from ledger_service.recovery.walk import BookingLines, ChainWalk, Walk, ranges
 
 log = logging.getLogger("ledger.recovery")
 
-STATE_CURRENT = "current"
-STATE_REBUILDING = "rebuilding"
-# At most this many chain breaks are named; more are only counted.
-MAX_NAMED_BREAKS = 1000
 FULL_LOG_SOURCE = "log"
 # The server's snapshots come at most this many copied rows per event apart
 # (see Recovery.snapshot_due).
 SNAPSHOT_ROWS_PER_EVENT = 10
-# A rebuild's digest has the bookings' lines made in ranges of this many
+# A rebuild's digest has the bookings' lines made in parts of this many
 # (about 9 MB of lines each for the benchmark's bookings).
 DIGEST_RANGE_BOOKINGS = 20_000
-# Ranges a rebuild has walked before it deletes the old projections (their
-# results are a few links and heads each; the rows stay in the processes).
-EARLY_WALKS = 64
 
 # (phase, done, total, elapsed_seconds)
 ProgressFn = Callable[[str, int, int, float], None]
@@ -63,250 +62,18 @@ def no_progress(phase: str, done: int, total: int, elapsed_seconds: float) -> No
     return None
 
 
-# The storage interface recovery needs ------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Position:
-    """The projections' position marker."""
-
-    last_seq: int
-    state: str
-    owner: str
-    updated_at_us: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LogFacts:
-    """What one consistent, cheap look at the database shows."""
-
-    position: Position | None
-    head_seq: int
-    event_count: int
-    # reserved + denied events: each is one booking.
-    answer_events: int
-    # Lanes with a lane_configured event: each is one lanes row.
-    configured_lanes: int
-    bookings: int
-    lanes: int
-    # Bookings whose latest event (max of answer_seq, ended_seq) is missing or
-    # names another amount, lane or reservation id.
-    stale_bookings: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SnapshotChunk:
-    lanes: Sequence[LanePolicy] = ()
-    bookings: Sequence[Booking] = ()
-    # Bookings as rows the store keeps them in (opaque here), with each one's
-    # canonical text (chain.canonical_json of its Booking): how the projections
-    # are copied into a snapshot and back without a Booking built for each.
-    booking_rows: Sequence[Sequence[Any]] = ()
-    booking_texts: Sequence[str] = ()
-
-    def add_to(self, digest: ProjectionDigest) -> None:
-        for policy in self.lanes:
-            digest.add_lane(policy)
-        for booking in self.bookings:
-            digest.add_booking(booking)
-        for text in self.booking_texts:
-            digest.add_booking_text(text)
-
-    @property
-    def rows(self) -> int:
-        return len(self.lanes) + len(self.bookings) + len(self.booking_rows)
-
-
-# A booking's key, (lane, reservation_id): the order of ProjectionView.bookings.
-BookingKey = tuple[str, str]
-
-
-class ProjectionView(Protocol):
-    """One consistent read of the database (a snapshot transaction)."""
-
-    @property
-    def facts(self) -> LogFacts: ...
-
-    @property
-    def position(self) -> Position | None:
-        """facts.position, without the rest of the facts."""
-        ...
-
-    def chain_heads(self, through_seq: int) -> Mapping[str, str]:
-        """Each lane's last hash at or before `through_seq`; lanes whose
-        events all predate the chain are left out."""
-        ...
-
-    def lanes(self) -> Iterator[LanePolicy]: ...
-
-    def bookings(self) -> Iterator[Booking]: ...
-
-    def booking_texts(self) -> Iterator[str]:
-        """chain.canonical_json of each of `bookings`, in the same order."""
-        ...
-
-    def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
-        """`bookings`, `size` at a time, as chunks of rows with their texts."""
-        ...
-
-    def booking_key_after(self, after: BookingKey | None, count: int) -> BookingKey | None:
-        """The key of the `count`th booking after `after` (from the first
-        with None), in the order of `bookings`; None when there are fewer."""
-        ...
-
-
-class ChainLink(NamedTuple):
-    """What a link of the chain is checked by (chain.ChainWalker.check_link)."""
-
-    seq: int
-    lane: str
-    previous_hash: str
-    hash: str
-
-
-@dataclasses.dataclass(frozen=True)
-class WalkedRange:
-    """A range of the log walked on its own, without the heads its lanes had
-    before it (`take_range` ends the walk with them).
-
-    A lane's events up to and including its first sealed one in the range
-    (`leading`) need the head from before the range, so they are left to the
-    caller, with which of them no longer hash to their hash (`altered`). Every
-    later event was checked here, link and content, by a ChainWalker that
-    starts from that first sealed hash: `breaks` is what it found, in seq
-    order, `heads` the lanes' heads after the range and `unsealed` how many
-    unsealed events it passed."""
-
-    events: int
-    last_seq: int
-    leading: Sequence[ChainLink]
-    altered: Sequence[int]
-    breaks: Sequence[ChainBreak]
-    heads: Mapping[str, str]
-    unsealed: int
-    lane_events: Sequence[Event]
-
-
-class ContentChecks(Protocol):
-    def submit_walk(self, after_seq: int, through_seq: int) -> Future[WalkedRange]:
-        """Starts walking (after_seq, through_seq] on its own (WalkedRange)."""
-        ...
-
-    def submit_booking_lines(
-        self, after: BookingKey | None, through: BookingKey | None
-    ) -> Future[tuple[int, bytes]]:
-        """Starts making snapshots.booking_lines of the bookings with keys in
-        (after, through] (None: from the first, to the last); the future
-        gives how many there were and the lines."""
-        ...
-
-
-class RebuildClaimLost(Exception):
-    """Another process took the rebuild over (its lease had expired for ours)."""
-
-
-class RecoveryStore(Protocol):
-    def facts(self) -> LogFacts: ...
-
-    def position(self) -> Position | None:
-        """The marker alone: one row, cheap enough for every maintenance turn."""
-        ...
-
-    def view(self) -> contextlib.AbstractContextManager[ProjectionView]: ...
-
-    def events_after(
-        self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()
-    ) -> Sequence[Event]: ...
-
-    def count_events_after(self, after_seq: int) -> int: ...
-
-    def last_seq(self) -> int:
-        """The log's last seq (0 when empty)."""
-        ...
-
-    def content_checks(self, processes: int) -> contextlib.AbstractContextManager[ContentChecks]:
-        """Checks of events' contents, run by up to `processes` other processes
-        (none: in the caller's thread)."""
-        ...
-
-    def log_lanes(self) -> Sequence[str]: ...
-
-    def projected_lanes(self) -> Sequence[LanePolicy]: ...
-
-    def projected_bookings(self, lane: str) -> Sequence[Booking]: ...
-
-    def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals: ...
-
-    def snapshots(self) -> Sequence[SnapshotInfo]:
-        """Complete snapshots, newest position first (a bounded few)."""
-        ...
-
-    def snapshot_chunks(self, snapshot_id: int) -> Iterator[SnapshotChunk]: ...
-
-    def begin_snapshot(
-        self, position_seq: int, chain_heads: Mapping[str, str], taken_at_us: int
-    ) -> int: ...
-
-    def write_snapshot_chunk(
-        self, snapshot_id: int, chunk_no: int, chunk: SnapshotChunk
-    ) -> None: ...
-
-    def complete_snapshot(
-        self, snapshot_id: int, digest: ProjectionDigest, chain_verified: bool
-    ) -> None: ...
-
-    def prune_snapshots(self, keep: int, unfinished_before_us: int) -> int: ...
-
-    def claim_rebuild(self, owner: str, now_us: int, lease_us: int) -> bool: ...
-
-    def reset_projections(self, owner: str, position_seq: int, now_us: int) -> None: ...
-
-    def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None: ...
-
-    def fold_events(
-        self,
-        owner: str,
-        lanes: Sequence[LanePolicy],
-        after_seq: int,
-        through_seq: int,
-        now_us: int,
-        *,
-        dry_run: bool = False,
-    ) -> None:
-        """In one transaction: writes `lanes`, and every booking an event in
-        (after_seq, through_seq] touches, as `bookings.apply` folds it from the
-        log (its opening event's fields with its latest ending's), and moves
-        the marker to through_seq. Raises RebuildFailed, writing nothing, when
-        an event of the range cannot be folded."""
-        ...
-
-    def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
-        """Marks the projections current at applied_seq if that is the log's head."""
-        ...
-
-    def save_manifest(
-        self, manifest: Manifest, actor: str, created_at_us: int, outcome: str
-    ) -> int: ...
-
-    def update_manifest(self, manifest_id: int, outcome: str, elapsed_ms: int) -> None: ...
-
-
-# Values ------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class RecoverySettings:
     batch_events: int = 1000
     sample_events: int = 2000
     snapshot_keep: int = 2
     lease_seconds: float = 30.0
-    # Processes that check events' contents during a rebuild of at least
-    # parallel_min_events events (see storage/content_check.py); 0: none.
+    # A rebuild of at least parallel_min_events events has its events'
+    # contents checked, and its digest's lines made, by this many helper
+    # processes (walk.py); 0: none.
     check_processes: int = 0
     parallel_min_events: int = 50_000
-    # Seqs per range of a replay (0: batch_events). Side by side on 2,000,001
-    # events, ranges of 1,000 gave 80,913 and 82,911 events/s, of 5,000
-    # 96,495 and 95,592, of 10,000 and 20,000 about the same.
+    # Seqs per range of a replay (0: batch_events; docs/benchmarks.md).
     replay_range_events: int = 0
     # Accept the log's last event as the position to restore to, even when the
     # marker or a snapshot says the projections had gone further (events lost).
@@ -354,59 +121,6 @@ class ChainBroken(Exception):
         self.chain_break = chain_break
 
 
-class RebuildFailed(Exception):
-    pass
-
-
-@dataclasses.dataclass
-class _Walk:
-    """What walking the chain over a range found."""
-
-    breaks: list[ChainBreak] = dataclasses.field(default_factory=list)
-    break_count: int = 0
-    unsealed: int = 0
-    # The walker's heads right after each requested position.
-    heads_at: dict[int, dict[str, str]] = dataclasses.field(default_factory=dict)
-
-    def note(self, found: ChainBreak) -> None:
-        self.break_count += 1
-        if len(self.breaks) < MAX_NAMED_BREAKS:
-            self.breaks.append(found)
-
-    def after(self, seq: int) -> list[ChainBreak]:
-        return [found for found in self.breaks if found.seq > seq]
-
-
-def _checked(walker: ChainWalker, link: ChainLink, altered_seqs: set[int]) -> ChainBreak | None:
-    """What ChainWalker.check finds at the link's event, given the seqs whose
-    content was found not to give their hash."""
-    found = walker.check_link(*link)
-    if found is None and link.seq in altered_seqs:
-        return altered(link.seq, link.lane)
-    return found
-
-
-def take_range(walker: ChainWalker, walked: WalkedRange) -> list[ChainBreak]:
-    """Ends the walk of a range with the walker's heads from before it: its
-    lanes' leading events are checked here, then the walker goes on from the
-    heads the range left. Returns what was found, here or in the range, in seq
-    order: what `walker.check` over each of the range's events would have
-    found (tests/recovery/test_parallel_rebuild.py compares)."""
-    found: list[ChainBreak] = []
-    altered_seqs = set(walked.altered)
-    for link in walked.leading:
-        broken = _checked(walker, link, altered_seqs)
-        if broken is not None:
-            found.append(broken)
-    found += walked.breaks
-    walker.heads.update(walked.heads)
-    walker.unsealed += walked.unsealed
-    walker.checked += walked.events - len(walked.leading)
-    if walked.events:
-        walker.last_seq = walked.last_seq
-    return sorted(found, key=lambda broken: broken.seq)
-
-
 def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
     """The lanes as the batch's lane_configured events leave them (the same
     fold as the live path: `policy_from_dict`)."""
@@ -419,10 +133,7 @@ def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
     return lanes
 
 
-# The recovery service -------------------------------------------------------------
-
-
-def _digest_of_lanes(view: ProjectionView, heads: Mapping[str, str] | None) -> ProjectionDigest:
+def _digest_of_lanes(view: SqlProjectionView, heads: Mapping[str, str] | None) -> ProjectionDigest:
     """A projection's digest with its position, the lanes' chain heads there
     (`heads`, or read from the log when None) and its lanes, its bookings to
     come: what a snapshot taken at that position gives, so that the digest
@@ -438,42 +149,10 @@ def _digest_of_lanes(view: ProjectionView, heads: Mapping[str, str] | None) -> P
     return digest
 
 
-class _Walks:
-    """The ranges of a walk from `position` to `head`, of at most `size` seqs
-    and ending at each of `cuts`, each walked by `checks` (WalkedRange) once
-    submitted, in order."""
-
-    def __init__(
-        self,
-        checks: ContentChecks,
-        position: int,
-        head: int,
-        size: int,
-        cuts: Sequence[int] = (),
-    ) -> None:
-        self._checks = checks
-        self._head = head
-        self._size = size
-        self._cuts = collections.deque(sorted(cut for cut in cuts if position < cut < head))
-        self.read_to = position
-        self.pending: collections.deque[tuple[int, int, Future[WalkedRange]]] = collections.deque()
-
-    def fill(self, ahead: int) -> None:
-        """Submits ranges until `ahead` are pending or the head is reached."""
-        while self.read_to < self._head and len(self.pending) < ahead:
-            after, through = self.read_to, min(self.read_to + self._size, self._head)
-            while self._cuts and self._cuts[0] <= after:
-                self._cuts.popleft()
-            if self._cuts and self._cuts[0] < through:
-                through = self._cuts.popleft()
-            self.pending.append((after, through, self._checks.submit_walk(after, through)))
-            self.read_to = through
-
-
 class Recovery:
     def __init__(
         self,
-        store: RecoveryStore,
+        store: SqlRecoveryStore,
         wall_clock: Clock,
         settings: RecoverySettings,
         owner: str,
@@ -484,7 +163,7 @@ class Recovery:
         self.owner = owner
 
     @property
-    def store(self) -> RecoveryStore:
+    def store(self) -> SqlRecoveryStore:
         return self._store
 
     # Assessment -------------------------------------------------------------
@@ -528,41 +207,39 @@ class Recovery:
         anchor: SnapshotInfo | None,
         positions: Sequence[int],
         through_seq: int | None = None,
-    ) -> _Walk:
+    ) -> Walk:
         """Checks every link and content after `anchor` (or from genesis) up to
-        `through_seq` (or the log's last event when the walk starts), in ranges
-        walked by the checking processes as a rebuild's are, cut at each of
-        `positions` to note the heads there."""
-        walk = _Walk()
-        walker = ChainWalker(anchor.chain_heads if anchor else None)
+        `through_seq` (or the log's last event when the walk starts), in the
+        rebuild's ranges (the contents by helper processes when they are
+        many), cut at each of `positions` to note the heads there."""
+        walk = Walk()
+        heads = dict(anchor.chain_heads) if anchor else {}
         after = anchor.position_seq if anchor else 0
         head = self._store.last_seq() if through_seq is None else through_seq
         pending = sorted(position for position in positions if position >= after)
+        ends = ranges(after, head, self._replay_range(), pending)
         while pending and pending[0] == after:
-            walk.heads_at[pending.pop(0)] = dict(walker.heads)
-        with self._content_checks(after) as checks:
-            walks = _Walks(checks, after, head, self._replay_range(), cuts=pending)
-            ahead = self._ranges_ahead()
-            while True:
-                walks.fill(ahead)
-                if not walks.pending:
-                    break
-                _, through, walked = walks.pending.popleft()
-                for found in take_range(walker, walked.result()):
+            walk.heads_at[pending.pop(0)] = dict(heads)
+        processes = self._processes(self._store.count_events_after(after))
+        with ChainWalk(self._store, heads, after, ends, processes=processes) as walked:
+            for taken in walked:
+                for found in taken.breaks:
                     walk.note(found)
-                while pending and pending[0] <= through:
-                    walk.heads_at[pending.pop(0)] = dict(walker.heads)
+                walk.unsealed += taken.unsealed
+                heads = dict(taken.heads)
+                while pending and pending[0] <= taken.through_seq:
+                    walk.heads_at[pending.pop(0)] = dict(heads)
         for position in pending:
-            walk.heads_at[position] = dict(walker.heads)
-        walk.unsealed = walker.unsealed
+            walk.heads_at[position] = dict(heads)
         return walk
+
+    def _processes(self, events: int) -> int:
+        """Helper processes for work over `events` events: none for fewer
+        than parallel_min_events (starting them costs about a second)."""
+        return self.settings.check_processes if events >= self.settings.parallel_min_events else 0
 
     def _replay_range(self) -> int:
         return max(1, self.settings.replay_range_events or self.settings.batch_events)
-
-    def _ranges_ahead(self) -> int:
-        """Ranges submitted to the checking processes ahead of the one taken."""
-        return max(2, 2 * self.settings.check_processes)
 
     # Planning ----------------------------------------------------------------
 
@@ -621,7 +298,7 @@ class Recovery:
             anchor = None
 
     def _log_source(
-        self, facts: LogFacts, anchor: SnapshotInfo | None, walk: _Walk, rate: float, lost: bool
+        self, facts: LogFacts, anchor: SnapshotInfo | None, walk: Walk, rate: float, lost: bool
     ) -> tuple[Source, Route]:
         risk = planner.RISK_VERIFIED
         detail = f"replay all {facts.event_count} events at {rate:.0f} events/s"
@@ -645,7 +322,7 @@ class Recovery:
         return source, Route(FULL_LOG_SOURCE, None, tolerated)
 
     def _snapshot_source(
-        self, snapshot: SnapshotInfo, problem: str, walk: _Walk, rate: float, lost: bool
+        self, snapshot: SnapshotInfo, problem: str, walk: Walk, rate: float, lost: bool
     ) -> tuple[Source, Route]:
         tail = self._store.count_events_after(snapshot.position_seq)
         source_id = f"snapshot-{snapshot.snapshot_id}"
@@ -694,10 +371,10 @@ class Recovery:
         return ""
 
     def measure_rate(self) -> float:
-        """Events per second of the rebuild pipeline (read, check the chain,
+        """Events per second of the rebuild's path (read, check the chain,
         fold and write), measured on a sample of the log's first events folded
-        in a transaction that is rolled back. The rebuild overlaps the fold
-        with the next batch's check; the sample does not, so it errs slow."""
+        in a transaction that is rolled back. The rebuild checks in a helper
+        process while it folds; the sample does not, so it errs slow."""
         started = time.perf_counter()
         sample = self._store.events_after(0, self.settings.sample_events)
         if not sample:
@@ -732,103 +409,62 @@ class Recovery:
 
     def rebuild_uncommitted(self, route: Route, progress: ProgressFn = no_progress) -> str:
         """Rebuilds, leaving the marker "rebuilding" (no move is taken meanwhile);
-        returns the digest of the projections built, for a cross-check."""
+        returns the digest of the projections built, for a cross-check.
+
+        The log is folded in ranges of `replay_range_events` seqs, each once
+        the chain walk (in a helper process, for a long log) has checked every
+        event in it, in log order; the helper starts before the old
+        projections are deleted, which it does not need."""
         started = time.perf_counter()
         if not self._store.claim_rebuild(self.owner, self._wall.now_us(), self._lease_us()):
             raise RebuildClaimLost("another process is rebuilding the projections")
         snapshot = route.snapshot
         position = snapshot.position_seq if snapshot else 0
+        heads = dict(snapshot.chain_heads) if snapshot else {}
         total = self._store.count_events_after(position)
-        with self._content_checks(position, total) as checks:
-            walks = _Walks(checks, position, self._store.last_seq(), self._replay_range())
-            # The log's ranges need no projection: the processes walk the first
-            # ones while the database deletes the old projections (1.4 s for
-            # 1,000,000 bookings) and restores a snapshot's.
-            walks.fill(EARLY_WALKS)
+        ends = ranges(position, self._store.last_seq(), self._replay_range())
+        processes = self._processes(total)
+        with (
+            ChainWalk(self._store, heads, position, ends, processes=processes) as walked,
+            concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder,
+            BookingLines(self._store, processes) as lines,
+        ):
             self._store.reset_projections(self.owner, position, self._wall.now_us())
             if snapshot is not None:
                 self._restore(snapshot, progress, started)
-            walker = ChainWalker(snapshot.chain_heads if snapshot else None)
-            self._replay(route, walker, walks, total, progress, started)
-            return self._digest_in_ranges(checks, walker.heads)
-
-    def _digest_in_ranges(self, checks: ContentChecks, heads: Mapping[str, str]) -> str:
-        """projection_digest, the bookings' lines made by `checks` in ranges of
-        DIGEST_RANGE_BOOKINGS keys: in the checking processes, when there are
-        any, while this thread hashes the ranges in order. Only while nothing
-        writes the projections (a rebuild's marker keeps moves out): the
-        ranges are read in transactions of their own."""
-        ahead = self._ranges_ahead()
-        pending: collections.deque[Future[tuple[int, bytes]]] = collections.deque()
-        with self._store.view() as view:
-            digest = _digest_of_lanes(view, heads)
-            after: BookingKey | None = None
-            while True:
-                through = view.booking_key_after(after, DIGEST_RANGE_BOOKINGS)
-                pending.append(checks.submit_booking_lines(after, through))
-                if len(pending) >= ahead:
-                    digest.add_booking_lines(*pending.popleft().result())
-                if through is None:
-                    break
-                after = through
-        while pending:
-            digest.add_booking_lines(*pending.popleft().result())
-        return digest.hexdigest()
-
-    def _content_checks(
-        self, after_seq: int, events: int | None = None
-    ) -> contextlib.AbstractContextManager[ContentChecks]:
-        """Checks of the contents of the events after `after_seq` (`events` of
-        them, counted when not given): in other processes when they are many."""
-        processes = self.settings.check_processes
-        if processes > 0:
-            if events is None:
-                events = self._store.count_events_after(after_seq)
-            if events < self.settings.parallel_min_events:
-                processes = 0
-        return self._store.content_checks(processes)
-
-    def _replay(
-        self,
-        route: Route,
-        walker: ChainWalker,
-        walks: _Walks,
-        total: int,
-        progress: ProgressFn,
-        started: float,
-    ) -> None:
-        """Checks and folds the log as a pipeline over ranges of
-        `replay_range_events` seqs: other processes walk the next few ranges on
-        their own (`walks`, WalkedRange), this thread ends the walk of the
-        oldest with the heads from before it (`take_range`), and the database
-        folds it in a thread of its own (one statement, without the GIL) while
-        the next is taken. A range is folded only after every event in it
-        checked out, and in log order."""
-        ahead = self._ranges_ahead()
-        pending = walks.pending
-        done = 0
-        with concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder:
-            folding: Future[None] | None = None
-            while True:
-                walks.fill(ahead)
-                if not pending:
-                    break
-                after, through, walked = pending.popleft()
-                taken = walked.result()
-                for broken in take_range(walker, taken):
+            done, folding = 0, None
+            for taken in walked:
+                for broken in taken.breaks:
                     if broken.seq not in route.tolerated_breaks:
                         raise ChainBroken(broken)
-                lanes = list(lanes_of(taken.lane_events).values())
+                # The database folds a range (without the GIL) while the next is walked.
                 if folding is not None:
                     folding.result()
                     progress("replay", done, max(total, done), time.perf_counter() - started)
+                lanes = list(lanes_of(taken.lane_events).values())
                 folding = folder.submit(
-                    self._store.fold_events, self.owner, lanes, after, through, self._wall.now_us()
+                    self._store.fold_events,
+                    *(self.owner, lanes, taken.after_seq, taken.through_seq, self._wall.now_us()),
                 )
+                heads = dict(taken.heads)
                 done += taken.events
             if folding is not None:
                 folding.result()
                 progress("replay", done, max(total, done), time.perf_counter() - started)
+            return self._digest(lines, heads)
+
+    def _digest(self, lines: BookingLines, heads: Mapping[str, str]) -> str:
+        """projection_digest, the bookings' lines made in parts of
+        DIGEST_RANGE_BOOKINGS by `lines` (in other processes, when it has
+        any) and hashed here in order. Only while nothing writes the
+        projections (a rebuild's marker keeps moves out): the parts are read
+        in transactions of their own."""
+        with self._store.view() as view:
+            digest = _digest_of_lanes(view, heads)
+        keys: list[BookingKey | None] = [*self._store.booking_keys(DIGEST_RANGE_BOOKINGS)]
+        for count, made in lines.lines(list(zip([None, *keys], [*keys, None], strict=True))):
+            digest.add_booking_lines(count, made)
+        return digest.hexdigest()
 
     def _restore(
         self,
@@ -846,10 +482,11 @@ class Recovery:
         if digest.hexdigest() != snapshot.digest:
             raise RebuildFailed(f"snapshot {snapshot.snapshot_id} changed while it was restored")
 
-    def projection_digest(self) -> str:
-        """The digest of the projections as they stand (for cross-checks)."""
+    def projection_digest(self, heads: Mapping[str, str] | None = None) -> str:
+        """The digest of the projections as they stand, with the lanes' chain
+        heads `heads` (read from the log when None)."""
         with self._store.view() as view:
-            digest = _digest_of_lanes(view, None)
+            digest = _digest_of_lanes(view, heads)
             for text in view.booking_texts():
                 digest.add_booking_text(text)
         return digest.hexdigest()
@@ -928,7 +565,7 @@ class Recovery:
         return info
 
     def _write_chunks(
-        self, snapshot_id: int, view: ProjectionView, digest: ProjectionDigest
+        self, snapshot_id: int, view: SqlProjectionView, digest: ProjectionDigest
     ) -> None:
         size = self.settings.batch_events
         chunk_no = 0
