@@ -46,6 +46,7 @@ SLOW_FIXTURES = frozenset(
 SLOW_MODULES = (
     "tests/test_cli",
     "tests/test_readme.py",
+    "tests/test_postgresql_doc.py",
     "tests/test_bench_",
     "tests/test_e2e_",
     "tests/test_state_machine.py",

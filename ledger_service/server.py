@@ -1,7 +1,10 @@
 """The server process: wiring, health, reflection, the sweeper, graceful stop.
 
 Health reports SERVING only once the database answers, and NOT_SERVING while it
-does not or while the server is shutting down.
+does not or while the server is shutting down. A thread of its own probes the
+database every health_check_interval_seconds, each probe bounded by
+health_check_timeout_seconds, so a database that stops answering turns health
+NOT_SERVING even while the sweeper or a recovery check waits on it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ledger_service.api import tracing
 from ledger_service.api.auth import AuthInterceptor
+from ledger_service.api.deadlines import CallDeadlineInterceptor
 from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.gate import RecoveryGateInterceptor
 from ledger_service.api.pipeline import MethodPipeline
@@ -103,7 +107,10 @@ class LedgerServer:
         self.guard = recovery_guard(settings, self.store, self._on_recovery_change)
         self.health = health.HealthServicer()
         self._stopping = threading.Event()
+        # Set while the health probe finds the database answering.
+        self._database_answers = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
+        self._health_probe = threading.Thread(target=self._probe, name="health", daemon=True)
         self.keyring = keyring.load_or_create(settings.data_dir)
         # For the local CLI and in-process tests: an admin grant, issued afresh every start.
         self.admin_grant = issue_admin_grant(settings, self.keyring)
@@ -120,6 +127,8 @@ class LedgerServer:
         chain = [
             self._tracing,
             ErrorInterceptor(),
+            # The caller's deadline bounds the store's work (storage/watchdog.py).
+            CallDeadlineInterceptor(),
             *self._auth_interceptors(),
             RecoveryGateInterceptor(self._ready_for_moves, self.guard.required),
             self._messages,
@@ -178,6 +187,7 @@ class LedgerServer:
         self._server.start()
         self.guard.start()
         self._check_database()
+        self._health_probe.start()
         self._maintenance.start()
         host = self.settings.listen.rsplit(":", 1)[0]
         log.info(
@@ -204,28 +214,44 @@ class LedgerServer:
         return self.guard.is_ready()
 
     def _check_database(self) -> bool:
-        """Whether the database answers; health NOT_SERVING when not. A damaged
-        store (the store logs what and what to do, once) stays NOT_SERVING, and
-        the maintenance thread stops its recovery checks and sweeps."""
+        """Whether the database answers within the health check's bound; health
+        NOT_SERVING when not. A damaged store (the store logs what and what to
+        do, once) stays NOT_SERVING, and the maintenance thread stops its
+        recovery checks and sweeps."""
         try:
-            self.store.ping()
+            self.store.ping(timeout_seconds=self.settings.health_check_timeout_seconds)
         except (StoreDamaged, StoreUnavailable):
+            if self._database_answers.is_set():
+                log.warning("health: the database does not answer; NOT_SERVING")
+            self._database_answers.clear()
             if not self._stopping.is_set():
                 self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             return False
+        if not self._database_answers.is_set():
+            log.info("health: the database answers")
+        self._database_answers.set()
         if not self._stopping.is_set():
             self._on_recovery_change(self.guard.is_ready())
         return True
 
     def _on_recovery_change(self, ready: bool) -> None:
         if not self._stopping.is_set():
-            serving = health_pb2.HealthCheckResponse.SERVING
-            self._set_health(serving if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
+            serving = ready and self._database_answers.is_set()
+            self._set_health(
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+
+    def _probe(self) -> None:
+        """Probes the database until stopped (health follows each answer)."""
+        while not self._stopping.wait(self.settings.health_check_interval_seconds):
+            self._check_database()
 
     def _maintain(self) -> None:
-        """Sweeps expired holds and watches the database, until stopped."""
+        """Sweeps expired holds while the database answers, until stopped."""
         while not self._stopping.wait(self.settings.sweep_interval_seconds):
-            if not self._check_database():
+            if not self._database_answers.is_set():
                 continue
             # Recovery checks and snapshots; no sweep unless the projections are whole.
             self.guard.tick()
@@ -254,6 +280,8 @@ class LedgerServer:
         self._server.stop(grace).wait()
         if self._maintenance.is_alive():
             self._maintenance.join(timeout=grace + 5)
+        if self._health_probe.is_alive():
+            self._health_probe.join(timeout=self.settings.health_check_timeout_seconds + 5)
         self.store.close()
         if self._owns_telemetry:
             self.telemetry.shutdown()

@@ -61,6 +61,10 @@ class Settings:
     group_commit_batch: int = 64
     # Bounded retries of serialization failures and deadlocks.
     max_transaction_retries: int = 5
+    # Health: how often a probe asks the database, and how long each may wait
+    # for an answer before health turns NOT_SERVING.
+    health_check_interval_seconds: float = 1.0
+    health_check_timeout_seconds: float = 2.0
     # Expiry sweeper: how often it looks, and how many holds per transaction.
     sweep_interval_seconds: float = 1.0
     sweep_batch_size: int = 500

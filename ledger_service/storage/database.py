@@ -2,7 +2,9 @@
 
 SQLite runs in WAL mode with synchronous=FULL: every answered move is on disk
 before the answer leaves. PostgreSQL gets a bounded pool and statement and lock
-timeouts so that no request hangs on the database.
+timeouts so that no request hangs on the database, and its checkouts run under
+the store's watchdog (storage/watchdog.py), which also holds a server that stops
+answering altogether to the call's deadline.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.pool import ConnectionPoolEntry
+
+from ledger_service.storage import watchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,22 +140,27 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
     given = url.query.get("options", "")
     given_options = given if isinstance(given, str) else " ".join(given)
     url = url.difference_update_query(["options"])
-    return create_engine(
+    connect_timeout = max(1, timeout // 1000)
+    engine = create_engine(
         url,
+        # The wait for a free connection ends at the watch's deadline too.
+        poolclass=watchdog.DeadlinePool,
         pool_size=limits.pool_size,
         max_overflow=limits.pool_max_overflow,
         pool_timeout=limits.pool_timeout_seconds,
-        pool_pre_ping=True,
+        # Pinged on checkout below, under the watch, instead.
+        pool_pre_ping=False,
         hide_parameters=True,
         connect_args={
-            "connect_timeout": max(1, timeout // 1000),
+            "connect_timeout": connect_timeout,
             "options": f"{given_options} -c statement_timeout={timeout}"
             f" -c lock_timeout={timeout} -c idle_in_transaction_session_timeout={timeout * 4}",
             "application_name": "ledger",
             # A database that vanishes without closing the connection (a network
             # partition, a crashed host) is noticed within the timeout, not after
             # TCP's retransmission timeout of many minutes: statement_timeout
-            # only works while the server can still answer.
+            # only works while the server can still answer. A server that is
+            # frozen still ACKs, so neither fires: the watchdog covers that.
             "keepalives": 1,
             "keepalives_idle": max(1, timeout // 1000),
             "keepalives_interval": 1,
@@ -159,3 +168,41 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
             "tcp_user_timeout": timeout,
         },
     )
+
+    @event.listens_for(engine, "do_connect")
+    def _on_connect(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+        # A new connection's handshake ends by the watch's deadline (libpq
+        # counts whole seconds, at least 2). cparams is shared: copied, not changed.
+        bounded = {**cparams, "connect_timeout": watchdog.connect_timeout_for(connect_timeout)}
+        return dialect.connect(*cargs, **bounded)
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: Any) -> None:
+        # The pre-ping, under the watch: a frozen server blocks it like any
+        # statement. A connection found dead is replaced (DisconnectionError);
+        # one the watch interrupted fails the checkout, and the pool drops it.
+        watch = watchdog.current()
+        if watch is not None:
+            watch.attach(record.driver_connection)
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as error:
+            if watch is not None and watch.detach():
+                raise
+            raise DisconnectionError() from error
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: Any) -> None:
+        # A statement the watch interrupted: its connection is not reused.
+        # The watch lets go of a connection about to be closed, so that it
+        # never shuts down a descriptor number reused by another socket.
+        watch = watchdog.current()
+        if watch is None:
+            return
+        if watch.interrupted:
+            context.is_disconnect = True
+            context.invalidate_pool_on_disconnect = False  # one late call, not the pool
+        if context.is_disconnect:
+            watch.detach()
+
+    return engine

@@ -37,6 +37,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
+from ledger_service.application import deadlines
 from ledger_service.application.ports import EventQuery, Range, StateTally, StoreTransaction
 from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
@@ -44,7 +45,7 @@ from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.events import Event, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
-from ledger_service.storage import chaining, database, prepared, records, translate
+from ledger_service.storage import chaining, database, prepared, records, translate, watchdog
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 
@@ -75,6 +76,8 @@ class SqlStore:
         self._memo = WriterMemo()
         self._damage: StoreDamaged | None = None
         self._damage_lock = threading.Lock()
+        # PostgreSQL: interrupts a transaction still running at its deadline.
+        self._watchdog = None if self._sqlite else watchdog.Watchdog()
         event.listen(engine, "handle_error", self._on_engine_error)
         self._committer = (
             GroupCommitter(
@@ -99,8 +102,14 @@ class SqlStore:
         return self._committer.queued() if self._committer is not None else 0
 
     def run(self, work: Callable[[StoreTransaction], T], *, write: bool = True) -> T:
+        # The request deadline, or the caller's if that comes first.
         deadline = time.monotonic() + self._deadline_seconds
+        call_deadline = deadlines.call_deadline()
+        if call_deadline is not None:
+            deadline = min(deadline, call_deadline)
         for attempt in range(self._max_retries + 1):
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable()
             try:
                 with self._translated():
                     return self._run_once(work, write, deadline)
@@ -165,30 +174,55 @@ class SqlStore:
             if not self._sqlite_writer.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise StoreUnavailable()
             try:
-                return self._transact(work, write)
+                return self._transact(work, write, deadline)
             finally:
                 self._sqlite_writer.release()
-        return self._transact(work, write)
+        return self._transact(work, write, deadline)
 
-    def _transact(self, work: Callable[[StoreTransaction], T], write: bool) -> T:
-        with self._engine.connect() as connection:
+    def _transact(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
+        if self._watchdog is None:  # SQLite: local, bounded by its busy timeout and the gate
+            with self._engine.connect() as connection:
+                connection = connection.execution_options(ledger_write=write)
+                with connection.begin():
+                    return work(SqlTransaction(connection, self._sqlite))
+        with self._watched(deadline) as connection:
             connection = connection.execution_options(ledger_write=write)
             with connection.begin():
                 return work(SqlTransaction(connection, self._sqlite))
 
-    def ping(self) -> None:
-        """Raises StoreUnavailable unless the database answers, StoreDamaged once
-        it reported damage. On SQLite it reads the schema, which a damaged
-        header or a truncated file fails."""
+    @contextmanager
+    def _watched(self, deadline: float) -> Iterator[Connection]:
+        """A PostgreSQL connection under a watch until `deadline`, checkout
+        included (the pool's wait, the handshake and the ping)."""
+        assert self._watchdog is not None, "SQLite is local: no watch"
+        with self._watchdog.watch(deadline) as watch, self._engine.connect() as connection:
+            try:
+                yield connection
+            finally:
+                # Before the connection goes back: one the watch interrupted is dropped.
+                if watch.disarm():
+                    connection.invalidate()
+
+    def ping(self, timeout_seconds: float | None = None) -> None:
+        """Raises StoreUnavailable unless the database answers (on PostgreSQL
+        within `timeout_seconds`, default the request deadline), StoreDamaged
+        once it reported damage. On SQLite it reads the schema, which a
+        damaged header or a truncated file fails."""
         if self._damage is not None:
             raise self._damage
-        probe = text("SELECT count(*) FROM sqlite_master") if self._sqlite else select(literal(1))
-        with self._translated(), self._engine.connect() as connection:
-            connection.execute(probe).scalar_one()
+        if self._sqlite:
+            with self._translated(), self._engine.connect() as connection:
+                connection.execute(text("SELECT count(*) FROM sqlite_master")).scalar_one()
+            return
+        bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds
+        with self._translated(), self._watched(time.monotonic() + bound) as connection:
+            connection.execute(select(literal(1))).scalar_one()
 
     def close(self) -> None:
         if self._committer is not None:
             self._committer.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
         self._engine.dispose()
 
 

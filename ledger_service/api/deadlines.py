@@ -1,0 +1,57 @@
+"""Hands the caller's gRPC deadline down to the store (application/deadlines.py).
+
+The store must answer before the caller gives up, or the caller sees
+DEADLINE_EXCEEDED instead of the ledger's UNAVAILABLE and its reason. So the
+deadline handed down is the caller's less a margin for the answer's way back:
+a tenth of the time left, at most ANSWER_MARGIN_SECONDS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ledger_service.api.errors import Behaviour, replace_behaviour
+from ledger_service.application import deadlines
+
+ANSWER_MARGIN_SECONDS = 0.25
+
+
+def deadline_of(context: grpc.ServicerContext) -> float | None:
+    """The instant (time.monotonic()) the store must be done by; None: the caller set none."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return time.monotonic() + remaining - min(ANSWER_MARGIN_SECONDS, remaining / 10)
+
+
+class CallDeadlineInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Runs every unary-answer handler under its caller's deadline. A stream's
+    handler is left alone: each store transaction it runs keeps the store's
+    own request deadline, and a long watch outlives any one of them."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        return replace_behaviour(
+            handler,
+            unary=_bounded,
+            stream=lambda behaviour: behaviour,
+            request_deserializer=handler.request_deserializer,
+        )
+
+
+def _bounded(behaviour: Behaviour) -> Behaviour:
+    def bounded(request: Any, context: grpc.ServicerContext) -> Any:
+        with deadlines.answering_by(deadline_of(context)):
+            return behaviour(request, context)
+
+    return bounded

@@ -1,0 +1,32 @@
+"""The deadline of the call being served, for the store to honour.
+
+The edge (api/deadlines.py) sets it from the caller's gRPC deadline; the store
+ends its work by the smaller of it and its own request deadline. A contextvar
+keeps it out of every signature between the two, and this module knows nothing
+of gRPC: a deadline here is an instant of time.monotonic().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+_CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "ledger_call_deadline", default=None
+)
+
+
+def call_deadline() -> float | None:
+    """The instant (time.monotonic()) the current call must be answered by; None: no bound."""
+    return _CALL_DEADLINE.get()
+
+
+@contextlib.contextmanager
+def answering_by(deadline: float | None) -> Iterator[None]:
+    """Runs the block with `deadline` as the current call's deadline."""
+    token = _CALL_DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _CALL_DEADLINE.reset(token)
