@@ -682,7 +682,10 @@ def _ledger_round_trips(plan: Plan, workdir: pathlib.Path, url: str) -> dict[str
     directory = workdir / "roundtrips"
     lane = "roundtrips-00"
     with fresh_schema(url) as schema_url, _proxied(schema_url) as (proxy, proxy_url):
-        settings = _replica_settings(proxy_url, directory)
+        # No background queries (the sweeper's, health's) between the moves:
+        # the proxy's count is then the moves' own round trips.
+        quiet = {"sweep_interval_seconds": 600.0, "health_check_interval_seconds": 600.0}
+        settings = _replica_settings(proxy_url, directory, **quiet)
         # Migrated and made ready with no delay: only the moves are measured.
         with _replica(plan, "ledger-roundtrips", directory, settings) as server:
             put_lanes(server.address, [lane])

@@ -167,7 +167,7 @@ class Ledger:
         command.validate()
 
         def work(tx: StoreTransaction) -> ReserveResult:
-            policy = _locked_lane(tx, command.lane)
+            policy = _locked_lane(tx, command.lane, command.reservation_id)
             existing = tx.get_booking(command.lane, command.reservation_id)
             if existing is not None:
                 moves.check_reserve_repeat(existing, command)
@@ -264,7 +264,7 @@ class Ledger:
     ) -> tuple[Booking, list[BudgetWindow], int]:
         """Locks the lane and its budgets, finds the booking and expires it first
         if its deadline passed."""
-        policy = _locked_lane(tx, command.lane)
+        policy = _locked_lane(tx, command.lane, command.reservation_id)
         booking = tx.get_booking(command.lane, command.reservation_id)
         if booking is None:
             raise BookingNotFound(command.lane, command.reservation_id)
@@ -394,8 +394,8 @@ class Ledger:
         return result
 
 
-def _locked_lane(tx: StoreTransaction, lane: str) -> LanePolicy:
-    policy = tx.lock_lane(lane)
+def _locked_lane(tx: StoreTransaction, lane: str, reservation_id: str = "") -> LanePolicy:
+    policy = tx.lock_lane(lane, reservation_id)
     if policy is None:
         raise LaneNotFound(lane)
     return policy

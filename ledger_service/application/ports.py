@@ -42,9 +42,11 @@ class StateTally:
 
 
 class StoreTransaction(Protocol):
-    def lock_lane(self, lane: str) -> LanePolicy | None:
+    def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
         """The lane's policy, locked until commit so that admissions to one lane
-        are serialized across every process sharing the database."""
+        are serialized across every process sharing the database. With a
+        reservation id, the store may read that booking in the same round trip
+        (get_booking then answers from it)."""
         ...
 
     def get_lane(self, lane: str) -> LanePolicy | None: ...

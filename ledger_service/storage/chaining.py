@@ -1,26 +1,31 @@
 """What every append does besides the INSERT: seal the event into its lane's
-hash chain, and advance the projections' position marker (SQLite's group
-commit checks the marker current at a batch's first append and advances it
-once, at the batch's end: storage/sql.py, WriterMemo).
+hash chain, and keep the projections' marker honest.
 
 The lane's previous hash is read from the log itself (the last event of the
 lane, by the (lane, seq) index), not kept on the lanes row: the lanes table is
 a projection that a recovery may have to rebuild, and the chain must not depend
-on what it is checking. The read is consistent because appends are serialized:
-on PostgreSQL by the advisory lock `append` takes first (held to commit, and a
-READ COMMITTED statement after it sees every earlier append), on SQLite by the
-database's single writer. Inside one transaction it also sees the
-transaction's own earlier appends. A writer that remembers the head it wrote
-last (storage/sql.py, WriterMemo) reads it only once.
+on what it is checking. The read is consistent because a lane's appends are
+serialized: on PostgreSQL by the lane's row lock (or, for a lane with no row
+yet, an advisory lock on its name), on SQLite by the database's single writer.
+
+The marker (projection_position) says whether the projections are current. On
+SQLite every batch of appends also advances its `last_seq` (once, at the
+batch's end: storage/sql.py, WriterMemo). On PostgreSQL appends only read its
+state, under the maintenance lock held shared, so that lanes share no row:
+its `last_seq` moves only with a rebuild, and while current the projections
+cover the whole log.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select, update
 
 from ledger_service.domain import chain
 from ledger_service.domain.errors import RecoveryRequired
-from ledger_service.storage.prepared import Statements
+from ledger_service.storage.prepared import Prepared, Statements
 from ledger_service.storage.schema import events, projection_position
 
 POSITION_ROW_ID = 1
@@ -48,6 +53,11 @@ _STATEMENTS = Statements(
 )
 
 
+def head_statement(connection: Connection) -> Prepared:
+    """lane_head's statement, for a caller that runs it among others."""
+    return _STATEMENTS("head", connection)
+
+
 def lane_head(connection: Connection, lane: str) -> str:
     """The hash of the lane's last event, or "" when it has none."""
     row = _STATEMENTS("head", connection).one(connection, {"lane": lane})
@@ -65,7 +75,16 @@ def advance_position(connection: Connection, seq: int) -> None:
 def require_current(connection: Connection) -> None:
     """What advance_position refuses on, without advancing: RecoveryRequired
     unless the projections are current."""
-    row = _STATEMENTS("state", connection).one(connection, {})
+    check_state(_STATEMENTS("state", connection).one(connection, {}))
+
+
+def state_statement(connection: Connection) -> Prepared:
+    """The marker's state, for a caller that runs it among others (check_state)."""
+    return _STATEMENTS("state", connection)
+
+
+def check_state(row: Sequence[Any] | None) -> None:
+    """RecoveryRequired unless the marker's row says the projections are current."""
     if row is None or row[0] != STATE_CURRENT:
         raise RecoveryRequired()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -21,6 +22,10 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from ledger_service.storage import watchdog
+
+# A pooled PostgreSQL connection idle this long is pinged before it is used.
+PING_AFTER_IDLE_SECONDS = 1.0
+_IDLE_SINCE = "ledger_idle_since"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,14 +181,25 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
         bounded = {**cparams, "connect_timeout": watchdog.connect_timeout_for(connect_timeout)}
         return dialect.connect(*cargs, **bounded)
 
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
     @event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: Any) -> None:
         # The pre-ping, under the watch: a frozen server blocks it like any
         # statement. A connection found dead is replaced (DisconnectionError);
         # one the watch interrupted fails the checkout, and the pool drops it.
+        # Only a connection idle for PING_AFTER_IDLE_SECONDS is pinged: under
+        # load the ping would be a round trip more on every move, and a
+        # connection that died meanwhile fails its statement with UNAVAILABLE
+        # and takes the pool's other connections with it (SQLAlchemy's rule).
         watch = watchdog.current()
         if watch is not None:
             watch.attach(record.driver_connection)
+        idle_since = record.info.get(_IDLE_SINCE)
+        if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS:
+            return  # new, or back in the pool a moment ago
         try:
             engine.dialect.do_ping(dbapi_connection)
         except engine.dialect.loaded_dbapi.Error as error:

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
-from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql import ClauseElement, Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
 
@@ -39,6 +39,11 @@ class Prepared:
         # Values fixed in the statement itself (a LIMIT, a literal), by name.
         self._fixed = {name: value for name, value in compiled.params.items() if value is not None}
         self._dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+        # A SELECT's column names, known here: the driver's description costs
+        # an object per column on every row read.
+        self.names: tuple[str, ...] | None = (
+            tuple(statement.selected_columns.keys()) if isinstance(statement, Select) else None
+        )
 
     def _parameters(self, values: Mapping[str, Any]) -> Any:
         if self._fixed:
@@ -95,10 +100,16 @@ class Prepared:
         cursor = self.cursor(connection, values)
         try:
             row = cursor.fetchone()
-            names = [column[0] for column in cursor.description or ()]
         finally:
             cursor.close()
-        return dict(zip(names, row, strict=True)) if row is not None else None
+        return self.as_mapping(row, cursor)
+
+    def as_mapping(self, row: Sequence[Any] | None, cursor: Any) -> dict[str, Any] | None:
+        """A row of this statement by column name, or None."""
+        if row is None:
+            return None
+        names = self.names or [column[0] for column in cursor.description or ()]
+        return dict(zip(names, row, strict=True))
 
     def all(self, connection: Connection, values: Mapping[str, Any]) -> list[Sequence[Any]]:
         cursor = self.cursor(connection, values)
@@ -134,3 +145,35 @@ class Statements:
                     prepared = Prepared(statement, dialect)
                     self._compiled[key] = prepared
         return prepared
+
+
+Call = tuple[Prepared, Mapping[str, Any]]
+
+
+def pipelined(connection: Connection, calls: Sequence[Call]) -> list[Any]:
+    """Runs `calls` in order in one round trip (psycopg's pipeline mode, on
+    PostgreSQL) and returns their cursors, results read. The server runs each
+    statement after the one before it has finished, so a statement after a
+    lock sees what was committed before the lock was granted."""
+    driver = connection.connection.driver_connection
+    first = calls[0][0]
+    try:
+        with driver.pipeline():  # type: ignore[union-attr]
+            cursors = [_sent(driver, statement, values) for statement, values in calls]
+        # Leaving the pipeline synced it once and read every result.
+    except first._dbapi_error as error:
+        raise first._wrapped(error) from error
+    return cursors
+
+
+def _sent(driver: Any, statement: Prepared, values: Mapping[str, Any]) -> Any:
+    cursor = driver.cursor()
+    cursor.execute(statement.sql, statement._parameters(values))
+    return cursor
+
+
+def fetched_mapping(call: Call, cursor: Any) -> dict[str, Any] | None:
+    """The first row of `call`'s cursor that `pipelined` returned, by column name, or None."""
+    row = cursor.fetchone()
+    cursor.close()
+    return call[0].as_mapping(row, cursor)

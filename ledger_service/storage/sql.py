@@ -47,12 +47,15 @@ from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 from ledger_service.storage import chaining, database, prepared, records, translate, watchdog
 from ledger_service.storage.group_commit import GroupCommitter
+from ledger_service.storage.horizon import CommitHorizon
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# The key of the advisory lock that orders event appends on PostgreSQL.
+# The key of PostgreSQL's maintenance lock: every append holds it shared, so
+# appends never wait for each other; a change of the projections' marker (a
+# rebuild's claim and finish) holds it exclusive, so it waits for them.
 EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
 
 
@@ -76,6 +79,8 @@ class SqlStore:
         self._memo = WriterMemo()
         self._damage: StoreDamaged | None = None
         self._damage_lock = threading.Lock()
+        # PostgreSQL: where readers stop (storage/horizon.py).
+        self._horizon = CommitHorizon()
         # PostgreSQL: interrupts a transaction still running at its deadline.
         self._watchdog = None if self._sqlite else watchdog.Watchdog()
         event.listen(engine, "handle_error", self._on_engine_error)
@@ -188,7 +193,10 @@ class SqlStore:
         with self._watched(deadline) as connection:
             connection = connection.execution_options(ledger_write=write)
             with connection.begin():
-                return work(SqlTransaction(connection, self._sqlite))
+                tx = SqlTransaction(connection, False, horizon=self._horizon)
+                result = work(tx)
+                tx.commit()
+            return result
 
     @contextmanager
     def _watched(self, deadline: float) -> Iterator[Connection]:
@@ -408,8 +416,17 @@ _HOT = prepared.Statements(
     ),
     window_state=select(window_states).where(window_states.c.lane == bindparam("lane")),
     window_edges=_window_edges(_OF_LANE, quiet=True),
-    append_lock=select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))),
+    # PostgreSQL, first in every write: the maintenance lock, shared (a rebuild
+    # takes it alone), and an xid before any seq (storage/horizon.py).
+    maintenance=text(
+        f"SELECT pg_advisory_xact_lock_shared({EVENT_APPEND_LOCK_KEY}), pg_current_xact_id()"
+    ),
+    chain_lock=select(func.pg_advisory_xact_lock(func.hashtextextended(bindparam("lane"), 0))),
+    visible_last_seq=select(func.coalesce(func.max(events.c.seq), 0)).where(
+        events.c.seq <= bindparam("horizon")
+    ),
     data_version=text("PRAGMA data_version"),
+    commit=text("COMMIT"),
     insert_event=insert(events)
     .values({name: bindparam(name) for name in _EVENT_COLUMNS})
     .returning(events.c.seq),
@@ -536,25 +553,109 @@ def _window_values(state: WindowState) -> dict[str, Any]:
 
 
 class SqlTransaction:
+    """One transaction's statements. On PostgreSQL a move is five round trips:
+    BEGIN; the locks with what the move reads of its lane (lock_lane); the
+    window's edges; the event's INSERT; the booking and window writes with the
+    COMMIT (deferred, and sent before any later statement)."""
+
     def __init__(
-        self, connection: Connection, is_sqlite: bool, memo: WriterMemo | None = None
+        self,
+        connection: Connection,
+        is_sqlite: bool,
+        memo: WriterMemo | None = None,
+        *,
+        horizon: CommitHorizon | None = None,
     ) -> None:
-        self._connection = connection
+        self._raw = connection
         self._sqlite = is_sqlite
-        self._append_locked = False
         self._memo = memo if memo is not None else WriterMemo()
+        self._horizon = horizon
+        self._deferred: list[prepared.Call] = []
+        self._maintained = False  # PostgreSQL: the maintenance lock is held
+        self._chained: set[str] = set()  # PostgreSQL: lanes whose appends are serialized here
+        self._prefetched_bookings: dict[tuple[str, str], Booking | None] = {}
+        self._prefetched_windows: dict[str, WindowState | None] = {}
+
+    @property
+    def _connection(self) -> Connection:
+        """The connection, once the writes deferred ahead of any statement are sent."""
+        if self._deferred:
+            calls, self._deferred = self._deferred, []
+            prepared.pipelined(self._raw, calls)
+        return self._raw
+
+    def commit(self) -> None:
+        """PostgreSQL: the deferred writes and the COMMIT, in one round trip.
+        (The transaction's own commit then finds nothing left to do.)"""
+        calls, self._deferred = self._deferred, []
+        prepared.pipelined(self._raw, [*calls, (_HOT("commit", self._raw), {})])
+
+    def _defer(self, name: str, values: dict[str, Any]) -> None:
+        self._deferred.append((_HOT(name, self._raw), values))
 
     # Lanes -----------------------------------------------------------------
 
-    def lock_lane(self, lane: str) -> LanePolicy | None:
+    def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
         # Known only once locked: in this transaction, or by SQLite's one writer.
         policy = self._memo.lanes.get(lane)
-        if policy is None:
-            name = "lane" if self._sqlite else "lane_for_update"
-            row = _HOT(name, self._connection).mapping(self._connection, {"lane": lane})
-            if row is None:
-                return None
-            policy = self._memo.lanes[lane] = records.lane_from_row(row)
+        if policy is not None:
+            return policy
+        if not self._sqlite:
+            return self._lock_lane_and_read(lane, reservation_id)
+        row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
+        if row is None:
+            return None
+        policy = self._memo.lanes[lane] = records.lane_from_row(row)
+        return policy
+
+    def _maintenance_calls(self) -> list[prepared.Call]:
+        if self._maintained:
+            return []
+        return [(_HOT("maintenance", self._raw), {}), (chaining.state_statement(self._raw), {})]
+
+    def _took_maintenance(self, cursors: list[Any]) -> list[Any]:
+        """Checks the marker read behind the maintenance lock; the other cursors."""
+        if self._maintained:
+            return cursors
+        cursors[0].close()
+        chaining.check_state(cursors[1].fetchone())
+        cursors[1].close()
+        self._maintained = True
+        return cursors[2:]
+
+    def _lock_lane_and_read(self, lane: str, reservation_id: str) -> LanePolicy | None:
+        """PostgreSQL: one round trip takes the locks (the maintenance lock
+        first, then the lane's row) and, behind them, reads what a move on the
+        lane reads next: its booking, kept window, children and chain head."""
+        keys = {"lane": lane}
+        reads = [
+            (_HOT("lane_for_update", self._raw), keys),
+            (_HOT("window_state", self._raw), keys),
+            (_HOT("children", self._raw), {"parent": lane}),
+            (chaining.head_statement(self._raw), keys),
+        ]
+        if reservation_id:
+            booking_keys = {"lane": lane, "reservation_id": reservation_id}
+            reads.append((_HOT("booking", self._raw), booking_keys))
+        cursors = self._took_maintenance(
+            prepared.pipelined(self._connection, [*self._maintenance_calls(), *reads])
+        )
+        row = prepared.fetched_mapping(reads[0], cursors[0])
+        window = prepared.fetched_mapping(reads[1], cursors[1])
+        children = cursors[2].fetchall()
+        head = cursors[3].fetchone()
+        booking = prepared.fetched_mapping(reads[4], cursors[4]) if reservation_id else None
+        if row is None:
+            return None  # nothing was locked: nothing read behind the lock is kept
+        policy = self._memo.lanes[lane] = records.lane_from_row(row)
+        self._chained.add(lane)
+        self._prefetched_windows[lane] = _window_state_of(window) if window else None
+        if not children:
+            self._memo.members[lane] = [lane]
+        self._memo.heads[lane] = (head[0] if head is not None else None) or chain.GENESIS_HASH
+        if reservation_id:
+            key = (lane, reservation_id)
+            self._prefetched_bookings[key] = records.booking_from_row(booking) if booking else None
         return policy
 
     def get_lane(self, lane: str) -> LanePolicy | None:
@@ -575,6 +676,9 @@ class SqlTransaction:
     # Bookings --------------------------------------------------------------
 
     def get_booking(self, lane: str, reservation_id: str) -> Booking | None:
+        key = (lane, reservation_id)
+        if key in self._prefetched_bookings:
+            return self._prefetched_bookings.pop(key)
         row = _HOT("booking", self._connection).mapping(
             self._connection, {"lane": lane, "reservation_id": reservation_id}
         )
@@ -582,7 +686,11 @@ class SqlTransaction:
 
     def save_booking(self, booking: Booking) -> None:
         values = records.booking_values(booking)
-        _HOT("save_booking", self._connection).run(self._connection, values)
+        self._prefetched_bookings.pop((booking.lane, booking.reservation_id), None)
+        if self._sqlite:
+            _HOT("save_booking", self._connection).run(self._connection, values)
+        else:
+            self._defer("save_booking", values)
         quiet = self._memo.quiet.get(booking.lane)
         if quiet is not None and booking.state is BookingState.OPEN:
             deadline = booking.expires_at_us
@@ -629,21 +737,23 @@ class SqlTransaction:
         known = self._memo.windows.get(lane)
         if known is not None:
             return known
-        row = _HOT("window_state", self._connection).mapping(self._connection, {"lane": lane})
-        if row is None:
-            return None
-        sums = StoredSums(
-            int(row["amount_nanos"]), int(row["open_amount_nanos"]), int(row["open_bookings"])
-        )
-        state = WindowState(lane, int(row["window_us"]), int(row["as_of_us"]), sums)
-        self._memo.windows[lane] = state
+        if lane in self._prefetched_windows:
+            state = self._prefetched_windows.pop(lane)
+        else:
+            row = _HOT("window_state", self._connection).mapping(self._connection, {"lane": lane})
+            state = _window_state_of(row) if row is not None else None
+        if state is not None:
+            self._memo.windows[lane] = state
         return state
 
     def save_window_state(self, state: WindowState) -> None:
         if self._memo.batched:
             self._memo.defer(state)  # written at the batch's end
             return
-        _HOT("save_window_state", self._connection).run(self._connection, _window_values(state))
+        if self._sqlite:
+            _HOT("save_window_state", self._connection).run(self._connection, _window_values(state))
+        else:
+            self._defer("save_window_state", _window_values(state))
         self._memo.windows[state.lane] = state
 
     def drop_window_states(self, lanes: Sequence[str]) -> None:
@@ -738,11 +848,9 @@ class SqlTransaction:
     # Events ----------------------------------------------------------------
 
     def append(self, event: Event) -> Event:
-        if not self._sqlite and not self._append_locked:
-            # Held to commit: seqs become visible in the order they were given.
-            _HOT("append_lock", self._connection).one(self._connection, {})
-            self._append_locked = True
-        # After the lock: the lane's last hash is read where no append can race it.
+        if not self._sqlite:
+            self._serialize_chain(event.lane)
+        # The lane's last hash, read where no append to the lane can race it.
         previous = self._memo.heads.get(event.lane)
         if previous is None:
             previous = chaining.lane_head(self._connection, event.lane)
@@ -753,7 +861,9 @@ class SqlTransaction:
         assert row is not None
         seq = int(row[0])
         memo = self._memo
-        if not memo.batched:
+        if not self._sqlite:
+            pass  # the marker was read behind the maintenance lock
+        elif not memo.batched:
             chaining.advance_position(self._connection, seq)
         elif not memo.marker_current:
             # Once per batch; the batch's end advances the marker (WriterMemo.end).
@@ -765,6 +875,19 @@ class SqlTransaction:
             # As a reader will see it: the policy through its JSON column.
             return records.event_from_row({**values, "seq": seq})
         return evolve(event, seq=seq, hash=digest, previous_hash=previous)
+
+    def _serialize_chain(self, lane: str) -> None:
+        """PostgreSQL: holds the maintenance lock and a lock that serializes the
+        lane's appends: its row lock, or for a lane without a row yet (its first
+        PutLane) an advisory lock on its name."""
+        calls = self._maintenance_calls()
+        if lane not in self._chained:
+            calls.append((_HOT("chain_lock", self._raw), {"lane": lane}))
+            self._memo.heads.pop(lane, None)  # read again behind the lock
+        if calls:
+            for cursor in self._took_maintenance(prepared.pipelined(self._connection, calls)):
+                cursor.close()
+        self._chained.add(lane)
 
     def get_event(self, seq: int) -> Event | None:
         row = _HOT("event", self._connection).mapping(self._connection, {"seq": seq})
@@ -782,6 +905,8 @@ class SqlTransaction:
         # reads every event this way).
         columns = [events.c[name] for name in records.EVENT_COLUMNS]
         statement = select(*columns).where(events.c.seq > query.after_seq)
+        if self._horizon is not None:  # PostgreSQL: never past an append still in flight
+            statement = statement.where(events.c.seq <= self._horizon.advance(self._connection))
         if query.lane:
             statement = statement.where(events.c.lane == query.lane)
         if query.reservation_id:
@@ -792,6 +917,12 @@ class SqlTransaction:
         return records.events_from_rows(rows)
 
     def last_seq(self) -> int:
+        if self._horizon is not None:  # the last event at or below the horizon
+            horizon = self._horizon.advance(self._connection)
+            row = _HOT("visible_last_seq", self._connection).one(
+                self._connection, {"horizon": horizon}
+            )
+            return int(row[0]) if row is not None else 0
         return int(
             self._connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
         )
@@ -867,3 +998,10 @@ class SqlTransaction:
             )
         ).scalar_one()
         return int(oldest), int(freed)
+
+
+def _window_state_of(row: dict[str, Any]) -> WindowState:
+    sums = StoredSums(
+        int(row["amount_nanos"]), int(row["open_amount_nanos"]), int(row["open_bookings"])
+    )
+    return WindowState(str(row["lane"]), int(row["window_us"]), int(row["as_of_us"]), sums)

@@ -1,0 +1,106 @@
+"""The commit horizon on PostgreSQL: the seq up to which every event is final.
+
+Lanes append without a lock in common, so seqs are handed out in one order and
+committed in another: seq 11 may be visible while seq 10 is still in flight. A
+reader that moved past 10 would never see it. Readers therefore stop at the
+horizon: every seq at or below it is either committed or will never exist (a
+rolled-back append leaves a hole in the sequence).
+
+How it moves (docs/postgresql.md, "Tailing without a global lock"):
+
+- every appending transaction has its xid before it takes a seq (the
+  maintenance lock statement calls pg_current_xact_id() first);
+- seqs that are visible and follow the horizon without a hole are final;
+- a hole is final once every transaction that was in flight when the hole was
+  first seen has ended: the hole's `Pending` notes the highest seq handed out
+  then (`handed`) and the snapshot's xmax taken after it, and resolves when the
+  oldest running xid reaches that xmax.
+
+The horizon only ever rises. One per process, shared by its readers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from sqlalchemy import Connection, text
+
+# At most this many seqs are walked per statement; the next read walks on.
+MAX_WALK = 10_000
+# How long one read waits for in-flight appends below the seqs it asks for.
+MAX_WAIT_SECONDS = 1.0
+
+_HANDED = text(
+    "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM events_seq_seq"
+)
+_WALK = text(
+    "SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint, "
+    "ARRAY(SELECT seq FROM events WHERE seq > :final AND seq <= :handed "
+    "ORDER BY seq LIMIT :walk) FROM pg_current_snapshot() AS s"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """Seqs up to `handed` are final once no xid below `xmax` still runs."""
+
+    handed: int
+    xmax: int
+
+
+class CommitHorizon:
+    def __init__(self) -> None:
+        self._final = 0
+        self._pending: Pending | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def final(self) -> int:
+        return self._final
+
+    def advance(self, connection: Connection, wanted: int | None = None) -> int:
+        """Moves the horizon as far as the database allows and returns it.
+        Waits (at most MAX_WAIT_SECONDS) while appends still in flight hold
+        seqs at or below `wanted` (default: every seq handed out so far)."""
+        give_up = time.monotonic() + MAX_WAIT_SECONDS
+        pause = 0.001
+        target: int | None = None
+        while True:
+            handed = int(connection.execute(_HANDED).scalar_one())
+            final = self._step(connection, handed)
+            if target is None:  # what was handed out when the read began
+                target = handed if wanted is None else min(wanted, handed)
+            if final >= target or time.monotonic() + pause > give_up:
+                return final
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _step(self, connection: Connection, handed: int) -> int:
+        with self._lock:
+            final, pending = self._final, self._pending
+        xmin, xmax, seqs = connection.execute(
+            _WALK, {"final": final, "handed": handed, "walk": MAX_WALK}
+        ).one()
+        reached = final
+        if pending is not None and xmin >= pending.xmax:
+            # Everything handed out when the hole was seen has ended: the
+            # seqs up to there that are not visible never will be.
+            reached = max(reached, pending.handed)
+            pending = None
+        for seq in seqs:
+            if seq <= reached:
+                continue
+            if seq != reached + 1:
+                break
+            reached = seq
+        walked_all = len(seqs) < MAX_WALK
+        if reached < handed and pending is None and walked_all:
+            pending = Pending(handed, int(xmax))
+        with self._lock:
+            if reached > self._final:
+                self._final = reached
+            if self._pending is None or pending is None or self._final >= self._pending.handed:
+                self._pending = pending
+            return self._final
