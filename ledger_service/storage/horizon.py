@@ -95,8 +95,9 @@ class CommitHorizon:
             if seq != reached + 1:
                 break
             reached = seq
-        walked_all = len(seqs) < MAX_WALK
-        if reached < handed and pending is None and walked_all:
+        if reached < handed and pending is None:
+            # A hole, or the walk stopped at MAX_WALK: either way, everything
+            # handed out so far is final once the running xids have ended.
             pending = Pending(handed, int(xmax))
         with self._lock:
             if reached > self._final:
