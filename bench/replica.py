@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import pathlib
 import sys
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 
 from bench import storeless
 from ledger_service import server
+from ledger_service.cli import configure_logging
 from ledger_service.settings import Settings
 
 _PATH_FIELDS = frozenset({"data_dir", "tls_cert_path", "tls_key_path", "tls_client_ca_path"})
@@ -50,13 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="answer Reserve and Settle without the store (bench/storeless.py)",
     )
     arguments = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    configure_logging()
     settings = settings_from(json.loads(arguments.settings))
     return server.serve(
         settings,

@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def configure_logging() -> None:
+    """The server's and the CLI's log lines, on stderr; SQLAlchemy's and Alembic's quieter."""
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -52,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
     arguments = parser().parse_args(argv)
     code: int = arguments.run(arguments)
     return code

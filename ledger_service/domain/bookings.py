@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol
 
 from ledger_service.domain.events import Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge
@@ -93,23 +94,56 @@ class Booking:
 
     def settle_fingerprint(self) -> tuple[object, ...]:
         """What the Settle that ended this booking said, to recognise a repeat."""
-        return (
-            self.outcome,
-            self.input_tokens,
-            self.output_tokens,
-            self.billed_nanos,
-            self.cached_input_tokens,
-            self.cache_write_tokens,
-        )
+        return settle_fingerprint(self)
 
     def reserve_fingerprint(self) -> tuple[object, ...]:
-        return (
+        return reserve_fingerprint(
             self.model,
             self.request_bytes,
             self.max_output_tokens,
             self.estimate_nanos,
             self.requested_ttl_us,
         )
+
+
+class SettleUsage(Protocol):
+    """A Settle's report: a SettleCommand, or the Booking it ended."""
+
+    @property
+    def outcome(self) -> Outcome | None: ...
+    @property
+    def input_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def billed_nanos(self) -> int | None: ...
+    @property
+    def cached_input_tokens(self) -> int: ...
+    @property
+    def cache_write_tokens(self) -> int: ...
+
+
+def settle_fingerprint(usage: SettleUsage) -> tuple[object, ...]:
+    """What identifies a Settle's report, for a booking and a command alike."""
+    return (
+        usage.outcome,
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.billed_nanos,
+        usage.cached_input_tokens,
+        usage.cache_write_tokens,
+    )
+
+
+def reserve_fingerprint(
+    model: str,
+    request_bytes: int,
+    max_output_tokens: int,
+    estimate_nanos: int | None,
+    ttl_us: int | None,
+) -> tuple[object, ...]:
+    """What identifies a Reserve, for a booking and a command alike."""
+    return (model, request_bytes, max_output_tokens, estimate_nanos, ttl_us)
 
 
 # The fold's rule, as data (a rebuild's store applies it in SQL as well:

@@ -18,6 +18,8 @@ from ledger_service.domain.bookings import (
     REAL_STATES,
     Booking,
     BookingState,
+    reserve_fingerprint,
+    settle_fingerprint,
 )
 from ledger_service.domain.errors import (
     BookingAlreadyEnded,
@@ -88,12 +90,8 @@ class ReserveCommand:
             raise InvalidArgument("ttl", "must be positive")
 
     def fingerprint(self) -> tuple[object, ...]:
-        return (
-            self.model,
-            self.request_bytes,
-            self.max_output_tokens,
-            self.estimate_nanos,
-            self.ttl_us,
+        return reserve_fingerprint(
+            self.model, self.request_bytes, self.max_output_tokens, self.estimate_nanos, self.ttl_us
         )
 
 
@@ -132,14 +130,7 @@ class SettleCommand:
                 )
 
     def fingerprint(self) -> tuple[object, ...]:
-        return (
-            self.outcome,
-            self.input_tokens,
-            self.output_tokens,
-            self.billed_nanos,
-            self.cached_input_tokens,
-            self.cache_write_tokens,
-        )
+        return settle_fingerprint(self)
 
     @property
     def charge_field(self) -> str:

@@ -133,8 +133,9 @@ class RebuildFailed(Exception):
     pass
 
 
-def _position(connection: Connection) -> Position | None:
-    """The marker's row: the one place recovery reads it."""
+def _position(connection: Connection, head_seq: int | None = None) -> Position | None:
+    """The marker's row: the one place recovery reads it (`head_seq`: the
+    log's last seq, when the caller has read it already)."""
     row = connection.execute(
         select(projection_position).where(projection_position.c.id == POSITION_ROW_ID)
     ).first()
@@ -144,16 +145,19 @@ def _position(connection: Connection) -> Position | None:
     if row.state == STATE_CURRENT and connection.dialect.name != "sqlite":
         # PostgreSQL's appends leave the marker alone (storage/chaining.py):
         # while current, the projections cover the whole log.
-        head = connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
-        last_seq = int(head)
+        if head_seq is None:
+            head_seq = int(
+                connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
+            )
+        last_seq = head_seq
     return Position(last_seq, str(row.state), str(row.owner), int(row.updated_at_us))
 
 
 def _facts(connection: Connection) -> LogFacts:
-    position = _position(connection)
     head, count = connection.execute(
         select(func.coalesce(func.max(events.c.seq), 0), func.count())
     ).one()
+    position = _position(connection, int(head))
     answers = connection.execute(
         select(func.count()).where(events.c.kind.in_(ANSWER_KINDS))
     ).scalar_one()

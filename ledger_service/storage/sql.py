@@ -861,11 +861,10 @@ class SqlTransaction:
         assert row is not None
         seq = int(row[0])
         memo = self._memo
-        if not self._sqlite:
-            pass  # the marker was read behind the maintenance lock
-        elif not memo.batched:
+        # SQLite advances the marker (PostgreSQL read it behind the maintenance lock).
+        if self._sqlite and not memo.batched:
             chaining.advance_position(self._connection, seq)
-        elif not memo.marker_current:
+        elif self._sqlite and not memo.marker_current:
             # Once per batch; the batch's end advances the marker (WriterMemo.end).
             chaining.require_current(self._connection)
             memo.marker_current = True
