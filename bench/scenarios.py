@@ -835,6 +835,7 @@ def _history_sizes(
     phase measured on them in alternating rounds."""
     histories = [_seed_history(plan, workdir, count) for count in counts]
     rounds = max(1, plan.history_rounds)
+    first_start: dict[int, float] = {}
     with contextlib.ExitStack() as stack:
         running: dict[int, servers.ServerProcess] = {}
         for history in histories:
@@ -844,6 +845,16 @@ def _history_sizes(
                 consistency_check_interval_seconds=0.0,
                 snapshot_every_events=0,
             )
+            # The first start walks the whole seeded chain and sets the verified
+            # point; the restart, measured, walks on from there.
+            with _replica(
+                plan,
+                f"ledger-history-{history.count}-first",
+                history.directory,
+                settings,
+                ready_timeout_seconds=plan.history_ready_timeout_seconds,
+            ) as first:
+                first_start[history.count] = first.ready_seconds
             server = stack.enter_context(
                 _replica(
                     plan,
@@ -884,6 +895,7 @@ def _history_sizes(
             # Every measured Reserve adds a booking: the window the last call saw.
             "bookings_after_run": booking_count(history.url, history.lane),
             "server_at_start": at_start[history.count],
+            "first_start_ready_seconds": first_start[history.count],
             "server_after_run": after_run[history.count],
             "phases": phases[history.count],
         }

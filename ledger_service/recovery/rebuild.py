@@ -30,7 +30,12 @@ from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.policies import LanePolicy, policy_from_dict
 from ledger_service.recovery import plan as planner
 from ledger_service.recovery.plan import Manifest, RecoveryPolicy, Source
-from ledger_service.recovery.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
+from ledger_service.recovery.snapshots import (
+    FORMAT_VERSION,
+    ChainPoint,
+    ProjectionDigest,
+    SnapshotInfo,
+)
 from ledger_service.recovery.store import (
     STATE_CURRENT,
     STATE_REBUILDING,
@@ -170,8 +175,8 @@ class Recovery:
 
     def assess(self) -> Assessment:
         """A cheap look: the marker, counts, each booking against its latest
-        event, and the chain from the newest snapshot's heads to the log's end
-        (bounded by the snapshot interval when snapshots are on)."""
+        event, and the chain from the last verified point (or a newer snapshot)
+        to the log's end, which then becomes the verified point."""
         facts = self._store.facts()
         position = facts.position
         if (
@@ -190,21 +195,39 @@ class Recovery:
                     f"snapshot {snapshot.snapshot_id} is at event {snapshot.position_seq}, "
                     f"beyond the log's last event {facts.head_seq}: events are missing"
                 )
-        anchor = next((s for s in snapshots if s.position_seq <= facts.head_seq), None)
-        walk = self._walk(anchor, ())
+        anchor = self._start_of_walk(snapshots, facts.head_seq)
+        final = self._store.final_seq()
+        walk = self._walk(anchor, (final,))
         if walk.break_count:
             findings.append(
                 f"the hash chain is broken at {walk.break_count} event(s); first: "
                 f"{walk.breaks[0].describe()}"
             )
+        elif _verified_from(anchor) and final > (anchor.position_seq if anchor else 0):
+            # Every link up to `final` now checked out: the next walk starts there.
+            point = ChainPoint(final, walk.heads_at[final])
+            self._store.save_checkpoint(point, self._wall.now_us())
         return Assessment(facts, tuple(findings))
+
+    def _start_of_walk(
+        self, snapshots: Sequence[SnapshotInfo], head_seq: int
+    ) -> SnapshotInfo | ChainPoint | None:
+        """The newest of the last verified point and the snapshots, within the log."""
+        points: list[SnapshotInfo | ChainPoint] = [
+            s for s in snapshots if s.position_seq <= head_seq
+        ]
+        checkpoint = self._store.checkpoint()
+        if checkpoint is not None and checkpoint.position_seq <= head_seq:
+            points.append(checkpoint)
+        # A verified point before a snapshot at the same event: it needs no trust.
+        return max(points, key=lambda p: (p.position_seq, isinstance(p, ChainPoint)), default=None)
 
     def _lease_us(self) -> int:
         return int(self.settings.lease_seconds * MICROS_PER_SECOND)
 
     def _walk(
         self,
-        anchor: SnapshotInfo | None,
+        anchor: SnapshotInfo | ChainPoint | None,
         positions: Sequence[int],
         through_seq: int | None = None,
     ) -> Walk:
@@ -658,6 +681,11 @@ class Recovery:
             self.take_snapshot()
         except StoreUnavailable:
             log.warning("no snapshot after the rebuild: database unavailable")
+
+
+def _verified_from(anchor: SnapshotInfo | ChainPoint | None) -> bool:
+    """Whether a clean walk from `anchor` proves every link before its end."""
+    return not isinstance(anchor, SnapshotInfo) or anchor.chain_verified
 
 
 def projection_findings(facts: LogFacts) -> list[str]:

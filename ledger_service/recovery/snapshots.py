@@ -31,6 +31,15 @@ FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
+class ChainPoint:
+    """A verified point: every link of the log through `position_seq` checked
+    out, and each lane's chain head right after it."""
+
+    position_seq: int
+    chain_heads: Mapping[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
 class SnapshotInfo:
     snapshot_id: int
     position_seq: int

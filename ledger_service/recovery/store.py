@@ -42,11 +42,18 @@ from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.window import WindowTotals
 from ledger_service.recovery import snapshots as snapshots_module
 from ledger_service.recovery.plan import Manifest
-from ledger_service.recovery.snapshots import FORMAT_VERSION, ProjectionDigest, SnapshotInfo
+from ledger_service.recovery.snapshots import (
+    FORMAT_VERSION,
+    ChainPoint,
+    ProjectionDigest,
+    SnapshotInfo,
+)
 from ledger_service.storage import database, records
 from ledger_service.storage.chaining import POSITION_ROW_ID
+from ledger_service.storage.horizon import CommitHorizon
 from ledger_service.storage.schema import (
     bookings,
+    chain_checkpoints,
     events,
     lanes,
     projection_position,
@@ -428,6 +435,8 @@ class SqlRecoveryStore:
         self._placeholder = placeholder
         self._sql = _RebuildSql(placeholder)
         self._fold = _FoldSql(placeholder)
+        # PostgreSQL: where a verified point may be set (storage/horizon.py).
+        self._horizon = None if self._sqlite else CommitHorizon()
 
     @property
     def engine(self) -> Engine:
@@ -493,6 +502,51 @@ class SqlRecoveryStore:
     def last_seq(self) -> int:
         with self._reading() as connection:
             return SqlTransaction(connection, self._sqlite).last_seq()
+
+    def final_seq(self) -> int:
+        """The last event below which none is still in flight (on SQLite, the
+        last). Read committed, not in a snapshot: the horizon moves as
+        transactions end (storage/horizon.py)."""
+        with translated(), self._engine.connect() as connection, connection.begin():
+            return SqlTransaction(connection, self._sqlite, horizon=self._horizon).last_seq()
+
+    def checkpoint(self) -> ChainPoint | None:
+        """The last verified point, or None when there is none or the event it
+        names is no longer the one it checked."""
+        with self._reading() as connection:
+            row = connection.execute(
+                select(chain_checkpoints).where(chain_checkpoints.c.id == POSITION_ROW_ID)
+            ).first()
+            if row is None or _event_hash(connection, int(row.through_seq)) != row.event_hash:
+                return None
+        return ChainPoint(int(row.through_seq), json.loads(row.chain_heads_json))
+
+    def save_checkpoint(self, point: ChainPoint, now_us: int) -> None:
+        """Moves the verified point forward to `point` (never back)."""
+        heads = json.dumps(dict(sorted(point.chain_heads.items())), separators=(",", ":"))
+        with self._writing() as connection:
+            values = {
+                "through_seq": point.position_seq,
+                "event_hash": _event_hash(connection, point.position_seq),
+                "chain_heads_json": heads,
+                "verified_at_us": now_us,
+            }
+            moved = connection.execute(
+                update(chain_checkpoints)
+                .where(
+                    chain_checkpoints.c.id == POSITION_ROW_ID,
+                    chain_checkpoints.c.through_seq < point.position_seq,
+                )
+                .values(values)
+            ).rowcount
+            if not moved:
+                try:
+                    with connection.begin_nested():
+                        connection.execute(
+                            insert(chain_checkpoints).values(id=POSITION_ROW_ID, **values)
+                        )
+                except IntegrityError:
+                    pass  # a point at or past this one is recorded already
 
     def count_events_after(self, after_seq: int) -> int:
         with self._reading() as connection:
@@ -864,6 +918,11 @@ class SqlRecoveryStore:
                 select(recovery_manifests).order_by(recovery_manifests.c.id.desc()).limit(limit)
             ).mappings()
             return [dict(row) for row in rows]
+
+
+def _event_hash(connection: Connection, seq: int) -> str:
+    found = connection.execute(select(events.c.hash).where(events.c.seq == seq)).scalar()
+    return str(found or "")
 
 
 def _snapshot_info(row: Any) -> SnapshotInfo:

@@ -229,6 +229,22 @@ class SnapshotRow(Base):
     chain_verified: Mapped[int] = mapped_column(Integer, default=0)
 
 
+class ChainCheckpointRow(Base):
+    """The last verified point: every link of the log through `through_seq`
+    checked out, and the lanes' chain heads there. A start walks on from it
+    (docs/recovery.md); `ledger verify` always walks from the start."""
+
+    __tablename__ = "chain_checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    through_seq: Mapped[int] = mapped_column(BigInteger)
+    # The hash of event `through_seq` (empty when 0): a log that was swapped
+    # for another is not taken on this row's word.
+    event_hash: Mapped[str] = mapped_column(String(64))
+    chain_heads_json: Mapped[str] = mapped_column(Text)
+    verified_at_us: Mapped[int] = mapped_column(BigInteger)
+
+
 class SnapshotChunkRow(Base):
     """Up to one rebuild batch of a snapshot's lanes or bookings, as JSON rows."""
 
@@ -262,4 +278,5 @@ class RecoveryManifestRow(Base):
 projection_position = cast(Table, ProjectionPositionRow.__table__)
 snapshots = cast(Table, SnapshotRow.__table__)
 snapshot_chunks = cast(Table, SnapshotChunkRow.__table__)
+chain_checkpoints = cast(Table, ChainCheckpointRow.__table__)
 recovery_manifests = cast(Table, RecoveryManifestRow.__table__)
