@@ -32,6 +32,7 @@ from ledger_service.api.gate import RecoveryGateInterceptor
 from ledger_service.api.pipeline import MethodPipeline
 from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
 from ledger_service.application.audit import Auditor
+from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import Clock, ManualClock, SystemClock
 from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
@@ -103,6 +104,20 @@ class LedgerServer:
             max_page_size=settings.max_page_size,
             verify_windows=settings.verify_windows,
         )
+        # One reader of the log's tail for every WatchEvents stream.
+        self.feed = EventFeed(
+            self.ledger.read_events,
+            self.ledger.last_seq,
+            self.ledger.signal,
+            FeedLimits(
+                max_streams=settings.max_watchers,
+                max_streams_per_owner=settings.max_watchers_per_grant,
+                buffer_events=settings.watch_buffer_events,
+                batch_events=settings.watch_batch_size,
+                poll_interval_seconds=settings.watch_poll_interval_seconds,
+                stall_seconds=settings.watch_stall_seconds,
+            ),
+        )
         # Serves moves only while the projections are whole (docs/recovery.md).
         self.guard = recovery_guard(settings, self.store, self._on_recovery_change)
         self.health = health.HealthServicer()
@@ -134,14 +149,18 @@ class LedgerServer:
             self._messages,
         ]
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
+            # Streams have threads of their own: they never take the unary calls'.
+            futures.ThreadPoolExecutor(
+                max_workers=settings.max_workers + settings.max_watchers, thread_name_prefix="rpc"
+            ),
             # Composed once per method, not on every call (api/pipeline.py).
             interceptors=[MethodPipeline(chain)],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             options=grpc_server_options(settings),
         )
         ledger_pb2_grpc.add_LedgerServicer_to_server(
-            LedgerServicer(self.ledger, settings, Auditor(self.store, self.clock)), server
+            LedgerServicer(self.ledger, settings, self.feed, Auditor(self.store, self.clock)),
+            server,
         )
         ledger_pb2_grpc.add_LaneAdminServicer_to_server(
             LaneAdminServicer(self.ledger, settings), server
@@ -185,6 +204,7 @@ class LedgerServer:
             )
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
         self._server.start()
+        self.feed.start()
         self.guard.start()
         self._check_database()
         self._health_probe.start()
@@ -277,6 +297,7 @@ class LedgerServer:
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         grace = self.settings.grace_period_seconds if grace_seconds is None else grace_seconds
+        self.feed.stop()  # open streams end with SHUTTING_DOWN, not at the grace limit
         self._server.stop(grace).wait()
         if self._maintenance.is_alive():
             self._maintenance.join(timeout=grace + 5)

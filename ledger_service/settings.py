@@ -73,7 +73,14 @@ class Settings:
     max_page_size: int = 1000
     watch_poll_interval_seconds: float = 0.2
     watch_batch_size: int = 500
+    # WatchEvents streams open at once: in all, and for one grant. Each holds
+    # a thread of its own, beside the max_workers that serve every other call.
     max_watchers: int = 64
+    max_watchers_per_grant: int = 16
+    # The newest events kept in memory for the streams (application/feed.py),
+    # and how long a stream whose reader takes nothing may stay blocked.
+    watch_buffer_events: int = 10_000
+    watch_stall_seconds: float = 30.0
     # Recovery (docs/recovery.md). A snapshot of the projections every this many
     # events (0: none), the newest snapshot_keep kept.
     snapshot_every_events: int = 10_000

@@ -14,10 +14,11 @@ reflection need no grant.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -85,6 +86,27 @@ ADMIN_ONLY = Rule(Scope.ADMIN, _every_lane)
 _CURRENT_GRANT: contextvars.ContextVar[Grant | None] = contextvars.ContextVar(
     "ledger_current_grant", default=None
 )
+
+
+def _granted_stream(behaviour: Behaviour) -> Behaviour:
+    """`behaviour`, with the call's grant current while its stream is read too
+    (inner layers may start the servicer only at the first message)."""
+
+    def streamed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        grant = _CURRENT_GRANT.get()
+        responses = behaviour(request, context)
+
+        def read() -> Iterator[Any]:
+            token = _CURRENT_GRANT.set(grant)
+            try:
+                yield from responses
+            finally:
+                with contextlib.suppress(ValueError):  # closed from another context
+                    _CURRENT_GRANT.reset(token)
+
+        return read()
+
+    return streamed
 
 
 def current_grant_id() -> str:
@@ -174,7 +196,9 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return replace_behaviour(
             handler,
             unary=lambda behaviour: self._checked(behaviour, method, rule, decode),
-            stream=lambda behaviour: self._checked(behaviour, method, rule, decode),
+            stream=lambda behaviour: self._checked(
+                _granted_stream(behaviour), method, rule, decode
+            ),
             request_deserializer=None,
         )
 

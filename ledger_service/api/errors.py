@@ -43,6 +43,7 @@ ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
     # needs while the ledger cannot answer, and once an operator restores the
     # database the same request, sent again with the same ids, succeeds.
     # The reason tells it from an outage that heals by itself.
+    (errors.ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (errors.StoreDamaged, grpc.StatusCode.UNAVAILABLE),
     (errors.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.RecoveryRequired, grpc.StatusCode.UNAVAILABLE),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import threading
 from collections.abc import Iterator
 
 import grpc
@@ -16,11 +15,12 @@ from opentelemetry import trace
 
 from ledger_service.api import auth, convert, tracing
 from ledger_service.application.audit import DEFAULT_BIGGEST, MAX_BIGGEST, Auditor
+from ledger_service.application.feed import EventFeed
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
-from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument, TooManyWatchers
+from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument
 from ledger_service.domain.policies import validate_name
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
@@ -65,13 +65,17 @@ def _decode_token(token: str) -> str:
 
 
 class LedgerServicer(pb_grpc.LedgerServicer):
-    def __init__(self, ledger: Ledger, settings: Settings, auditor: Auditor | None = None) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        settings: Settings,
+        feed: EventFeed,
+        auditor: Auditor | None = None,
+    ) -> None:
         self._ledger = ledger
         self._settings = settings
+        self._feed = feed
         self._auditor = auditor
-        self._watchers = threading.BoundedSemaphore(
-            max(1, min(settings.max_watchers, settings.max_workers // 2))
-        )
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
@@ -178,19 +182,14 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             self._ledger.get_lane(request.lane)
         if request.after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
-        if not self._watchers.acquire(blocking=False):
-            raise TooManyWatchers()
-        try:
-            after_seq = self._ledger.last_seq() if request.from_now else request.after_seq
-            query = EventQuery(
-                lane=request.lane, after_seq=after_seq, limit=self._settings.watch_batch_size
-            )
-            for event in self._ledger.tail(
-                query, context.is_active, self._settings.watch_poll_interval_seconds
-            ):
-                yield convert.event(event)
-        finally:
-            self._watchers.release()
+        after_seq = self._ledger.last_seq() if request.from_now else request.after_seq
+        query = EventQuery(
+            lane=request.lane, after_seq=after_seq, limit=self._settings.watch_batch_size
+        )
+        # Not a generator itself: the call's grant is known only while this runs.
+        owner = auth.current_grant_id()
+        streamed = self._feed.events(query, context.is_active, context.cancel, owner)
+        return (convert.event(event) for event in streamed)
 
 
 class LaneAdminServicer(pb_grpc.LaneAdminServicer):

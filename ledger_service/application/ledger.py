@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ledger_service.application.budgets import BudgetWindow, open_window, record_windows
@@ -346,9 +346,10 @@ class Ledger:
         query = dataclasses.replace(query, limit=max(1, min(query.limit, self._max_page_size + 1)))
         if query.lane:
             self.get_lane(query.lane)
-        return self._events(query)
+        return self.read_events(query)
 
-    def _events(self, query: EventQuery) -> Sequence[Event]:
+    def read_events(self, query: EventQuery) -> Sequence[Event]:
+        """A page of the log as the store gives it, unchecked (the event feed's read)."""
         return self._store.run(lambda tx: tx.list_events(query), write=False)
 
     def last_seq(self) -> int:
@@ -362,27 +363,6 @@ class Ledger:
             return last.occurred_at_us if last is not None else 0
 
         return self._store.run(work, write=False)
-
-    def tail(
-        self,
-        query: EventQuery,
-        keep_going: Callable[[], bool],
-        poll_interval_seconds: float,
-    ) -> Iterator[Event]:
-        """Every event after query.after_seq, then each new one as it commits.
-
-        Seqs are assigned in commit order (the store serializes appends), so a
-        cursor over seq misses nothing.
-        """
-        cursor = query.after_seq
-        while keep_going():
-            generation = self.signal.generation()
-            page = self._events(dataclasses.replace(query, after_seq=cursor))
-            for event in page:
-                cursor = event.seq
-                yield event
-            if len(page) < query.limit:
-                self.signal.wait(generation, poll_interval_seconds)
 
     def write(self, work: Callable[[StoreTransaction], _T]) -> _T:
         """Runs `work` in one write transaction and wakes the event tails."""

@@ -129,8 +129,18 @@ class BookingWasDenied(LedgerError):
 class TooManyWatchers(LedgerError):
     reason = "TOO_MANY_WATCHERS"
 
+    def __init__(self, why: str = "too many event streams are open") -> None:
+        super().__init__(f"{why}; try again later")
+
+
+class ShuttingDown(LedgerError):
+    """The server is draining for a stop: the call is safe to send again, to
+    another replica or once this one is back."""
+
+    reason = "SHUTTING_DOWN"
+
     def __init__(self) -> None:
-        super().__init__("too many event streams are open; try again later")
+        super().__init__("the server is shutting down; try again")
 
 
 class StoreUnavailable(LedgerError):

@@ -144,6 +144,7 @@ const ERROR_TABLE = Object.freeze([
   [Status.UNIMPLEMENTED, null, Unimplemented],
   [Status.UNAVAILABLE, 'STORE_UNAVAILABLE', StoreUnavailable],
   [Status.UNAVAILABLE, 'STORE_DAMAGED', StoreDamaged],
+  [Status.UNAVAILABLE, 'SHUTTING_DOWN', Unavailable],
   [Status.UNAVAILABLE, null, Unavailable],
   [Status.DEADLINE_EXCEEDED, null, DeadlineExceeded],
   [Status.CANCELLED, null, Cancelled],

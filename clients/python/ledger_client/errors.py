@@ -146,6 +146,7 @@ REASONS: dict[str, type[LedgerError]] = {
     "BOOKING_WAS_DENIED": BookingWasDenied,
     "TOO_MANY_WATCHERS": TooManyWatchers,
     "STORE_UNAVAILABLE": LedgerUnavailable,
+    "SHUTTING_DOWN": LedgerUnavailable,
     "STORE_DAMAGED": LedgerStoreDamaged,
     "RECOVERY_REQUIRED": LedgerRecovering,
     "UNAUTHENTICATED": Unauthenticated,
