@@ -205,6 +205,7 @@ class LedgerServer:
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
         self._server.start()
         self.feed.start()
+        self.store.check_writable()
         self.guard.start()
         self._check_database()
         self._health_probe.start()

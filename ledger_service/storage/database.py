@@ -10,7 +10,10 @@ answering altogether to the call's deadline.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
+import sqlite3
+import stat
 import threading
 import time
 import weakref
@@ -21,7 +24,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from ledger_service.storage import watchdog
+from ledger_service.storage import translate, watchdog
 
 # A pooled PostgreSQL connection idle this long is pinged before it is used.
 PING_AFTER_IDLE_SECONDS = 1.0
@@ -62,6 +65,56 @@ def write_gate(engine: Engine) -> threading.Lock | None:
         if gate is None:
             gate = _WRITE_GATES[engine] = threading.Lock()
         return gate
+
+
+def write_problem(engine: Engine) -> str | None:
+    """Why this process cannot write the SQLite database, naming the file; None
+    when it can (and always on PostgreSQL, whose server owns its files).
+
+    SQLite opens a file it may not write read-only without a word, and only a
+    write fails, so the files' permissions are checked first and then a write
+    transaction is begun and rolled back: an immutable file, a read-only mount
+    or a root-owned WAL file show only there. Takes the write gate, so that the
+    probe never waits in SQLite's busy handler behind this process's writers."""
+    path = engine.url.database
+    if engine.dialect.name != "sqlite" or not path:
+        return None
+    database = pathlib.Path(path)
+    for file in (database, *(database.with_name(database.name + s) for s in ("-wal", "-shm"))):
+        if file.exists() and not os.access(file, os.W_OK):
+            return f"{file} is not writable by this process ({_ownership(file)})"
+    directory = database.parent
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} does not let this process create files ({_ownership(directory)})"
+    if not database.exists():
+        return f"{database} is missing"
+    gate = write_gate(engine)
+    assert gate is not None
+    with gate:
+        connection = sqlite3.connect(path, timeout=_PROBE_TIMEOUT_SECONDS)
+        try:
+            connection.isolation_level = None
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute("ROLLBACK")
+        except sqlite3.Error as error:
+            if translate.driver_code(error) in translate.CANNOT_WRITE:
+                return f"SQLite cannot write {database}: {error}"
+            return None  # busy (another process writes it), or damage: not this question
+        finally:
+            connection.close()
+    return None
+
+
+# How long the write probe waits for another process's write transaction.
+_PROBE_TIMEOUT_SECONDS = 1.0
+
+
+def _ownership(path: pathlib.Path) -> str:
+    info = path.stat()
+    return (
+        f"mode {stat.filemode(info.st_mode)}, owner uid {info.st_uid}; "
+        f"this process runs as uid {os.geteuid()}"
+    )
 
 
 def redacted(url: str | URL) -> str:

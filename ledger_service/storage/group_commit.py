@@ -234,6 +234,10 @@ class GroupCommitter:
         if undone is not None:
             self._on_failure()
             index, refusal = undone
+            if translate.foreign_cause(refusal) is not None:
+                # The database refused: the connection itself may be what failed
+                # (SQLite opened it read-only, say). The next batch opens another.
+                self._disconnect()
             batch[index].finish(error=refusal)
             return batch[:index] + batch[index + 1 :]
         for move, result, failure in outcomes:

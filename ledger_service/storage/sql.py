@@ -79,6 +79,8 @@ class SqlStore:
         self._memo = WriterMemo()
         self._damage: StoreDamaged | None = None
         self._damage_lock = threading.Lock()
+        # SQLite: why this process cannot write the database, while it cannot.
+        self._write_problem: str | None = None
         # PostgreSQL: where readers stop (storage/horizon.py).
         self._horizon = CommitHorizon()
         # PostgreSQL: interrupts a transaction still running at its deadline.
@@ -165,10 +167,34 @@ class SqlStore:
             )
 
     def _on_engine_error(self, context: ExceptionContext) -> None:
-        """Any statement on the engine (recovery's included) that meets damage."""
+        """Any statement on the engine (recovery's included) that meets damage,
+        or a file SQLite may not write (checked again by the next ping)."""
         domain = translate.translate(context.original_exception)
         if isinstance(domain, StoreDamaged):
             self._note_damage(domain)
+        code = translate.driver_code(context.original_exception)
+        if self._sqlite and code in translate.CANNOT_WRITE and self._write_problem is None:
+            self._write_problem = f"a write failed ({code})"
+
+    def check_writable(self) -> str | None:
+        """Why the database cannot be written now (None: it can), logged when
+        that changes. Health is NOT_SERVING while it cannot (`ping`)."""
+        if self._write_problem is not None:
+            # Connections SQLite opened read-only keep the process's hold on the
+            # files read-only, the probe's too: only fresh ones can tell.
+            self._engine.dispose()
+        problem = database.write_problem(self._engine)
+        before, self._write_problem = self._write_problem, problem
+        if problem is not None and (before is None or before.startswith("a write failed")):
+            log.error(
+                "THE DATABASE CANNOT BE WRITTEN: %s. Health is NOT_SERVING and every move is "
+                "refused (STORE_UNAVAILABLE) until it can; give this process write access to "
+                "the file and its directory, and the server serves again by itself",
+                problem,
+            )
+        elif problem is None and before is not None:
+            log.info("the database can be written again")
+        return problem
 
     def _run_once(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
         if self._committer is not None and write:
@@ -215,12 +241,15 @@ class SqlStore:
         """Raises StoreUnavailable unless the database answers (on PostgreSQL
         within `timeout_seconds`, default the request deadline), StoreDamaged
         once it reported damage. On SQLite it reads the schema, which a
-        damaged header or a truncated file fails."""
+        damaged header or a truncated file fails, and while a file could not be
+        written, checks whether it can be now."""
         if self._damage is not None:
             raise self._damage
         if self._sqlite:
             with self._translated(), self._engine.connect() as connection:
                 connection.execute(text("SELECT count(*) FROM sqlite_master")).scalar_one()
+            if self._write_problem is not None and self.check_writable() is not None:
+                raise StoreUnavailable()
             return
         bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds
         with self._translated(), self._watched(time.monotonic() + bound) as connection:

@@ -63,6 +63,11 @@ DAMAGE_ADVICE = (
     "(docs/recovery.md)"
 )
 
+# SQLite's codes for a file this process may not write (a read-only file or
+# mount, a WAL file it cannot open): not damage, and not healed by a retry,
+# but by an operator (SqlStore.check_writable).
+CANNOT_WRITE = frozenset({"SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM"})
+
 # Python's sqlite3 names the error code (sqlite_errorname) when SQLite raised it;
 # an exception made elsewhere carries only SQLite's message.
 _SQLITE_MESSAGES = {

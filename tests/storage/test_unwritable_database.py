@@ -1,0 +1,141 @@
+"""A server on SQLite files it may not write: NOT_SERVING, and a log line that
+names the file and why, until an operator gives it write access; then it
+serves again by itself.
+
+SQLite opens a file it may not write read-only without a word, so such a
+server used to come up SERVING and refuse every move as "retry later". When
+the tests run as root, whom file modes do not stop, the file is made
+immutable instead (chattr +i), which stops root too.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.storage import database, migrate
+
+WAIT_SECONDS = 15.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _read_only(path: pathlib.Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+    else:
+        path.chmod(0o444)
+
+
+def _writable(path: pathlib.Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+    path.chmod(0o644)
+
+
+@pytest.fixture
+def data_dir() -> Iterator[pathlib.Path]:
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="ledger-unwritable-"))
+    engine = database.create(f"sqlite:///{directory}/ledger.db", database.EngineLimits())
+    migrate.upgrade(engine)
+    engine.dispose()
+    try:
+        yield directory
+    finally:
+        for path in directory.iterdir():
+            _writable(path)
+            path.unlink()
+        directory.rmdir()
+
+
+@pytest.fixture
+def serve(data_dir: pathlib.Path) -> Iterator[Callable[[], tuple[str, pathlib.Path]]]:
+    processes: list[subprocess.Popen[str]] = []
+    log_path = data_dir / "server.log"
+
+    def start() -> tuple[str, pathlib.Path]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
+        env["LEDGER_HEALTH_CHECK_INTERVAL_SECONDS"] = "0.2"
+        ledger = pathlib.Path(sys.executable).with_name("ledger")
+        with log_path.open("w") as log:
+            process = subprocess.Popen(
+                [str(ledger), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
+                 "--insecure-no-auth", "--no-migrate"],
+                stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+            )  # fmt: skip
+        processes.append(process)
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("ledger listening on "), log_path.read_text()
+        return line.rsplit(" ", 1)[1].strip(), log_path
+
+    yield start
+    for process in processes:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def _health_becomes(channel: grpc.Channel, status: int) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    give_up = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < give_up:
+        if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == status:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _put_lane(channel: grpc.Channel) -> grpc.StatusCode:
+    lane = pb.Lane(lane="recall", limit_nanos=1_000_000, prices={"jev": pb.ModelPrice()})
+    try:
+        pb_grpc.LaneAdminStub(channel).PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
+    except grpc.RpcError as error:
+        assert isinstance(error, grpc.Call)
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_files_it_cannot_write_are_not_serving_until_they_can_be(
+    data_dir: pathlib.Path, serve: Callable[[], tuple[str, pathlib.Path]]
+) -> None:
+    database_file = data_dir / "ledger.db"
+    _read_only(database_file)
+    address, log_path = serve()
+    with grpc.insecure_channel(address) as channel:
+        assert _health_becomes(channel, NOT_SERVING)
+        assert _put_lane(channel) is grpc.StatusCode.UNAVAILABLE
+        logged = log_path.read_text()
+        assert "THE DATABASE CANNOT BE WRITTEN" in logged
+        assert f"{database_file} is not writable by this process" in logged
+        # The operator fixes it; no restart.
+        for path in data_dir.glob("ledger.db*"):
+            _writable(path)
+        assert _health_becomes(channel, SERVING)
+        assert _put_lane(channel) is grpc.StatusCode.OK
+        assert "the database can be written again" in log_path.read_text()
+
+
+def test_files_it_can_write_serve_without_a_word(
+    data_dir: pathlib.Path, serve: Callable[[], tuple[str, pathlib.Path]]
+) -> None:
+    address, log_path = serve()
+    with grpc.insecure_channel(address) as channel:
+        assert _health_becomes(channel, SERVING)
+    assert "CANNOT BE WRITTEN" not in log_path.read_text()
