@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from types import FrameType
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from ledger_service.api import tracing
 from ledger_service.api.auth import AuthInterceptor
 from ledger_service.api.deadlines import CallDeadlineInterceptor
+from ledger_service.api.drain import Drain
 from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.gate import RecoveryGateInterceptor
 from ledger_service.api.pipeline import MethodPipeline
@@ -132,6 +134,7 @@ class LedgerServer:
         self._tracing, self._messages = tracing.interceptors(
             self.telemetry.tracer, self.telemetry.meter
         )
+        self._drain = Drain()
         self._server = self._build_grpc_server()
         self.port = 0
 
@@ -142,6 +145,8 @@ class LedgerServer:
         chain = [
             self._tracing,
             ErrorInterceptor(),
+            # Inside the error table (SHUTTING_DOWN is its row), before any work.
+            self._drain,
             # The caller's deadline bounds the store's work (storage/watchdog.py).
             CallDeadlineInterceptor(),
             *self._auth_interceptors(),
@@ -298,8 +303,14 @@ class LedgerServer:
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         grace = self.settings.grace_period_seconds if grace_seconds is None else grace_seconds
+        began = time.monotonic()
         self.feed.stop()  # open streams end with SHUTTING_DOWN, not at the grace limit
-        self._server.stop(grace).wait()
+        running = self._drain.drain(began + grace)
+        if running:
+            log.warning("grace limit of %.1f s reached: %d calls cut off", grace, running)
+        else:
+            log.info("drained in %.2f s", time.monotonic() - began)
+        self._server.stop(max(0.0, began + grace - time.monotonic())).wait()
         if self._maintenance.is_alive():
             self._maintenance.join(timeout=grace + 5)
         if self._health_probe.is_alive():
@@ -424,7 +435,7 @@ def serve(
     done = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("received %s: draining for %.1f s", signal.Signals(signum).name,
+        log.info("received %s: draining (at most %.1f s)", signal.Signals(signum).name,
                  settings.grace_period_seconds)  # fmt: skip
         done.set()
 

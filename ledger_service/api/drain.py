@@ -1,0 +1,94 @@
+"""The drain on a stop: calls already running are answered, later ones refused.
+
+grpcio's own stop refuses new connections, but the calls that reached the
+server and were not yet handed to a worker are cancelled outright, and it
+stops as soon as the workers are idle. So the server drains first, while
+grpcio still takes calls: every call that reaches a handler after the drain
+began is answered at once with UNAVAILABLE / SHUTTING_DOWN (no work done,
+safe to send again), every call already in a handler runs to its answer, and
+only once none is running (or at the grace limit) does grpcio stop. Health
+and reflection are neither counted nor refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ledger_service.api.auth import OPEN_SERVICES
+from ledger_service.api.errors import Behaviour, replace_behaviour
+from ledger_service.domain.errors import ShuttingDown
+
+# The shortest drain: long enough for grpcio to hand every call that reached it
+# before the drain began to a (free) worker, which answers it.
+SETTLE_SECONDS = 0.1
+
+
+class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._running = 0
+        self._draining = False
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
+            return handler
+        return replace_behaviour(
+            handler,
+            unary=self._counted,
+            # A stream is not waited for: the event feed ends it on a stop.
+            stream=self._refused_once_draining,
+            request_deserializer=handler.request_deserializer,
+        )
+
+    def _admit(self) -> None:
+        with self._condition:
+            if self._draining:
+                raise ShuttingDown()
+
+    def _refused_once_draining(self, behaviour: Behaviour) -> Behaviour:
+        def refused(request: Any, context: grpc.ServicerContext) -> Any:
+            self._admit()
+            return behaviour(request, context)
+
+        return refused
+
+    def _counted(self, behaviour: Behaviour) -> Behaviour:
+        def counted(request: Any, context: grpc.ServicerContext) -> Any:
+            with self._condition:
+                if self._draining:
+                    raise ShuttingDown()
+                self._running += 1
+            try:
+                return behaviour(request, context)
+            finally:
+                with self._condition:
+                    self._running -= 1
+                    self._condition.notify_all()
+
+        return counted
+
+    def drain(self, deadline: float) -> int:
+        """Refuses calls from now on and waits until none is running, and at
+        least SETTLE_SECONDS (calls that reached grpcio before the signal are
+        handed to a worker and answered meanwhile), or until `deadline`
+        (time.monotonic()); returns how many were still running then."""
+        with self._condition:
+            self._draining = True
+            settled = min(time.monotonic() + SETTLE_SECONDS, deadline)
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    return self._running
+                if self._running == 0 and now >= settled:
+                    return 0
+                self._condition.wait((settled if self._running == 0 else deadline) - now)

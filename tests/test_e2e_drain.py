@@ -1,0 +1,128 @@
+"""SIGTERM under load, as an operator sends it: `ledger serve` on SQLite with 16
+clients reserving back to back. No call sent before the signal is cut off
+(CANCELLED): each is answered, by its move or by UNAVAILABLE / SHUTTING_DOWN;
+every move answered OK is in the log after a restart; and the process exits
+once drained, well inside its grace period."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.storage import database
+
+CLIENTS = 16
+LOAD_SECONDS = 2.0
+GRACE_SECONDS = 20.0
+
+
+def _serve(data_dir: pathlib.Path) -> tuple[subprocess.Popen[str], str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
+    env["LEDGER_GRACE_PERIOD_SECONDS"] = str(GRACE_SECONDS)
+    ledger = pathlib.Path(sys.executable).with_name("ledger")
+    process = subprocess.Popen(
+        [str(ledger), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
+         "--insecure-no-auth"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line.startswith("ledger listening on "), line
+    return process, line.rsplit(" ", 1)[1].strip()
+
+
+class Client(threading.Thread):
+    def __init__(self, address: str, index: int) -> None:
+        super().__init__(daemon=True)
+        self.address, self.index = address, index
+        self.stop = threading.Event()
+        self.signalled_at: float | None = None
+        self.answered: list[str] = []  # reservation ids answered OK
+        self.outcomes: collections.Counter[str] = collections.Counter()
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.LedgerStub(channel)
+            number = 0
+            while not self.stop.is_set():
+                number += 1
+                rid = f"c{self.index}-{number}"
+                sent = time.monotonic()
+                when = (
+                    "before" if self.signalled_at is None or sent < self.signalled_at else "after"
+                )
+                request = pb.ReserveRequest(
+                    lane="recall", reservation_id=rid, model="jev", request_bytes=1000,
+                    max_output_tokens=10,
+                )  # fmt: skip
+                try:
+                    stub.Reserve(request, timeout=10)
+                except grpc.RpcError as error:
+                    assert isinstance(error, grpc.Call)
+                    reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
+                    self.outcomes[f"{error.code().name} {reason} {when}".strip()] += 1
+                    time.sleep(0.02)
+                    continue
+                self.answered.append(rid)
+                self.outcomes[f"OK {when}"] += 1
+
+
+def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) -> None:
+    process, address = _serve(tmp_path)
+    with grpc.insecure_channel(address) as channel:
+        pb_grpc.LaneAdminStub(channel).PutLane(
+            pb.PutLaneRequest(
+                lane=pb.Lane(
+                    lane="recall",
+                    limit_nanos=10**15,
+                    prices={"jev": pb.ModelPrice(input_nanos_per_million_tokens=1)},
+                )
+            ),
+            timeout=10,
+        )
+    clients = [Client(address, index) for index in range(CLIENTS)]
+    for client in clients:
+        client.start()
+    time.sleep(LOAD_SECONDS)
+    signalled = time.monotonic()
+    for client in clients:
+        client.signalled_at = signalled
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=GRACE_SECONDS + 10) == 0
+    exited_after = time.monotonic() - signalled
+    time.sleep(0.3)
+    for client in clients:
+        client.stop.set()
+    for client in clients:
+        client.join(timeout=15)
+    assert process.stdout is not None
+    process.stdout.close()
+    outcomes: collections.Counter[str] = collections.Counter()
+    for client in clients:
+        outcomes.update(client.outcomes)
+    assert outcomes["OK before"] > 100, outcomes
+    before = {key: count for key, count in outcomes.items() if key.endswith(" before")}
+    assert set(before) <= {"OK before", "UNAVAILABLE SHUTTING_DOWN before"}, outcomes
+    # Drained, not waited out: the grace period is 20 s.
+    assert exited_after < GRACE_SECONDS / 2, (exited_after, outcomes)
+    engine = database.create(f"sqlite:///{tmp_path}/ledger.db", database.EngineLimits())
+    with engine.connect() as connection:
+        booked = {
+            row[0]
+            for row in connection.exec_driver_sql(
+                "SELECT reservation_id FROM events WHERE kind = 'reserved'"
+            )
+        }
+    engine.dispose()
+    answered = {rid for client in clients for rid in client.answered}
+    assert answered <= booked
