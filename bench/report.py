@@ -30,6 +30,10 @@ ROUND_TRIPS_MAX = 5.0
 # Issue 25: a restarted server with 1,000,000 bookings serves within this, and
 # holds them in at most this much memory.
 RESTART_MAX_SECONDS = 3.0
+# One client's Reserve p50 against the floor line: echo p50 plus one durable commit.
+FLOOR_LINE_MAX_RATIO = 1.3
+# One client's Reserve p50 beside the documented limit of open streams.
+WATCHED_P50_MAX_RATIO = 1.5
 MEMORY_MAX_MIB = 400
 # A Reserve is one move and a Settle another: a Reserve+Settle pair is two.
 MOVES_PER_PAIR = 2
@@ -195,7 +199,9 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
         )
     )
 
+    rows += _watched_rows(scenarios, targets)
     rows.append(_commit_floor_row(scenarios, echo_1))
+    rows += _floor_line_rows(scenarios, reserve_1, echo_1, targets)
     rows += _lone_reserve_rows(scenarios)
 
     mix_1 = phase(scenarios, *sqlite, "reserve_settle_1")
@@ -237,6 +243,35 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
     rows += _rebuild_rows(scenarios, targets)
     rows += _memory_rows(scenarios, targets)
     return rows, targets
+
+
+def _watched_rows(scenarios: Mapping[str, Any], targets: list[Target]) -> list[Row]:
+    sqlite = ("sqlite", "phases")
+    watched = phase(scenarios, *sqlite, "reserve_1_watched")
+    unwatched = [
+        p50
+        for name in ("reserve_1_unwatched", "reserve_1_unwatched_after")
+        if (p50 := _p50(phase(scenarios, *sqlite, name))) is not None
+    ]
+    if watched is None or not unwatched:
+        return []
+    baseline = sum(unwatched) / len(unwatched)
+    value = _ratio(_p50(watched), baseline)
+    met = value is not None and value <= WATCHED_P50_MAX_RATIO
+    target = f"p50 <= {WATCHED_P50_MAX_RATIO}x without"
+    row = _load_row(
+        scenarios, "sqlite Reserve, 1 client, 64 streams open", (*sqlite, "reserve_1_watched")
+    )
+    row = dataclasses.replace(row, versus=_times(value, f"without ({baseline:.2f} ms)"))
+    targets.append(
+        Target(
+            "sqlite Reserve p50 with 64 streams / without, 1 client",
+            value,
+            f"<= {WATCHED_P50_MAX_RATIO}",
+            met if value is not None else None,
+        )
+    )
+    return [_judged(row, value, target, met)]
 
 
 def _noted(row: Row, note: str, *, first: bool = False) -> Row:
@@ -282,6 +317,38 @@ def _commit_floor_row(scenarios: Mapping[str, Any], echo_1: Mapping[str, Any] | 
     versus = "" if best is None else f"echo + commit: {best:.2f}x echo"
     p99 = _float(floor["latency"]["p99_ms"])
     return Row(label, None, p50, p99, versus, notes=f"n={floor['commits']}, no server")
+
+
+def _floor_line_rows(
+    scenarios: Mapping[str, Any],
+    reserve_1: Mapping[str, Any] | None,
+    echo_1: Mapping[str, Any] | None,
+    targets: list[Target],
+) -> list[Row]:
+    """A lone Reserve against the best it could do: echo p50 plus one durable
+    commit alone, both measured in this run."""
+    commit = _p50(phase(scenarios, "sqlite", "commit_floor"))
+    echo_p50, reserve_p50 = _p50(echo_1), _p50(reserve_1)
+    if commit is None or echo_p50 is None or reserve_p50 is None:
+        return []
+    line = echo_p50 + commit
+    value = _ratio(reserve_p50, line)
+    met = value is not None and value <= FLOOR_LINE_MAX_RATIO
+    targets.append(
+        Target(
+            "sqlite Reserve p50 / (echo p50 + durable commit), 1 client",
+            value,
+            f"<= {FLOOR_LINE_MAX_RATIO}",
+            met if value is not None else None,
+        )
+    )
+    row = Row(
+        "sqlite Reserve, 1 client, against the floor line",
+        None,
+        reserve_p50,
+        versus=_times(value, f"floor line ({line:.2f} ms)"),
+    )
+    return [_judged(row, value, f"p50 <= {FLOOR_LINE_MAX_RATIO}x floor line", met)]
 
 
 def _api_floor(storeless: float | None, commit: float | None, echo: float | None) -> str:

@@ -15,6 +15,7 @@ import logging
 import math
 import pathlib
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -176,6 +177,36 @@ def put_lanes(address: str, lanes: Sequence[str]) -> None:
             }
             message = pb.Lane(lane=lane, limit_nanos=policy.limit_nanos, prices=prices)
             admin.PutLane(pb.PutLaneRequest(lane=message), timeout=ADMIN_TIMEOUT_SECONDS)
+
+
+# Issue 25: the documented limit of WatchEvents streams, open beside one client's Reserves.
+WATCHERS = 64
+
+
+@contextlib.contextmanager
+def watching(address: str, lane: str, count: int) -> Iterator[None]:
+    """`count` WatchEvents streams on `lane`, open (and read) while the block runs."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.LedgerStub(channel)
+        calls = [
+            stub.WatchEvents(pb.WatchEventsRequest(lane=lane, from_now=True)) for _ in range(count)
+        ]
+
+        def read(call: Any) -> None:
+            with contextlib.suppress(grpc.RpcError):
+                for _event in call:
+                    pass
+
+        readers = [threading.Thread(target=read, args=(call,), daemon=True) for call in calls]
+        for reader in readers:
+            reader.start()
+        try:
+            yield
+        finally:
+            for call in calls:
+                call.cancel()  # type: ignore[no-untyped-call]
+            for reader in readers:
+                reader.join(timeout=ADMIN_TIMEOUT_SECONDS)
 
 
 def lanes_named(prefix: str, count: int) -> tuple[str, ...]:
@@ -406,13 +437,36 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
         one = lanes_named("sqlite-reserve-1", 1)
         pair_one = lanes_named("sqlite-mix-1", 1)
         spread = lanes_named("sqlite-mix-saturated", plan.spread_lanes)
-        put_lanes(server.address, [*one, *pair_one, *spread])
+        watched, quiet = lanes_named("sqlite-watched-1", 1), lanes_named("sqlite-quiet", 1)
+        put_lanes(server.address, [*one, *pair_one, *spread, *watched, *quiet])
         phases = _move_phases(
             plan, generator, "sqlite", targets, one, pair_one, spread, watch=(server.pid,)
         )
+        phases.update(_watched_phases(plan, generator, server, watched, quiet[0]))
         facts = _server_facts(server)
     phases.update(storeless_phases(plan, generator, directory / "storeless"))
     return {"server": facts, "phases": phases, "commit_floor": floor, "lone_reserve": lone}
+
+
+def _watched_phases(
+    plan: Plan,
+    generator: LoadGenerator,
+    server: servers.ServerProcess,
+    lanes: Sequence[str],
+    quiet_lane: str,
+) -> dict[str, Any]:
+    """One client's Reserves without streams, then beside WATCHERS streams (on
+    another lane), then without again: the same lane, in one run."""
+    phases: dict[str, Any] = {}
+    for name in ("reserve_1_unwatched", "reserve_1_watched", "reserve_1_unwatched_after"):
+        workload = _single(plan, CallKind.RESERVE, [server.address], lanes=tuple(lanes))
+        label = f"sqlite {name.replace('_', ' ')}"
+        if name == "reserve_1_watched":
+            with watching(server.address, quiet_lane, WATCHERS):
+                phases[name] = _phase(generator, label, workload, watch=(server.pid,))
+        else:
+            phases[name] = _phase(generator, label, workload, watch=(server.pid,))
+    return phases
 
 
 def storeless_phases(

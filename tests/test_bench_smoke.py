@@ -117,8 +117,13 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
     assert rebuild["replay"]["events"] > 0
 
     # Issue 8's five, issue 24's four against the PostgreSQL floor and the
-    # round trips a move (unjudged here, without PostgreSQL).
-    assert len(results["targets"]) == 10
+    # round trips a move (unjudged here, without PostgreSQL), and issue 25's
+    # four: the restart, the memory, the streams and the floor line.
+    assert len(results["targets"]) == 14
+    for name in ("reserve_1_unwatched", "reserve_1_watched", "reserve_1_unwatched_after"):
+        _check_phase(scenarios["sqlite"]["phases"][name], f"sqlite {name}")
+    for count in ("100", "10000"):
+        assert history["sizes"][count]["first_start_ready_seconds"] > 0
     notes = {row["scenario"]: row["notes"] for row in results["table"]}
     saturated = results["plan"]["saturating_calls"]
     assert "a pair past the API" in notes[f"sqlite Reserve+Settle, {saturated} in flight"]

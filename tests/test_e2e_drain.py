@@ -7,11 +7,8 @@ once drained, well inside its grace period."""
 from __future__ import annotations
 
 import collections
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,25 +17,11 @@ import grpc
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.storage import database
+from tests import serving
 
 CLIENTS = 16
 LOAD_SECONDS = 2.0
 GRACE_SECONDS = 20.0
-
-
-def _serve(data_dir: pathlib.Path) -> tuple[subprocess.Popen[str], str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
-    env["LEDGER_GRACE_PERIOD_SECONDS"] = str(GRACE_SECONDS)
-    ledger = pathlib.Path(sys.executable).with_name("ledger")
-    process = subprocess.Popen(
-        [str(ledger), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
-         "--insecure-no-auth"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
-    )  # fmt: skip
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    assert line.startswith("ledger listening on "), line
-    return process, line.rsplit(" ", 1)[1].strip()
 
 
 class Client(threading.Thread):
@@ -78,7 +61,8 @@ class Client(threading.Thread):
 
 
 def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) -> None:
-    process, address = _serve(tmp_path)
+    env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS=str(GRACE_SECONDS))
+    process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env)
     with grpc.insecure_channel(address) as channel:
         pb_grpc.LaneAdminStub(channel).PutLane(
             pb.PutLaneRequest(
@@ -105,8 +89,7 @@ def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) 
         client.stop.set()
     for client in clients:
         client.join(timeout=15)
-    assert process.stdout is not None
-    process.stdout.close()
+    serving.stop(process)
     outcomes: collections.Counter[str] = collections.Counter()
     for client in clients:
         outcomes.update(client.outcomes)

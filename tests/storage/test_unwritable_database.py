@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.storage import database, migrate
+from tests import serving
 
 WAIT_SECONDS = 15.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -65,31 +65,17 @@ def serve(data_dir: pathlib.Path) -> Iterator[Callable[[], tuple[str, pathlib.Pa
     log_path = data_dir / "server.log"
 
     def start() -> tuple[str, pathlib.Path]:
-        env = {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
-        env["LEDGER_HEALTH_CHECK_INTERVAL_SECONDS"] = "0.2"
-        ledger = pathlib.Path(sys.executable).with_name("ledger")
+        env = serving.clean_env(LEDGER_HEALTH_CHECK_INTERVAL_SECONDS="0.2")
         with log_path.open("w") as log:
-            process = subprocess.Popen(
-                [str(ledger), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
-                 "--insecure-no-auth", "--no-migrate"],
-                stdout=subprocess.PIPE, stderr=log, env=env, text=True,
-            )  # fmt: skip
+            process, address = serving.spawn(
+                data_dir, "--insecure-no-auth", "--no-migrate", env=env, stderr=log
+            )
         processes.append(process)
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("ledger listening on "), log_path.read_text()
-        return line.rsplit(" ", 1)[1].strip(), log_path
+        return address, log_path
 
     yield start
     for process in processes:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
+        serving.stop(process)
 
 
 def _health_becomes(channel: grpc.Channel, status: int) -> bool:
