@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 METADATA_KEY = "authorization"
 SCHEME = "bearer"
 UNAUTHENTICATED_MESSAGE = "a valid grant is required (metadata 'authorization: Bearer <grant>')"
-PERMISSION_DENIED_MESSAGE = "the grant does not allow this method on this lane"
+# At most this many of a grant's lanes are named in a refusal.
+NAMED_LANES = 5
 # Tokens whose grants one server keeps verified (a few hundred bytes each).
 MAX_VERIFIED_GRANTS = 1024
 OPEN_SERVICES = (
@@ -60,10 +61,16 @@ OPEN_SERVICES = (
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """The scope a method needs, and the lane its request names (ALL_LANES: every lane)."""
+    """The scope a method needs (or any of `also`), and the lane its request
+    names (ALL_LANES: every lane)."""
 
     scope: Scope
     lane_of: Callable[[Any], str]
+    also: frozenset[Scope] = frozenset()
+
+    @property
+    def scopes(self) -> frozenset[Scope]:
+        return self.also | {self.scope}
 
 
 def _named_lane(request: Any) -> str:
@@ -109,6 +116,22 @@ def _granted_stream(behaviour: Behaviour) -> Behaviour:
     return streamed
 
 
+def refusal(grant: Grant, method: str, rule: Rule, lane: str) -> str:
+    """What a refused caller is told: the scope the method needs on the lane,
+    and what its own grant holds. Nothing of the keyring or of other grants."""
+    where = "every lane" if lane == ALL_LANES else f"lane {lane!r}"
+    needed = " or ".join(scope.value for scope in sorted(rule.scopes, key=lambda s: s.value))
+    held = ", ".join(sorted(scope.value for scope in grant.scopes))
+    names = sorted(grant.lanes)
+    lanes = ", ".join("every lane" if name == ALL_LANES else name for name in names[:NAMED_LANES])
+    if len(names) > NAMED_LANES:
+        lanes += f" and {len(names) - NAMED_LANES} more"
+    return (
+        f"{method.rsplit('/', 1)[-1]} on {where} needs the {needed} scope there; "
+        f"this grant has {held} on {lanes}"
+    )
+
+
 def current_grant_id() -> str:
     """The id of the grant the current call was verified with; "" on a server
     without auth (--insecure-no-auth)."""
@@ -125,8 +148,10 @@ def _rules() -> dict[str, Rule]:
         _method("Ledger", "Reserve"): Rule(Scope.CHARGE, _named_lane),
         _method("Ledger", "Settle"): Rule(Scope.CHARGE, _named_lane),
         _method("Ledger", "Refund"): Rule(Scope.CHARGE, _named_lane),
-        _method("Ledger", "GetBalance"): Rule(Scope.READ, _named_lane),
-        _method("Ledger", "GetBooking"): Rule(Scope.READ, _named_lane),
+        # A lane that spends reads its own balance and bookings to choose its
+        # fallback: charge allows them on the grant's lanes, as read does.
+        _method("Ledger", "GetBalance"): Rule(Scope.READ, _named_lane, frozenset({Scope.CHARGE})),
+        _method("Ledger", "GetBooking"): Rule(Scope.READ, _named_lane, frozenset({Scope.CHARGE})),
         _method("Ledger", "ListEvents"): Rule(Scope.READ, _named_lane_or_every),
         _method("Ledger", "WatchEvents"): Rule(Scope.READ, _named_lane_or_every),
         _method("Ledger", "GetAudit"): Rule(Scope.READ, _named_lane),
@@ -241,9 +266,9 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 request = decode_request(request, decode, context)
             # A request stream names no single lane: only a grant for every lane will do.
             lane = rule.lane_of(request) if isinstance(request, Message) else ALL_LANES
-            if not grant.allows(rule.scope, lane):
+            if not any(grant.allows(scope, lane) for scope in rule.scopes):
                 log.info("refused %s: grant %s lacks %s", method, grant.grant_id, rule.scope.value)
-                refuse_permission(context, PERMISSION_DENIED_MESSAGE)
+                refuse_permission(context, refusal(grant, method, rule, lane))
             token = _CURRENT_GRANT.set(grant)
             try:
                 return behaviour(request, context)

@@ -26,6 +26,9 @@ from tests.security.conftest import (
 
 CHARGE_METHODS = {"Reserve", "Settle", "Refund"}
 READ_METHODS = {"GetBalance", "GetBooking", "ListEvents", "WatchEvents", "GetAudit"}
+# Read methods a charge grant may call on its own lanes (a lane reads its balance
+# and bookings to choose its fallback).
+CHARGE_READS = {"GetBalance", "GetBooking"}
 NOT_LETTING_IN = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
 
@@ -119,17 +122,26 @@ def test_a_grant_for_another_lane_is_denied(shared_ledger: SecureLedger, method:
     outcome = shared_ledger.caller.call(method, request_for(method, HOME_LANE), bearer(grant))
     assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, outcome
     assert outcome.trailing.get("ledger-reason") == "PERMISSION_DENIED"
-    assert outcome.details == "the grant does not allow this method on this lane"
+    # It says what the method needs and what the caller's own grant holds.
+    where = "every lane" if needed_scope(method) is Scope.ADMIN else f"lane '{HOME_LANE}'"
+    assert outcome.details.startswith(f"{method.name} on {where} needs the "), outcome.details
+    assert outcome.details.endswith(f"; this grant has charge, read on {OTHER_LANE}")
+    assert needed_scope(method).value in outcome.details
     assert shared_ledger.event_count() == before
 
 
-@pytest.mark.parametrize("method", all_methods(), ids=lambda method: method.path)
+@pytest.mark.parametrize(
+    "method",
+    [method for method in all_methods() if method.name not in CHARGE_READS],
+    ids=lambda method: method.path,
+)
 def test_a_grant_without_the_scope_is_denied(shared_ledger: SecureLedger, method: Method) -> None:
     before = shared_ledger.event_count()
     grant = wrong_scope_grant(shared_ledger.forge, method)
     outcome = shared_ledger.caller.call(method, request_for(method), bearer(grant))
     assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, outcome
     assert outcome.trailing.get("ledger-reason") == "PERMISSION_DENIED"
+    assert f"needs the {needed_scope(method).value} scope" in outcome.details, outcome.details
     assert shared_ledger.event_count() == before
 
 
@@ -180,10 +192,31 @@ def test_a_lane_grant_charges_its_lane_end_to_end(shared_ledger: SecureLedger) -
     refund = pb.RefundRequest(lane=OTHER_LANE, reservation_id="e2e-1", http_status=429)
     assert shared_ledger.caller.call(methods["Refund"], refund, charge).code is grpc.StatusCode.OK
     assert shared_ledger.event_count() == before + 2
-    # The same grant cannot read the balance it just changed: read is another scope.
+    # The same grant reads the balance it just changed, and the booking: a
+    # lane needs them to choose its fallback.
     balance = pb.GetBalanceRequest(lane=OTHER_LANE)
-    outcome = shared_ledger.caller.call(methods["GetBalance"], balance, charge)
+    assert (
+        shared_ledger.caller.call(methods["GetBalance"], balance, charge).code is grpc.StatusCode.OK
+    )
+    booking = pb.GetBookingRequest(lane=OTHER_LANE, reservation_id="e2e-1")
+    assert (
+        shared_ledger.caller.call(methods["GetBooking"], booking, charge).code is grpc.StatusCode.OK
+    )
+    # But only on its own lanes, and nothing else a reader may see.
+    home = pb.GetBalanceRequest(lane=HOME_LANE)
+    outcome = shared_ledger.caller.call(methods["GetBalance"], home, charge)
     assert outcome.code is grpc.StatusCode.PERMISSION_DENIED
+    assert outcome.details == (
+        f"GetBalance on lane '{HOME_LANE}' needs the charge or read scope there; "
+        f"this grant has charge on {OTHER_LANE}"
+    )
+    for name, request in (
+        ("GetAudit", pb.GetAuditRequest(lane=OTHER_LANE)),
+        ("ListEvents", pb.ListEventsRequest(lane=OTHER_LANE)),
+    ):
+        outcome = shared_ledger.caller.call(methods[name], request, charge)
+        assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, name
+        assert "needs the read scope" in outcome.details
 
 
 def test_unauthenticated_requests_are_not_even_decoded(shared_ledger: SecureLedger) -> None:
