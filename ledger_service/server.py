@@ -128,9 +128,11 @@ class LedgerServer:
         self._database_answers = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
         self._health_probe = threading.Thread(target=self._probe, name="health", daemon=True)
-        self.keyring = keyring.load_or_create(settings.data_dir)
+        self._keyring_file = keyring.KeyringFile(settings.data_dir)
+        self.keyring = self._keyring_file.keyring
         # For the local CLI and in-process tests: an admin grant, issued afresh every start.
         self.admin_grant = issue_admin_grant(settings, self.keyring)
+        self._auth = AuthInterceptor(self.keyring, SystemClock())
         self._tracing, self._messages = tracing.interceptors(
             self.telemetry.tracer, self.telemetry.meter
         )
@@ -186,7 +188,20 @@ class LedgerServer:
 
     def _auth_interceptors(self) -> list[grpc.ServerInterceptor[Any, Any]]:
         # Grant expiry follows the real clock even when the ledger runs on a test clock.
-        return [AuthInterceptor(self.keyring, SystemClock())] if self.settings.auth_enabled else []
+        return [self._auth] if self.settings.auth_enabled else []
+
+    def _reload_keyring(self) -> None:
+        """A rotated or retired key takes effect here within a health interval;
+        the local admin grant is issued again when its key is no longer the
+        signing key."""
+        changed = self._keyring_file.changed()
+        if changed is None:
+            return
+        self.keyring = changed
+        self._auth.use(changed)
+        log.info("keyring reloaded: %d keys, %s signs", len(changed.keys), changed.signing_key_id)
+        if self.admin_grant.split(".")[1] != changed.signing_key_id:
+            self.admin_grant = issue_admin_grant(self.settings, changed)
 
     def start(self) -> int:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -273,6 +288,10 @@ class LedgerServer:
         """Probes the database until stopped (health follows each answer)."""
         while not self._stopping.wait(self.settings.health_check_interval_seconds):
             self._check_database()
+            try:
+                self._reload_keyring()
+            except Exception:
+                log.exception("keyring check failed; the keys in force stay")
 
     def _maintain(self) -> None:
         """Sweeps expired holds while the database answers, until stopped."""

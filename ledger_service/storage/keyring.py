@@ -75,6 +75,41 @@ def load_or_create(data_dir: pathlib.Path) -> Keyring:
     return created
 
 
+class KeyringFile:
+    """The keyring file of a running server, read again when it changes, so that
+    a rotated or retired key takes effect without a restart (on every replica
+    that reads the file: its own copy, or one mounted file)."""
+
+    def __init__(self, data_dir: pathlib.Path) -> None:
+        self._path = keyring_path(data_dir)
+        self.keyring = load_or_create(data_dir)
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            status = self._path.stat()
+        except OSError:
+            return None
+        return (status.st_ino, status.st_size, status.st_mtime_ns)
+
+    def changed(self) -> Keyring | None:
+        """The keyring if the file changed since it was last read; None when it
+        did not, or when it cannot be read now (the keys in force stay)."""
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            keyring = load(self._path.parent)
+        except KeyringError as error:
+            log.error("%s; the keys read before stay in force", error)
+            return None
+        if keyring == self.keyring:
+            return None
+        self.keyring = keyring
+        return keyring
+
+
 def rotate(data_dir: pathlib.Path) -> Keyring:
     """Adds a new key and makes it the signing key; the old keys still verify."""
     keyring = load(data_dir)
