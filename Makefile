@@ -7,7 +7,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install run test test-fast lint typecheck protos protos-check migrate bench test-python test-node test-node-package clean
+.PHONY: install run test test-fast lint typecheck protos protos-check migrate bench test-python test-node test-node-package test-python-package clean
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,12 +53,17 @@ test-python: $(STAMP)
 test-node: $(STAMP)
 	@if [ -f clients/node/package.json ]; then cd clients/node && npm ci --no-audit --no-fund --silent && LEDGER_VERIFY_WINDOWS=1 npm test; fi
 
+# The Python client as a lane gets it: a wheel and an sdist, each installed into
+# a fresh virtual environment, then a Reserve, a Settle and a Balance there.
+test-python-package: $(STAMP)
+	$(PY) clients/python/scripts/check_package.py
+
 # The Node package as a lane gets it: `npm pack`, installed into an empty
 # folder, then a Reserve, a Settle and a Balance against a real ledger.
 test-node-package: $(STAMP)
 	@if [ -f clients/node/package.json ]; then cd clients/node && { [ -d node_modules ] || npm ci --no-audit --no-fund --silent; } && node scripts/check-package.js; fi
 
-test: lint typecheck protos-check test-python test-node test-node-package
+test: lint typecheck protos-check test-python test-node test-node-package test-python-package
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
