@@ -223,6 +223,7 @@ class LedgerServer:
                 "(is another ledger running?) or the address is not this machine's"
             )
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
+        log.info("telemetry: %s", self.telemetry.description)
         self._server.start()
         self.feed.start()
         self.store.check_writable()

@@ -1,16 +1,23 @@
 """OpenTelemetry for the server process, configured once at start from the
 standard OTEL_* environment variables (docs/observability.md).
 
-- OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER: `none` (the default), `console`
-  (to stderr, so stdout keeps the server's own lines) or `otlp` (gRPC), or a
-  comma-separated list of them.
-- `otlp` only where the operator named a collector: OTEL_EXPORTER_OTLP_ENDPOINT
-  (or the signal's own OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
-  OTEL_EXPORTER_OTLP_METRICS_ENDPOINT). Without one the server refuses to start
-  rather than send to a default address nobody chose.
+- OTEL_TRACES_EXPORTER: `none` (the default), `console` (to stderr, so stdout
+  keeps the server's own lines) or `otlp`, or a comma-separated list of them.
+  OTEL_METRICS_EXPORTER: the same, and `prometheus`: a scrape endpoint on
+  OTEL_EXPORTER_PROMETHEUS_HOST:OTEL_EXPORTER_PROMETHEUS_PORT (localhost:9464).
+- `otlp` speaks OTEL_EXPORTER_OTLP_PROTOCOL (or the signal's own
+  OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / ..._METRICS_PROTOCOL): `grpc` (the
+  default) or `http/protobuf`, through the SDK's own exporters, and only where
+  the operator named a collector: OTEL_EXPORTER_OTLP_ENDPOINT (over HTTP the
+  signal's path, /v1/traces or /v1/metrics, is appended) or the signal's own
+  OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / ..._METRICS_ENDPOINT, taken as it is.
+  Without one the server refuses to start rather than send to a default
+  address nobody chose.
 - OTEL_SERVICE_NAME (default `lane-ledger`), OTEL_TRACES_SAMPLER,
-  OTEL_METRIC_EXPORT_INTERVAL and the OTLP exporter's own variables (headers,
+  OTEL_METRIC_EXPORT_INTERVAL and the OTLP exporters' own variables (headers,
   certificate, timeout) are read as the SDK reads them.
+
+`Telemetry.description` says what is active; the server logs it at start.
 
 No exporter costs nearly nothing: the tracer then has no span processor and
 samples nothing, so spans are non-recording (they still carry trace ids, which
@@ -26,7 +33,8 @@ import dataclasses
 import importlib.metadata
 import os
 import sys
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Callable, Mapping
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -49,6 +57,12 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 INSTRUMENTATION_NAME = "ledger_service"
 DEFAULT_SERVICE_NAME = "lane-ledger"
 EXPORTERS = ("otlp", "console", "none")
+METRIC_EXPORTERS = (*EXPORTERS, "prometheus")
+PROTOCOLS = ("grpc", "http/protobuf")
+# OTLP over HTTP: the path of each signal under OTEL_EXPORTER_OTLP_ENDPOINT.
+HTTP_PATHS = {"TRACES": "v1/traces", "METRICS": "v1/metrics"}
+PROMETHEUS_HOST = "localhost"
+PROMETHEUS_PORT = 9464
 # Bounds the wait for the last batch at shutdown.
 SHUTDOWN_TIMEOUT_MILLIS = 5_000
 
@@ -66,6 +80,10 @@ class Telemetry:
 
     tracer_provider: TracerProvider
     meter_provider: MeterProvider | None = None
+    # What is exported where, for the start-up log line.
+    description: str = "traces: none; metrics: none"
+    # Stops what serves a scrape (Prometheus), at shutdown.
+    closers: tuple[Callable[[], None], ...] = ()
 
     @property
     def tracer(self) -> trace.Tracer:
@@ -83,59 +101,154 @@ class Telemetry:
         self.tracer_provider.shutdown()
         if self.meter_provider is not None:
             self.meter_provider.shutdown(timeout_millis=SHUTDOWN_TIMEOUT_MILLIS)
+        for close in self.closers:
+            close()
 
 
-def exporters_named(environ: Mapping[str, str], variable: str) -> tuple[str, ...]:
+def exporters_named(
+    environ: Mapping[str, str], variable: str, known: tuple[str, ...] = EXPORTERS
+) -> tuple[str, ...]:
     """The exporters an OTEL_*_EXPORTER variable names; none when unset."""
     names = [name.strip().lower() for name in environ.get(variable, "none").split(",")]
-    unknown = [name for name in names if name and name not in EXPORTERS]
+    unknown = [name for name in names if name and name not in known]
     if unknown:
         raise ValueError(
             f"{variable}={environ.get(variable, '')!r}: unknown exporter {unknown[0]!r} "
-            f"(use {', '.join(EXPORTERS)})"
+            f"(use {', '.join(known)})"
         )
     return tuple(dict.fromkeys(name for name in names if name and name != "none"))
 
 
-def _otlp_endpoint(environ: Mapping[str, str], signal: str) -> str:
-    endpoint = environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    if not endpoint:
+@dataclasses.dataclass(frozen=True)
+class _Otlp:
+    """Where and how one signal goes over OTLP."""
+
+    protocol: str
+    endpoint: str
+
+    def describe(self) -> str:
+        return f"otlp {self.protocol} to {_without_userinfo(self.endpoint)}"
+
+
+def _otlp(environ: Mapping[str, str], signal: str) -> _Otlp:
+    protocol = (
+        environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    ).strip()
+    if protocol not in PROTOCOLS:
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: unknown protocol "
+            "(use grpc or http/protobuf)"
+        )
+    own = environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    shared = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not (own or shared):
         raise ValueError(
             f"OTEL_{signal}_EXPORTER=otlp needs OTEL_EXPORTER_OTLP_ENDPOINT (the collector's "
-            "address, e.g. http://127.0.0.1:4317)"
+            "address, e.g. http://127.0.0.1:4317, or :4318 over http/protobuf)"
         )
-    return endpoint
+    endpoint = own or str(shared)
+    if not own and protocol == "http/protobuf":
+        endpoint = f"{endpoint.rstrip('/')}/{HTTP_PATHS[signal]}"
+    return _Otlp(protocol, endpoint)
 
 
-def _span_processors(environ: Mapping[str, str]) -> list[SpanProcessor]:
+def _without_userinfo(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _span_processors(environ: Mapping[str, str]) -> tuple[list[SpanProcessor], list[str]]:
     processors: list[SpanProcessor] = []
+    described: list[str] = []
     for name in exporters_named(environ, "OTEL_TRACES_EXPORTER"):
         if name == "console":
             processors.append(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
-        else:
+            described.append("console (stderr)")
+            continue
+        otlp = _otlp(environ, "TRACES")
+        exporter: SpanExporter
+        if otlp.protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            exporter = OTLPSpanExporter(endpoint=_otlp_endpoint(environ, "TRACES"))
-            processors.append(BatchSpanProcessor(exporter))
-    return processors
+            exporter = OTLPSpanExporter(endpoint=otlp.endpoint)
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter as HttpSpanExporter,
+            )
+
+            exporter = HttpSpanExporter(endpoint=otlp.endpoint)
+        processors.append(BatchSpanProcessor(exporter))
+        described.append(otlp.describe())
+    return processors, described
 
 
-def _metric_readers(environ: Mapping[str, str]) -> list[MetricReader]:
+def _metric_readers(
+    environ: Mapping[str, str],
+) -> tuple[list[MetricReader], list[str], list[Callable[[], None]]]:
     readers: list[MetricReader] = []
-    for name in exporters_named(environ, "OTEL_METRICS_EXPORTER"):
+    described: list[str] = []
+    closers: list[Callable[[], None]] = []
+    for name in exporters_named(environ, "OTEL_METRICS_EXPORTER", METRIC_EXPORTERS):
+        if name == "prometheus":
+            reader, where, close = _prometheus(environ)
+            readers.append(reader)
+            described.append(f"prometheus on http://{where}/metrics")
+            closers.append(close)
+            continue
         exporter: MetricExporter
         if name == "console":
             exporter = ConsoleMetricExporter(out=sys.stderr)
+            described.append("console (stderr)")
         else:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-                OTLPMetricExporter,
-            )
+            otlp = _otlp(environ, "METRICS")
+            if otlp.protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                    OTLPMetricExporter,
+                )
 
-            exporter = OTLPMetricExporter(endpoint=_otlp_endpoint(environ, "METRICS"))
+                exporter = OTLPMetricExporter(endpoint=otlp.endpoint)
+            else:
+                from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+                    OTLPMetricExporter as HttpMetricExporter,
+                )
+
+                exporter = HttpMetricExporter(endpoint=otlp.endpoint)
+            described.append(otlp.describe())
         readers.append(PeriodicExportingMetricReader(exporter))
-    return readers
+    return readers, described, closers
+
+
+def _prometheus(environ: Mapping[str, str]) -> tuple[MetricReader, str, Callable[[], None]]:
+    """A reader whose metrics are scraped, and the HTTP server that serves them."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import REGISTRY, start_http_server
+
+    host = environ.get("OTEL_EXPORTER_PROMETHEUS_HOST") or PROMETHEUS_HOST
+    text = environ.get("OTEL_EXPORTER_PROMETHEUS_PORT") or str(PROMETHEUS_PORT)
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"OTEL_EXPORTER_PROMETHEUS_PORT={text!r}: not a port")
+    reader = PrometheusMetricReader()
+    try:
+        server, thread = start_http_server(int(text), addr=host)
+    except OSError as error:
+        REGISTRY.unregister(reader._collector)
+        raise ValueError(
+            f"cannot serve Prometheus metrics on {host}:{text}: {error.strerror}"
+        ) from error
+    port = server.server_address[1]
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return reader, f"{host}:{port}", close
 
 
 def configure_telemetry(
@@ -157,12 +270,14 @@ def configure_telemetry(
             "service.version": _version(),
         }
     )
-    processors = _span_processors(environ)
+    processors, traces = _span_processors(environ)
     if span_exporter is not None:
         processors.append(SimpleSpanProcessor(span_exporter))
-    readers = _metric_readers(environ)
+        traces.append("in process")
+    readers, metric_names, closers = _metric_readers(environ)
     if metric_reader is not None:
         readers.append(metric_reader)
+        metric_names.append("in process")
     tracer_provider = TracerProvider(
         # Nothing would read a recorded span: record none, but keep the trace ids.
         sampler=None if processors else ALWAYS_OFF,
@@ -177,4 +292,7 @@ def configure_telemetry(
         if readers
         else None
     )
-    return Telemetry(tracer_provider, meter_provider)
+    description = (
+        f"traces: {', '.join(traces) or 'none'}; metrics: {', '.join(metric_names) or 'none'}"
+    )
+    return Telemetry(tracer_provider, meter_provider, description, tuple(closers))

@@ -90,3 +90,91 @@ def test_an_unknown_exporter_stops_the_server_at_start(
     assert "ledger serve: OTEL_TRACES_EXPORTER='zipkin': unknown exporter 'zipkin'" in (
         capsys.readouterr().err
     )
+
+
+def test_otlp_over_http_protobuf_uses_the_sdks_http_exporters() -> None:
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpMetricExporter,
+    )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpanExporter,
+    )
+
+    sending = configure_telemetry(
+        {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://user:secret@127.0.0.1:4318",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://127.0.0.1:9999/custom",
+        }
+    )
+    try:
+        (batch,) = processors(sending)
+        exporter = batch._batch_processor._exporter  # type: ignore[attr-defined]
+        assert isinstance(exporter, HttpSpanExporter)
+        # The signal's path after the shared endpoint; a signal's own endpoint as it is.
+        assert exporter._endpoint == "http://user:secret@127.0.0.1:4318/v1/traces"
+        assert sending.meter_provider is not None
+        (reader,) = sending.meter_provider._metric_readers  # type: ignore[attr-defined]
+        assert isinstance(reader._exporter, HttpMetricExporter)
+        assert reader._exporter._endpoint == "http://127.0.0.1:9999/custom"
+        # Said at start, without the credentials in the URL.
+        assert sending.description == (
+            "traces: otlp http/protobuf to http://127.0.0.1:4318/v1/traces; "
+            "metrics: otlp http/protobuf to http://127.0.0.1:9999/custom"
+        )
+    finally:
+        sending.shutdown()
+    with pytest.raises(ValueError, match="unknown protocol"):
+        configure_telemetry(
+            {
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+            }
+        )
+
+
+def test_prometheus_metrics_are_scraped_from_a_running_server(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import socket
+    import urllib.request
+
+    from ledger_service.server import LedgerServer
+    from tests.conftest import ledger_settings
+
+    with socket.socket() as probe:  # a free port, given back for the exporter
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    telemetry = configure_telemetry(
+        {
+            "OTEL_METRICS_EXPORTER": "prometheus",
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+        }
+    )
+    caplog.set_level(logging.INFO)
+    server = LedgerServer(ledger_settings(tmp_path, auth_enabled=False), telemetry=telemetry)
+    server.start()
+    try:
+        import grpc
+
+        from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+        from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            pb_grpc.LedgerStub(channel).ListEvents(pb.ListEventsRequest(), timeout=5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            scraped = response.read().decode()
+    finally:
+        server.stop(0)
+        telemetry.shutdown()
+    assert "rpc_server_duration" in scraped
+    assert 'rpc_method="ListEvents"' in scraped
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("telemetry: ")]
+    assert logged == [
+        f"telemetry: traces: none; metrics: prometheus on http://127.0.0.1:{port}/metrics"
+    ]
