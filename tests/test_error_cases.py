@@ -92,28 +92,8 @@ def _string_constants(tree: ast.Module) -> dict[str, str]:
     return constants
 
 
-def _reason_values(node: ast.AST) -> list[ast.expr]:
-    """The second items of every `(REASON_KEY, value)` pair under `node`."""
-    values = []
-    for pair in ast.walk(node):
-        if (
-            isinstance(pair, ast.Tuple)
-            and len(pair.elts) == 2
-            and isinstance(pair.elts[0], ast.Name)
-            and pair.elts[0].id == "REASON_KEY"
-        ):
-            values.append(pair.elts[1])
-    return values
-
-
-def _abort_status(statement: ast.stmt) -> str | None:
-    """X of a `context.abort(grpc.StatusCode.X, ...)` statement."""
-    if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)):
-        return None
-    call = statement.value
-    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "abort" and call.args):
-        return None
-    code = call.args[0]
+def _status_name(code: ast.expr) -> str | None:
+    """X of a `grpc.StatusCode.X` expression."""
     if (
         isinstance(code, ast.Attribute)
         and isinstance(code.value, ast.Attribute)
@@ -123,43 +103,50 @@ def _abort_status(statement: ast.stmt) -> str | None:
     return None
 
 
+def _refusals(tree: ast.Module) -> list[ast.Call]:
+    """Every `refuse(context, code, message, reason, ...)` call (api/errors.py,
+    the one way a call is refused with a reason)."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == "refuse")
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == "refuse")
+        )
+    ]
+
+
 def _literal_reasons() -> dict[str, str]:
     """reason -> status name for every literal reason the server's code sends.
 
-    A literal is a string (or a module constant naming one) paired with
-    REASON_KEY in a set_trailing_metadata call; its status is that of the
-    context.abort right after it. The only other value allowed in such a pair
-    is a domain error's `.reason` (covered by _class_reasons)."""
+    A literal is a string (or a module constant naming one) given to `refuse`
+    as its reason, with the status given beside it. The only other value
+    allowed there is a domain error's `.reason` (covered by _class_reasons).
+    No code sets a `ledger-reason` trailer any other way."""
     reasons: dict[str, str] = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         if "generated" in path.parts:
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
         constants = _string_constants(tree)
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if not isinstance(body, list):
+        for call in _refusals(tree):
+            if len(call.args) < 4:
+                continue  # the definition's own recursion, if any
+            value, status = call.args[3], _status_name(call.args[1])
+            if isinstance(value, ast.Attribute) and value.attr == "reason":
                 continue
-            for index, statement in enumerate(body):
-                if not isinstance(statement, ast.Expr | ast.Assign):
-                    continue
-                for value in _reason_values(statement):
-                    if isinstance(value, ast.Attribute) and value.attr == "reason":
-                        continue
-                    if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                        reason = value.value
-                    elif isinstance(value, ast.Name) and value.id in constants:
-                        reason = constants[value.id]
-                    else:
-                        raise AssertionError(
-                            f"{path}:{statement.lineno}: a ledger-reason this test cannot read"
-                        )
-                    following = body[index + 1] if index + 1 < len(body) else None
-                    status = _abort_status(following) if following is not None else None
-                    assert status is not None, (
-                        f"{path}:{statement.lineno}: {reason} is not followed by an abort"
-                    )
-                    assert reasons.setdefault(reason, status) == status, reason
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                reason = value.value
+            elif isinstance(value, ast.Name) and value.id in constants:
+                reason = constants[value.id]
+            else:
+                raise AssertionError(f"{path}:{call.lineno}: a ledger-reason this test cannot read")
+            assert status is not None, f"{path}:{call.lineno}: {reason} without a StatusCode"
+            assert reasons.setdefault(reason, status) == status, reason
+        if path.name != "errors.py":
+            assert "set_trailing_metadata" not in source, f"{path}: trailers outside refuse()"
     return reasons
 
 

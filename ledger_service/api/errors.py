@@ -1,7 +1,10 @@
 """The one error table: each domain error becomes one gRPC status code and a
 machine-readable reason (trailing metadata `ledger-reason`, and `ledger-field`
-for bad input). Everything else becomes a constant INTERNAL with an opaque id
-that is also in the server log: no SQL, URL, path or traceback ever leaves.
+for bad input), sent a second time in gRPC's rich error model
+(`grpc-status-details-bin`: a google.rpc.Status with an ErrorInfo), which
+grpcurl, Envoy and most gRPC clients read. Everything else becomes a
+constant INTERNAL with an opaque id that is also in the server log: no SQL,
+URL, path or traceback ever leaves.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 from ledger_service.domain import errors
 
@@ -20,6 +24,9 @@ log = logging.getLogger(__name__)
 REASON_KEY = "ledger-reason"
 FIELD_KEY = "ledger-field"
 ERROR_ID_KEY = "ledger-error-id"
+# gRPC's rich error model (google.rpc.Status), and the ErrorInfo domain of our reasons.
+DETAILS_KEY = "grpc-status-details-bin"
+ERROR_DOMAIN = "ledger.v1"
 INTERNAL_MESSAGE = "internal error"
 UNDECODABLE_REASON = "UNDECODABLE_REQUEST"
 UNDECODABLE_MESSAGE = "the request is not a valid message for this method"
@@ -57,30 +64,46 @@ def status_of(error: errors.LedgerError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def refuse(
+    context: grpc.ServicerContext,
+    code: grpc.StatusCode,
+    message: str,
+    reason: str,
+    **extra: str,
+) -> None:
+    """Ends the call with `code` and `message`, the reason (and each of `extra`,
+    as `ledger-<name>`) in our own trailers, and beside them gRPC's rich error
+    model: a google.rpc.Status with one ErrorInfo (the reason, ERROR_DOMAIN,
+    `extra` as its metadata), as grpcio-status builds it. Raises."""
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=extra)
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(info)
+    trailers: list[tuple[str, str | bytes]] = [(REASON_KEY, reason)]
+    trailers += [(f"ledger-{name.replace('_', '-')}", value) for name, value in extra.items()]
+    trailers.append((DETAILS_KEY, status.SerializeToString()))
+    context.set_trailing_metadata(tuple(trailers))
+    context.abort(code, message)
+
+
 def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
     """Ends the call with the status the table gives `error`. Raises."""
     if isinstance(error, errors.LedgerError) and status_of(error) is not grpc.StatusCode.INTERNAL:
-        metadata: list[tuple[str, str]] = [(REASON_KEY, error.reason)]
-        if isinstance(error, errors.InvalidArgument):
-            metadata.append((FIELD_KEY, error.field))
-        context.set_trailing_metadata(tuple(metadata))
-        context.abort(status_of(error), error.message)
+        extra = {"field": error.field} if isinstance(error, errors.InvalidArgument) else {}
+        refuse(context, status_of(error), error.message, error.reason, **extra)
     error_id = uuid.uuid4().hex[:16]
     log.error("internal error %s", error_id, exc_info=error)
-    context.set_trailing_metadata(((REASON_KEY, "INTERNAL"), (ERROR_ID_KEY, error_id)))
-    context.abort(grpc.StatusCode.INTERNAL, f"{INTERNAL_MESSAGE} (id {error_id})")
+    message = f"{INTERNAL_MESSAGE} (id {error_id})"
+    refuse(context, grpc.StatusCode.INTERNAL, message, "INTERNAL", error_id=error_id)
 
 
 def refuse_unauthenticated(context: grpc.ServicerContext, message: str) -> None:
     """Ends the call: no valid grant came. Raises."""
-    context.set_trailing_metadata(((REASON_KEY, UNAUTHENTICATED_REASON),))
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    refuse(context, grpc.StatusCode.UNAUTHENTICATED, message, UNAUTHENTICATED_REASON)
 
 
 def refuse_permission(context: grpc.ServicerContext, message: str) -> None:
     """Ends the call: the grant does not cover the method or the lane. Raises."""
-    context.set_trailing_metadata(((REASON_KEY, PERMISSION_DENIED_REASON),))
-    context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+    refuse(context, grpc.StatusCode.PERMISSION_DENIED, message, PERMISSION_DENIED_REASON)
 
 
 def _is_abort(error: BaseException, context: grpc.ServicerContext) -> bool:
@@ -175,8 +198,7 @@ def _decode(raw: bytes, decode: Callable[[bytes], Any], context: grpc.ServicerCo
     try:
         return decode(raw)
     except Exception:
-        context.set_trailing_metadata(((REASON_KEY, UNDECODABLE_REASON),))
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE)
+        refuse(context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE, UNDECODABLE_REASON)
         raise  # unreachable: abort raises
 
 

@@ -167,6 +167,83 @@ function firstValue(metadata, key) {
   return values.length > 0 ? String(values[0]) : '';
 }
 
+// gRPC's rich error model, which the server sends beside its own trailers: a
+// google.rpc.Status (grpc-status-details-bin) whose ErrorInfo carries the same
+// reason and fields. Read where our own trailers are missing (a proxy dropped
+// them). Decoded by hand from the protobuf wire format: three small messages.
+const DETAILS_KEY = 'grpc-status-details-bin';
+const ERROR_DOMAIN = 'ledger.v1';
+const ERROR_INFO_TYPE = 'type.googleapis.com/google.rpc.ErrorInfo';
+
+/** The length-delimited fields of a protobuf message: [[fieldNumber, Buffer]]. */
+function delimitedFields(buffer) {
+  const fields = [];
+  let at = 0;
+  const varint = () => {
+    let value = 0;
+    for (let shift = 0; shift < 35; shift += 7) {
+      if (at >= buffer.length) throw new RangeError('truncated varint');
+      const byte = buffer[at++];
+      value += (byte & 0x7f) * 2 ** shift;
+      if (byte < 0x80) return value;
+    }
+    throw new RangeError('varint too long');
+  };
+  while (at < buffer.length) {
+    const key = varint();
+    const wireType = key % 8;
+    if (wireType === 0) varint();
+    else if (wireType === 2) {
+      const length = varint();
+      if (at + length > buffer.length) throw new RangeError('truncated field');
+      fields.push([Math.floor(key / 8), buffer.subarray(at, at + length)]);
+      at += length;
+    } else if (wireType === 1) at += 8;
+    else if (wireType === 5) at += 4;
+    else throw new RangeError(`wire type ${wireType}`);
+  }
+  return fields;
+}
+
+/**
+ * The ledger's ErrorInfo in a call's trailers, as trailer names
+ * ({'ledger-reason': ..., 'ledger-field': ...}); {} when there is none.
+ */
+function richErrorInfo(metadata) {
+  const values = metadata && typeof metadata.get === 'function' ? metadata.get(DETAILS_KEY) : [];
+  if (values.length === 0 || !Buffer.isBuffer(values[0])) return {};
+  try {
+    for (const [number, any] of delimitedFields(values[0])) {
+      if (number !== 3) continue; // Status.details: repeated Any
+      const anyFields = delimitedFields(any);
+      const typeUrl = anyFields.find(([n]) => n === 1)?.[1]?.toString('utf8');
+      const value = anyFields.find(([n]) => n === 2)?.[1];
+      if (typeUrl !== ERROR_INFO_TYPE || value === undefined) continue;
+      const found = {};
+      let domain = '';
+      for (const [field, bytes] of delimitedFields(value)) {
+        if (field === 1) found[REASON_KEY] = bytes.toString('utf8');
+        else if (field === 2) domain = bytes.toString('utf8');
+        else if (field === 3) {
+          const entry = delimitedFields(bytes);
+          const name = entry.find(([n]) => n === 1)?.[1]?.toString('utf8') ?? '';
+          found[`ledger-${name.replaceAll('_', '-')}`] =
+            entry.find(([n]) => n === 2)?.[1]?.toString('utf8') ?? '';
+        }
+      }
+      if (domain === ERROR_DOMAIN) return found;
+    }
+  } catch (error) {
+    if (!(error instanceof RangeError)) throw error;
+  }
+  return {};
+}
+
+/** A trailer of ours, or what the rich error model says in its place. */
+function trailerValue(metadata, key, rich) {
+  return firstValue(metadata, key) || (rich[key] ?? '');
+}
+
 /**
  * Converts a @grpc/grpc-js ServiceError into the table's error class.
  * @param {import('@grpc/grpc-js').ServiceError} serviceError
@@ -174,13 +251,14 @@ function firstValue(metadata, key) {
  */
 function ledgerErrorOf(serviceError) {
   const metadata = serviceError.metadata ?? null;
-  const reason = firstValue(metadata, REASON_KEY);
+  const rich = richErrorInfo(metadata);
+  const reason = trailerValue(metadata, REASON_KEY, rich);
   const errorClass = errorClassOf(serviceError.code, reason);
   return new errorClass(serviceError.details || serviceError.message, {
     code: serviceError.code,
     reason,
-    field: firstValue(metadata, FIELD_KEY),
-    errorId: firstValue(metadata, ERROR_ID_KEY),
+    field: trailerValue(metadata, FIELD_KEY, rich),
+    errorId: trailerValue(metadata, ERROR_ID_KEY, rich),
     metadata,
     cause: serviceError,
   });
@@ -190,6 +268,7 @@ module.exports = {
   ERROR_TABLE,
   errorClassOf,
   ledgerErrorOf,
+  richErrorInfo,
   isLedgerUnavailable,
   LedgerError,
   Refusal,

@@ -10,10 +10,15 @@ does not know yet) the status code does. Messages are never parsed.
 from __future__ import annotations
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 REASON_KEY = "ledger-reason"
 FIELD_KEY = "ledger-field"
 ERROR_ID_KEY = "ledger-error-id"
+# gRPC's rich error model, which the server sends beside its own trailers.
+DETAILS_KEY = "grpc-status-details-bin"
+ERROR_DOMAIN = "ledger.v1"
 
 
 class LedgerError(Exception):
@@ -171,11 +176,38 @@ STATUS_CODES: dict[grpc.StatusCode, type[LedgerError]] = {
 
 
 def _trailing(error: grpc.Call) -> dict[str, str]:
+    """The call's trailers; where our own are missing (a proxy dropped them),
+    what the rich error model (grpc-status-details-bin) carries instead."""
     values: dict[str, str] = {}
+    details = b""
     for key, value in error.trailing_metadata() or ():
         if isinstance(value, str):
             values[key] = value
+        elif key == DETAILS_KEY:
+            details = bytes(value)
+    for key, value in _error_info(details).items():
+        values.setdefault(key, value)
     return values
+
+
+def _error_info(details: bytes) -> dict[str, str]:
+    """The ledger's ErrorInfo in a google.rpc.Status, as trailer names:
+    reason as `ledger-reason`, each metadata entry as `ledger-<name>`."""
+    if not details:
+        return {}
+    status = status_pb2.Status()
+    try:
+        status.ParseFromString(details)
+    except DecodeError:
+        return {}
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == ERROR_DOMAIN:
+            found = {
+                f"ledger-{name.replace('_', '-')}": value for name, value in info.metadata.items()
+            }
+            return {REASON_KEY: info.reason, **found}
+    return {}
 
 
 def from_rpc_error(error: grpc.RpcError) -> LedgerError:

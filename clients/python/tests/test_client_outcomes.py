@@ -253,3 +253,30 @@ def test_each_new_reason_arrives_as_its_class(code: grpc.StatusCode, reason: str
     assert type(error) is NEW_REASONS[reason]
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         assert isinstance(error, errors.InvalidArgument) and error.field == "output_tokens"
+
+
+def _rich(reason: str, domain: str = "ledger.v1", **metadata: str) -> tuple[tuple[str, bytes], ...]:
+    from google.rpc import error_details_pb2, status_pb2
+
+    status = status_pb2.Status(code=3, message="a message nobody parses")
+    status.details.add().Pack(
+        error_details_pb2.ErrorInfo(reason=reason, domain=domain, metadata=metadata)
+    )
+    return (("grpc-status-details-bin", status.SerializeToString()),)
+
+
+def test_the_rich_error_model_stands_in_for_trailers_a_proxy_dropped() -> None:
+    rich = _rich("UNKNOWN_MODEL", field="model")
+    error = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, rich))  # type: ignore[arg-type]
+    assert type(error) is errors.UnknownModel
+    assert error.reason == "UNKNOWN_MODEL" and error.field == "model"
+    # Our own trailer wins where both came; another domain's ErrorInfo is not ours.
+    both = (("ledger-reason", "SUM_OUT_OF_RANGE"), *_rich("UNKNOWN_MODEL"))
+    error = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, both))  # type: ignore[arg-type]
+    assert type(error) is errors.SumOutOfRange
+    foreign = _rich("UNKNOWN_MODEL", domain="googleapis.com")
+    error = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, foreign))  # type: ignore[arg-type]
+    assert type(error) is errors.InvalidArgument and error.reason == ""
+    broken = (("grpc-status-details-bin", b"\xff\xff"),)
+    error = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.NOT_FOUND, broken))  # type: ignore[arg-type]
+    assert type(error) is errors.BookingNotFound and error.reason == ""
