@@ -31,11 +31,15 @@ MAX_BIGGEST = 100
 # Flags fire at these shares, in percent.
 NEAR_LIMIT_PERCENT = 90
 HIGH_DENIAL_RATE_PERCENT = 10
+# MOSTLY_ESTIMATES needs the estimates to be at least this share of the limit too:
+# a few cents of estimates in a large budget block nothing and are not the jam.
+MOSTLY_ESTIMATES_FLOOR_PERCENT = 5
 NANOS_PER_UNIT = 10**9
 
 
 class Flag(enum.Enum):
-    # More of the window's charges are estimates (UNKNOWN, expired) than real ones.
+    # More of the window's charges are estimates (UNKNOWN, expired) than real ones,
+    # and the estimates are at least 5% of the limit.
     MOSTLY_ESTIMATES = "MOSTLY_ESTIMATES"
     # Spent is at least 90% of the limit.
     NEAR_LIMIT = "NEAR_LIMIT"
@@ -160,14 +164,21 @@ def _parts_by_state(tallies: Iterable[StateTally]) -> dict[BookingState, Part]:
 
 def flags_of(audit: Audit) -> tuple[Flag, ...]:
     flags: list[Flag] = []
-    if audit.estimated_charged_nanos > audit.real_charged_nanos:
-        flags.append(Flag.MOSTLY_ESTIMATES)
     limit = audit.balance.limit_nanos
+    if _mostly_estimates(audit):
+        flags.append(Flag.MOSTLY_ESTIMATES)
     if limit > 0 and audit.balance.spent_nanos * 100 >= limit * NEAR_LIMIT_PERCENT:
         flags.append(Flag.NEAR_LIMIT)
     if audit.denied_count * 100 > audit.reserve_count * HIGH_DENIAL_RATE_PERCENT:
         flags.append(Flag.HIGH_DENIAL_RATE)
     return tuple(flags)
+
+
+def _mostly_estimates(audit: Audit) -> bool:
+    """Estimates outweigh real charges, and are enough of the limit to matter."""
+    estimated = audit.estimated_charged_nanos
+    floor = estimated * 100 >= audit.balance.limit_nanos * MOSTLY_ESTIMATES_FLOOR_PERCENT
+    return estimated > audit.real_charged_nanos and floor
 
 
 def summary_of(audit: Audit, flags: Sequence[Flag]) -> str:

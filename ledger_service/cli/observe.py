@@ -9,17 +9,20 @@ figures in a table whose cells have stable ids (`spent-nanos`, `denied-count`,
 ...) holding raw values, and the window's corrected charges (`corrected`
 events: an operator's Correct, or Reconcile --bill-wins) in a table of their own.
 
-The chart is drawn from the lane's events inside the window (ListEvents): each
-event carries the lane's spent and limit right after it, and what is held is
-replayed from the events (a reserved hold stays held until its booking is
-settled, refunded or expired). Between two events the lines are flat, so aging
-shows at the next event; the last point is the audit's own balance.
+The chart spans the whole rolling window (now - window to now) and is drawn from
+the lane's events inside it (ListEvents): each event carries the lane's spent and
+limit right after it, and what is held is replayed from the events (a reserved
+hold stays held until its booking is settled, refunded or expired). Between two
+events the lines are flat; the last point is the audit's own balance. Dotted
+lines mark where bookings of the window before aged out inside the chart, an
+arrow at now the next release; the y axis has 4 to 6 round ticks in dollars.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import html
 import math
 import os
@@ -47,6 +50,11 @@ MAX_BIGGEST = 100
 MAX_CHART_POINTS = 2_000
 MAX_DENIAL_MARKERS = 500
 MAX_CORRECTION_MARKERS = 500
+MAX_AGE_OUT_MARKS = 500
+# The y axis has at most this many steps of a round size, so 4 to 6 ticks (y_ticks).
+MAX_Y_STEPS = 5
+# The booking events after which a booking counts their amount_nanos.
+AMOUNT_KINDS = frozenset({"settled", "refunded", "expired", "reconciled", "corrected"})
 # The corrections table lists the newest this many; the count covers them all.
 MAX_CORRECTIONS_LISTED = 100
 CORRECTION_REASON_SHOWN_CHARACTERS = 200
@@ -100,6 +108,16 @@ BALANCE_FIGURES = (
 AUDIT_FIGURES = tuple(name for name in LABELS if name not in BALANCE_FIGURES)
 CORRECTIONS_HEADER = ("seq", "reservation", "at", "charge before", "charge after", "reason",
                       "correction id")  # fmt: skip
+# The audit's float fields, and the integers each is the ratio of.
+RATIOS = {
+    "denial_rate": ("denied_count", "reserve_count"),
+    "estimated_to_real_ratio": ("estimated_charged_nanos", "real_charged_nanos"),
+}
+# Ratios are rounded for the page: in the raw cells and as shown.
+RAW_RATIO_PLACES = decimal.Decimal("0.0001")
+SHOWN_PLACES = decimal.Decimal("0.1")
+# A report is meant to be shared: readable by all, whatever the umask.
+PAGE_MODE = 0o644
 _Item = TypeVar("_Item")
 
 
@@ -119,21 +137,38 @@ def micros(value: timestamp_pb2.Timestamp) -> int:
     return value.seconds * MICROS_PER_SECOND + value.nanos // 1000
 
 
-def window_events(lane: str, balance: pb.Balance, session: Session) -> tuple[list[pb.Event], bool]:
-    """The lane's events inside the audit's window, oldest first, and whether
-    the read stopped at its bound (MAX_PAGES pages) before the end of the log."""
+def window_span_us(balance: pb.Balance) -> tuple[int, int]:
+    """The audit's rolling window, (now - window, now], in microseconds."""
     end_us = micros(balance.as_of)
-    start_us = end_us - (balance.window.seconds * MICROS_PER_SECOND + balance.window.nanos // 1000)
+    return end_us - (
+        balance.window.seconds * MICROS_PER_SECOND + balance.window.nanos // 1000
+    ), end_us
+
+
+def window_events(
+    lane: str, balance: pb.Balance, session: Session
+) -> tuple[list[pb.Event], list[pb.Event], bool]:
+    """The lane's events inside the audit's window and those of the window before
+    it (whose bookings age out inside this one), oldest first, and whether the
+    read stopped at its bound (MAX_PAGES pages) before the end of the log."""
+    start_us, end_us = window_span_us(balance)
+    earlier_us = start_us - (end_us - start_us)
     kept: list[pb.Event] = []
+    earlier: list[pb.Event] = []
     token = ""
     for _ in range(MAX_PAGES):
         request = pb.ListEventsRequest(lane=lane, page_size=PAGE_SIZE, page_token=token)
         page = session.ledger.ListEvents(request, **session.options())
-        kept.extend(e for e in page.events if start_us < micros(e.occurred_at) <= end_us)
+        for event in page.events:
+            at_us = micros(event.occurred_at)
+            if start_us < at_us <= end_us:
+                kept.append(event)
+            elif earlier_us < at_us <= start_us:
+                earlier.append(event)
         token = page.next_page_token
         if not token:
-            return kept, False
-    return kept, True
+            return kept, earlier, False
+    return kept, earlier, True
 
 
 # Text ------------------------------------------------------------------------
@@ -314,17 +349,116 @@ def _correction_markers(corrections: Sequence[pb.Event], scale: _Scale) -> str:
     return f'<g id="correction-markers" data-count="{len(corrections)}">{circles}</g>'
 
 
+@dataclasses.dataclass(frozen=True)
+class AgeOut:
+    """Bookings reserved at one instant that age out of the window together."""
+
+    at_us: int
+    count: int
+    nanos: int
+
+
+def age_outs(events: Iterable[pb.Event], start_us: int, end_us: int) -> list[AgeOut]:
+    """The instants inside the chart, (start, end], at which bookings age out of the
+    rolling window (reserved_at + window), with what each frees: the bookings
+    reserved in the window before, at what their latest event says they count.
+    Bookings that count nothing by then (refunded) free nothing and are left out."""
+    window_us = end_us - start_us
+    counted: dict[tuple[str, str], tuple[int, int]] = {}
+    for event in events:
+        key = (event.lane, event.reservation_id)
+        if event.kind == "reserved":
+            counted[key] = (_reserved_us(event) + window_us, event.amount_nanos)
+        elif event.kind in AMOUNT_KINDS and key in counted:
+            counted[key] = (counted[key][0], event.amount_nanos)
+    grouped: dict[int, AgeOut] = {}
+    for at_us, nanos in counted.values():
+        if start_us < at_us <= end_us and nanos > 0:
+            before = grouped.get(at_us, AgeOut(at_us, 0, 0))
+            grouped[at_us] = AgeOut(at_us, before.count + 1, before.nanos + nanos)
+    return [grouped[at_us] for at_us in sorted(grouped)]
+
+
+def _reserved_us(event: pb.Event) -> int:
+    return micros(event.reserved_at if event.HasField("reserved_at") else event.occurred_at)
+
+
+def y_ticks(top_nanos: int) -> list[int]:
+    """Round dollar values from 0 up to at least `top_nanos`: the smallest step of
+    1, 2 or 5 times a power of ten nanos that needs at most MAX_Y_STEPS steps, so
+    4 to 6 ticks. Integer arithmetic only."""
+    top = max(1, top_nanos)
+    power = 1
+    while True:
+        for factor in (1, 2, 5):
+            step = factor * power
+            steps = -(-top // step)
+            if steps <= MAX_Y_STEPS:
+                return [step * index for index in range(steps + 1)]
+        power *= 10
+
+
+def tick_usd(nanos: int) -> str:
+    """A round amount as dollars, to the last digit that is not zero but with at
+    least cents: 500_000_000 -> '$0.50', 2_000 -> '$0.000002'."""
+    whole, _, fraction = usd(nanos).partition(".")
+    return f"{whole}.{fraction.rstrip('0').ljust(2, '0')}"
+
+
+def _y_axis(ticks: Sequence[int], scale: _Scale) -> str:
+    """A grid line and a dollar label at each tick."""
+    right = CHART_WIDTH - MARGIN_RIGHT
+    return "".join(
+        f'<line class="grid" x1="{MARGIN_LEFT}" x2="{right}" y1="{scale.y(tick):.1f}" '
+        f'y2="{scale.y(tick):.1f}"/>'
+        f'<text class="axis y-tick" x="{MARGIN_LEFT - 6}" y="{scale.y(tick) + 4:.1f}" '
+        f'text-anchor="end">{tick_usd(tick)}</text>'
+        for tick in ticks
+    )
+
+
+def _age_out_marks(marks: Sequence[AgeOut], scale: _Scale) -> str:
+    """A dotted vertical line at each instant bookings aged out, its tooltip saying what."""
+    shown = _thinned(marks, MAX_AGE_OUT_MARKS) if marks else []
+    lines = "".join(
+        f'<line class="age-out-mark" x1="{scale.x(mark.at_us):.1f}" '
+        f'x2="{scale.x(mark.at_us):.1f}" y1="{MARGIN_TOP}" y2="{CHART_HEIGHT - MARGIN_BOTTOM}">'
+        f"<title>{mark.count} booking(s) aged out at "
+        f"{html.escape(time_text(_timestamp(mark.at_us)))}, freeing {usd(mark.nanos)}</title>"
+        "</line>"
+        for mark in shown
+    )
+    return f'<g id="age-out-marks" data-count="{len(marks)}">{lines}</g>'
+
+
+def _next_release_marker(release: AgeOut | None, scale: _Scale, spent_now: int) -> str:
+    """An arrow at the right edge (now) when the oldest booking ages out just after it."""
+    if release is None:
+        return ""
+    x, y = CHART_WIDTH - MARGIN_RIGHT, scale.y(spent_now)
+    return (
+        f'<path id="next-release-marker" d="M{x},{y - 6:.1f} l8,6 l-8,6 z">'
+        f"<title>next release at {html.escape(time_text(_timestamp(release.at_us)))} "
+        f"(after now), frees {usd(release.nanos)}</title></path>"
+    )
+
+
 def chart_svg(
     points: Sequence[ChartPoint],
     denials: Sequence[ChartPoint],
     corrections: Sequence[pb.Event] = (),
+    span_us: tuple[int, int] | None = None,
+    marks: Sequence[AgeOut] = (),
+    release: AgeOut | None = None,
 ) -> str:
+    """The window, from `span_us` (now - window, now; by default the points' own
+    span), with round dollar ticks, age-out marks and the next release."""
     shown = _thinned(points, MAX_CHART_POINTS)
     marked = _thinned(denials, MAX_DENIAL_MARKERS) if denials else []
-    start_us = shown[0].at_us
-    end_us = max(shown[-1].at_us, start_us + MICROS_PER_SECOND)
-    top = max(1, *(max(p.spent_nanos, p.limit_nanos) for p in shown))
-    scale = _Scale(start_us, end_us, math.ceil(top * 1.08))
+    start_us, end_us = span_us if span_us is not None else (shown[0].at_us, shown[-1].at_us)
+    end_us = max(end_us, start_us + MICROS_PER_SECOND)
+    ticks = y_ticks(max(p for point in shown for p in (point.spent_nanos, point.limit_nanos)))
+    scale = _Scale(start_us, end_us, ticks[-1])
     bottom = CHART_HEIGHT - MARGIN_BOTTOM
     right = CHART_WIDTH - MARGIN_RIGHT
     markers = "".join(
@@ -333,25 +467,24 @@ def chart_svg(
         f"</title></path>"
         for p in marked
     )
-    limit_now = shown[-1].limit_nanos
     return (
         f'<svg id="window-chart" role="img" '
         f'viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" width="{CHART_WIDTH}" '
         f'height="{CHART_HEIGHT}" aria-label="spent, held and limit over the window">'
         f'<rect class="plot" x="{MARGIN_LEFT}" y="{MARGIN_TOP}" '
         f'width="{right - MARGIN_LEFT}" height="{bottom - MARGIN_TOP}"/>'
+        f'<g id="y-axis">{_y_axis(ticks, scale)}</g>'
+        f"{_age_out_marks(marks, scale)}"
         f'<polyline id="limit-line" class="limit" points="{_steps(shown, scale, "limit_nanos")}"/>'
         f'<polyline id="spent-line" class="spent" points="{_steps(shown, scale, "spent_nanos")}"/>'
         f'<polyline id="held-line" class="held" points="{_steps(shown, scale, "held_nanos")}"/>'
         f'<g id="denial-markers" data-count="{len(denials)}">{markers}</g>'
         f"{_correction_markers(corrections, scale)}"
-        f'<text class="axis" x="{MARGIN_LEFT - 6}" y="{bottom}" text-anchor="end">{usd(0)}</text>'
-        f'<text class="axis" x="{MARGIN_LEFT - 6}" y="{scale.y(limit_now) + 4:.1f}" '
-        f'text-anchor="end">{usd(limit_now)}</text>'
+        f"{_next_release_marker(release, scale, shown[-1].spent_nanos)}"
         f'<text class="axis" x="{MARGIN_LEFT}" y="{bottom + 18}">'
         f"{html.escape(time_text(_timestamp(start_us)))}</text>"
         f'<text class="axis" x="{right}" y="{bottom + 18}" text-anchor="end">'
-        f"{html.escape(time_text(_timestamp(end_us)))}</text>"
+        f"{html.escape(time_text(_timestamp(end_us)))} (now)</text>"
         f'<text class="legend spent" x="{MARGIN_LEFT}" y="{bottom + 40}">&#9632; spent</text>'
         f'<text class="legend held" x="{MARGIN_LEFT + 90}" y="{bottom + 40}">&#9632; held</text>'
         f'<text class="legend limit" x="{MARGIN_LEFT + 180}" y="{bottom + 40}">&#9632; limit</text>'
@@ -359,6 +492,8 @@ def chart_svg(
         f"&#9660; denial ({len(denials)})</text>"
         f'<text class="legend correction" x="{MARGIN_LEFT + 400}" y="{bottom + 40}">'
         f"&#9679; correction ({len(corrections)})</text>"
+        f'<text class="legend age-out" x="{MARGIN_LEFT + 550}" y="{bottom + 40}">'
+        f"&#9482; aged out ({len(marks)})</text>"
         "</svg>"
     )
 
@@ -384,11 +519,15 @@ svg polyline.held { stroke: #f08c00; stroke-dasharray: 4 3; }
 svg polyline.limit { stroke: #c92a2a; stroke-dasharray: 8 4; }
 svg .denial-marker { fill: #c92a2a; }
 svg .correction-marker { fill: #2f9e44; stroke: white; stroke-width: 1.5; }
+svg line.grid { stroke: #e3e6ee; }
+svg line.age-out-mark { stroke: #7048e8; stroke-dasharray: 2 3; }
+svg #next-release-marker { fill: #7048e8; }
 svg text { font: 12px system-ui, sans-serif; fill: #59607a; }
 svg text.spent { fill: #3b5bdb; }
 svg text.held { fill: #f08c00; }
 svg text.limit, svg text.denial { fill: #c92a2a; }
 svg text.correction { fill: #2f9e44; }
+svg text.age-out { fill: #7048e8; }
 """
 
 
@@ -396,7 +535,9 @@ def _raw(message: Any, name: str) -> str:
     value = getattr(message, name)
     if isinstance(value, timestamp_pb2.Timestamp):
         return value.ToJsonString() if message.HasField(name) else ""
-    return repr(value) if isinstance(value, float) else str(value)
+    if name in RATIOS:
+        return str(_ratio(message, name).quantize(RAW_RATIO_PLACES, decimal.ROUND_HALF_UP))
+    return str(value)
 
 
 def _shown(message: Any, name: str) -> str:
@@ -406,10 +547,18 @@ def _shown(message: Any, name: str) -> str:
     if name.endswith("_nanos"):
         return usd(value)
     if name == "denial_rate":
-        return f"{value:.1%}"
-    if isinstance(value, float):
-        return f"{value:.2f}"
+        percent = (_ratio(message, name) * 100).quantize(SHOWN_PLACES, decimal.ROUND_HALF_UP)
+        return f"{percent}%"
+    if name in RATIOS:
+        return str(_ratio(message, name).quantize(SHOWN_PLACES, decimal.ROUND_HALF_UP))
     return str(value)
+
+
+def _ratio(audit: Any, name: str) -> decimal.Decimal:
+    """A ratio of the audit, exactly, from the integers it is the ratio of (0 over
+    nothing, as the audit says), so that the page shows no float."""
+    part, whole = (getattr(audit, field) for field in RATIOS[name])
+    return decimal.Decimal(part) / decimal.Decimal(whole) if whole else decimal.Decimal(0)
 
 
 def _figure_rows(message: Any, names: Iterable[str]) -> str:
@@ -468,10 +617,18 @@ def _correction_cells(event: pb.Event) -> tuple[str, ...]:
     )
 
 
-def render_page(audit: pb.Audit, events: Sequence[pb.Event], truncated: bool = False) -> str:
-    """One HTML page, self-contained: inline CSS and SVG, no script, no links out."""
+def render_page(
+    audit: pb.Audit,
+    events: Sequence[pb.Event],
+    truncated: bool = False,
+    earlier: Sequence[pb.Event] = (),
+) -> str:
+    """One HTML page, self-contained: inline CSS and SVG, no script, no links out.
+    `events` are the window's, `earlier` those of the window before it."""
     points, denials = chart_points(events, audit.balance)
     corrections = corrected_events(events)
+    span_us = window_span_us(audit.balance)
+    marks = age_outs([*earlier, *events], *span_us)
     lane = html.escape(audit.lane)
     flags = "".join(f'<li class="flag">{html.escape(flag)}</li>' for flag in audit.flags)
     note = (
@@ -490,7 +647,7 @@ def render_page(audit: pb.Audit, events: Sequence[pb.Event], truncated: bool = F
         f'<p id="summary" class="summary">{html.escape(audit.summary)}</p>'
         f'<ul id="flags" class="flags">{flags}</ul>'
         f"<h2>Spent, held and limit over the window</h2>{note}"
-        f"{chart_svg(points, denials, corrections)}"
+        f"{chart_svg(points, denials, corrections, span_us, marks, next_release(audit))}"
         f'<h2>Where the spend went</h2><table id="audit-figures">'
         f"{_figure_rows(audit.balance, BALANCE_FIGURES)}{_figure_rows(audit, AUDIT_FIGURES)}"
         f"</table><h2>Biggest bookings</h2>{_biggest_table(audit)}"
@@ -499,13 +656,22 @@ def render_page(audit: pb.Audit, events: Sequence[pb.Event], truncated: bool = F
     )
 
 
+def next_release(audit: pb.Audit) -> AgeOut | None:
+    """When the window's oldest booking ages out, just after now, and what it frees."""
+    if not audit.HasField("next_release_at"):
+        return None
+    return AgeOut(micros(audit.next_release_at), 0, audit.next_release_nanos)
+
+
 def write_page(path: pathlib.Path, page: str) -> None:
-    """Writes the page whole or not at all (a temporary file, then a rename)."""
+    """Writes the page whole or not at all (a temporary file, then a rename),
+    readable by all (PAGE_MODE)."""
     directory = path.parent if str(path.parent) else pathlib.Path(".")
     if not directory.is_dir():
         raise CliError(f"--html: {str(directory)!r} is not a directory", EXIT_BAD_VALUE)
     handle, temporary = tempfile.mkstemp(prefix=".ledger-report-", dir=directory)
     try:
+        os.fchmod(handle, PAGE_MODE)  # mkstemp makes it 0600; fchmod ignores the umask
         with os.fdopen(handle, "w", encoding="utf-8") as output:
             output.write(page)
         os.replace(temporary, path)
@@ -525,11 +691,11 @@ def audit(arguments: argparse.Namespace, session: Session) -> int:
 
 def report(arguments: argparse.Namespace, session: Session) -> int:
     found = fetch_audit(arguments, session)
-    events, truncated = window_events(arguments.lane, found.balance, session)
+    events, earlier, truncated = window_events(arguments.lane, found.balance, session)
     if truncated:
         print(f"ledger: read {MAX_PAGES * PAGE_SIZE} events and stopped", file=sys.stderr)
     try:
-        write_page(arguments.html, render_page(found, events, truncated))
+        write_page(arguments.html, render_page(found, events, truncated, earlier))
     except OSError as error:
         raise CliError(f"--html: cannot write {str(arguments.html)!r}: {error.strerror}") from None
     print(f"wrote {arguments.html}: {found.summary}")

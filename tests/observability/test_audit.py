@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from ledger_service.application.audit import Flag, summarize
+from ledger_service.application.audit import MOSTLY_ESTIMATES_FLOOR_PERCENT, Flag, summarize
 from ledger_service.application.ports import StateTally
 from ledger_service.domain.bookings import BookingState
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -145,3 +145,23 @@ def test_many_denials_far_from_the_limit_are_not_called_close_to_it() -> None:
     assert "with many Reserves denied" in audit.summary
     near = summarize("recall", 250_000, DAY_US, DAY_US, tallies)
     assert Flag.NEAR_LIMIT in near.flags and "close to its limit" in near.summary
+
+
+def test_a_few_estimates_in_a_large_budget_are_not_mostly_estimates() -> None:
+    """Issue 26: estimates at 0.2% of the limit flagged the lane. The flag needs
+    the estimates to be at least MOSTLY_ESTIMATES_FLOOR_PERCENT (5%) of the limit."""
+    assert MOSTLY_ESTIMATES_FLOOR_PERCENT == 5
+    limit = 500_000_000
+
+    def flags(estimated_nanos: int) -> tuple[Flag, ...]:
+        tallies = [
+            StateTally(BookingState.SETTLED, 1, 10),
+            StateTally(BookingState.SETTLED_UNKNOWN, 3, estimated_nanos),
+        ]
+        return summarize("recall", limit, DAY_US, DAY_US, tallies).flags
+
+    assert flags(limit // 500) == ()  # 0.2% of the limit
+    assert flags(limit // 20 - 1) == ()  # just under 5%
+    assert flags(limit // 20) == (Flag.MOSTLY_ESTIMATES,)  # 5%
+    under = summarize("recall", limit, DAY_US, DAY_US, [StateTally(BookingState.EXPIRED, 1, 99)])
+    assert "mostly estimates" not in under.summary

@@ -8,18 +8,25 @@ import html.parser
 import json
 import os
 import pathlib
+import re
 import shutil
+import stat
 import subprocess
 from typing import Any
 
 import pytest
+from google.protobuf import timestamp_pb2
 
 from ledger_service import cli
-from ledger_service.cli.render import message_json
+from ledger_service.cli.render import message_json, time_text
 from ledger_service.server import LedgerServer
 from tests.observability.jam import make_jam
 
 BROWSER_TIMEOUT_SECONDS = 120
+RATIO = re.compile(r"\d+\.\d{4}")
+# A number with five decimals or more that is neither an amount ($0.000009264) nor a
+# time's seconds (08:00:05.123456Z): a raw float.
+RAW_FLOAT = re.compile(r"(?<![$\d.:])\d+\.\d{5,}")
 # The figures of the page's table, by cell id, and where the audit keeps them.
 BALANCE_IDS = ("limit-nanos", "spent-nanos", "held-nanos", "charged-nanos", "available-nanos",
                "overrun-nanos", "open-bookings")  # fmt: skip
@@ -90,7 +97,12 @@ def assert_matches_audit(figures: Figures, audit: Any) -> None:
     for element_id in AUDIT_IDS:
         value = getattr(audit, element_id.replace("-", "_"))
         shown = figures.by_id[element_id]
-        assert (float(shown) if isinstance(value, float) else int(shown)) == value, element_id
+        if isinstance(value, float):
+            # Ratios are rounded to four places: no raw float on the page.
+            assert RATIO.fullmatch(shown), (element_id, shown)
+            assert abs(float(shown) - value) <= 0.00005, element_id
+        else:
+            assert int(shown) == value, element_id
     assert figures.by_id["next-release-at"] == audit.next_release_at.ToJsonString()
     assert figures.by_id["lane"] == audit.lane
     assert figures.by_id["summary"] == audit.summary
@@ -122,9 +134,23 @@ def test_report_writes_one_self_contained_page(
     make_jam(ledger)
     audit = ledger.audit(biggest=5)
     path = tmp_path / "recall.html"
-    out = run_cli(capsys, traced_server, "report", "recall", "--html", str(path))
+    before = os.umask(0o077)
+    try:
+        out = run_cli(capsys, traced_server, "report", "recall", "--html", str(path))
+    finally:
+        os.umask(before)
     assert out.startswith(f"wrote {path}: ")
+    # Meant to be shared: readable by all even under a restrictive umask.
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ledger-report-")]
     page = path.read_text()
+    assert RAW_FLOAT.findall(page) == []
+    # The chart spans the whole 1d window, not the jam's five seconds of events.
+    as_of = audit.balance.as_of
+    start = timestamp_pb2.Timestamp(
+        seconds=as_of.seconds - audit.balance.window.seconds, nanos=as_of.nanos
+    )
+    assert f">{time_text(start)}</text>" in page and f">{time_text(as_of)} (now)</text>" in page
     for outside in ("<script", "src=", "href=", "http:", "https:", "@import", "url("):
         assert outside not in page
     figures = read_figures(page)
