@@ -191,12 +191,12 @@ def reserve(ledger: RunLedger, lane: str, reservation_id: str, *extra: str) -> R
         ("0.50 USD", 500_000_000),
         ("0.5usd", 500_000_000),
         ("$ 1", 1_000_000_000),
-        ("0.000000001", 1),
+        ("0.000000001 USD", 1),
         ("$0.000001400", 1400),
         ("1400n", 1400),
         ("1400 nanos", 1400),
         ("-$0.25", -250_000_000),
-        ("12345678.123456789", 12_345_678_123_456_789),
+        ("$12345678.123456789", 12_345_678_123_456_789),
     ],
 )
 def test_amounts_parse_to_exact_nanos(text: str, nanos: int) -> None:
@@ -205,7 +205,18 @@ def test_amounts_parse_to_exact_nanos(text: str, nanos: int) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["0.0000000001", "$0.0000000005", "1.5n", "$5n", "0.5 EUR", "abc", "", "1e3", "9" * 80],
+    [
+        "0.0000000001 USD",
+        "$0.0000000005",
+        "1.5n",
+        "$5n",
+        "0.5 EUR",
+        "abc",
+        "",
+        "1e3",
+        "9" * 80,
+        "1",
+    ],
 )
 def test_amounts_finer_than_a_nano_or_malformed_are_refused(text: str) -> None:
     with pytest.raises(exits.CliError) as refused:
@@ -728,7 +739,7 @@ def test_an_unknown_booking_is_one_line(target: LedgerProcess, ledger: RunLedger
             "--output-tokens",
         ),
         (["refund", "checks", "c-1"], "--reason"),
-        (["lane", "put", "checks-2", "--limit", "0", "--price", JEV_PRICE], "--limit"),
+        (["lane", "put", "checks-2", "--limit", "$0", "--price", JEV_PRICE], "--limit"),
         (
             ["lane", "put", "checks-2", "--limit", "$1", "--price", JEV_PRICE, "--hold-ttl", "2d"],
             "--hold-ttl",
@@ -755,7 +766,7 @@ def test_a_bad_value_names_the_option_the_server_refused(
 @pytest.mark.parametrize(
     ("command", "start"),
     [
-        (["lane", "put", "x", "--limit", "0.0000000001", "--price", JEV_PRICE], "--limit: "),
+        (["lane", "put", "x", "--limit", "$0.0000000001", "--price", JEV_PRICE], "--limit: "),
         (["lane", "put", "x", "--limit", "$1", "--price", "jev"], "--price: "),
         (
             ["lane", "put", "x", "--limit", "$1", "--price", JEV_PRICE, "--price", JEV_PRICE],

@@ -36,8 +36,8 @@ CLOCK_AT = datetime.datetime(2026, 9, 24, 12, 0, tzinfo=datetime.UTC)
 COMMAND_SECONDS = 60
 MAX_README_LINES = 5000
 MOVES = ("lane put", "reserve", "settle", "refund", "balance", "history")
-# The last column of a `ledger history` row: 8 hex digits of a trace id, or `-`.
-TRACE_CELL = re.compile(r"  (?:-|[0-9a-f]{8})$")
+# The last column of a `ledger history` row: a trace id (32 hex digits), or `-`.
+TRACE_CELL = re.compile(r"  (?:-|[0-9a-f]{32})$")
 
 
 @dataclasses.dataclass(frozen=True)

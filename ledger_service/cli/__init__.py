@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
@@ -24,6 +25,18 @@ from ledger_service.cli import (
     reconcile,
     recovery,
 )
+from ledger_service.cli.exits import EXIT_FAILED
+
+# The distribution `ledger --version` reports (pyproject.toml's [project] name).
+DISTRIBUTION = "ledger-service"
+
+
+def version_text() -> str:
+    """'ledger 0.1.0': the installed distribution's version."""
+    try:
+        return f"ledger {importlib.metadata.version(DISTRIBUTION)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"ledger (unknown version: {DISTRIBUTION} is not installed)"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
         prog="ledger",
         description="The lane ledger: budgets for paid model calls, booked before they are made.",
     )
+    root.add_argument("--version", action="version", version=version_text())
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
     operate.register(commands)
     common = connection.common_options()
@@ -56,10 +70,26 @@ def configure_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command. A reader that leaves early (`ledger history | head -1`) ends it
+    quietly with status 1, as the Python docs' note on SIGPIPE recommends."""
     configure_logging()
-    arguments = parser().parse_args(argv)
-    code: int = arguments.run(arguments)
+    try:
+        try:
+            arguments = parser().parse_args(argv)
+            code: int = arguments.run(arguments)
+        finally:
+            # Flush now, so a closed pipe is a BrokenPipeError here and not at exit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_FAILED
     return code
+
+
+def _discard_stdout() -> None:
+    """Points stdout at devnull, so the interpreter's own flush at exit fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from typing import Any
 
 from ledger_service.cli.connection import Session, command
 from ledger_service.cli.exits import EXIT_DENIED
-from ledger_service.cli.render import emit, enum_name, time_text, usd
+from ledger_service.cli.render import emit, enum_name, money_in_text, time_text, usd
 from ledger_service.cli.values import parse_amount_nanos, parse_count, parse_duration
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -44,9 +44,11 @@ def reserve_lines(reservation_id: str, response: pb.ReserveResponse) -> list[str
             if response.denied_by and response.denied_by != response.balance.lane
             else ""
         )
+        # The server's sentence counts nanos; people read dollars here (--json keeps nanos).
         first = (
             f"denied {reservation_id}{by}: "
-            f"{enum_name(pb.DenialReason, response.denial_reason)}: {response.reason}{retry}"
+            f"{enum_name(pb.DenialReason, response.denial_reason)}: "
+            f"{money_in_text(response.reason)}{retry}"
         )
     return [first, balance_summary(response.balance)]
 
@@ -155,7 +157,11 @@ def _register_reserve(commands: Any, common: argparse.ArgumentParser) -> None:
     book.add_argument("--model", required=True)
     book.add_argument("--request-bytes", required=True, metavar="N")
     book.add_argument("--max-output-tokens", required=True, metavar="N")
-    book.add_argument("--estimate", metavar="AMOUNT", help="hold min(estimate, cap)")
+    book.add_argument(
+        "--estimate",
+        metavar="AMOUNT",
+        help="hold min(estimate, cap): $0.50, 0.50 USD or 500000000n",
+    )
     book.add_argument("--ttl", metavar="DURATION", help="at most the lane's hold ttl")
     book.set_defaults(run=command(reserve))
 
@@ -167,7 +173,11 @@ def _register_settle(commands: Any, common: argparse.ArgumentParser) -> None:
     end.add_argument("--outcome", required=True, choices=("succeeded", "unknown"))
     end.add_argument("--input-tokens", default="0", metavar="N")
     end.add_argument("--output-tokens", default="0", metavar="N")
-    end.add_argument("--billed", metavar="AMOUNT", help="the provider's billed amount")
+    end.add_argument(
+        "--billed",
+        metavar="AMOUNT",
+        help="the provider's billed amount: $0.50, 0.50 USD or 500000000n",
+    )
     end.add_argument("--http-status", default="0", metavar="N")
     end.add_argument(
         "--cached-input-tokens",

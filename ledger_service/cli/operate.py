@@ -124,8 +124,18 @@ def _migrate(arguments: argparse.Namespace) -> int:
     settings = settings_from(arguments)
     store = build_store(settings)
     try:
-        migrate.upgrade(store.engine)
+        done = migrate.upgrade(store.engine)
     finally:
         store.close()
-    print(f"schema is up to date in {database.redacted(settings.database_url)}", file=sys.stderr)
+    where = database.redacted(settings.database_url)
+    print(f"{migrate_text(done.before, done.after)} in {where}", file=sys.stderr)
     return 0
+
+
+def migrate_text(before: str | None, after: str | None) -> str:
+    """What `ledger migrate` did: created, upgraded, or found the schema up to date."""
+    if before is None:
+        return f"created the schema at revision {after}"
+    if before != after:
+        return f"upgraded the schema from revision {before} to {after}"
+    return f"the schema is already at revision {after} (up to date)"

@@ -35,7 +35,8 @@ MAX_HISTORY_EVENTS = 10_000
 # thread looks up from waiting for them (so Ctrl-C is seen at once).
 FOLLOW_QUEUE_EVENTS = 1000
 FOLLOW_POLL_SECONDS = 0.1
-TRACE_ID_SHOWN_CHARACTERS = 8
+# A trace id is shown whole (32 hex digits), so it can be pasted into a trace search.
+TRACE_ID_CHARACTERS = 32
 CORRECTION_REASON_SHOWN_CHARACTERS = 40
 HISTORY_HEADER = (
     "SEQ",
@@ -50,7 +51,7 @@ HISTORY_HEADER = (
 )
 
 # Minimum widths, so that rows printed later by --follow stay in their columns.
-HISTORY_WIDTHS = (5, 24, 8, 15, 12, 12, 12, 14, 8)
+HISTORY_WIDTHS = (5, 24, 8, 15, 12, 12, 12, 14, TRACE_ID_CHARACTERS)
 
 
 def balance_lines(balance: pb.Balance) -> list[str]:
@@ -104,7 +105,7 @@ def event_row(event: pb.Event) -> tuple[str, ...]:
         usd(event.amount_nanos),
         usd(event.spent_after_nanos),
         event_outcome(event),
-        event.trace_id[:TRACE_ID_SHOWN_CHARACTERS] or "-",
+        event.trace_id or "-",
     )
 
 

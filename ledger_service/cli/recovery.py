@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ledger_service.cli.operate import settings_from
+from ledger_service.cli.render import micros_time_text
 from ledger_service.settings import Settings
 
 if TYPE_CHECKING:  # the commands import the server lazily, as `serve` does
@@ -141,7 +142,7 @@ def _verify(arguments: argparse.Namespace) -> int:
             return _unavailable("verify", error)
     summary = (
         f"{report.events} events, {report.lanes} lanes, {report.bookings} bookings, "
-        f"window totals at {now_us}"
+        f"window totals at {micros_time_text(now_us)}"
     )
     if report.unsealed_events:
         summary += f" ({report.unsealed_events} events predate the hash chain)"

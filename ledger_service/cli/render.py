@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,11 +15,19 @@ from google.protobuf.message import Message
 
 from ledger_service.cli.values import MICROS_PER_UNIT, NANOS_PER_USD
 
+# "280000 nanos" in a sentence the server wrote (a denial's reason, say).
+_NANOS_IN_TEXT = re.compile(r"(?<![\w.$])(-?\d+) nanos\b")
+
 
 def usd(nanos: int) -> str:
     """Nanos as USD with all nine decimals: 1400 -> '$0.000001400'."""
     whole, fraction = divmod(abs(nanos), NANOS_PER_USD)
     return f"{'-' if nanos < 0 else ''}${whole}.{fraction:09d}"
+
+
+def money_in_text(text: str) -> str:
+    """A server's sentence with each 'N nanos' shown as usd(N), like the rest of the output."""
+    return _NANOS_IN_TEXT.sub(lambda found: usd(int(found[1])), text)
 
 
 def duration_text(value: duration_pb2.Duration) -> str:
@@ -36,6 +45,12 @@ def time_text(value: timestamp_pb2.Timestamp) -> str:
         return "-"
     instant = datetime.datetime.fromtimestamp(value.seconds, tz=datetime.UTC)
     return f"{instant:%Y-%m-%dT%H:%M:%S}.{value.nanos // 1_000_000:03d}Z"
+
+
+def micros_time_text(at_us: int) -> str:
+    """An instant in microseconds since the epoch, as time_text shows it."""
+    seconds, rest_us = divmod(at_us, 10**6)
+    return time_text(timestamp_pb2.Timestamp(seconds=seconds, nanos=rest_us * 1000))
 
 
 def enum_name(enum: Any, number: int) -> str:

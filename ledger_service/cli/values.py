@@ -2,7 +2,8 @@
 durations, counts, --timeout. A bad value gets one line naming its option.
 
 Money is integer nanos throughout: "$0.50" and "0.50 USD" are parsed with
-Decimal, and anything finer than a nano is refused rather than rounded.
+Decimal, and anything finer than a nano is refused rather than rounded. An
+amount must name its unit ($, USD or n); only a --price may leave it out.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ _COUNT = re.compile(r"^-?\d{1,19}$")
 _DECIMAL = re.compile(r"^\d{1,6}(?:\.\d{1,6})?$")
 
 
-def parse_amount_nanos(option: str, text: str) -> int:
-    """'$0.50', '0.50 USD', '0.50' (USD) or '500000000n' / '500000000 nanos' -> nanos."""
+def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> int:
+    """'$0.50', '0.50 USD' or '500000000n' / '500000000 nanos' -> nanos.
+
+    A bare number ('100') is refused: dollars and nanos differ by 10^9, so a
+    missing unit is a guess we will not make. Only prices, whose documented
+    form is USD per million tokens ('jev=0.10/0.40'), pass bare_is_usd.
+    """
     match = _AMOUNT.match(text.strip()) if len(text) <= MAX_VALUE_LENGTH else None
     if match is None:
         raise CliError(
@@ -42,6 +48,8 @@ def parse_amount_nanos(option: str, text: str) -> int:
             EXIT_BAD_VALUE,
         )
     unit = match["unit"].lower()
+    if not unit and not match["dollar"] and not bare_is_usd:
+        raise CliError(f"{option}: {_no_unit_message(text, match)}", EXIT_BAD_VALUE)
     number = decimal.Decimal(match["number"])
     if unit in {"n", "nanos"} and not match["dollar"]:
         if number != number.to_integral_value():
@@ -61,6 +69,15 @@ def parse_amount_nanos(option: str, text: str) -> int:
     return -nanos if match["sign"] else nanos
 
 
+def _no_unit_message(text: str, match: re.Match[str]) -> str:
+    """Says the unit is missing and shows the number in each accepted form."""
+    sign, number = match["sign"], match["number"]
+    return (
+        f"{text.strip()!r} has no unit "
+        f"(write {sign}${number}, {sign}{number} USD or {sign}{number}n)"
+    )
+
+
 # The parts of a --price after MODEL=, in order; the last two may be left out.
 PRICE_PARTS = ("input", "output", "cached input", "cache write")
 
@@ -68,7 +85,8 @@ PRICE_PARTS = ("input", "output", "cached input", "cache write")
 def parse_price(text: str) -> tuple[str, pb.ModelPrice]:
     """'jev=0.10/0.40' (USD per million tokens, input / output), 'jev=100000000n/400000000n',
     or with the prompt cache's prices too: 'jev=0.10/0.40/0.01[/0.125]' (cached input,
-    then cache write). A cache price left out is the input price, on the server."""
+    then cache write). A cache price left out is the input price, on the server.
+    A bare number is USD per million tokens, as documented; a unit may be written too."""
     model, equals, prices = text.partition("=")
     parts = prices.split("/")
     if not model or not equals or not 2 <= len(parts) <= len(PRICE_PARTS):
@@ -78,7 +96,7 @@ def parse_price(text: str) -> tuple[str, pb.ModelPrice]:
             EXIT_BAD_VALUE,
         )
     nanos = [
-        parse_amount_nanos(f"--price {model} {name}", part)
+        parse_amount_nanos(f"--price {model} {name}", part, bare_is_usd=True)
         for name, part in zip(PRICE_PARTS, parts, strict=False)
     ]
     price = pb.ModelPrice(

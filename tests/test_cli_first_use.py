@@ -1,0 +1,304 @@
+"""What a new user ran into with the CLI (issue 26): `ledger --version`, a pipe
+closed early (`ledger history --json | head -1`), bare amounts taken as dollars,
+cut trace ids, raw microseconds from `ledger verify`, raw nanos in a denial, and
+`ledger migrate` saying "up to date" about a database it had just created.
+
+The server-backed tests use the fixtures of tests/test_cli.py (a `ledger serve
+--test-clock` subprocess for the module, the CLI in process); the closed-pipe
+tests run the CLI as a subprocess, since only a real process has a real stdout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+from alembic import command
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine
+
+from ledger_service.cli import exits, reading, render, values
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.storage import migrate
+from tests import test_cli
+from tests.test_cli import (
+    JEV_PRICE,
+    LEDGER,
+    LedgerProcess,
+    RunLedger,
+    one_line_error,
+    put_recall,
+    reserve,
+    server_environment,
+)
+
+ledger_process = test_cli.ledger_process
+target = test_cli.target
+ledger = test_cli.ledger
+
+# A trace id as the server stores it: 32 lowercase hex digits.
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+# The day of the recall jam, in microseconds since the epoch.
+JAM_DAY = datetime.datetime(2026, 9, 24, 12, 0, tzinfo=datetime.UTC)
+JAM_DAY_US = int(JAM_DAY.timestamp()) * 1_000_000
+COMMAND_SECONDS = 60
+# Events of more than 64 KiB of `history --json` (a reserved event is over 500 bytes).
+HEADED_EVENTS = 150
+BARE_NANOS = re.compile(r"\b\d+ nanos\b")
+
+
+@pytest.fixture
+def no_database_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commands run next to the database get it from --data-dir alone."""
+    for key in ("LEDGER_DATABASE_URL", "LEDGER_DATA_DIR"):
+        monkeypatch.delenv(key, raising=False)
+
+
+# 1. --version --------------------------------------------------------------
+
+
+def test_version_prints_the_installed_distribution_version(ledger: RunLedger) -> None:
+    run = ledger("--version")
+    assert run.code == 0
+    assert run.out == f"ledger {importlib.metadata.version('ledger-service')}\n"
+    assert run.err == ""
+
+
+# 2. A reader that leaves early ---------------------------------------------
+
+
+def run_into_closed_pipe(*arguments: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Runs `ledger ARGUMENTS` with stdout a pipe nobody reads any more, as after `| head -1`
+    has read its line and left: every write of the command fails (EPIPE)."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        return subprocess.run(
+            [str(LEDGER), *arguments],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=COMMAND_SECONDS,
+            check=False,
+        )
+    finally:
+        os.close(writer)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["history", "--json"], ["history"], ["history", "piped", "--limit", "1"], ["lane", "list"]],
+)
+def test_a_closed_pipe_ends_a_command_quietly_with_status_1(
+    target: LedgerProcess, ledger: RunLedger, arguments: list[str]
+) -> None:
+    put_recall(ledger, "piped")
+    reserve(ledger, "piped", "p-1")
+    environment = server_environment()
+    environment["LEDGER_SERVER"] = target.address
+    environment["LEDGER_DATA_DIR"] = str(target.data_dir)
+    done = run_into_closed_pipe(*arguments, env=environment)
+    assert (done.returncode, done.stderr) == (exits.EXIT_FAILED, "")
+
+
+def test_a_closed_pipe_ends_a_database_command_quietly(tmp_path: pathlib.Path) -> None:
+    environment = server_environment()
+    assert (
+        subprocess.run(
+            [str(LEDGER), "migrate", "--data-dir", str(tmp_path)],
+            capture_output=True,
+            env=environment,
+            timeout=COMMAND_SECONDS,
+            check=False,
+        ).returncode
+        == 0
+    )
+    done = run_into_closed_pipe("verify", "--data-dir", str(tmp_path), env=environment)
+    assert (done.returncode, done.stderr) == (exits.EXIT_FAILED, "")
+
+
+def test_a_real_head_gets_its_line_and_the_command_ends_quietly(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    """`ledger history --json | head -1` as typed: more than a pipe's buffer (64 KiB)
+    of events, so the command is still writing when head leaves."""
+    put_recall(ledger, "headed")
+    for number in range(HEADED_EVENTS):
+        reserve(ledger, "headed", f"h-{number}")
+    environment = server_environment()
+    environment["LEDGER_SERVER"] = target.address
+    environment["LEDGER_DATA_DIR"] = str(target.data_dir)
+    done = subprocess.run(
+        ["bash", "-c", f"'{LEDGER}' history headed --json --limit 1000 | head -1; "
+         'echo "status ${PIPESTATUS[0]}"'],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=COMMAND_SECONDS,
+        check=False,
+    )  # fmt: skip
+    first, status = done.stdout.splitlines()
+    assert first.startswith('{"') and status == f"status {exits.EXIT_FAILED}", done.stdout
+    assert done.stderr == ""
+
+
+# 3. Amounts need a unit ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "forms"),
+    [
+        ("100", "$100, 100 USD or 100n"),
+        ("0.50", "$0.50, 0.50 USD or 0.50n"),
+        ("0", "$0, 0 USD or 0n"),
+        ("-1", "-$1, -1 USD or -1n"),
+    ],
+)
+def test_a_bare_amount_is_refused_naming_the_option_and_the_forms(text: str, forms: str) -> None:
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_amount_nanos("--estimate", text)
+    assert refused.value.message == f"--estimate: {text!r} has no unit (write {forms})"
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize("text", ["$0.50", "0.50 USD", "500000000n", "500000000 nanos"])
+def test_amounts_with_a_unit_are_still_accepted(text: str) -> None:
+    assert values.parse_amount_nanos("--estimate", text) == 500_000_000
+
+
+def test_prices_keep_their_documented_bare_form_of_usd_per_million_tokens() -> None:
+    _, price = values.parse_price(JEV_PRICE)
+    assert price.input_nanos_per_million_tokens == 100_000_000
+    assert price.output_nanos_per_million_tokens == 400_000_000
+
+
+@pytest.mark.parametrize(
+    ("option", "command_line"),
+    [
+        ("--estimate", ["reserve", "units", "u-1", "--model", "jev", "--request-bytes", "7000",
+                        "--max-output-tokens", "200", "--estimate", "100"]),
+        ("--billed", ["settle", "units", "u-1", "--outcome", "succeeded", "--input-tokens", "1",
+                      "--billed", "100"]),
+        ("--charge", ["correct", "units", "u-1", "--charge", "100", "--reason", "x"]),
+        ("--limit", ["lane", "put", "units-2", "--limit", "100", "--price", JEV_PRICE]),
+    ],
+)  # fmt: skip
+def test_every_amount_option_refuses_a_bare_number_before_any_call(
+    target: LedgerProcess, ledger: RunLedger, option: str, command_line: list[str]
+) -> None:
+    run = ledger(*command_line)
+    expected = f"ledger: {option}: '100' has no unit (write $100, 100 USD or 100n)\n"
+    assert one_line_error(run) == expected
+    assert run.code == exits.EXIT_BAD_VALUE
+
+
+# 4. Whole trace ids ---------------------------------------------------------
+
+
+def test_history_shows_the_whole_trace_id() -> None:
+    event = pb.Event(seq=1, lane="recall", kind="reserved", trace_id=TRACE_ID)
+    assert reading.event_row(event)[-1] == TRACE_ID
+    assert reading.event_row(pb.Event(seq=2, kind="reserved"))[-1] == "-"
+
+
+# 5. verify in human units ---------------------------------------------------
+
+
+def test_verify_states_the_instant_of_its_window_totals_in_utc(
+    ledger: RunLedger, tmp_path: pathlib.Path, no_database_settings: None
+) -> None:
+    assert ledger("migrate", "--data-dir", str(tmp_path)).code == 0
+    run = ledger("verify", "--data-dir", str(tmp_path), "--at-us", str(JAM_DAY_US))
+    assert run.code == 0, run
+    assert run.out == (
+        "verified 0 events, 0 lanes, 0 bookings, window totals at 2026-09-24T12:00:00.000Z: OK\n"
+    )
+
+
+def test_an_instant_in_micros_reads_like_every_other_time() -> None:
+    assert render.micros_time_text(JAM_DAY_US + 1_234_567) == "2026-09-24T12:00:01.234Z"
+
+
+# 6. A denial in dollars -----------------------------------------------------
+
+
+def test_a_server_sentence_shows_its_nanos_as_dollars() -> None:
+    sentence = "the hold of 280000 nanos does not fit the -5 nanos available in budget 'a'"
+    assert render.money_in_text(sentence) == (
+        "the hold of $0.000280000 does not fit the -$0.000000005 available in budget 'a'"
+    )
+    assert render.money_in_text("lane 'x1 nanos'") == "lane 'x1 nanos'"
+
+
+def test_a_denial_shows_every_amount_in_dollars(target: LedgerProcess, ledger: RunLedger) -> None:
+    ledger("lane", "put", "dollars", "--limit", "300000n", "--price", JEV_PRICE)
+    assert reserve(ledger, "dollars", "d-1").code == 0
+    denied = reserve(ledger, "dollars", "d-2")
+    assert denied.code == exits.EXIT_DENIED
+    first = denied.out.splitlines()[0]
+    assert first.startswith(
+        "denied d-2: budget exhausted: the hold of $0.000280000 does not fit the "
+        "$0.000020000 available in budget 'dollars'; retry after "
+    ), first
+    never = ledger(
+        "reserve", "dollars", "d-3", "--model", "jev", "--request-bytes", "7000000",
+        "--max-output-tokens", "0",
+    )  # fmt: skip
+    assert never.code == exits.EXIT_DENIED
+    assert never.out.startswith(
+        "denied d-3: hold exceeds limit: the hold of $0.200000000 is larger than the limit of "
+        "budget 'dollars' ($0.000300000) and can never fit\n"
+    ), never.out
+    for run in (denied, never):
+        assert not BARE_NANOS.search(run.out), run.out
+    # --json keeps the server's own sentence and every amount in nanos.
+    as_json = reserve(ledger, "dollars", "d-2", "--json").json()
+    assert as_json["hold_nanos"] == 280_000 and "280000 nanos" in as_json["reason"]
+
+
+# 7. migrate says what it did -----------------------------------------------
+
+
+def head_revision(url: str) -> str:
+    engine = create_engine(url)
+    try:
+        head = ScriptDirectory.from_config(migrate.alembic_config(engine)).get_current_head()
+    finally:
+        engine.dispose()
+    assert head is not None
+    return head
+
+
+def migrate_to(url: str, revision: str) -> None:
+    """The schema of an older release: upgraded to `revision` only."""
+    engine = create_engine(url)
+    try:
+        config = migrate.alembic_config(engine)
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+    finally:
+        engine.dispose()
+
+
+def test_migrate_says_whether_it_created_upgraded_or_found_the_schema_current(
+    ledger: RunLedger, tmp_path: pathlib.Path, no_database_settings: None
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    head = head_revision(url)
+    created = ledger("migrate", "--data-dir", str(tmp_path))
+    assert (created.code, created.err) == (0, f"created the schema at revision {head} in {url}\n")
+    again = ledger("migrate", "--data-dir", str(tmp_path))
+    assert again.err == f"the schema is already at revision {head} (up to date) in {url}\n"
+
+    older = f"sqlite:///{tmp_path / 'older.db'}"
+    migrate_to(older, "0003")
+    upgraded = ledger("migrate", "--database-url", older)
+    assert upgraded.code == 0
+    assert upgraded.err == f"upgraded the schema from revision 0003 to {head} in {older}\n"
