@@ -117,5 +117,5 @@ def test_the_remembered_grants_are_bounded(keyring: Keyring) -> None:
     tokens = [_grant(keyring, START_US) for _ in range(MAX_VERIFIED_GRANTS + 5)]
     for token in tokens:
         assert _reserve(interceptor, token) is grpc.StatusCode.OK
-    assert len(interceptor._verified) <= MAX_VERIFIED_GRANTS
+    assert len(interceptor._keys[1]) <= MAX_VERIFIED_GRANTS  # the grants it remembers
     assert _reserve(interceptor, tokens[0]) is grpc.StatusCode.OK

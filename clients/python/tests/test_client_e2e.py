@@ -104,8 +104,16 @@ def test_errors_come_back_as_exceptions_by_the_table(
     with pytest.raises(BookingNotFound):
         client.settle("never-reserved", Usage(1, 1))
 
-    with pytest.raises(PermissionDenied):
-        client.balance()  # a lane's grant may charge, not read
+    # A lane's charge grant reads its own balance, to choose its fallback ...
+    assert client.balance().lane == client.lane
+    # ... but a grant for another lane moves nothing here.
+    elsewhere = ledger_server.issue_grant("--lane", "elsewhere", "--scope", "charge")
+    stranger = LaneClient(
+        ledger_server.address, client.lane, grant=elsewhere, settings=TEST_SETTINGS
+    )
+    with stranger, pytest.raises(PermissionDenied) as refused:
+        stranger.reserve("model-a", 10, 10)
+    assert "needs the charge scope" in str(refused.value)
     forged = LaneClient(
         ledger_server.address, client.lane, grant="lg1.nope.nope.nope", settings=TEST_SETTINGS
     )
