@@ -632,3 +632,15 @@ export class InternalError extends LedgerError {}
 export const ERROR_TABLE: ReadonlyArray<readonly [status, string | null, typeof LedgerError]>;
 export function errorClassOf(code: number, reason: string): typeof LedgerError;
 export function ledgerErrorOf(serviceError: import('@grpc/grpc-js').ServiceError): LedgerError;
+
+/**
+ * A fetch for the `openai` package (`new OpenAI({ fetch: ledgerFetch(lane) })`):
+ * every create call (chat completions, responses) is reserved from its body's
+ * bytes and max tokens and ended by the outcome table; streams end their
+ * booking when they end. A denial is a 402 APIError the SDK does not retry,
+ * its code the denial reason. See README.md, "The openai package".
+ */
+export function ledgerFetch(
+  ledger: LaneClient,
+  options?: { fetch?: typeof fetch; maxOutputTokens?: number },
+): typeof fetch;

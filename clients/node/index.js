@@ -7,6 +7,7 @@ const { Ending, OUTCOME_TABLE, endingOf, CallNotSent, markNotSent } = require('.
 const { ledgerPackage } = require('./lib/proto');
 const { capNanos, realCostNanos, requestTokens, DEFAULT_BYTES_PER_TOKEN_MILLI } = require('./lib/pricing');
 const { usageOf } = require('./lib/usage');
+const { ledgerFetch } = require('./lib/providers');
 const {
   ContextBudget,
   fitToolResults,
@@ -29,6 +30,7 @@ module.exports = {
   CallNotSent,
   markNotSent,
   usageOf,
+  ledgerFetch,
   ContextBudget,
   fitToolResults,
   estimateTokens,

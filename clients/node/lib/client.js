@@ -406,7 +406,11 @@ class LaneClient {
     if (typeof fn !== 'function') throw new TypeError('call() needs a function that makes the model call');
     // Taken now, before any await: the caller's context, shared by every ledger call of this one.
     const trace = traceHeaders(request) ?? freshTraceHeaders();
-    const reservationId = randomUUID();
+    // A caller that must tag its provider request with the id first passes one.
+    const reservationId = request.reservationId ?? randomUUID();
+    if (typeof reservationId !== 'string' || reservationId.length === 0 || reservationId.length > 200) {
+      throw new TypeError('reservationId must be a string of 1 to 200 characters');
+    }
     const replayer = this._replayer;
     // Before anything is journaled, so the replayer never takes this call for
     // the orphan of a dead process.

@@ -1,0 +1,184 @@
+'use strict';
+// The official `openai` package's calls, booked by the ledger: a fetch to give
+// its client (`new OpenAI({ fetch: ledgerFetch(laneClient) })`). Every create
+// call (POST .../chat/completions, .../responses) is reserved from the bytes of
+// its body and its max tokens, then ended by the client's one outcome table
+// (lib/outcomes.js) through LaneClient.call: settled with the response's usage,
+// refunded on any 4xx, UNKNOWN on a timeout, a lost connection, or a 5xx
+// without usage. Every other request passes through, unbooked.
+//
+// - Streams are handed on at once; their usage comes from the last chunk that
+//   carries one (chat: asked for with stream_options.include_usage; responses:
+//   the response.completed event), and the booking ends when the stream does.
+//   A stream that ends, or is cancelled, before any usage came, or is cut
+//   off, is UNKNOWN.
+// - The reservation id travels as the header x-ledger-reservation-id and in the
+//   body's metadata (ledger_reservation_id), unless the caller set that key.
+// - A denial is answered with a 402 that the SDK does not retry (x-should-retry:
+//   false), whose error body carries the denial reason as its code and
+//   `ledger_denial` with the retry-after instant: the SDK raises it as an
+//   APIError. Nothing is sent to the provider.
+// - The SDK retries 429s and 5xx itself: each attempt is a booking of its own.
+
+const { usageOf } = require('./usage');
+
+const CREATE_PATHS = [/\/chat\/completions$/, /\/responses$/];
+// When a request names no max tokens: what a create call is reserved for.
+const DEFAULT_MAX_OUTPUT_TOKENS = 4096;
+const TAG_KEY = 'ledger_reservation_id';
+const RESERVATION_HEADER = 'x-ledger-reservation-id';
+// At most this much of an SSE stream is kept while an event line is incomplete.
+const MAX_EVENT_BYTES = 1 << 20;
+
+/** The booking a request asks for, or null when it costs nothing. */
+function planOf(url, init) {
+  const method = String(init?.method ?? 'GET').toUpperCase();
+  const path = new URL(String(url)).pathname;
+  if (method !== 'POST' || !CREATE_PATHS.some((pattern) => pattern.test(path))) return null;
+  if (typeof init.body !== 'string') return null;
+  let json;
+  try {
+    json = JSON.parse(init.body);
+  } catch {
+    return null;
+  }
+  if (json === null || typeof json !== 'object' || typeof json.model !== 'string') return null;
+  const maxOutputTokens = json.max_completion_tokens ?? json.max_tokens ?? json.max_output_tokens ?? DEFAULT_MAX_OUTPUT_TOKENS;
+  return { json, chat: path.endsWith('/chat/completions'), stream: json.stream === true, maxOutputTokens };
+}
+
+/** The body as sent: the reservation id in its metadata, and usage asked for on a chat stream. */
+function taggedBody(plan, reservationId) {
+  const json = { ...plan.json };
+  const metadata = json.metadata && typeof json.metadata === 'object' ? { ...json.metadata } : {};
+  if (!(TAG_KEY in metadata)) metadata[TAG_KEY] = reservationId;
+  json.metadata = metadata;
+  if (plan.chat && plan.stream) json.stream_options = { ...(json.stream_options ?? {}), include_usage: true };
+  return JSON.stringify(json);
+}
+
+function parsed(text) {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return null;
+  }
+}
+
+/** Reads server-sent events as they pass, keeping the last usage one carried. */
+class UsageWatcher {
+  constructor() {
+    this._pending = '';
+    this._decoder = new TextDecoder();
+    this.usage = null;
+  }
+
+  push(chunk) {
+    this._pending += this._decoder.decode(chunk, { stream: true });
+    const lines = this._pending.split('\n');
+    this._pending = lines.pop() ?? '';
+    if (this._pending.length > MAX_EVENT_BYTES) this._pending = '';
+    for (const line of lines) {
+      if (!line.startsWith('data:')) continue;
+      const event = parsed(line.slice(5).trim());
+      const usage = usageOf(event?.response ?? event);
+      if (usage !== null) this.usage = usage;
+    }
+  }
+}
+
+/** The response handed to the SDK: the provider's stream, watched; `ended` settles how it ended. */
+function watchedStream(response) {
+  const reader = response.body.getReader();
+  const watcher = new UsageWatcher();
+  let finish;
+  const ended = new Promise((resolve) => {
+    finish = resolve;
+  });
+  const body = new ReadableStream({
+    async pull(controller) {
+      try {
+        const { done, value } = await reader.read();
+        if (done) {
+          controller.close();
+          finish({ usage: watcher.usage });
+          return;
+        }
+        watcher.push(value);
+        controller.enqueue(value);
+      } catch (error) {
+        controller.error(error);
+        finish({ error });
+      }
+    },
+    async cancel(reason) {
+      // The SDK stops reading at [DONE]: a usage seen by then is the call's.
+      finish({ usage: watcher.usage });
+      await reader.cancel(reason);
+    },
+  });
+  const handed = new Response(body, { status: response.status, statusText: response.statusText, headers: response.headers });
+  return { handed, ended };
+}
+
+function deniedResponse(denied) {
+  const error = {
+    type: 'ledger_denied',
+    code: denied.reason,
+    message: `the lane ledger denied this call: ${denied.message ?? denied.reason}`,
+    ledger_denial: { reason: denied.reason, retry_after: denied.retryAfter?.toISOString?.() ?? null },
+  };
+  return new Response(JSON.stringify({ error }), {
+    status: 402,
+    headers: { 'content-type': 'application/json', 'x-should-retry': 'false' },
+  });
+}
+
+/**
+ * A fetch that books every create call of the `openai` package in `ledger`.
+ * @param {import('./client').LaneClient} ledger
+ * @param {{ fetch?: typeof fetch, maxOutputTokens?: number }} [options]
+ */
+function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS } = {}) {
+  return async function fetchThroughLedger(url, init = {}) {
+    const plan = planOf(url, init);
+    if (plan === null) return inner(url, init);
+    const reservationId = crypto.randomUUID();
+    const body = taggedBody(plan, reservationId);
+    const headers = new Headers(init.headers);
+    headers.set(RESERVATION_HEADER, reservationId);
+    let deliver;
+    const delivered = new Promise((resolve, reject) => {
+      deliver = { resolve, reject };
+    });
+    const booking = {
+      reservationId,
+      model: plan.json.model,
+      requestBytes: Buffer.byteLength(body),
+      maxOutputTokens: plan.json.max_completion_tokens || plan.json.max_tokens || plan.json.max_output_tokens || maxOutputTokens,
+    };
+    const outcome = ledger.call(booking, async () => {
+      const response = await inner(url, { ...init, body, headers });
+      const streaming = response.ok && response.body && /text\/event-stream/.test(response.headers.get('content-type') ?? '');
+      if (!streaming) {
+        const text = await response.text();
+        deliver.resolve(new Response(text, { status: response.status, statusText: response.statusText, headers: response.headers }));
+        return { httpStatus: response.status, usage: usageOf(parsed(text)) };
+      }
+      const { handed, ended } = watchedStream(response);
+      deliver.resolve(handed);
+      const end = await ended;
+      if (end.error) throw end.error;
+      return { httpStatus: response.status, usage: end.usage };
+    });
+    outcome.then(
+      (result) => {
+        if (!result.admitted) deliver.resolve(deniedResponse(result));
+      },
+      (error) => deliver.reject(error),
+    );
+    return delivered;
+  };
+}
+
+module.exports = { ledgerFetch, planOf, DEFAULT_MAX_OUTPUT_TOKENS, RESERVATION_HEADER, TAG_KEY };

@@ -1,0 +1,175 @@
+'use strict';
+// The official `openai` package over real HTTP to a local OpenAI-compatible
+// server, every create call booked in a real ledger through ledgerFetch.
+
+const { after, before, test } = require('node:test');
+const assert = require('node:assert/strict');
+const http = require('node:http');
+const { OpenAI } = require('openai');
+const { startLedger } = require('./ledger-server');
+const { LaneClient, ledgerFetch, isContextOverflow } = require('..');
+
+// 1,000 nanos an input token, 100 a cached one, 4,000 an output token.
+const PRICES = {
+  m: {
+    input_nanos_per_million_tokens: '1000000000',
+    output_nanos_per_million_tokens: '4000000000',
+    cached_input_nanos_per_million_tokens: '100000000',
+  },
+};
+// 600 uncached and 400 cached input tokens, 50 output tokens.
+const COST = 600n * 1000n + 400n * 100n + 50n * 4000n;
+const USAGE = { prompt_tokens: 1000, completion_tokens: 50, prompt_tokens_details: { cached_tokens: 400 } };
+const OVERFLOW = {
+  error: {
+    message: "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.",
+    type: 'invalid_request_error',
+    param: 'messages',
+    code: 'context_length_exceeded',
+  },
+};
+const STALL_MS = 1500;
+
+let ledger;
+let provider;
+let client;
+const seen = []; // what the provider received: [{ headers, body }]
+const replies = new Map(); // reply by the user message's content
+
+function chatReply(body, res) {
+  const content = body.messages?.[0]?.content;
+  const kind = replies.get(content) ?? 'ok';
+  const json = (status, value) => {
+    res.writeHead(status, { 'content-type': 'application/json' });
+    res.end(JSON.stringify(value));
+  };
+  if (kind === 'ok') return json(200, { id: 'c1', object: 'chat.completion', model: body.model, choices: [{ index: 0, message: { role: 'assistant', content: 'hi' }, finish_reason: 'stop' }], usage: USAGE });
+  if (kind === 'overflow') return json(400, OVERFLOW);
+  if (kind === 'forbidden') return json(403, { error: { message: 'no', type: 'permission_error' } });
+  if (kind === 'limited') return json(429, { error: { message: 'slow down', type: 'rate_limit_error' } });
+  if (kind === 'broken') return json(500, { error: { message: 'oops', type: 'server_error' } });
+  if (kind === 'stall') return setTimeout(() => json(200, {}), STALL_MS);
+  if (kind === 'stream') {
+    res.writeHead(200, { 'content-type': 'text/event-stream' });
+    const chunk = (value) => res.write(`data: ${JSON.stringify(value)}\n\n`);
+    chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'h' } }] });
+    chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'i' }, finish_reason: 'stop' }] });
+    if (body.stream_options?.include_usage) chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [], usage: USAGE });
+    res.end('data: [DONE]\n\n');
+    return undefined;
+  }
+  return json(500, {});
+}
+
+before(async () => {
+  ledger = await startLedger();
+  await ledger.admin.putLane({ lane: { lane: 'sdk', limit_nanos: '1000000000', prices: PRICES } });
+  provider = http.createServer((req, res) => {
+    let raw = '';
+    req.on('data', (part) => (raw += part));
+    req.on('end', () => {
+      const body = JSON.parse(raw || '{}');
+      seen.push({ headers: req.headers, raw, body });
+      chatReply(body, res);
+    });
+  });
+  await new Promise((resolve) => provider.listen(0, '127.0.0.1', resolve));
+  client = new LaneClient(ledger.address, 'sdk', { grant: ledger.adminGrant ?? undefined, deadlineMs: 3000 });
+  await client.waitForReady();
+});
+
+after(async () => {
+  client?.close();
+  await new Promise((resolve) => provider?.close(resolve));
+  await ledger?.stop();
+});
+
+function sdk(options = {}) {
+  return new OpenAI({
+    apiKey: 'test',
+    baseURL: `http://127.0.0.1:${provider.address().port}/v1`,
+    fetch: ledgerFetch(client),
+    maxRetries: 0,
+    ...options,
+  });
+}
+
+/** Sends one chat create with the reply `kind`; the booking it made. */
+async function booked(kind, options = {}, request = {}) {
+  replies.set(kind, kind);
+  const before = seen.length;
+  let error = null;
+  let answer = null;
+  try {
+    answer = await sdk(options).chat.completions.create({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: kind }], ...request });
+    if (request.stream) for await (const _chunk of answer) { /* read to its end */ }
+  } catch (thrown) {
+    error = thrown;
+  }
+  const sent = seen[before];
+  const reservationId = sent.headers['x-ledger-reservation-id'];
+  assert.ok(reservationId, 'the reservation id travels as a header');
+  assert.equal(sent.body.metadata.ledger_reservation_id, reservationId);
+  // The booking may end a moment after the SDK has its answer (a stream's end).
+  let booking;
+  for (let attempt = 0; attempt < 50; attempt += 1) {
+    booking = await client.booking(reservationId);
+    if (booking.state !== 'OPEN') break;
+    await new Promise((resolve) => setTimeout(resolve, 20));
+  }
+  assert.equal(booking.requestBytes, BigInt(Buffer.byteLength(sent.raw)), 'the bytes booked are the bytes sent');
+  return { booking, error, answer, sent };
+}
+
+test('a completion is settled from its usage, cached tokens included', async () => {
+  const { booking, error } = await booked('ok');
+  assert.equal(error, null);
+  assert.equal(booking.state, 'SETTLED');
+  assert.equal(booking.amountNanos, COST);
+});
+
+test('4xx replies are refunded: a context overflow, a 403, a 429', async () => {
+  for (const kind of ['overflow', 'forbidden', 'limited']) {
+    const { booking, error } = await booked(kind);
+    assert.ok(error instanceof OpenAI.APIError, kind);
+    assert.equal(booking.state, 'REFUNDED', kind);
+    assert.equal(booking.amountNanos, 0n, kind);
+    if (kind === 'overflow') assert.ok(isContextOverflow(error.status, { error: error.error }));
+  }
+});
+
+test('a 500 without usage and a stall past the deadline are charged at the hold', async () => {
+  for (const [kind, options] of [['broken', {}], ['stall', { timeout: 300 }]]) {
+    const { booking, error } = await booked(kind, options);
+    assert.ok(error instanceof Error, kind);
+    assert.equal(booking.state, 'SETTLED_UNKNOWN', kind);
+    assert.equal(booking.amountNanos, booking.holdNanos, kind);
+  }
+});
+
+test('a stream asks for its usage and is settled from the last chunk', async () => {
+  const { booking, sent } = await booked('stream', {}, { stream: true });
+  assert.equal(sent.body.stream_options.include_usage, true);
+  assert.equal(booking.state, 'SETTLED');
+  assert.equal(booking.amountNanos, COST);
+});
+
+test('a denial sends nothing and is an APIError the SDK does not retry', async () => {
+  await ledger.admin.putLane({ lane: { lane: 'sdk-tiny', limit_nanos: '1', prices: PRICES } });
+  const tiny = new LaneClient(ledger.address, 'sdk-tiny', { grant: ledger.adminGrant ?? undefined, deadlineMs: 3000 });
+  const before = seen.length;
+  const openai = new OpenAI({ apiKey: 'test', baseURL: `http://127.0.0.1:${provider.address().port}/v1`, fetch: ledgerFetch(tiny), maxRetries: 2 });
+  await assert.rejects(
+    openai.chat.completions.create({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: 'ok' }] }),
+    (error) => error instanceof OpenAI.APIError && error.status === 402 && error.code === 'HOLD_EXCEEDS_LIMIT',
+  );
+  assert.equal(seen.length, before, 'nothing reached the provider');
+  tiny.close();
+});
+
+test('other requests pass through unbooked', async () => {
+  const before = seen.length;
+  await sdk().models.list().catch(() => null);
+  assert.equal(seen.length, before + 1);
+  assert.equal(seen[before].headers['x-ledger-reservation-id'], undefined);
+});
