@@ -12,7 +12,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e './clients/python' -e '.[dev]'
+	$(PY) -m pip install --quiet -e './clients/python[openai,anthropic]' -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

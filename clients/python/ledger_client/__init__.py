@@ -15,6 +15,7 @@ from ledger_client.bookings import (
 from ledger_client.calls import CallHandle, CallSource, Denied, ModelCall
 from ledger_client.channels import TlsSettings
 from ledger_client.client import LaneClient
+from ledger_client.context import CONTEXT_OVERFLOW_REPLY, is_context_overflow
 from ledger_client.errors import (
     BookingAlreadyEnded,
     BookingNotFound,
@@ -48,7 +49,10 @@ from ledger_client.replay import ReplayReport
 from ledger_client.settings import DEFAULT_DEADLINE_SECONDS, ClientSettings
 from ledger_client.usage import usage_of
 
+# The SDK integrations (the optional `openai` and `anthropic` extras) are in
+# ledger_client.providers, which this package does not import.
 __all__ = [
+    "CONTEXT_OVERFLOW_REPLY",
     "DEFAULT_DEADLINE_SECONDS",
     "Balance",
     "BookingAlreadyEnded",
@@ -101,6 +105,7 @@ __all__ = [
     "UnknownModel",
     "Usage",
     "classify",
+    "is_context_overflow",
     "new_reservation_id",
     "usage_of",
 ]

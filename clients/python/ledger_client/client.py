@@ -266,11 +266,14 @@ class LaneClient:
         estimate_nanos: int | None = None,
         ttl: datetime.timedelta | None = None,
         trace_id: str | None = None,
+        reservation_id: str | None = None,
     ) -> ModelCall:
-        """A context manager around one model call; see calls.py."""
+        """A context manager around one model call; see calls.py. The booking
+        takes `reservation_id` when given (e.g. already tagged on the request),
+        else a fresh one."""
         request_bytes = request if isinstance(request, int) else len(_as_bytes(request))
         arguments = ReserveArguments(
-            reservation_id=new_reservation_id(),
+            reservation_id=reservation_id or new_reservation_id(),
             model=model,
             request_bytes=request_bytes,
             max_output_tokens=max_output_tokens,

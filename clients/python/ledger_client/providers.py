@@ -1,0 +1,595 @@
+"""The official `openai` and `anthropic` SDKs, booked through the ledger.
+
+    from ledger_client.providers import anthropic_client, openai_client
+
+    openai = openai_client(ledger, api_key=KEY)  # an openai.OpenAI
+    claude = anthropic_client(ledger, api_key=KEY)  # an anthropic.Anthropic
+
+Both build the SDK client on `httpx2.Client(transport=LedgerTransport(ledger))`.
+The transport books every create call, one booking per HTTP attempt:
+
+- OpenAI `POST .../chat/completions` and `POST .../responses`, Anthropic
+  `POST .../v1/messages`; any other request passes through untouched, unbooked.
+- Before sending: a reservation id is chosen, tagged on the request (the
+  `X-Ledger-Reservation-Id` header always; in the body OpenAI's
+  `metadata.ledger_reservation_id`, Anthropic's `metadata.user_id`, where the
+  caller has not set them), and the ledger reserves the tagged body's bytes
+  and its max tokens. A missing max is set in the body to
+  `default_max_output_tokens`, so the bound the ledger holds is the one the
+  provider enforces. A denial raises `Denied`, and nothing is sent.
+- After: `CallHandle.answered` / `failed` end the booking by the one table in
+  outcomes.py (any 4xx refunded; usage settles SUCCEEDED; a 5xx without usage,
+  a timeout or a lost connection UNKNOWN), the usage read by `usage_of`.
+- A stream (`stream: true`, answered with `text/event-stream`) is passed on
+  chunk by chunk, never buffered whole; its usage is read from its final
+  events, and the booking ends when the stream ends or is closed. A stream
+  that stops before its usage arrived is UNKNOWN.
+
+Needs the optional extras: `pip install 'ledger-client[openai]'` or
+`'ledger-client[anthropic]'` (both bring `httpx2`). The rest of ledger_client
+never imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import httpx2
+
+from ledger_client.bookings import new_reservation_id
+from ledger_client.calls import CallHandle, ModelCall
+from ledger_client.errors import InvalidArgument, LedgerError
+from ledger_client.outcomes import CallFailure, Settlement, Usage
+from ledger_client.usage import usage_of
+
+if TYPE_CHECKING:
+    import anthropic
+    import openai
+
+    from ledger_client.client import LaneClient
+
+log = logging.getLogger("ledger_client.providers")
+
+RESERVATION_HEADER = "X-Ledger-Reservation-Id"
+OPENAI_METADATA_KEY = "ledger_reservation_id"
+# OpenAI takes at most 16 metadata pairs: a full one is left as it is.
+OPENAI_MAX_METADATA_KEYS = 16
+# The output bound reserved, and written into the body, when a request has none.
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
+# One server-sent event larger than this is not read for usage (the stream
+# still passes through; the booking then ends UNKNOWN, at its hold).
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+UNKNOWN_MODEL_NAME = "unknown"
+
+
+class CallStyle(enum.Enum):
+    """The provider calls the transport books."""
+
+    OPENAI_CHAT = "openai_chat"  # POST .../chat/completions
+    OPENAI_RESPONSES = "openai_responses"  # POST .../responses
+    ANTHROPIC_MESSAGES = "anthropic_messages"  # POST .../v1/messages
+
+
+# The body's max-token fields, in the order they are looked for; the first is
+# the one written when none is set.
+_MAX_TOKEN_FIELDS = {
+    CallStyle.OPENAI_CHAT: ("max_completion_tokens", "max_tokens"),
+    CallStyle.OPENAI_RESPONSES: ("max_output_tokens",),
+    CallStyle.ANTHROPIC_MESSAGES: ("max_tokens",),
+}
+# The events whose `response.usage` is the final usage of a Responses stream.
+_RESPONSES_FINAL_EVENTS = frozenset(
+    {"response.completed", "response.incomplete", "response.failed"}
+)
+
+
+def call_style(request: httpx2.Request) -> CallStyle | None:
+    """Which booked call a request is, or None: it passes through unbooked."""
+    if request.method != "POST":
+        return None
+    path = request.url.path.rstrip("/")
+    if path.endswith("/chat/completions"):
+        return CallStyle.OPENAI_CHAT
+    if path.endswith("/responses"):
+        return CallStyle.OPENAI_RESPONSES
+    if path.endswith("/v1/messages"):
+        return CallStyle.ANTHROPIC_MESSAGES
+    return None
+
+
+# Before sending -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedCall:
+    """A booked request as it goes out: tagged, with the numbers reserved."""
+
+    request: httpx2.Request
+    body: bytes
+    model: str
+    max_output_tokens: int
+    stream: bool
+
+
+def prepare_request(
+    request: httpx2.Request,
+    style: CallStyle,
+    reservation_id: str,
+    *,
+    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    tag_body: bool = True,
+) -> PreparedCall:
+    """The request to send: tagged with the reservation id (header and body),
+    its max tokens made explicit, and for an OpenAI chat stream usage asked for."""
+    raw = request.read()
+    parsed = _json_object(raw)
+    headers = httpx2.Headers(request.headers)
+    for name in ("content-length", "transfer-encoding"):
+        if name in headers:
+            del headers[name]
+    headers[RESERVATION_HEADER] = reservation_id
+    if parsed is None:
+        # Not a JSON object: booked as it is, at the default bound, untagged.
+        body, model, max_output_tokens, stream = (
+            raw,
+            UNKNOWN_MODEL_NAME,
+            default_max_output_tokens,
+            False,
+        )
+    else:
+        edited = dict(parsed)
+        max_output_tokens = _ensure_max_tokens(edited, style, default_max_output_tokens)
+        stream = edited.get("stream") is True
+        if stream and style is CallStyle.OPENAI_CHAT:
+            options = edited.get("stream_options")
+            edited["stream_options"] = {
+                **(options if isinstance(options, Mapping) else {}),
+                "include_usage": True,
+            }
+        if tag_body:
+            _tag_body(edited, style, reservation_id)
+        body = raw if edited == parsed else _dumps(edited)
+        model_field = edited.get("model")
+        model = model_field if isinstance(model_field, str) and model_field else UNKNOWN_MODEL_NAME
+    if stream:
+        # The stream is read for its usage as it passes: keep it uncompressed.
+        headers["accept-encoding"] = "identity"
+    sent = httpx2.Request(
+        request.method, request.url, headers=headers, content=body, extensions=request.extensions
+    )
+    return PreparedCall(sent, body, model, max_output_tokens, stream)
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _dumps(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _ensure_max_tokens(body: dict[str, Any], style: CallStyle, default: int) -> int:
+    fields = _MAX_TOKEN_FIELDS[style]
+    for name in fields:
+        value = body.get(name)
+        if _is_count(value):
+            assert isinstance(value, int)
+            return value
+    if all(body.get(name) is None for name in fields):
+        body[fields[0]] = default
+    # A bound that is not a count: the provider refuses it (a 4xx, refunded).
+    return default
+
+
+def _tag_body(body: dict[str, Any], style: CallStyle, reservation_id: str) -> None:
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        return
+    current = dict(metadata or {})
+    if style is CallStyle.ANTHROPIC_MESSAGES:
+        if current.get("user_id") is None:
+            current["user_id"] = reservation_id
+            body["metadata"] = current
+        return
+    if OPENAI_METADATA_KEY not in current and len(current) < OPENAI_MAX_METADATA_KEYS:
+        current[OPENAI_METADATA_KEY] = reservation_id
+        body["metadata"] = current
+
+
+# After: how one booking ends -----------------------------------------------------
+
+
+def failure_of(error: BaseException) -> CallFailure:
+    """How an exception from the HTTP transport is read (see also not-sent)."""
+    if isinstance(error, httpx2.TimeoutException | TimeoutError):
+        return CallFailure.TIMEOUT
+    if isinstance(error, httpx2.TransportError | OSError):
+        return CallFailure.CONNECTION_LOST
+    return CallFailure.EXCEPTION
+
+
+def _never_sent(error: BaseException) -> bool:
+    """No connection was made for this attempt, so no byte of it left the lane."""
+    return isinstance(error, httpx2.ConnectError | httpx2.ConnectTimeout | httpx2.PoolTimeout)
+
+
+class Booking:
+    """One HTTP attempt's booking, ended once (a stream may end it from the
+    thread that reads it or from the one that closes it)."""
+
+    def __init__(self, lane_client: LaneClient, call: ModelCall, handle: CallHandle) -> None:
+        self._lane_client = lane_client
+        self._call = call
+        self.handle = handle
+        self._lock = threading.Lock()
+        self.ended = False
+
+    @property
+    def reservation_id(self) -> str:
+        return self.handle.reservation_id
+
+    def answered(self, http_status: int, usage: Usage | None) -> None:
+        self._end(lambda: self.handle.answered(http_status, usage))
+
+    def failed(
+        self, error: BaseException, http_status: int = 0, usage: Usage | None = None
+    ) -> None:
+        if usage is not None:  # known usage wins over any failure
+            self.answered(http_status or 200, usage)
+        elif http_status == 0 and _never_sent(error):
+            self._end(lambda: self.handle.not_sent(f"could not connect: {type(error).__name__}"))
+        else:
+            self._end(lambda: self.handle.failed(failure_of(error), http_status))
+
+    def cut_off(self, http_status: int, usage: Usage | None) -> None:
+        """A stream that stopped, or was closed, before it ended."""
+        if usage is not None:
+            self.answered(http_status, usage)
+        else:
+            self._end(lambda: self.handle.failed(CallFailure.CONNECTION_LOST, http_status))
+
+    def _end(self, report: Callable[[], Settlement]) -> None:
+        with self._lock:
+            if self.ended:
+                return
+            self.ended = True
+            report()
+            self._call.__exit__(None, None, None)
+        self._settle_refused_usage()
+
+    def _settle_refused_usage(self) -> None:
+        """The ledger refused the usage (more output than the max, ...), which
+        leaves the booking open: settle it UNKNOWN rather than let it expire."""
+        handle = self.handle
+        ending = handle.ending
+        if not isinstance(handle.end_error, InvalidArgument) or ending is None:
+            return
+        if ending.settlement is not Settlement.SETTLE_SUCCEEDED:
+            return
+        try:
+            self._lane_client.settle(handle.reservation_id, None, http_status=ending.http_status)
+        except LedgerError as error:
+            log.error("could not settle %s UNKNOWN: %s", handle.reservation_id, error)
+
+
+# Streams -------------------------------------------------------------------------
+
+
+class StreamUsage:
+    """Reads a server-sent event stream, chunk by chunk, for its final usage.
+    Keeps only the event being read, never the stream."""
+
+    def __init__(self, style: CallStyle) -> None:
+        self._style = style
+        self._buffer = bytearray()
+        self._data: list[bytes] = []
+        self._data_bytes = 0
+        self._broken = False
+        self._anthropic: dict[str, Any] | None = None
+        self.usage: Usage | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self._broken:
+            return
+        self._buffer.extend(chunk)
+        while (end := self._buffer.find(b"\n")) >= 0:
+            line = bytes(self._buffer[:end]).rstrip(b"\r")
+            del self._buffer[: end + 1]
+            self._line(line)
+        if len(self._buffer) + self._data_bytes > MAX_EVENT_BYTES:
+            self._give_up()
+
+    def _give_up(self) -> None:
+        self._broken = True
+        self._buffer.clear()
+        self._data.clear()
+        self.usage = None
+
+    def _line(self, line: bytes) -> None:
+        if not line:
+            data = b"\n".join(self._data)
+            self._data.clear()
+            self._data_bytes = 0
+            if data and data != b"[DONE]":
+                self._event(data)
+            return
+        field, _, value = line.partition(b":")
+        if field == b"data":
+            value = value[1:] if value.startswith(b" ") else value
+            self._data.append(value)
+            self._data_bytes += len(value)
+
+    def _event(self, data: bytes) -> None:
+        event = _json_object(data)
+        if event is None:
+            return
+        try:
+            if self._style is CallStyle.OPENAI_CHAT:
+                if isinstance(event.get("usage"), Mapping):
+                    self.usage = usage_of(event)
+            elif self._style is CallStyle.OPENAI_RESPONSES:
+                if event.get("type") in _RESPONSES_FINAL_EVENTS:
+                    response = event.get("response")
+                    self.usage = usage_of(response if isinstance(response, Mapping) else None)
+            else:
+                self._anthropic_event(event)
+        except ValueError:  # a count that is not a count: no usage
+            self.usage = None
+
+    def _anthropic_event(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "message_start":
+            message = event.get("message")
+            usage = message.get("usage") if isinstance(message, Mapping) else None
+            self._anthropic = dict(usage) if isinstance(usage, Mapping) else {}
+        elif kind == "message_delta":
+            delta_usage = event.get("usage")
+            merged = dict(self._anthropic or {})
+            if isinstance(delta_usage, Mapping):
+                # The delta's counts are cumulative; a null one leaves the start's.
+                merged.update({k: v for k, v in delta_usage.items() if v is not None})
+            self._anthropic = merged
+            # Only the delta carries the output tokens: usage is known from here.
+            self.usage = usage_of(merged)
+
+
+class BookedStream(httpx2.SyncByteStream):
+    """A response stream passed on as it comes, ending its booking when it ends
+    (settled from its final usage) or is closed first (cut off: UNKNOWN unless
+    the usage had arrived)."""
+
+    def __init__(
+        self, inner: httpx2.SyncByteStream, booking: Booking, http_status: int, style: CallStyle
+    ) -> None:
+        self._inner = inner
+        self._booking = booking
+        self._status = http_status
+        self._usage = StreamUsage(style)
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            for chunk in self._inner:
+                self._usage.feed(chunk)
+                yield chunk
+        except GeneratorExit:  # the reader stopped: close() ends the booking
+            raise
+        except BaseException as error:
+            self._booking.failed(error, self._status, self._usage.usage)
+            raise
+        self._booking.answered(self._status, self._usage.usage)
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            self._booking.cut_off(self._status, self._usage.usage)
+
+
+def _is_event_stream(response: httpx2.Response) -> bool:
+    content_type = response.headers.get("content-type", "")
+    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
+# The transport ---------------------------------------------------------------------
+
+_SDK_ERRORS: dict[tuple[type[BaseException], type[Exception]], type[Exception]] = {}
+
+
+def _sdk_error_base(style: CallStyle) -> type[Exception] | None:
+    """The anthropic SDK wraps any other exception a transport raises in an
+    APIConnectionError, and retries it; one of its own it raises as it is."""
+    if style is not CallStyle.ANTHROPIC_MESSAGES:
+        return None  # the openai SDK lets a foreign exception through as it is
+    try:
+        import anthropic
+    except ImportError:
+        return None
+    return anthropic.AnthropicError
+
+
+def _for_sdk(error: Exception, style: CallStyle) -> Exception:
+    """The same error (still a `Denied`, a `LedgerError`, ...), made an
+    exception of the SDK's own when the SDK would otherwise wrap it."""
+    base = _sdk_error_base(style)
+    if base is None or isinstance(error, base):
+        return error
+    key = (type(error), base)
+    kind = _SDK_ERRORS.get(key)
+    if kind is None:
+        kind = type(type(error).__name__, (type(error), base), {"__module__": __name__})
+        _SDK_ERRORS[key] = kind
+    converted = kind.__new__(kind)
+    converted.args = error.args
+    converted.__dict__.update(error.__dict__)
+    return converted
+
+
+class LedgerTransport(httpx2.BaseTransport):
+    """An httpx2 transport that books each OpenAI / Anthropic create call with
+    the ledger; see the module's docstring. One booking per HTTP attempt: an
+    SDK's own retries each reserve again.
+
+    `ledger_model` maps the body's `model` to the name the lane's prices use
+    (default: as it is). `tag_body=False` leaves the body's metadata alone (the
+    header is still sent). `ttl` is passed to each Reserve."""
+
+    def __init__(
+        self,
+        lane_client: LaneClient,
+        inner: httpx2.BaseTransport | None = None,
+        *,
+        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+        ledger_model: Callable[[str], str] | None = None,
+        tag_body: bool = True,
+        ttl: datetime.timedelta | None = None,
+    ) -> None:
+        if not _is_count(default_max_output_tokens):
+            raise ValueError("default_max_output_tokens must be a non-negative integer")
+        self.lane_client = lane_client
+        self.inner = inner if inner is not None else httpx2.HTTPTransport()
+        self.default_max_output_tokens = default_max_output_tokens
+        self.ledger_model = ledger_model
+        self.tag_body = tag_body
+        self.ttl = ttl
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        style = call_style(request)
+        if style is None:
+            return self.inner.handle_request(request)
+        try:
+            booking, prepared = self._reserve(request, style)
+        except Exception as error:
+            converted = _for_sdk(error, style)
+            if converted is error:
+                raise
+            raise converted from error
+        try:
+            response = self.inner.handle_request(prepared.request)
+        except BaseException as error:
+            booking.failed(error)
+            raise
+        return self._answered(response, booking, prepared, style)
+
+    def _reserve(self, request: httpx2.Request, style: CallStyle) -> tuple[Booking, PreparedCall]:
+        reservation_id = new_reservation_id()
+        prepared = prepare_request(
+            request,
+            style,
+            reservation_id,
+            default_max_output_tokens=self.default_max_output_tokens,
+            tag_body=self.tag_body,
+        )
+        model = self.ledger_model(prepared.model) if self.ledger_model else prepared.model
+        call = self.lane_client.model_call(
+            model,
+            prepared.body,
+            prepared.max_output_tokens,
+            ttl=self.ttl,
+            reservation_id=reservation_id,
+        )
+        handle = call.__enter__()  # raises Denied: nothing is sent
+        return Booking(self.lane_client, call, handle), prepared
+
+    def _answered(
+        self,
+        response: httpx2.Response,
+        booking: Booking,
+        prepared: PreparedCall,
+        style: CallStyle,
+    ) -> httpx2.Response:
+        status = response.status_code
+        if 400 <= status < 500:  # refused: refunded, the body left to the SDK
+            booking.answered(status, None)
+            return response
+        stream = response.stream
+        if prepared.stream and 200 <= status < 300 and _is_event_stream(response):
+            assert isinstance(stream, httpx2.SyncByteStream)
+            response.stream = BookedStream(stream, booking, status, style)
+            return response
+        try:
+            content = response.read()
+        except BaseException as error:
+            response.close()
+            booking.failed(error, status)
+            raise
+        try:
+            usage = usage_of(_json_object(content))
+        except ValueError:
+            usage = None
+        booking.answered(status, usage)
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# The SDK clients ----------------------------------------------------------------------
+
+
+def openai_client(
+    lane_client: LaneClient,
+    *,
+    inner: httpx2.BaseTransport | None = None,
+    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    ledger_model: Callable[[str], str] | None = None,
+    tag_body: bool = True,
+    ttl: datetime.timedelta | None = None,
+    **openai_kwargs: Any,
+) -> openai.OpenAI:
+    """An `openai.OpenAI` whose create calls are booked with `lane_client`.
+    The other keywords go to `openai.OpenAI` (api_key, base_url, timeout,
+    max_retries, ...)."""
+    import openai
+
+    transport = LedgerTransport(
+        lane_client,
+        inner,
+        default_max_output_tokens=default_max_output_tokens,
+        ledger_model=ledger_model,
+        tag_body=tag_body,
+        ttl=ttl,
+    )
+    # The SDK's own client class: its default timeout, limits and redirects.
+    http_client = openai.DefaultHttpxClient(transport=transport)
+    return openai.OpenAI(http_client=http_client, **openai_kwargs)
+
+
+def anthropic_client(
+    lane_client: LaneClient,
+    *,
+    inner: httpx2.BaseTransport | None = None,
+    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    ledger_model: Callable[[str], str] | None = None,
+    tag_body: bool = True,
+    ttl: datetime.timedelta | None = None,
+    **anthropic_kwargs: Any,
+) -> anthropic.Anthropic:
+    """An `anthropic.Anthropic` whose message calls are booked with
+    `lane_client`. The other keywords go to `anthropic.Anthropic`."""
+    import anthropic
+
+    transport = LedgerTransport(
+        lane_client,
+        inner,
+        default_max_output_tokens=default_max_output_tokens,
+        ledger_model=ledger_model,
+        tag_body=tag_body,
+        ttl=ttl,
+    )
+    http_client = anthropic.DefaultHttpxClient(transport=transport)
+    return anthropic.Anthropic(http_client=http_client, **anthropic_kwargs)
