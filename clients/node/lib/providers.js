@@ -23,7 +23,8 @@
 const { usageOf } = require('./usage');
 
 const CREATE_PATHS = [/\/chat\/completions$/, /\/responses$/];
-// When a request names no max tokens: what a create call is reserved for.
+// When a request names no max tokens: what a create call is reserved for, and
+// the bound written into its body.
 const DEFAULT_MAX_OUTPUT_TOKENS = 4096;
 const TAG_KEY = 'ledger_reservation_id';
 const RESERVATION_HEADER = 'x-ledger-reservation-id';
@@ -43,13 +44,24 @@ function planOf(url, init) {
     return null;
   }
   if (json === null || typeof json !== 'object' || typeof json.model !== 'string') return null;
-  const maxOutputTokens = json.max_completion_tokens ?? json.max_tokens ?? json.max_output_tokens ?? DEFAULT_MAX_OUTPUT_TOKENS;
-  return { json, chat: path.endsWith('/chat/completions'), stream: json.stream === true, maxOutputTokens };
+  return { json, chat: path.endsWith('/chat/completions'), stream: json.stream === true };
 }
 
-/** The body as sent: the reservation id in its metadata, and usage asked for on a chat stream. */
-function taggedBody(plan, reservationId) {
+/** The field that bounds a request's output, by its endpoint. */
+function maxTokensKey(plan) {
+  return plan.chat ? 'max_completion_tokens' : 'max_output_tokens';
+}
+
+/**
+ * The body as sent: the reservation id in its metadata, usage asked for on a
+ * chat stream, and a missing output bound written in, so that the bound the
+ * ledger holds is the one the provider enforces.
+ */
+function taggedBody(plan, reservationId, maxOutputTokens) {
   const json = { ...plan.json };
+  if (json.max_completion_tokens == null && json.max_tokens == null && json.max_output_tokens == null) {
+    json[maxTokensKey(plan)] = maxOutputTokens;
+  }
   const metadata = json.metadata && typeof json.metadata === 'object' ? { ...json.metadata } : {};
   if (!(TAG_KEY in metadata)) metadata[TAG_KEY] = reservationId;
   json.metadata = metadata;
@@ -144,7 +156,8 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
     const plan = planOf(url, init);
     if (plan === null) return inner(url, init);
     const reservationId = crypto.randomUUID();
-    const body = taggedBody(plan, reservationId);
+    const body = taggedBody(plan, reservationId, maxOutputTokens);
+    const sent = JSON.parse(body);
     const headers = new Headers(init.headers);
     headers.set(RESERVATION_HEADER, reservationId);
     let deliver;
@@ -155,7 +168,7 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       reservationId,
       model: plan.json.model,
       requestBytes: Buffer.byteLength(body),
-      maxOutputTokens: plan.json.max_completion_tokens || plan.json.max_tokens || plan.json.max_output_tokens || maxOutputTokens,
+      maxOutputTokens: sent.max_completion_tokens ?? sent.max_tokens ?? sent.max_output_tokens,
     };
     const outcome = ledger.call(booking, async () => {
       const response = await inner(url, { ...init, body, headers });

@@ -167,6 +167,13 @@ test('a denial sends nothing and is an APIError the SDK does not retry', async (
   tiny.close();
 });
 
+test('a request without a max gets the default written in and reserved', async () => {
+  const { booking, sent } = await booked('ok', {}, { max_tokens: undefined });
+  assert.equal(sent.body.max_completion_tokens, 4096);
+  assert.equal(booking.maxOutputTokens, 4096n);
+  assert.equal(booking.state, 'SETTLED');
+});
+
 test('other requests pass through unbooked', async () => {
   const before = seen.length;
   await sdk().models.list().catch(() => null);
