@@ -302,3 +302,13 @@ def test_migrate_says_whether_it_created_upgraded_or_found_the_schema_current(
     upgraded = ledger("migrate", "--database-url", older)
     assert upgraded.code == 0
     assert upgraded.err == f"upgraded the schema from revision 0003 to {head} in {older}\n"
+
+
+def test_a_refusal_shows_its_amounts_in_dollars(target: LedgerProcess, ledger: RunLedger) -> None:
+    ledger("lane", "put", "refusing", "--limit", "$1", "--price", JEV_PRICE)
+    assert reserve(ledger, "refusing", "big-1").code == 0
+    # A billed charge far beyond the booking's cap: the server refuses it, in nanos.
+    refused = ledger("settle", "refusing", "big-1", "--outcome", "succeeded", "--billed", "$0.9")
+    assert refused.code != 0
+    assert "more than 100 times the booking's cap of $0.000280000" in refused.err, refused.err
+    assert "$" in refused.err and not BARE_NANOS.search(refused.err), refused.err

@@ -18,6 +18,7 @@ import grpc
 
 from ledger_service.api.errors import FIELD_KEY, REASON_KEY
 from ledger_service.cli.exits import EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
+from ledger_service.cli.render import money_in_text
 from ledger_service.cli.tls import Tls, resolve_tls
 from ledger_service.cli.values import DEFAULT_TIMEOUT_SECONDS, parse_timeout_seconds
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
@@ -129,7 +130,8 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
     if not isinstance(error, grpc.Call):
         return CliError(f"the call to the ledger at {server} failed")
     code = error.code()
-    details = error.details() or ""
+    # A server sentence names amounts in nanos; the CLI shows money as dollars.
+    details = money_in_text(error.details() or "")
     trailers = {
         key: value for key, value in error.trailing_metadata() or () if isinstance(value, str)
     }
