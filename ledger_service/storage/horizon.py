@@ -13,8 +13,13 @@ How it moves (docs/postgresql.md, "Tailing without a global lock"):
 - seqs that are visible and follow the horizon without a hole are final;
 - a hole is final once every transaction that was in flight when the hole was
   first seen has ended: the hole's `Pending` notes the highest seq handed out
-  then (`handed`) and the snapshot's xmax taken after it, and resolves when the
-  oldest running xid reaches that xmax.
+  then (`handed`) and a bound above every xid assigned by then, and resolves
+  when the oldest running xid reaches that bound.
+
+The bound is an xid the reader takes for itself (pg_current_xact_id()), once
+per hole: a snapshot's xmax will not do, since it is one past the latest
+*completed* xid, and the newest appends run with xids at or above it and
+appear in no snapshot's list of running xids.
 
 The horizon only ever rises. One per process, shared by its readers.
 """
@@ -35,8 +40,10 @@ MAX_WAIT_SECONDS = 1.0
 _HANDED = text(
     "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM events_seq_seq"
 )
+# Above every xid assigned so far (it assigns the reader one of its own).
+_BOUND = text("SELECT pg_current_xact_id()::text::bigint")
 _WALK = text(
-    "SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint, "
+    "SELECT pg_snapshot_xmin(s)::text::bigint, "
     "ARRAY(SELECT seq FROM events WHERE seq > :final AND seq <= :handed "
     "ORDER BY seq LIMIT :walk) FROM pg_current_snapshot() AS s"
 )
@@ -44,10 +51,11 @@ _WALK = text(
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
-    """Seqs up to `handed` are final once no xid below `xmax` still runs."""
+    """Seqs up to `handed` are final once no xid below `bound` still runs
+    (`bound`: an xid assigned after every one that could hold such a seq)."""
 
     handed: int
-    xmax: int
+    bound: int
 
 
 class CommitHorizon:
@@ -80,11 +88,11 @@ class CommitHorizon:
     def _step(self, connection: Connection, handed: int) -> int:
         with self._lock:
             final, pending = self._final, self._pending
-        xmin, xmax, seqs = connection.execute(
+        xmin, seqs = connection.execute(
             _WALK, {"final": final, "handed": handed, "walk": MAX_WALK}
         ).one()
         reached = final
-        if pending is not None and xmin >= pending.xmax:
+        if pending is not None and xmin >= pending.bound:
             # Everything handed out when the hole was seen has ended: the
             # seqs up to there that are not visible never will be.
             reached = max(reached, pending.handed)
@@ -97,8 +105,8 @@ class CommitHorizon:
             reached = seq
         if reached < handed and pending is None:
             # A hole, or the walk stopped at MAX_WALK: either way, everything
-            # handed out so far is final once the running xids have ended.
-            pending = Pending(handed, int(xmax))
+            # handed out so far is final once the xids assigned by now have ended.
+            pending = Pending(handed, int(connection.execute(_BOUND).scalar_one()))
         with self._lock:
             if reached > self._final:
                 self._final = reached

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import text
 
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain import moves
@@ -40,3 +41,31 @@ def test_a_fresh_horizon_jumps_over_a_log_longer_than_one_walk(
         assert fresh.advance(connection) == 3  # the first walk
         # Nothing was in flight when it stopped: the whole log is final.
         assert fresh.advance(connection) == 13
+
+
+def test_a_seq_taken_by_the_newest_transaction_is_not_passed_while_it_runs(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The append in flight is the newest transaction and nothing completed after
+    it took its xid: its xid equals every snapshot's xmax and is in no snapshot's
+    list of running xids. The hole it leaves must wait for it all the same."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
+    tracker = horizon.CommitHorizon()
+    engine = postgres_store.engine
+    with engine.connect() as appender, engine.connect() as reader:
+        assert tracker.advance(reader) == 1
+        reader.commit()
+        # As an append does: an xid first, then a seq, and no commit yet.
+        appender.execute(text("SELECT pg_current_xact_id()"))
+        in_flight = int(appender.execute(text("SELECT nextval('events_seq_seq')")).scalar_one())
+        for _ in range(3):
+            assert tracker.advance(reader) < in_flight
+            reader.commit()
+        appender.rollback()  # the append failed: its seq is a hole for good
+        passed = []
+        for _ in range(3):  # once the transaction is gone, the hole is passed
+            passed.append(tracker.advance(reader))
+            reader.commit()
+        assert passed[-1] == in_flight, passed
