@@ -4,9 +4,14 @@
 
     openai = openai_client(ledger, api_key=KEY)  # an openai.OpenAI
     claude = anthropic_client(ledger, api_key=KEY)  # an anthropic.Anthropic
+    aopenai = async_openai_client(ledger, api_key=KEY)  # an openai.AsyncOpenAI
+    aclaude = async_anthropic_client(ledger, api_key=KEY)  # an anthropic.AsyncAnthropic
 
-Both build the SDK client on `httpx2.Client(transport=LedgerTransport(ledger))`.
-The transport books every create call, one booking per HTTP attempt:
+The sync ones build the SDK client on `httpx2.Client(transport=LedgerTransport(ledger))`,
+the async ones on `httpx2.AsyncClient(transport=AsyncLedgerTransport(ledger))`.
+Both transports follow the same rules (the same functions: the request plan,
+the endings, the stream's usage); only the driving differs. The transport
+books every create call, one booking per HTTP attempt:
 
 - OpenAI `POST .../chat/completions` and `POST .../responses`, Anthropic
   `POST .../v1/messages`; any other request passes through untouched, unbooked.
@@ -25,6 +30,14 @@ The transport books every create call, one booking per HTTP attempt:
   events, and the booking ends when the stream ends or is closed. A stream
   that stops before its usage arrived is UNKNOWN.
 
+The async transport runs every ledger call (the Reserve, each ending) in a
+worker thread (`anyio.to_thread.run_sync`, so under asyncio or trio): the
+lane client is synchronous gRPC, and a slow ledger must not block the event
+loop. A caller cancelled while its Reserve runs gets the cancellation at once;
+the booking that Reserve makes is then refunded as not sent. An ending, once
+started, runs to its end (its own deadline bounds it) even if the caller is
+cancelled meanwhile.
+
 Needs the optional extras: `pip install 'ledger-client[openai]'` or
 `'ledger-client[anthropic]'` (both bring `httpx2`). The rest of ledger_client
 never imports this module.
@@ -38,9 +51,11 @@ import enum
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple, Unpack
 
+import anyio
+import anyio.to_thread
 import httpx2
 
 from ledger_client.bookings import new_reservation_id
@@ -67,6 +82,10 @@ DEFAULT_MAX_OUTPUT_TOKENS = 4096
 # still passes through; the booking then ends UNKNOWN, at its hold).
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 UNKNOWN_MODEL_NAME = "unknown"
+CANCELLED_REASON = "cancelled before sending"
+
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
 
 class CallStyle(enum.Enum):
@@ -252,9 +271,13 @@ class Booking:
         if usage is not None:  # known usage wins over any failure
             self.answered(http_status or 200, usage)
         elif http_status == 0 and _never_sent(error):
-            self._end(lambda: self.handle.not_sent(f"could not connect: {type(error).__name__}"))
+            self.not_sent(f"could not connect: {type(error).__name__}")
         else:
             self._end(lambda: self.handle.failed(failure_of(error), http_status))
+
+    def not_sent(self, reason: str) -> None:
+        """Nothing of this attempt left the lane: refunded."""
+        self._end(lambda: self.handle.not_sent(reason))
 
     def cut_off(self, http_status: int, usage: Usage | None) -> None:
         """A stream that stopped, or was closed, before it ended."""
@@ -368,36 +391,95 @@ class StreamUsage:
             self.usage = usage_of(merged)
 
 
+class StreamEnding:
+    """How a passing stream's booking ends, for both stream wrappers: read for
+    its usage chunk by chunk; ended, settled from that usage; broken or closed
+    first, cut off (UNKNOWN unless the usage had arrived). The endings are
+    blocking ledger calls (the async wrapper runs them off the event loop)."""
+
+    def __init__(self, booking: Booking, http_status: int, style: CallStyle) -> None:
+        self.booking = booking
+        self.http_status = http_status
+        self._usage = StreamUsage(style)
+
+    def feed(self, chunk: bytes) -> None:
+        self._usage.feed(chunk)
+
+    def ended(self) -> None:
+        self.booking.answered(self.http_status, self._usage.usage)
+
+    def broke(self, error: BaseException) -> None:
+        self.booking.failed(error, self.http_status, self._usage.usage)
+
+    def closed(self) -> None:
+        self.booking.cut_off(self.http_status, self._usage.usage)
+
+
 class BookedStream(httpx2.SyncByteStream):
     """A response stream passed on as it comes, ending its booking when it ends
-    (settled from its final usage) or is closed first (cut off: UNKNOWN unless
-    the usage had arrived)."""
+    or is closed first (see StreamEnding)."""
 
     def __init__(
         self, inner: httpx2.SyncByteStream, booking: Booking, http_status: int, style: CallStyle
     ) -> None:
         self._inner = inner
-        self._booking = booking
-        self._status = http_status
-        self._usage = StreamUsage(style)
+        self._ending = StreamEnding(booking, http_status, style)
 
     def __iter__(self) -> Iterator[bytes]:
         try:
             for chunk in self._inner:
-                self._usage.feed(chunk)
+                self._ending.feed(chunk)
                 yield chunk
         except GeneratorExit:  # the reader stopped: close() ends the booking
             raise
         except BaseException as error:
-            self._booking.failed(error, self._status, self._usage.usage)
+            self._ending.broke(error)
             raise
-        self._booking.answered(self._status, self._usage.usage)
+        self._ending.ended()
 
     def close(self) -> None:
         try:
             self._inner.close()
         finally:
-            self._booking.cut_off(self._status, self._usage.usage)
+            self._ending.closed()
+
+
+class AsyncBookedStream(httpx2.AsyncByteStream):
+    """BookedStream for an async response stream: the same endings, run off
+    the event loop, when it ends or is closed (`aclose`) first."""
+
+    def __init__(
+        self, inner: httpx2.AsyncByteStream, booking: Booking, http_status: int, style: CallStyle
+    ) -> None:
+        self._inner = inner
+        self._iterator: AsyncIterator[bytes] | None = None
+        self._ending = StreamEnding(booking, http_status, style)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        self._iterator = self._inner.__aiter__()
+        try:
+            async for chunk in self._iterator:
+                self._ending.feed(chunk)
+                yield chunk
+        except GeneratorExit:  # the reader stopped: aclose() ends the booking
+            raise
+        except BaseException as error:
+            await self._end(self._ending.broke, error)
+            raise
+        await self._end(self._ending.ended)
+
+    async def aclose(self) -> None:
+        try:
+            iterator, self._iterator = self._iterator, None
+            if isinstance(iterator, AsyncGenerator):
+                await iterator.aclose()
+            await self._inner.aclose()
+        finally:
+            await self._end(self._ending.closed)
+
+    async def _end(self, report: Callable[[Unpack[_Ts]], None], *args: *_Ts) -> None:
+        if not self._ending.booking.ended:  # no thread for a booking already ended
+            await run_off_loop(report, *args)
 
 
 def _is_event_stream(response: httpx2.Response) -> bool:
@@ -405,7 +487,76 @@ def _is_event_stream(response: httpx2.Response) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
 
 
-# The transport ---------------------------------------------------------------------
+class Answer(enum.Enum):
+    """How a booked request's response is read, sync or async."""
+
+    REFUSED = "refused"  # a 4xx: refunded, the body left to the SDK
+    STREAM = "stream"  # an event stream asked for: booked as it passes (StreamEnding)
+    BODY = "body"  # read whole here, settled by the usage in it (or UNKNOWN)
+
+
+def answer_of(response: httpx2.Response, prepared: PreparedCall) -> Answer:
+    status = response.status_code
+    if 400 <= status < 500:
+        return Answer.REFUSED
+    if prepared.stream and 200 <= status < 300 and _is_event_stream(response):
+        return Answer.STREAM
+    return Answer.BODY
+
+
+def body_usage(content: bytes) -> Usage | None:
+    """The usage in a whole response body, or None (then a 2xx or 5xx is UNKNOWN)."""
+    try:
+        return usage_of(_json_object(content))
+    except ValueError:
+        return None
+
+
+# Off the event loop ------------------------------------------------------------------
+
+
+async def run_off_loop(function: Callable[[Unpack[_Ts]], _T], *args: *_Ts) -> _T:
+    """A blocking ledger call, run in a worker thread so the event loop goes on.
+    Shielded from cancel scopes: once started it runs to its end, its own
+    deadline bounding it (a native asyncio cancel stops only the waiting)."""
+    with anyio.CancelScope(shield=True):  # never cancelled itself: swallows nothing
+        result = await anyio.to_thread.run_sync(function, *args)
+    return result
+
+
+async def reserve_off_loop(
+    reserve: Callable[[httpx2.Request, CallStyle], tuple[Booking, PreparedCall]],
+    request: httpx2.Request,
+    style: CallStyle,
+) -> tuple[Booking, PreparedCall]:
+    """The Reserve, in a worker thread. A caller cancelled meanwhile gets the
+    cancellation at once, and the booking made is refunded as not sent (by the
+    worker if it is still reserving, else here)."""
+    lock = threading.Lock()
+    made: list[tuple[Booking, PreparedCall]] = []
+    abandoned = False
+
+    def run() -> tuple[Booking, PreparedCall]:
+        result = reserve(request, style)
+        with lock:
+            made.append(result)
+            late = abandoned
+        if late:
+            result[0].not_sent(CANCELLED_REASON)
+        return result
+
+    try:
+        return await anyio.to_thread.run_sync(run)
+    except BaseException:
+        with lock:
+            abandoned = True
+            reserved = list(made)
+        for booking, _ in reserved:
+            await run_off_loop(booking.not_sent, CANCELLED_REASON)
+        raise
+
+
+# The transports ------------------------------------------------------------------------
 
 _SDK_ERRORS: dict[tuple[type[BaseException], type[Exception]], type[Exception]] = {}
 
@@ -439,53 +590,40 @@ def _for_sdk(error: Exception, style: CallStyle) -> Exception:
     return converted
 
 
-class LedgerTransport(httpx2.BaseTransport):
-    """An httpx2 transport that books each OpenAI / Anthropic create call with
-    the ledger; see the module's docstring. One booking per HTTP attempt: an
-    SDK's own retries each reserve again.
-
-    `ledger_model` maps the body's `model` to the name the lane's prices use
-    (default: as it is). `tag_body=False` leaves the body's metadata alone (the
-    header is still sent). `ttl` is passed to each Reserve."""
+class _Booker:
+    """What both transports share: their settings and the Reserve (plan the
+    request, reserve it, or raise the denial as the SDK should see it)."""
 
     def __init__(
         self,
         lane_client: LaneClient,
-        inner: httpx2.BaseTransport | None = None,
         *,
-        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-        ledger_model: Callable[[str], str] | None = None,
-        tag_body: bool = True,
-        ttl: datetime.timedelta | None = None,
+        default_max_output_tokens: int,
+        ledger_model: Callable[[str], str] | None,
+        tag_body: bool,
+        ttl: datetime.timedelta | None,
     ) -> None:
         if not _is_count(default_max_output_tokens):
             raise ValueError("default_max_output_tokens must be a non-negative integer")
         self.lane_client = lane_client
-        self.inner = inner if inner is not None else httpx2.HTTPTransport()
         self.default_max_output_tokens = default_max_output_tokens
         self.ledger_model = ledger_model
         self.tag_body = tag_body
         self.ttl = ttl
 
-    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        style = call_style(request)
-        if style is None:
-            return self.inner.handle_request(request)
+    def _reserve(self, request: httpx2.Request, style: CallStyle) -> tuple[Booking, PreparedCall]:
+        """Blocking; the request's body already read. Raises Denied: nothing is sent."""
         try:
-            booking, prepared = self._reserve(request, style)
+            return self._reserve_as_is(request, style)
         except Exception as error:
             converted = _for_sdk(error, style)
             if converted is error:
                 raise
             raise converted from error
-        try:
-            response = self.inner.handle_request(prepared.request)
-        except BaseException as error:
-            booking.failed(error)
-            raise
-        return self._answered(response, booking, prepared, style)
 
-    def _reserve(self, request: httpx2.Request, style: CallStyle) -> tuple[Booking, PreparedCall]:
+    def _reserve_as_is(
+        self, request: httpx2.Request, style: CallStyle
+    ) -> tuple[Booking, PreparedCall]:
         reservation_id = new_reservation_id()
         prepared = prepare_request(
             request,
@@ -505,37 +643,125 @@ class LedgerTransport(httpx2.BaseTransport):
         handle = call.__enter__()  # raises Denied: nothing is sent
         return Booking(self.lane_client, call, handle), prepared
 
-    def _answered(
+
+class LedgerTransport(_Booker, httpx2.BaseTransport):
+    """An httpx2 transport that books each OpenAI / Anthropic create call with
+    the ledger; see the module's docstring. One booking per HTTP attempt: an
+    SDK's own retries each reserve again.
+
+    `ledger_model` maps the body's `model` to the name the lane's prices use
+    (default: as it is). `tag_body=False` leaves the body's metadata alone (the
+    header is still sent). `ttl` is passed to each Reserve."""
+
+    def __init__(
         self,
-        response: httpx2.Response,
-        booking: Booking,
-        prepared: PreparedCall,
-        style: CallStyle,
-    ) -> httpx2.Response:
-        status = response.status_code
-        if 400 <= status < 500:  # refused: refunded, the body left to the SDK
-            booking.answered(status, None)
-            return response
-        stream = response.stream
-        if prepared.stream and 200 <= status < 300 and _is_event_stream(response):
-            assert isinstance(stream, httpx2.SyncByteStream)
-            response.stream = BookedStream(stream, booking, status, style)
-            return response
+        lane_client: LaneClient,
+        inner: httpx2.BaseTransport | None = None,
+        *,
+        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+        ledger_model: Callable[[str], str] | None = None,
+        tag_body: bool = True,
+        ttl: datetime.timedelta | None = None,
+    ) -> None:
+        super().__init__(
+            lane_client,
+            default_max_output_tokens=default_max_output_tokens,
+            ledger_model=ledger_model,
+            tag_body=tag_body,
+            ttl=ttl,
+        )
+        self.inner = inner if inner is not None else httpx2.HTTPTransport()
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        style = call_style(request)
+        if style is None:
+            return self.inner.handle_request(request)
+        request.read()
+        booking, prepared = self._reserve(request, style)
         try:
-            content = response.read()
+            response = self.inner.handle_request(prepared.request)
         except BaseException as error:
-            response.close()
-            booking.failed(error, status)
+            booking.failed(error)
             raise
-        try:
-            usage = usage_of(_json_object(content))
-        except ValueError:
-            usage = None
-        booking.answered(status, usage)
+        status = response.status_code
+        answer = answer_of(response, prepared)
+        if answer is Answer.REFUSED:
+            booking.answered(status, None)
+        elif answer is Answer.STREAM:
+            assert isinstance(response.stream, httpx2.SyncByteStream)
+            response.stream = BookedStream(response.stream, booking, status, style)
+        else:
+            try:
+                content = response.read()
+            except BaseException as error:
+                try:
+                    response.close()
+                finally:
+                    booking.failed(error, status)
+                raise
+            booking.answered(status, body_usage(content))
         return response
 
     def close(self) -> None:
         self.inner.close()
+
+
+class AsyncLedgerTransport(_Booker, httpx2.AsyncBaseTransport):
+    """LedgerTransport for the async SDK clients (`openai.AsyncOpenAI`,
+    `anthropic.AsyncAnthropic`): the same rules and settings, each ledger call
+    (the Reserve, every ending) run in a worker thread, off the event loop."""
+
+    def __init__(
+        self,
+        lane_client: LaneClient,
+        inner: httpx2.AsyncBaseTransport | None = None,
+        *,
+        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+        ledger_model: Callable[[str], str] | None = None,
+        tag_body: bool = True,
+        ttl: datetime.timedelta | None = None,
+    ) -> None:
+        super().__init__(
+            lane_client,
+            default_max_output_tokens=default_max_output_tokens,
+            ledger_model=ledger_model,
+            tag_body=tag_body,
+            ttl=ttl,
+        )
+        self.inner = inner if inner is not None else httpx2.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        style = call_style(request)
+        if style is None:
+            return await self.inner.handle_async_request(request)
+        await request.aread()
+        booking, prepared = await reserve_off_loop(self._reserve, request, style)
+        try:
+            response = await self.inner.handle_async_request(prepared.request)
+        except BaseException as error:
+            await run_off_loop(booking.failed, error)
+            raise
+        status = response.status_code
+        answer = answer_of(response, prepared)
+        if answer is Answer.REFUSED:
+            await run_off_loop(booking.answered, status, None)
+        elif answer is Answer.STREAM:
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            response.stream = AsyncBookedStream(response.stream, booking, status, style)
+        else:
+            try:
+                content = await response.aread()
+            except BaseException as error:
+                try:
+                    await response.aclose()
+                finally:
+                    await run_off_loop(booking.failed, error, status)
+                raise
+            await run_off_loop(booking.answered, status, body_usage(content))
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 # The SDK clients ----------------------------------------------------------------------
@@ -593,3 +819,57 @@ def anthropic_client(
     )
     http_client = anthropic.DefaultHttpxClient(transport=transport)
     return anthropic.Anthropic(http_client=http_client, **anthropic_kwargs)
+
+
+def async_openai_client(
+    lane_client: LaneClient,
+    *,
+    inner: httpx2.AsyncBaseTransport | None = None,
+    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    ledger_model: Callable[[str], str] | None = None,
+    tag_body: bool = True,
+    ttl: datetime.timedelta | None = None,
+    **openai_kwargs: Any,
+) -> openai.AsyncOpenAI:
+    """An `openai.AsyncOpenAI` whose create calls are booked with
+    `lane_client`, its ledger calls run off the event loop. The other keywords
+    go to `openai.AsyncOpenAI`."""
+    import openai
+
+    transport = AsyncLedgerTransport(
+        lane_client,
+        inner,
+        default_max_output_tokens=default_max_output_tokens,
+        ledger_model=ledger_model,
+        tag_body=tag_body,
+        ttl=ttl,
+    )
+    http_client = openai.DefaultAsyncHttpxClient(transport=transport)
+    return openai.AsyncOpenAI(http_client=http_client, **openai_kwargs)
+
+
+def async_anthropic_client(
+    lane_client: LaneClient,
+    *,
+    inner: httpx2.AsyncBaseTransport | None = None,
+    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
+    ledger_model: Callable[[str], str] | None = None,
+    tag_body: bool = True,
+    ttl: datetime.timedelta | None = None,
+    **anthropic_kwargs: Any,
+) -> anthropic.AsyncAnthropic:
+    """An `anthropic.AsyncAnthropic` whose message calls are booked with
+    `lane_client`, its ledger calls run off the event loop. The other keywords
+    go to `anthropic.AsyncAnthropic`."""
+    import anthropic
+
+    transport = AsyncLedgerTransport(
+        lane_client,
+        inner,
+        default_max_output_tokens=default_max_output_tokens,
+        ledger_model=ledger_model,
+        tag_body=tag_body,
+        ttl=ttl,
+    )
+    http_client = anthropic.DefaultAsyncHttpxClient(transport=transport)
+    return anthropic.AsyncAnthropic(http_client=http_client, **anthropic_kwargs)
