@@ -590,26 +590,35 @@ def _for_sdk(error: Exception, style: CallStyle) -> Exception:
     return converted
 
 
+@dataclasses.dataclass(frozen=True)
+class BookingOptions:
+    """How a transport books: the output bound of a request that names none
+    (written into its body), the ledger's model name for the provider's (the
+    provider's own by default), whether the body carries the reservation id
+    (the header always does), and the holds' ttl (the lane's by default)."""
+
+    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
+    ledger_model: Callable[[str], str] | None = None
+    tag_body: bool = True
+    ttl: datetime.timedelta | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_count(self.default_max_output_tokens):
+            raise ValueError("default_max_output_tokens must be a non-negative integer")
+
+
 class _Booker:
     """What both transports share: their settings and the Reserve (plan the
     request, reserve it, or raise the denial as the SDK should see it)."""
 
-    def __init__(
-        self,
-        lane_client: LaneClient,
-        *,
-        default_max_output_tokens: int,
-        ledger_model: Callable[[str], str] | None,
-        tag_body: bool,
-        ttl: datetime.timedelta | None,
-    ) -> None:
-        if not _is_count(default_max_output_tokens):
-            raise ValueError("default_max_output_tokens must be a non-negative integer")
+    def __init__(self, lane_client: LaneClient, options: BookingOptions | None) -> None:
+        options = options or BookingOptions()
         self.lane_client = lane_client
-        self.default_max_output_tokens = default_max_output_tokens
-        self.ledger_model = ledger_model
-        self.tag_body = tag_body
-        self.ttl = ttl
+        self.options = options
+        self.default_max_output_tokens = options.default_max_output_tokens
+        self.ledger_model = options.ledger_model
+        self.tag_body = options.tag_body
+        self.ttl = options.ttl
 
     def _reserve(self, request: httpx2.Request, style: CallStyle) -> tuple[Booking, PreparedCall]:
         """Blocking; the request's body already read. Raises Denied: nothing is sent."""
@@ -657,19 +666,9 @@ class LedgerTransport(_Booker, httpx2.BaseTransport):
         self,
         lane_client: LaneClient,
         inner: httpx2.BaseTransport | None = None,
-        *,
-        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-        ledger_model: Callable[[str], str] | None = None,
-        tag_body: bool = True,
-        ttl: datetime.timedelta | None = None,
+        options: BookingOptions | None = None,
     ) -> None:
-        super().__init__(
-            lane_client,
-            default_max_output_tokens=default_max_output_tokens,
-            ledger_model=ledger_model,
-            tag_body=tag_body,
-            ttl=ttl,
-        )
+        super().__init__(lane_client, options)
         self.inner = inner if inner is not None else httpx2.HTTPTransport()
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -715,19 +714,9 @@ class AsyncLedgerTransport(_Booker, httpx2.AsyncBaseTransport):
         self,
         lane_client: LaneClient,
         inner: httpx2.AsyncBaseTransport | None = None,
-        *,
-        default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-        ledger_model: Callable[[str], str] | None = None,
-        tag_body: bool = True,
-        ttl: datetime.timedelta | None = None,
+        options: BookingOptions | None = None,
     ) -> None:
-        super().__init__(
-            lane_client,
-            default_max_output_tokens=default_max_output_tokens,
-            ledger_model=ledger_model,
-            tag_body=tag_body,
-            ttl=ttl,
-        )
+        super().__init__(lane_client, options)
         self.inner = inner if inner is not None else httpx2.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -771,10 +760,7 @@ def openai_client(
     lane_client: LaneClient,
     *,
     inner: httpx2.BaseTransport | None = None,
-    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-    ledger_model: Callable[[str], str] | None = None,
-    tag_body: bool = True,
-    ttl: datetime.timedelta | None = None,
+    options: BookingOptions | None = None,
     **openai_kwargs: Any,
 ) -> openai.OpenAI:
     """An `openai.OpenAI` whose create calls are booked with `lane_client`.
@@ -782,41 +768,25 @@ def openai_client(
     max_retries, ...)."""
     import openai
 
-    transport = LedgerTransport(
-        lane_client,
-        inner,
-        default_max_output_tokens=default_max_output_tokens,
-        ledger_model=ledger_model,
-        tag_body=tag_body,
-        ttl=ttl,
-    )
     # The SDK's own client class: its default timeout, limits and redirects.
-    http_client = openai.DefaultHttpxClient(transport=transport)
-    return openai.OpenAI(http_client=http_client, **openai_kwargs)
+    transport = LedgerTransport(lane_client, inner, options)
+    return openai.OpenAI(
+        http_client=openai.DefaultHttpxClient(transport=transport), **openai_kwargs
+    )
 
 
 def anthropic_client(
     lane_client: LaneClient,
     *,
     inner: httpx2.BaseTransport | None = None,
-    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-    ledger_model: Callable[[str], str] | None = None,
-    tag_body: bool = True,
-    ttl: datetime.timedelta | None = None,
+    options: BookingOptions | None = None,
     **anthropic_kwargs: Any,
 ) -> anthropic.Anthropic:
     """An `anthropic.Anthropic` whose message calls are booked with
     `lane_client`. The other keywords go to `anthropic.Anthropic`."""
     import anthropic
 
-    transport = LedgerTransport(
-        lane_client,
-        inner,
-        default_max_output_tokens=default_max_output_tokens,
-        ledger_model=ledger_model,
-        tag_body=tag_body,
-        ttl=ttl,
-    )
+    transport = LedgerTransport(lane_client, inner, options)
     http_client = anthropic.DefaultHttpxClient(transport=transport)
     return anthropic.Anthropic(http_client=http_client, **anthropic_kwargs)
 
@@ -825,10 +795,7 @@ def async_openai_client(
     lane_client: LaneClient,
     *,
     inner: httpx2.AsyncBaseTransport | None = None,
-    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-    ledger_model: Callable[[str], str] | None = None,
-    tag_body: bool = True,
-    ttl: datetime.timedelta | None = None,
+    options: BookingOptions | None = None,
     **openai_kwargs: Any,
 ) -> openai.AsyncOpenAI:
     """An `openai.AsyncOpenAI` whose create calls are booked with
@@ -836,14 +803,7 @@ def async_openai_client(
     go to `openai.AsyncOpenAI`."""
     import openai
 
-    transport = AsyncLedgerTransport(
-        lane_client,
-        inner,
-        default_max_output_tokens=default_max_output_tokens,
-        ledger_model=ledger_model,
-        tag_body=tag_body,
-        ttl=ttl,
-    )
+    transport = AsyncLedgerTransport(lane_client, inner, options)
     http_client = openai.DefaultAsyncHttpxClient(transport=transport)
     return openai.AsyncOpenAI(http_client=http_client, **openai_kwargs)
 
@@ -852,10 +812,7 @@ def async_anthropic_client(
     lane_client: LaneClient,
     *,
     inner: httpx2.AsyncBaseTransport | None = None,
-    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-    ledger_model: Callable[[str], str] | None = None,
-    tag_body: bool = True,
-    ttl: datetime.timedelta | None = None,
+    options: BookingOptions | None = None,
     **anthropic_kwargs: Any,
 ) -> anthropic.AsyncAnthropic:
     """An `anthropic.AsyncAnthropic` whose message calls are booked with
@@ -863,13 +820,6 @@ def async_anthropic_client(
     go to `anthropic.AsyncAnthropic`."""
     import anthropic
 
-    transport = AsyncLedgerTransport(
-        lane_client,
-        inner,
-        default_max_output_tokens=default_max_output_tokens,
-        ledger_model=ledger_model,
-        tag_body=tag_body,
-        ttl=ttl,
-    )
+    transport = AsyncLedgerTransport(lane_client, inner, options)
     http_client = anthropic.DefaultAsyncHttpxClient(transport=transport)
     return anthropic.AsyncAnthropic(http_client=http_client, **anthropic_kwargs)

@@ -46,6 +46,7 @@ from ledger_client.providers import (  # noqa: E402  (needs the extras, like the
     DEFAULT_MAX_OUTPUT_TOKENS,
     OPENAI_METADATA_KEY,
     RESERVATION_HEADER,
+    BookingOptions,
     anthropic_client,
     openai_client,
 )
@@ -605,3 +606,18 @@ def test_openai_refused_connection_is_refunded_as_never_sent(
     [reserved, refunded] = bookings.admin_events()
     assert reserved.kind == "reserved" and refunded.kind == "refunded"
     assert refunded.http_status == 0 and refunded.reason.startswith("could not connect")
+
+
+def test_booking_options_change_the_bound_and_the_tag(
+    provider: FakeProvider, bookings: Bookings, make_openai: SdkFactory
+) -> None:
+    options = BookingOptions(default_max_output_tokens=77, tag_body=False)
+    client = make_openai(options=options)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    request, booking = only_booked(provider, bookings)
+    body = request.json()
+    assert "metadata" not in body  # the header only
+    assert request.headers[RESERVATION_HEADER.lower()] == booking.reservation_id
+    assert body["max_completion_tokens"] == 77 and booking.max_output_tokens == 77
+    with pytest.raises(ValueError, match="default_max_output_tokens"):
+        BookingOptions(default_max_output_tokens=-1)
