@@ -12,12 +12,24 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
+# The extras are installed by `make install`: a missing SDK fails here, never skips.
+import anthropic
 import grpc
+import httpx2
+import openai
 import pytest
 from client_ledger import TEST_SETTINGS, Admin, LedgerProcess, new_lane_name
 from ledger_client import DenialReason, Denied, LaneClient, is_context_overflow
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_client.providers import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    OPENAI_METADATA_KEY,
+    RESERVATION_HEADER,
+    BookingOptions,
+    anthropic_client,
+    openai_client,
+)
 from provider_fakes import (
     ANTHROPIC_FORBIDDEN,
     ANTHROPIC_OVERFLOW,
@@ -36,19 +48,6 @@ from provider_fakes import (
     openai_chat_body,
     openai_chat_stream,
     openai_responses_stream,
-)
-
-openai = pytest.importorskip("openai")
-anthropic = pytest.importorskip("anthropic")
-httpx2 = pytest.importorskip("httpx2")
-
-from ledger_client.providers import (  # noqa: E402  (needs the extras, like the SDKs)
-    DEFAULT_MAX_OUTPUT_TOKENS,
-    OPENAI_METADATA_KEY,
-    RESERVATION_HEADER,
-    BookingOptions,
-    anthropic_client,
-    openai_client,
 )
 
 # Per million tokens: input 1 nano a token, cache reads 0.5, cache writes 1.25,

@@ -15,10 +15,21 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+# The extras are installed by `make install`: a missing SDK fails here, never skips.
+import anthropic
+import openai
 import pytest
 import test_providers as sync_cases
 from client_ledger import TEST_SETTINGS, Admin, LedgerProcess, new_lane_name
 from ledger_client import DenialReason, Denied, LaneClient, is_context_overflow
+from ledger_client.providers import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    OPENAI_METADATA_KEY,
+    RESERVATION_HEADER,
+    AsyncLedgerTransport,
+    async_anthropic_client,
+    async_openai_client,
+)
 from provider_fakes import (
     ANTHROPIC_OVERFLOW,
     ANTHROPIC_SERVER_ERROR,
@@ -45,19 +56,6 @@ from test_providers import (
     assert_settled,
     assert_unknown,
     only_booked,
-)
-
-openai = pytest.importorskip("openai")
-anthropic = pytest.importorskip("anthropic")
-httpx2 = pytest.importorskip("httpx2")
-
-from ledger_client.providers import (  # noqa: E402  (needs the extras, like the SDKs)
-    DEFAULT_MAX_OUTPUT_TOKENS,
-    OPENAI_METADATA_KEY,
-    RESERVATION_HEADER,
-    AsyncLedgerTransport,
-    async_anthropic_client,
-    async_openai_client,
 )
 
 # The fixtures of test_providers.py, by the names the tests take.
