@@ -61,6 +61,18 @@ function chatReply(body, res) {
   return json(500, {});
 }
 
+/** The Responses API, streamed: usage comes with response.completed. */
+function responsesReply(body, res) {
+  res.writeHead(200, { 'content-type': 'text/event-stream' });
+  const event = (type, value) => res.write(`event: ${type}\ndata: ${JSON.stringify({ type, ...value })}\n\n`);
+  const response = { id: 'r1', object: 'response', model: body.model, status: 'in_progress', output: [] };
+  event('response.created', { response });
+  event('response.output_text.delta', { item_id: 'm1', output_index: 0, content_index: 0, delta: 'hi' });
+  const usage = { input_tokens: 1000, output_tokens: 50, input_tokens_details: { cached_tokens: 400 } };
+  event('response.completed', { response: { ...response, status: 'completed', usage } });
+  res.end();
+}
+
 before(async () => {
   ledger = await startLedger();
   await ledger.admin.putLane({ lane: { lane: 'sdk', limit_nanos: '1000000000', prices: PRICES } });
@@ -70,7 +82,8 @@ before(async () => {
     req.on('end', () => {
       const body = JSON.parse(raw || '{}');
       seen.push({ headers: req.headers, raw, body });
-      chatReply(body, res);
+      if (req.url.endsWith('/responses')) responsesReply(body, res);
+      else chatReply(body, res);
     });
   });
   await new Promise((resolve) => provider.listen(0, '127.0.0.1', resolve));
@@ -172,6 +185,23 @@ test('a request without a max gets the default written in and reserved', async (
   assert.equal(sent.body.max_completion_tokens, 4096);
   assert.equal(booking.maxOutputTokens, 4096n);
   assert.equal(booking.state, 'SETTLED');
+});
+
+test('a Responses stream is settled from response.completed', async () => {
+  const before = seen.length;
+  const stream = await sdk().responses.create({ model: 'm', input: 'hi', max_output_tokens: 100, stream: true });
+  for await (const _event of stream) { /* read to its end */ }
+  const sent = seen[before];
+  const reservationId = sent.headers['x-ledger-reservation-id'];
+  let booking;
+  for (let attempt = 0; attempt < 50; attempt += 1) {
+    booking = await client.booking(reservationId);
+    if (booking.state !== 'OPEN') break;
+    await new Promise((resolve) => setTimeout(resolve, 20));
+  }
+  assert.equal(booking.state, 'SETTLED');
+  assert.equal(booking.amountNanos, COST);
+  assert.equal(sent.body.stream_options, undefined, 'include_usage is for chat streams only');
 });
 
 test('other requests pass through unbooked', async () => {
