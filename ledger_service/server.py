@@ -38,7 +38,7 @@ from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import Clock, ManualClock, SystemClock
 from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
-from ledger_service.domain.grants import Keyring, Scope
+from ledger_service.domain.grants import Keyring, Scope, key_id_of
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
 from ledger_service.recovery.plan import RecoveryPolicy
 from ledger_service.recovery.rebuild import Recovery, RecoveryGuard, RecoverySettings
@@ -129,7 +129,6 @@ class LedgerServer:
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
         self._health_probe = threading.Thread(target=self._probe, name="health", daemon=True)
         self._keyring_file = keyring.KeyringFile(settings.data_dir)
-        self.keyring = self._keyring_file.keyring
         # For the local CLI and in-process tests: an admin grant, issued afresh every start.
         self.admin_grant = issue_admin_grant(settings, self.keyring)
         self._auth = AuthInterceptor(self.keyring, SystemClock())
@@ -186,6 +185,11 @@ class LedgerServer:
         self._service_names = names
         return server
 
+    @property
+    def keyring(self) -> Keyring:
+        """The keys in force: the keyring file as last read."""
+        return self._keyring_file.keyring
+
     def _auth_interceptors(self) -> list[grpc.ServerInterceptor[Any, Any]]:
         # Grant expiry follows the real clock even when the ledger runs on a test clock.
         return [self._auth] if self.settings.auth_enabled else []
@@ -197,10 +201,9 @@ class LedgerServer:
         changed = self._keyring_file.changed()
         if changed is None:
             return
-        self.keyring = changed
         self._auth.use(changed)
         log.info("keyring reloaded: %d keys, %s signs", len(changed.keys), changed.signing_key_id)
-        if self.admin_grant.split(".")[1] != changed.signing_key_id:
+        if key_id_of(self.admin_grant) != changed.signing_key_id:
             self.admin_grant = issue_admin_grant(self.settings, changed)
 
     def start(self) -> int:
@@ -362,7 +365,9 @@ def recovery_guard(
 def build_recovery(settings: Settings, store: SqlStore, owner: str) -> Recovery:
     """Assessment, planning, rebuilds and snapshots on the store's database."""
     return Recovery(
-        SqlRecoveryStore(store.engine, batch_rows=settings.recovery_batch_events),
+        SqlRecoveryStore(
+            store.engine, batch_rows=settings.recovery_batch_events, horizon=store.horizon
+        ),
         SystemClock(),
         RecoverySettings(
             batch_events=settings.recovery_batch_events,

@@ -30,11 +30,13 @@ several servers in one process (tests) each keep theirs.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import os
 import sys
 import urllib.parse
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
@@ -163,6 +165,35 @@ def _without_userinfo(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
+# The SDK's OTLP exporter for each signal and protocol: (module, class).
+_OTLP_EXPORTERS = {
+    ("TRACES", "grpc"): (
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+        "OTLPSpanExporter",
+    ),
+    ("TRACES", "http/protobuf"): (
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        "OTLPSpanExporter",
+    ),
+    ("METRICS", "grpc"): (
+        "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
+        "OTLPMetricExporter",
+    ),
+    ("METRICS", "http/protobuf"): (
+        "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+        "OTLPMetricExporter",
+    ),
+}
+
+
+def _otlp_exporter(environ: Mapping[str, str], signal: str) -> tuple[Any, str]:
+    """The SDK's OTLP exporter the variables name for `signal`, and what it is."""
+    otlp = _otlp(environ, signal)
+    module, name = _OTLP_EXPORTERS[(signal, otlp.protocol)]
+    exporter_class = getattr(importlib.import_module(module), name)
+    return exporter_class(endpoint=otlp.endpoint), otlp.describe()
+
+
 def _span_processors(environ: Mapping[str, str]) -> tuple[list[SpanProcessor], list[str]]:
     processors: list[SpanProcessor] = []
     described: list[str] = []
@@ -171,20 +202,9 @@ def _span_processors(environ: Mapping[str, str]) -> tuple[list[SpanProcessor], l
             processors.append(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
             described.append("console (stderr)")
             continue
-        otlp = _otlp(environ, "TRACES")
-        exporter: SpanExporter
-        if otlp.protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=otlp.endpoint)
-        else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                OTLPSpanExporter as HttpSpanExporter,
-            )
-
-            exporter = HttpSpanExporter(endpoint=otlp.endpoint)
+        exporter, description = _otlp_exporter(environ, "TRACES")
         processors.append(BatchSpanProcessor(exporter))
-        described.append(otlp.describe())
+        described.append(description)
     return processors, described
 
 
@@ -203,24 +223,11 @@ def _metric_readers(
             continue
         exporter: MetricExporter
         if name == "console":
-            exporter = ConsoleMetricExporter(out=sys.stderr)
-            described.append("console (stderr)")
+            exporter, description = ConsoleMetricExporter(out=sys.stderr), "console (stderr)"
         else:
-            otlp = _otlp(environ, "METRICS")
-            if otlp.protocol == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-                    OTLPMetricExporter,
-                )
-
-                exporter = OTLPMetricExporter(endpoint=otlp.endpoint)
-            else:
-                from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-                    OTLPMetricExporter as HttpMetricExporter,
-                )
-
-                exporter = HttpMetricExporter(endpoint=otlp.endpoint)
-            described.append(otlp.describe())
+            exporter, description = _otlp_exporter(environ, "METRICS")
         readers.append(PeriodicExportingMetricReader(exporter))
+        described.append(description)
     return readers, described, closers
 
 

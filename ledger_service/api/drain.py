@@ -50,24 +50,23 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
             request_deserializer=handler.request_deserializer,
         )
 
-    def _admit(self) -> None:
+    def _admit(self, *, counted: bool) -> None:
+        """Refuses a call once draining; counts it as running when `counted`."""
         with self._condition:
             if self._draining:
                 raise ShuttingDown()
+            self._running += int(counted)
 
     def _refused_once_draining(self, behaviour: Behaviour) -> Behaviour:
         def refused(request: Any, context: grpc.ServicerContext) -> Any:
-            self._admit()
+            self._admit(counted=False)
             return behaviour(request, context)
 
         return refused
 
     def _counted(self, behaviour: Behaviour) -> Behaviour:
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            with self._condition:
-                if self._draining:
-                    raise ShuttingDown()
-                self._running += 1
+            self._admit(counted=True)
             try:
                 return behaviour(request, context)
             finally:

@@ -170,6 +170,11 @@ def _parse(key_id: str, signed: str) -> Grant:
     return _grant_of(claims, key_id)
 
 
+def key_id_of(token: str) -> str:
+    """The id of the key that signed a well-formed token. Raises GrantRejected."""
+    return _split(token)[0]
+
+
 def _split(token: str) -> tuple[str, str, bytes]:
     """(key id, the signed text, the signature bytes) of a well-formed token."""
     if not token:

@@ -427,7 +427,9 @@ class SqlProjectionView:
 
 
 class SqlRecoveryStore:
-    def __init__(self, engine: Engine, *, batch_rows: int = 1000) -> None:
+    def __init__(
+        self, engine: Engine, *, batch_rows: int = 1000, horizon: CommitHorizon | None = None
+    ) -> None:
         self._engine = engine
         self._sqlite = engine.dialect.name == "sqlite"
         self._batch = batch_rows
@@ -435,8 +437,9 @@ class SqlRecoveryStore:
         self._placeholder = placeholder
         self._sql = _RebuildSql(placeholder)
         self._fold = _FoldSql(placeholder)
-        # PostgreSQL: where a verified point may be set (storage/horizon.py).
-        self._horizon = None if self._sqlite else CommitHorizon()
+        # PostgreSQL: where a verified point may be set (storage/horizon.py): the
+        # server's store's own horizon when given (one per process).
+        self._horizon = None if self._sqlite else horizon or CommitHorizon()
 
     @property
     def engine(self) -> Engine:
@@ -523,7 +526,7 @@ class SqlRecoveryStore:
 
     def save_checkpoint(self, point: ChainPoint, now_us: int) -> None:
         """Moves the verified point forward to `point` (never back)."""
-        heads = json.dumps(dict(sorted(point.chain_heads.items())), separators=(",", ":"))
+        heads = _heads_json(point.chain_heads)
         with self._writing() as connection:
             values = {
                 "through_seq": point.position_seq,
@@ -624,7 +627,7 @@ class SqlRecoveryStore:
                         lanes_count=0,
                         bookings_count=0,
                         digest="",
-                        chain_heads_json=json.dumps(dict(sorted(chain_heads.items()))),
+                        chain_heads_json=_heads_json(chain_heads),
                         chain_verified=0,
                     )
                     .returning(snapshots.c.id)
@@ -918,6 +921,11 @@ class SqlRecoveryStore:
                 select(recovery_manifests).order_by(recovery_manifests.c.id.desc()).limit(limit)
             ).mappings()
             return [dict(row) for row in rows]
+
+
+def _heads_json(heads: Mapping[str, str]) -> str:
+    """Chain heads as stored, in snapshots and the verified point alike."""
+    return json.dumps(dict(sorted(heads.items())))
 
 
 def _event_hash(connection: Connection, seq: int) -> str:

@@ -148,6 +148,11 @@ class SqlStore:
             raise
 
     @property
+    def horizon(self) -> CommitHorizon:
+        """Where this process's PostgreSQL readers stop (unused on SQLite)."""
+        return self._horizon
+
+    @property
     def damage(self) -> StoreDamaged | None:
         """The damage the database reported, if it ever did: kept until the
         process stops, since a damaged store does not heal by itself."""
