@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ledger_service.domain.clock import MICROS_PER_SECOND
@@ -100,6 +100,22 @@ class LanePolicy:
 
     def price_of(self, model: str) -> ModelPrice | None:
         return self.prices.get(model)
+
+
+def subtree(
+    lane: str, children_of: Callable[[str], Iterable[str]], max_depth: int
+) -> list[list[str]]:
+    """The lane and the lanes below it, level by level, at most `max_depth`
+    levels; a lane met twice is kept at its first level."""
+    levels: list[list[str]] = [[lane]]
+    seen = {lane}
+    while len(levels) < max_depth:
+        below = sorted({child for parent in levels[-1] for child in children_of(parent)} - seen)
+        if not below:
+            break
+        seen.update(below)
+        levels.append(below)
+    return levels
 
 
 def validate_name(field: str, value: str) -> None:

@@ -10,7 +10,7 @@ yet, an advisory lock on its name), on SQLite by the database's single writer.
 
 The marker (projection_position) says whether the projections are current. On
 SQLite every batch of appends also advances its `last_seq` (once, at the
-batch's end: storage/sql.py, WriterMemo). On PostgreSQL appends only read its
+batch's end: storage/writer.py). On PostgreSQL appends only read its
 state, under the maintenance lock held shared, so that lanes share no row:
 its `last_seq` moves only with a rebuild, and while current the projections
 cover the whole log.

@@ -12,24 +12,24 @@ hands the lead to the oldest of them, which commits all the queued moves in
 one transaction. A lone caller thus pays no hand-off between threads, and a
 busy server still commits in batches (docs/benchmarks.md has the figures).
 
-A batch has no savepoints. A move refused before it wrote anything (most
-refusals: the domain decides before the store writes) leaves nothing to undo,
-and the batch goes on. A move refused after writing, or failed by a database
-error (which may have ended the transaction), cannot be undone alone:
-the whole transaction is rolled back, that move is answered with its
+A batch has no savepoints. A move refused before it wrote anything leaves
+nothing to undo, and the batch goes on: the store's moves write to memory
+and the batch's rows go to the database at its end (storage/writer.py), so
+that is nearly every refusal. A move refused after writing, or failed by a
+database error (which may have ended the transaction), cannot be undone
+alone: the whole transaction is rolled back, that move is answered with its
 refusal, and the batch's other moves run again in a new transaction. Whether
 a move wrote is counted, not guessed: SQLite's total_changes for the
-connection, plus what the caller's `changes` counts (writes it defers to the
-batch's end); a savepoint per move would add two statements to each.
+connection; a savepoint per move would add two statements to each.
 
 All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
 A batch's transaction is held inside `write_gate` (storage/database.py), the
 lock every writer of this process takes around its write transaction.
 `on_begin` runs first in every batch's transaction, `on_failure` after the
-transaction was rolled back, and `on_end` last before the commit; the store
-keeps its writer's memo with them, and writes the windows it kept and
-advances the projections' marker once per batch (storage/sql.py).
+transaction was rolled back, and `on_end` last before the commit: the store
+checks its writer's memory against the file, drops it, and writes the
+batch's rows and advances the projections' marker with them.
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ class GroupCommitter:
         on_begin: Callable[[Connection], None] = lambda _connection: None,
         on_failure: Callable[[], None] = lambda: None,
         on_end: Callable[[Connection], None] = lambda _connection: None,
-        changes: Callable[[], int] = lambda: 0,
         write_gate: threading.Lock | None = None,
     ) -> None:
         self._engine = engine
@@ -109,7 +108,6 @@ class GroupCommitter:
         self._on_begin = on_begin
         self._on_failure = on_failure
         self._on_end = on_end
-        self._deferred_changes = changes
         self._connection: Connection | None = None
         self._max_batch = max_batch
         self._max_queue = max_queue
@@ -253,13 +251,13 @@ class GroupCommitter:
         connection = self._connect()
         with connection.begin() as transaction:
             self._on_begin(connection)
-            driver = connection.connection.driver_connection
+            driver: Any = connection.connection.driver_connection
             for index, move in enumerate(batch):
-                before = self._changes(driver)
+                before = driver.total_changes
                 result, failure, from_database = self._one(connection, move)
                 # A database error may have ended the transaction itself
                 # (SQLite rolls back on some): never go on after one.
-                if failure is not None and (from_database or self._changes(driver) != before):
+                if failure is not None and (from_database or driver.total_changes != before):
                     undone = (index, failure)
                     break
                 outcomes.append((move, result, failure))
@@ -274,10 +272,6 @@ class GroupCommitter:
         self._disconnect()
         for move in batch:
             move.finish(error=error)
-
-    def _changes(self, driver: Any) -> int:
-        """Rows the batch connection's SQLite driver has changed, and changes deferred."""
-        return int(driver.total_changes) + self._deferred_changes()
 
     @staticmethod
     def _one(connection: Connection, move: _Move[Any]) -> tuple[Any, BaseException | None, bool]:

@@ -19,7 +19,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Table, bindparam
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.sql import ClauseElement, Select
@@ -122,6 +123,26 @@ class Prepared:
 
 # A statement, or how to build it for a dialect (by name) where they differ.
 StatementSource = ClauseElement | Callable[[str], ClauseElement]
+
+
+def upsert(table: Table, keys: tuple[str, ...]) -> Callable[[str], ClauseElement]:
+    """INSERT ... ON CONFLICT (keys) DO UPDATE of every other column, per dialect."""
+
+    def build(dialect_name: str) -> ClauseElement:
+        dialect_insert = sqlite.insert if dialect_name == "sqlite" else postgresql.insert
+        statement = dialect_insert(table).values(
+            {column.name: bindparam(column.name) for column in table.c}
+        )
+        return statement.on_conflict_do_update(
+            index_elements=list(keys),
+            set_={
+                column.name: statement.excluded[column.name]
+                for column in table.c
+                if column.name not in keys
+            },
+        )
+
+    return build
 
 
 class Statements:

@@ -15,6 +15,7 @@ from ledger_service.domain.chain import canonical_json
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge, LanePolicy
 from ledger_service.domain.pricing import ModelPrice, price_from_list, price_to_list
+from ledger_service.domain.window import WindowState
 
 
 def _dumps(value: Any) -> str:
@@ -66,6 +67,17 @@ def event_values(event: Event) -> dict[str, Any]:
         "grant_id": event.grant_id,
         "hash": event.hash,
         "previous_hash": event.previous_hash,
+    }
+
+
+def window_values(state: WindowState) -> dict[str, Any]:
+    return {
+        "lane": state.lane,
+        "window_us": state.window_us,
+        "as_of_us": state.as_of_us,
+        "amount_nanos": state.sums.amount_nanos,
+        "open_amount_nanos": state.sums.open_amount_nanos,
+        "open_bookings": state.sums.open_bookings,
     }
 
 

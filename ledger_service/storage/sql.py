@@ -1,10 +1,10 @@
 """The SQLAlchemy store: one implementation for SQLite and PostgreSQL.
 
 Per-lane admission is serialized by a lock on the lane's row: `SELECT ... FOR
-UPDATE` on PostgreSQL, and on SQLite the database's single write lock taken by
-BEGIN IMMEDIATE (plus a process-level lock so writers in one process queue
-instead of spinning on SQLITE_BUSY). Event seqs are handed out in commit order:
-on PostgreSQL an advisory transaction lock covers the append and the commit.
+UPDATE` on PostgreSQL. On SQLite every move goes through this process's one
+writer (storage/writer.py: admission state in memory, a group commit per
+batch), inside the database's single write lock taken by BEGIN IMMEDIATE.
+Reads, on both, are SqlTransaction's statements.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from sqlalchemy import (
     text,
     true,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.application import deadlines
 from ledger_service.application.ports import EventQuery, Range, StateTally, StoreTransaction
-from ledger_service.domain import chain
+from ledger_service.domain import chain, policies
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.events import Event, evolve
@@ -49,6 +48,7 @@ from ledger_service.storage import chaining, database, prepared, records, transl
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.horizon import CommitHorizon
 from ledger_service.storage.schema import bookings, events, lanes, window_states
+from ledger_service.storage.writer import WriterState
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -72,11 +72,9 @@ class SqlStore:
         self._sqlite = engine.dialect.name == "sqlite"
         self._max_retries = max_transaction_retries
         self._deadline_seconds = request_deadline_seconds
-        # SQLite: this process's writers queue here, not in SQLite's busy handler.
-        self._sqlite_writer = database.write_gate(engine) or threading.Lock()
         # SQLite: moves queued while a commit is on its way share the next one,
-        # and the one writer keeps what it knows between transactions.
-        self._memo = WriterMemo()
+        # and the one writer keeps what moves read in memory (storage/writer.py).
+        self._writer = WriterState()
         self._damage: StoreDamaged | None = None
         self._damage_lock = threading.Lock()
         # SQLite: why this process cannot write the database, while it cannot.
@@ -89,14 +87,14 @@ class SqlStore:
         self._committer = (
             GroupCommitter(
                 engine,
-                max_batch=group_commit_batch,
-                write_gate=self._sqlite_writer,
-                on_begin=self._memo.begin,
-                on_failure=self._memo.clear,
-                on_end=self._memo.end,
-                changes=self._memo.deferred_changes,
+                max_batch=max(1, group_commit_batch),
+                # This process's writers queue there, not in SQLite's busy handler.
+                write_gate=database.write_gate(engine),
+                on_begin=self._writer.begin,
+                on_failure=self._writer.failed,
+                on_end=self._writer.end,
             )
-            if self._sqlite and group_commit_batch > 1
+            if self._sqlite
             else None
         )
 
@@ -204,15 +202,9 @@ class SqlStore:
     def _run_once(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
         if self._committer is not None and write:
             return self._committer.submit(
-                lambda connection: work(SqlTransaction(connection, True, self._memo)), deadline
+                lambda connection: self._writer.run(connection, work, _sqlite_transaction),
+                deadline,
             )
-        if self._sqlite and write:
-            if not self._sqlite_writer.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise StoreUnavailable()
-            try:
-                return self._transact(work, write, deadline)
-            finally:
-                self._sqlite_writer.release()
         return self._transact(work, write, deadline)
 
     def _transact(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
@@ -342,101 +334,23 @@ def _overdue(of_budget: Any) -> Any:
     )
 
 
-def _window_edges(of_budget: Any, *, quiet: bool = False) -> Any:
+def _window_edges(of_budget: Any) -> Any:
     """One row: the stored sums of the bookings entering the window and of those
     leaving it, and the overdue holds inside it. Three aggregates, one statement:
-    each statement a move runs costs more in Python than in SQLite.
-
-    With `quiet` (a lane that is its own budget), three more columns say how
-    long the window will stay quiet (see _Quiet): the first booking reserved
-    after now, the oldest inside the window, the first deadline of an open
-    hold inside it. Each is one step down an index."""
+    each statement a move runs costs more in Python than in the database."""
     entering = _stored_sums(of_budget, "enter_after", "enter_until", "entering")
     leaving = _stored_sums(of_budget, "leave_after", "leave_until", "leaving")
     overdue = _overdue(of_budget)
     # Single rows each: joined on true, not left to a cartesian product.
     joined = entering.join(leaving, true()).join(overdue, true())
     columns = [*entering.c, *leaving.c, *overdue.c]
-    if quiet:
-        reserved_at = bookings.c.reserved_at_us
-        columns += [
-            select(reserved_at)
-            .where(of_budget, reserved_at > bindparam("now"))
-            .order_by(reserved_at)
-            .limit(1)
-            .scalar_subquery(),
-            select(reserved_at)
-            .where(of_budget, reserved_at > bindparam("window_start"))
-            .order_by(reserved_at)
-            .limit(1)
-            .scalar_subquery(),
-            select(bookings.c.expires_at_us)
-            .where(of_budget, _IS_OPEN, reserved_at + 0 > bindparam("window_start"))
-            .order_by(bookings.c.expires_at_us)
-            .limit(1)
-            .scalar_subquery(),
-        ]
     return select(*columns).select_from(joined)
-
-
-@dataclasses.dataclass
-class _Quiet:
-    """What the writer knows, from its last full read of a lane's window edges
-    at `read_at_us`, about when the next read could find anything: until then
-    a move's read of the edges (SqlTransaction.window_edges) is answered with
-    nothing, without a statement.
-
-    It stays true only while the writer's memo does (no other writer; dropped
-    with the lane's kept window) and while the window only moves forward: a
-    move whose clock is behind the kept window drops it. Then every booking
-    written since the read is reserved at or before the kept window's instant
-    (each move moved the window to its own now first), so nothing enters the
-    window before the first booking that already lay ahead (`future_us`);
-    nothing leaves it before the oldest booking inside it or the read itself
-    (`oldest_us`); and no hold is overdue before the first deadline of an open
-    hold (`first_deadline_us`, lowered by every hold the writer opens since).
-    Only for a lane that is its own budget: a parent's members can change."""
-
-    window_us: int
-    read_at_us: int
-    future_us: int | None
-    oldest_us: int
-    first_deadline_us: int | None
-
-    def holds(self, kept: WindowState, entering: Range, now_us: int, window_us: int) -> bool:
-        """Whether the window moving from `kept` to now_us crosses nothing."""
-        return (
-            window_us == self.window_us == kept.window_us
-            and self.read_at_us <= kept.as_of_us <= now_us
-            and entering == (kept.as_of_us, now_us)
-            and (self.future_us is None or now_us < self.future_us)
-            and now_us - window_us < self.oldest_us
-            and (self.first_deadline_us is None or now_us < self.first_deadline_us)
-        )
 
 
 # A budget of several lanes (a parent) binds its members as an expanding IN
 # and runs through SQLAlchemy; a lane's own budget (most moves) runs prepared.
 _WINDOW_EDGES = _window_edges(_OF_MEMBERS)
 _EVENT_COLUMNS = tuple(column.name for column in events.c if column.name != "seq")
-
-
-def _upsert(table: Any, keys: tuple[str, ...]) -> Callable[[str], Any]:
-    def build(dialect_name: str) -> Any:
-        dialect_insert = sqlite.insert if dialect_name == "sqlite" else postgresql.insert
-        statement = dialect_insert(table).values(
-            {column.name: bindparam(column.name) for column in table.c}
-        )
-        return statement.on_conflict_do_update(
-            index_elements=list(keys),
-            set_={
-                column.name: statement.excluded[column.name]
-                for column in table.c
-                if column.name not in keys
-            },
-        )
-
-    return build
 
 
 # The statements of every move, compiled once per dialect (storage/prepared.py).
@@ -449,7 +363,7 @@ _HOT = prepared.Statements(
         bookings.c.reservation_id == bindparam("reservation_id"),
     ),
     window_state=select(window_states).where(window_states.c.lane == bindparam("lane")),
-    window_edges=_window_edges(_OF_LANE, quiet=True),
+    window_edges=_window_edges(_OF_LANE),
     # PostgreSQL, first in every write: the maintenance lock, shared (a rebuild
     # takes it alone), and an xid before any seq (storage/horizon.py).
     maintenance=text(
@@ -459,7 +373,6 @@ _HOT = prepared.Statements(
     visible_last_seq=select(func.coalesce(func.max(events.c.seq), 0)).where(
         events.c.seq <= bindparam("horizon")
     ),
-    data_version=text("PRAGMA data_version"),
     commit=text("COMMIT"),
     insert_event=insert(events)
     .values({name: bindparam(name) for name in _EVENT_COLUMNS})
@@ -470,120 +383,25 @@ _HOT = prepared.Statements(
         events.c.kind == "corrected",
         events.c.correction_id == bindparam("correction_id"),
     ),
-    save_lane=_upsert(lanes, ("lane",)),
-    save_booking=_upsert(bookings, ("lane", "reservation_id")),
-    save_window_state=_upsert(window_states, ("lane",)),
+    save_lane=prepared.upsert(lanes, ("lane",)),
+    save_booking=prepared.upsert(bookings, ("lane", "reservation_id")),
+    save_window_state=prepared.upsert(window_states, ("lane",)),
 )
 
 
-class WriterMemo:
-    """What a writer knows of the projections it wrote: lane policies, budget
-    members, each lane's chain head and kept window, so that a move need not
-    read them again.
+@dataclasses.dataclass
+class _Known:
+    """What one transaction learnt behind its locks (which keep it true until
+    commit): lane policies, budget members, chain heads and kept windows."""
 
-    A transaction's own memo (the default) lives as long as the transaction,
-    whose locks keep it true. SQLite's group committer keeps one memo across
-    its transactions: it is this process's only writer, and at the start of
-    every batch SQLite says whether any other connection committed since
-    (PRAGMA data_version, which changes on every commit but the connection's
-    own); if one did, the memo is dropped. It is dropped too when a move or
-    a batch fails, since what it holds may then never have been committed.
-    Bounded: past MAX_ENTRIES entries in all it starts afresh.
-
-    In a batch the kept windows are written once, at its end (`end`), not by
-    every move: the memo holds them (`pending`) until then, and counts every
-    change it defers, so that the group committer knows a move that changed
-    one cannot be refused alone (storage/group_commit.py).
-    """
-
-    MAX_ENTRIES = 40_000
-
-    def __init__(self) -> None:
-        self.lanes: dict[str, LanePolicy] = {}
-        self.members: dict[str, list[str]] = {}
-        self.heads: dict[str, str] = {}
-        self.windows: dict[str, WindowState] = {}
-        # Kept windows this batch changed, to be written at its end.
-        self.pending: dict[str, WindowState] = {}
-        self.quiet: dict[str, _Quiet] = {}
-        self._deferred = 0
-        self._data_version: int | None = None
-        # The group committer's batches (begin/end): the position marker is
-        # advanced once per batch, not per append, and checked current once
-        # while the memo holds (only a write can change it, and another
-        # connection's write drops the memo).
-        self.batched = False
-        self.marker_current = False
-        self.appended = False
-
-    def begin(self, connection: Connection) -> None:
-        """At the start of a batch's transaction (SQLite)."""
-        row = _HOT("data_version", connection).one(connection, {})
-        version = int(row[0]) if row is not None else None
-        kept: tuple[dict[str, Any], ...] = (
-            self.lanes,
-            self.members,
-            self.heads,
-            self.windows,
-            self.quiet,
-        )
-        size = sum(len(entries) for entries in kept)
-        if version != self._data_version or size > self.MAX_ENTRIES:
-            self.clear()
-            self._data_version = version
-        self.batched = True
-        self.appended = False
-
-    def end(self, connection: Connection) -> None:
-        """Last in a batch's transaction, before its commit (SQLite): the
-        marker moves to the log's last event, which every append of the batch
-        that was not rolled back projected."""
-        self.write_pending(connection)
-        if self.appended:
-            chaining.advance_position_to_log_end(connection)
-
-    def write_pending(self, connection: Connection) -> None:
-        if self.pending:
-            _HOT("save_window_state", connection).run_many(
-                connection, [_window_values(state) for state in self.pending.values()]
-            )
-            self.pending.clear()
-
-    def deferred_changes(self) -> int:
-        """How many changes were deferred to a batch's end, ever."""
-        return self._deferred
-
-    def defer(self, state: WindowState) -> None:
-        self.windows[state.lane] = self.pending[state.lane] = state
-        self._deferred += 1
-
-    def drop(self, lane: str) -> None:
-        self.windows.pop(lane, None)
-        self.quiet.pop(lane, None)
-        if self.pending.pop(lane, None) is not None:
-            self._deferred += 1
-
-    def clear(self) -> None:
-        """Forgets everything, the windows waiting for the batch's end too:
-        after the transaction that held them was rolled back."""
-        self.lanes.clear()
-        self.members.clear()
-        self.heads.clear()
-        self.windows.clear()
-        self.pending.clear()
-        self.quiet.clear()
-        self.marker_current = False
+    lanes: dict[str, LanePolicy] = dataclasses.field(default_factory=dict)
+    members: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    heads: dict[str, str] = dataclasses.field(default_factory=dict)
+    windows: dict[str, WindowState] = dataclasses.field(default_factory=dict)
 
 
-def _window_values(state: WindowState) -> dict[str, Any]:
-    return {
-        "lane": state.lane,
-        "window_us": state.window_us,
-        "as_of_us": state.as_of_us,
-        "amount_nanos": state.sums.amount_nanos,
-        "open_amount_nanos": state.sums.open_amount_nanos,
-        "open_bookings": state.sums.open_bookings,
-    }
+def _sqlite_transaction(connection: Connection) -> SqlTransaction:
+    return SqlTransaction(connection, True)
 
 
 class SqlTransaction:
@@ -596,13 +414,12 @@ class SqlTransaction:
         self,
         connection: Connection,
         is_sqlite: bool,
-        memo: WriterMemo | None = None,
         *,
         horizon: CommitHorizon | None = None,
     ) -> None:
         self._raw = connection
         self._sqlite = is_sqlite
-        self._memo = memo if memo is not None else WriterMemo()
+        self._memo = _Known()
         self._horizon = horizon
         self._deferred: list[prepared.Call] = []
         self._maintained = False  # PostgreSQL: the maintenance lock is held
@@ -630,7 +447,7 @@ class SqlTransaction:
     # Lanes -----------------------------------------------------------------
 
     def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
-        # Known only once locked: in this transaction, or by SQLite's one writer.
+        # Known only once locked in this transaction.
         policy = self._memo.lanes.get(lane)
         if policy is not None:
             return policy
@@ -725,30 +542,14 @@ class SqlTransaction:
             _HOT("save_booking", self._connection).run(self._connection, values)
         else:
             self._defer("save_booking", values)
-        quiet = self._memo.quiet.get(booking.lane)
-        if quiet is not None and booking.state is BookingState.OPEN:
-            deadline = booking.expires_at_us
-            if quiet.first_deadline_us is None or deadline < quiet.first_deadline_us:
-                quiet.first_deadline_us = deadline
 
     def subtree(self, lane: str, max_depth: int) -> Sequence[Sequence[str]]:
-        children_of = _HOT("children", self._connection)
-        levels: list[list[str]] = [[lane]]
-        seen = {lane}
-        while len(levels) < max_depth:
-            children = sorted(
-                {
-                    name
-                    for parent in levels[-1]
-                    for (name,) in children_of.all(self._connection, {"parent": parent})
-                }
-                - seen
-            )
-            if not children:
-                break
-            seen.update(children)
-            levels.append(children)
-        return levels
+        children = _HOT("children", self._connection)
+
+        def children_of(parent: str) -> list[str]:
+            return [name for (name,) in children.all(self._connection, {"parent": parent})]
+
+        return policies.subtree(lane, children_of, max_depth)
 
     def _budget_lanes(self, lane: str) -> list[str]:
         # A budget's members do not change inside a move (PutLane drops its kept
@@ -781,19 +582,17 @@ class SqlTransaction:
         return state
 
     def save_window_state(self, state: WindowState) -> None:
-        if self._memo.batched:
-            self._memo.defer(state)  # written at the batch's end
-            return
         if self._sqlite:
-            _HOT("save_window_state", self._connection).run(self._connection, _window_values(state))
+            values = records.window_values(state)
+            _HOT("save_window_state", self._connection).run(self._connection, values)
         else:
-            self._defer("save_window_state", _window_values(state))
+            self._defer("save_window_state", records.window_values(state))
         self._memo.windows[state.lane] = state
 
     def drop_window_states(self, lanes: Sequence[str]) -> None:
         self._memo.members.clear()
         for lane in lanes:
-            self._memo.drop(lane)
+            self._memo.windows.pop(lane, None)
         if lanes:
             self._connection.execute(delete(window_states).where(window_states.c.lane.in_(lanes)))
 
@@ -808,24 +607,8 @@ class SqlTransaction:
             "now": now_us,
             "window_start": now_us - window_us,
         }
-        memo = self._memo
-        quiet = memo.quiet.get(lane)
-        if quiet is not None:
-            kept = memo.windows.get(lane)
-            if kept is not None and quiet.holds(kept, entering, now_us, window_us):
-                return StoredSums(), StoredSums(), Overdue()
-            del memo.quiet[lane]
         row = self._budget_row("window_edges", _WINDOW_EDGES, lane, parameters)
         values = [int(value) for value in row[0:9]]
-        if memo.batched and len(row) > 9:
-            future, oldest, deadline = row[9:12]
-            memo.quiet[lane] = _Quiet(
-                window_us,
-                now_us,
-                None if future is None else int(future),
-                now_us if oldest is None else min(int(oldest), now_us),
-                None if deadline is None else int(deadline),
-            )
         return StoredSums(*values[0:3]), StoredSums(*values[3:6]), Overdue(*values[6:9])
 
     def _budget_row(
@@ -894,15 +677,9 @@ class SqlTransaction:
         row = _HOT("insert_event", self._connection).one(self._connection, values)
         assert row is not None
         seq = int(row[0])
-        memo = self._memo
         # SQLite advances the marker (PostgreSQL read it behind the maintenance lock).
-        if self._sqlite and not memo.batched:
+        if self._sqlite:
             chaining.advance_position(self._connection, seq)
-        elif self._sqlite and not memo.marker_current:
-            # Once per batch; the batch's end advances the marker (WriterMemo.end).
-            chaining.require_current(self._connection)
-            memo.marker_current = True
-        memo.appended = True
         self._memo.heads[event.lane] = digest
         if event.policy is not None:
             # As a reader will see it: the policy through its JSON column.
@@ -962,8 +739,6 @@ class SqlTransaction:
 
     def execute_text(self, sql: str) -> None:
         """For tests of the append-only guard only."""
-        self._memo.write_pending(self._connection)
-        self._memo.clear()  # whatever it changed is not remembered
         self._connection.execute(text(sql))
 
     # The audit ---------------------------------------------------------------
