@@ -259,15 +259,13 @@ class WriterState:
         return (int(last[0]) if last else 0, tuple(marker) if marker else None)
 
     def _load(self, connection: Connection) -> None:
-        marker = _STATEMENTS("marker", connection).one(connection, {})
+        self._known = self._fingerprint(connection)
+        self.last_seq, marker = self._known
         self.current = marker is not None and marker[1] == chaining.STATE_CURRENT
-        last = _STATEMENTS("last_seq", connection).one(connection, {})
-        self.last_seq = int(last[0]) if last else 0
         for row in self._mappings(connection, "lanes"):
             self._keep_lane(records.lane_from_row(row))
         for row in self._mappings(connection, "open_bookings"):
             self._keep_open(records.booking_from_row(row))
-        self._known = self._fingerprint(connection)
         self.loaded = True
 
     @staticmethod
