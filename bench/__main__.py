@@ -3,6 +3,7 @@
     python -m bench                  # the full run (9-13 minutes here)
     python -m bench --quick          # a smoke run: tiny durations and counts
     python -m bench --skip-postgres  # without the PostgreSQL scenario
+    python -m bench --only server-model  # grpc.server against grpc.aio, run only when named
 
 Exit status 0 when every scenario ran (whether or not it met its target), 1
 when one failed, 2 on bad arguments. docs/benchmarks.md explains the figures.
@@ -33,6 +34,8 @@ FORMAT_VERSION = 1
 # The echo baseline always runs: every other figure is a ratio to it.
 # `roundtrips` (through a latency proxy) needs PostgreSQL, like `postgres`.
 OPTIONAL_SCENARIOS = ("sqlite", "postgres", "roundtrips", "history")
+# Run only when named with --only: the server model's comparison (bench/aio.py).
+NAMED_SCENARIOS = ("server-model",)
 NEEDS_POSTGRES = ("postgres", "roundtrips")
 
 
@@ -53,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     root.add_argument(
         "--only",
         action="append",
-        choices=OPTIONAL_SCENARIOS,
+        choices=OPTIONAL_SCENARIOS + NAMED_SCENARIOS,
         help="run the echo baseline and this scenario only (repeatable)",
     )
     root.add_argument(
@@ -118,6 +121,7 @@ def run_all(plan: Plan, arguments: argparse.Namespace) -> dict[str, Any]:
             "postgres": lambda: scenarios.postgres_scenario(plan, generator, workdir, postgres_url),
             "roundtrips": lambda: scenarios.roundtrips_scenario(plan, workdir, postgres_url),
             "history": lambda: scenarios.history_scenario(plan, generator, workdir),
+            "server-model": lambda: scenarios.server_model_scenario(plan, generator, workdir),
         }
         for name, run in runs.items():
             if name in wanted:

@@ -20,7 +20,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench import storeless
+import grpc
+
+from bench import aio, storeless
 from ledger_service import server
 from ledger_service.cli import configure_logging
 from ledger_service.settings import Settings
@@ -49,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="answer Reserve and Settle without the store (bench/storeless.py)",
     )
+    parser.add_argument(
+        "--aio", action="store_true", help="serve on grpc.aio instead of grpc.server (bench/aio.py)"
+    )
     arguments = parser.parse_args(argv)
     configure_logging()
     settings = settings_from(json.loads(arguments.settings))
@@ -56,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings,
         run_migrations=not arguments.no_migrate,
         prepare=storeless.storeless if arguments.storeless else None,
+        transport=aio.transport if arguments.aio else grpc.server,
     )
 
 

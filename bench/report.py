@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -242,6 +243,7 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
     rows += _history_rows(scenarios, saturated, echo_1, echo_sat, targets)
     rows += _rebuild_rows(scenarios, targets)
     rows += _memory_rows(scenarios, targets)
+    rows += _server_model_rows(scenarios, saturated)
     return rows, targets
 
 
@@ -417,6 +419,55 @@ def _storeless_rows(
             _share(_ratio(_per_second(pair), _per_second(echo_pair_sat)), "echo pair"),
         ),
     ]
+
+
+# The server model scenario's phases: (phase, label, judged by throughput).
+SERVER_MODEL_PHASES = (
+    ("echo_1", "echo, 1 client", False),
+    ("echo_pair_saturated", "echo pair, {saturated}", True),
+    ("reserve_1", "sqlite Reserve, 1 client", False),
+    ("reserve_settle_saturated", "sqlite Reserve+Settle, {saturated}", True),
+)
+
+
+def _server_model_rows(scenarios: Mapping[str, Any], saturated: str) -> list[Row]:
+    """grpc.server and grpc.aio (bench/aio.py), the median over each model's
+    rounds; grpc.aio's rows say how far from grpc.server's. Absent unless the
+    scenario ran (`--only server-model`)."""
+    rounds = scenarios.get("server-model", {}).get("rounds")
+    if not rounds:
+        return []
+    rows: list[Row] = []
+    for name, label, by_rate in SERVER_MODEL_PHASES:
+        medians: dict[str, float | None] = {}
+        for model in ("sync", "aio"):
+            figures = [found for turn in rounds if (found := phase(turn, model, name))]
+            measure = _per_second if by_rate else _p50
+            values = sorted(value for found in figures if (value := measure(found)) is not None)
+            medians[model] = statistics.median(values) if values else None
+            ratio = _ratio(medians[model], medians["sync"]) if model == "aio" else None
+            versus = "baseline" if model == "sync" else (
+                "" if ratio is None else f"{ratio:.2f}x sync " + ("rate" if by_rate else "p50")
+            )  # fmt: skip
+            cpu = [
+                usage["cpu_ms_per_call"]
+                for found in figures
+                if (usage := found.get("server_usage")) and usage.get("cpu_ms_per_call")
+            ]
+            notes = f"{len(figures)} rounds"
+            if cpu:
+                notes += f"; server {min(cpu):.2f}-{max(cpu):.2f} ms CPU a call"
+            rows.append(
+                Row(
+                    f"{'grpc.aio' if model == 'aio' else 'grpc.server'} "
+                    + label.format(saturated=saturated),
+                    per_second=medians[model] if by_rate else None,
+                    p50_ms=None if by_rate else medians[model],
+                    versus=versus,
+                    notes=notes,
+                )
+            )
+    return rows
 
 
 def _postgres_rows(

@@ -448,6 +448,72 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
     return {"server": facts, "phases": phases, "commit_floor": floor, "lone_reserve": lone}
 
 
+# grpc.server against grpc.aio (bench/aio.py), each model's servers in turn.
+SERVER_MODELS = ("sync", "aio")
+SERVER_MODEL_ROUNDS = 2
+
+
+def server_model_scenario(
+    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path
+) -> dict[str, Any]:
+    """(7) The server model: the echo and the SQLite ledger on grpc.server and on
+    grpc.aio, in SERVER_MODEL_ROUNDS alternating rounds (sync, aio, aio, sync,
+    ...) so that the machine's drift falls on both alike. One client's call and
+    the pair at 16 in flight, for each."""
+    rounds: list[dict[str, Any]] = []
+    for index in range(SERVER_MODEL_ROUNDS):
+        order = SERVER_MODELS if index % 2 == 0 else SERVER_MODELS[::-1]
+        rounds.append(
+            {
+                model: _server_model_round(plan, generator, workdir / f"{model}-{index}", model)
+                for model in order
+            }
+        )
+    return {"rounds": rounds}
+
+
+def _server_model_round(
+    plan: Plan, generator: LoadGenerator, directory: pathlib.Path, model: str
+) -> dict[str, Any]:
+    aio = model == "aio"
+    phases: dict[str, Any] = {}
+    with servers.running(
+        f"echo-{model}",
+        servers.aio_echo_argv() if aio else servers.echo_argv(),
+        directory / "echo",
+        health=False,
+        ready_timeout_seconds=plan.server_ready_timeout_seconds,
+        stop_timeout_seconds=plan.stop_timeout_seconds,
+    ) as echo:
+        targets, watch = [echo.address], (echo.pid,)
+        phases["echo_1"] = _phase(
+            generator, f"{model} echo 1", _single(plan, CallKind.ECHO, targets), watch=watch
+        )
+        phases["echo_pair_saturated"] = _phase(
+            generator,
+            f"{model} echo pair saturated",
+            _workload(plan, CallKind.ECHO_PAIR, targets),
+            watch=watch,
+        )
+    settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
+    with servers.running(
+        f"ledger-{model}",
+        servers.replica_argv(settings, aio=aio),
+        directory,
+        health=True,
+        ready_timeout_seconds=plan.server_ready_timeout_seconds,
+        stop_timeout_seconds=plan.stop_timeout_seconds,
+    ) as server:
+        one, spread = lanes_named(f"{model}-1", 1), lanes_named(f"{model}-mix", plan.spread_lanes)
+        put_lanes(server.address, [*one, *spread])
+        phases.update(
+            _move_phases(
+                plan, generator, model, [server.address], one, (), spread, watch=(server.pid,)
+            )
+        )
+    return phases
+
+
 def _watched_phases(
     plan: Plan,
     generator: LoadGenerator,

@@ -196,10 +196,19 @@ def echo_argv() -> list[str]:
     return [sys.executable, "-m", "bench.echo", "--listen", "127.0.0.1:0"]
 
 
+def aio_echo_argv() -> list[str]:
+    return [sys.executable, "-m", "bench.aio", "--listen", "127.0.0.1:0"]
+
+
 def replica_argv(
-    settings: Mapping[str, Any], *, migrate: bool = True, storeless: bool = False
+    settings: Mapping[str, Any],
+    *,
+    migrate: bool = True,
+    storeless: bool = False,
+    aio: bool = False,
 ) -> list[str]:
     argv = [sys.executable, "-m", "bench.replica"]
     argv += ["--settings", json.dumps(dict(settings), sort_keys=True, default=str)]
     argv += [] if migrate else ["--no-migrate"]
-    return [*argv, "--storeless"] if storeless else argv
+    argv += ["--storeless"] if storeless else []
+    return [*argv, "--aio"] if aio else argv

@@ -86,8 +86,12 @@ class LedgerServer:
         clock: Clock | None = None,
         run_migrations: bool = True,
         telemetry: Telemetry | None = None,
+        transport: Callable[..., grpc.Server] = grpc.server,
     ) -> None:
+        """`transport` builds the gRPC server, with grpc.server's arguments (the
+        benchmark measures grpc.aio through it: bench/aio.py)."""
         self.settings = settings
+        self._new_grpc_server = transport
         if not settings.auth_enabled and not is_loopback(settings.listen):
             raise ValueError("--insecure-no-auth is refused unless the server listens on loopback")
         self.server_credentials = server_credentials(settings)
@@ -154,7 +158,7 @@ class LedgerServer:
             RecoveryGateInterceptor(self._ready_for_moves, self.guard.required),
             self._messages,
         ]
-        server = grpc.server(
+        server = self._new_grpc_server(
             # Streams have threads of their own: they never take the unary calls'.
             futures.ThreadPoolExecutor(
                 max_workers=settings.max_workers + settings.max_watchers, thread_name_prefix="rpc"
@@ -443,10 +447,12 @@ def serve(
     *,
     run_migrations: bool = True,
     prepare: Callable[[LedgerServer], None] | None = None,
+    transport: Callable[..., grpc.Server] = grpc.server,
 ) -> int:
     """Runs until SIGTERM or SIGINT, then stops with a grace period. `prepare`
-    sees the server before it starts (the benchmark's storeless server)."""
-    server = LedgerServer(settings, run_migrations=run_migrations)
+    sees the server before it starts (the benchmark's storeless server);
+    `transport` is LedgerServer's."""
+    server = LedgerServer(settings, run_migrations=run_migrations, transport=transport)
     if prepare is not None:
         prepare(server)
     try:

@@ -44,14 +44,16 @@ def _check_phase(figures: dict[str, Any], where: str) -> None:
     assert figures["elapsed_seconds"] > 0, where
 
 
-def _run_quick(output: pathlib.Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _run_quick(
+    output: pathlib.Path, *options: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     completed = subprocess.run(
         [
             sys.executable,
             "-m",
             "bench",
             "--quick",
-            "--skip-postgres",
+            *(options or ("--skip-postgres",)),
             "--output-dir",
             str(output),
         ],
@@ -98,6 +100,7 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
         assert lone[way]["latency"]["p50_ms"] > 0, way
     assert scenarios["postgres"] == {"skipped": "--skip-postgres"}
     assert scenarios["roundtrips"] == {"skipped": "--skip-postgres"}
+    assert scenarios["server-model"] == {"skipped": "not in --only"}
 
     history = scenarios["history"]
     assert (history["small_bookings"], history["large_bookings"]) == (100, 10_000)
@@ -136,6 +139,20 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
         "sqlite Reserve in process (no server), after idle",
         "rebuild from the log (events/s)",
     }
+
+
+def test_the_server_model_runs_when_named(tmp_path: pathlib.Path) -> None:
+    completed, results = _run_quick(tmp_path, "--only", "server-model")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rounds = results["scenarios"]["server-model"]["rounds"]
+    assert len(rounds) == 2
+    for turn in rounds:
+        for model in ("sync", "aio"):
+            for name, figures in turn[model].items():
+                _check_phase(figures, f"server-model {model} {name}")
+                assert figures["errors"] == {}, f"{model} {name}: {figures['errors']}"
+    shown = {row["scenario"]: row for row in results["table"]}
+    assert shown["grpc.aio sqlite Reserve, 1 client"]["versus"].endswith("x sync p50")
 
 
 def test_documented_commands_are_real() -> None:
