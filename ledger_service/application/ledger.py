@@ -326,7 +326,7 @@ class Ledger:
             window = open_window(tx, policy, now_us, verify=self._verify_windows)
             return Balance(lane, policy.limit_nanos, policy.window_us, now_us, window.totals)
 
-        return self._store.run(work, write=False)
+        return self._store.run(work, write=False, in_turn=True)
 
     def booking(self, lane: str, reservation_id: str) -> tuple[Booking, int, int]:
         """The booking, the instant it was read at, and the lane's window."""

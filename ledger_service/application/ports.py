@@ -134,10 +134,14 @@ class StoreTransaction(Protocol):
 
 
 class Store(Protocol):
-    def run(self, work: Callable[[StoreTransaction], T], *, write: bool = True) -> T:
+    def run(
+        self, work: Callable[[StoreTransaction], T], *, write: bool = True, in_turn: bool = False
+    ) -> T:
         """Runs `work` in one transaction and commits it durably, retrying a
         bounded number of times on serialization failures; raises
-        StoreUnavailable when the database cannot answer in time."""
+        StoreUnavailable when the database cannot answer in time. A read
+        `in_turn` takes its turn among the moves and sees their kept windows
+        (on SQLite it is answered from the one writer's memory)."""
         ...
 
     def ping(self) -> None:

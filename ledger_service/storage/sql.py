@@ -106,7 +106,9 @@ class SqlStore:
         """Moves waiting for SQLite's next group commit (0 without one)."""
         return self._committer.queued() if self._committer is not None else 0
 
-    def run(self, work: Callable[[StoreTransaction], T], *, write: bool = True) -> T:
+    def run(
+        self, work: Callable[[StoreTransaction], T], *, write: bool = True, in_turn: bool = False
+    ) -> T:
         # The request deadline, or the caller's if that comes first.
         deadline = time.monotonic() + self._deadline_seconds
         call_deadline = deadlines.call_deadline()
@@ -117,7 +119,7 @@ class SqlStore:
                 raise StoreUnavailable()
             try:
                 with self._translated():
-                    return self._run_once(work, write, deadline)
+                    return self._run_once(work, write, in_turn, deadline)
             except StoreUnavailable as error:
                 if not translate.is_retryable(error) or attempt == self._max_retries:
                     raise
@@ -199,10 +201,14 @@ class SqlStore:
             log.info("the database can be written again")
         return problem
 
-    def _run_once(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
-        if self._committer is not None and write:
+    def _run_once(
+        self, work: Callable[[StoreTransaction], T], write: bool, in_turn: bool, deadline: float
+    ) -> T:
+        if self._committer is not None and (write or in_turn):
             return self._committer.submit(
-                lambda connection: self._writer.run(connection, work, _sqlite_transaction),
+                lambda connection: self._writer.run(
+                    connection, work, _sqlite_transaction, write=write
+                ),
                 deadline,
             )
         return self._transact(work, write, deadline)
@@ -569,8 +575,10 @@ class SqlTransaction:
         return bookings.c.lane == lane if len(members) == 1 else bookings.c.lane.in_(members)
 
     def window_state(self, lane: str) -> WindowState | None:
+        # Kept windows are a table on PostgreSQL only: SQLite's are the one
+        # writer's memory (storage/writer.py), which moves and balances read.
         known = self._memo.windows.get(lane)
-        if known is not None:
+        if known is not None or self._sqlite:
             return known
         if lane in self._prefetched_windows:
             state = self._prefetched_windows.pop(lane)
@@ -582,10 +590,7 @@ class SqlTransaction:
         return state
 
     def save_window_state(self, state: WindowState) -> None:
-        if self._sqlite:
-            values = records.window_values(state)
-            _HOT("save_window_state", self._connection).run(self._connection, values)
-        else:
+        if not self._sqlite:
             self._defer("save_window_state", records.window_values(state))
         self._memo.windows[state.lane] = state
 
@@ -593,7 +598,7 @@ class SqlTransaction:
         self._memo.members.clear()
         for lane in lanes:
             self._memo.windows.pop(lane, None)
-        if lanes:
+        if lanes and not self._sqlite:
             self._connection.execute(delete(window_states).where(window_states.c.lane.in_(lanes)))
 
     def window_edges(

@@ -9,6 +9,10 @@ ages out of the window next. A move reads nothing from the database but a
 booking that memory does not hold (a Reserve's new id, an old ended booking),
 by primary key.
 
+The kept windows live here only: SQLite has no windows table. A balance is
+read in turn with the moves (`Store.run(..., in_turn=True)`), from this
+memory, and a fresh writer sums its windows afresh from the bookings.
+
 A move works on its own overlay (`WriterTransaction`): what it writes is
 merged into memory only when it returns, so a move refused halfway leaves
 nothing behind. The rows of a batch's merged moves are written at the
@@ -87,12 +91,10 @@ _STATEMENTS = prepared.Statements(
     insert_event=insert(events).values({name: bindparam(name) for name in _EVENT_COLUMNS}),
     save_lane=prepared.upsert(lanes, ("lane",)),
     save_booking=prepared.upsert(bookings, ("lane", "reservation_id")),
-    save_window_state=prepared.upsert(window_states, ("lane",)),
 )
-# With an expanding IN: through SQLAlchemy, not prepared.
-_DROP_WINDOWS = delete(window_states).where(
-    window_states.c.lane.in_(bindparam("lanes", expanding=True))
-)
+# Kept windows live in memory on SQLite; rows an earlier version wrote would
+# only mislead one that reads them, so they go when memory is loaded.
+_FORGET_WINDOWS = delete(window_states)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -210,8 +212,6 @@ class WriterState:
         self.pending_events: dict[int, tuple[dict[str, Any], Event]] = {}
         self.pending_bookings: dict[tuple[str, str], Booking] = {}
         self.pending_lanes: dict[str, LanePolicy] = {}
-        self.pending_windows: dict[str, WindowState] = {}
-        self.dropped_windows: set[str] = set()
         self._known = None
 
     # Batches -------------------------------------------------------------------
@@ -242,14 +242,24 @@ class WriterState:
         self.clear()
 
     def run(
-        self, connection: Connection, work: Callable[[Any], T], sql: Callable[[Connection], Any]
+        self,
+        connection: Connection,
+        work: Callable[[Any], T],
+        sql: Callable[[Connection], Any],
+        *,
+        write: bool = True,
     ) -> T:
-        """One move of a batch: `work` on a WriterTransaction, merged if it returns."""
+        """One move of a batch: `work` on a WriterTransaction, merged if it
+        returns. A read (`write` False) sees memory as the moves before it left
+        it, and is never merged."""
         if not self.loaded:
             self._load(connection)
         move = WriterTransaction(self, connection, sql(connection))
         result = work(move)
-        self.merge(move)
+        if write:
+            self.merge(move)
+        else:
+            assert not (move.appended or move.saved_bookings or move.saved_lanes), "a read wrote"
         return result
 
     def _fingerprint(self, connection: Connection) -> tuple[Any, ...]:
@@ -266,6 +276,7 @@ class WriterState:
             self._keep_lane(records.lane_from_row(row))
         for row in self._mappings(connection, "open_bookings"):
             self._keep_open(records.booking_from_row(row))
+        connection.execute(_FORGET_WINDOWS)
         self.loaded = True
 
     @staticmethod
@@ -296,15 +307,6 @@ class WriterState:
                 connection, [records.booking_values(b) for b in self.pending_bookings.values()]
             )
             self.pending_bookings.clear()
-        # The kept windows, for readers (SqlTransaction.window_state).
-        if self.dropped_windows:
-            connection.execute(_DROP_WINDOWS, {"lanes": sorted(self.dropped_windows)})
-            self.dropped_windows.clear()
-        if self.pending_windows:
-            _STATEMENTS("save_window_state", connection).run_many(
-                connection, [records.window_values(s) for s in self.pending_windows.values()]
-            )
-            self.pending_windows.clear()
 
     # What moves read -------------------------------------------------------------
 
@@ -416,8 +418,6 @@ class WriterState:
         """Takes in what a move that returned wrote."""
         for lane in move.dropped_windows:
             self.queues.pop(lane, None)
-            self.pending_windows.pop(lane, None)
-            self.dropped_windows.add(lane)
         for policy in move.saved_lanes.values():
             self._keep_lane(policy)
             self.pending_lanes[policy.lane] = policy
@@ -429,7 +429,6 @@ class WriterState:
             queue = self.queues.get(state.lane)
             if queue is not None:
                 queue.keep(state)
-            self.pending_windows[state.lane] = state
         for key, booking in move.saved_bookings.items():
             self._merge_booking(key, booking, move.saved_windows)
             self.pending_bookings[key] = booking
