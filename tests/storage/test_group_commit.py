@@ -1,9 +1,9 @@
-"""SQLite's group commit and the memo its one writer keeps between transactions.
+"""SQLite's group commit and the memory its one writer keeps between transactions.
 
 The committer: concurrent moves share transactions, one move's refusal rolls
 back only that move (its batch's others run again when it had written), a
 lone refused move leaves nothing behind, a move whose caller gave up before
-it was taken is never written. The memo: whatever
+it was taken is never written. The memory (storage/writer.py): whatever
 another connection commits (another process on the same file, a recovery)
 is seen by the next move, never a remembered policy, chain head or window.
 """
@@ -207,7 +207,7 @@ def test_a_closed_committer_refuses_moves(engine: sa.Engine) -> None:
         committer.submit(_note("x"), _soon())  # type: ignore[arg-type]
 
 
-# The writer's memo ---------------------------------------------------------------
+# The writer's memory -------------------------------------------------------------
 
 
 def _ledger(url: str, clock: ManualClock) -> tuple[Ledger, SqlStore]:
@@ -256,8 +256,8 @@ def test_a_second_writer_on_the_same_file_is_seen_by_the_next_move(tmp_path: Pat
 def test_a_rebuild_claimed_by_another_connection_refuses_the_next_move(
     tmp_path: Path,
 ) -> None:
-    """The writer checks the projections' marker once while its memo holds.
-    A rebuild's claim, by another connection, drops the memo: the next move
+    """The writer checks the projections' marker once while its memory holds.
+    A rebuild's claim, by another connection, drops the memory: the next move
     is refused with RecoveryRequired, not booked and not UNAVAILABLE."""
     clock = ManualClock(START_US)
     ledger, store = _ledger(f"sqlite:///{tmp_path}/claimed.db", clock)
@@ -383,7 +383,7 @@ def test_a_move_refused_after_appending_leaves_no_chain_head_for_the_next(
 
 
 def test_a_batch_advances_the_marker_to_its_last_kept_event(tmp_path: Path) -> None:
-    """The marker moves once per batch (WriterMemo.end), to the log's last
+    """The marker moves once per batch (WriterState.end), to the log's last
     event: past a kept append, never to the seq of one rolled back after it."""
     clock = ManualClock(START_US)
     ledger, store = _ledger(f"sqlite:///{tmp_path}/marker.db", clock)
