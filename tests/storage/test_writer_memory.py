@@ -241,6 +241,31 @@ def test_a_warm_move_reads_only_a_booking_memory_does_not_hold(tmp_path: Path) -
         store.close()
 
 
+def test_a_balance_is_answered_from_the_writers_memory(tmp_path: Path) -> None:
+    """SQLite keeps no windows table: a balance takes its turn among the moves
+    and reads neither the lane nor its bookings from the database."""
+    clock = ManualClock(START_US)
+    ledger, store = _open(f"sqlite:///{tmp_path}/balance.db", clock, verify=False)
+    statements: list[str] = []
+
+    @sa.event.listens_for(store.engine, "connect")
+    def trace(driver: sqlite3.Connection, _record: object) -> None:
+        driver.set_trace_callback(statements.append)
+
+    store.engine.dispose()  # every next connection is traced
+    try:
+        ledger.put_lane(OTHER)
+        reserved = ledger.reserve(moves.ReserveCommand(OTHER.lane, "held", "m", 4_000, 10))
+        clock.advance_us(1)
+        statements.clear()
+        balance = ledger.balance(OTHER.lane)
+        reads = [sql for sql in statements if sql.lstrip().upper().startswith("SELECT")]
+        assert reads == [], reads
+        assert balance.totals == reserved.balance.totals
+    finally:
+        store.close()
+
+
 def test_a_settled_booking_ages_out_of_memory_at_its_settled_amount(tmp_path: Path) -> None:
     clock = ManualClock(START_US)
     ledger, store = _open(f"sqlite:///{tmp_path}/aged.db", clock)
