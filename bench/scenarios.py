@@ -276,14 +276,7 @@ def _server_facts(server: servers.ServerProcess) -> dict[str, Any]:
 
 def echo_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path) -> dict[str, Any]:
     """(1) The baseline: one call and two back-to-back calls, at 1 and near saturation."""
-    with servers.running(
-        "echo",
-        servers.echo_argv(),
-        workdir / "echo",
-        health=False,
-        ready_timeout_seconds=plan.server_ready_timeout_seconds,
-        stop_timeout_seconds=plan.stop_timeout_seconds,
-    ) as server:
+    with _echo(plan, "echo", servers.echo_argv(), workdir / "echo") as server:
         targets, watch = [server.address], (server.pid,)
         phases = {
             "single_1": _phase(
@@ -316,6 +309,21 @@ def _replica_settings(database_url: str, data_dir: pathlib.Path, **extra: Any) -
 
 
 @contextlib.contextmanager
+def _echo(
+    plan: Plan, name: str, argv: list[str], workdir: pathlib.Path
+) -> Iterator[servers.ServerProcess]:
+    with servers.running(
+        name,
+        argv,
+        workdir,
+        health=False,
+        ready_timeout_seconds=plan.server_ready_timeout_seconds,
+        stop_timeout_seconds=plan.stop_timeout_seconds,
+    ) as server:
+        yield server
+
+
+@contextlib.contextmanager
 def _replica(
     plan: Plan,
     name: str,
@@ -324,11 +332,12 @@ def _replica(
     *,
     migrate: bool = True,
     storeless: bool = False,
+    aio: bool = False,
     ready_timeout_seconds: float | None = None,
 ) -> Iterator[servers.ServerProcess]:
     with servers.running(
         name,
-        servers.replica_argv(settings, migrate=migrate, storeless=storeless),
+        servers.replica_argv(settings, migrate=migrate, storeless=storeless, aio=aio),
         workdir,
         health=True,
         ready_timeout_seconds=ready_timeout_seconds or plan.server_ready_timeout_seconds,
@@ -477,14 +486,8 @@ def _server_model_round(
 ) -> dict[str, Any]:
     aio = model == "aio"
     phases: dict[str, Any] = {}
-    with servers.running(
-        f"echo-{model}",
-        servers.aio_echo_argv() if aio else servers.echo_argv(),
-        directory / "echo",
-        health=False,
-        ready_timeout_seconds=plan.server_ready_timeout_seconds,
-        stop_timeout_seconds=plan.stop_timeout_seconds,
-    ) as echo:
+    argv = servers.aio_echo_argv() if aio else servers.echo_argv()
+    with _echo(plan, f"echo-{model}", argv, directory / "echo") as echo:
         targets, watch = [echo.address], (echo.pid,)
         phases["echo_1"] = _phase(
             generator, f"{model} echo 1", _single(plan, CallKind.ECHO, targets), watch=watch
@@ -496,14 +499,7 @@ def _server_model_round(
             watch=watch,
         )
     settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
-    with servers.running(
-        f"ledger-{model}",
-        servers.replica_argv(settings, aio=aio),
-        directory,
-        health=True,
-        ready_timeout_seconds=plan.server_ready_timeout_seconds,
-        stop_timeout_seconds=plan.stop_timeout_seconds,
-    ) as server:
+    with _replica(plan, f"ledger-{model}", directory, settings, aio=aio) as server:
         one, spread = lanes_named(f"{model}-1", 1), lanes_named(f"{model}-mix", plan.spread_lanes)
         put_lanes(server.address, [*one, *spread])
         phases.update(

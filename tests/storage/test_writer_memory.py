@@ -211,19 +211,25 @@ def _sums(amount: int) -> Any:
     return StoredSums(amount, amount, 1)
 
 
-def test_a_warm_move_reads_only_a_booking_memory_does_not_hold(tmp_path: Path) -> None:
-    """After the first move, a Reserve of a new id reads one booking by primary
-    key (memory cannot know an id never seen) and a Settle reads nothing."""
-    clock = ManualClock(START_US)
-    # Without the pair assertion's full sums, which are reads of their own.
-    ledger, store = _open(f"sqlite:///{tmp_path}/reads.db", clock, verify=False)
+def _traced(store: SqlStore) -> list[str]:
+    """Every statement the store's connections run from now on, as SQLite traces them."""
     statements: list[str] = []
 
     @sa.event.listens_for(store.engine, "connect")
     def trace(driver: sqlite3.Connection, _record: object) -> None:
         driver.set_trace_callback(statements.append)
 
-    store.engine.dispose()  # the writer's next connection is traced
+    store.engine.dispose()  # every next connection is traced
+    return statements
+
+
+def test_a_warm_move_reads_only_a_booking_memory_does_not_hold(tmp_path: Path) -> None:
+    """After the first move, a Reserve of a new id reads one booking by primary
+    key (memory cannot know an id never seen) and a Settle reads nothing."""
+    clock = ManualClock(START_US)
+    # Without the pair assertion's full sums, which are reads of their own.
+    ledger, store = _open(f"sqlite:///{tmp_path}/reads.db", clock, verify=False)
+    statements = _traced(store)
     try:
         ledger.put_lane(OTHER)
         ledger.reserve(moves.ReserveCommand(OTHER.lane, "warm", "m", 4_000, 10))
@@ -246,13 +252,7 @@ def test_a_balance_is_answered_from_the_writers_memory(tmp_path: Path) -> None:
     and reads neither the lane nor its bookings from the database."""
     clock = ManualClock(START_US)
     ledger, store = _open(f"sqlite:///{tmp_path}/balance.db", clock, verify=False)
-    statements: list[str] = []
-
-    @sa.event.listens_for(store.engine, "connect")
-    def trace(driver: sqlite3.Connection, _record: object) -> None:
-        driver.set_trace_callback(statements.append)
-
-    store.engine.dispose()  # every next connection is traced
+    statements = _traced(store)
     try:
         ledger.put_lane(OTHER)
         reserved = ledger.reserve(moves.ReserveCommand(OTHER.lane, "held", "m", 4_000, 10))
