@@ -214,6 +214,9 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
             "options": f"{given_options} -c statement_timeout={timeout}"
             f" -c lock_timeout={timeout} -c idle_in_transaction_session_timeout={timeout * 4}",
             "application_name": "ledger",
+            # Off: psycopg's own prepared statements make its ROLLBACK send
+            # DEALLOCATE ALL, which would drop those of storage/libpq.py.
+            "prepare_threshold": None,
             # A database that vanishes without closing the connection (a network
             # partition, a crashed host) is noticed within the timeout, not after
             # TCP's retransmission timeout of many minutes: statement_timeout

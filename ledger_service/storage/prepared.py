@@ -19,12 +19,14 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam
+from sqlalchemy import Boolean, Connection, LargeBinary, Table, bindparam
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.sql import ClauseElement, Select
 from sqlalchemy.sql.compiler import SQLCompiler
+
+from ledger_service.storage import libpq
 
 
 class Prepared:
@@ -45,6 +47,16 @@ class Prepared:
         self.names: tuple[str, ...] | None = (
             tuple(statement.selected_columns.keys()) if isinstance(statement, Select) else None
         )
+        # PostgreSQL runs it straight on libpq (storage/libpq.py).
+        self._libpq = (
+            libpq.Statement(self.sql, _uncast_types(compiled))
+            if dialect.name == "postgresql"
+            else None
+        )
+
+    def libpq(self) -> libpq.Statement:
+        assert self._libpq is not None, "a PostgreSQL statement"
+        return self._libpq
 
     def _parameters(self, values: Mapping[str, Any]) -> Any:
         if self._fixed:
@@ -58,6 +70,8 @@ class Prepared:
 
     def cursor(self, connection: Connection, values: Mapping[str, Any]) -> Any:
         """Runs the statement in the connection's transaction; returns the cursor."""
+        if self._libpq is not None:
+            return pipelined(connection, [(self, values)])[0]
         cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
             cursor.execute(self.sql, self._parameters(values))
@@ -121,6 +135,18 @@ class Prepared:
         return rows
 
 
+def _uncast_types(compiled: SQLCompiler) -> dict[str, int]:
+    """The parameters SQLAlchemy leaves without a cast on psycopg, which
+    psycopg types from the Python value: their type OIDs for libpq."""
+    found = {}
+    for name, bind in compiled.binds.items():
+        if isinstance(bind.type, LargeBinary):
+            found[name] = libpq.BYTEA
+        elif isinstance(bind.type, Boolean):
+            found[name] = libpq.BOOLEAN
+    return found
+
+
 # A statement, or how to build it for a dialect (by name) where they differ.
 StatementSource = ClauseElement | Callable[[str], ClauseElement]
 
@@ -176,9 +202,16 @@ def pipelined(connection: Connection, calls: Sequence[Call]) -> list[Any]:
     PostgreSQL) and returns their cursors, results read. The server runs each
     statement after the one before it has finished, so a statement after a
     lock sees what was committed before the lock was granted."""
-    driver = connection.connection.driver_connection
+    pooled = connection.connection
+    driver = pooled.driver_connection
     first = calls[0][0]
     try:
+        if first._libpq is not None:
+            return libpq.pipeline(
+                driver,
+                pooled.info,
+                [(statement.libpq(), statement._parameters(values)) for statement, values in calls],
+            )
         with driver.pipeline():  # type: ignore[union-attr]
             cursors = [_sent(driver, statement, values) for statement, values in calls]
         # Leaving the pipeline synced it once and read every result.

@@ -411,8 +411,8 @@ def _sqlite_transaction(connection: Connection) -> SqlTransaction:
 
 
 class SqlTransaction:
-    """One transaction's statements. On PostgreSQL a move is five round trips:
-    BEGIN; the locks with what the move reads of its lane (lock_lane); the
+    """One transaction's statements. On PostgreSQL a move is four round trips:
+    BEGIN with the locks and what the move reads of its lane (lock_lane); the
     window's edges; the event's INSERT; the booking and window writes with the
     COMMIT (deferred, and sent before any later statement)."""
 
