@@ -4,9 +4,11 @@ a change of policy is an event too."""
 
 from __future__ import annotations
 
+import base64
 import queue
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -198,3 +200,59 @@ def test_the_trace_id_of_the_request_is_stored_on_its_events(harness: Any) -> No
     for untraced in (by_id[("untraced", "reserved")], by_id[("badly-traced", "reserved")]):
         assert untraced != TRACE_ID
         assert untraced == "" or re.fullmatch(r"[0-9a-f]{32}", untraced)
+
+
+@pytest.mark.parametrize(
+    "position", ["9223372036854775808", "99999999999999999999999", "\u0663", "-5"]
+)
+def test_a_page_token_that_is_no_seq_is_invalid_argument(harness: Any, position: str) -> None:
+    token = base64.urlsafe_b64encode(position.encode()).decode()
+    failure = harness.fails(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: harness.ledger.ListEvents(pb.ListEventsRequest(page_token=token)),
+    )
+    assert failure.field == "page_token"
+
+
+SMALL_MESSAGE_BYTES = 64 * 1024
+
+
+def test_pages_end_early_to_fit_the_message_limit(
+    start_ledger_server: Callable[..., Any], harness_for: Callable[[Any], Any]
+) -> None:
+    """Events and lanes large but accepted: a full page would pass the server's
+    send limit, so each page stops short of it and the next one goes on."""
+    harness = harness_for(start_ledger_server(max_message_bytes=SMALL_MESSAGE_BYTES))
+    models = {f"model-{number:03d}-" + "m" * 150: (1_000, 2_000) for number in range(40)}
+    lanes = [f"wide-{number}" for number in range(12)]
+    for lane in lanes:
+        harness.make_lane(lane, prices=models)
+    harness.make_lane()
+    for number in range(60):
+        harness.reserve(f"r{number}")
+        harness.refund(f"r{number}", 403, reason="r" * 1000)
+
+    sizes: list[int] = []
+    seqs: list[int] = []
+    token = ""
+    for _ in range(100):
+        request = pb.ListEventsRequest(page_size=1000, page_token=token)
+        page = harness.ledger.ListEvents(request)
+        sizes.append(page.ByteSize())
+        seqs.extend(event.seq for event in page.events)
+        token = page.next_page_token
+        if not token:
+            break
+    assert len(sizes) > 2 and max(sizes) <= SMALL_MESSAGE_BYTES
+    assert seqs == list(range(1, len(lanes) + 1 + 120 + 1))
+
+    names: list[str] = []
+    token = ""
+    for _ in range(100):
+        listed = harness.admin.ListLanes(pb.ListLanesRequest(page_size=1000, page_token=token))
+        assert listed.ByteSize() <= SMALL_MESSAGE_BYTES
+        names.extend(lane.lane for lane in listed.lanes)
+        token = listed.next_page_token
+        if not token:
+            break
+    assert names == sorted([*lanes, "recall"])

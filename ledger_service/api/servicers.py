@@ -7,10 +7,12 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import grpc
 from google.protobuf import duration_pb2, empty_pb2, timestamp_pb2
+from google.protobuf.message import Message
 from opentelemetry import trace
 
 from ledger_service.api import auth, convert, tracing
@@ -27,6 +29,7 @@ from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.settings import Settings
 
 MAX_PAGE_TOKEN_LENGTH = 64
+T = TypeVar("T", bound=Message)
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +48,23 @@ def _page_size(value: int, settings: Settings) -> int:
     if value < 0:
         raise InvalidArgument("page_size", "must not be negative")
     return min(value or settings.default_page_size, settings.max_page_size)
+
+
+# A page's room for its items: the message limit less room for the rest of it.
+_PAGE_HEADROOM_BYTES = 4096
+_MAX_SEQ = 2**63 - 1
+
+
+def _fitting(items: Sequence[T], message_bytes: int) -> Sequence[T]:
+    """The longest prefix of `items` (protobuf messages) that fits in one answer
+    of `message_bytes`: a page ends early rather than exceed the send limit.
+    At least one item, which the request limit keeps below it."""
+    room = message_bytes - _PAGE_HEADROOM_BYTES
+    for index, item in enumerate(items):
+        room -= item.ByteSize() + 6  # the field's tag and length
+        if room < 0:
+            return items[: max(index, 1)]
+    return items
 
 
 def _encode_token(position: str) -> str:
@@ -127,15 +147,16 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         after_seq = request.after_seq
         if request.page_token:
             position = _decode_token(request.page_token)
-            if not position.isdigit():
+            if not (position.isascii() and position.isdigit() and int(position) <= _MAX_SEQ):
                 raise InvalidArgument("page_token", "is not a token this server gave")
             after_seq = int(position)
         size = _page_size(request.page_size, self._settings)
         # One more than the page, to know whether another page follows.
         events = self._ledger.list_events(convert.event_query(request, size + 1, after_seq))
-        page = events[:size]
-        response = pb.ListEventsResponse(events=[convert.event(event) for event in page])
-        if len(events) > size:
+        converted = [convert.event(event) for event in events[:size]]
+        page = _fitting(converted, self._settings.max_message_bytes)
+        response = pb.ListEventsResponse(events=page)
+        if len(events) > len(page):
             response.next_page_token = _encode_token(str(page[-1].seq))
         return response
 
@@ -218,9 +239,10 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
             except InvalidArgument as error:
                 raise InvalidArgument("page_token", "is not a token this server gave") from error
         lanes = self._ledger.list_lanes(after_lane, size + 1)
-        page = lanes[:size]
-        response = pb.ListLanesResponse(lanes=[convert.lane(policy) for policy in page])
-        if len(lanes) > size:
+        converted = [convert.lane(policy) for policy in lanes[:size]]
+        page = _fitting(converted, self._settings.max_message_bytes)
+        response = pb.ListLanesResponse(lanes=page)
+        if len(lanes) > len(page):
             response.next_page_token = _encode_token(page[-1].lane)
         return response
 

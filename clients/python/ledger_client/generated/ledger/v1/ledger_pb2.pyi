@@ -845,9 +845,13 @@ class ListEventsRequest(_message.Message):
     reservation_id: _builtins.str
     """Only this booking's events."""
     page_size: _builtins.int
-    """At most this many (default 100, at most 1000)."""
+    """At most this many (default 100, at most 1000). A page also ends early
+    to fit the server's message limit (1 MiB), with a next_page_token.
+    """
     page_token: _builtins.str
-    """From a previous next_page_token."""
+    """From a previous next_page_token. It holds a position only: given, it
+    takes the place of after_seq; the filters are this request's.
+    """
     after_seq: _builtins.int
     """Only events with seq greater than this."""
     @_builtins.property
@@ -970,6 +974,7 @@ class ListLanesRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
+    """As ListEventsRequest.page_size: at most 1000, and within the message limit."""
     page_token: _builtins.str
     def __init__(
         self,
