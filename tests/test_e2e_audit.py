@@ -256,3 +256,19 @@ def test_pages_end_early_to_fit_the_message_limit(
         if not token:
             break
     assert names == sorted([*lanes, "recall"])
+
+
+def test_a_reconcile_report_leaves_out_the_rows_past_the_message_limit(
+    start_ledger_server: Callable[..., Any], harness_for: Callable[[Any], Any]
+) -> None:
+    harness = harness_for(start_ledger_server(max_message_bytes=SMALL_MESSAGE_BYTES))
+    lane = "l" * 150
+    harness.make_lane(lane)
+    export = b"reservation_id,billed_nanos\n" + b"".join(b"r%d,7\n" % n for n in range(800))
+    response = harness.ledger.Reconcile(
+        pb.ReconcileRequest(format=pb.ReconcileRequest.CSV, content=export, default_lane=lane)
+    )
+    assert response.unmatched_count == 800
+    assert response.ByteSize() <= SMALL_MESSAGE_BYTES
+    assert 0 < len(response.rows) < 800
+    assert len(response.rows) + response.rows_omitted == 800

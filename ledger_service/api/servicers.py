@@ -183,7 +183,11 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             bill_wins=request.bill_wins,
             grant_id=auth.current_grant_id(),
         )
-        return convert.reconcile_response(report)
+        response = convert.reconcile_response(report)
+        shown = len(_fitting(response.rows, self._settings.max_message_bytes))
+        response.rows_omitted += len(response.rows) - shown
+        del response.rows[shown:]
+        return response
 
     def GetAudit(self, request: pb.GetAuditRequest, context: grpc.ServicerContext) -> pb.Audit:
         validate_name("lane", request.lane)

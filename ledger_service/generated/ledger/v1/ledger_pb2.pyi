@@ -1287,8 +1287,8 @@ class ReconcileResponse(_message.Message):
     def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReconcileRow]:
         """The rows in file order: those that need a look (bad, unmatched,
         disagrees, refunded, open) first of all, and the routine ones (corrected,
-        matched, not_applied) up to 1,000; at most 4,000 rows in all, so the
-        answer stays well inside the message limit. The counts above cover all.
+        matched, not_applied) up to 1,000; at most 4,000 rows in all, and fewer
+        where they would pass the message limit (1 MiB). The counts above cover all.
         """
 
     def __init__(
