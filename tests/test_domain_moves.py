@@ -12,6 +12,7 @@ from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import (
     BookingAlreadyEnded,
     BookingWasDenied,
+    InvalidArgument,
     ReservationConflict,
     TtlExceedsLaneHoldTtl,
     UnknownModel,
@@ -127,6 +128,20 @@ def test_reserve_of_an_unpriced_model_names_the_model_field() -> None:
     with pytest.raises(UnknownModel) as caught:
         decide(reserve_command(model="gpt-unpriced"))
     assert caught.value.field == "model"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "max_output_tokens", "field"),
+    [(0, 10**12, "max_output_tokens"), (10**12, 0, "request_bytes")],
+)
+def test_a_cap_past_the_largest_amount_names_the_part_that_made_it(
+    request_bytes: int, max_output_tokens: int, field: str
+) -> None:
+    dear = policy(prices={"jev": ModelPrice(10**15, 10**15)})
+    command = reserve_command(request_bytes=request_bytes, max_output_tokens=max_output_tokens)
+    with pytest.raises(InvalidArgument) as caught:
+        decide(command, lane=dear)
+    assert caught.value.field == field
 
 
 def test_a_hold_equal_to_available_is_admitted() -> None:

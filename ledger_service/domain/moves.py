@@ -201,7 +201,10 @@ def decide_reserve(budgets: Sequence[Budget], command: ReserveCommand, now_us: i
         policy.overhead_tokens,
     )
     if cap > MAX_AMOUNT_NANOS:
-        raise InvalidArgument("request_bytes", "prices this request above the largest amount")
+        # Named by the larger of the cap's two parts: the request's or the output's.
+        output_part = price.price_output(command.max_output_tokens)
+        field = "max_output_tokens" if 2 * output_part > cap else "request_bytes"
+        raise InvalidArgument(field, "prices this request above the largest amount")
     hold = cap if command.estimate_nanos is None else min(command.estimate_nanos, cap)
     base = Event(
         kind=EventKind.RESERVED,
