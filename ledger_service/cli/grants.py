@@ -198,7 +198,10 @@ def _rotate(arguments: argparse.Namespace) -> int:
         rotated = keyring.rotate(_data_dir(arguments))
     except keyring.KeyringError as error:
         return _bad_value(str(error))
-    print(f"key {rotated.signing_key_id} now signs new grants; restart the server to use it")
+    print(
+        f"key {rotated.signing_key_id} now signs new grants; running servers"
+        " take the changed keyring within a health check (1 s by default)"
+    )
     return 0
 
 
@@ -207,7 +210,10 @@ def _retire(arguments: argparse.Namespace) -> int:
         keyring.retire(_data_dir(arguments), arguments.key_id)
     except keyring.KeyringError as error:
         return _bad_value(str(error))
-    print(f"key {arguments.key_id} retired; restart the server to stop accepting its grants")
+    print(
+        f"key {arguments.key_id} retired; running servers refuse its grants"
+        " within a health check (1 s by default)"
+    )
     return 0
 
 
