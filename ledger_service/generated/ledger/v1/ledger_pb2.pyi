@@ -328,7 +328,9 @@ class Balance(_message.Message):
     available_nanos: _builtins.int
     """limit - spent; negative when real charges overran the limit."""
     overrun_nanos: _builtins.int
-    """max(0, spent - limit): only SUCCEEDED charges above their holds cause it."""
+    """max(0, spent - limit): SUCCEEDED charges above their holds, corrections
+    and policy changes (a lower limit, a longer window) cause it.
+    """
     open_bookings: _builtins.int
     """Bookings inside the window that are still open."""
     @_builtins.property
@@ -659,7 +661,7 @@ class Booking(_message.Message):
     def expires_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def ages_out_at(self) -> _timestamp_pb2.Timestamp:
-        """When it leaves the rolling window: reserved_at + window at reservation time."""
+        """When it leaves the rolling window: reserved_at + the lane's current window."""
 
     def __init__(
         self,
