@@ -4,6 +4,9 @@ own kind; the auth refusals are rows there too."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import grpc
 
 from ledger_service.api import errors as api_errors
@@ -37,3 +40,12 @@ def test_a_damaged_store_is_its_own_reason() -> None:
 def test_the_auth_refusals_are_in_the_table() -> None:
     assert api_errors.UNAUTHENTICATED_REASON == "UNAUTHENTICATED"
     assert api_errors.PERMISSION_DENIED_REASON == "PERMISSION_DENIED"
+
+
+def test_the_readme_lists_every_reason_the_clients_know() -> None:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cases = json.loads((root / "clients" / "cases" / "errors.json").read_text())
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("| status | `ledger-reason` | when |") :].split("\n\n")[0]
+    missing = [case["reason"] for case in cases["reasons"] if f"`{case['reason']}`" not in table]
+    assert not missing, f"README's error table lacks {missing}"
