@@ -12,12 +12,17 @@ import enum
 import re
 import uuid
 
+import grpc
+
+from ledger_client.errors import TtlExceedsHoldTtl, invalid_argument
+
 MAX_REQUEST_BYTES = 2**40
 MAX_TOKENS = 10**12
 MAX_AMOUNT_NANOS = 2**62
 MAX_RESERVATION_ID_LENGTH = 200
+MAX_MODEL_LENGTH = 200
 MAX_TTL_US = 7 * 86_400 * 1_000_000
-_RESERVATION_ID = re.compile(r"^[\x21-\x7e]+$")
+_RESERVATION_ID = re.compile(r"[\x21-\x7e]+")
 
 
 class DenialReason(enum.Enum):
@@ -47,14 +52,19 @@ def new_reservation_id() -> str:
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer between {low} and {high}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_argument(name, f"must be an integer between {low} and {high}")
+    if not low <= value <= high:
+        raise invalid_argument(name, f"must be between {low} and {high}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ReserveArguments:
     """Everything a Reserve sends besides the lane. A replay sends exactly these
-    again under the same reservation_id, which the ledger answers idempotently."""
+    again under the same reservation_id, which the ledger answers idempotently.
+
+    An argument the ledger would refuse raises InvalidArgument here, before any
+    call, with the field and reason the ledger would name (see errors.py)."""
 
     reservation_id: str
     model: str
@@ -64,19 +74,37 @@ class ReserveArguments:
     ttl_us: int | None = None
 
     def __post_init__(self) -> None:
-        if not (
-            0 < len(self.reservation_id) <= MAX_RESERVATION_ID_LENGTH
-            and _RESERVATION_ID.match(self.reservation_id)
-        ):
-            raise ValueError("reservation_id must be 1 to 200 printable ASCII characters")
-        if not 0 < len(self.model) <= 200:
-            raise ValueError("model must be 1 to 200 characters")
+        # The server's rules and words (ledger_service/domain/moves.py, ReserveCommand).
+        if not self.reservation_id:
+            raise invalid_argument("reservation_id", "is required")
+        if len(self.reservation_id) > MAX_RESERVATION_ID_LENGTH:
+            raise invalid_argument(
+                "reservation_id", f"must be at most {MAX_RESERVATION_ID_LENGTH} characters"
+            )
+        if not _RESERVATION_ID.fullmatch(self.reservation_id):
+            raise invalid_argument("reservation_id", "must be printable ASCII without spaces")
+        if not self.model:
+            raise invalid_argument("model", "is required")
+        if len(self.model) > MAX_MODEL_LENGTH:
+            raise invalid_argument("model", f"must be at most {MAX_MODEL_LENGTH} characters")
         _check_range("request_bytes", self.request_bytes, 0, MAX_REQUEST_BYTES)
         _check_range("max_output_tokens", self.max_output_tokens, 0, MAX_TOKENS)
         if self.estimate_nanos is not None:
             _check_range("estimate_nanos", self.estimate_nanos, 0, MAX_AMOUNT_NANOS)
         if self.ttl_us is not None:
-            _check_range("ttl_us", self.ttl_us, 1, MAX_TTL_US)
+            # The wire field is `ttl` (a Duration).
+            if isinstance(self.ttl_us, bool) or not isinstance(self.ttl_us, int):
+                raise invalid_argument("ttl", "must be a whole number of microseconds")
+            if self.ttl_us <= 0:
+                raise invalid_argument("ttl", "must be positive")
+            if self.ttl_us > MAX_TTL_US:
+                # No lane's hold_ttl is longer: the ledger refuses it as too long for the lane.
+                raise TtlExceedsHoldTtl(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "TTL_EXCEEDS_HOLD_TTL",
+                    "ttl: must not exceed the lane's hold_ttl, which is at most 7 days",
+                    "ttl",
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +135,9 @@ class Reservation:
     denial_reason: DenialReason | None
     reason: str
     balance: Balance
+    # When denied: the budget that said no, this lane or one of its parents
+    # (the lane's name); "" when admitted.
+    denied_by: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

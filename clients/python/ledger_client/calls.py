@@ -8,9 +8,15 @@ Entering reserves with a fresh reservation_id, or raises `Denied` (fall back:
 it carries the reason and, for a budget denial, `retry_after`). Leaving ends
 the booking by the table in outcomes.py: what the caller reported, else what
 the escaping exception says (UNKNOWN, because the call may have been sent,
-unless it is CallNotSent), else UNKNOWN. Ledger trouble while ending never
-raises out of the block: the ending goes to the journal for replay, or is
-logged and kept on the handle.
+unless it is CallNotSent), else UNKNOWN. An ending the ledger did not confirm
+is sent again (`ClientSettings.end_attempts`, 3 by default). Ledger trouble
+while ending never raises out of the block: the ending goes to the journal for
+replay, or is logged and kept on the handle.
+
+A Reserve that got no answer (the ledger may have booked it) for a call that
+will not be made is refunded: journaled in doubt and replayed when there is a
+journal, else sent once in the background (BackgroundRefunds), as the Node
+client does.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import dataclasses
 import datetime
 import enum
 import logging
+import threading
+import time
 from types import TracebackType
 from typing import Protocol
 
@@ -29,7 +37,7 @@ from ledger_client.bookings import (
     ReserveArguments,
     Settled,
 )
-from ledger_client.errors import LedgerError, LedgerUnavailable
+from ledger_client.errors import LedgerError, LedgerUnavailable, is_retryable, may_have_applied
 from ledger_client.journal import Journal, JournalEntry, JournalError, Source, now_text
 from ledger_client.outage import Allowance
 from ledger_client.outcomes import (
@@ -42,11 +50,18 @@ from ledger_client.outcomes import (
     failure_of_exception,
 )
 from ledger_client.replay import IN_DOUBT_REASON, Replayer
+from ledger_client.settings import DEFAULT_END_ATTEMPTS, END_RETRY_PAUSE_SECONDS
 
 log = logging.getLogger("ledger_client.calls")
 
-# In-doubt Reserves kept for a later refund, at most (beyond: only logged).
+# In-doubt Reserves journaled for a later refund, at most (beyond: refunded
+# once in the background, as without a journal).
 MAX_IN_DOUBT_ENTRIES = 1000
+# Refunds of unanswered Reserves sent in the background without a journal, at
+# most this many at a time (beyond: the hold expires under expire_charge).
+MAX_BACKGROUND_REFUNDS = 100
+# The reason those refunds carry (the Node client's UNANSWERED_REASON).
+UNANSWERED_REASON = "not sent: the Reserve went unanswered"
 NO_OUTCOME_REASON = "the block ended without reporting an outcome"
 
 
@@ -87,6 +102,61 @@ class CallLedger(Protocol):
     ) -> Settled | Refunded: ...
 
 
+class BackgroundRefunds:
+    """Refunds of unanswered Reserves, each sent once in a thread of its own, off
+    the call's path, with the client's usual deadline; at most `limit` at a
+    time (beyond that, and when one fails, the hold expires). Best effort:
+    nothing they meet is raised or retried. One per LaneClient."""
+
+    def __init__(self, limit: int = MAX_BACKGROUND_REFUNDS) -> None:
+        self._limit = limit
+        self._running = 0
+        self._changed = threading.Condition()
+
+    def send(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> bool:
+        """Starts the refund; False when `limit` are already under way."""
+        with self._changed:
+            if self._running >= self._limit:
+                return False
+            self._running += 1
+        thread = threading.Thread(
+            target=self._refund,
+            args=(ledger, reservation_id, trace_id),
+            name="ledger-unanswered-refund",
+            daemon=True,
+        )
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (the interpreter is exiting)
+            self._done()
+            return False
+        return True
+
+    def _refund(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> None:
+        try:
+            ending = Ending(Settlement.REFUND, 0, None, UNANSWERED_REASON)
+            ledger.end(reservation_id, ending, trace_id=trace_id)
+        except Exception as error:  # best effort: at worst the hold expires
+            log.debug("could not refund the unanswered reserve %s: %s", reservation_id, error)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        with self._changed:
+            self._running -= 1
+            self._changed.notify_all()
+
+    @property
+    def running(self) -> int:
+        with self._changed:
+            return self._running
+
+    def wait(self, timeout_seconds: float) -> bool:
+        """Waits until none is under way, at most this long; True if none is."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._running == 0, timeout_seconds)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallSupport:
     ledger: CallLedger
@@ -94,6 +164,9 @@ class CallSupport:
     journal: Journal | None
     allowance: Allowance | None
     replayer: Replayer | None
+    refunds: BackgroundRefunds | None = None
+    # Attempts at a Settle or Refund in all (see ClientSettings.end_attempts).
+    end_attempts: int = DEFAULT_END_ATTEMPTS
 
 
 class CallSource(enum.Enum):
@@ -210,6 +283,11 @@ class ModelCall:
             reservation = self._support.ledger.reserve_arguments(arguments, trace_id=self._trace_id)
         except LedgerUnavailable as error:
             return self._reserve_in_outage(error)
+        except LedgerError as error:
+            # Not an outage, but the ledger may have booked it (INTERNAL) and
+            # the call will not be made.
+            self._forget_unanswered(error)
+            raise
         if not reservation.admitted:
             raise Denied(
                 reservation.denial_reason or DenialReason.BUDGET_EXHAUSTED,
@@ -240,18 +318,37 @@ class ModelCall:
         else:
             reason = DenialReason.LEDGER_UNAVAILABLE
             message = "the ledger is unreachable and this lane fails closed"
-        # The Reserve may have reached the ledger without its answer reaching us:
-        # journal a refund so that such a hold does not sit there until it expires.
-        self._journal_in_doubt()
+        # The Reserve may have reached the ledger without its answer reaching us.
+        self._forget_unanswered(error)
         raise Denied(reason, message, None, arguments.reservation_id) from error
 
-    def _journal_in_doubt(self) -> None:
+    def _forget_unanswered(self, error: LedgerError) -> None:
+        """The Reserve got no answer and the call will not be made, but the
+        ledger may hold a booking for it: refund it, so that it costs nothing
+        instead of expiring at its hold. With a journal the refund is journaled
+        (in doubt) and replayed; without one (or with the journal full of them,
+        or failing) it is sent once, in the background, off the call's path."""
+        if not may_have_applied(error):
+            return
+        if self._journal_in_doubt():
+            return
+        support = self._support
+        if support.refunds is None or not support.refunds.send(
+            support.ledger, self._arguments.reservation_id, self._trace_id
+        ):
+            log.debug(
+                "unanswered reserve %s not refunded: %d refunds already under way",
+                self._arguments.reservation_id,
+                MAX_BACKGROUND_REFUNDS,
+            )
+
+    def _journal_in_doubt(self) -> bool:
         journal = self._support.journal
         if journal is None:
-            return
+            return False
         in_doubt = sum(1 for entry in journal.pending() if entry.source is Source.IN_DOUBT)
         if in_doubt >= MAX_IN_DOUBT_ENTRIES:
-            return
+            return False
         entry = JournalEntry(
             self._support.lane,
             self._arguments,
@@ -267,6 +364,8 @@ class ModelCall:
             )
         except (JournalError, OSError) as failure:
             log.warning("could not journal an unanswered reserve: %s", failure)
+            return False
+        return True
 
     def _wake_replayer(self) -> None:
         support = self._support
@@ -281,9 +380,7 @@ class ModelCall:
 
     def _end_with_ledger(self, handle: CallHandle, ending: Ending) -> None:
         try:
-            handle.result = self._support.ledger.end(
-                handle.reservation_id, ending, trace_id=self._trace_id
-            )
+            handle.result = self._end(handle.reservation_id, ending)
         except LedgerUnavailable as error:
             handle.end_error = error
             self._journal_ending(handle, ending)
@@ -292,6 +389,19 @@ class ModelCall:
             log.error(
                 "the ledger refused to end booking %s (%s)", handle.reservation_id, error.reason
             )
+
+    def _end(self, reservation_id: str, ending: Ending) -> Settled | Refunded:
+        """The Settle or Refund, sent again (same content: the ledger answers a
+        repeat with its first answer) while unconfirmed, up to end_attempts."""
+        attempt = 1
+        while True:
+            try:
+                return self._support.ledger.end(reservation_id, ending, trace_id=self._trace_id)
+            except LedgerError as error:
+                if not is_retryable(error) or attempt >= self._support.end_attempts:
+                    raise
+            time.sleep(END_RETRY_PAUSE_SECONDS * attempt)
+            attempt += 1
 
     def _journal_ending(self, handle: CallHandle, ending: Ending) -> None:
         journal = self._support.journal

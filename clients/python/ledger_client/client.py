@@ -21,7 +21,7 @@ from ledger_client.bookings import (
     Settled,
     new_reservation_id,
 )
-from ledger_client.calls import CallSupport, ModelCall
+from ledger_client.calls import BackgroundRefunds, CallSupport, ModelCall
 from ledger_client.channels import TlsSettings, check_grant, open_channel
 from ledger_client.errors import from_rpc_error
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
@@ -79,6 +79,7 @@ class LaneClient:
         self._journal: Journal | None = None
         self._replayer: Replayer | None = None
         self._allowance: Allowance | None = None
+        self._refunds = BackgroundRefunds()
         self._channel = _traced(open_channel(address, tls, self.settings), address)
         try:
             self._stub = pb_grpc.LedgerStub(self._channel)
@@ -103,11 +104,14 @@ class LaneClient:
             self._replayer.start(self.settings.replay_interval_seconds)
 
     def close(self) -> None:
-        """Stops the replayer, closes the journal and the channel. Idempotent."""
+        """Stops the replayer, closes the journal and the channel (after giving
+        the refunds of unanswered Reserves under way up to one deadline to
+        finish). Idempotent."""
         if self._replayer is not None:
             self._replayer.stop()
         if self._journal is not None:
             self._journal.close()
+        self._refunds.wait(self.settings.deadline_seconds)
         self._channel.close()
 
     def __enter__(self) -> LaneClient:
@@ -283,7 +287,15 @@ class LaneClient:
         return ModelCall(self._support(), arguments, trace_id or new_trace_id())
 
     def _support(self) -> CallSupport:
-        return CallSupport(self, self.lane, self._journal, self._allowance, self._replayer)
+        return CallSupport(
+            self,
+            self.lane,
+            self._journal,
+            self._allowance,
+            self._replayer,
+            self._refunds,
+            self.settings.end_attempts,
+        )
 
     # The journal -----------------------------------------------------------------
 

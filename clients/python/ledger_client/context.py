@@ -52,10 +52,26 @@ def tokens_of_bytes(
 
 
 def estimate_tokens(
-    payload: bytes | str, bytes_per_token_milli: int = DEFAULT_BYTES_PER_TOKEN_MILLI
+    payload: object, bytes_per_token_milli: int = DEFAULT_BYTES_PER_TOKEN_MILLI
 ) -> int:
-    """A pessimistic token count for a payload, from its UTF-8 bytes."""
-    return tokens_of_bytes(len(_utf8(payload)), bytes_per_token_milli)
+    """A pessimistic token count for a payload, from its UTF-8 bytes: a str as
+    UTF-8, bytes as they are, anything else (a message dict, a list of
+    messages, a tool schema) as its compact JSON (`payload_bytes`)."""
+    return tokens_of_bytes(len(payload_bytes(payload)), bytes_per_token_milli)
+
+
+def payload_bytes(payload: object) -> bytes:
+    """The bytes a payload is measured by: a str's UTF-8, bytes (or a bytearray,
+    a memoryview) as they are, and any other value (a dict, a list, a number)
+    as its compact JSON in UTF-8, the way it is sent: never its len(), which
+    for a dict counts its keys. The Node client measures JSON.stringify alike.
+    A value JSON cannot carry raises TypeError; text with a lone surrogate
+    (no UTF-8 at all) raises UnicodeEncodeError, as a str payload does."""
+    if isinstance(payload, str):
+        return payload.encode("utf-8")
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def _utf8(payload: bytes | str) -> bytes:
@@ -88,7 +104,7 @@ class ContextBudget:
     def input_budget_tokens(self) -> int:
         return self.max_context_tokens - self.reserve_output_tokens
 
-    def tokens(self, payload: bytes | str) -> int:
+    def tokens(self, payload: object) -> int:
         return estimate_tokens(payload, self.bytes_per_token_milli)
 
 
@@ -139,11 +155,13 @@ def fit_tool_results(
     tool_results: Sequence[str],
     budget: ContextBudget | None = None,
     *,
-    messages: Sequence[str] = (),
-    tool_schemas: Sequence[str] = (),
+    messages: Sequence[object] = (),
+    tool_schemas: Sequence[object] = (),
 ) -> ContextFit:
     """Fits tool results into what the window leaves after the messages, the
-    tool schemas and the output reserve."""
+    tool schemas and the output reserve. Each message and schema is measured
+    by `payload_bytes`: a str or bytes as they are, a dict (or any other
+    value) as its compact JSON."""
     budget = budget or ContextBudget()
     if len(tool_results) > MAX_TOOL_RESULTS:
         raise ValueError(f"at most {MAX_TOOL_RESULTS} tool results")

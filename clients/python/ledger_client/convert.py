@@ -126,6 +126,7 @@ def reservation(reservation_id: str, message: pb.ReserveResponse) -> Reservation
         else _DENIAL_REASONS.get(message.denial_reason, DenialReason.BUDGET_EXHAUSTED),
         reason=message.reason,
         balance=balance(message.balance),
+        denied_by="" if admitted else message.denied_by,
     )
 
 

@@ -58,6 +58,15 @@ class InvalidArgument(LedgerError):
         self.field = field
 
 
+def invalid_argument(field: str, rule: str) -> InvalidArgument:
+    """The InvalidArgument the server would send for this field and rule, raised
+    by the client itself for an argument it can check before any call: the
+    same class, reason (INVALID_ARGUMENT), `field` and message ("field: rule")."""
+    return InvalidArgument(
+        grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", f"{field}: {rule}", field
+    )
+
+
 class TtlExceedsHoldTtl(InvalidArgument):
     """The asked ttl is longer than the lane's hold_ttl."""
 
@@ -128,6 +137,26 @@ class LedgerInternal(LedgerError):
     """The server failed; `error_id` finds the matching line in its log."""
 
     error_id = ""
+
+
+def may_have_applied(error: LedgerError) -> bool:
+    """Whether the ledger may have applied a request that failed this way (its
+    deadline passed, the connection dropped, the server failed after a commit).
+    False only for a definite refusal, which books nothing: the Node client's
+    `mayHaveApplied`."""
+    if isinstance(error, LedgerOverloaded):
+        return False  # refused for lack of capacity, before anything was done
+    if isinstance(error, LedgerUnavailable):
+        return True
+    # An UNIMPLEMENTED method was never run; any other failure may have committed.
+    return isinstance(error, LedgerInternal) and error.code is not grpc.StatusCode.UNIMPLEMENTED
+
+
+def is_retryable(error: LedgerError) -> bool:
+    """Whether the same request, sent again with the same ids, may succeed (and
+    books nothing twice): UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED and
+    RESOURCE_EXHAUSTED, as `retry` in clients/cases/errors.json says."""
+    return isinstance(error, (LedgerUnavailable, TooManyWatchers))
 
 
 # The inverse of the server's table (ledger_service/api/errors.py and the grant

@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 from ledger_client.bookings import ReserveArguments
+from ledger_client.errors import InvalidArgument
 from ledger_client.outcomes import Ending, Settlement, Usage
 
 FORMAT_VERSION = 1
@@ -238,7 +239,8 @@ def read_entries(data: bytes) -> tuple[dict[str, JournalEntry], int, bool]:
             if not isinstance(record, dict):
                 raise ValueError("not an object")
             _apply(entries, record)
-        except (ValueError, KeyError, TypeError):
+        # InvalidArgument: a line whose Reserve or ending the ledger would refuse.
+        except (ValueError, KeyError, TypeError, InvalidArgument):
             skipped += 1
     return entries, skipped, torn
 

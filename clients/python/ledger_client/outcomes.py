@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from ledger_client.errors import invalid_argument
+
 MAX_TOKENS = 10**12
 MAX_AMOUNT_NANOS = 2**62
 # Usage's token counts, each between 0 and MAX_TOKENS.
@@ -173,7 +175,10 @@ class Ending:
         if self.settlement is Settlement.SETTLE_SUCCEEDED and self.usage is None:
             raise ValueError("a SUCCEEDED settlement needs the usage")
         if self.settlement is Settlement.REFUND and self.http_status == 0 and not self.reason:
-            raise ValueError("a refund of a call never sent needs a reason")
+            # What the ledger would answer (RefundCommand in ledger_service/domain/moves.py).
+            raise invalid_argument(
+                "reason", "is required when http_status is 0 (a call that was never sent)"
+            )
 
 
 def ending_of(

@@ -16,6 +16,12 @@ import dataclasses
 # covers a cold connection and a slow commit, and past it the lane is better
 # served by its outage mode than by waiting.
 DEFAULT_DEADLINE_SECONDS = 0.25
+# Settle and Refund are idempotent, so an unconfirmed one is sent again with the
+# same content; without this an ended call would expire at its hold. Three
+# attempts, 20 ms and then 40 ms apart: the Node client's DEFAULT_END_ATTEMPTS
+# and END_RETRY_PAUSE_MS (clients/node/lib/client.js).
+DEFAULT_END_ATTEMPTS = 3
+END_RETRY_PAUSE_SECONDS = 0.020
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +48,12 @@ class ClientSettings:
     max_reconnect_backoff_ms: int = 2000
     # Refund reasons are cut to this many characters (the server takes 1000).
     max_reason_length: int = 200
+    # A model call's Settle or Refund left unconfirmed (the ledger unreachable, a
+    # deadline passed) is sent again, with the same content, up to this many
+    # attempts in all, pausing END_RETRY_PAUSE_SECONDS times the attempt number
+    # between them (as the Node client does); then it is journaled, or, without a
+    # journal, the booking expires at its hold.
+    end_attempts: int = DEFAULT_END_ATTEMPTS
 
     def __post_init__(self) -> None:
         if not 0 < self.deadline_seconds <= 60:
@@ -60,3 +72,5 @@ class ClientSettings:
             raise ValueError("need 0 < rotate_journal_bytes <= max_journal_bytes <= 1 GiB")
         if not 1 <= self.max_reason_length <= 1000:
             raise ValueError("max_reason_length must be in [1, 1000]")
+        if not 1 <= self.end_attempts <= 10:
+            raise ValueError("end_attempts must be in [1, 10]")

@@ -137,12 +137,14 @@ class Admin:
         *,
         hold_ttl_seconds: int = 120,
         prices: dict[str, pb.ModelPrice] | None = None,
+        parent: str = "",
     ) -> None:
         message = pb.Lane(
             lane=lane,
             limit_nanos=limit_nanos,
             hold_ttl=duration_pb2.Duration(seconds=hold_ttl_seconds),
             prices={"model-a": PRICE} if prices is None else prices,
+            parent=parent,
         )
         self._lanes.PutLane(pb.PutLaneRequest(lane=message), metadata=self._metadata, timeout=10)
 

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
 from client_fakes import FakeLedger, client_on
 from ledger_client import (
     CallNotSent,
     CallSource,
+    ClientSettings,
     DenialReason,
     Denied,
+    Ending,
     LaneClient,
     ModelPrice,
     OutagePolicy,
     Settlement,
     Source,
     Usage,
+    calls,
+    errors,
 )
 from ledger_client.outcomes import CallFailure
+from test_client_outcomes import FakeRpcError
 
 # 1 nano per input token, 2 per output token (per million: 10**6 and 2 * 10**6).
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
@@ -299,3 +306,209 @@ def test_an_allowance_is_never_unbounded(tmp_path) -> None:
             OutagePolicy.allowance(journal_path=tmp_path / "j", prices=PRICES, **limits)
     with pytest.raises(ValueError):
         OutagePolicy.allowance(max_nanos=1, max_calls=1, journal_path=tmp_path / "j", prices={})
+
+
+# A Reserve whose answer was lost --------------------------------------------------------
+
+
+def lost(code: grpc.StatusCode) -> Callable[[], errors.LedgerError]:
+    def make() -> errors.LedgerError:
+        return errors.from_rpc_error(FakeRpcError(code, ()))
+
+    return make
+
+
+class LostAnswers(FakeLedger):
+    """Books each Reserve, then its answer is lost on the way back."""
+
+    def __init__(self, error: Callable[[], errors.LedgerError]) -> None:
+        super().__init__()
+        self.error = error
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        super().reserve_arguments(arguments, **options)
+        raise self.error()
+
+
+def refunds_of(client: LaneClient) -> calls.BackgroundRefunds:
+    refunds = client._refunds
+    assert refunds.wait(5.0), "the background refunds did not finish"
+    return refunds
+
+
+@pytest.mark.parametrize(
+    "code",
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED],
+)
+def test_without_a_journal_an_unanswered_reserve_is_refunded_in_the_background(
+    code: grpc.StatusCode,
+) -> None:
+    fake = LostAnswers(lost(code))
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied) as denied, call(client):
+            raise AssertionError("the model must not be called")
+        assert denied.value.denial_reason is DenialReason.LEDGER_UNAVAILABLE
+        refunds_of(client)
+    booking = fake.bookings[denied.value.reservation_id]
+    assert fake.event_counts() == {denied.value.reservation_id: ["reserved", "refunded"]}
+    assert booking.ending == Ending(Settlement.REFUND, 0, None, calls.UNANSWERED_REASON)
+    assert calls.UNANSWERED_REASON == "not sent: the Reserve went unanswered"  # Node's words
+    assert fake.spent_nanos() == 0
+
+
+def test_a_reserve_that_failed_inside_the_ledger_is_refunded_too() -> None:
+    # Not an outage (the error is raised as it is), but it may have been booked.
+    fake = LostAnswers(lost(grpc.StatusCode.INTERNAL))
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(errors.LedgerInternal), call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    assert [kinds for kinds in fake.event_counts().values()] == [["reserved", "refunded"]]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lost(grpc.StatusCode.RESOURCE_EXHAUSTED),  # LedgerOverloaded: refused, booked nothing
+        lost(grpc.StatusCode.UNIMPLEMENTED),
+        lambda: errors.ReservationConflict(grpc.StatusCode.ALREADY_EXISTS, "", "reused"),
+    ],
+)
+def test_a_definite_refusal_is_not_refunded(error: Callable[[], errors.LedgerError]) -> None:
+    fake = LostAnswers(error)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises((Denied, errors.LedgerError)), call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    assert [method for method, _ in fake.rpcs] == ["reserve"]
+
+
+def test_with_a_journal_full_of_doubts_the_refund_goes_in_the_background(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(calls, "MAX_IN_DOUBT_ENTRIES", 0)
+    fake = LostAnswers(lost(grpc.StatusCode.UNAVAILABLE))
+    client = client_on(fake, OutagePolicy.deny(tmp_path / "journal.jsonl"))
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied), call(client):
+            pass
+        refunds_of(client)
+        assert client.journal is not None and client.journal.pending() == []
+    assert [kinds for kinds in fake.event_counts().values()] == [["reserved", "refunded"]]
+
+
+class BlockedEnds:
+    """A ledger whose Refunds wait until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.refunded: list[str] = []
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+    def end(self, reservation_id, ending, **options):  # type: ignore[no-untyped-def]
+        assert self.release.wait(5.0)
+        self.refunded.append(reservation_id)
+        raise errors.BookingNotFound(grpc.StatusCode.NOT_FOUND, "BOOKING_NOT_FOUND", "none")
+
+
+def test_background_refunds_are_bounded_and_never_raise() -> None:
+    assert calls.MAX_BACKGROUND_REFUNDS == 100  # as the Node client
+    ledger = BlockedEnds()
+    refunds = calls.BackgroundRefunds(limit=2)
+    sent = [refunds.send(ledger, f"id-{n}", "") for n in range(3)]
+    assert sent == [True, True, False] and refunds.running == 2
+    assert not refunds.wait(0.05)
+    ledger.release.set()
+    assert refunds.wait(5.0) and refunds.running == 0
+    assert sorted(ledger.refunded) == ["id-0", "id-1"]
+    assert refunds.send(ledger, "id-3", "") and refunds.wait(5.0)
+
+
+# Endings the ledger did not confirm are sent again ------------------------------------------
+
+
+class LostEndings(FakeLedger):
+    """The first `failures` Settles and Refunds fail with `error`."""
+
+    def __init__(self, failures: int, error: Callable[[], errors.LedgerError]) -> None:
+        super().__init__()
+        self.failures = failures
+        self.error = error
+        self.end_attempts = 0
+
+    def end(self, reservation_id, ending, **options):  # type: ignore[no-untyped-def]
+        self.end_attempts += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise self.error()
+        return super().end(reservation_id, ending, **options)
+
+
+@pytest.fixture
+def pauses(monkeypatch) -> list[float]:
+    slept: list[float] = []
+    monkeypatch.setattr(calls.time, "sleep", slept.append)
+    return slept
+
+
+@pytest.mark.parametrize(
+    "code",
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED],
+)
+def test_an_unconfirmed_ending_is_sent_again_up_to_three_attempts(
+    code: grpc.StatusCode, pauses: list[float]
+) -> None:
+    assert ClientSettings().end_attempts == 3  # the Node client's DEFAULT_END_ATTEMPTS
+    fake = LostEndings(2, lost(code))
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client, call(client) as handle:
+        handle.succeeded(input_tokens=900, output_tokens=100)
+    assert fake.end_attempts == 3
+    assert handle.result is not None and handle.end_error is None
+    assert pauses == [0.02, 0.04]  # Node's END_RETRY_PAUSE_MS times the attempt
+    assert fake.event_counts() == {handle.reservation_id: ["reserved", "settled"]}
+
+
+def test_after_the_last_attempt_the_ending_is_journaled(tmp_path, pauses: list[float]) -> None:
+    fake = LostEndings(3, lost(grpc.StatusCode.UNAVAILABLE))
+    client = client_on(fake, OutagePolicy.deny(tmp_path / "journal.jsonl"))
+    assert isinstance(client, LaneClient)
+    with client:
+        with call(client) as handle:
+            handle.not_sent("circuit open")
+        assert fake.end_attempts == 3 and pauses == [0.02, 0.04]
+        assert isinstance(handle.end_error, errors.LedgerUnavailable) and handle.journaled
+        assert client.replay_journal().landed == 1
+    assert fake.event_counts() == {handle.reservation_id: ["reserved", "refunded"]}
+
+
+def test_a_refused_ending_is_not_sent_again(pauses: list[float]) -> None:
+    refused = lambda: errors.BookingAlreadyEnded(grpc.StatusCode.FAILED_PRECONDITION, "", "ended")  # noqa: E731
+    fake = LostEndings(1, refused)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client, call(client) as handle:
+        handle.succeeded(input_tokens=900, output_tokens=100)
+    assert fake.end_attempts == 1 and pauses == []
+    assert isinstance(handle.end_error, errors.BookingAlreadyEnded)
+
+
+def test_the_attempts_are_a_setting(pauses: list[float]) -> None:
+    fake = LostEndings(5, lost(grpc.StatusCode.UNAVAILABLE))
+    client = client_on(fake, OutagePolicy.deny(), end_attempts=1)
+    assert isinstance(client, LaneClient)
+    with client, call(client) as handle:
+        handle.succeeded(input_tokens=900, output_tokens=100)
+    assert fake.end_attempts == 1 and pauses == []
+    with pytest.raises(ValueError, match="end_attempts"):
+        ClientSettings(end_attempts=0)

@@ -12,6 +12,7 @@ from ledger_client.context import (
     estimate_tokens,
     fit_tool_results,
     is_context_overflow,
+    payload_bytes,
     tokens_of_bytes,
 )
 
@@ -81,6 +82,40 @@ def test_messages_and_tool_schemas_are_counted() -> None:
     assert fit.fits and fit.trimmed == (0,)
     fixed = estimate_tokens("hello") + sum(estimate_tokens(schema) for schema in schemas)
     assert fit.input_tokens == fixed + estimate_tokens(fit.tool_results[0])
+
+
+def compact_json(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_a_payload_that_is_not_text_is_measured_as_its_compact_json() -> None:
+    message = {"role": "user", "content": "x" * 100_000}
+    assert payload_bytes(message) == compact_json(message)
+    assert estimate_tokens(message) == tokens_of_bytes(len(compact_json(message))) == 28_580
+    messages = [message, {"role": "assistant", "content": "é日本語😀"}]
+    assert estimate_tokens(messages) == tokens_of_bytes(len(compact_json(messages)))
+    schema = {"name": "search", "parameters": {"type": "object", "properties": {}}}
+    assert (
+        payload_bytes(schema) == b'{"name":"search","parameters":{"type":"object","properties":{}}}'
+    )
+    # Text and bytes as they are; not JSON-quoted.
+    assert payload_bytes("é") == "é".encode() and payload_bytes(b"\xff") == b"\xff"
+    assert payload_bytes(bytearray(b"ab")) == b"ab" and payload_bytes(memoryview(b"ab")) == b"ab"
+    assert payload_bytes(12) == b"12" and payload_bytes(None) == b"null"
+    with pytest.raises(TypeError):
+        payload_bytes({"not json": object()})
+
+
+def test_message_dicts_and_schema_dicts_count_at_their_size() -> None:
+    budget = ContextBudget(max_context_tokens=16_384, reserve_output_tokens=2_048)
+    huge = [{"role": "user", "content": "x" * 100_000}]
+    fit = fit_tool_results(["[]"], budget, messages=huge)
+    assert not fit.fits and fit.input_tokens == estimate_tokens(huge[0]) + 1
+    schemas = [{"name": "tool", "description": "d" * 45_000}]  # about 12,866 tokens
+    fit = fit_tool_results(["r" * 7_000], budget, tool_schemas=schemas)
+    assert fit.trimmed == (0,)
+    assert fit.input_tokens == estimate_tokens(schemas[0]) + budget.tokens(fit.tool_results[0])
+    assert budget.tokens(schemas[0]) == estimate_tokens(compact_json(schemas[0]))
 
 
 def test_largest_first_cuts_to_the_next_largest_then_both() -> None:

@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from client_ledger import TEST_SETTINGS, Admin, LedgerProcess, lane_tls, new_lane_name
 from ledger_client import (
@@ -29,12 +30,14 @@ from ledger_client import (
     OutputExceedsMaxTokens,
     PermissionDenied,
     ReservationConflict,
+    ReserveArguments,
     SettleWithoutUsage,
     TtlExceedsHoldTtl,
     Unauthenticated,
     UnknownModel,
     Usage,
 )
+from ledger_client.convert import duration_of_micros
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.pricing import DEFAULT_BYTES_PER_TOKEN_MILLI, cap_nanos
 
@@ -371,3 +374,97 @@ def test_a_ledger_that_dies_mid_run_and_comes_back(
         during[2].reservation_id: ["reserved", "settled"],
         after.reservation_id: ["reserved", "settled"],
     }
+
+
+# What the client checks itself, it refuses as the ledger would ---------------------
+
+# Each: ReserveArguments' fields, and whether the ledger's message is the same
+# (the ttl one names the lane's own hold_ttl, which the client does not know).
+BAD_RESERVES = [
+    ({"request_bytes": -1}, "request_bytes", True),
+    ({"max_output_tokens": -1}, "max_output_tokens", True),
+    ({"estimate_nanos": -1}, "estimate_nanos", True),
+    ({"model": ""}, "model", True),
+    ({"model": "m" * 201}, "model", True),
+    ({"reservation_id": ""}, "reservation_id", True),
+    ({"reservation_id": "r" * 201}, "reservation_id", True),
+    ({"reservation_id": "two words"}, "reservation_id", True),
+    ({"reservation_id": "trailing-newline\n"}, "reservation_id", True),
+    ({"ttl_us": 0}, "ttl", True),
+    ({"ttl_us": 8 * 86_400 * 1_000_000}, "ttl", False),
+]
+
+
+@pytest.mark.parametrize(("fields", "field", "same_message"), BAD_RESERVES)
+def test_a_bad_reserve_argument_is_the_ledgers_invalid_argument(
+    client: LaneClient, fields: dict[str, object], field: str, same_message: bool
+) -> None:
+    values: dict[str, object] = {
+        "reservation_id": "bad-argument",
+        "model": "model-a",
+        "request_bytes": 10,
+        "max_output_tokens": 10,
+        **fields,
+    }
+    with pytest.raises(InvalidArgument) as local:
+        ReserveArguments(**values)  # type: ignore[arg-type]
+    # The same request, sent as it is: what the ledger answers.
+    request = pb.ReserveRequest(
+        lane=client.lane,
+        reservation_id=values["reservation_id"],
+        model=values["model"],
+        request_bytes=values["request_bytes"],
+        max_output_tokens=values["max_output_tokens"],
+    )
+    if "estimate_nanos" in values:
+        request.estimate_nanos = values["estimate_nanos"]  # type: ignore[assignment]
+    if "ttl_us" in values:
+        request.ttl.CopyFrom(duration_of_micros(values["ttl_us"]))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument) as remote:
+        client._invoke(client._stub.Reserve, request, None, "")
+    assert type(local.value) is type(remote.value)
+    assert local.value.code is remote.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert local.value.reason == remote.value.reason
+    assert local.value.field == remote.value.field == field
+    if same_message:
+        assert local.value.message == remote.value.message
+
+
+def test_a_refund_with_neither_status_nor_reason_is_the_ledgers_invalid_argument(
+    client: LaneClient,
+) -> None:
+    booked = client.reserve("model-a", 10, 10)
+    with pytest.raises(InvalidArgument) as local:
+        client.refund(booked.reservation_id)
+    request = pb.RefundRequest(lane=client.lane, reservation_id=booked.reservation_id)
+    with pytest.raises(InvalidArgument) as remote:
+        client._invoke(client._stub.Refund, request, None, "")
+    assert type(local.value) is type(remote.value) is InvalidArgument
+    assert (local.value.reason, local.value.field) == ("INVALID_ARGUMENT", "reason")
+    assert (remote.value.reason, remote.value.field) == ("INVALID_ARGUMENT", "reason")
+    assert local.value.message == remote.value.message
+    with pytest.raises(InvalidArgument) as from_reserve:
+        client.reserve("", 10, 10)
+    assert from_reserve.value.field == "model"
+
+
+# Which budget said no ----------------------------------------------------------------
+
+
+def test_a_denial_names_the_budget_that_said_no(
+    ledger_server: LedgerProcess, admin: Admin, lane_grant: str
+) -> None:
+    parent, child = new_lane_name(), new_lane_name()
+    admin.put_lane(parent, HOLD_NANOS + HOLD_NANOS // 2)  # room for one call
+    admin.put_lane(child, 1_000_000, parent=parent)
+    with LaneClient(ledger_server.address, child, grant=lane_grant, settings=TEST_SETTINGS) as c:
+        admitted = c.reserve("model-a", len(REQUEST), 500)
+        assert admitted.admitted and admitted.denied_by == ""
+        by_parent = c.reserve("model-a", len(REQUEST), 500)
+        assert not by_parent.admitted and by_parent.denied_by == parent
+        assert by_parent.denial_reason is DenialReason.BUDGET_EXHAUSTED
+    small = new_lane_name()
+    admin.put_lane(small, 100)
+    with LaneClient(ledger_server.address, small, grant=lane_grant, settings=TEST_SETTINGS) as c:
+        by_itself = c.reserve("model-a", len(REQUEST), 500)
+        assert not by_itself.admitted and by_itself.denied_by == small

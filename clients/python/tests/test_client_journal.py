@@ -222,3 +222,24 @@ def test_an_ending_journaled_before_the_cache_counts_reads_them_as_zero(
         assert journal.skipped_lines == 0
     assert reread is not None and reread.ending is not None
     assert reread.ending.usage == Usage(10, 20, None, cached_input_tokens=0, cache_write_tokens=0)
+
+
+def test_a_line_the_ledger_would_refuse_is_skipped(tmp_path: pathlib.Path) -> None:
+    """ReserveArguments and Ending raise InvalidArgument (not ValueError) for
+    what the ledger would refuse: such a line is skipped like any bad one."""
+    path = tmp_path / "journal.jsonl"
+    first = entry()
+    with open_journal(path) as journal:
+        journal.record_reserve(first)
+    good = json.loads(path.read_text().splitlines()[-1])
+    with path.open("ab") as file:
+        bad_reserve = {**good, "reservation_id": "another", "request_bytes": -1}
+        file.write(json.dumps(bad_reserve).encode() + b"\n")
+        bad_end = {"v": 1, "kind": "end", "reservation_id": first.reservation_id,
+                   "settlement": "refund", "http_status": 0, "usage": None, "reason": "",
+                   "local_charge_nanos": 0}  # fmt: skip
+        file.write(json.dumps(bad_end).encode() + b"\n")
+    with open_journal(path) as journal:
+        assert [e.reservation_id for e in journal.pending()] == [first.reservation_id]
+        assert journal.pending()[0].ending is None
+        assert journal.skipped_lines == 2

@@ -104,8 +104,15 @@ def test_ending_of_a_success_carries_the_usage() -> None:
 def test_an_ending_refuses_what_the_ledger_would_refuse() -> None:
     with pytest.raises(ValueError, match="usage"):
         Ending(SUCCEEDED, 200, None)
-    with pytest.raises(ValueError, match="reason"):
+    # As the ledger refuses it: the same class, reason and field.
+    with pytest.raises(errors.InvalidArgument) as refused:
         Ending(REFUND, 0, None, "")
+    assert type(refused.value) is errors.InvalidArgument
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.value.reason, refused.value.field) == ("INVALID_ARGUMENT", "reason")
+    assert refused.value.message == (
+        "reason: is required when http_status is 0 (a call that was never sent)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import json
 import pathlib
 import re
+import tomllib
 from typing import Any
 
 import pytest
 from client_ledger import Admin, LedgerProcess
-from ledger_client import DenialReason
+from ledger_client import ClientSettings, DenialReason, errors
+from ledger_client.context import CONTEXT_OVERFLOW_REPLY
+from ledger_client.settings import DEFAULT_END_ATTEMPTS, END_RETRY_PAUSE_SECONDS
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 EXAMPLE_ADDRESS = "ledger.internal:50051"
@@ -77,3 +81,103 @@ def test_the_readme_example_runs(
     assert fallbacks == [(DenialReason.HOLD_EXCEEDS_LIMIT, None)]
     kinds = sorted(tuple(kinds) for kinds in admin.booking_events("recall").values())
     assert kinds == [("denied",), ("reserved", "refunded"), ("reserved", "settled")]
+
+
+# The rest of the README, held to the code ------------------------------------------------
+
+CASES = pathlib.Path(__file__).resolve().parents[2] / "cases" / "errors.json"
+PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def section(title: str) -> str:
+    return README.read_text().split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the table under `header` (its first line)."""
+    table = text[text.index(header) :].split("\n\n", 1)[0].splitlines()
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+
+
+def test_the_readme_names_every_dependency_pyproject_declares() -> None:
+    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    names = [re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0] for requirement in dependencies]
+    assert "googleapis-common-protos" in names
+    intro = README.read_text().split("\n\n    pip install", 1)[0]
+    missing = [name for name in names if f"`{name}`" not in intro]
+    assert not missing, f"the README's opening does not name {missing}"
+    assert "only" not in intro.split("depends on", 1)[1].split(".", 1)[0]
+
+
+def test_the_readme_error_table_is_errors_json() -> None:
+    cases = json.loads(CASES.read_text())
+    text = section("Errors: one table")
+    yes_no = {True: "yes", False: "no"}
+    by_reason = {row[0].strip("`"): row for row in table_rows(text, "| `ledger-reason` | status |")}
+    assert set(by_reason) == {case["reason"] for case in cases["reasons"]}
+    for case in cases["reasons"]:
+        _, status, exception, retry, outage = by_reason[case["reason"]]
+        assert status == case["status"], case["reason"]
+        assert exception.split()[0] == f"`{case['python']}`", case["reason"]
+        assert (retry, outage) == (yes_no[case["retry"]], yes_no[case["outage"]]), case["reason"]
+        assert errors.REASONS[case["reason"]].__name__ == case["python"]
+    by_status = {row[0]: row for row in table_rows(text, "| status, no known reason |")}
+    for case in cases["by_status"]:
+        key = "UNKNOWN, and any other" if case["status"] == "UNKNOWN" else case["status"]
+        _, exception, retry, outage = by_status[key]
+        assert exception.split()[0] == f"`{case['python']}`", case["status"]
+        assert (retry, outage) == (yes_no[case["retry"]], yes_no[case["outage"]]), case["status"]
+
+
+def test_the_readme_says_when_a_replayed_journal_is_moved_aside() -> None:
+    text = " ".join(section("When the ledger cannot be reached").split())
+    assert ClientSettings().rotate_journal_bytes == 1024 * 1024
+    assert (
+        "moved aside (renamed, never deleted) once it is fully replayed AND has reached "
+        "`rotate_journal_bytes` (1 MiB by default)" in text
+    )
+    assert "Once fully replayed it is moved aside" not in text
+
+
+def test_the_readme_describes_resent_endings_and_denied_by() -> None:
+    text = " ".join(section("One lane's whole call").split())
+    assert DEFAULT_END_ATTEMPTS == ClientSettings().end_attempts == 3
+    assert END_RETRY_PAUSE_SECONDS == 0.020
+    assert "3 attempts in all (`ClientSettings.end_attempts`), 20 ms after the first" in text
+    assert "`denied_by`" in text and '`denied_by` is `""` when admitted' in text
+
+
+def context_example() -> str:
+    match = re.search(
+        r"```python\n(.*?)```", section("Context budgeting, before the Reserve"), re.DOTALL
+    )
+    assert match is not None
+    return match.group(1)
+
+
+def test_the_readme_context_example_measures_message_dicts() -> None:
+    sent: list[tuple[object, ...]] = []
+
+    def send(*arguments: object) -> FakeContextResponse:
+        sent.append(arguments)
+        return FakeContextResponse()
+
+    namespace: dict[str, Any] = {"send": send}
+    exec(compile(context_example(), "README", "exec"), namespace)
+    answer = namespace["answer"]
+    schemas = [{"name": "search", "parameters": {"type": "object"}}]
+    small = [{"role": "user", "content": "what is stuck?"}]
+    assert answer(small, ["[]"], schemas) == "the memories that matter"
+    assert sent == [(small, ("[]",), schemas)]
+    # A 100,000-character message is about 28,572 tokens, not the 4 its two keys would be.
+    huge = [{"role": "user", "content": "x" * 100_000}]
+    assert answer(huge, ["[]"], schemas) == CONTEXT_OVERFLOW_REPLY
+    assert len(sent) == 1, "a request that cannot fit is not sent"
+
+
+class FakeContextResponse:
+    status_code = 200
+    content = b"{}"
+
+    def json(self) -> dict[str, Any]:
+        return ANSWER
