@@ -217,6 +217,8 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
             # Off: psycopg's own prepared statements make its ROLLBACK send
             # DEALLOCATE ALL, which would drop those of storage/libpq.py.
             "prepare_threshold": None,
+            # storage/libpq.py sends and reads text as UTF-8, whatever the database's encoding.
+            "client_encoding": "utf8",
             # A database that vanishes without closing the connection (a network
             # partition, a crashed host) is noticed within the timeout, not after
             # TCP's retransmission timeout of many minutes: statement_timeout

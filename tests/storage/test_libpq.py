@@ -4,6 +4,7 @@ SQLAlchemy and psycopg."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy import bindparam, column, func, literal, select, table, text
 
 from ledger_service.storage import database, prepared
+from tests.storage.conftest import POSTGRES_URL, require_postgres
 
 pytestmark = pytest.mark.postgres
 
@@ -134,3 +136,29 @@ def test_a_read_only_transaction_stays_read_only(engine: sa.Engine) -> None:
         assert type(caught.value.orig).__name__ == "ReadOnlySqlTransaction"
     with engine.begin() as connection:
         _STATEMENTS("insert", connection).run(connection, {"id": 1, "name": "one"})
+
+
+def test_text_reads_the_same_on_a_database_of_another_encoding() -> None:
+    require_postgres()
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    name = f"latin_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as connection:
+        connection.execute(
+            text(
+                f"CREATE DATABASE {name} ENCODING 'LATIN1' TEMPLATE template0"
+                " LC_COLLATE 'C' LC_CTYPE 'C'"
+            )
+        )
+    engine = database.create(
+        sa.make_url(POSTGRES_URL).set(database=name), database.EngineLimits(pool_size=1)
+    )
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("CREATE TABLE things (id bigint PRIMARY KEY, name text)"))
+            connection.execute(text("INSERT INTO things VALUES (1, :name)"), {"name": "é à"})
+            assert _one(connection, "named", id=1) == ("é à",)
+    finally:
+        engine.dispose()
+        with admin.connect() as connection:
+            connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+        admin.dispose()
