@@ -95,6 +95,11 @@ export interface ReserveResult {
   /** Denied for budget: when enough of the window ages out (rounded up to the ms). */
   retryAfter: Date | null;
   denialReason: DenialReason | null;
+  /**
+   * When denied: the budget that said no, this lane or one of its parents (a
+   * lane's name; a lane's parent is set by the operator). "" when admitted.
+   */
+  deniedBy: string;
   reason: string;
   balance: Balance | null;
 }
@@ -266,7 +271,8 @@ export class ContextBudget {
   readonly maxIterations: number;
   /** maxContextTokens - reserveOutputTokens. */
   readonly inputBudgetTokens: number;
-  tokens(payload: string | Uint8Array): number;
+  /** See estimateTokens. */
+  tokens(payload: unknown): number;
 }
 
 export interface ContextFit {
@@ -284,8 +290,15 @@ export interface ContextFit {
 
 /** ceil(byteCount / bytesPerToken), in integers; bytesPerTokenMilli defaults to 3500. */
 export function tokensOfBytes(byteCount: number, bytesPerTokenMilli?: number): number;
-/** A pessimistic token count from UTF-8 bytes. A string with a lone surrogate is a TypeError. */
-export function estimateTokens(payload: string | Uint8Array, bytesPerTokenMilli?: number): number;
+/**
+ * A pessimistic token count from UTF-8 bytes: a string's UTF-8, a Uint8Array's
+ * bytes, and any other value (a message object, an array of them, a tool
+ * schema, a number, a boolean, null) its JSON's, JSON.stringify(value) in
+ * UTF-8 (the Python client measures its compact json.dumps alike). Text with a
+ * lone surrogate, and a value JSON cannot carry (undefined, a function, a
+ * BigInt, a cycle), is a TypeError.
+ */
+export function estimateTokens(payload: unknown, bytesPerTokenMilli?: number): number;
 /** The marker a trimmed result ends with. */
 export function truncationMarker(removedBytes: number, originalBytes: number): string;
 /**
@@ -297,8 +310,9 @@ export function fitToolResults(
   toolResults: readonly string[],
   options?: {
     budget?: ContextBudget | ContextBudgetOptions;
-    messages?: ReadonlyArray<string | Uint8Array>;
-    toolSchemas?: ReadonlyArray<string | Uint8Array>;
+    /** Each measured as estimateTokens does: a string, bytes, or any value as its JSON. */
+    messages?: ReadonlyArray<unknown>;
+    toolSchemas?: ReadonlyArray<unknown>;
   },
 ): ContextFit;
 /**
@@ -344,6 +358,8 @@ export interface OutcomeReport {
   connectionLost: boolean;
   notSent: boolean;
   thrown: boolean;
+  /** The callback resolved with undefined or null: nothing reported, settled UNKNOWN. */
+  nothingReported?: boolean;
   reason: string;
 }
 
@@ -361,8 +377,12 @@ export class CallNotSent extends Error {
   constructor(reason: string);
   reason: string;
 }
-/** Marks an error thrown by a call() callback as "never sent", like CallNotSent. */
-export function markNotSent<E extends Error>(error: E): E;
+/**
+ * Marks an error thrown by a call() callback as "never sent", like CallNotSent.
+ * `reason`, when given, is the refund's reason (it goes to the ledger's audit:
+ * no secrets, no provider text); the error's message is never read.
+ */
+export function markNotSent<E extends Error>(error: E, reason?: string): E;
 
 /** The ledger's reasons, and the outage mode's: unreachable and failing closed, or the allowance spent. */
 export type CallDenialReason = DenialReason | 'LEDGER_UNAVAILABLE' | 'ALLOWANCE_EXHAUSTED';
@@ -371,6 +391,11 @@ export class Denied {
   readonly admitted: false;
   reservationId: string;
   reason: CallDenialReason;
+  /**
+   * The budget that said no: this lane or one of its parents (a lane's name).
+   * "" for LEDGER_UNAVAILABLE and ALLOWANCE_EXHAUSTED (no budget was asked).
+   */
+  deniedBy: string;
   message: string;
   retryAfter: Date | null;
   holdNanos: bigint;
@@ -433,7 +458,11 @@ export class LaneClient {
   refund(request: RefundRequest): Promise<{ balance: Balance | null }>;
   balance(options?: TraceOptions): Promise<Balance>;
   booking(reservationId: string, options?: TraceOptions): Promise<Booking>;
-  call<R extends CallReport>(
+  /**
+   * A callback that resolves with nothing (undefined or null) reports no
+   * outcome: its booking is settled UNKNOWN, at its hold, with a warning.
+   */
+  call<R extends CallReport | undefined | null | void>(
     request: CallRequest,
     fn: (booking: CallBooking) => Promise<R> | R,
   ): Promise<Denied | Completed<R>>;

@@ -41,6 +41,11 @@ class Denied {
      * "ALLOWANCE_EXHAUSTED" (its outage allowance is spent).
      */
     this.reason = answer.denialReason;
+    /**
+     * The budget that said no: this lane, or one of its parents (a lane's
+     * name). "" for an outage denial (no budget was asked).
+     */
+    this.deniedBy = answer.deniedBy ?? '';
     /** The server's sentence for people. */
     this.message = answer.reason;
     /** When enough of the window ages out for this hold to fit; null when it never can. */
@@ -54,7 +59,7 @@ class Denied {
 }
 
 function outageDenial(reservationId, denialReason, message, ledgerError) {
-  const answer = { reservationId, denialReason, reason: message, retryAfter: null, holdNanos: 0n, capNanos: 0n, balance: null };
+  const answer = { reservationId, denialReason, deniedBy: '', reason: message, retryAfter: null, holdNanos: 0n, capNanos: 0n, balance: null };
   return new Denied(answer, ledgerError);
 }
 
@@ -70,6 +75,7 @@ function allowanceBooking(reservationId, { holdNanos, capNanos }) {
     expiresAt: null,
     retryAfter: null,
     denialReason: null,
+    deniedBy: '',
     reason: '',
     balance: null,
     source: CallSource.ALLOWANCE,
@@ -389,7 +395,11 @@ class LaneClient {
    * One model call, booked: reserves with a fresh reservation id, runs `fn`
    * only when admitted, then settles or refunds by the outcome table
    * (outcomes.js). Resolves with a Denied (fn not run) or a Completed; when
-   * `fn` throws, the booking is ended first and the error is rethrown.
+   * `fn` throws, the booking is ended first and the error is rethrown. When
+   * `fn` reports nothing (resolves with undefined or null), the booking is
+   * settled UNKNOWN, at its hold, with a warning to the logger, and call()
+   * resolves with the Completed as usual (the Python client's model_call does
+   * the same for a block that reports no outcome).
    * Its Reserve and its Settle or Refund carry one trace context, taken when
    * call() starts: `request.traceparent` when valid, else the active
    * OpenTelemetry context (see tracing.js), else a new trace of its own.
@@ -448,6 +458,9 @@ class LaneClient {
     try {
       value = await fn(booking);
       report = reportOf(value);
+      if (report.nothingReported) {
+        this._logger?.warn(`ledger: the callback of call ${reservationId} reported no outcome: settled UNKNOWN, at its hold`);
+      }
     } catch (error) {
       thrown = error;
       report = reportOfError(error);

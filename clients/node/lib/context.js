@@ -74,9 +74,42 @@ function utf8Length(payload, name) {
   throw new TypeError(`${name} must be a string or a Uint8Array`);
 }
 
-/** A pessimistic token count for a payload (a string or bytes), from its UTF-8 bytes. */
+/**
+ * The UTF-8 length a payload is measured by: a string's UTF-8, a Uint8Array's
+ * bytes, and any other value (a message object, an array of them, a tool
+ * schema, a number, a boolean, null) its JSON's: JSON.stringify(value), the
+ * way it is sent, never a count of its keys. The Python client's
+ * payload_bytes measures json.dumps(value, separators=(",", ":"),
+ * ensure_ascii=False) alike: the same bytes for plain objects, arrays,
+ * strings, integers, booleans and null. A value JSON cannot carry
+ * (undefined, a function, a symbol, a BigInt, a cycle) is a TypeError, and so
+ * is text with a lone surrogate anywhere in it (Python cannot encode it).
+ */
+function payloadLength(payload, name) {
+  if (typeof payload === 'string' || payload instanceof Uint8Array) return utf8Length(payload, name);
+  let json;
+  try {
+    json = JSON.stringify(payload, (key, value) => {
+      // JSON.stringify escapes a lone surrogate; the Python client cannot encode one: refuse it alike.
+      if (!key.isWellFormed() || (typeof value === 'string' && !value.isWellFormed())) {
+        throw new TypeError('it holds text that is not well-formed (a lone surrogate)');
+      }
+      return value;
+    });
+  } catch (error) {
+    if (error instanceof TypeError) throw new TypeError(`${name} cannot be measured as JSON: ${error.message}`);
+    throw error;
+  }
+  if (typeof json !== 'string') throw new TypeError(`${name} cannot be measured as JSON (${typeof payload})`);
+  return Buffer.byteLength(json, 'utf8');
+}
+
+/**
+ * A pessimistic token count for a payload, from its UTF-8 bytes: a string or
+ * bytes as they are, any other value as its JSON (see payloadLength).
+ */
 function estimateTokens(payload, bytesPerTokenMilli = DEFAULT_BYTES_PER_TOKEN_MILLI) {
-  return tokensOfBytes(utf8Length(payload, 'payload'), bytesPerTokenMilli);
+  return tokensOfBytes(payloadLength(payload, 'payload'), bytesPerTokenMilli);
 }
 
 // Each option's default and its bounds (inclusive); maxContextTokens is also
@@ -161,8 +194,10 @@ class ToolResult {
  * Fits tool results into what the window leaves after the messages, the tool
  * schemas and the output reserve.
  * @param {string[]} toolResults
- * @param {{budget?: ContextBudget|object, messages?: Array<string|Uint8Array>,
- *   toolSchemas?: Array<string|Uint8Array>}} [options]
+ * Each message and tool schema is measured as estimateTokens does: a string or
+ * bytes as they are, an object (or any other value) as its JSON.
+ * @param {{budget?: ContextBudget|object, messages?: Array<unknown>,
+ *   toolSchemas?: Array<unknown>}} [options]
  */
 function fitToolResults(toolResults, { budget, messages = [], toolSchemas = [] } = {}) {
   const settings = budget instanceof ContextBudget ? budget : new ContextBudget(budget ?? {});

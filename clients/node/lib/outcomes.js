@@ -29,11 +29,14 @@ const OUTCOME_TABLE = Object.freeze([
   { when: 'timeout', matches: (r) => r.timedOut, ending: Ending.UNKNOWN },
   { when: 'connection lost', matches: (r) => r.connectionLost, ending: Ending.UNKNOWN },
   { when: 'the callback threw', matches: (r) => r.thrown, ending: Ending.UNKNOWN },
-  { when: 'anything else, e.g. 2xx without usage', matches: () => true, ending: Ending.UNKNOWN },
+  { when: 'anything else, e.g. 2xx without usage, or nothing reported', matches: () => true, ending: Ending.UNKNOWN },
 ]);
 
 const REFUSED_REASON = 'the provider refused the call';
 const NOT_SENT_REASON = 'the call was never sent';
+// The callback returned nothing (undefined or null): settled UNKNOWN, with a
+// warning, as the Python client's model_call block that reports nothing.
+const NO_OUTCOME_REASON = 'the callback ended without reporting an outcome';
 // The server refuses a refund reason over 1000 characters or one that Python's
 // str.isprintable() refuses: control characters, and every separator but the
 // ASCII space.
@@ -103,12 +106,27 @@ function reportedUsage(returned) {
  * `{httpStatus?, usage?: {inputTokens, outputTokens, cachedInputTokens?, cacheWriteTokens?} | {billedNanos},
  *   billedNanos?,
  *   timedOut?, connectionLost?, notSent?, reason?}`.
- * Throws TypeError on a malformed value, RangeError on cache counts above
+ * `undefined` or `null` reports nothing: an UNKNOWN ending (`nothingReported`
+ * is then true, and call() warns), like the Python client's model_call block
+ * that ends without a report. Throws TypeError on a malformed value (any other
+ * non-object, a bad status or usage), RangeError on cache counts above
  * inputTokens (the wrapper then settles UNKNOWN).
  */
 function reportOf(returned) {
-  if (returned === null || typeof returned !== 'object') {
-    throw new TypeError('the callback must return an object such as {httpStatus, usage}');
+  if (returned === undefined || returned === null) {
+    return {
+      httpStatus: 0,
+      usage: null,
+      timedOut: false,
+      connectionLost: false,
+      notSent: false,
+      thrown: false,
+      nothingReported: true,
+      reason: NO_OUTCOME_REASON,
+    };
+  }
+  if (typeof returned !== 'object') {
+    throw new TypeError('the callback must return an object such as {httpStatus, usage}, or nothing');
   }
   return {
     httpStatus: statusOf(returned.httpStatus),
@@ -117,6 +135,7 @@ function reportOf(returned) {
     connectionLost: returned.connectionLost === true,
     notSent: returned.notSent === true,
     thrown: false,
+    nothingReported: false,
     reason: typeof returned.reason === 'string' ? returned.reason : '',
   };
 }
@@ -136,17 +155,30 @@ class CallNotSent extends Error {
 }
 
 const NOT_SENT = Symbol.for('lane-ledger.notSent');
+const NOT_SENT_REASON_KEY = Symbol.for('lane-ledger.notSentReason');
 
 /**
  * Marks any error as "the call was never sent", like CallNotSent, for errors
- * made elsewhere. Returns the error.
+ * made elsewhere. Returns the error. `reason`, when given, is the refund's
+ * reason (it goes to the ledger's audit: no secrets, no provider text); the
+ * error's own message is never read.
  * @template {Error} E
  * @param {E} error
+ * @param {string} [reason]
  * @returns {E}
  */
-function markNotSent(error) {
-  Object.defineProperty(error, NOT_SENT, { value: true, enumerable: false });
+function markNotSent(error, reason) {
+  Object.defineProperty(error, NOT_SENT, { value: true, enumerable: false, configurable: true });
+  if (typeof reason === 'string') {
+    Object.defineProperty(error, NOT_SENT_REASON_KEY, { value: reason, enumerable: false, configurable: true });
+  }
   return error;
+}
+
+function notSentReasonOf(error) {
+  if (error instanceof CallNotSent && typeof error.reason === 'string') return error.reason;
+  const marked = error?.[NOT_SENT_REASON_KEY];
+  return typeof marked === 'string' ? marked : '';
 }
 
 function isNotSent(error) {
@@ -176,7 +208,8 @@ function reportOfError(error) {
     connectionLost: false,
     notSent: isNotSent(error),
     thrown: true,
-    reason: error instanceof CallNotSent && typeof error.reason === 'string' ? error.reason : '',
+    nothingReported: false,
+    reason: notSentReasonOf(error),
   };
 }
 

@@ -104,6 +104,9 @@ function reserveResultOf(message, reservationId) {
     expiresAt: dateOf(message.expires_at),
     retryAfter: dateOf(message.retry_after, { roundUp: true }),
     denialReason: admitted ? null : message.denial_reason,
+    // When denied: the budget that said no, this lane or one of its parents
+    // (a lane's name); "" when admitted.
+    deniedBy: admitted ? '' : (message.denied_by ?? ''),
     reason: message.reason,
     balance: balanceOf(message.balance),
   };

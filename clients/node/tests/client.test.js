@@ -74,6 +74,8 @@ describe('the outcome table', () => {
     const marked = endingOf(reportOfError(markNotSent(new Error('secret provider text'))));
     assert.equal(marked.httpStatus, 0);
     assert.equal(marked.reason, 'the call was never sent', 'an error message never reaches the audit');
+    const reasoned = endingOf(reportOfError(markNotSent(new Error('secret provider text'), 'could not connect: ECONNREFUSED')));
+    assert.equal(reasoned.reason, 'could not connect: ECONNREFUSED', 'the reason given to markNotSent');
     const breaker = endingOf(reportOfError(new CallNotSent('breaker\nopen\u00a0now')));
     assert.equal(breaker.reason, 'breaker open now');
     const blank = endingOf(reportOf({ notSent: true, httpStatus: 200, reason: '\n\t' }));
@@ -81,8 +83,19 @@ describe('the outcome table', () => {
     assert.equal(blank.reason, 'the call was never sent');
   });
 
+  test('a callback that returns nothing reports nothing: UNKNOWN, as the Python client', () => {
+    for (const nothing of [undefined, null]) {
+      const report = reportOf(nothing);
+      assert.equal(report.nothingReported, true);
+      assert.equal(endingOf(report).ending, 'UNKNOWN');
+      assert.equal(endingOf(report).reason, 'the callback ended without reporting an outcome');
+    }
+    assert.equal(reportOf({ httpStatus: 200 }).nothingReported, false);
+    assert.equal(reportOfError(new Error('x')).nothingReported, false);
+  });
+
   test('malformed reports are refused', () => {
-    assert.throws(() => reportOf(undefined), TypeError);
+    for (const malformed of ['ok', 42, true]) assert.throws(() => reportOf(malformed), TypeError);
     assert.throws(() => reportOf({ httpStatus: 42 }), TypeError);
     assert.throws(() => reportOf({ httpStatus: 200, usage: {} }), TypeError);
   });

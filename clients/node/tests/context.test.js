@@ -145,3 +145,51 @@ describe('recognising an overflow', () => {
     });
   }
 });
+
+// Not a shared case (yet): the Python client is changed alike, measuring a
+// non-string payload as json.dumps(value, separators=(",", ":"),
+// ensure_ascii=False) in UTF-8. The byte counts below are what that gives.
+describe('payloads that are not text', () => {
+  const MESSAGES = [
+    [{ role: 'user', content: 'héllo 日本 😀' }, 46],
+    [[{ role: 'system', content: 'be brief' }, { role: 'user', content: 'a"b\\c\n' }], 78],
+    [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { q: { type: 'string' } }, required: ['q'] } } }, 128],
+    [[], 2],
+    [{}, 2],
+    [42, 2],
+    [true, 4],
+    [null, 4],
+  ];
+
+  test('a message given as an object or an array is measured as its JSON', () => {
+    for (const [payload, bytes] of MESSAGES) {
+      const json = JSON.stringify(payload);
+      assert.equal(Buffer.byteLength(json, 'utf8'), bytes, json);
+      assert.equal(estimateTokens(payload), tokensOfBytes(bytes), json);
+      assert.equal(estimateTokens(payload, 1000), bytes, json);
+      assert.equal(new ContextBudget({ bytesPerTokenMilli: 1000 }).tokens(payload), bytes, json);
+      assert.equal(estimateTokens(payload), estimateTokens(json), 'as the text it is sent as');
+    }
+  });
+
+  test('fitToolResults counts object messages and schemas as the JSON sent', () => {
+    const messages = [{ role: 'system', content: 'be brief' }, { role: 'user', content: 'x'.repeat(5000) }];
+    const toolSchemas = [MESSAGES[2][0]];
+    const results = ['y'.repeat(40_000), 'small'];
+    const budget = { maxContextTokens: 8192, reserveOutputTokens: 1024 };
+    const asObjects = fitToolResults(results, { budget, messages, toolSchemas });
+    const asText = fitToolResults(results, { budget, messages: messages.map((m) => JSON.stringify(m)), toolSchemas: toolSchemas.map((s) => JSON.stringify(s)) });
+    assert.deepEqual(asObjects, asText);
+    assert.equal(asObjects.fits, true);
+    assert.deepEqual([...asObjects.trimmed], [0]);
+  });
+
+  test('a value JSON cannot carry, or text with a lone surrogate, is a TypeError', () => {
+    const cycle = {};
+    cycle.self = cycle;
+    for (const payload of [undefined, () => 1, Symbol('s'), 1n, { n: 1n }, cycle, { content: 'a\ud800b' }, { ['\udc00']: 1 }]) {
+      assert.throws(() => estimateTokens(payload), TypeError, String(typeof payload));
+    }
+    assert.throws(() => fitToolResults([], { messages: [undefined] }), TypeError);
+  });
+});

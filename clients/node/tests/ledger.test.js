@@ -180,6 +180,37 @@ describe('call()', () => {
     assert.equal(balance.heldNanos, 0n);
   });
 
+  test('a callback that reports nothing is settled UNKNOWN, with a warning, and call() resolves', async () => {
+    const warnings = [];
+    const logger = { warn: (message) => warnings.push(message), error: (message) => warnings.push(`error: ${message}`) };
+    const client = await laneClient('no-report', {}, { logger });
+    for (const nothing of [undefined, null]) {
+      warnings.length = 0;
+      const result = await client.call(REQUEST, async () => nothing);
+      assert.ok(result instanceof Completed, String(nothing));
+      assert.equal(result.ending, 'UNKNOWN');
+      assert.equal(result.value, nothing);
+      assert.equal(result.chargedNanos, CAP, 'charged at the hold, never more');
+      assert.equal(result.ledgerError, null);
+      assert.equal((await client.booking(result.reservationId)).state, 'SETTLED_UNKNOWN');
+      assert.equal(warnings.length, 1, String(nothing));
+      assert.match(warnings[0], new RegExp(`${result.reservationId}.*no outcome`));
+    }
+    // A callback without a return statement at all.
+    const bare = await client.call(REQUEST, async () => {});
+    assert.equal(bare.ending, 'UNKNOWN');
+    // Something malformed is still an error, rethrown once the booking is settled UNKNOWN.
+    let reservationId;
+    await assert.rejects(
+      client.call(REQUEST, async (booking) => {
+        reservationId = booking.reservationId;
+        return 'ok';
+      }),
+      TypeError,
+    );
+    assert.equal((await client.booking(reservationId)).state, 'SETTLED_UNKNOWN');
+  });
+
   test('a denial skips the callback and says when to retry', async () => {
     const client = await laneClient('denial', { limit_nanos: '2000000' });
     const first = await client.call(REQUEST, async () => ({ httpStatus: 504 }));
@@ -196,6 +227,7 @@ describe('call()', () => {
     assert.ok(denied instanceof Denied);
     assert.equal(denied.admitted, false);
     assert.equal(denied.reason, 'BUDGET_EXHAUSTED');
+    assert.equal(denied.deniedBy, 'denial', 'the lane itself said no');
     assert.ok(denied.message.length > 0);
     assert.ok(denied.retryAfter instanceof Date);
     assert.equal(denied.retryAfter.getTime(), firstReservedAt.getTime() + DAY_SECONDS * 1000);
@@ -225,6 +257,7 @@ describe('call()', () => {
     assert.equal(ran, false);
     assert.ok(denied instanceof Denied);
     assert.equal(denied.reason, 'LEDGER_UNAVAILABLE');
+    assert.equal(denied.deniedBy, '', 'no budget was asked');
     assert.ok(denied.ledgerError instanceof Unavailable);
     // The bare move still rejects: only call() has an outage mode.
     await assert.rejects(client.reserve({ ...REQUEST, reservationId: 'bare' }), Unavailable);
@@ -259,6 +292,28 @@ describe('reserve / settle / refund', () => {
     assert.equal(settled.chargedNanos, 50_000n);
     assert.equal(settled.state, 'SETTLED');
     await assert.rejects(client.refund({ reservationId: 'repeat-1', httpStatus: 429 }), BookingAlreadyEnded);
+  });
+
+  test('a denial names the budget that said no: the lane or a parent', async () => {
+    // The parent holds room for one call; each child lane alone for many.
+    await ledger.admin.putLane({ lane: { lane: 'family', limit_nanos: String(CAP + CAP / 2n), prices: PRICES } });
+    const child = await laneClient('family-child', { parent: 'family' });
+    const admitted = await child.reserve({ ...REQUEST, reservationId: 'family-1' });
+    assert.equal(admitted.admitted, true);
+    assert.equal(admitted.deniedBy, '', 'admitted: no budget said no');
+    const byParent = await child.reserve({ ...REQUEST, reservationId: 'family-2' });
+    assert.equal(byParent.admitted, false);
+    assert.equal(byParent.denialReason, 'BUDGET_EXHAUSTED');
+    assert.equal(byParent.deniedBy, 'family');
+    const called = await child.call(REQUEST, async () => ({ httpStatus: 200 }));
+    assert.ok(called instanceof Denied);
+    assert.equal(called.deniedBy, 'family');
+
+    const alone = await laneClient('alone', { limit_nanos: String(CAP) });
+    assert.equal((await alone.reserve({ ...REQUEST, reservationId: 'alone-1' })).deniedBy, '');
+    const byLane = await alone.reserve({ ...REQUEST, reservationId: 'alone-2' });
+    assert.equal(byLane.admitted, false);
+    assert.equal(byLane.deniedBy, 'alone');
   });
 
   test('errors follow the one table', async () => {

@@ -5,9 +5,11 @@
 const { after, before, test } = require('node:test');
 const assert = require('node:assert/strict');
 const http = require('node:http');
+const net = require('node:net');
 const { OpenAI } = require('openai');
 const { startLedger } = require('./ledger-server');
 const { LaneClient, ledgerFetch, isContextOverflow } = require('..');
+const { neverSent, RESERVATION_HEADER } = require('../lib/providers');
 
 // 1,000 nanos an input token, 100 a cached one, 4,000 an output token.
 const PRICES = {
@@ -43,6 +45,10 @@ function chatReply(body, res) {
     res.writeHead(status, { 'content-type': 'application/json' });
     res.end(JSON.stringify(value));
   };
+  // As OpenAI does: at most 16 metadata pairs.
+  if (body.metadata && Object.keys(body.metadata).length > 16) {
+    return json(400, { error: { message: 'Invalid metadata: too many keys.', type: 'invalid_request_error', param: 'metadata', code: 'object_above_max_length' } });
+  }
   if (kind === 'ok') return json(200, { id: 'c1', object: 'chat.completion', model: body.model, choices: [{ index: 0, message: { role: 'assistant', content: 'hi' }, finish_reason: 'stop' }], usage: USAGE });
   if (kind === 'overflow') return json(400, OVERFLOW);
   if (kind === 'forbidden') return json(403, { error: { message: 'no', type: 'permission_error' } });
@@ -108,7 +114,7 @@ function sdk(options = {}) {
 }
 
 /** Sends one chat create with the reply `kind`; the booking it made. */
-async function booked(kind, options = {}, request = {}) {
+async function booked(kind, options = {}, request = {}, { tagged = true } = {}) {
   replies.set(kind, kind);
   const before = seen.length;
   let error = null;
@@ -122,16 +128,42 @@ async function booked(kind, options = {}, request = {}) {
   const sent = seen[before];
   const reservationId = sent.headers['x-ledger-reservation-id'];
   assert.ok(reservationId, 'the reservation id travels as a header');
-  assert.equal(sent.body.metadata.ledger_reservation_id, reservationId);
-  // The booking may end a moment after the SDK has its answer (a stream's end).
+  if (tagged) assert.equal(sent.body.metadata.ledger_reservation_id, reservationId);
+  const booking = await endedBooking(reservationId);
+  assert.equal(booking.requestBytes, BigInt(Buffer.byteLength(sent.raw)), 'the bytes booked are the bytes sent');
+  return { booking, error, answer, sent };
+}
+
+/** The booking once it has ended: it may end a moment after the SDK has its answer (a stream's end). */
+async function endedBooking(reservationId) {
   let booking;
   for (let attempt = 0; attempt < 50; attempt += 1) {
     booking = await client.booking(reservationId);
     if (booking.state !== 'OPEN') break;
     await new Promise((resolve) => setTimeout(resolve, 20));
   }
-  assert.equal(booking.requestBytes, BigInt(Buffer.byteLength(sent.raw)), 'the bytes booked are the bytes sent');
-  return { booking, error, answer, sent };
+  return booking;
+}
+
+/** A port on which nothing listens: a connection to it is refused. */
+async function closedPort() {
+  const server = net.createServer();
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const { port } = server.address();
+  await new Promise((resolve) => server.close(resolve));
+  return port;
+}
+
+/** ledgerFetch over `inner`, noting the reservation id of every attempt. */
+function notingFetch(inner = globalThis.fetch) {
+  const ids = [];
+  const fetch = ledgerFetch(client, {
+    fetch: (url, init) => {
+      ids.push(new Headers(init.headers).get(RESERVATION_HEADER));
+      return inner(url, init);
+    },
+  });
+  return { ids, fetch };
 }
 
 test('a completion is settled from its usage, cached tokens included', async () => {
@@ -209,4 +241,88 @@ test('other requests pass through unbooked', async () => {
   await sdk().models.list().catch(() => null);
   assert.equal(seen.length, before + 1);
   assert.equal(seen[before].headers['x-ledger-reservation-id'], undefined);
+});
+
+test('a refused connection is refunded as never sent, each attempt a booking of its own', async () => {
+  const { ids, fetch } = notingFetch();
+  const openai = new OpenAI({ apiKey: 'test', baseURL: `http://127.0.0.1:${await closedPort()}/v1`, fetch, maxRetries: 1 });
+  await assert.rejects(
+    openai.chat.completions.create({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: 'ok' }] }),
+    (error) => error instanceof OpenAI.APIConnectionError,
+  );
+  assert.equal(ids.length, 2, 'the SDK retried once');
+  for (const reservationId of ids) {
+    const booking = await endedBooking(reservationId);
+    assert.equal(booking.state, 'REFUNDED', 'a call never sent costs zero');
+    assert.equal(booking.amountNanos, 0n);
+  }
+});
+
+test('a DNS failure is never sent too; a reset or an abort once connected is UNKNOWN', async () => {
+  // What undici's fetch rejects with (TypeError "fetch failed", the system error as its cause).
+  const failed = (fields) => new TypeError('fetch failed', { cause: Object.assign(new Error(fields.code), fields) });
+  const dns = () => failed({ code: 'ENOTFOUND', syscall: 'getaddrinfo', hostname: 'api.example.invalid' });
+  const reset = () => failed({ code: 'ECONNRESET', syscall: 'read' });
+  const abort = () => new DOMException('This operation was aborted', 'AbortError');
+  for (const [make, state] of [[dns, 'REFUNDED'], [reset, 'SETTLED_UNKNOWN'], [abort, 'SETTLED_UNKNOWN']]) {
+    const error = make();
+    const { ids, fetch } = notingFetch(async () => {
+      throw error;
+    });
+    await assert.rejects(sdk({ fetch }).chat.completions.create({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: 'ok' }] }));
+    assert.equal(ids.length, 1);
+    assert.equal((await endedBooking(ids[0])).state, state, `${error.name}: ${error.cause?.code ?? error.message}`);
+  }
+});
+
+test('never sent: exactly the errors of a connection that was never made', () => {
+  const cause = (fields) => new TypeError('fetch failed', { cause: Object.assign(new Error('x'), fields) });
+  // httpx's ConnectError and ConnectTimeout, as undici reports them.
+  assert.equal(neverSent(cause({ code: 'ECONNREFUSED', syscall: 'connect', address: '127.0.0.1', port: 9 })), 'could not connect: ECONNREFUSED');
+  assert.equal(neverSent(cause({ code: 'ENOTFOUND', syscall: 'getaddrinfo' })), 'could not connect: ENOTFOUND');
+  assert.equal(neverSent(cause({ code: 'EAI_AGAIN', syscall: 'getaddrinfo' })), 'could not connect: EAI_AGAIN');
+  assert.equal(neverSent(cause({ code: 'EHOSTUNREACH', syscall: 'connect' })), 'could not connect: EHOSTUNREACH');
+  assert.equal(neverSent(cause({ code: 'ETIMEDOUT', syscall: 'connect' })), 'could not connect: ETIMEDOUT');
+  assert.equal(neverSent(cause({ code: 'UND_ERR_CONNECT_TIMEOUT', name: 'ConnectTimeoutError' })), 'could not connect: UND_ERR_CONNECT_TIMEOUT');
+  assert.equal(neverSent(cause({ code: 'ERR_TLS_CERT_ALTNAME_INVALID' })), 'could not connect: ERR_TLS_CERT_ALTNAME_INVALID');
+  assert.equal(neverSent(cause({ code: 'SELF_SIGNED_CERT_IN_CHAIN' })), 'could not connect: SELF_SIGNED_CERT_IN_CHAIN');
+  // Happy eyeballs: every address refused.
+  const refused = (address) => Object.assign(new Error('refused'), { code: 'ECONNREFUSED', syscall: 'connect', address });
+  const all = new TypeError('fetch failed', { cause: Object.assign(new AggregateError([refused('::1'), refused('127.0.0.1')]), { code: 'ECONNREFUSED' }) });
+  assert.equal(neverSent(all), 'could not connect: ECONNREFUSED');
+  // Once connected, or not knowing: it may have been sent.
+  for (const error of [
+    cause({ code: 'ECONNRESET', syscall: 'read' }),
+    cause({ code: 'EPIPE', syscall: 'write' }),
+    cause({ code: 'UND_ERR_SOCKET', name: 'SocketError' }),
+    cause({ code: 'UND_ERR_HEADERS_TIMEOUT' }),
+    cause({ code: 'UND_ERR_BODY_TIMEOUT' }),
+    new TypeError('fetch failed', { cause: new AggregateError([refused('::1'), Object.assign(new Error('reset'), { code: 'ECONNRESET', syscall: 'read' })]) }),
+    new DOMException('This operation was aborted', 'AbortError'),
+    new DOMException('The operation timed out', 'TimeoutError'),
+    new TypeError('fetch failed'),
+    new Error('socket hang up'),
+    null,
+    'a string',
+  ]) {
+    assert.equal(neverSent(error), null, String(error?.cause?.code ?? error?.name ?? error));
+  }
+});
+
+test('a full metadata is left as it is; the header still carries the reservation id', async () => {
+  const full = Object.fromEntries(Array.from({ length: 16 }, (_, index) => [`k${index}`, `v${index}`]));
+  const { booking, error, sent } = await booked('ok', {}, { metadata: full }, { tagged: false });
+  assert.equal(error, null, 'OpenAI refuses a 17th key with a 400');
+  assert.deepEqual(sent.body.metadata, full);
+  assert.ok(sent.headers['x-ledger-reservation-id']);
+  assert.equal(booking.state, 'SETTLED');
+
+  const fifteen = Object.fromEntries(Object.entries(full).slice(0, 15));
+  const tagged = await booked('ok', {}, { metadata: fifteen });
+  assert.equal(Object.keys(tagged.sent.body.metadata).length, 16, 'room for one more: tagged');
+  assert.equal(tagged.booking.state, 'SETTLED');
+
+  // Not an object: left for the provider to refuse, as the Python client does.
+  const odd = await booked('ok', {}, { metadata: 'not an object' }, { tagged: false });
+  assert.equal(odd.sent.body.metadata, 'not an object');
 });

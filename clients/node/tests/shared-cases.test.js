@@ -136,6 +136,50 @@ describe('error cases', () => {
     });
   }
 
+  test("the README's error table names every reason, each with its class", () => {
+    const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
+    const header = '| status | `ledger-reason` | class |';
+    assert.ok(readme.includes(header), 'the README has the error table');
+    const lines = readme.slice(readme.indexOf(header)).split('\n\n')[0].split('\n').slice(2);
+    const rows = lines.map((line) => {
+      const cells = line.split(' | ').map((cell) => cell.replace(/^\|\s*|\s*\|$/g, '').trim());
+      assert.equal(cells.length, 3, line);
+      const [status, reasons, classCell] = cells;
+      const named = classCell.match(/^`(\w+)`/);
+      assert.ok(named, `a class first: ${line}`);
+      return {
+        line,
+        status, // a gRPC status, or "any other (...)"
+        reasons: [...reasons.matchAll(/`([A-Z_]+)`/g)].map((match) => match[1]),
+        // "any", or "none or another": calls without a reason or with an unknown one.
+        fallback: reasons.startsWith('any') || reasons.includes('none or another'),
+        errorClass: errorClass(named[1]),
+      };
+    });
+    const statusOf = (row) => (row.status.startsWith('any other') ? grpc.status.UNKNOWN : grpc.status[row.status]);
+    // Each row says what lib/errors.js does.
+    for (const row of rows) {
+      assert.equal(typeof statusOf(row), 'number', `unknown status in: ${row.line}`);
+      const reasons = [...row.reasons, ...(row.fallback ? ['', 'A_REASON_NOBODY_KNOWS'] : [])];
+      assert.ok(reasons.length > 0, `a row names a reason or says none: ${row.line}`);
+      for (const reason of reasons) {
+        assert.equal(errors.errorClassOf(statusOf(row), reason), row.errorClass, `${row.line} (${reason || 'no reason'})`);
+      }
+    }
+    // And every case of clients/cases/errors.json has exactly one row, with its class.
+    for (const row of ERRORS.reasons) {
+      const found = rows.filter((candidate) => candidate.status === row.status && candidate.reasons.includes(row.reason));
+      assert.equal(found.length, 1, `${row.status} ${row.reason}: ${found.length} rows`);
+      assert.equal(found[0].errorClass, errorClass(row.node), `${row.status} ${row.reason}`);
+    }
+    for (const row of ERRORS.by_status) {
+      let found = rows.filter((candidate) => candidate.status === row.status && candidate.fallback);
+      if (!rows.some((candidate) => candidate.status === row.status)) found = rows.filter((candidate) => candidate.status.startsWith('any other'));
+      assert.equal(found.length, 1, `${row.status} without a reason: ${found.length} rows`);
+      assert.equal(found[0].errorClass, errorClass(forNode(row.node)), `${row.status} without a reason`);
+    }
+  });
+
   test('every reason of the table is a case', () => {
     const listed = new Set(ERRORS.reasons.map((row) => row.reason));
     const known = errors.ERROR_TABLE.map(([, reason]) => reason).filter((reason) => reason !== null);
