@@ -67,7 +67,8 @@ NO_OUTCOME_REASON = "the block ended without reporting an outcome"
 
 class Denied(Exception):
     """Do not call the model; fall back. `retry_after` (UTC) is set when the
-    ledger knows when enough of the window ages out for this call to fit."""
+    ledger knows when enough of the window ages out for this call to fit;
+    `denied_by` names the budget that said no ("" in an outage)."""
 
     def __init__(
         self,
@@ -75,12 +76,14 @@ class Denied(Exception):
         message: str,
         retry_after: datetime.datetime | None = None,
         reservation_id: str = "",
+        denied_by: str = "",
     ) -> None:
         super().__init__(message)
         self.denial_reason = denial_reason
         self.message = message
         self.retry_after = retry_after
         self.reservation_id = reservation_id
+        self.denied_by = denied_by
 
 
 class CallLedger(Protocol):
@@ -294,6 +297,7 @@ class ModelCall:
                 reservation.reason,
                 reservation.retry_after,
                 arguments.reservation_id,
+                reservation.denied_by,
             )
         self._wake_replayer()
         return CallHandle(

@@ -463,6 +463,9 @@ def test_a_denial_names_the_budget_that_said_no(
         by_parent = c.reserve("model-a", len(REQUEST), 500)
         assert not by_parent.admitted and by_parent.denied_by == parent
         assert by_parent.denial_reason is DenialReason.BUDGET_EXHAUSTED
+        with pytest.raises(Denied) as denied, c.model_call("model-a", REQUEST, 500):
+            raise AssertionError("the model must not be called")
+        assert denied.value.denied_by == parent
     small = new_lane_name()
     admin.put_lane(small, 100)
     with LaneClient(ledger_server.address, small, grant=lane_grant, settings=TEST_SETTINGS) as c:
