@@ -18,6 +18,7 @@ off (storage/database.py): its ROLLBACK would DEALLOCATE ALL.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import select
 from collections.abc import Callable, Mapping, Sequence
@@ -85,7 +86,8 @@ def _param(value: Any) -> bytes | None:
 class Statement:
     """One statement in libpq's form: `$n` placeholders and a name to prepare it by."""
 
-    _count = 0
+    # Unique per process: threads may build statements at once (next() is atomic).
+    _numbers = itertools.count(1)
 
     def __init__(self, pyformat_sql: str, types: Mapping[str, int]) -> None:
         """`types`: parameters' type OIDs where the SQL does not cast them."""
@@ -102,8 +104,7 @@ class Statement:
         self.sql = _PLACEHOLDER.sub(number, pyformat_sql).encode()
         self.order = tuple(order)
         self.types = [types.get(name, 0) for name in order]
-        Statement._count += 1
-        self.name = f"ledger_{Statement._count}".encode()
+        self.name = f"ledger_{next(Statement._numbers)}".encode()
 
     def params(self, values: Any) -> list[bytes | None]:
         return [_param(values[name]) for name in self.order]
