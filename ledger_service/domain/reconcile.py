@@ -200,8 +200,11 @@ def _billed_nanos(record: Mapping[str, Any]) -> int | None:
     if "billed_nanos" in record:
         return _whole(record["billed_nanos"], "billed_nanos", MAX_AMOUNT_NANOS)
     if "billed_usd" in record:
+        text = str(record["billed_usd"]).strip()
         try:
-            usd = decimal.Decimal(str(record["billed_usd"]).strip())
+            if not text.isascii() or "_" in text:  # Decimal would read 1_000 and ٣
+                raise decimal.InvalidOperation(text)
+            usd = decimal.Decimal(text)
         except decimal.InvalidOperation as error:
             raise InvalidArgument("billed_usd", "must be a decimal number of dollars") from error
         nanos = usd * NANOS_PER_USD
@@ -220,7 +223,7 @@ def _whole(value: Any, field: str, high: int) -> int:
         raise InvalidArgument(field, "must be a whole number")
     if isinstance(value, int):
         number = value
-    elif isinstance(value, str) and value.strip().isdigit():
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         number = int(value.strip())
     else:
         raise InvalidArgument(field, "must be a whole, non-negative number")

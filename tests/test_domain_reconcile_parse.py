@@ -1,0 +1,36 @@
+"""Reconcile rows' numbers: plain ASCII decimals only, so that a typo is a bad
+row naming its field, never a different amount and never an INTERNAL error."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger_service.domain import reconcile
+
+
+def _parsed(column: str, value: str) -> reconcile.Parsed:
+    content = f"reservation_id,{column}\nr1,{value}\n".encode()
+    return reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("billed_usd", "1_000"),
+        ("billed_usd", "\u0663"),
+        ("billed_nanos", "\u00b2"),
+        ("billed_nanos", "\u0663"),
+        ("billed_nanos", "1_000"),
+        ("input_tokens", "\u00b2"),
+    ],
+)
+def test_a_number_that_is_not_plain_ascii_is_a_bad_row(column: str, value: str) -> None:
+    parsed = _parsed(column, value)
+    assert not parsed.rows
+    [bad] = parsed.bad
+    assert bad.status is reconcile.RowStatus.BAD and bad.field == column
+
+
+def test_plain_numbers_still_read() -> None:
+    assert _parsed("billed_usd", "0.00019").rows[0].billed_nanos == 190_000
+    assert _parsed("billed_nanos", "7").rows[0].billed_nanos == 7
