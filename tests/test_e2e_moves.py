@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -380,6 +380,18 @@ def test_put_lane_refuses_bad_values_naming_the_field(
 ) -> None:
     failure = harness.fails(INVALID, lambda: harness.make_lane("bad", **fields))
     assert failure.field == field
+
+
+def test_the_test_clock_refuses_instants_finer_than_a_microsecond(harness: Any) -> None:
+    before = harness.now_us()
+    for call in (
+        lambda: harness.clock.Advance(duration_pb2.Duration(nanos=1)),
+        lambda: harness.clock.SetTime(timestamp_pb2.Timestamp(seconds=2_000_000_000, nanos=500)),
+    ):
+        assert harness.fails(INVALID, call).field == "nanos"
+    assert harness.now_us() == before
+    harness.clock.Advance(duration_pb2.Duration(nanos=1000))
+    assert harness.now_us() == before + 1
 
 
 def test_negative_durations_and_paging_values_are_invalid(harness: Any) -> None:

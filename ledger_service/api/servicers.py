@@ -251,6 +251,13 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
         return response
 
 
+def _whole_micros(nanos: int) -> None:
+    """The test clock counts whole microseconds, as the ledger does: a finer
+    instant would be silently cut."""
+    if nanos % 1000:
+        raise InvalidArgument("nanos", "the ledger's clock counts whole microseconds")
+
+
 class TestClockServicer(pb_grpc.TestClockServicer):
     """Registered only by a server started with --test-clock."""
 
@@ -261,6 +268,7 @@ class TestClockServicer(pb_grpc.TestClockServicer):
     def SetTime(
         self, request: timestamp_pb2.Timestamp, context: grpc.ServicerContext
     ) -> timestamp_pb2.Timestamp:
+        _whole_micros(request.nanos)
         instant_us = convert.micros_of_timestamp("seconds", request)
         floor_us = self._ledger.last_event_at_us()
         return convert.timestamp(self._clock.set_us(instant_us, not_before_us=floor_us))
@@ -268,6 +276,7 @@ class TestClockServicer(pb_grpc.TestClockServicer):
     def Advance(
         self, request: duration_pb2.Duration, context: grpc.ServicerContext
     ) -> timestamp_pb2.Timestamp:
+        _whole_micros(request.nanos)
         length_us = convert.micros_of_duration("seconds", request)
         if length_us < 0:
             raise InvalidArgument("seconds", "a test clock only moves forward by Advance")
