@@ -170,15 +170,15 @@ def pipeline(
     first statement error, as psycopg would."""
     pgconn = driver.pgconn
     prepared: set[bytes] = info.setdefault(_PREPARED_KEY, set())
-    preparing = list(dict.fromkeys(s.name for s, _ in calls if s.name not in prepared))
-    texts = {statement.name: (statement.sql, statement.types) for statement, _ in calls}
+    # The statements not yet prepared on this connection, each once.
+    preparing = list({s.name: s for s, _ in calls if s.name not in prepared}.values())
     with driver.lock:
         pgconn.enter_pipeline_mode()
         try:
             if not driver.autocommit and pgconn.transaction_status == _IDLE:
                 pgconn.send_query_params(_begin(driver), None)
-            for name in preparing:
-                pgconn.send_prepare(name, *texts[name])
+            for statement in preparing:
+                pgconn.send_prepare(statement.name, statement.sql, statement.types)
             for statement, values in calls:
                 pgconn.send_query_prepared(statement.name, statement.params(values))
             pgconn.pipeline_sync()
@@ -188,7 +188,9 @@ def pipeline(
     replies = results[-len(calls) :]
     made = results[-len(calls) - len(preparing) : -len(calls)]
     prepared.update(
-        name for name, result in zip(preparing, made, strict=True) if result.status == _COMMAND_OK
+        statement.name
+        for statement, result in zip(preparing, made, strict=True)
+        if result.status == _COMMAND_OK
     )
     error = next((result for result in results if result.status not in _ANSWERED), None)
     if error is not None:

@@ -6,7 +6,8 @@ SQLite took to run it: profiled at ~150 µs of overhead per statement against
 ~10 µs of work. The hot statements are still written with SQLAlchemy's
 expression language (one definition for both databases), compiled once per
 dialect to SQL text, and executed on the DBAPI connection that SQLAlchemy's
-transaction holds, so they share its transaction.
+transaction holds, so they share its transaction: on SQLite through its
+cursor, on PostgreSQL straight through libpq (storage/libpq.py).
 
 Driver errors are raised as SQLAlchemy's DBAPIError (with the SQL and the
 parameters hidden), so callers keep one error model.
@@ -198,32 +199,20 @@ Call = tuple[Prepared, Mapping[str, Any]]
 
 
 def pipelined(connection: Connection, calls: Sequence[Call]) -> list[Any]:
-    """Runs `calls` in order in one round trip (psycopg's pipeline mode, on
-    PostgreSQL) and returns their cursors, results read. The server runs each
-    statement after the one before it has finished, so a statement after a
-    lock sees what was committed before the lock was granted."""
+    """PostgreSQL: runs `calls` in order in one round trip (storage/libpq.py)
+    and returns their results, read, with a cursor's fetchone and fetchall.
+    The server runs each statement after the one before it has finished, so a
+    statement after a lock sees what was committed before the lock was granted."""
     pooled = connection.connection
-    driver = pooled.driver_connection
     first = calls[0][0]
     try:
-        if first._libpq is not None:
-            return libpq.pipeline(
-                driver,
-                pooled.info,
-                [(statement.libpq(), statement._parameters(values)) for statement, values in calls],
-            )
-        with driver.pipeline():  # type: ignore[union-attr]
-            cursors = [_sent(driver, statement, values) for statement, values in calls]
-        # Leaving the pipeline synced it once and read every result.
+        return libpq.pipeline(
+            pooled.driver_connection,
+            pooled.info,
+            [(statement.libpq(), statement._parameters(values)) for statement, values in calls],
+        )
     except first._dbapi_error as error:
         raise first._wrapped(error) from error
-    return cursors
-
-
-def _sent(driver: Any, statement: Prepared, values: Mapping[str, Any]) -> Any:
-    cursor = driver.cursor()
-    cursor.execute(statement.sql, statement._parameters(values))
-    return cursor
 
 
 def fetched_mapping(call: Call, cursor: Any) -> dict[str, Any] | None:
