@@ -74,10 +74,6 @@ def payload_bytes(payload: object) -> bytes:
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def _utf8(payload: bytes | str) -> bytes:
-    return payload.encode("utf-8") if isinstance(payload, str) else payload
-
-
 @dataclasses.dataclass(frozen=True)
 class ContextBudget:
     # Must match the served model's window (vLLM's --max-model-len): two
@@ -277,7 +273,7 @@ def _parsed(body: Mapping[str, object] | bytes | str | None) -> Mapping[str, obj
         return body
     try:
         # Text that cannot be UTF-8 (a lone surrogate) is not a body either.
-        raw = _utf8(body)
+        raw = payload_bytes(body)
         if len(raw) > MAX_ERROR_BODY_BYTES:
             return None
         text = raw.decode("utf-8-sig")
