@@ -383,6 +383,12 @@ _HOT = prepared.Statements(
     insert_event=insert(events)
     .values({name: bindparam(name) for name in _EVENT_COLUMNS})
     .returning(events.c.seq),
+    # PostgreSQL: a seq taken behind a lane's row lock, and the event that uses it.
+    # (no row, and no seq, for a lane that does not exist yet).
+    next_seq=select(func.nextval("events_seq_seq")).where(lanes.c.lane == bindparam("lane")),
+    insert_event_at=insert(events).values(
+        {name: bindparam(name) for name in ("seq", *_EVENT_COLUMNS)}
+    ),
     event=select(events).where(events.c.seq == bindparam("seq")),
     correction=select(events).where(
         events.c.lane == bindparam("lane"),
@@ -411,10 +417,10 @@ def _sqlite_transaction(connection: Connection) -> SqlTransaction:
 
 
 class SqlTransaction:
-    """One transaction's statements. On PostgreSQL a move is four round trips:
-    BEGIN with the locks and what the move reads of its lane (lock_lane); the
-    window's edges; the event's INSERT; the booking and window writes with the
-    COMMIT (deferred, and sent before any later statement)."""
+    """One transaction's statements. On PostgreSQL a move is three round trips:
+    BEGIN with the locks, what the move reads of its lane and a seq for its
+    event (lock_lane); the window's edges; the event's INSERT, the booking and
+    window writes and the COMMIT (deferred, and sent before any later statement)."""
 
     def __init__(
         self,
@@ -432,6 +438,8 @@ class SqlTransaction:
         self._chained: set[str] = set()  # PostgreSQL: lanes whose appends are serialized here
         self._prefetched_bookings: dict[tuple[str, str], Booking | None] = {}
         self._prefetched_windows: dict[str, WindowState | None] = {}
+        # PostgreSQL: a seq taken behind this lane's row lock, not yet used.
+        self._taken_seq: tuple[str, int] | None = None
 
     @property
     def _connection(self) -> Connection:
@@ -494,6 +502,12 @@ class SqlTransaction:
         if reservation_id:
             booking_keys = {"lane": lane, "reservation_id": reservation_id}
             reads.append((_HOT("booking", self._raw), booking_keys))
+        # The seq of the lane's next event, taken behind its row lock (so in
+        # the lane's chain order) and after the xid (storage/horizon.py): its
+        # INSERT then waits for the COMMIT's round trip. Unused, it is a hole.
+        take_seq = self._taken_seq is None
+        if take_seq:
+            reads.append((_HOT("next_seq", self._raw), keys))
         cursors = self._took_maintenance(
             prepared.pipelined(self._connection, [*self._maintenance_calls(), *reads])
         )
@@ -502,8 +516,11 @@ class SqlTransaction:
         children = cursors[2].fetchall()
         head = cursors[3].fetchone()
         booking = prepared.fetched_mapping(reads[4], cursors[4]) if reservation_id else None
+        seq = cursors[-1].fetchone() if take_seq else None
         if row is None:
             return None  # nothing was locked: nothing read behind the lock is kept
+        if seq is not None:
+            self._taken_seq = (lane, int(seq[0]))
         policy = self._memo.lanes[lane] = records.lane_from_row(row)
         self._chained.add(lane)
         self._prefetched_windows[lane] = _window_state_of(window) if window else None
@@ -679,9 +696,13 @@ class SqlTransaction:
         digest = chain.event_hash(previous, event)
         values = records.event_values(event)
         values["hash"], values["previous_hash"] = digest, previous
-        row = _HOT("insert_event", self._connection).one(self._connection, values)
-        assert row is not None
-        seq = int(row[0])
+        if self._taken_seq is not None and self._taken_seq[0] == event.lane:
+            seq, self._taken_seq = self._taken_seq[1], None
+            self._defer("insert_event_at", {**values, "seq": seq})
+        else:
+            row = _HOT("insert_event", self._connection).one(self._connection, values)
+            assert row is not None
+            seq = int(row[0])
         # SQLite advances the marker (PostgreSQL read it behind the maintenance lock).
         if self._sqlite:
             chaining.advance_position(self._connection, seq)

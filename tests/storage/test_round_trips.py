@@ -1,0 +1,104 @@
+"""Round trips a move makes to PostgreSQL (docs/postgresql.md, "Round trips per move").
+
+Counted in the store: each libpq pipeline is one round trip, and so is any
+statement that goes through SQLAlchemy instead. The bench counts the same
+through a latency proxy (`python -m bench --only roundtrips`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select
+
+from ledger_service.application.ledger import Ledger
+from ledger_service.domain import chain, moves
+from ledger_service.domain.clock import ManualClock
+from ledger_service.domain.events import EventKind, Outcome
+from ledger_service.storage import database, libpq, migrate, records
+from ledger_service.storage.schema import events
+from ledger_service.storage.sql import SqlStore
+from tests.storage.conftest import RECALL, START_US
+
+pytestmark = pytest.mark.postgres
+
+
+class RoundTrips:
+    def __init__(self, store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        pipeline = libpq.pipeline
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return pipeline(*args, **kwargs)
+
+        monkeypatch.setattr(libpq, "pipeline", counted)
+        event.listen(store.engine, "before_cursor_execute", self._statement)
+
+    def _statement(self, *_args: Any) -> None:
+        self.count += 1
+
+    def of(self, move: Any) -> int:
+        self.count = 0
+        move()
+        return self.count
+
+
+@pytest.fixture
+def store(postgres_schema_url: str) -> Iterator[SqlStore]:
+    engine = database.create(postgres_schema_url, database.EngineLimits(pool_size=4))
+    migrate.upgrade(engine)
+    found = SqlStore(engine)
+    yield found
+    found.close()
+
+
+def _reserve(ledger: Ledger, reservation_id: str) -> None:
+    command = moves.ReserveCommand(RECALL.lane, reservation_id, "jev", 1000, 10)
+    assert ledger.reserve(command).admitted
+
+
+def _settle(ledger: Ledger, reservation_id: str) -> None:
+    command = moves.SettleCommand(RECALL.lane, reservation_id, Outcome.SUCCEEDED, 10, 5)
+    ledger.settle(command)
+
+
+def test_a_reserve_and_a_settle_are_three_round_trips_each(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = ManualClock(START_US)
+    ledger = Ledger(store, clock)
+    ledger.put_lane(RECALL)
+    _reserve(ledger, "warm-up")
+    trips = RoundTrips(store, monkeypatch)
+    clock.advance_us(1_000)
+    # BEGIN, the locks, the lane's reads and a seq; the window's edges; the
+    # event's INSERT, the booking's and the window's writes and the COMMIT.
+    assert trips.of(lambda: _reserve(ledger, "r-1")) == 3
+    clock.advance_us(1_000)
+    assert trips.of(lambda: _settle(ledger, "r-1")) == 3
+
+
+def test_events_sent_with_the_commit_keep_each_lanes_chain_in_seq_order(
+    store: SqlStore,
+) -> None:
+    """Each event's seq is taken in the move's first round trip and its INSERT
+    sent with the COMMIT: the log holds every move's event, with content and
+    links intact in seq order. A repeated Reserve appends nothing."""
+    clock = ManualClock(START_US)
+    ledger = Ledger(store, clock)
+    ledger.put_lane(RECALL)
+    for index in range(5):
+        clock.advance_us(1_000)
+        _reserve(ledger, f"r-{index}")
+        _reserve(ledger, f"r-{index}")  # a repeat: answered from the first
+        _settle(ledger, f"r-{index}")
+    with store.engine.connect() as connection:
+        rows = connection.execute(select(events).order_by(events.c.seq)).mappings().all()
+    logged = [records.event_from_row(dict(row)) for row in rows]
+    kinds = [event.kind for event in logged]
+    assert kinds == [EventKind.LANE_CONFIGURED] + [EventKind.RESERVED, EventKind.SETTLED] * 5
+    walker = chain.ChainWalker()
+    assert [walker.check(event) for event in logged] == [None] * len(logged)
