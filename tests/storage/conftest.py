@@ -81,6 +81,16 @@ def database_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
 
 
 @pytest.fixture
+def postgres_store(postgres_schema_url: str) -> Iterator[SqlStore]:
+    """A store on PostgreSQL alone, in a fresh schema."""
+    engine = database.create(postgres_schema_url, database.EngineLimits(pool_size=4))
+    migrate.upgrade(engine)
+    store = SqlStore(engine)
+    yield store
+    store.close()
+
+
+@pytest.fixture
 def store(database_url: str) -> Iterator[SqlStore]:
     engine = database.create(database_url, database.EngineLimits(pool_size=16))
     migrate.upgrade(engine)

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from sqlalchemy import text
 
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
-from ledger_service.storage import database, horizon, migrate
+from ledger_service.storage import horizon
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def postgres_store(postgres_schema_url: str) -> Iterator[SqlStore]:
-    engine = database.create(postgres_schema_url, database.EngineLimits(pool_size=4))
-    migrate.upgrade(engine)
-    store = SqlStore(engine)
-    yield store
-    store.close()
 
 
 def test_a_fresh_horizon_jumps_over_a_log_longer_than_one_walk(

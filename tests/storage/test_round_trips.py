@@ -7,7 +7,6 @@ through a latency proxy (`python -m bench --only roundtrips`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.domain import chain, moves
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.events import EventKind, Outcome
-from ledger_service.storage import database, libpq, migrate, records
+from ledger_service.storage import libpq, records
 from ledger_service.storage.schema import events
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
@@ -46,15 +45,6 @@ class RoundTrips:
         return self.count
 
 
-@pytest.fixture
-def store(postgres_schema_url: str) -> Iterator[SqlStore]:
-    engine = database.create(postgres_schema_url, database.EngineLimits(pool_size=4))
-    migrate.upgrade(engine)
-    found = SqlStore(engine)
-    yield found
-    found.close()
-
-
 def _reserve(ledger: Ledger, reservation_id: str) -> None:
     command = moves.ReserveCommand(RECALL.lane, reservation_id, "jev", 1000, 10)
     assert ledger.reserve(command).admitted
@@ -66,13 +56,13 @@ def _settle(ledger: Ledger, reservation_id: str) -> None:
 
 
 def test_a_reserve_and_a_settle_are_three_round_trips_each(
-    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = ManualClock(START_US)
-    ledger = Ledger(store, clock)
+    ledger = Ledger(postgres_store, clock)
     ledger.put_lane(RECALL)
     _reserve(ledger, "warm-up")
-    trips = RoundTrips(store, monkeypatch)
+    trips = RoundTrips(postgres_store, monkeypatch)
     clock.advance_us(1_000)
     # BEGIN, the locks, the lane's reads and a seq; the window's edges; the
     # event's INSERT, the booking's and the window's writes and the COMMIT.
@@ -82,20 +72,20 @@ def test_a_reserve_and_a_settle_are_three_round_trips_each(
 
 
 def test_events_sent_with_the_commit_keep_each_lanes_chain_in_seq_order(
-    store: SqlStore,
+    postgres_store: SqlStore,
 ) -> None:
     """Each event's seq is taken in the move's first round trip and its INSERT
     sent with the COMMIT: the log holds every move's event, with content and
     links intact in seq order. A repeated Reserve appends nothing."""
     clock = ManualClock(START_US)
-    ledger = Ledger(store, clock)
+    ledger = Ledger(postgres_store, clock)
     ledger.put_lane(RECALL)
     for index in range(5):
         clock.advance_us(1_000)
         _reserve(ledger, f"r-{index}")
         _reserve(ledger, f"r-{index}")  # a repeat: answered from the first
         _settle(ledger, f"r-{index}")
-    with store.engine.connect() as connection:
+    with postgres_store.engine.connect() as connection:
         rows = connection.execute(select(events).order_by(events.c.seq)).mappings().all()
     logged = [records.event_from_row(dict(row)) for row in rows]
     kinds = [event.kind for event in logged]
