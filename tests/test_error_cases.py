@@ -193,7 +193,9 @@ def test_retry_is_safe_exactly_on_a_passing_condition() -> None:
         assert row["outage"] is (row["status"] == "UNAVAILABLE"), row
     for row in cases["by_status"]:
         assert grpc.StatusCode[row["status"]]  # a real status name
-        if row["status"] != "CANCELLED":  # the transports differ there
+        # Made by the transport without a reason (a shutdown's CANCELLED, a
+        # reset stream's INTERNAL): the ledger went away, so a retry is safe.
+        if row["status"] not in ("CANCELLED", "INTERNAL"):
             assert _per_client(row["retry"]) == [row["status"] in RETRY_STATUSES], row
     for row in [*cases["reasons"], *cases["by_status"]]:
         for retry, outage in zip(

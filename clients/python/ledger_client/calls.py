@@ -48,6 +48,7 @@ from ledger_client.outcomes import (
     Usage,
     ending_of,
     failure_of_exception,
+    status_of_exception,
 )
 from ledger_client.replay import IN_DOUBT_REASON, Replayer
 from ledger_client.settings import DEFAULT_END_ATTEMPTS, END_RETRY_PAUSE_SECONDS
@@ -447,4 +448,4 @@ def _ending_for(error: BaseException | None) -> Ending:
         return ending_of(0, None, CallFailure.EXCEPTION, NO_OUTCOME_REASON)
     failure = failure_of_exception(error)
     reason = error.reason if isinstance(error, CallNotSent) else type(error).__name__
-    return ending_of(0, None, failure, reason)
+    return ending_of(status_of_exception(error), None, failure, reason)

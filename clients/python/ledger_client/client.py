@@ -23,6 +23,7 @@ from ledger_client.bookings import (
 )
 from ledger_client.calls import BackgroundRefunds, CallSupport, ModelCall
 from ledger_client.channels import TlsSettings, check_grant, open_channel
+from ledger_client.context import payload_bytes
 from ledger_client.errors import from_rpc_error
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
@@ -264,7 +265,7 @@ class LaneClient:
     def model_call(
         self,
         model: str,
-        request: bytes | str | int,
+        request: object,
         max_output_tokens: int,
         *,
         estimate_nanos: int | None = None,
@@ -272,10 +273,14 @@ class LaneClient:
         trace_id: str | None = None,
         reservation_id: str | None = None,
     ) -> ModelCall:
-        """A context manager around one model call; see calls.py. The booking
+        """A context manager around one model call; see calls.py. `request` is
+        the request's size in bytes (an int) or the payload itself, measured
+        by `payload_bytes` (a dict or a list as its compact JSON). The booking
         takes `reservation_id` when given (e.g. already tagged on the request),
         else a fresh one."""
-        request_bytes = request if isinstance(request, int) else len(_as_bytes(request))
+        if isinstance(request, bool):
+            raise TypeError("request must be a payload or its size in bytes, not a bool")
+        request_bytes = request if isinstance(request, int) else len(payload_bytes(request))
         arguments = ReserveArguments(
             reservation_id=reservation_id or new_reservation_id(),
             model=model,
@@ -313,10 +318,6 @@ def _traced(channel: grpc.Channel, address: str) -> grpc.Channel:
     except ImportError:  # the optional `tracing` extra is not installed
         return channel
     return tracing.instrument(channel, address)
-
-
-def _as_bytes(payload: bytes | str) -> bytes:
-    return payload.encode("utf-8") if isinstance(payload, str) else payload
 
 
 def _printable_reason(ending: Ending, max_length: int) -> Ending:

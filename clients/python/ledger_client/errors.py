@@ -194,6 +194,9 @@ STATUS_CODES: dict[grpc.StatusCode, type[LedgerError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: LedgerUnavailable,
     # A call a server's shutdown cut off: the ledger went away, as for UNAVAILABLE.
     grpc.StatusCode.CANCELLED: LedgerUnavailable,
+    # The ledger's own INTERNAL carries its reason; a bare one is the
+    # transport's (a stream reset under the call), so the ledger went away too.
+    grpc.StatusCode.INTERNAL: LedgerUnavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: LedgerOverloaded,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: BookingNotFound,

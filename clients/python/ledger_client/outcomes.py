@@ -145,6 +145,27 @@ def classify(http_status: int, usage_present: bool, failure: CallFailure) -> Set
     return rule_for(http_status, usage_present, failure).settlement
 
 
+def status_of_exception(error: BaseException) -> int:
+    """The HTTP status an exception carries, or 0: `status_code` (openai,
+    anthropic), `response.status_code` (httpx, requests), `status` (aiohttp)
+    or `http_status`, the first that is an HTTP status. So a provider's 429
+    raised as an exception is still refunded, as the Node client does."""
+    response = getattr(error, "response", None)
+    for candidate in (
+        getattr(error, "status_code", None),
+        getattr(response, "status_code", None),
+        getattr(error, "status", None),
+        getattr(error, "http_status", None),
+    ):
+        if (
+            isinstance(candidate, int)
+            and not isinstance(candidate, bool)
+            and 100 <= candidate <= 599
+        ):
+            return int(candidate)
+    return 0
+
+
 def failure_of_exception(error: BaseException) -> CallFailure:
     """How an exception escaping a model call block is read.
 

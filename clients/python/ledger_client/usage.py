@@ -82,11 +82,19 @@ def _anthropic_style(block: Mapping[str, Any]) -> Usage:
     )
 
 
+# JSON has one number type: 900.0 is the count 900, as JavaScript reads it
+# (the Node client's usageOf), up to the integers a double holds exactly.
+_MAX_SAFE_INTEGER = 2**53 - 1
+
+
 def _count(block: Mapping[str, Any], key: str) -> int:
-    """A token count: a non-negative integer; missing or null is 0."""
+    """A token count: a non-negative integer (an integral JSON number);
+    missing or null is 0."""
     value = block.get(key)
     if value is None:
         return 0
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _MAX_SAFE_INTEGER:
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"usage {key} is not a non-negative integer")
     return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import threading
 from collections.abc import Callable, Iterator
@@ -134,6 +135,72 @@ def test_an_escaping_exception_ends_the_booking_and_propagates(
         raise error
     ending = fake.bookings[handle.reservation_id].ending
     assert ending is not None and ending.settlement is settlement and ending.reason == reason
+
+
+class _StatusError(Exception):
+    """As provider SDKs raise: openai and anthropic set status_code."""
+
+    def __init__(self, status_code: int) -> None:
+        super().__init__(f"HTTP {status_code}")
+        self.status_code = status_code
+
+
+class _Response:
+    def __init__(self, status_code: int) -> None:
+        self.status_code = status_code
+
+
+class _ResponseError(Exception):
+    """As httpx's HTTPStatusError and requests' HTTPError do: on its response."""
+
+    def __init__(self, status_code: int) -> None:
+        super().__init__(f"HTTP {status_code}")
+        self.response = _Response(status_code)
+
+
+@pytest.mark.parametrize(
+    ("error", "settlement", "status"),
+    [
+        (_StatusError(429), Settlement.REFUND, 429),
+        (_ResponseError(403), Settlement.REFUND, 403),
+        (_StatusError(503), Settlement.SETTLE_UNKNOWN, 503),
+        (_ResponseError(200), Settlement.SETTLE_UNKNOWN, 200),
+    ],
+)
+def test_an_escaping_exception_is_read_by_the_http_status_it_carries(
+    fake, make_client, error, settlement, status
+) -> None:
+    """A provider's refusal raised as an exception still costs nothing, as in
+    the Node client (an error's `status`)."""
+    client = make_client(OutagePolicy.deny())
+    with pytest.raises(type(error)), call(client) as handle:
+        raise error
+    ending = fake.bookings[handle.reservation_id].ending
+    assert ending is not None
+    assert ending.settlement is settlement and ending.http_status == status
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"model": "model-a", "messages": [{"role": "user", "content": "é" * 50_000}]},
+        [{"role": "user", "content": "x" * 100_000}],
+    ],
+)
+def test_a_json_payload_is_booked_by_its_bytes_not_its_len(
+    fake, make_client, payload: object
+) -> None:
+    client = make_client(OutagePolicy.deny())
+    with client.model_call("model-a", payload, MAX_OUTPUT_TOKENS) as handle:
+        handle.succeeded(input_tokens=900, output_tokens=100)
+    sent = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    assert handle.arguments.request_bytes == len(sent)
+
+
+def test_a_bool_is_no_request_size(make_client) -> None:
+    client = make_client(OutagePolicy.deny())
+    with pytest.raises(TypeError, match="request"):
+        client.model_call("model-a", True, MAX_OUTPUT_TOKENS)
 
 
 def test_a_report_wins_over_a_later_exception(fake, make_client) -> None:
@@ -360,7 +427,12 @@ def test_without_a_journal_an_unanswered_reserve_is_refunded_in_the_background(
 
 def test_a_reserve_that_failed_inside_the_ledger_is_refunded_too() -> None:
     # Not an outage (the error is raised as it is), but it may have been booked.
-    fake = LostAnswers(lost(grpc.StatusCode.INTERNAL))
+    # The ledger's own INTERNAL carries its reason (a bare one is the transport's).
+    fake = LostAnswers(
+        lambda: errors.from_rpc_error(
+            FakeRpcError(grpc.StatusCode.INTERNAL, (("ledger-reason", "INTERNAL"),))
+        )
+    )
     client = client_on(fake, OutagePolicy.deny())
     assert isinstance(client, LaneClient)
     with client:

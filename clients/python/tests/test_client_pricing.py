@@ -206,7 +206,8 @@ def test_no_input_tokens_is_no_usage(body: dict[str, Any] | None) -> None:
     "usage",
     [
         {"prompt_tokens": "900", "completion_tokens": 1},
-        {"prompt_tokens": 900.0, "completion_tokens": 1},
+        {"prompt_tokens": 900.5, "completion_tokens": 1},
+        {"prompt_tokens": 2.0**60, "completion_tokens": 1},
         {"prompt_tokens": True, "completion_tokens": 1},
         {"input_tokens": -1, "output_tokens": 1},
         {
@@ -220,3 +221,10 @@ def test_no_input_tokens_is_no_usage(body: dict[str, Any] | None) -> None:
 def test_malformed_counts_are_refused(usage: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         usage_of({"usage": usage})
+
+
+def test_an_integral_json_number_is_a_count() -> None:
+    """900.0 and 1e2 are the counts JavaScript reads them as (the Node client's usageOf)."""
+    usage = {"prompt_tokens": 900.0, "completion_tokens": 1e2, "prompt_tokens_details": None}
+    assert usage_of({"usage": usage}) == Usage(900, 100)
+    assert usage_of({"usage": {"input_tokens": 40.0, "output_tokens": -0.0}}) == Usage(40, 0)
