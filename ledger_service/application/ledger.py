@@ -19,7 +19,12 @@ from ledger_service.application.ports import EventQuery, Store, StoreTransaction
 from ledger_service.domain import bookings, moves
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.clock import Clock
-from ledger_service.domain.errors import BookingNotFound, InvalidArgument, LaneNotFound
+from ledger_service.domain.errors import (
+    BookingNotFound,
+    InvalidArgument,
+    LaneNotFound,
+    SumOutOfRange,
+)
 from ledger_service.domain.events import Event, EventKind, Outcome, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_to_dict
 from ledger_service.domain.pricing import MAX_WINDOW_SUM_NANOS
@@ -126,7 +131,8 @@ class Ledger:
                     stale.update(ancestor.lane for ancestor in locked_ancestors(tx, chain_of))
             tx.drop_window_states(sorted(stale))
             now_us = self._clock.now_us()
-            totals = tx.window_totals(policy.lane, now_us, policy.window_us)
+            # A longer window brings older bookings back into the lane's sums.
+            totals = _checked_totals(tx, policy.lane, now_us, policy.window_us, "lane.window")
             joins_parent = policy.parent is not None and (
                 existing is None or existing.parent != policy.parent
             )
@@ -431,9 +437,24 @@ def _check_parent_sums(tx: StoreTransaction, policy: LanePolicy, now_us: int) ->
     if the lane were new to each ancestor, so the check can only err on the
     safe side.)"""
     for ancestor in locked_ancestors(tx, policy):
-        joined = tx.window_totals(policy.lane, now_us, ancestor.window_us).spent_nanos
-        already = tx.window_totals(ancestor.lane, now_us, ancestor.window_us).spent_nanos
-        moves.check_window_sums([joined + already], "lane.parent")
+        field = "lane.parent"
+        joined = _checked_totals(tx, policy.lane, now_us, ancestor.window_us, field)
+        already = _checked_totals(tx, ancestor.lane, now_us, ancestor.window_us, field)
+        moves.check_window_sums([joined.spent_nanos + already.spent_nanos], field)
+
+
+def _checked_totals(
+    tx: StoreTransaction, lane: str, now_us: int, window_us: int, field: str
+) -> WindowTotals:
+    """The budget's totals over a window a request sets, refused naming
+    `field` when they pass the largest sum the ledger keeps (a sum the
+    database itself could not hold included)."""
+    try:
+        totals = tx.window_totals(lane, now_us, window_us)
+    except SumOutOfRange:
+        raise moves.sum_out_of_range(field) from None
+    moves.check_window_sums([totals.spent_nanos], field)
+    return totals
 
 
 def _event(tx: StoreTransaction, seq: int) -> Event:

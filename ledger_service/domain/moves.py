@@ -501,8 +501,14 @@ def check_window_sums(sums_nanos: Iterable[int], field: str) -> None:
     whose amounts raised it."""
     for total in sums_nanos:
         if total > MAX_WINDOW_SUM_NANOS:
-            raise SumOutOfRange(
-                field,
-                f"would take a sum past {MAX_WINDOW_SUM_NANOS} nanos, "
-                "the largest the ledger keeps (a budget's window, a report's total)",
-            )
+            raise sum_out_of_range(field)
+
+
+def sum_out_of_range(field: str) -> SumOutOfRange:
+    """The refusal of a request that would take a sum the ledger keeps past
+    the largest (`field`: the request's field that raised it, "" when unknown)."""
+    return SumOutOfRange(
+        field,
+        f"would take a sum past {MAX_WINDOW_SUM_NANOS} nanos, "
+        "the largest the ledger keeps (a budget's window, a report's total)",
+    )

@@ -661,9 +661,13 @@ class SqlTransaction:
         held = func.coalesce(func.sum(case((is_held, bookings.c.amount_nanos), else_=0)), 0)
         charged = func.coalesce(func.sum(case((is_held, literal(0)), else_=amount_at(now_us))), 0)
         open_count = func.coalesce(func.sum(case((is_held, 1), else_=0)), 0)
-        row = self._connection.execute(
-            select(held, charged, open_count).where(self._in_window(lane, now_us, window_us))
-        ).one()
+        # Translated here, not only at the transaction's end: a sum past the
+        # database's integers is the request's SumOutOfRange, which its move
+        # names by field (application/ledger.py).
+        with translate.translated():
+            row = self._connection.execute(
+                select(held, charged, open_count).where(self._in_window(lane, now_us, window_us))
+            ).one()
         return WindowTotals(int(row[0]), int(row[1]), int(row[2]))
 
     def aging(self, lane: str, now_us: int, window_us: int) -> Iterator[tuple[int, int]]:

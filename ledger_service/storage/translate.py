@@ -12,6 +12,11 @@ What a caller is told, from the most to the least specific:
   SQLITE_CORRUPT "database disk image is malformed" and SQLITE_NOTADB "file is
   not a database"; PostgreSQL's XX001 data_corrupted and XX002
   index_corrupted). Retrying cannot help; an operator must restore a backup.
+- SumOutOfRange: a sum of amounts passed what the database's integers hold
+  (SQLite's "integer overflow"; PostgreSQL's 22003 numeric_value_out_of_range),
+  which only a request that would take a budget past the largest sum the
+  ledger keeps can cause (a lane's window made longer, say). The caller's
+  field is named where the request is known (application/ledger.py).
 - StoreUnavailable, retryable: a transaction lost a race (serialization
   failure, deadlock, lock timeout) and may be run again at once.
 - StoreUnavailable: anything else the database or the pool raised.
@@ -30,17 +35,27 @@ import psycopg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
+from ledger_service.domain import moves
+from ledger_service.domain.errors import (
+    LedgerError,
+    StoreDamaged,
+    StoreUnavailable,
+    SumOutOfRange,
+)
 
 ANY = "*"
+# SQLite reports an overflowing SUM as a plain SQLITE_ERROR: told by its message.
+INTEGER_OVERFLOW = "integer overflow"
 
 # (the exception, the driver's code for it or ANY, the domain error, retryable at once)
 MAPPING: tuple[tuple[type[BaseException], str, type[LedgerError], bool], ...] = (
     (sqlite3.DatabaseError, "SQLITE_CORRUPT", StoreDamaged, False),
     (sqlite3.DatabaseError, "SQLITE_NOTADB", StoreDamaged, False),
+    (sqlite3.Error, INTEGER_OVERFLOW, SumOutOfRange, False),
     (sqlite3.Error, ANY, StoreUnavailable, False),
     (psycopg.Error, "XX001", StoreDamaged, False),
     (psycopg.Error, "XX002", StoreDamaged, False),
+    (psycopg.Error, "22003", SumOutOfRange, False),  # numeric_value_out_of_range
     (psycopg.Error, "40001", StoreUnavailable, True),  # serialization_failure
     (psycopg.Error, "40P01", StoreUnavailable, True),  # deadlock_detected
     (psycopg.Error, "55P03", StoreUnavailable, True),  # lock_not_available
@@ -87,6 +102,8 @@ def driver_code(error: BaseException) -> str:
     """The driver's code for `error`: a SQLSTATE, or SQLite's primary code name."""
     error = driver_error(error)
     if isinstance(error, sqlite3.Error):
+        if str(error) == INTEGER_OVERFLOW:
+            return INTEGER_OVERFLOW
         name = str(getattr(error, "sqlite_errorname", "") or "")
         primary = name.split("_")[:2]  # SQLITE_CORRUPT_INDEX -> SQLITE_CORRUPT
         if len(primary) == 2:
@@ -121,6 +138,8 @@ def translate(error: BaseException) -> LedgerError | None:
         return StoreDamaged(
             DAMAGE.get(driver_code(error), "the database is damaged"), DAMAGE_ADVICE
         )
+    if domain is SumOutOfRange:
+        return moves.sum_out_of_range("")
     return StoreUnavailable()
 
 

@@ -11,10 +11,16 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import ReconcileReport, reconcile_export
 from ledger_service.domain.clock import ManualClock
-from ledger_service.domain.errors import InvalidArgument
+from ledger_service.domain.errors import InvalidArgument, SumOutOfRange
 from ledger_service.domain.events import DenialReason, EventKind, Outcome
-from ledger_service.domain.moves import RefundCommand, ReserveCommand, SettleCommand
+from ledger_service.domain.moves import (
+    CorrectCommand,
+    RefundCommand,
+    ReserveCommand,
+    SettleCommand,
+)
 from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS
 from ledger_service.domain.reconcile import ExportFormat, RowStatus
 from tests.storage.conftest import RECALL
 
@@ -153,3 +159,31 @@ def test_a_file_with_a_bad_row_changes_nothing(ledger: Ledger) -> None:
     dry = _reconcile(ledger, CSV_HEADER + "unknown,120,,,\n", dry_run=True)
     assert not dry.applied and dry.count(RowStatus.CORRECTED) == 1
     assert ledger.balance("recall").spent_nanos == HOLD
+
+
+@pytest.mark.parametrize(("bookings", "charge"), [(2, MAX_AMOUNT_NANOS - 1), (3, MAX_AMOUNT_NANOS)])
+def test_a_longer_window_that_would_pass_the_largest_sum_is_refused(
+    ledger: Ledger, clock: ManualClock, bookings: int, charge: int
+) -> None:
+    """Each booking fits its one-second window alone; an hour's window would
+    hold them all. Two sum past the largest the ledger keeps; three also past
+    what a database integer holds. Either way the PutLane is refused naming the
+    window, and nothing changes."""
+    short = dataclasses.replace(RECALL, lane="whale", window_us=1_000_000, hold_ttl_us=1_000)
+    ledger.put_lane(short)
+    for index in range(bookings):
+        rid = f"big-{index}"
+        ledger.reserve(ReserveCommand("whale", rid, "jev", 1000, 10))
+        ledger.refund(RefundCommand("whale", rid, http_status=429))
+        ledger.correct(
+            CorrectCommand("whale", rid, charge, "the bill said so", f"fix-{index}"),
+            grant_id="operator",
+        )
+        clock.advance_us(2_000_000)
+    before = ledger.get_lane("whale")
+    with pytest.raises(SumOutOfRange) as refused:
+        ledger.put_lane(dataclasses.replace(short, window_us=3_600_000_000))
+    assert refused.value.field == "lane.window"
+    assert ledger.get_lane("whale") == before
+    # The lane still serves moves.
+    assert ledger.reserve(ReserveCommand("whale", "after", "jev", 1000, 10)).admitted
