@@ -394,6 +394,23 @@ def test_the_test_clock_refuses_instants_finer_than_a_microsecond(harness: Any) 
     assert harness.now_us() == before + 1
 
 
+def test_durations_finer_than_a_microsecond_are_refused_not_cut(harness: Any) -> None:
+    """1 ns is no ttl the ledger can hold, and 1.5 us would be held as 1 us:
+    both are refused naming the field, as the test clock refuses them."""
+    for nanos in (1, 1_500):
+        request = pb.ReserveRequest(
+            lane="recall", reservation_id="fine", model="jev", request_bytes=10, max_output_tokens=5
+        )
+        request.ttl.CopyFrom(duration_pb2.Duration(nanos=nanos))
+        failure = harness.fails(INVALID, lambda request=request: harness.ledger.Reserve(request))
+        assert (failure.field, "whole microseconds" in failure.details) == ("ttl", True)
+    assert not harness.events("recall", reservation_id="fine")
+    lane = harness.lane_message("recall")
+    lane.window.CopyFrom(duration_pb2.Duration(seconds=3600, nanos=1))
+    put = pb.PutLaneRequest(lane=lane)
+    assert harness.fails(INVALID, lambda: harness.admin.PutLane(put)).field == "lane.window"
+
+
 def test_negative_durations_and_paging_values_are_invalid(harness: Any) -> None:
     failure = harness.fails(
         INVALID, lambda: harness.clock.Advance(duration_pb2.Duration(seconds=-1))

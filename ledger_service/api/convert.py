@@ -82,6 +82,9 @@ def micros_of_duration(field: str, value: duration_pb2.Duration) -> int:
         raise InvalidArgument(field, "is out of range")
     if not -999_999_999 <= value.nanos <= 999_999_999 or (value.seconds * value.nanos < 0):
         raise InvalidArgument(field, "is not a valid duration")
+    if value.nanos % 1000:
+        # Cut, it would be another duration than the one asked for.
+        raise InvalidArgument(field, "must be whole microseconds: the ledger counts time in them")
     return value.seconds * 1_000_000 + value.nanos // 1000
 
 
