@@ -424,3 +424,8 @@ def test_negative_durations_and_paging_values_are_invalid(harness: Any) -> None:
         INVALID, lambda: harness.ledger.ListEvents(pb.ListEventsRequest(after_seq=-1))
     )
     assert failure.field == "after_seq"
+    # A filter no booking can match is a mistake, not an empty page.
+    failure = harness.fails(
+        INVALID, lambda: harness.ledger.ListEvents(pb.ListEventsRequest(reservation_id="a b"))
+    )
+    assert failure.field == "reservation_id"

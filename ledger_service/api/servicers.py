@@ -23,6 +23,7 @@ from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument
+from ledger_service.domain.moves import validate_reservation_id
 from ledger_service.domain.policies import validate_name
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
@@ -142,6 +143,8 @@ class LedgerServicer(pb_grpc.LedgerServicer):
     ) -> pb.ListEventsResponse:
         if request.lane:
             validate_name("lane", request.lane)
+        if request.reservation_id:
+            validate_reservation_id(request.reservation_id)
         if request.after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
         after_seq = request.after_seq
