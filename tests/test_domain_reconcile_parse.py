@@ -34,3 +34,14 @@ def test_a_number_that_is_not_plain_ascii_is_a_bad_row(column: str, value: str) 
 def test_plain_numbers_still_read() -> None:
     assert _parsed("billed_usd", "0.00019").rows[0].billed_nanos == 190_000
     assert _parsed("billed_nanos", "7").rows[0].billed_nanos == 7
+
+
+def test_a_second_row_for_one_booking_is_a_bad_row() -> None:
+    """Otherwise the file's answer would hang on its order, and with the bill
+    winning every re-run would replace one row's charge with the other's."""
+    content = b"lane,reservation_id,billed_nanos\nrecall,r1,11\nother,r1,5\nrecall,r1,12\n"
+    parsed = reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert [(row.lane, row.line) for row in parsed.rows] == [("recall", 2), ("other", 3)]
+    [bad] = parsed.bad
+    assert (bad.line, bad.field, bad.status) == (4, "reservation_id", reconcile.RowStatus.BAD)
+    assert "line 2" in bad.message

@@ -101,6 +101,7 @@ def parse(content: bytes, export_format: ExportFormat, default_lane: str) -> Par
     records = _csv_records(text) if export_format is ExportFormat.CSV else _jsonl_records(text)
     rows: list[ExportRow] = []
     bad: list[RowResult] = []
+    first_lines: dict[tuple[str, str], int] = {}
     for line, record in records:
         if len(rows) + len(bad) >= MAX_ROWS:
             raise InvalidArgument("content", f"holds more than {MAX_ROWS} rows; split the export")
@@ -108,7 +109,9 @@ def parse(content: bytes, export_format: ExportFormat, default_lane: str) -> Par
             bad.append(RowResult(line, "", "", RowStatus.BAD, field="content", message=record))
             continue
         try:
-            rows.append(_row(line, record, default_lane))
+            row = _row(line, record, default_lane)
+            _once(row, first_lines)
+            rows.append(row)
         except InvalidArgument as error:
             bad.append(
                 RowResult(
@@ -121,6 +124,16 @@ def parse(content: bytes, export_format: ExportFormat, default_lane: str) -> Par
                 )
             )
     return Parsed(rows, bad)
+
+
+def _once(row: ExportRow, first_lines: dict[tuple[str, str], int]) -> None:
+    """One row a booking: a second would make the file's answer depend on its
+    order, and a re-run replace the first row's charge with the second's."""
+    first = first_lines.setdefault((row.lane, row.reservation_id), row.line)
+    if first != row.line:
+        raise InvalidArgument(
+            "reservation_id", f"is the booking of line {first} too: one row a booking"
+        )
 
 
 def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
