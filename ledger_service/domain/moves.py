@@ -383,8 +383,8 @@ def _settled_event(
                 command.charge_field,
                 f"a charge of {charge} nanos is more than {max_charge_multiple} times "
                 f"the booking's cap of {booking.cap_nanos} nanos (the lane's "
-                "max_charge_multiple): no request of its size could cost that; the booking "
-                "stays open",
+                "max_charge_multiple): no request of its size could cost that; nothing "
+                "was written",
             )
     else:
         # Never more than the hold, which is never more than the cap.

@@ -1094,7 +1094,9 @@ class Audit(_message.Message):
     denial_rate: _builtins.float
     """denied / reserves, 0 when there were none (a rate, not an amount)."""
     estimated_charged_nanos: _builtins.int
-    """Charges that are estimates (UNKNOWN and expired) and real ones (succeeded, reconciled)."""
+    """Charges that are estimates (UNKNOWN and expired) and real ones (succeeded,
+    reconciled, corrected).
+    """
     real_charged_nanos: _builtins.int
     estimated_to_real_ratio: _builtins.float
     """estimated / real; 0 when there is no real charge."""
