@@ -45,3 +45,12 @@ def test_a_second_row_for_one_booking_is_a_bad_row() -> None:
     [bad] = parsed.bad
     assert (bad.line, bad.field, bad.status) == (4, "reservation_id", reconcile.RowStatus.BAD)
     assert "line 2" in bad.message
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-inf", "sNaN"])
+def test_a_dollar_amount_that_is_no_number_says_so(value: str) -> None:
+    [bad] = _parsed("billed_usd", value).bad
+    assert (bad.field, bad.message) == (
+        "billed_usd",
+        "billed_usd: must be a decimal number of dollars",
+    )

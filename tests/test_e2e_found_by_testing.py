@@ -96,3 +96,18 @@ def test_a_lane_cannot_take_a_parent_past_the_largest_sum(harness: Any) -> None:
     assert (refused.reason, refused.field) == ("SUM_OUT_OF_RANGE", "lane.parent")
     assert harness.balance("team").spent_nanos == largest // 2 + 1
     assert not harness.admin.GetLane(pb.GetLaneRequest(lane="b"), timeout=30).parent
+
+
+def test_a_reconcile_past_the_largest_sum_names_its_line_once(harness: Any) -> None:
+    largest = 2**62
+    harness.make_lane("big", limit_nanos=largest, max_charge_multiple=0)
+    for rid in ("a", "b"):
+        harness.reserve(rid, lane="big")
+        harness.settle(rid, lane="big", outcome=pb.UNKNOWN)
+    export = f"reservation_id,billed_nanos\na,{largest // 2}\nb,{largest // 2 + 1}\n".encode()
+    request = pb.ReconcileRequest(
+        format=pb.ReconcileRequest.CSV, content=export, default_lane="big"
+    )
+    refused = harness.fails(INVALID, lambda: harness.ledger.Reconcile(request, timeout=30))
+    assert (refused.reason, refused.field) == ("SUM_OUT_OF_RANGE", "content")
+    assert refused.details.startswith("content: line 3: would take a sum past")

@@ -195,7 +195,7 @@ def summary_of(audit: Audit, flags: Sequence[Flag]) -> str:
         f"{money_text(audit.real_charged_nanos)} real charges, "
         f"{money_text(audit.estimated_charged_nanos)} estimates "
         f"({audit.unknown.count} UNKNOWN, {audit.expired.count} expired) and "
-        f"{money_text(audit.open.amount_nanos)} in {audit.open.count} open holds"
+        f"{money_text(audit.open.amount_nanos)} in {_count_of(audit.open.count, 'open hold')}"
     )
     denied = (
         f"{audit.denied_count} of {audit.reserve_count} Reserves "
@@ -263,3 +263,8 @@ class Auditor:
             return summarize(lane, policy.limit_nanos, window_us, now_us, tallies, top, release)
 
         return self._store.run(work, write=False)
+
+
+def _count_of(count: int, noun: str) -> str:
+    """ "1 open hold", "2 open holds"."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

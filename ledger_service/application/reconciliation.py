@@ -112,7 +112,7 @@ def _apply(
             try:
                 record_booking_event(tx, windows, booking, event, now_us, trace_id, "content")
             except SumOutOfRange as error:
-                raise SumOutOfRange("content", f"line {row.line}: {error.message}") from error
+                raise SumOutOfRange("content", f"line {row.line}: {error.detail}") from error
         results.append(result)
     return results
 

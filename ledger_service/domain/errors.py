@@ -25,6 +25,7 @@ class InvalidArgument(LedgerError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message  # the message without its field
 
 
 class TtlExceedsLaneHoldTtl(InvalidArgument):

@@ -218,10 +218,12 @@ def _billed_nanos(record: Mapping[str, Any]) -> int | None:
             if not text.isascii() or "_" in text:  # Decimal would read 1_000 and ٣
                 raise decimal.InvalidOperation(text)
             usd = decimal.Decimal(text)
+            if not usd.is_finite():  # Decimal reads NaN and Infinity too
+                raise decimal.InvalidOperation(text)
         except decimal.InvalidOperation as error:
             raise InvalidArgument("billed_usd", "must be a decimal number of dollars") from error
         nanos = usd * NANOS_PER_USD
-        if not usd.is_finite() or nanos != nanos.to_integral_value():
+        if nanos != nanos.to_integral_value():
             raise InvalidArgument("billed_usd", "must be exact to the nano-dollar")
         return _whole(int(nanos), "billed_usd", MAX_AMOUNT_NANOS)
     return None

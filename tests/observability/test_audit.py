@@ -69,6 +69,9 @@ def test_a_healthy_window_raises_no_flag() -> None:
     assert audit.next_release_at_us is None
     assert "mostly estimates" not in audit.summary
     assert audit.summary.startswith("Lane filter has spent $0.00213 of $0.50 in its 1d window: ")
+    assert "in 2 open holds" in audit.summary
+    one_open = [StateTally(BookingState.OPEN, 1, 40_000), *tallies[:2]]
+    assert "in 1 open hold;" in summarize("filter", 500_000_000, DAY_US, DAY_US, one_open).summary
 
 
 def test_an_empty_window() -> None:
