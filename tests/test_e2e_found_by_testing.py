@@ -111,3 +111,22 @@ def test_a_reconcile_past_the_largest_sum_names_its_line_once(harness: Any) -> N
     refused = harness.fails(INVALID, lambda: harness.ledger.Reconcile(request, timeout=30))
     assert (refused.reason, refused.field) == ("SUM_OUT_OF_RANGE", "content")
     assert refused.details.startswith("content: line 3: would take a sum past")
+
+
+def test_a_settle_or_refund_after_a_correction_says_the_correction_stands(
+    harness: Any,
+) -> None:
+    harness.reserve("s")
+    harness.settle("s", input_tokens=2_000, output_tokens=200)
+    harness.correct("s", 100, correction_id="c-s")
+    harness.reserve("r")
+    harness.refund("r", 429)
+    harness.correct("r", 100, correction_id="c-r")
+    for call in (
+        lambda: harness.settle("s", input_tokens=2_000, output_tokens=200),  # its first Settle
+        lambda: harness.refund("r", 429),  # its first Refund
+    ):
+        refused = harness.fails(grpc.StatusCode.FAILED_PRECONDITION, call)
+        assert refused.reason == "BOOKING_ALREADY_ENDED"
+        assert "a correction set" in refused.details, refused.details
+    assert harness.booking("s").amount_nanos == harness.booking("r").amount_nanos == 100

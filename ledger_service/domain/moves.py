@@ -330,6 +330,8 @@ def decide_settle(
         )
     if booking.outcome is not None and booking.settle_fingerprint() == command.fingerprint():
         return Verdict(repeat_seq=booking.ended_seq)
+    if state in REPLACED_STATES:
+        raise BookingAlreadyEnded(_replaced(booking, "settled"))
     if state in REAL_STATES:
         raise BookingAlreadyEnded(
             f"booking {booking.reservation_id!r} already holds a real charge from other usage"
@@ -401,6 +403,8 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
         raise BookingWasDenied(booking.reservation_id)
     if state is BookingState.REFUNDED:
         return Verdict(repeat_seq=booking.ended_seq)
+    if state in REPLACED_STATES:
+        raise BookingAlreadyEnded(_replaced(booking, "refunded"))
     if state in REAL_STATES or state is BookingState.SETTLED_UNKNOWN:
         # The contract: a refund after a settle contradicts it. Only an expired
         # booking (nobody said anything) may still learn it was refused.
@@ -409,6 +413,19 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
         )
     event = ending_event(booking, EventKind.REFUNDED, 0, now_us)
     return Verdict(event=evolve(event, http_status=command.http_status, reason=command.reason))
+
+
+# A bill or an operator set these charges: no Settle or Refund changes them,
+# a repeat of the one that ended the booking first included.
+REPLACED_STATES = frozenset({BookingState.RECONCILED, BookingState.CORRECTED})
+
+
+def _replaced(booking: Booking, move: str) -> str:
+    by = "the provider's bill" if booking.state is BookingState.RECONCILED else "a correction"
+    return (
+        f"booking {booking.reservation_id!r} has the charge {by} set; "
+        f"it cannot be {move} any more (the charge an operator or a bill sets stands)"
+    )
 
 
 def ending_event(
