@@ -390,6 +390,11 @@ def test_the_test_clock_refuses_instants_finer_than_a_microsecond(harness: Any) 
     ):
         assert harness.fails(INVALID, call).field == "nanos"
     assert harness.now_us() == before
+    for call in (
+        lambda: harness.clock.Advance(duration_pb2.Duration(seconds=1, nanos=-500)),
+        lambda: harness.clock.SetTime(timestamp_pb2.Timestamp(seconds=2_000_000_000, nanos=-5)),
+    ):
+        assert "not a valid" in harness.fails(INVALID, call).details
     harness.clock.Advance(duration_pb2.Duration(nanos=1000))
     assert harness.now_us() == before + 1
 
