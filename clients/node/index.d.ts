@@ -446,6 +446,8 @@ export class LaneClient {
   readonly outage: OutagePolicy;
   /** The outage journal, or null without one. */
   readonly journal: Journal | null;
+  /** Where the client's warnings go (the `logger` option; null: nowhere). */
+  readonly logger: { warn(message: string): void; error(message: string): void } | null;
   waitForReady(timeoutMs?: number): Promise<void>;
   /** Stops the replayer, closes the channel, then the journal (its lock released). Never rejects. */
   close(): Promise<void>;
@@ -599,6 +601,7 @@ export class JournalLocked extends JournalError {}
 
 /**
  * Whether an error says the ledger cannot be reached or answer now (UNAVAILABLE,
+ * INTERNAL without the reason INTERNAL (the transport's: a stream reset),
  * DEADLINE_EXCEEDED, CANCELLED as a server shutdown gives, RESOURCE_EXHAUSTED
  * without a known reason): what switches call() to the outage mode.
  */
@@ -651,11 +654,13 @@ export class TooManyWatchers extends ResourceExhausted {}
 export class Unauthenticated extends Refusal {}
 export class PermissionDenied extends Refusal {}
 export class Unimplemented extends Refusal {}
+/** UNAVAILABLE, or INTERNAL without the reason INTERNAL (the transport's, not the ledger's). */
 export class Unavailable extends LedgerError {}
 export class StoreUnavailable extends Unavailable {}
 export class StoreDamaged extends Unavailable {}
 export class DeadlineExceeded extends LedgerError {}
 export class Cancelled extends LedgerError {}
+/** The ledger's own INTERNAL (reason INTERNAL); `errorId` matches the server's log. */
 export class InternalError extends LedgerError {}
 
 export const ERROR_TABLE: ReadonlyArray<readonly [status, string | null, typeof LedgerError]>;
@@ -666,10 +671,17 @@ export function ledgerErrorOf(serviceError: import('@grpc/grpc-js').ServiceError
  * A fetch for the `openai` package (`new OpenAI({ fetch: ledgerFetch(lane) })`):
  * every create call (chat completions, responses) is reserved from its body's
  * bytes and max tokens and ended by the outcome table; streams end their
- * booking when they end. A denial is a 402 APIError the SDK does not retry,
- * its code the denial reason. See README.md, "The openai package".
+ * booking when they end. A body that is not a JSON object is booked as it is
+ * (its bytes, the model "unknown", the default bound). A usage the ledger
+ * refuses is settled UNKNOWN, with a warning to `logger` (the lane client's
+ * by default). A denial is a 402 APIError the SDK does not retry, its code
+ * the denial reason. See README.md, "The openai package".
  */
 export function ledgerFetch(
   ledger: LaneClient,
-  options?: { fetch?: typeof fetch; maxOutputTokens?: number },
+  options?: {
+    fetch?: typeof fetch;
+    maxOutputTokens?: number;
+    logger?: { warn(message: string): void; error(message: string): void } | null;
+  },
 ): typeof fetch;

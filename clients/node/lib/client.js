@@ -221,6 +221,11 @@ class LaneClient {
     if (this._replaySettings.replayIntervalMs !== null) this._replayer.start(this._replaySettings.replayIntervalMs);
   }
 
+  /** Where the client's warnings go (the `logger` option; null: nowhere). */
+  get logger() {
+    return this._logger;
+  }
+
   /** The outage journal, or null without one. */
   get journal() {
     return this._journal;

@@ -95,16 +95,19 @@ class DeadlineExceeded extends LedgerError {
 class Cancelled extends LedgerError {
   static retryable = true;
 }
+// The ledger's own INTERNAL: it always carries the reason INTERNAL (and the
+// id the server logged the failure under). Not worth a retry.
 class InternalError extends LedgerError {}
 
 /**
  * Whether the ledger could not be reached or could not answer now: the Python
  * client's LedgerUnavailable family. UNAVAILABLE (any reason: a refused or
  * dropped connection, a GOAWAY from a server shutting down, STORE_UNAVAILABLE,
- * RECOVERY_REQUIRED), DEADLINE_EXCEEDED, CANCELLED (a server shutdown), and
- * RESOURCE_EXHAUSTED without a known reason (an overloaded server). This is
- * what switches call() to the lane's outage mode; every such error is safe to
- * retry with the same reservation id.
+ * RECOVERY_REQUIRED), INTERNAL without the reason INTERNAL (the transport's,
+ * made an Unavailable by the table), DEADLINE_EXCEEDED, CANCELLED (a server
+ * shutdown), and RESOURCE_EXHAUSTED without a known reason (an overloaded
+ * server). This is what switches call() to the lane's outage mode; every such
+ * error is safe to retry with the same reservation id.
  * @param {unknown} error
  * @returns {boolean}
  */
@@ -148,7 +151,11 @@ const ERROR_TABLE = Object.freeze([
   [Status.UNAVAILABLE, null, Unavailable],
   [Status.DEADLINE_EXCEEDED, null, DeadlineExceeded],
   [Status.CANCELLED, null, Cancelled],
-  [Status.INTERNAL, null, InternalError],
+  // The server's own INTERNAL always carries its reason. A bare one is the
+  // transport's (a stream reset, e.g. "Received RST_STREAM with code 2", the
+  // connection closed under the call): the ledger went away, as for UNAVAILABLE.
+  [Status.INTERNAL, 'INTERNAL', InternalError],
+  [Status.INTERNAL, null, Unavailable],
 ]);
 
 /** The class the table gives a status code and a reason; LedgerError when none. */

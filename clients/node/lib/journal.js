@@ -823,6 +823,7 @@ module.exports = {
   DEFAULT_MAX_JOURNAL_BYTES,
   DEFAULT_ROTATE_JOURNAL_BYTES,
   MAX_JOURNAL_BYTES,
+  MAX_TOKENS,
   MAX_AMOUNT_NANOS,
   newEntry,
   checkArguments,

@@ -27,9 +27,21 @@
 //   `ledger_denial` with the retry-after instant: the SDK raises it as an
 //   APIError. Nothing is sent to the provider.
 // - The SDK retries 429s and 5xx itself: each attempt is a booking of its own.
+// - Every create call is booked, whatever its body, as the Python client's
+//   transport books it: bytes as they are, a stream or a Blob read whole first
+//   (see bodyOf). A body that is not a JSON object (other bytes, text that is
+//   not JSON) is booked as it is: its bytes, the model name "unknown" and the
+//   default output bound, tagged by the header only. The ledger refuses that
+//   Reserve (UnknownModel) unless the lane prices a model of that name, so
+//   such a call is never sent unbooked.
+// - If the ledger refuses the usage the provider reported (more output than
+//   the max, ...), the booking, left open by the refusal, is settled UNKNOWN
+//   (at its hold) rather than left to expire, with a warning.
 
 const { usageOf } = require('./usage');
-const { markNotSent } = require('./outcomes');
+const { Ending, markNotSent } = require('./outcomes');
+const { InvalidArgument } = require('./errors');
+const { traceHeaders, freshTraceHeaders } = require('./tracing');
 
 const CREATE_PATHS = [/\/chat\/completions$/, /\/responses$/];
 // When a request names no max tokens: what a create call is reserved for, and
@@ -41,41 +53,104 @@ const MAX_METADATA_KEYS = 16;
 const RESERVATION_HEADER = 'x-ledger-reservation-id';
 // At most this much of an SSE stream is kept while an event line is incomplete.
 const MAX_EVENT_BYTES = 1 << 20;
+// The model booked for a body that names none (the Python client's UNKNOWN_MODEL_NAME).
+const UNKNOWN_MODEL = 'unknown';
+// The body's fields that bound the output, in the order they are looked for;
+// the first is the one written when none is set (as the Python client's).
+const MAX_TOKEN_FIELDS = Object.freeze({
+  chat: Object.freeze(['max_completion_tokens', 'max_tokens']),
+  responses: Object.freeze(['max_output_tokens']),
+});
+// Headers of the body as the caller made it: the body sent may differ.
+const BODY_HEADERS = ['content-length', 'transfer-encoding'];
 
-/** The booking a request asks for, or null when it costs nothing. */
-function planOf(url, init) {
+/** Which create call a request is ({chat}), or null: it passes through unbooked. */
+function createCallOf(url, init) {
   const method = String(init?.method ?? 'GET').toUpperCase();
   const path = new URL(String(url)).pathname;
   if (method !== 'POST' || !CREATE_PATHS.some((pattern) => pattern.test(path))) return null;
-  if (typeof init.body !== 'string') return null;
-  let json;
-  try {
-    json = JSON.parse(init.body);
-  } catch {
-    return null;
-  }
-  if (json === null || typeof json !== 'object' || typeof json.model !== 'string') return null;
-  return { json, chat: path.endsWith('/chat/completions'), stream: json.stream === true };
-}
-
-/** The field that bounds a request's output, by its endpoint. */
-function maxTokensKey(plan) {
-  return plan.chat ? 'max_completion_tokens' : 'max_output_tokens';
+  return { chat: path.endsWith('/chat/completions') };
 }
 
 /**
- * The body as sent: the reservation id in its metadata, usage asked for on a
- * chat stream, and a missing output bound written in, so that the bound the
- * ledger holds is the one the provider enforces.
+ * A request body as fetch sends it: its bytes, what to send in its place, and
+ * the content type fetch would give it. A string is its UTF-8 and bytes (a
+ * Buffer, any typed array, an ArrayBuffer) are themselves; anything else
+ * fetch takes (a stream, a Blob, FormData, URLSearchParams) is read whole
+ * first, as the Python client's transport reads every request body, and its
+ * bytes are sent instead.
  */
-function taggedBody(plan, reservationId, maxOutputTokens) {
-  const json = { ...plan.json };
-  if (json.max_completion_tokens == null && json.max_tokens == null && json.max_output_tokens == null) {
-    json[maxTokensKey(plan)] = maxOutputTokens;
+async function bodyOf(body) {
+  if (body === undefined || body === null) return { bytes: Buffer.alloc(0), sent: body, contentType: null };
+  if (typeof body === 'string') return { bytes: Buffer.from(body, 'utf8'), sent: body, contentType: null };
+  if (body instanceof ArrayBuffer) return { bytes: Buffer.from(body), sent: body, contentType: null };
+  if (ArrayBuffer.isView(body)) {
+    return { bytes: Buffer.from(body.buffer, body.byteOffset, body.byteLength), sent: body, contentType: null };
   }
+  const read = new Response(body);
+  const bytes = Buffer.from(await read.arrayBuffer());
+  return { bytes, sent: bytes, contentType: read.headers.get('content-type') };
+}
+
+/** Bytes read as a JSON object (strict UTF-8), or null: not JSON, or not an object. */
+function jsonObjectOf(bytes) {
+  let value;
+  try {
+    value = JSON.parse(new TextDecoder('utf-8', { fatal: true }).decode(bytes));
+  } catch {
+    return null;
+  }
+  return value !== null && typeof value === 'object' && !Array.isArray(value) ? value : null;
+}
+
+/**
+ * The booking a request asks for, or null when it costs nothing: the create
+ * call, its body read (`bytes`, `sent`, `contentType`) and, when that is a
+ * JSON object, `json`.
+ */
+async function planOf(url, init) {
+  const call = createCallOf(url, init);
+  if (call === null) return null;
+  const body = await bodyOf(init.body);
+  const json = jsonObjectOf(body.bytes);
+  return { ...call, ...body, json, stream: json?.stream === true };
+}
+
+const isCount = (value) => Number.isSafeInteger(value) && value >= 0;
+
+/**
+ * The output bound a JSON body asks for, as the Python client's
+ * _ensure_max_tokens: its first field that is a count; when none is set, the
+ * default, written into the body so that the provider enforces the bound the
+ * ledger holds. A bound that is not a count is left for the provider to refuse
+ * (a 4xx, refunded), and the default is reserved.
+ */
+function ensureMaxTokens(json, plan, defaultMaxOutputTokens) {
+  const fields = plan.chat ? MAX_TOKEN_FIELDS.chat : MAX_TOKEN_FIELDS.responses;
+  const given = fields.map((field) => json[field]).find(isCount);
+  if (given !== undefined) return given;
+  if (fields.every((field) => json[field] === undefined || json[field] === null)) json[fields[0]] = defaultMaxOutputTokens;
+  return defaultMaxOutputTokens;
+}
+
+/**
+ * What is sent and booked: a JSON body with the reservation id in its
+ * metadata, usage asked for on a chat stream and its output bound made
+ * explicit; any other body as it is, booked at the default bound under
+ * UNKNOWN_MODEL.
+ */
+function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
+  if (plan.json === null) {
+    const { sent, bytes } = plan;
+    return { body: sent, requestBytes: bytes.length, model: UNKNOWN_MODEL, maxOutputTokens: defaultMaxOutputTokens };
+  }
+  const json = { ...plan.json };
+  const maxOutputTokens = ensureMaxTokens(json, plan, defaultMaxOutputTokens);
   tagMetadata(json, reservationId);
   if (plan.chat && plan.stream) json.stream_options = { ...(json.stream_options ?? {}), include_usage: true };
-  return JSON.stringify(json);
+  const body = JSON.stringify(json);
+  const model = typeof json.model === 'string' && json.model !== '' ? json.model : UNKNOWN_MODEL;
+  return { body, requestBytes: Buffer.byteLength(body), model, maxOutputTokens };
 }
 
 /**
@@ -161,6 +236,20 @@ function parsed(text) {
   }
 }
 
+/**
+ * The usage in a parsed body, or null: a count that is not a count (negative,
+ * above the ledger's bound, ...) is no usage, so the call is charged at its
+ * hold, as the Python client's transport reads it (body_usage, StreamUsage).
+ */
+function usageIn(body) {
+  try {
+    return usageOf(body);
+  } catch (error) {
+    if (error instanceof TypeError || error instanceof RangeError) return null;
+    throw error;
+  }
+}
+
 /** Reads server-sent events as they pass, keeping the last usage one carried. */
 class UsageWatcher {
   constructor() {
@@ -177,7 +266,7 @@ class UsageWatcher {
     for (const line of lines) {
       if (!line.startsWith('data:')) continue;
       const event = parsed(line.slice(5).trim());
-      const usage = usageOf(event?.response ?? event);
+      const usage = usageIn(event?.response ?? event);
       if (usage !== null) this.usage = usage;
     }
   }
@@ -231,29 +320,54 @@ function deniedResponse(denied) {
 }
 
 /**
- * A fetch that books every create call of the `openai` package in `ledger`.
- * @param {import('./client').LaneClient} ledger
- * @param {{ fetch?: typeof fetch, maxOutputTokens?: number }} [options]
+ * The ledger refused the usage the provider reported (more output than the
+ * max, ...), which leaves the booking open: settle it UNKNOWN, at its hold,
+ * rather than let it expire, as the Python client's transport does
+ * (_settle_refused_usage). Never rejects; says what happened to `logger`.
  */
-function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS } = {}) {
+async function settleRefusedUsage(ledger, completed, trace, logger) {
+  const refusal = completed.ledgerError;
+  if (completed.ending !== Ending.SUCCEEDED || !(refusal instanceof InvalidArgument)) return;
+  const { reservationId } = completed;
+  const why = refusal.reason || refusal.name;
+  try {
+    await ledger.settle({ reservationId, outcome: Ending.UNKNOWN, httpStatus: completed.value.httpStatus, ...trace });
+    logger?.warn(`ledger: the ledger refused the usage of booking ${reservationId} (${why}): settled UNKNOWN, at its hold`);
+  } catch (error) {
+    logger?.error(`ledger: the ledger refused the usage of booking ${reservationId} (${why}) and could not settle it UNKNOWN: ${error.message}`);
+  }
+}
+
+/** The headers sent: the caller's, the reservation id, and the body's type when fetch would have added it. */
+function headersOf(init, plan, reservationId) {
+  const headers = new Headers(init.headers);
+  for (const name of BODY_HEADERS) headers.delete(name);
+  headers.set(RESERVATION_HEADER, reservationId);
+  if (plan.contentType && !headers.has('content-type')) headers.set('content-type', plan.contentType);
+  return headers;
+}
+
+/**
+ * A fetch that books every create call of the `openai` package in `ledger`.
+ * Warnings (a usage the ledger refused) go to `logger`, the lane client's by default.
+ * @param {import('./client').LaneClient} ledger
+ * @param {{ fetch?: typeof fetch, maxOutputTokens?: number, logger?: {warn: Function, error: Function}|null }} [options]
+ */
+function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS, logger = ledger.logger } = {}) {
+  if (!isCount(maxOutputTokens)) throw new RangeError('maxOutputTokens must be a non-negative integer');
   return async function fetchThroughLedger(url, init = {}) {
-    const plan = planOf(url, init);
+    // Taken before any await, and shared by the call's Reserve and every ending.
+    const trace = traceHeaders() ?? freshTraceHeaders();
+    const plan = await planOf(url, init);
     if (plan === null) return inner(url, init);
     const reservationId = crypto.randomUUID();
-    const body = taggedBody(plan, reservationId, maxOutputTokens);
-    const sent = JSON.parse(body);
-    const headers = new Headers(init.headers);
-    headers.set(RESERVATION_HEADER, reservationId);
+    const { body, ...booked } = preparedOf(plan, reservationId, maxOutputTokens);
+    const headers = headersOf(init, plan, reservationId);
     let deliver;
     const delivered = new Promise((resolve, reject) => {
       deliver = { resolve, reject };
     });
-    const booking = {
-      reservationId,
-      model: plan.json.model,
-      requestBytes: Buffer.byteLength(body),
-      maxOutputTokens: sent.max_completion_tokens ?? sent.max_tokens ?? sent.max_output_tokens,
-    };
+    const booking = { reservationId, ...booked, ...trace };
     const outcome = ledger.call(booking, async () => {
       let response;
       try {
@@ -268,7 +382,7 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       if (!streaming) {
         const text = await response.text();
         deliver.resolve(new Response(text, { status: response.status, statusText: response.statusText, headers: response.headers }));
-        return { httpStatus: response.status, usage: usageOf(parsed(text)) };
+        return { httpStatus: response.status, usage: usageIn(parsed(text)) };
       }
       const { handed, ended } = watchedStream(response);
       deliver.resolve(handed);
@@ -277,9 +391,7 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       return { httpStatus: response.status, usage: end.usage };
     });
     outcome.then(
-      (result) => {
-        if (!result.admitted) deliver.resolve(deniedResponse(result));
-      },
+      (result) => (result.admitted ? settleRefusedUsage(ledger, result, trace, logger) : deliver.resolve(deniedResponse(result))),
       (error) => deliver.reject(error),
     );
     return delivered;
@@ -289,6 +401,7 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
 module.exports = {
   ledgerFetch,
   planOf,
+  UNKNOWN_MODEL,
   neverSent,
   DEFAULT_MAX_OUTPUT_TOKENS,
   MAX_METADATA_KEYS,

@@ -14,20 +14,29 @@
 //   input_tokens + cache_read_input_tokens + cache_creation_input_tokens; the
 //   cached part is cache_read_input_tokens, the written part
 //   cache_creation_input_tokens; output_tokens is taken as it is.
-// A missing or null count is 0. A block with no input token at all is no
-// evidence of a billed call (the ledger refuses such a SUCCEEDED settle), so it
-// reads as no usage: the call is then charged at its hold.
+// A missing or null count is 0; a count above MAX_TOKENS (10^12, the ledger's
+// bound, as the Python client's Usage) is refused. A block with no input token
+// at all is no evidence of a billed call (the ledger refuses such a SUCCEEDED
+// settle), so it reads as no usage: the call is then charged at its hold.
+
+const { MAX_TOKENS } = require('./journal');
 
 const isObject = (value) => value !== null && typeof value === 'object' && !Array.isArray(value);
 
-/** A token count as a BigInt: a non-negative safe integer; missing or null is 0n. */
+/** A token count as a BigInt: an integer from 0 to MAX_TOKENS; missing or null is 0n. */
 function count(block, key) {
   const value = block[key];
   if (value === undefined || value === null) return 0n;
   if (!Number.isSafeInteger(value) || value < 0) {
     throw new TypeError(`usage ${key} is not a non-negative integer`);
   }
-  return BigInt(value);
+  return bounded(BigInt(value), key);
+}
+
+/** A count the ledger can take: at most MAX_TOKENS, else a RangeError. */
+function bounded(tokens, name) {
+  if (tokens > MAX_TOKENS) throw new RangeError(`usage ${name} is more than ${MAX_TOKENS} tokens`);
+  return tokens;
 }
 
 function detailsOf(block, key) {
@@ -48,7 +57,8 @@ function anthropicStyle(block) {
   const cachedInputTokens = count(block, 'cache_read_input_tokens');
   const cacheWriteTokens = count(block, 'cache_creation_input_tokens');
   return {
-    inputTokens: count(block, 'input_tokens') + cachedInputTokens + cacheWriteTokens,
+    // Each part within the bound, and their sum too (the ledger's input_tokens).
+    inputTokens: bounded(count(block, 'input_tokens') + cachedInputTokens + cacheWriteTokens, 'input_tokens with the cache'),
     outputTokens: count(block, 'output_tokens'),
     cachedInputTokens,
     cacheWriteTokens,
@@ -67,7 +77,8 @@ function readBlock(block) {
 /**
  * The usage of a provider's parsed response body (its `usage` object; the
  * usage object itself is taken too), as BigInts, or null when it reports none.
- * Throws TypeError or RangeError for a count that is not a non-negative integer.
+ * Throws TypeError for a count that is not a non-negative integer, RangeError
+ * for one above MAX_TOKENS (10^12) or cached tokens above the input.
  * @param {object|null|undefined} body
  * @returns {import('../index').ProviderUsage|null}
  */

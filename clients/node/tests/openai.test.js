@@ -5,10 +5,12 @@
 const { after, before, test } = require('node:test');
 const assert = require('node:assert/strict');
 const http = require('node:http');
+const fs = require('node:fs');
 const net = require('node:net');
+const path = require('node:path');
 const { OpenAI } = require('openai');
 const { startLedger } = require('./ledger-server');
-const { LaneClient, ledgerFetch, isContextOverflow } = require('..');
+const { LaneClient, ledgerFetch, isContextOverflow, UnknownModel } = require('..');
 const { neverSent, RESERVATION_HEADER } = require('../lib/providers');
 
 // 1,000 nanos an input token, 100 a cached one, 4,000 an output token.
@@ -54,6 +56,8 @@ function chatReply(body, res) {
   if (kind === 'forbidden') return json(403, { error: { message: 'no', type: 'permission_error' } });
   if (kind === 'limited') return json(429, { error: { message: 'slow down', type: 'rate_limit_error' } });
   if (kind === 'broken') return json(500, { error: { message: 'oops', type: 'server_error' } });
+  // More output than the request's max: the ledger refuses this usage.
+  if (kind === 'verbose') return json(200, { id: 'c2', object: 'chat.completion', model: body.model, choices: [], usage: { ...USAGE, completion_tokens: 100 } });
   if (kind === 'stall') return setTimeout(() => json(200, {}), STALL_MS);
   if (kind === 'stream') {
     res.writeHead(200, { 'content-type': 'text/event-stream' });
@@ -61,6 +65,15 @@ function chatReply(body, res) {
     chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'h' } }] });
     chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'i' }, finish_reason: 'stop' }] });
     if (body.stream_options?.include_usage) chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [], usage: USAGE });
+    res.end('data: [DONE]\n\n');
+    return undefined;
+  }
+  if (kind === 'huge stream') {
+    // A usage above the ledger's bound of 10^12 tokens: no usage, the stream still passes.
+    res.writeHead(200, { 'content-type': 'text/event-stream' });
+    const chunk = (value) => res.write(`data: ${JSON.stringify(value)}\n\n`);
+    chunk({ id: 's2', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'hi' }, finish_reason: 'stop' }] });
+    chunk({ id: 's2', object: 'chat.completion.chunk', model: body.model, choices: [], usage: { ...USAGE, prompt_tokens: 10 ** 13 } });
     res.end('data: [DONE]\n\n');
     return undefined;
   }
@@ -79,15 +92,27 @@ function responsesReply(body, res) {
   res.end();
 }
 
+/** A body as JSON, or {} when it is not a JSON object (ledgerFetch books bodies of any kind). */
+function jsonObject(raw) {
+  try {
+    const value = JSON.parse(raw);
+    return value !== null && typeof value === 'object' && !Array.isArray(value) ? value : {};
+  } catch {
+    return {};
+  }
+}
+
 before(async () => {
   ledger = await startLedger();
   await ledger.admin.putLane({ lane: { lane: 'sdk', limit_nanos: '1000000000', prices: PRICES } });
   provider = http.createServer((req, res) => {
-    let raw = '';
-    req.on('data', (part) => (raw += part));
+    const parts = [];
+    req.on('data', (part) => parts.push(part));
     req.on('end', () => {
-      const body = JSON.parse(raw || '{}');
-      seen.push({ headers: req.headers, raw, body });
+      const bytes = Buffer.concat(parts);
+      const raw = bytes.toString('utf8');
+      const body = jsonObject(raw);
+      seen.push({ headers: req.headers, raw, bytes, body });
       if (req.url.endsWith('/responses')) responsesReply(body, res);
       else chatReply(body, res);
     });
@@ -135,10 +160,10 @@ async function booked(kind, options = {}, request = {}, { tagged = true } = {}) 
 }
 
 /** The booking once it has ended: it may end a moment after the SDK has its answer (a stream's end). */
-async function endedBooking(reservationId) {
+async function endedBooking(reservationId, lane = client) {
   let booking;
   for (let attempt = 0; attempt < 50; attempt += 1) {
-    booking = await client.booking(reservationId);
+    booking = await lane.booking(reservationId);
     if (booking.state !== 'OPEN') break;
     await new Promise((resolve) => setTimeout(resolve, 20));
   }
@@ -325,4 +350,163 @@ test('a full metadata is left as it is; the header still carries the reservation
   // Not an object: left for the provider to refuse, as the Python client does.
   const odd = await booked('ok', {}, { metadata: 'not an object' }, { tagged: false });
   assert.equal(odd.sent.body.metadata, 'not an object');
+});
+
+// --- bodies that are not a JSON string ----------------------------------------------
+
+const CHAT = Object.freeze({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: 'ok' }] });
+
+/** A lane that prices the model "unknown" too, so that a body without a model is booked and sent. */
+async function laneForAnyBody() {
+  await ledger.admin.putLane({ lane: { lane: 'sdk-any', limit_nanos: '1000000000', prices: { ...PRICES, unknown: PRICES.m } } });
+  const lane = new LaneClient(ledger.address, 'sdk-any', { grant: ledger.adminGrant ?? undefined, deadlineMs: 3000 });
+  await lane.waitForReady();
+  return lane;
+}
+
+/** POSTs `body` to the chat endpoint through ledgerFetch(lane): what the provider got, and its booking. */
+async function postedThrough(lane, body, init = {}) {
+  const before = seen.length;
+  const url = `http://127.0.0.1:${provider.address().port}/v1/chat/completions`;
+  const response = await ledgerFetch(lane)(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body, ...init });
+  assert.equal(response.status, 200);
+  await response.arrayBuffer();
+  assert.equal(seen.length, before + 1, 'one request reached the provider');
+  const sent = seen[before];
+  const reservationId = sent.headers[RESERVATION_HEADER];
+  assert.ok(reservationId, 'booked: the reservation id travels as a header');
+  const booking = await endedBooking(reservationId, lane);
+  assert.equal(booking.requestBytes, BigInt(sent.bytes.length), 'the bytes booked are the bytes sent');
+  return { sent, booking };
+}
+
+test('a JSON body given as bytes or a stream is booked like a string: tagged, its model and max', async () => {
+  const lane = await laneForAnyBody();
+  try {
+    const json = Buffer.from(JSON.stringify(CHAT));
+    const padded = Buffer.concat([Buffer.from('xx'), json, Buffer.from('yy')]);
+    const streamOf = (bytes) => new ReadableStream({
+      start(controller) {
+        controller.enqueue(new Uint8Array(bytes.subarray(0, 10)));
+        controller.enqueue(new Uint8Array(bytes.subarray(10)));
+        controller.close();
+      },
+    });
+    const bodies = [
+      ['a Buffer', () => json, {}],
+      ['a Uint8Array inside a larger buffer', () => new Uint8Array(padded.buffer, padded.byteOffset + 2, json.length), {}],
+      ['an ArrayBuffer', () => json.buffer.slice(json.byteOffset, json.byteOffset + json.length), {}],
+      ['a stream', () => streamOf(json), { duplex: 'half' }],
+    ];
+    for (const [kind, body, init] of bodies) {
+      const { sent, booking } = await postedThrough(lane, body(), init);
+      assert.equal(booking.model, 'm', kind);
+      assert.equal(booking.maxOutputTokens, 100n, kind);
+      assert.equal(sent.body.metadata.ledger_reservation_id, sent.headers[RESERVATION_HEADER], kind);
+      assert.equal(booking.state, 'SETTLED', kind);
+      assert.equal(booking.amountNanos, COST, kind);
+    }
+  } finally {
+    lane.close();
+  }
+});
+
+test('a body that is not a JSON object, or names no model, is booked as the model "unknown"', async () => {
+  const lane = await laneForAnyBody();
+  try {
+    const cases = [
+      ['bytes that are not JSON', Buffer.from('plain bytes, not JSON'), false],
+      ['unparsable JSON', '{"model": "m", "messages": [', false],
+      ['a JSON array', '[1, 2, 3]', false],
+      ['a JSON object without a model', JSON.stringify({ messages: CHAT.messages }), true],
+    ];
+    for (const [kind, body, isObject] of cases) {
+      const { sent, booking } = await postedThrough(lane, body);
+      assert.equal(booking.model, 'unknown', kind);
+      assert.equal(booking.maxOutputTokens, 4096n, kind);
+      if (isObject) {
+        assert.equal(sent.body.max_completion_tokens, 4096, `${kind}: the bound written in`);
+        assert.equal(sent.body.metadata.ledger_reservation_id, sent.headers[RESERVATION_HEADER], kind);
+      } else {
+        assert.deepEqual(sent.bytes, Buffer.from(body), `${kind}: sent as it is`);
+      }
+      assert.equal(booking.state, 'SETTLED', kind);
+    }
+  } finally {
+    lane.close();
+  }
+});
+
+test('a body booked as "unknown" on a lane without that price is refused, and nothing is sent', async () => {
+  const before = seen.length;
+  const url = `http://127.0.0.1:${provider.address().port}/v1/chat/completions`;
+  await assert.rejects(ledgerFetch(client)(url, { method: 'POST', body: Buffer.from('not JSON') }), UnknownModel);
+  assert.equal(seen.length, before, 'nothing reached the provider');
+});
+
+test('a stream whose usage is out of bounds reaches the SDK whole, and is charged at the hold', async () => {
+  const { booking, error } = await booked('huge stream', {}, { stream: true });
+  assert.equal(error, null, 'the stream is not broken by a usage it cannot book');
+  assert.equal(booking.state, 'SETTLED_UNKNOWN');
+  assert.equal(booking.amountNanos, booking.holdNanos);
+});
+
+// --- a usage the ledger refuses --------------------------------------------------------
+
+test('a usage the ledger refuses (more output than the max) is settled UNKNOWN, with a warning', async () => {
+  const warnings = [];
+  const logger = { warn: (message) => warnings.push(message), error: (message) => warnings.push(`error: ${message}`) };
+  const lane = new LaneClient(ledger.address, 'sdk', { grant: ledger.adminGrant ?? undefined, deadlineMs: 3000, logger });
+  try {
+    replies.set('verbose', 'verbose');
+    const before = seen.length;
+    const openai = sdk({ fetch: ledgerFetch(lane) });
+    await openai.chat.completions.create({ model: 'm', max_tokens: 77, messages: [{ role: 'user', content: 'verbose' }] });
+    const reservationId = seen[before].headers[RESERVATION_HEADER];
+    const booking = await endedBooking(reservationId);
+    assert.equal(booking.state, 'SETTLED_UNKNOWN', 'not left open to expire');
+    assert.equal(booking.amountNanos, booking.holdNanos);
+    assert.equal(warnings.length, 1);
+    assert.match(warnings[0], new RegExp(`${reservationId}.*OUTPUT_EXCEEDS_MAX_TOKENS.*settled UNKNOWN`));
+  } finally {
+    lane.close();
+  }
+});
+
+// --- the README's example ----------------------------------------------------------------
+
+test("the README's openai example runs as written: a completion booked, a denial answered with null", async () => {
+  const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
+  const code = [...readme.matchAll(/```js\n([\s\S]*?)```/g)].map((match) => match[1]).find((block) => block.includes('ledgerFetch(lane)'));
+  assert.ok(code, 'the README has the openai example');
+  const recallLane = (limitNanos) => ({ lane: { lane: 'recall', limit_nanos: limitNanos, prices: { 'jev-small': PRICES.m } } });
+  await ledger.admin.putLane(recallLane('1000000000'));
+  const environment = {
+    LEDGER_ADDRESS: ledger.address,
+    LEDGER_GRANT: ledger.adminGrant ?? '',
+    OPENAI_API_KEY: 'test',
+    OPENAI_BASE_URL: `http://127.0.0.1:${provider.address().port}/v1`,
+  };
+  const saved = Object.fromEntries(Object.keys(environment).map((name) => [name, process.env[name]]));
+  Object.assign(process.env, environment);
+  let example;
+  try {
+    const load = new Function('require', `${code}\nreturn { recall, lane };`);
+    example = load((name) => require(name === '@lane-ledger/client' ? '..' : name));
+    const before = seen.length;
+    assert.equal(await example.recall([{ role: 'user', content: 'ok' }]), 'hi');
+    assert.equal(seen[before].body.model, 'jev-small');
+    const booking = await endedBooking(seen[before].headers[RESERVATION_HEADER], example.lane);
+    assert.equal(booking.state, 'SETTLED');
+    assert.equal(booking.amountNanos, COST);
+    await ledger.admin.putLane(recallLane('1'));
+    assert.equal(await example.recall([{ role: 'user', content: 'ok' }]), null, 'denied');
+    assert.equal(seen.length, before + 1, 'nothing sent for the denied call');
+  } finally {
+    example?.lane.close();
+    for (const [name, value] of Object.entries(saved)) {
+      if (value === undefined) delete process.env[name];
+      else process.env[name] = value;
+    }
+  }
 });

@@ -326,6 +326,50 @@ describe('a server that shuts down under a call', () => {
     assert.equal(entry.localHoldNanos, 5000n);
   });
 
+  // What grpc-js reports when the connection closes under a call, e.g. the
+  // server's process exited while this event loop was blocked.
+  const RESET = 'Received RST_STREAM with code 2 triggered by internal client error: Session closed with error code 2';
+
+  test('a Settle reset under it (a bare INTERNAL) is sent again, then journaled', async () => {
+    const fake = await startFakeLedger({
+      Reserve: () => ADMITTED,
+      Settle: () => {
+        throw ledgerStatus(grpc.status.INTERNAL, null, RESET);
+      },
+    });
+    try {
+      const lane = client(OutagePolicy.deny(journalPath), { endAttempts: 2 }, `127.0.0.1:${fake.port}`);
+      const result = await lane.call(REQUEST, async () => OK);
+      assert.ok(result.ledgerError instanceof Unavailable, result.ledgerError.name);
+      assert.equal(result.ledgerError.retryable, true);
+      assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 2, 'sent again');
+      assert.equal(result.journaled, true, 'journaled for the replay, not left to expire');
+      const [entry] = lane.journal.pending();
+      assert.equal(entry.reservationId, result.reservationId);
+      assert.equal(entry.ending.settlement, Settlement.SETTLE_SUCCEEDED);
+    } finally {
+      await fake.stop();
+    }
+  });
+
+  test("the ledger's own INTERNAL is not an outage: not sent again, not journaled", async () => {
+    const fake = await startFakeLedger({
+      Reserve: () => ADMITTED,
+      Settle: () => {
+        throw ledgerStatus(grpc.status.INTERNAL, 'INTERNAL', 'internal error (id 0123abcd)');
+      },
+    });
+    try {
+      const lane = client(OutagePolicy.deny(journalPath), { endAttempts: 2 }, `127.0.0.1:${fake.port}`);
+      const result = await lane.call(REQUEST, async () => OK);
+      assert.ok(result.ledgerError instanceof InternalError, result.ledgerError.name);
+      assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 1);
+      assert.equal(result.journaled, false);
+    } finally {
+      await fake.stop();
+    }
+  });
+
   test('the error table: which errors are an outage', () => {
     const error = (code, reason = '') => {
       const metadata = new grpc.Metadata();
@@ -339,6 +383,8 @@ describe('a server that shuts down under a call', () => {
       [error(grpc.status.DEADLINE_EXCEEDED), DeadlineExceeded],
       [error(grpc.status.CANCELLED), Cancelled],
       [error(grpc.status.RESOURCE_EXHAUSTED), ResourceExhausted],
+      // A bare INTERNAL is the transport's (a stream reset): the ledger's own carries its reason.
+      [error(grpc.status.INTERNAL), Unavailable],
     ];
     for (const [made, errorClass] of outage) {
       assert.ok(made instanceof errorClass, made.name);
@@ -348,14 +394,13 @@ describe('a server that shuts down under a call', () => {
     for (const made of [
       error(grpc.status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS'),
       error(grpc.status.INTERNAL, 'INTERNAL'),
-      error(grpc.status.INTERNAL), // a stream reset without a status is not read as an outage
       error(grpc.status.INVALID_ARGUMENT),
       error(grpc.status.UNAUTHENTICATED),
     ]) {
       assert.equal(isLedgerUnavailable(made), false, made.name);
     }
     assert.ok(error(grpc.status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS') instanceof TooManyWatchers);
-    assert.ok(error(grpc.status.INTERNAL) instanceof InternalError);
+    assert.ok(error(grpc.status.INTERNAL, 'INTERNAL') instanceof InternalError);
     assert.ok(error(grpc.status.INVALID_ARGUMENT) instanceof InvalidArgument);
     assert.ok(error(grpc.status.UNAUTHENTICATED) instanceof Unauthenticated);
     assert.equal(isLedgerUnavailable(new Error('not a ledger error')), false);
@@ -394,8 +439,9 @@ describe('README', () => {
     const block = [...readme.matchAll(/```js\n([\s\S]*?)```/g)].map((match) => match[1]).find((code) => code.includes('OutagePolicy.allowance'));
     assert.ok(block, 'the README has the outage example');
     const code = block.replaceAll('/var/lib/recall/ledger-journal.jsonl', journalPath);
-    const load = new Function('require', 'address', 'GRANT', `${code}\nreturn { closed, bounded, ledger };`);
-    const example = load((name) => require(name === '@lane-ledger/client' ? '..' : name), closedAddress, 'grant');
+    const load = new Function('require', 'process', `${code}\nreturn { closed, bounded, ledger };`);
+    const environment = { env: { LEDGER_ADDRESS: closedAddress, LEDGER_GRANT: 'grant' } };
+    const example = load((name) => require(name === '@lane-ledger/client' ? '..' : name), environment);
     try {
       assert.equal(example.closed.mode, 'deny');
       assert.equal(example.bounded.maxNanos, 50_000_000n);

@@ -97,6 +97,24 @@ describe('usageOf: a provider body by the ledger convention', () => {
       assert.throws(() => usageOf({ usage }), (error) => error instanceof TypeError || error instanceof RangeError, JSON.stringify(usage));
     }
   });
+
+  test('a count above the ledger bound (10^12 tokens) is refused, as the Python client refuses it', () => {
+    const bound = 10 ** 12;
+    for (const usage of [
+      { prompt_tokens: 10 ** 13, completion_tokens: 1 },
+      { prompt_tokens: 10, completion_tokens: bound + 1 },
+      { input_tokens: bound + 1, input_tokens_details: { cached_tokens: 0 }, output_tokens: 1 },
+      { input_tokens: 1, output_tokens: bound + 1 },
+      // Anthropic's parts each within the bound, their sum (the ledger's input_tokens) above it.
+      { input_tokens: bound, cache_read_input_tokens: 1, output_tokens: 1 },
+    ]) {
+      assert.throws(() => usageOf({ usage }), RangeError, JSON.stringify(usage));
+    }
+    const most = usageOf({ usage: { prompt_tokens: bound, completion_tokens: bound, prompt_tokens_details: { cached_tokens: bound } } });
+    assert.deepEqual(most, { inputTokens: 10n ** 12n, outputTokens: 10n ** 12n, cachedInputTokens: 10n ** 12n, cacheWriteTokens: 0n });
+    // JSON has one number type: 900.0 is the count 900.
+    assert.equal(usageOf(JSON.parse('{"usage": {"prompt_tokens": 900.0, "completion_tokens": 1}}')).inputTokens, 900n);
+  });
 });
 
 describe('a reported usage carries its cache counts', () => {
