@@ -140,8 +140,9 @@ class Store(Protocol):
         """Runs `work` in one transaction and commits it durably, retrying a
         bounded number of times on serialization failures; raises
         StoreUnavailable when the database cannot answer in time. A read
-        `in_turn` takes its turn among the moves and sees their kept windows
-        (on SQLite it is answered from the one writer's memory)."""
+        `in_turn` sees the kept windows as the moves left them, at one instant:
+        on SQLite it takes its turn among the moves and is answered from the
+        one writer's memory; on PostgreSQL it reads one snapshot."""
         ...
 
     def ping(self) -> None:

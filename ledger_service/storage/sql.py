@@ -211,16 +211,25 @@ class SqlStore:
                 ),
                 deadline,
             )
-        return self._transact(work, write, deadline)
+        return self._transact(work, write, in_turn, deadline)
 
-    def _transact(self, work: Callable[[StoreTransaction], T], write: bool, deadline: float) -> T:
+    def _transact(
+        self, work: Callable[[StoreTransaction], T], write: bool, in_turn: bool, deadline: float
+    ) -> T:
         if self._watchdog is None:  # SQLite: local, bounded by its busy timeout and the gate
             with self._engine.connect() as connection:
                 connection = connection.execution_options(ledger_write=write)
                 with connection.begin():
                     return work(SqlTransaction(connection, self._sqlite))
         with self._watched(deadline) as connection:
-            connection = connection.execution_options(ledger_write=write)
+            options: dict[str, Any] = {"ledger_write": write}
+            if in_turn and not write:
+                # Reads take no lock: a move may commit between two of their
+                # statements. One snapshot for all (a read-only REPEATABLE READ
+                # transaction never fails to serialize) keeps a kept window
+                # and the bookings that crossed its edges from one instant.
+                options["isolation_level"] = "REPEATABLE READ"
+            connection = connection.execution_options(**options)
             with connection.begin():
                 tx = SqlTransaction(connection, False, horizon=self._horizon)
                 result = work(tx)
