@@ -580,6 +580,25 @@ def test_history_is_an_aligned_table(target: LedgerProcess, ledger: RunLedger) -
     assert any(line.split()[2:4] == ["story", "refunded"] for line in everyone.out.splitlines())
 
 
+def test_history_of_a_lane_needs_only_a_read_grant(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    """docs/security.md: `read` is what a dashboard needs for ListEvents."""
+    put_recall(ledger, "read-only")
+    reserve(ledger, "read-only", "r-1")
+    issued = ledger(
+        "grant", "issue", "--lane", "read-only", "--scope", "read",
+        "--data-dir", str(target.data_dir),
+    )  # fmt: skip
+    assert issued.code == 0, issued
+    run = ledger("history", "read-only", "--json", "--grant", issued.out.strip())
+    assert run.code == 0, run
+    assert [json.loads(line)["kind"] for line in run.out.splitlines()] == [
+        "lane_configured",
+        "reserved",
+    ]
+
+
 def test_history_json_is_one_event_per_line(target: LedgerProcess, ledger: RunLedger) -> None:
     put_recall(ledger, "story-json")
     reserve(ledger, "story-json", "j-1")
