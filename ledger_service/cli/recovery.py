@@ -195,6 +195,12 @@ def _rebuild(arguments: argparse.Namespace) -> int:
             print(f"rebuilding from {route.source_id}", file=sys.stderr)
             started = time.monotonic()
             digest = recovery.rebuild(route, ProgressPrinter())
+            elapsed = time.monotonic() - started
+            print(f"rebuilt from {route.source_id} in {elapsed:.2f}s; digest {digest}")
+            # As a recovery does: the next start and recovery begin from here.
+            info = recovery.snapshot_after_rebuild()
+            if info is not None:
+                print(f"snapshot {info.snapshot_id} at event {info.position_seq}")
         except StoreUnavailable as error:
             return _unavailable("rebuild", error)
         except ChainBroken as error:
@@ -204,7 +210,6 @@ def _rebuild(arguments: argparse.Namespace) -> int:
         except (RebuildFailed, RebuildClaimLost) as error:
             print(f"ledger rebuild: {error}", file=sys.stderr)
             return 2
-    print(f"rebuilt from {route.source_id} in {time.monotonic() - started:.2f}s; digest {digest}")
     return 0
 
 

@@ -644,7 +644,7 @@ class Recovery:
                 log.error("rebuild failed: %s", error)
                 return Outcome(False, manifest, str(error))
             self._record(manifest_id, "rebuilt", started)
-            self._snapshot_after_rebuild()
+            self.snapshot_after_rebuild()
             return Outcome(True, manifest, manifest.directive)
         return Outcome(False, None, "the rebuild kept meeting broken links")
 
@@ -665,7 +665,9 @@ class Recovery:
         elapsed_ms = int((time.perf_counter() - started) * 1000)
         self._store.update_manifest(manifest_id, outcome, elapsed_ms)
 
-    def _snapshot_after_rebuild(self) -> None:
+    def snapshot_after_rebuild(self) -> SnapshotInfo | None:
+        """The snapshot the rebuilt projections start from: a new one, or the
+        one the rebuild came from when it is at the log's end (None: none taken)."""
         # The next assessment then walks the chain from here, and the next
         # recovery has a fresh, verified snapshot to start from.
         try:
@@ -677,10 +679,11 @@ class Recovery:
                 and newest.position_seq == position.last_seq
                 and not self.check_snapshot(newest)
             ):
-                return  # the snapshot it was rebuilt from is already here
-            self.take_snapshot()
+                return newest  # the snapshot it was rebuilt from is already here
+            return self.take_snapshot()
         except StoreUnavailable:
             log.warning("no snapshot after the rebuild: database unavailable")
+            return None
 
 
 def _verified_from(anchor: SnapshotInfo | ChainPoint | None) -> bool:

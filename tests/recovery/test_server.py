@@ -208,6 +208,22 @@ def test_snapshot_rebuild_and_verify_from_the_command_line(
     assert code == 0 and out.startswith(f"verified {events} events, 2 lanes, 40 bookings")
 
 
+def test_a_rebuild_from_the_command_line_ends_with_a_snapshot(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/recovery.md: "every rebuild ends with one", `ledger rebuild` too."""
+    url = ("--database-url", sqlite_history.url)
+    events = sqlite_history.scalar("SELECT COUNT(*) FROM events")
+    assert not SqlRecoveryStore(sqlite_history.engine).snapshots()
+    code, out, _ = _ledger(capsys, "rebuild", "--from-scratch", *url)
+    assert code == 0 and out.splitlines()[1] == f"snapshot 1 at event {events}"
+    [taken] = SqlRecoveryStore(sqlite_history.engine).snapshots()
+    assert taken.position_seq == events
+    # At the log's end already: the rebuild from it takes no second one.
+    code, out, _ = _ledger(capsys, "rebuild", *url)
+    assert code == 0 and out.splitlines()[1] == f"snapshot 1 at event {events}"
+
+
 def test_the_gate_sits_behind_authentication(
     sqlite_history: History, start: Callable[..., Running]
 ) -> None:
