@@ -206,7 +206,12 @@ class Recovery:
         elif _verified_from(anchor) and final > (anchor.position_seq if anchor else 0):
             # Every link up to `final` now checked out: the next walk starts there.
             point = ChainPoint(final, walk.heads_at[final])
-            self._store.save_checkpoint(point, self._wall.now_us())
+            try:
+                self._store.save_checkpoint(point, self._wall.now_us())
+            except StoreUnavailable:
+                # Only a shortcut for the next walk: a file this process may
+                # not write (reads are still served) must not fail the look.
+                log.warning("the verified point of the chain was not saved: database unavailable")
         return Assessment(facts, tuple(findings))
 
     def _start_of_walk(

@@ -204,6 +204,10 @@ class SqlStore:
     def _run_once(
         self, work: Callable[[StoreTransaction], T], write: bool, in_turn: bool, deadline: float
     ) -> T:
+        # A read in turn needs the writer, which cannot begin on a file it may
+        # not write: while so, it reads the file as any read does, summing the
+        # window afresh (the writer's memory is dropped with its failed batch).
+        in_turn = in_turn and self._write_problem is None
         if self._committer is not None and (write or in_turn):
             return self._committer.submit(
                 lambda connection: self._writer.run(

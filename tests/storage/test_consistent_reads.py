@@ -35,7 +35,8 @@ def test_a_balance_never_mixes_a_kept_window_with_a_later_commit(
     reserve = moves.ReserveCommand("recall", "gone", "jev", 1_000, 10)
     hold = ledger.reserve(reserve).event.hold_nanos
     clock.advance_us(1_000_000)
-    ledger.reserve(dataclasses.replace(reserve, reservation_id="keeps"))  # keeps the parent's window
+    # A move on the child keeps the parent's window, with the first booking in it.
+    ledger.reserve(dataclasses.replace(reserve, reservation_id="keeps"))
     clock.advance_us(PARENT.window_us)  # both bookings out of every window, neither swept
 
     # The sweeper commits its expiries just after the balance read its kept window.

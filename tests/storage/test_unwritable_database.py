@@ -21,9 +21,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ledger_service.application.ledger import Ledger
+from ledger_service.domain import moves
+from ledger_service.domain.clock import SystemClock
+from ledger_service.domain.policies import LanePolicy
+from ledger_service.domain.pricing import ModelPrice
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.storage import database, migrate
+from ledger_service.storage.sql import SqlStore
 from tests import serving
 
 WAIT_SECONDS = 15.0
@@ -125,3 +131,24 @@ def test_files_it_can_write_serve_without_a_word(
     with grpc.insecure_channel(address) as channel:
         assert _health_becomes(channel, SERVING)
     assert "CANNOT BE WRITTEN" not in log_path.read_text()
+
+
+def test_reads_are_served_while_the_files_cannot_be_written(
+    data_dir: pathlib.Path, serve: Callable[[], tuple[str, pathlib.Path]]
+) -> None:
+    """docs/recovery.md: moves are refused, reads are still served (a balance too)."""
+    store = SqlStore(database.create(f"sqlite:///{data_dir}/ledger.db", database.EngineLimits()))
+    ledger = Ledger(store, SystemClock())
+    ledger.put_lane(LanePolicy("recall", 1_000_000, {"jev": ModelPrice(100_000, 400_000)}))
+    assert ledger.reserve(moves.ReserveCommand("recall", "r-1", "jev", 3_500, 10)).admitted
+    # Held open, the store keeps the WAL files, which readers write: the
+    # database file alone is what may not be written, as after a chmod.
+    _read_only(data_dir / "ledger.db")
+    address, log_path = serve()
+    with grpc.insecure_channel(address) as channel:
+        assert _health_becomes(channel, NOT_SERVING)
+        assert _put_lane(channel) is grpc.StatusCode.UNAVAILABLE
+        stub = pb_grpc.LedgerStub(channel)
+        balance = stub.GetBalance(pb.GetBalanceRequest(lane="recall"), timeout=10)
+        assert (balance.held_nanos, balance.open_bookings) == (104, 1), log_path.read_text()
+    store.close()
