@@ -9,6 +9,7 @@ NOT_SERVING even while the sweeper or a recovery check waits on it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -44,7 +45,7 @@ from ledger_service.recovery.plan import RecoveryPolicy
 from ledger_service.recovery.rebuild import Recovery, RecoveryGuard, RecoverySettings
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.settings import Settings, grpc_server_options, is_loopback
-from ledger_service.storage import database, keyring, migrate
+from ledger_service.storage import database, keyring, migrate, translate
 from ledger_service.storage.sql import SqlStore
 from ledger_service.telemetry import Telemetry, configure_telemetry
 
@@ -102,8 +103,22 @@ class LedgerServer:
             clock = ManualClock() if settings.test_clock else SystemClock()
         self.clock = clock
         self.store = build_store(settings)
+        # The schema brought up to date now, or, when the database cannot be
+        # reached (or is damaged), by the recovery guard before its first look:
+        # the server comes up NOT_SERVING and tries again, never a traceback.
+        pending_migration: Callable[[], None] | None = None
         if run_migrations:
-            migrate.upgrade(self.store.engine)
+            try:
+                _upgrade(self.store)
+            except StoreUnavailable as error:
+                why = "it is damaged" if isinstance(error, StoreDamaged) else "it does not answer"
+                log.error(
+                    "the database's schema could not be brought up to date: %s. Health is "
+                    "NOT_SERVING; the server tries again every %g s",
+                    why,
+                    settings.recovery_check_interval_seconds,
+                )
+                pending_migration = functools.partial(_upgrade, self.store)
         self.ledger = Ledger(
             self.store,
             clock,
@@ -125,7 +140,9 @@ class LedgerServer:
             ),
         )
         # Serves moves only while the projections are whole (docs/recovery.md).
-        self.guard = recovery_guard(settings, self.store, self._on_recovery_change)
+        self.guard = recovery_guard(
+            settings, self.store, self._on_recovery_change, prepare=pending_migration
+        )
         self.health = health.HealthServicer()
         self._stopping = threading.Event()
         # Set while the health probe finds the database answering.
@@ -351,8 +368,17 @@ class LedgerServer:
         self._server.wait_for_termination()
 
 
+def _upgrade(store: SqlStore) -> None:
+    """migrate.upgrade, its database errors translated (StoreUnavailable, StoreDamaged)."""
+    with translate.translated():
+        migrate.upgrade(store.engine)
+
+
 def recovery_guard(
-    settings: Settings, store: SqlStore, on_change: Callable[[bool], None]
+    settings: Settings,
+    store: SqlStore,
+    on_change: Callable[[bool], None],
+    prepare: Callable[[], None] | None = None,
 ) -> RecoveryGuard:
     recovery = build_recovery(settings, store, f"server {socket.gethostname()}:{os.getpid()}")
     return RecoveryGuard(
@@ -363,6 +389,7 @@ def recovery_guard(
         consistency_check_seconds=settings.consistency_check_interval_seconds,
         snapshot_every_events=settings.snapshot_every_events,
         on_change=on_change,
+        prepare=prepare,
     )
 
 

@@ -321,6 +321,16 @@ def test_no_server_says_so_in_one_line(ledger: RunLedger, command: list[str]) ->
     assert run.code == exits.EXIT_UNREACHABLE
 
 
+def test_migrate_on_a_database_that_does_not_answer_is_one_line(
+    ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    url = f"postgresql+psycopg://postgres:s3cret@127.0.0.1:{free_port()}/nope"
+    run = ledger("migrate", "--database-url", url, "--data-dir", str(tmp_path))
+    assert one_line_error(run).startswith("ledger migrate: the database is unavailable (")
+    assert "s3cret" not in run.err
+    assert run.code == 2
+
+
 def test_a_server_that_never_answers_times_out(ledger: RunLedger) -> None:
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

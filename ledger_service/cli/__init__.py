@@ -67,6 +67,8 @@ def configure_logging() -> None:
     )
     logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # SQLAlchemy names a pool's logger after its class: ours (PostgreSQL's) too.
+    logging.getLogger("ledger_service.storage.watchdog.DeadlinePool").setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

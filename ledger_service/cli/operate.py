@@ -118,16 +118,23 @@ def _serve(arguments: argparse.Namespace) -> int:
 
 
 def _migrate(arguments: argparse.Namespace) -> int:
+    from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
     from ledger_service.server import build_store
-    from ledger_service.storage import database, migrate
+    from ledger_service.storage import database, migrate, translate
 
     settings = settings_from(arguments)
+    where = database.redacted(settings.database_url)
     store = build_store(settings)
     try:
-        done = migrate.upgrade(store.engine)
+        with translate.translated():
+            done = migrate.upgrade(store.engine)
+    except StoreUnavailable as error:
+        # One line, as the recovery commands say it (cli/recovery.py).
+        why = error.message if isinstance(error, StoreDamaged) else "the database is unavailable"
+        print(f"ledger migrate: {why} ({where})", file=sys.stderr)
+        return 2
     finally:
         store.close()
-    where = database.redacted(settings.database_url)
     print(f"{migrate_text(done.before, done.after)} in {where}", file=sys.stderr)
     return 0
 

@@ -760,8 +760,12 @@ class RecoveryGuard:
         consistency_check_seconds: float,
         snapshot_every_events: int,
         on_change: Callable[[bool], None] = lambda ready: None,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
+        """`prepare` runs before each recovery until it once succeeds (the
+        schema's migration, when the database could not be reached at start)."""
         self.recovery = recovery
+        self._prepare = prepare
         self.policy = policy
         self._actor = actor
         self._check_interval = check_interval_seconds
@@ -809,6 +813,9 @@ class RecoveryGuard:
     def _recover(self) -> None:
         self._last_check = time.monotonic()
         try:
+            if self._prepare is not None:
+                self._prepare()
+                self._prepare = None
             outcome = self.recovery.recover(self.policy, self._actor)
         except StoreUnavailable:
             log.warning("recovery check: database unavailable; will retry")

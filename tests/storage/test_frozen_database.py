@@ -35,6 +35,7 @@ from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.storage import watchdog
+from tests import serving
 from tests.freezing_proxy import FreezingProxy
 from tests.storage.conftest import POSTGRES_URL, require_postgres
 
@@ -248,3 +249,42 @@ def test_the_wait_for_a_free_connection_ends_at_the_watch_deadline() -> None:
     finally:
         dog.close()
         engine.dispose()
+
+
+def test_a_server_started_on_a_database_that_does_not_answer_comes_up_and_migrates_later(
+    frozen_database_url: str, proxy: FreezingProxy, tmp_path: Path
+) -> None:
+    """docs/recovery.md: a database unreachable at start is tried again. The
+    schema's migration too: the server listens, NOT_SERVING, with one log line,
+    and brings a fresh database's schema up when it answers."""
+    proxy.freeze()
+    through_proxy = make_url(frozen_database_url).set(host="127.0.0.1", port=proxy.port)
+    env = {
+        **{key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")},
+        "LEDGER_DATABASE_URL": through_proxy.render_as_string(hide_password=False),
+        "LEDGER_STATEMENT_TIMEOUT_MS": "1000",
+        "LEDGER_RECOVERY_CHECK_INTERVAL_SECONDS": "0.5",
+    }
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env, stderr=log)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest()
+            assert (
+                health.Check(request, timeout=5).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            proxy.thaw()
+            give_up = time.monotonic() + 30
+            while health.Check(request, timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < give_up, log_path.read_text()
+                time.sleep(0.2)
+            lane = pb.Lane(lane="recall", limit_nanos=10**9, prices={"jev": PRICE})
+            pb_grpc.LaneAdminStub(channel).PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
+        logged = log_path.read_text()
+        assert "schema could not be brought up to date: it does not answer" in logged
+        assert "Traceback" not in logged
+    finally:
+        serving.stop(process)
