@@ -155,6 +155,8 @@ def _verify(arguments: argparse.Namespace) -> int:
         print(f"  {finding}")
     if report.finding_count > len(report.findings):
         print(f"  ... and {report.finding_count - len(report.findings)} more")
+    print("next: `ledger recover` plans a rebuild of the projections from the log and says "
+          "whether it may run (docs/recovery.md)")  # fmt: skip
     return 1
 
 

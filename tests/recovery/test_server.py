@@ -157,6 +157,7 @@ def test_a_tampered_log_is_refused_and_named_by_verify(
     url = ("--database-url", history.url)
     code, out, _ = _ledger(capsys, "verify", *url)
     assert code == 1 and f"first: broken link: event {settled} " in out
+    assert out.splitlines()[-1].startswith("next: `ledger recover` plans a rebuild")
     code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", *url)
     assert code == 1 and json.loads(out)["verdict"] == "RISK_TOO_HIGH"
     code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", "--max-risk", "1", *url)
