@@ -144,7 +144,8 @@ class SqlStore:
                 log.warning("no database connection free within the pool timeout")
             elif cause is not None and not translate.is_retryable(error):
                 driver = translate.driver_error(cause)
-                log.warning("database error (%s): %s", translate.driver_code(cause), type(driver))
+                code = translate.driver_code(cause) or "no code"
+                log.warning("database error (%s): %s", code, type(driver).__name__)
             raise
 
     @property
