@@ -19,7 +19,10 @@ How it moves (docs/postgresql.md, "Tailing without a global lock"):
 The bound is an xid the reader takes for itself (pg_current_xact_id()), once
 per hole: a snapshot's xmax will not do, since it is one past the latest
 *completed* xid, and the newest appends run with xids at or above it and
-appear in no snapshot's list of running xids.
+appear in no snapshot's list of running xids. A transaction has one xid, so
+only the first hole it sees gets a bound from it; a later one waits for the
+next read's transaction (an earlier xid would bound appends that began after
+it, and pass their seqs while they run).
 
 The horizon only ever rises. One per process, shared by its readers.
 """
@@ -40,8 +43,13 @@ MAX_WAIT_SECONDS = 1.0
 _HANDED = text(
     "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM events_seq_seq"
 )
-# Above every xid assigned so far (it assigns the reader one of its own).
-_BOUND = text("SELECT pg_current_xact_id()::text::bigint")
+# Above every xid assigned so far: an xid the reader's transaction takes now.
+# NULL when it took one before (an earlier step of the same transaction): that
+# xid is below those of appends that began since, so it bounds nothing new.
+_BOUND = text(
+    "SELECT CASE WHEN pg_current_xact_id_if_assigned() IS NULL "
+    "THEN pg_current_xact_id()::text::bigint END"
+)
 _WALK = text(
     "SELECT pg_snapshot_xmin(s)::text::bigint, "
     "ARRAY(SELECT seq FROM events WHERE seq > :final AND seq <= :handed "
@@ -106,7 +114,10 @@ class CommitHorizon:
         if reached < handed and pending is None:
             # A hole, or the walk stopped at MAX_WALK: either way, everything
             # handed out so far is final once the xids assigned by now have ended.
-            pending = Pending(handed, int(connection.execute(_BOUND).scalar_one()))
+            # (A transaction that already took its xid leaves it to the next read.)
+            bound = connection.execute(_BOUND).scalar_one()
+            if bound is not None:
+                pending = Pending(handed, int(bound))
         with self._lock:
             if reached > self._final:
                 self._final = reached

@@ -58,3 +58,47 @@ def test_a_seq_taken_by_the_newest_transaction_is_not_passed_while_it_runs(
             passed.append(tracker.advance(reader))
             reader.commit()
         assert passed[-1] == in_flight, passed
+
+
+def test_a_hole_seen_late_in_a_reader_transaction_waits_for_the_append_that_holds_it(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader's transaction keeps the xid it took as a hole's bound. A second
+    hole seen in the same transaction, handed out after that xid, must not be
+    bound by it: its append may have an xid above it and still be running."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
+    tracker = horizon.CommitHorizon()
+    engine = postgres_store.engine
+    next_seq = text("SELECT nextval('events_seq_seq')")
+    take_xid = text("SELECT pg_current_xact_id()")
+    with (
+        engine.connect() as first,
+        engine.connect() as late,
+        engine.connect() as other,
+        engine.connect() as reader,
+    ):
+        assert tracker.advance(reader) == 1
+        reader.commit()
+        first.execute(take_xid)
+        held_first = int(first.execute(next_seq).scalar_one())
+        assert tracker.advance(reader) < held_first  # a hole: the reader takes an xid
+        late.execute(take_xid)  # after the reader's xid
+        held_late = int(late.execute(next_seq).scalar_one())
+        other.execute(take_xid)
+        other.execute(next_seq)
+        other.rollback()
+        first.rollback()
+        # Still the reader's transaction: the first hole is final, the late one not.
+        assert tracker.advance(reader) < held_late
+        reader.commit()
+        for _ in range(3):
+            assert tracker.advance(reader) < held_late, "passed a seq still in flight"
+            reader.commit()
+        late.rollback()
+        passed = []
+        for _ in range(3):
+            passed.append(tracker.advance(reader))
+            reader.commit()
+        assert passed[-1] >= held_late, passed
