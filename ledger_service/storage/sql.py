@@ -398,8 +398,12 @@ _HOT = prepared.Statements(
     .values({name: bindparam(name) for name in _EVENT_COLUMNS})
     .returning(events.c.seq),
     # PostgreSQL: a seq taken behind a lane's row lock, and the event that uses it.
-    # (no row, and no seq, for a lane that does not exist yet).
-    next_seq=select(func.nextval("events_seq_seq")).where(lanes.c.lane == bindparam("lane")),
+    # None for a lane that does not exist yet, nor for one under a parent: its
+    # move takes its seq after its parents' locks, so that a budget's events
+    # are in seq order as its lock admitted them.
+    next_seq=select(func.nextval("events_seq_seq")).where(
+        lanes.c.lane == bindparam("lane"), lanes.c.parent.is_(None)
+    ),
     insert_event_at=insert(events).values(
         {name: bindparam(name) for name in ("seq", *_EVENT_COLUMNS)}
     ),
@@ -519,6 +523,7 @@ class SqlTransaction:
         # The seq of the lane's next event, taken behind its row lock (so in
         # the lane's chain order) and after the xid (storage/horizon.py): its
         # INSERT then waits for the COMMIT's round trip. Unused, it is a hole.
+        # Only a lane with no parent gets one here (the statement's WHERE).
         take_seq = self._taken_seq is None
         if take_seq:
             reads.append((_HOT("next_seq", self._raw), keys))

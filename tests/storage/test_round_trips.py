@@ -7,18 +7,21 @@ through a latency proxy (`python -m bench --only roundtrips`).
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from typing import Any
 
 import pytest
 from sqlalchemy import event, select
 
 from ledger_service.application.ledger import Ledger
+from ledger_service.application.ports import EventQuery
 from ledger_service.domain import chain, moves
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.events import EventKind, Outcome
 from ledger_service.storage import libpq, records
 from ledger_service.storage.schema import events
-from ledger_service.storage.sql import SqlStore
+from ledger_service.storage.sql import SqlStore, SqlTransaction
 from tests.storage.conftest import RECALL, START_US
 
 pytestmark = pytest.mark.postgres
@@ -92,3 +95,39 @@ def test_events_sent_with_the_commit_keep_each_lanes_chain_in_seq_order(
     assert kinds == [EventKind.LANE_CONFIGURED] + [EventKind.RESERVED, EventKind.SETTLED] * 5
     walker = chain.ChainWalker()
     assert [walker.check(event) for event in logged] == [None] * len(logged)
+
+
+def test_a_parents_events_are_in_seq_order_as_its_lock_admitted_them(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child's move holds its own lane's lock before its parent's. Its seq
+    is taken after the parent's lock, so a sibling that got the parent first
+    has the lower seq: a replay of the parent's events in seq order meets
+    each Reserve with the bookings its admission saw."""
+    clock = ManualClock(START_US)
+    ledger = Ledger(postgres_store, clock)
+    ledger.put_lane(dataclasses.replace(RECALL, lane="team"))
+    for child in ("first", "second"):
+        ledger.put_lane(dataclasses.replace(RECALL, lane=child, parent="team"))
+    locked_first, go_on = threading.Event(), threading.Event()
+    lock_lane = SqlTransaction.lock_lane
+
+    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "") -> Any:
+        policy = lock_lane(tx, lane, reservation_id)
+        if lane == "first":
+            locked_first.set()
+            assert go_on.wait(30)
+        return policy
+
+    monkeypatch.setattr(SqlTransaction, "lock_lane", pausing)
+    first = threading.Thread(
+        target=ledger.reserve, args=(moves.ReserveCommand("first", "f", "jev", 1000, 10),)
+    )
+    first.start()
+    assert locked_first.wait(30)
+    # "second" takes the parent's lock while "first" holds only its own lane's.
+    second = ledger.reserve(moves.ReserveCommand("second", "s", "jev", 1000, 10))
+    go_on.set()
+    first.join(30)
+    [first_event] = ledger.list_events(EventQuery(lane="first", kinds=("reserved",)))
+    assert second.event.seq < first_event.seq
