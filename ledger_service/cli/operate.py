@@ -118,7 +118,8 @@ def _serve(arguments: argparse.Namespace) -> int:
 
 
 def _migrate(arguments: argparse.Namespace) -> int:
-    from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
+    from ledger_service.cli.recovery import database_unavailable
+    from ledger_service.domain.errors import StoreUnavailable
     from ledger_service.server import build_store
     from ledger_service.storage import database, migrate, translate
 
@@ -129,10 +130,7 @@ def _migrate(arguments: argparse.Namespace) -> int:
         with translate.translated():
             done = migrate.upgrade(store.engine)
     except StoreUnavailable as error:
-        # One line, as the recovery commands say it (cli/recovery.py).
-        why = error.message if isinstance(error, StoreDamaged) else "the database is unavailable"
-        print(f"ledger migrate: {why} ({where})", file=sys.stderr)
-        return 2
+        return database_unavailable("migrate", error, where)
     finally:
         store.close()
     print(f"{migrate_text(done.before, done.after)} in {where}", file=sys.stderr)

@@ -117,14 +117,13 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
         store.close()
 
 
-def _unavailable(command: str, error: Exception) -> int:
-    """Exit 2: the database did not answer, or (a damaged store) says what to do."""
+def database_unavailable(command: str, error: Exception, where: str = "") -> int:
+    """Exit 2: the database did not answer, or (a damaged store) says what to
+    do; `where` (the redacted URL), when given, follows in parentheses."""
     from ledger_service.domain.errors import StoreDamaged
 
-    if isinstance(error, StoreDamaged):
-        print(f"ledger {command}: {error.message}", file=sys.stderr)
-    else:
-        print(f"ledger {command}: the database is unavailable", file=sys.stderr)
+    why = error.message if isinstance(error, StoreDamaged) else "the database is unavailable"
+    print(f"ledger {command}: {why}{f' ({where})' if where else ''}", file=sys.stderr)
     return 2
 
 
@@ -139,7 +138,7 @@ def _verify(arguments: argparse.Namespace) -> int:
         try:
             report = verifier.verify(now_us, ProgressPrinter())
         except StoreUnavailable as error:
-            return _unavailable("verify", error)
+            return database_unavailable("verify", error)
     summary = (
         f"{report.events} events, {report.lanes} lanes, {report.bookings} bookings, "
         f"window totals at {micros_time_text(now_us)}"
@@ -167,7 +166,7 @@ def _snapshot(arguments: argparse.Namespace) -> int:
         try:
             info = recovery.take_snapshot()
         except StoreUnavailable as error:
-            return _unavailable("snapshot", error)
+            return database_unavailable("snapshot", error)
     if info is None:
         print("ledger snapshot: the projections are not consistent with the log; "
               "run `ledger verify`, then `ledger recover`", file=sys.stderr)  # fmt: skip
@@ -204,7 +203,7 @@ def _rebuild(arguments: argparse.Namespace) -> int:
             if info is not None:
                 print(f"snapshot {info.snapshot_id} at event {info.position_seq}")
         except StoreUnavailable as error:
-            return _unavailable("rebuild", error)
+            return database_unavailable("rebuild", error)
         except ChainBroken as error:
             print(f"ledger rebuild: stopped at a broken link: {error}. `ledger verify` lists "
                   "them; `ledger recover --max-risk 1` accepts them", file=sys.stderr)  # fmt: skip
@@ -240,7 +239,7 @@ def _recover(arguments: argparse.Namespace) -> int:
         try:
             outcome = recovery.recover(policy, recovery.owner, ProgressPrinter())
         except StoreUnavailable as error:
-            return _unavailable("recover", error)
+            return database_unavailable("recover", error)
     if outcome.manifest is not None:
         print(json.dumps(json.loads(outcome.manifest.to_json()), indent=2, sort_keys=True))
     print(f"ledger recover: {outcome.detail}", file=sys.stderr)
