@@ -241,7 +241,7 @@ def window_text(window_us: int) -> str:
 
 
 class Auditor:
-    """Reads a lane's audit in one read-only transaction."""
+    """Reads a lane's audit in one read-only transaction, at one instant."""
 
     def __init__(self, store: Store, clock: Clock) -> None:
         self._store = store
@@ -262,7 +262,7 @@ class Auditor:
             release = tx.next_release(budget, now_us, window_us)
             return summarize(lane, policy.limit_nanos, window_us, now_us, tallies, top, release)
 
-        return self._store.run(work, write=False)
+        return self._store.run(work, write=False, snapshot=True)
 
 
 def _count_of(count: int, noun: str) -> str:

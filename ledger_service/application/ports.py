@@ -135,14 +135,21 @@ class StoreTransaction(Protocol):
 
 class Store(Protocol):
     def run(
-        self, work: Callable[[StoreTransaction], T], *, write: bool = True, in_turn: bool = False
+        self,
+        work: Callable[[StoreTransaction], T],
+        *,
+        write: bool = True,
+        in_turn: bool = False,
+        snapshot: bool = False,
     ) -> T:
         """Runs `work` in one transaction and commits it durably, retrying a
         bounded number of times on serialization failures; raises
         StoreUnavailable when the database cannot answer in time. A read
         `in_turn` sees the kept windows as the moves left them, at one instant:
         on SQLite it takes its turn among the moves and is answered from the
-        one writer's memory; on PostgreSQL it reads one snapshot."""
+        one writer's memory; on PostgreSQL it reads one snapshot. A read with
+        `snapshot` sees one instant in all its statements (SQLite's read
+        transactions always do)."""
         ...
 
     def ping(self) -> None:

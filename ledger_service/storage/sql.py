@@ -107,7 +107,12 @@ class SqlStore:
         return self._committer.queued() if self._committer is not None else 0
 
     def run(
-        self, work: Callable[[StoreTransaction], T], *, write: bool = True, in_turn: bool = False
+        self,
+        work: Callable[[StoreTransaction], T],
+        *,
+        write: bool = True,
+        in_turn: bool = False,
+        snapshot: bool = False,
     ) -> T:
         # The request deadline, or the caller's if that comes first.
         deadline = time.monotonic() + self._deadline_seconds
@@ -119,7 +124,7 @@ class SqlStore:
                 raise StoreUnavailable()
             try:
                 with self._translated():
-                    return self._run_once(work, write, in_turn, deadline)
+                    return self._run_once(work, write, in_turn, snapshot, deadline)
             except StoreUnavailable as error:
                 if not translate.is_retryable(error) or attempt == self._max_retries:
                     raise
@@ -203,7 +208,12 @@ class SqlStore:
         return problem
 
     def _run_once(
-        self, work: Callable[[StoreTransaction], T], write: bool, in_turn: bool, deadline: float
+        self,
+        work: Callable[[StoreTransaction], T],
+        write: bool,
+        in_turn: bool,
+        snapshot: bool,
+        deadline: float,
     ) -> T:
         # A read in turn needs the writer, which cannot begin on a file it may
         # not write: while so, it reads the file as any read does, summing the
@@ -216,10 +226,10 @@ class SqlStore:
                 ),
                 deadline,
             )
-        return self._transact(work, write, in_turn, deadline)
+        return self._transact(work, write, in_turn or snapshot, deadline)
 
     def _transact(
-        self, work: Callable[[StoreTransaction], T], write: bool, in_turn: bool, deadline: float
+        self, work: Callable[[StoreTransaction], T], write: bool, snapshot: bool, deadline: float
     ) -> T:
         if self._watchdog is None:  # SQLite: local, bounded by its busy timeout and the gate
             with self._engine.connect() as connection:
@@ -228,11 +238,11 @@ class SqlStore:
                     return work(SqlTransaction(connection, self._sqlite))
         with self._watched(deadline) as connection:
             options: dict[str, Any] = {"ledger_write": write}
-            if in_turn and not write:
+            if snapshot and not write:
                 # Reads take no lock: a move may commit between two of their
                 # statements. One snapshot for all (a read-only REPEATABLE READ
-                # transaction never fails to serialize) keeps a kept window
-                # and the bookings that crossed its edges from one instant.
+                # transaction never fails to serialize) keeps, say, a kept
+                # window and the bookings that crossed its edges from one instant.
                 options["isolation_level"] = "REPEATABLE READ"
             connection = connection.execution_options(**options)
             with connection.begin():

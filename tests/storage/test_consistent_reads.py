@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from ledger_service.application.audit import Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
@@ -58,3 +59,36 @@ def test_a_balance_never_mixes_a_kept_window_with_a_later_commit(
     totals = balance.totals
     assert (totals.held_nanos, totals.charged_nanos, totals.open_bookings) == (0, 0, 0), hold
     assert balance.spent_nanos == 0
+
+
+def test_an_audit_never_mixes_its_tallies_with_a_later_commit(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The audit reads its tallies, biggest bookings and next release in three
+    statements; a Reserve that commits after the first must be in none of them."""
+    clock = ManualClock(START_US)
+    ledger = Ledger(postgres_store, clock)
+    ledger.put_lane(RECALL)
+    reserve = moves.ReserveCommand("recall", "first", "jev", 1_000, 10)
+    ledger.reserve(reserve)
+    clock.advance_us(1_000_000)
+
+    read_tally = SqlTransaction.window_tally
+    reserved = threading.Event()
+
+    def tally_then_reserve(tx: SqlTransaction, *args: object) -> object:
+        tallies = read_tally(tx, *args)  # type: ignore[arg-type]
+        if not reserved.is_set():
+            reserved.set()
+            other = threading.Thread(
+                target=ledger.reserve, args=(dataclasses.replace(reserve, reservation_id="late"),)
+            )
+            other.start()
+            other.join(timeout=30)
+        return tallies
+
+    monkeypatch.setattr(SqlTransaction, "window_tally", tally_then_reserve)
+    audit = Auditor(postgres_store, clock).audit("recall")
+    assert reserved.is_set()
+    assert audit.open.count == 1
+    assert [booking.reservation_id for booking in audit.biggest] == ["first"]
