@@ -223,7 +223,13 @@ class LedgerServer:
         if changed is None:
             return
         self._auth.use(changed)
-        log.info("keyring reloaded: %d keys, %s signs", len(changed.keys), changed.signing_key_id)
+        count = len(changed.keys)
+        log.info(
+            "keyring reloaded: %d key%s, %s signs",
+            count,
+            "" if count == 1 else "s",
+            changed.signing_key_id,
+        )
         if key_id_of(self.admin_grant) != changed.signing_key_id:
             self.admin_grant = issue_admin_grant(self.settings, changed)
 

@@ -127,6 +127,12 @@ def database_unavailable(command: str, error: Exception, where: str = "") -> int
     return 2
 
 
+def _where(settings: Settings) -> str:
+    from ledger_service.storage import database
+
+    return database.redacted(settings.database_url)
+
+
 def _verify(arguments: argparse.Namespace) -> int:
     from ledger_service.domain.clock import SystemClock
     from ledger_service.domain.errors import StoreUnavailable
@@ -138,7 +144,7 @@ def _verify(arguments: argparse.Namespace) -> int:
         try:
             report = verifier.verify(now_us, ProgressPrinter())
         except StoreUnavailable as error:
-            return database_unavailable("verify", error)
+            return database_unavailable("verify", error, _where(settings))
     summary = (
         f"{report.events} events, {report.lanes} lanes, {report.bookings} bookings, "
         f"window totals at {micros_time_text(now_us)}"
@@ -162,11 +168,11 @@ def _verify(arguments: argparse.Namespace) -> int:
 def _snapshot(arguments: argparse.Namespace) -> int:
     from ledger_service.domain.errors import StoreUnavailable
 
-    with _recovery(arguments, "snapshot") as (_, recovery):
+    with _recovery(arguments, "snapshot") as (settings, recovery):
         try:
             info = recovery.take_snapshot()
         except StoreUnavailable as error:
-            return database_unavailable("snapshot", error)
+            return database_unavailable("snapshot", error, _where(settings))
     if info is None:
         print("ledger snapshot: the projections are not consistent with the log; "
               "run `ledger verify`, then `ledger recover`", file=sys.stderr)  # fmt: skip
@@ -183,7 +189,7 @@ def _rebuild(arguments: argparse.Namespace) -> int:
     from ledger_service.recovery.rebuild import FULL_LOG_SOURCE, ChainBroken, Route
     from ledger_service.recovery.store import RebuildClaimLost, RebuildFailed
 
-    with _recovery(arguments, "rebuild") as (_, recovery):
+    with _recovery(arguments, "rebuild") as (settings, recovery):
         try:
             route = Route(FULL_LOG_SOURCE, None)
             if not arguments.from_scratch:
@@ -203,7 +209,7 @@ def _rebuild(arguments: argparse.Namespace) -> int:
             if info is not None:
                 print(f"snapshot {info.snapshot_id} at event {info.position_seq}")
         except StoreUnavailable as error:
-            return database_unavailable("rebuild", error)
+            return database_unavailable("rebuild", error, _where(settings))
         except ChainBroken as error:
             print(f"ledger rebuild: stopped at a broken link: {error}. `ledger verify` lists "
                   "them; `ledger recover --max-risk 1` accepts them", file=sys.stderr)  # fmt: skip
@@ -239,7 +245,7 @@ def _recover(arguments: argparse.Namespace) -> int:
         try:
             outcome = recovery.recover(policy, recovery.owner, ProgressPrinter())
         except StoreUnavailable as error:
-            return database_unavailable("recover", error)
+            return database_unavailable("recover", error, _where(settings))
     if outcome.manifest is not None:
         print(json.dumps(json.loads(outcome.manifest.to_json()), indent=2, sort_keys=True))
     print(f"ledger recover: {outcome.detail}", file=sys.stderr)

@@ -171,9 +171,10 @@ class SqlStore:
                 self._damage = error
         if first:
             log.error(
-                "THE DATABASE IS DAMAGED (%s): %s. Nothing is served from it: every move "
-                "is refused with STORE_DAMAGED until it is repaired",
+                "THE DATABASE IS DAMAGED (%s, %s): %s. Nothing is served from it: every "
+                "move is refused with STORE_DAMAGED until it is repaired",
                 error.what,
+                database.redacted(database.source_url(self._engine)),
                 error.advice,
             )
 

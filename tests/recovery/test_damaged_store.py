@@ -117,6 +117,7 @@ def test_a_damaged_store_is_refused_with_its_own_reason(
     assert running.status() == NOT_SERVING
     damaged = [r.getMessage() for r in caplog.records if "DATABASE IS DAMAGED" in r.getMessage()]
     assert len(damaged) == 1 and "backup" in damaged[0] and "docs/recovery.md" in damaged[0]
+    assert "ledger.db" in damaged[0] or "sqlite:" in damaged[0], damaged[0]
     # Damage found, the recovery checks stop: no retrying forever.
     time.sleep(0.3)
     before = len(caplog.records)
@@ -137,4 +138,5 @@ def test_ledger_verify_says_the_database_is_damaged_and_what_to_do(
     said = capsys.readouterr().err
     assert "the ledger's database is damaged" in said, said
     assert "restore the database from a backup" in said, said
+    assert url in said, "the message names the damaged database"
     assert "unavailable" not in said
