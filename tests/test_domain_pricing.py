@@ -143,7 +143,9 @@ def test_bytes_per_token_is_kept_in_exact_thousandths(wire: float, milli: int) -
     assert policies.bytes_per_token_milli(wire) == milli
 
 
-@pytest.mark.parametrize("wire", [3.3333, float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "wire", [3.3333, float("nan"), float("inf"), 1e306, -1.7976931348623157e308]
+)
 def test_bytes_per_token_that_cannot_be_kept_exactly_is_refused(wire: float) -> None:
     with pytest.raises(InvalidArgument) as caught:
         policies.bytes_per_token_milli(wire)

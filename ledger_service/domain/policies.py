@@ -38,6 +38,7 @@ MIN_HOLD_TTL_US = 1000  # one millisecond
 MAX_HOLD_TTL_US = 7 * 86_400 * MICROS_PER_SECOND
 MIN_BYTES_PER_TOKEN_MILLI = 100  # 0.1 bytes per token
 MAX_BYTES_PER_TOKEN_MILLI = 64_000
+BYTES_PER_TOKEN_RANGE = "must be between 0.1 and 64"
 MAX_OVERHEAD_TOKENS = 10_000_000
 MAX_PRICE_NANOS_PER_MILLION = 10**15  # a million dollars per million tokens
 MAX_MODELS = 256
@@ -83,7 +84,7 @@ class LanePolicy:
         if self.hold_ttl_us > self.window_us:
             raise InvalidArgument("lane.hold_ttl", "must not be longer than the window")
         if not MIN_BYTES_PER_TOKEN_MILLI <= self.bytes_per_token_milli <= MAX_BYTES_PER_TOKEN_MILLI:
-            raise InvalidArgument("lane.bytes_per_token", "must be between 0.1 and 64")
+            raise InvalidArgument("lane.bytes_per_token", BYTES_PER_TOKEN_RANGE)
         if not 0 <= self.overhead_tokens <= MAX_OVERHEAD_TOKENS:
             raise InvalidArgument(
                 "lane.overhead_tokens", f"must be between 0 and {MAX_OVERHEAD_TOKENS}"
@@ -153,6 +154,10 @@ def bytes_per_token_milli(value: float) -> int:
     """Converts the wire's double to thousandths, refusing what it cannot keep exactly."""
     if not math.isfinite(value):
         raise InvalidArgument("lane.bytes_per_token", "must be a finite number")
+    if (
+        abs(value) > MAX_BYTES_PER_TOKEN_MILLI
+    ):  # far out of range: its thousandths may not fit a float
+        raise InvalidArgument("lane.bytes_per_token", BYTES_PER_TOKEN_RANGE)
     milli = round(value * BYTES_PER_TOKEN_SCALE)
     if abs(value * BYTES_PER_TOKEN_SCALE - milli) > 1e-6:
         raise InvalidArgument("lane.bytes_per_token", "must have at most three decimals")
