@@ -54,3 +54,48 @@ def test_a_dollar_amount_that_is_no_number_says_so(value: str) -> None:
         "billed_usd",
         "billed_usd: must be a decimal number of dollars",
     )
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "said"),
+    [
+        ("billed_nanos", "9" * 5_000, "must be between 0 and"),
+        ("input_tokens", "1" * 5_000, "must be between 0 and"),
+        ("billed_usd", "1e999999", "must be between 0 and"),
+        ("billed_usd", "1e-999999999", "must be exact to the nano-dollar"),
+        ("billed_usd", "1.0000000000000000000000000001", "must be exact to the nano-dollar"),
+    ],
+)
+def test_a_number_too_long_or_too_fine_is_a_bad_row_not_a_rounded_one(
+    column: str, value: str, said: str
+) -> None:
+    parsed = _parsed(column, value)
+    assert not parsed.rows
+    [bad] = parsed.bad
+    assert bad.field == column and said in bad.message, bad.message
+
+
+def test_leading_zeros_still_read() -> None:
+    assert _parsed("billed_nanos", "0" * 5_000 + "7").rows[0].billed_nanos == 7
+    assert _parsed("billed_usd", "1." + "0" * 100).rows[0].billed_nanos == 10**9
+
+
+@pytest.mark.parametrize(
+    "content", [b"reservation_id,billed_nanos\nq0,1\rx\n", b"reservation_id\n" + b"a" * 200_000]
+)
+def test_csv_the_csv_module_cannot_read_refuses_the_content(content: bytes) -> None:
+    with pytest.raises(reconcile.InvalidArgument) as caught:
+        reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert caught.value.field == "content"
+    assert "is not valid CSV" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "line", [b'{"reservation_id": "\\ud800", "billed_nanos": 1}', b'{"\\ud800": 1}']
+)
+def test_a_lone_surrogate_in_jsonl_is_a_bad_row_that_can_be_answered(line: bytes) -> None:
+    parsed = reconcile.parse(line + b"\n", reconcile.ExportFormat.JSONL, "recall")
+    assert not parsed.rows
+    [bad] = parsed.bad
+    assert bad.field == "content" and "surrogate" in bad.message
+    (bad.message + bad.reservation_id + bad.lane).encode("utf-8")

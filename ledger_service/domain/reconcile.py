@@ -17,7 +17,7 @@ import decimal
 import enum
 import io
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ledger_service.domain.bookings import CORRECTABLE_STATES, REAL_STATES, Booking, BookingState
@@ -29,6 +29,11 @@ from ledger_service.domain.pricing import MAX_AMOUNT_NANOS
 
 MAX_ROWS = 10_000
 NANOS_PER_USD = 10**9
+# Dollars to nanos without rounding: any exponent, and Inexact raised where the
+# default context would round (1e-999999999 to 0, 28 digits to fewer).
+_EXACT = decimal.Context(
+    prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[decimal.Inexact]
+)
 COLUMNS = frozenset(
     {"lane", "reservation_id", "billed_nanos", "billed_usd", "input_tokens", "output_tokens",
      "cached_input_tokens", "cache_write_tokens", "model"}
@@ -145,7 +150,7 @@ def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
     if unknown:
         raise InvalidArgument("content", f"unknown CSV columns: {', '.join(sorted(unknown))}")
     records: list[tuple[int, Mapping[str, Any] | str]] = []
-    for record in reader:
+    for record in _csv_rows(reader):
         if None in record:
             records.append((reader.line_num, "has more fields than the header"))
             continue
@@ -153,6 +158,20 @@ def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
         if values:
             records.append((reader.line_num, values))
     return records
+
+
+def _csv_rows(reader: csv.DictReader[str]) -> Iterator[dict[str, Any]]:
+    """The reader's rows; a line the csv module cannot read (a field past its
+    limit, a bare carriage return outside quotes) refuses the content."""
+    while True:
+        try:
+            yield next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:
+            why = str(error).split(" - ")[0]
+            message = f"line {reader.line_num} is not valid CSV ({why})"
+            raise InvalidArgument("content", message) from error
 
 
 def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
@@ -170,11 +189,23 @@ def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
             continue
         if not isinstance(value, dict):
             records.append((line, "is not a JSON object"))
+        elif not _is_text(value):
+            records.append((line, "holds a \\u escape that is not text (a lone surrogate)"))
         elif set(value) - COLUMNS:
             records.append((line, f"unknown keys: {', '.join(sorted(set(value) - COLUMNS))}"))
         else:
             records.append((line, value))
     return records
+
+
+def _is_text(value: Any) -> bool:
+    """Whether every string in the JSON value is Unicode text: JSON's \\u
+    escapes can spell a lone surrogate, which no answer can carry back."""
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _row(line: int, record: Mapping[str, Any], default_lane: str) -> ExportRow:
@@ -222,10 +253,15 @@ def _billed_nanos(record: Mapping[str, Any]) -> int | None:
                 raise decimal.InvalidOperation(text)
         except decimal.InvalidOperation as error:
             raise InvalidArgument("billed_usd", "must be a decimal number of dollars") from error
-        nanos = usd * NANOS_PER_USD
-        if nanos != nanos.to_integral_value():
+        try:
+            nanos = _EXACT.multiply(usd, NANOS_PER_USD)
+        except decimal.Inexact as error:
+            raise InvalidArgument("billed_usd", "must be exact to the nano-dollar") from error
+        if nanos != _EXACT.to_integral_value(nanos):
             raise InvalidArgument("billed_usd", "must be exact to the nano-dollar")
-        return _whole(int(nanos), "billed_usd", MAX_AMOUNT_NANOS)
+        if not 0 <= nanos <= MAX_AMOUNT_NANOS:
+            raise InvalidArgument("billed_usd", f"must be between 0 and {MAX_AMOUNT_NANOS} nanos")
+        return int(nanos)
     return None
 
 
@@ -239,7 +275,9 @@ def _whole(value: Any, field: str, high: int) -> int:
     if isinstance(value, int):
         number = value
     elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
-        number = int(value.strip())
+        digits = value.strip().lstrip("0") or "0"
+        # Past the bound's own length it is out of range (and int() caps digits).
+        number = int(digits) if len(digits) <= len(str(high)) else high + 1
     else:
         raise InvalidArgument(field, "must be a whole, non-negative number")
     if not 0 <= number <= high:
