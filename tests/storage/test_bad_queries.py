@@ -1,0 +1,28 @@
+"""A client's odd but valid query is answered on both databases, through a real
+server: never an UNAVAILABLE that fails the same way on every retry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def harness(
+    database_url: str,
+    start_ledger_server: Callable[..., Any],
+    harness_for: Callable[[Any], Any],
+) -> Any:
+    return harness_for(start_ledger_server(database_url=database_url))
+
+
+def test_a_kind_repeated_past_postgresqls_parameter_limit_is_one_filter(harness: Any) -> None:
+    """65,540 repeats of a kind fit the message limit; PostgreSQL takes at most
+    65,535 parameters a statement."""
+    harness.make_lane()
+    harness.reserve("r1")
+    harness.refund("r1")
+    found = harness.events("recall", kinds=["reserved"] * 65_540 + ["refunded"])
+    assert [event.kind for event in found] == ["reserved", "refunded"]
