@@ -106,8 +106,6 @@ class Settings:
     consistency_check_interval_seconds: float = 60.0
     # A rebuild whose marker has not moved for this long is taken as dead.
     rebuild_lease_seconds: float = 30.0
-    # Input bounds.
-    max_id_length: int = 200
 
     @classmethod
     def from_environment(cls, **overrides: object) -> Settings:

@@ -130,3 +130,12 @@ def test_a_settle_or_refund_after_a_correction_says_the_correction_stands(
         assert refused.reason == "BOOKING_ALREADY_ENDED"
         assert "a correction set" in refused.details, refused.details
     assert harness.booking("s").amount_nanos == harness.booking("r").amount_nanos == 100
+
+
+@pytest.mark.parametrize("reservation_id", ["a b", "a\x00b", "é", "tab\there", "\x7f", "x" * 201])
+def test_get_booking_refuses_an_id_no_move_could_have_booked(
+    harness: Any, reservation_id: str
+) -> None:
+    """The same rule as every move's: 1 to 200 printable ASCII characters, no spaces."""
+    refused = harness.fails(INVALID, lambda: harness.booking(reservation_id))
+    assert refused.field == "reservation_id"

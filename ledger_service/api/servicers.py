@@ -133,8 +133,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         self, request: pb.GetBookingRequest, context: grpc.ServicerContext
     ) -> pb.Booking:
         validate_name("lane", request.lane)
-        if not request.reservation_id or len(request.reservation_id) > self._settings.max_id_length:
-            raise InvalidArgument("reservation_id", "is required and at most 200 characters")
+        validate_reservation_id(request.reservation_id)
         booking, now_us, window_us = self._ledger.booking(request.lane, request.reservation_id)
         return convert.booking(booking, now_us, window_us)
 
