@@ -18,6 +18,7 @@ from ledger_service.api.errors import Behaviour, replace_behaviour
 from ledger_service.application import deadlines
 
 ANSWER_MARGIN_SECONDS = 0.25
+PASSED_BEFORE_SERVED = "the call's deadline passed before the ledger could serve it"
 
 
 def deadline_of(context: grpc.ServicerContext) -> float | None:
@@ -51,7 +52,12 @@ class CallDeadlineInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
 def _bounded(behaviour: Behaviour) -> Behaviour:
     def bounded(request: Any, context: grpc.ServicerContext) -> Any:
-        with deadlines.answering_by(deadline_of(context)):
+        deadline = deadline_of(context)
+        if deadline is not None and deadline <= time.monotonic():
+            # The caller gave up before the call was served: nothing was
+            # tried, so it is not the store's UNAVAILABLE.
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, PASSED_BEFORE_SERVED)
+        with deadlines.answering_by(deadline):
             return behaviour(request, context)
 
     return bounded
