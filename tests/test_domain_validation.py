@@ -73,6 +73,7 @@ def test_settle_names_the_bad_field(changes: dict[str, object], field: str) -> N
         ({"http_status": 500}, "http_status"),
         ({"http_status": 200}, "http_status"),
         ({"http_status": 0, "reason": ""}, "reason"),
+        ({"http_status": 0, "reason": "   "}, "reason"),
         ({"reason": "line\nbreak"}, "reason"),
     ],
 )

@@ -150,7 +150,7 @@ class RefundCommand:
         validate_reservation_id(self.reservation_id)
         if self.http_status != 0:
             _check_range("http_status", self.http_status, 400, 499)
-        elif not self.reason:
+        elif not self.reason.strip():
             raise InvalidArgument(
                 "reason", "is required when http_status is 0 (a call that was never sent)"
             )
