@@ -51,6 +51,9 @@ from ledger_service.telemetry import Telemetry, configure_telemetry
 
 log = logging.getLogger("ledger.server")
 
+# How often `serve` looks for a stop signal that reached another thread.
+SIGNAL_POLL_SECONDS = 0.2
+
 SERVICE_NAMES = tuple(
     ledger_pb2.DESCRIPTOR.services_by_name[name].full_name
     for name in ("Ledger", "LaneAdmin", "TestClock")
@@ -505,6 +508,10 @@ def serve(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    done.wait()
+    # Python runs a handler in the main thread, and only when that thread runs:
+    # a signal the kernel gives another thread (as after SIGSTOP and SIGCONT)
+    # does not wake a wait without a timeout, and would be lost.
+    while not done.wait(SIGNAL_POLL_SECONDS):
+        pass
     server.stop()
     return 0

@@ -60,9 +60,7 @@ class Client(threading.Thread):
                 self.outcomes[f"OK {when}"] += 1
 
 
-def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) -> None:
-    env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS=str(GRACE_SECONDS))
-    process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env)
+def put_lane(address: str) -> None:
     with grpc.insecure_channel(address) as channel:
         pb_grpc.LaneAdminStub(channel).PutLane(
             pb.PutLaneRequest(
@@ -74,6 +72,12 @@ def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) 
             ),
             timeout=10,
         )
+
+
+def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) -> None:
+    env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS=str(GRACE_SECONDS))
+    process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env)
+    put_lane(address)
     clients = [Client(address, index) for index in range(CLIENTS)]
     for client in clients:
         client.start()
@@ -109,3 +113,21 @@ def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) 
     engine.dispose()
     answered = {rid for client in clients for rid in client.answered}
     assert answered <= booked
+
+
+def test_a_sigterm_sent_to_a_stopped_server_then_sigcont_still_drains(
+    tmp_path: pathlib.Path,
+) -> None:
+    """systemd stops a frozen service with SIGTERM then SIGCONT; the kernel may
+    hand that signal to any of the server's threads."""
+    process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=serving.clean_env())
+    try:
+        put_lane(address)  # the server's worker threads exist once it has served
+        time.sleep(0.5)
+        process.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGCONT)
+        assert process.wait(timeout=10) == 0
+    finally:
+        serving.stop(process)
