@@ -149,10 +149,38 @@ def source_url(engine: Engine) -> str:
     return _SOURCE_URLS.get(engine) or engine.url.render_as_string(hide_password=False)
 
 
+# The SQLite file each engine's connections opened: (device, inode).
+_FILE_IDS: weakref.WeakKeyDictionary[Engine, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+
+
+def _file_id(path: pathlib.Path) -> tuple[int, int] | None:
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def file_replaced(engine: Engine) -> str | None:
+    """Why the engine's SQLite file is no longer the one its connections
+    opened (deleted, or another file moved to its path); None when it is, and
+    always on PostgreSQL. Moves written to the old file would be lost."""
+    opened = _FILE_IDS.get(engine)
+    if opened is None:
+        return None
+    path = pathlib.Path(engine.url.database or "")
+    now = _file_id(path)
+    if now == opened:
+        return None
+    how = "deleted" if now is None else "replaced by another file"
+    return f"{path} was {how} while the server had it open"
+
+
 def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
     if not url.database or url.database == ":memory:":
         raise ValueError("the SQLite database must be a file (the ledger is durable)")
-    pathlib.Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    path = pathlib.Path(url.database)
+    path.parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(
         url,
         pool_size=limits.pool_size,
@@ -175,6 +203,9 @@ def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
         cursor.execute(f"PRAGMA busy_timeout={int(limits.sqlite_busy_timeout_ms)}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
+        # The file the first connection opened (WAL mode above has created it).
+        if engine not in _FILE_IDS:
+            _FILE_IDS[engine] = _file_id(path)
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:

@@ -79,6 +79,8 @@ class SqlStore:
         self._damage_lock = threading.Lock()
         # SQLite: why this process cannot write the database, while it cannot.
         self._write_problem: str | None = None
+        # SQLite: the file was deleted or replaced under the server (for good).
+        self._replaced: str | None = None
         # PostgreSQL: where readers stop (storage/horizon.py).
         self._horizon = CommitHorizon()
         # PostgreSQL: interrupts a transaction still running at its deadline.
@@ -90,7 +92,7 @@ class SqlStore:
                 max_batch=max(1, group_commit_batch),
                 # This process's writers queue there, not in SQLite's busy handler.
                 write_gate=database.write_gate(engine),
-                on_begin=self._writer.begin,
+                on_begin=self._begin_batch,
                 on_failure=self._writer.failed,
                 on_end=self._writer.end,
             )
@@ -188,6 +190,27 @@ class SqlStore:
         if self._sqlite and code in translate.CANNOT_WRITE and self._write_problem is None:
             self._write_problem = f"a write failed ({code})"
 
+    def _begin_batch(self, connection: Connection) -> None:
+        self._check_file()
+        self._writer.begin(connection)
+
+    def _check_file(self) -> None:
+        """Raises StoreUnavailable once the SQLite file is no longer the one the
+        server opened: a move written to a deleted file is lost at the next
+        start. Only a restart opens the file that is there now."""
+        if self._replaced is None:
+            problem = database.file_replaced(self._engine)
+            if problem is None:
+                return
+            self._replaced = problem
+            log.error(
+                "THE DATABASE FILE IS GONE: %s. Health is NOT_SERVING and every move is "
+                "refused (STORE_UNAVAILABLE); put the right file in place and restart the "
+                "server",
+                problem,
+            )
+        raise StoreUnavailable()
+
     def check_writable(self) -> str | None:
         """Why the database cannot be written now (None: it can), logged when
         that changes. Health is NOT_SERVING while it cannot (`ping`)."""
@@ -274,6 +297,7 @@ class SqlStore:
         if self._damage is not None:
             raise self._damage
         if self._sqlite:
+            self._check_file()
             with self._translated(), self._engine.connect() as connection:
                 connection.execute(text("SELECT count(*) FROM sqlite_master")).scalar_one()
             if self._write_problem is not None and self.check_writable() is not None:

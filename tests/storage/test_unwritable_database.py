@@ -152,3 +152,27 @@ def test_reads_are_served_while_the_files_cannot_be_written(
         balance = stub.GetBalance(pb.GetBalanceRequest(lane="recall"), timeout=10)
         assert (balance.held_nanos, balance.open_bookings) == (104, 1), log_path.read_text()
     store.close()
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_database_file_gone_under_the_server_books_nothing_more(
+    data_dir: pathlib.Path, serve: Callable[[], tuple[str, pathlib.Path]], how: str
+) -> None:
+    """A move written to a deleted (or moved-over) file would be lost at the next
+    start: the server refuses every move and is NOT_SERVING until restarted."""
+    address, log_path = serve()
+    database_file = data_dir / "ledger.db"
+    with grpc.insecure_channel(address) as channel:
+        assert _health_becomes(channel, SERVING)
+        assert _put_lane(channel) is grpc.StatusCode.OK
+        if how == "deleted":
+            for path in data_dir.glob("ledger.db*"):
+                path.unlink()
+        else:
+            copy = data_dir / "copy.db"
+            copy.write_bytes(database_file.read_bytes())
+            copy.replace(database_file)
+        assert _put_lane(channel) is grpc.StatusCode.UNAVAILABLE
+        assert _health_becomes(channel, NOT_SERVING)
+        logged = log_path.read_text()
+        assert f"THE DATABASE FILE IS GONE: {database_file} was" in logged, logged
