@@ -27,7 +27,8 @@ replaced after a database error): leaders follow one another, never overlap.
 A batch's transaction is held inside `write_gate` (storage/database.py), the
 lock every writer of this process takes around its write transaction.
 `on_begin` runs first in every batch's transaction, `on_failure` after the
-transaction was rolled back, and `on_end` last before the commit: the store
+transaction was rolled back, `on_error` with a database error that failed a
+batch or a move, and `on_end` last before the commit: the store
 checks its writer's memory against the file, drops it, and writes the
 batch's rows and advances the projections' marker with them.
 """
@@ -101,9 +102,11 @@ class GroupCommitter:
         on_begin: Callable[[Connection], None] = lambda _connection: None,
         on_failure: Callable[[], None] = lambda: None,
         on_end: Callable[[Connection], None] = lambda _connection: None,
+        on_error: Callable[[LedgerError], None] = lambda _error: None,
         write_gate: threading.Lock | None = None,
     ) -> None:
         self._engine = engine
+        self._on_error = on_error
         self._write_gate = write_gate
         self._on_begin = on_begin
         self._on_failure = on_failure
@@ -222,6 +225,7 @@ class GroupCommitter:
                 undone = self._run_batch(batch, outcomes)
         except LedgerError as error:
             log.warning("group commit of %d moves failed: %s", len(batch), type(error).__name__)
+            self._on_error(error)
             # Damage is told as such; any other failure of the batch as unavailable.
             self._fail(batch, error if isinstance(error, StoreDamaged) else StoreUnavailable())
             return []
@@ -236,6 +240,8 @@ class GroupCommitter:
                 # The database refused: the connection itself may be what failed
                 # (SQLite opened it read-only, say). The next batch opens another.
                 self._disconnect()
+                if isinstance(refusal, LedgerError):
+                    self._on_error(refusal)
             batch[index].finish(error=refusal)
             return batch[:index] + batch[index + 1 :]
         for move, result, failure in outcomes:

@@ -40,7 +40,7 @@ from ledger_service.application import deadlines
 from ledger_service.application.ports import EventQuery, Range, StateTally, StoreTransaction
 from ledger_service.domain import chain, policies
 from ledger_service.domain.bookings import Booking, BookingState
-from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
+from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
 from ledger_service.domain.events import Event, evolve
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
@@ -95,6 +95,7 @@ class SqlStore:
                 on_begin=self._begin_batch,
                 on_failure=self._writer.failed,
                 on_end=self._writer.end,
+                on_error=self._on_store_error,
             )
             if self._sqlite
             else None
@@ -183,10 +184,20 @@ class SqlStore:
     def _on_engine_error(self, context: ExceptionContext) -> None:
         """Any statement on the engine (recovery's included) that meets damage,
         or a file SQLite may not write (checked again by the next ping)."""
-        domain = translate.translate(context.original_exception)
+        self._note_error(context.original_exception)
+
+    def _on_store_error(self, error: LedgerError) -> None:
+        """A group commit failed by the database (its statements on the driver
+        raise no engine event)."""
+        cause = translate.foreign_cause(error)
+        if cause is not None:
+            self._note_error(cause)
+
+    def _note_error(self, foreign: BaseException) -> None:
+        domain = translate.translate(foreign)
         if isinstance(domain, StoreDamaged):
             self._note_damage(domain)
-        code = translate.driver_code(context.original_exception)
+        code = translate.driver_code(foreign)
         if self._sqlite and code in translate.CANNOT_WRITE and self._write_problem is None:
             self._write_problem = f"a write failed ({code})"
 

@@ -94,8 +94,9 @@ def _health_becomes(channel: grpc.Channel, status: int) -> bool:
     return False
 
 
-def _put_lane(channel: grpc.Channel) -> grpc.StatusCode:
-    lane = pb.Lane(lane="recall", limit_nanos=1_000_000, prices={"jev": pb.ModelPrice()})
+def _put_lane(channel: grpc.Channel, limit_nanos: int = 1_000_000) -> grpc.StatusCode:
+    """PutLane; the same limit again writes nothing (the lane is as asked)."""
+    lane = pb.Lane(lane="recall", limit_nanos=limit_nanos, prices={"jev": pb.ModelPrice()})
     try:
         pb_grpc.LaneAdminStub(channel).PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
     except grpc.RpcError as error:
@@ -176,3 +177,26 @@ def test_a_database_file_gone_under_the_server_books_nothing_more(
         assert _health_becomes(channel, NOT_SERVING)
         logged = log_path.read_text()
         assert f"THE DATABASE FILE IS GONE: {database_file} was" in logged, logged
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an open file is stopped only by chattr +i (root)")
+def test_files_made_unwritable_while_serving_are_not_serving_until_they_can_be(
+    data_dir: pathlib.Path, serve: Callable[[], tuple[str, pathlib.Path]]
+) -> None:
+    """The write fails with an I/O error, in the group commit's own statements."""
+    address, log_path = serve()
+    files = [data_dir / "ledger.db", data_dir / "ledger.db-wal"]
+    with grpc.insecure_channel(address) as channel:
+        assert _health_becomes(channel, SERVING)
+        assert _put_lane(channel) is grpc.StatusCode.OK
+        for path in files:
+            _read_only(path)
+        try:
+            assert _put_lane(channel, 2_000_000) is grpc.StatusCode.UNAVAILABLE
+            assert _health_becomes(channel, NOT_SERVING)
+            assert "THE DATABASE CANNOT BE WRITTEN" in log_path.read_text()
+        finally:
+            for path in files:
+                _writable(path)
+        assert _health_becomes(channel, SERVING)
+        assert _put_lane(channel, 2_000_000) is grpc.StatusCode.OK
