@@ -179,7 +179,8 @@ class LedgerServer:
             self._messages,
         ]
         server = self._new_grpc_server(
-            # Streams have threads of their own: they never take the unary calls'.
+            # A thread for each stream beside the workers: streams wait for none
+            # while no more than max_workers other calls run at once.
             futures.ThreadPoolExecutor(
                 max_workers=settings.max_workers + settings.max_watchers, thread_name_prefix="rpc"
             ),

@@ -73,8 +73,9 @@ class Settings:
     max_page_size: int = 1000
     watch_poll_interval_seconds: float = 0.2
     watch_batch_size: int = 500
-    # WatchEvents streams open at once: in all, and for one grant. Each holds
-    # a thread of its own, beside the max_workers that serve every other call.
+    # WatchEvents streams open at once: in all, and for one grant. The pool
+    # has a thread for each beside max_workers; past max_workers other calls
+    # at once, streams share the pool's threads with them.
     max_watchers: int = 64
     max_watchers_per_grant: int = 16
     # The newest events kept in memory for the streams (application/feed.py),

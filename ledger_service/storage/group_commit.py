@@ -255,9 +255,14 @@ class GroupCommitter:
         returns the first move that cannot be undone alone, and its failure."""
         undone: tuple[int, BaseException] | None = None
         connection = self._connect()
+        # Another process's write lock is waited for in SQLite's busy handler:
+        # no longer than the batch's callers wait (one statement a batch).
+        latest = max(move.deadline for move in batch)
+        busy_ms = max(1, int((latest - time.monotonic()) * 1000))
+        driver: Any = connection.connection.driver_connection
+        driver.execute(f"PRAGMA busy_timeout={busy_ms}")
         with connection.begin() as transaction:
             self._on_begin(connection)
-            driver: Any = connection.connection.driver_connection
             for index, move in enumerate(batch):
                 before = driver.total_changes
                 result, failure, from_database = self._one(connection, move)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -229,6 +230,35 @@ def test_a_locked_lane_gives_unavailable_within_the_deadline(
         engine.dispose()
         impatient_engine.dispose()
     assert ledger.reserve(_reserve("after")).admitted
+
+
+def test_a_write_lock_held_elsewhere_gives_unavailable_by_the_request_deadline(
+    database_url: str, ledger: Ledger
+) -> None:
+    """With the engine's own waits at their defaults (SQLite's busy timeout 5 s),
+    a move behind another connection's lock ends by its 1 s request deadline."""
+    from ledger_service.storage import database
+
+    ledger.put_lane(RECALL)
+    engine = database.create(database_url, database.EngineLimits())
+    impatient_engine = database.create(database_url, database.EngineLimits())
+    impatient = Ledger(SqlStore(impatient_engine, request_deadline_seconds=1.0), ledger.clock)
+    impatient.reserve(_reserve("warm"))  # the writer's memory loaded before the lock
+    holder = engine.connect().execution_options(ledger_write=True)
+    try:
+        holder.begin()
+        if holder.dialect.name != "sqlite":
+            holder.execute(sa.text("SELECT * FROM lanes WHERE lane = 'recall' FOR UPDATE"))
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            impatient.reserve(_reserve("blocked"))
+        waited = time.monotonic() - started
+    finally:
+        holder.rollback()
+        holder.close()
+        engine.dispose()
+        impatient_engine.dispose()
+    assert waited < 2.5, f"waited {waited:.2f} s past a 1 s request deadline"
 
 
 @pytest.mark.postgres
