@@ -10,8 +10,8 @@ Two servers, each beside its grpc.server twin in the same run:
   Every handler, interceptor and the store run unchanged in that pool; only
   the transport and its hand-off differ.
 
-The ledger with async handlers and one writer thread is not built here: it
-would rewrite the API layer (docs/benchmarks.md has the issue's figures for it).
+The ledger with async Reserve and Settle and one writer thread is the third
+model, a prototype in bench/aio_writer.py.
 
     python -m bench.aio --listen 127.0.0.1:0   # the echo on grpc.aio
 """
@@ -70,6 +70,8 @@ class AioServer:
     """A grpc.aio server behind grpc.Server's synchronous methods, on an event
     loop of its own thread: what LedgerServer calls of its server."""
 
+    interceptor_class: type[_SyncInterceptor] = _SyncInterceptor
+
     def __init__(
         self,
         thread_pool: futures.ThreadPoolExecutor,
@@ -83,7 +85,7 @@ class AioServer:
         async def build() -> grpc.aio.Server:
             return grpc.aio.server(
                 migration_thread_pool=thread_pool,
-                interceptors=[_SyncInterceptor(interceptor) for interceptor in interceptors],
+                interceptors=[self.interceptor_class(interceptor) for interceptor in interceptors],
                 maximum_concurrent_rpcs=maximum_concurrent_rpcs,
                 options=options,
             )

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from bench import aio, storeless
+from bench import aio, aio_writer, storeless
 from ledger_service import server
 from ledger_service.cli import configure_logging
 from ledger_service.settings import Settings
@@ -54,14 +54,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--aio", action="store_true", help="serve on grpc.aio instead of grpc.server (bench/aio.py)"
     )
+    parser.add_argument(
+        "--aio-writer",
+        action="store_true",
+        help="grpc.aio with async Reserve and Settle and one writer thread (bench/aio_writer.py)",
+    )
     arguments = parser.parse_args(argv)
     configure_logging()
     settings = settings_from(json.loads(arguments.settings))
     return server.serve(
         settings,
         run_migrations=not arguments.no_migrate,
-        prepare=storeless.storeless if arguments.storeless else None,
-        transport=aio.transport if arguments.aio else grpc.server,
+        prepare=storeless.storeless
+        if arguments.storeless
+        else aio_writer.install
+        if arguments.aio_writer
+        else None,
+        transport=aio_writer.transport
+        if arguments.aio_writer
+        else aio.transport
+        if arguments.aio
+        else grpc.server,
     )
 
 

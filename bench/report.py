@@ -430,22 +430,33 @@ SERVER_MODEL_PHASES = (
 )
 
 
+# The models of the server-model scenario, as the table names them.
+SERVER_MODEL_NAMES = {
+    "sync": "grpc.server",
+    "aio": "grpc.aio",
+    "aio-writer": "grpc.aio + writer thread",
+}
+
+
 def _server_model_rows(scenarios: Mapping[str, Any], saturated: str) -> list[Row]:
-    """grpc.server and grpc.aio (bench/aio.py), the median over each model's
-    rounds; grpc.aio's rows say how far from grpc.server's. Absent unless the
-    scenario ran (`--only server-model`)."""
+    """grpc.server, grpc.aio (bench/aio.py) and grpc.aio with async moves on one
+    writer thread (bench/aio_writer.py), the median over each model's rounds;
+    the others' rows say how far from grpc.server's. Absent unless the scenario
+    ran (`--only server-model`)."""
     rounds = scenarios.get("server-model", {}).get("rounds")
     if not rounds:
         return []
     rows: list[Row] = []
     for name, label, by_rate in SERVER_MODEL_PHASES:
         medians: dict[str, float | None] = {}
-        for model in ("sync", "aio"):
+        for model in SERVER_MODEL_NAMES:
             figures = [found for turn in rounds if (found := phase(turn, model, name))]
+            if not figures:
+                continue  # a model an older run did not have
             measure = _per_second if by_rate else _p50
             values = sorted(value for found in figures if (value := measure(found)) is not None)
             medians[model] = statistics.median(values) if values else None
-            ratio = _ratio(medians[model], medians["sync"]) if model == "aio" else None
+            ratio = _ratio(medians[model], medians["sync"]) if model != "sync" else None
             versus = "baseline" if model == "sync" else (
                 "" if ratio is None else f"{ratio:.2f}x sync " + ("rate" if by_rate else "p50")
             )  # fmt: skip
@@ -459,8 +470,7 @@ def _server_model_rows(scenarios: Mapping[str, Any], saturated: str) -> list[Row
                 notes += f"; server {min(cpu):.2f}-{max(cpu):.2f} ms CPU a call"
             rows.append(
                 Row(
-                    f"{'grpc.aio' if model == 'aio' else 'grpc.server'} "
-                    + label.format(saturated=saturated),
+                    f"{SERVER_MODEL_NAMES[model]} " + label.format(saturated=saturated),
                     per_second=medians[model] if by_rate else None,
                     p50_ms=None if by_rate else medians[model],
                     versus=versus,

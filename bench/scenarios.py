@@ -333,11 +333,15 @@ def _replica(
     migrate: bool = True,
     storeless: bool = False,
     aio: bool = False,
+    aio_writer: bool = False,
     ready_timeout_seconds: float | None = None,
 ) -> Iterator[servers.ServerProcess]:
+    argv = servers.replica_argv(
+        settings, migrate=migrate, storeless=storeless, aio=aio, aio_writer=aio_writer
+    )
     with servers.running(
         name,
-        servers.replica_argv(settings, migrate=migrate, storeless=storeless, aio=aio),
+        argv,
         workdir,
         health=True,
         ready_timeout_seconds=ready_timeout_seconds or plan.server_ready_timeout_seconds,
@@ -457,8 +461,9 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
     return {"server": facts, "phases": phases, "commit_floor": floor, "lone_reserve": lone}
 
 
-# grpc.server against grpc.aio (bench/aio.py), each model's servers in turn.
-SERVER_MODELS = ("sync", "aio")
+# grpc.server against grpc.aio (bench/aio.py), and grpc.aio with async moves on
+# one writer thread (bench/aio_writer.py), each model's servers in turn.
+SERVER_MODELS = ("sync", "aio", "aio-writer")
 SERVER_MODEL_ROUNDS = 2
 
 
@@ -484,9 +489,9 @@ def server_model_scenario(
 def _server_model_round(
     plan: Plan, generator: LoadGenerator, directory: pathlib.Path, model: str
 ) -> dict[str, Any]:
-    aio = model == "aio"
+    aio, aio_writer = model == "aio", model == "aio-writer"
     phases: dict[str, Any] = {}
-    argv = servers.aio_echo_argv() if aio else servers.echo_argv()
+    argv = servers.aio_echo_argv() if aio or aio_writer else servers.echo_argv()
     with _echo(plan, f"echo-{model}", argv, directory / "echo") as echo:
         targets, watch = [echo.address], (echo.pid,)
         phases["echo_1"] = _phase(
@@ -499,7 +504,8 @@ def _server_model_round(
             watch=watch,
         )
     settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
-    with _replica(plan, f"ledger-{model}", directory, settings, aio=aio) as server:
+    replica = _replica(plan, f"ledger-{model}", directory, settings, aio=aio, aio_writer=aio_writer)
+    with replica as server:
         one, spread = lanes_named(f"{model}-1", 1), lanes_named(f"{model}-mix", plan.spread_lanes)
         put_lanes(server.address, [*one, *spread])
         phases.update(

@@ -206,9 +206,11 @@ def replica_argv(
     migrate: bool = True,
     storeless: bool = False,
     aio: bool = False,
+    aio_writer: bool = False,
 ) -> list[str]:
     argv = [sys.executable, "-m", "bench.replica"]
     argv += ["--settings", json.dumps(dict(settings), sort_keys=True, default=str)]
     argv += [] if migrate else ["--no-migrate"]
     argv += ["--storeless"] if storeless else []
+    argv += ["--aio-writer"] if aio_writer else []
     return [*argv, "--aio"] if aio else argv

@@ -147,12 +147,18 @@ def test_the_server_model_runs_when_named(tmp_path: pathlib.Path) -> None:
     rounds = results["scenarios"]["server-model"]["rounds"]
     assert len(rounds) == 2
     for turn in rounds:
-        for model in ("sync", "aio"):
+        for model in ("sync", "aio", "aio-writer"):
             for name, figures in turn[model].items():
                 _check_phase(figures, f"server-model {model} {name}")
                 assert figures["errors"] == {}, f"{model} {name}: {figures['errors']}"
     shown = {row["scenario"]: row for row in results["table"]}
     assert shown["grpc.aio sqlite Reserve, 1 client"]["versus"].endswith("x sync p50")
+    [writer] = [
+        row
+        for scenario, row in shown.items()
+        if scenario.startswith("grpc.aio + writer thread sqlite Reserve+Settle")
+    ]
+    assert writer["versus"].endswith("x sync rate")
 
 
 def test_documented_commands_are_real() -> None:
