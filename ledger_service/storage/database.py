@@ -117,9 +117,17 @@ def _ownership(path: pathlib.Path) -> str:
     )
 
 
+# libpq's connection parameters that hold a secret, as a URL's query may carry them.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
 def redacted(url: str | URL) -> str:
-    """The URL with its password hidden, for logs and messages."""
-    return make_url(url).render_as_string(hide_password=True)
+    """The URL with its password hidden, for logs and messages: the one after
+    the user name, and any in its query (`?password=...`)."""
+    parsed = make_url(url)
+    secrets = {key: "***" for key in parsed.query if key.lower() in _SECRET_PARAMETERS}
+    rendered = parsed.update_query_dict(secrets).render_as_string(hide_password=True)
+    return rendered.replace("=%2A%2A%2A", "=***")
 
 
 def is_sqlite(url: str | URL) -> bool:

@@ -277,6 +277,22 @@ def test_store_errors_never_carry_the_password(postgres_schema_url: str) -> None
     broken.close()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://ledger:s3cret@db:5432/ledger",
+        "postgresql+psycopg://ledger@db:5432/ledger?password=s3cret",
+        "postgresql+psycopg://ledger@db/ledger?sslmode=require&sslpassword=s3cret&password=s3cret",
+    ],
+)
+def test_a_redacted_url_hides_every_password_it_carries(url: str) -> None:
+    from ledger_service.storage import database
+
+    shown = database.redacted(url)
+    assert "s3cret" not in shown and "***" in shown, shown
+    assert "db" in shown and "ledger" in shown
+
+
 def test_lanes_are_listed_in_pages(ledger: Ledger) -> None:
     for index in range(5):
         ledger.put_lane(dataclasses.replace(RECALL, lane=f"lane-{index}"))
