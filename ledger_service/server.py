@@ -115,6 +115,8 @@ class LedgerServer:
                 _upgrade(self.store)
             except StoreUnavailable as error:
                 why = "it is damaged" if isinstance(error, StoreDamaged) else "it does not answer"
+                said = translate.driver_message(error)
+                why += f" ({said})" if said else ""
                 log.error(
                     "the database's schema could not be brought up to date: %s. Health is "
                     "NOT_SERVING; the server tries again every %g s",

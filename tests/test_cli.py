@@ -329,6 +329,21 @@ def test_migrate_on_a_database_that_does_not_answer_is_one_line(
     assert one_line_error(run).startswith("ledger migrate: the database is unavailable (")
     assert "s3cret" not in run.err
     assert run.code == 2
+    # What the driver said, so that the operator knows what to fix.
+    assert "refused" in run.err.lower() or "connection" in run.err.lower(), run.err
+
+
+@pytest.mark.postgres
+def test_verify_on_a_database_that_is_not_there_says_what_the_server_said(
+    ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    url = "postgresql+psycopg://postgres@127.0.0.1:5432/ledger_no_such_database?password=s3cret"
+    run = ledger("verify", "--database-url", url, "--data-dir", str(tmp_path))
+    said = one_line_error(run)
+    assert said.startswith("ledger verify: the database is unavailable (")
+    assert 'database "ledger_no_such_database" does not exist' in said, said
+    assert "s3cret" not in run.err
+    assert run.code == 2
 
 
 def test_a_server_that_never_answers_times_out(ledger: RunLedger) -> None:

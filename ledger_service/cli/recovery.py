@@ -121,9 +121,14 @@ def database_unavailable(command: str, error: Exception, where: str = "") -> int
     """Exit 2: the database did not answer, or (a damaged store) says what to
     do; `where` (the redacted URL), when given, follows in parentheses."""
     from ledger_service.domain.errors import StoreDamaged
+    from ledger_service.storage import translate
 
     why = error.message if isinstance(error, StoreDamaged) else "the database is unavailable"
-    print(f"ledger {command}: {why}{f' ({where})' if where else ''}", file=sys.stderr)
+    said = "" if isinstance(error, StoreDamaged) else translate.driver_message(error)
+    print(
+        f"ledger {command}: {why}{f' ({where})' if where else ''}{f': {said}' if said else ''}",
+        file=sys.stderr,
+    )
     return 2
 
 

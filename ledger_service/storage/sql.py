@@ -153,7 +153,8 @@ class SqlStore:
             elif cause is not None and not translate.is_retryable(error):
                 driver = translate.driver_error(cause)
                 code = translate.driver_code(cause) or "no code"
-                log.warning("database error (%s): %s", code, type(driver).__name__)
+                said = translate.driver_message(cause)
+                log.warning("database error (%s): %s: %s", code, type(driver).__name__, said)
             raise
 
     @property

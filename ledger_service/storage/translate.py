@@ -99,6 +99,22 @@ def driver_error(error: BaseException) -> BaseException:
     return error
 
 
+# The longest driver message a log line or a local command repeats.
+MAX_DRIVER_MESSAGE = 300
+
+
+def driver_message(error: BaseException) -> str:
+    """The driver's own words for `error` (a translated error's cause), on one
+    line: for the server's log and the local commands, never for a caller.
+    libpq's say what is wrong ('database "x" does not exist', 'too many
+    connections') and never hold the password."""
+    cause = error.__cause__ if isinstance(error, LedgerError) else error
+    if cause is None:
+        return ""
+    text = " ".join(str(driver_error(cause)).split())
+    return text[:MAX_DRIVER_MESSAGE]
+
+
 def driver_code(error: BaseException) -> str:
     """The driver's code for `error`: a SQLSTATE, or SQLite's primary code name."""
     error = driver_error(error)
