@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import operator
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -440,6 +441,8 @@ class SqlRecoveryStore:
         # PostgreSQL: where a verified point may be set (storage/horizon.py): the
         # server's store's own horizon when given (one per process).
         self._horizon = None if self._sqlite else horizon or CommitHorizon()
+        # A thread's open `one_snapshot`: every read of that thread joins it.
+        self._held = threading.local()
 
     @property
     def engine(self) -> Engine:
@@ -449,12 +452,30 @@ class SqlRecoveryStore:
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[Connection]:
-        """One snapshot transaction, its database errors translated."""
+        """One snapshot transaction, its database errors translated: the
+        thread's `one_snapshot` when it holds one."""
+        held: Connection | None = getattr(self._held, "connection", None)
+        if held is not None:
+            with translated():
+                yield held
+            return
         with translated(), self._engine.connect() as connection:
             if not self._sqlite:
                 connection = connection.execution_options(isolation_level="REPEATABLE READ")
             with connection.begin():
                 yield connection
+
+    @contextlib.contextmanager
+    def one_snapshot(self) -> Iterator[None]:
+        """Every read of this thread in the block sees one instant (`ledger
+        verify` beside serving replicas compares the log with the projections,
+        and moves commit between its reads)."""
+        with self._reading() as connection:
+            self._held.connection = connection
+            try:
+                yield
+            finally:
+                self._held.connection = None
 
     @contextlib.contextmanager
     def _writing(self, *, marker: bool = False) -> Iterator[Connection]:

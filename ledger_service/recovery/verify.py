@@ -73,6 +73,12 @@ class Verifier:
             after = batch[-1].seq
 
     def verify(self, now_us: int, progress: ProgressFn = no_progress) -> VerificationReport:
+        """The log against its chain and the projections against a replay, all
+        read at one instant: moves may commit meanwhile."""
+        with self._store.one_snapshot():
+            return self._verify(now_us, progress)
+
+    def _verify(self, now_us: int, progress: ProgressFn) -> VerificationReport:
         report = VerificationReport()
         for finding in projection_findings(self._store.facts()):
             report.add(finding)
