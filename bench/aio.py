@@ -10,8 +10,9 @@ Two servers, each beside its grpc.server twin in the same run:
   Every handler, interceptor and the store run unchanged in that pool; only
   the transport and its hand-off differ.
 
-The ledger with async Reserve and Settle and one writer thread is the third
-model, a prototype in bench/aio_writer.py.
+The ledger with async Reserve and Settle and one writer thread, and the same
+writer thread behind the sync servicers, are the other two models: prototypes
+in bench/aio_writer.py.
 
     python -m bench.aio --listen 127.0.0.1:0   # the echo on grpc.aio
 """

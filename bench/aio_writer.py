@@ -231,6 +231,23 @@ def transport(
     return AioWriterServer(thread_pool, interceptors, maximum_concurrent_rpcs, options)
 
 
+def install_sync(server: LedgerServer) -> None:
+    """`prepare` for `server.serve` on grpc.server: the same writer thread behind
+    the sync servicers (every interceptor runs), each call's worker thread
+    waiting for its move's future. It tells the writer thread's share of the
+    aio-writer model's figures from the event loop's."""
+    ledger = Prototype(server).ledger
+
+    def reserve(command: Any, trace_id: str = "") -> Any:
+        return ledger.reserve(command, trace_id).result()  # type: ignore[attr-defined]
+
+    def settle(command: Any, trace_id: str = "") -> Any:
+        return ledger.settle(command, trace_id).result()  # type: ignore[attr-defined]
+
+    server.ledger.reserve = reserve  # type: ignore[method-assign]
+    server.ledger.settle = settle  # type: ignore[method-assign]
+
+
 def install(server: LedgerServer) -> None:
     """`prepare` for `server.serve`: the prototype's ledger, on the server's store."""
     transport_server = server._server

@@ -55,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--aio", action="store_true", help="serve on grpc.aio instead of grpc.server (bench/aio.py)"
     )
     parser.add_argument(
+        "--sync-writer",
+        action="store_true",
+        help="grpc.server, Reserve and Settle committed by one writer thread (bench/aio_writer.py)",
+    )
+    parser.add_argument(
         "--aio-writer",
         action="store_true",
         help="grpc.aio with async Reserve and Settle and one writer thread (bench/aio_writer.py)",
@@ -69,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if arguments.storeless
         else aio_writer.install
         if arguments.aio_writer
+        else aio_writer.install_sync
+        if arguments.sync_writer
         else None,
         transport=aio_writer.transport
         if arguments.aio_writer

@@ -435,6 +435,7 @@ SERVER_MODEL_NAMES = {
     "sync": "grpc.server",
     "aio": "grpc.aio",
     "aio-writer": "grpc.aio + writer thread",
+    "sync-writer": "grpc.server + writer thread",
 }
 
 

@@ -334,10 +334,16 @@ def _replica(
     storeless: bool = False,
     aio: bool = False,
     aio_writer: bool = False,
+    sync_writer: bool = False,
     ready_timeout_seconds: float | None = None,
 ) -> Iterator[servers.ServerProcess]:
     argv = servers.replica_argv(
-        settings, migrate=migrate, storeless=storeless, aio=aio, aio_writer=aio_writer
+        settings,
+        migrate=migrate,
+        storeless=storeless,
+        aio=aio,
+        aio_writer=aio_writer,
+        sync_writer=sync_writer,
     )
     with servers.running(
         name,
@@ -463,7 +469,7 @@ def sqlite_scenario(plan: Plan, generator: LoadGenerator, workdir: pathlib.Path)
 
 # grpc.server against grpc.aio (bench/aio.py), and grpc.aio with async moves on
 # one writer thread (bench/aio_writer.py), each model's servers in turn.
-SERVER_MODELS = ("sync", "aio", "aio-writer")
+SERVER_MODELS = ("sync", "aio", "aio-writer", "sync-writer")
 SERVER_MODEL_ROUNDS = 2
 
 
@@ -504,7 +510,15 @@ def _server_model_round(
             watch=watch,
         )
     settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
-    replica = _replica(plan, f"ledger-{model}", directory, settings, aio=aio, aio_writer=aio_writer)
+    replica = _replica(
+        plan,
+        f"ledger-{model}",
+        directory,
+        settings,
+        aio=aio,
+        aio_writer=aio_writer,
+        sync_writer=model == "sync-writer",
+    )
     with replica as server:
         one, spread = lanes_named(f"{model}-1", 1), lanes_named(f"{model}-mix", plan.spread_lanes)
         put_lanes(server.address, [*one, *spread])

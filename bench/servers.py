@@ -207,10 +207,12 @@ def replica_argv(
     storeless: bool = False,
     aio: bool = False,
     aio_writer: bool = False,
+    sync_writer: bool = False,
 ) -> list[str]:
     argv = [sys.executable, "-m", "bench.replica"]
     argv += ["--settings", json.dumps(dict(settings), sort_keys=True, default=str)]
     argv += [] if migrate else ["--no-migrate"]
     argv += ["--storeless"] if storeless else []
     argv += ["--aio-writer"] if aio_writer else []
+    argv += ["--sync-writer"] if sync_writer else []
     return [*argv, "--aio"] if aio else argv

@@ -147,7 +147,7 @@ def test_the_server_model_runs_when_named(tmp_path: pathlib.Path) -> None:
     rounds = results["scenarios"]["server-model"]["rounds"]
     assert len(rounds) == 2
     for turn in rounds:
-        for model in ("sync", "aio", "aio-writer"):
+        for model in ("sync", "aio", "aio-writer", "sync-writer"):
             for name, figures in turn[model].items():
                 _check_phase(figures, f"server-model {model} {name}")
                 assert figures["errors"] == {}, f"{model} {name}: {figures['errors']}"
