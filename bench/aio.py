@@ -120,15 +120,23 @@ class AioServer:
         return self._run(self._server.wait_for_termination(timeout))
 
 
-def transport(
-    thread_pool: futures.ThreadPoolExecutor,
-    *,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),  # type: ignore[type-arg]
-    maximum_concurrent_rpcs: int | None = None,
-    options: Sequence[tuple[str, Any]] = (),
-) -> Any:
-    """grpc.server's signature, as LedgerServer calls it; a grpc.aio server."""
-    return AioServer(thread_pool, interceptors, maximum_concurrent_rpcs, options)
+def transport_of(server_class: type[AioServer]) -> Callable[..., Any]:
+    """A function with grpc.server's signature, as LedgerServer calls it, that
+    builds a `server_class`."""
+
+    def transport(
+        thread_pool: futures.ThreadPoolExecutor,
+        *,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),  # type: ignore[type-arg]
+        maximum_concurrent_rpcs: int | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> Any:
+        return server_class(thread_pool, interceptors, maximum_concurrent_rpcs, options)
+
+    return transport
+
+
+transport = transport_of(AioServer)
 
 
 async def _echo(request: bytes, _context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import grpc.aio
 
-from bench.aio import AioServer, _SyncInterceptor
+from bench.aio import AioServer, _SyncInterceptor, transport_of
 from ledger_service.api import convert
 from ledger_service.api import errors as api_errors
 from ledger_service.application.ledger import Ledger
@@ -220,15 +220,7 @@ class AioWriterServer(AioServer):
         super().add_registered_method_handlers(service, handlers)
 
 
-def transport(
-    thread_pool: futures.ThreadPoolExecutor,
-    *,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),  # type: ignore[type-arg]
-    maximum_concurrent_rpcs: int | None = None,
-    options: Sequence[tuple[str, Any]] = (),
-) -> Any:
-    """grpc.server's signature, as LedgerServer calls it."""
-    return AioWriterServer(thread_pool, interceptors, maximum_concurrent_rpcs, options)
+transport = transport_of(AioWriterServer)
 
 
 def install_sync(server: LedgerServer) -> None:
