@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -113,3 +114,13 @@ def altered_by_walk(walked: WalkedRange) -> list[int]:
     """The seqs a range's walk found no longer giving their hash."""
     content = chain.altered(0, "").reason
     return sorted(broken.seq for broken in walked.breaks if broken.reason == content)
+
+
+@pytest.fixture
+def harness(
+    database_url: str,
+    start_ledger_server: Callable[..., Any],
+    harness_for: Callable[[Any], Any],
+) -> Any:
+    """The gRPC harness on a real server over `database_url` (both databases)."""
+    return harness_for(start_ledger_server(database_url=database_url))

@@ -3,19 +3,7 @@ server: never an UNAVAILABLE that fails the same way on every retry."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-import pytest
-
-
-@pytest.fixture
-def harness(
-    database_url: str,
-    start_ledger_server: Callable[..., Any],
-    harness_for: Callable[[Any], Any],
-) -> Any:
-    return harness_for(start_ledger_server(database_url=database_url))
 
 
 def test_a_kind_repeated_past_postgresqls_parameter_limit_is_one_filter(harness: Any) -> None:

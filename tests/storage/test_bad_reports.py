@@ -6,11 +6,9 @@ booking of 7,000 request bytes and 200 output tokens caps at 280 nanos.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import grpc
-import pytest
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -18,15 +16,6 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CAP_7K_200 = 280
 LIMIT_NANOS = 500_000_000
 LARGEST_NANOS = 2**62
-
-
-@pytest.fixture
-def harness(
-    database_url: str,
-    start_ledger_server: Callable[..., Any],
-    harness_for: Callable[[Any], Any],
-) -> Any:
-    return harness_for(start_ledger_server(database_url=database_url))
 
 
 def reserve(harness: Any, reservation_id: str, lane: str = "recall") -> pb.ReserveResponse:
