@@ -255,6 +255,8 @@ class SqlStore:
         # not write: while so, it reads the file as any read does, summing the
         # window afresh (the writer's memory is dropped with its failed batch).
         in_turn = in_turn and self._write_problem is None
+        if write and self._replaced is not None:
+            raise StoreUnavailable()  # said once, in _check_file: no batch to fail and log
         if self._committer is not None and (write or in_turn):
             return self._committer.submit(
                 lambda connection: self._writer.run(
