@@ -34,6 +34,11 @@ const DEFAULT_RESERVE_OUTPUT_TOKENS = 2_048;
 const DEFAULT_MIN_TOOL_RESULT_BYTES = 1_024;
 const DEFAULT_MAX_ITERATIONS = 64;
 const MAX_TOOL_RESULTS = 1_000;
+// Results within this many bytes of the largest are cut as one. A cut lands on
+// whole characters (up to 4 bytes of UTF-8) and its marker's count may gain a
+// digit, so results cut to one size can differ by a few bytes; cutting each
+// down to the next by those few bytes would spend every round on them.
+const TIE_BYTES = 8;
 const MAX_ERROR_BODY_BYTES = 64 * 1024;
 // Real error bodies nest two or three levels; a deeper one is not read.
 const MAX_ERROR_BODY_DEPTH = 64;
@@ -180,10 +185,17 @@ class ToolResult {
     // The marker's length depends on how much it says was removed (it is ASCII:
     // its length is its byte count).
     keep = Math.max(0, sizeBytes - truncationMarker(total - keep, total).length);
-    // A cut inside a character moves back to the character's first byte: UTF-8
-    // continuation bytes are 0b10xxxxxx. So the head is whole code points.
-    while (keep > 0 && keep < total && (this.original[keep] & 0xc0) === 0x80) keep -= 1;
-    const marker = truncationMarker(total - keep, total);
+    let marker;
+    for (;;) {
+      // A cut inside a character moves back to the character's first byte: UTF-8
+      // continuation bytes are 0b10xxxxxx. So the head is whole code points.
+      while (keep > 0 && keep < total && (this.original[keep] & 0xc0) === 0x80) keep -= 1;
+      marker = truncationMarker(total - keep, total);
+      // Moving back can lengthen the marker's count by a digit: then one byte
+      // less, or a cut that lands above its size stalls the fit.
+      if (keep + marker.length <= sizeBytes || keep === 0) break;
+      keep -= 1;
+    }
     this.rendered = this.original.toString('utf8', 0, keep) + marker;
     this.sizeBytes = keep + marker.length;
     this.trimmed = true;
@@ -218,21 +230,25 @@ function fitToolResults(toolResults, { budget, messages = [], toolSchemas = [] }
 }
 
 /**
- * Cuts the largest results (all of them if tied) down to the next largest
- * size, or only as far as the excess needs. false when nothing can be cut.
+ * Cuts the largest results (all of them if tied, within TIE_BYTES) down to
+ * the next largest size, or only as far as the excess needs. false when
+ * nothing can be cut.
  */
 function cutLargest(results, totalTokens, budget) {
   const floor = budget.minToolResultBytes;
   const cuttable = results.filter((result) => result.sizeBytes > floor);
   if (cuttable.length === 0) return false;
   const top = cuttable.reduce((size, result) => Math.max(size, result.sizeBytes), 0);
-  const group = cuttable.filter((result) => result.sizeBytes === top);
-  const nextSize = results.reduce((size, r) => (r.sizeBytes < top ? Math.max(size, r.sizeBytes) : size), 0);
+  const tied = top - TIE_BYTES;
+  const group = cuttable.filter((result) => result.sizeBytes >= tied);
+  const nextSize = results.reduce((size, r) => (r.sizeBytes < tied ? Math.max(size, r.sizeBytes) : size), 0);
   const excessTokens = BigInt(totalTokens - budget.inputBudgetTokens);
   const excessBytes = ceilDiv(excessTokens * BigInt(budget.bytesPerTokenMilli), BigInt(BYTES_PER_TOKEN_SCALE));
   const share = ceilDiv(BigInt(excessBytes), BigInt(group.length));
   const newSize = Math.max(nextSize, top - share, floor);
-  for (const result of group) result.cutTo(newSize);
+  for (const result of group) {
+    if (result.sizeBytes > newSize) result.cutTo(newSize); // never give back what a cut took
+  }
   return true;
 }
 

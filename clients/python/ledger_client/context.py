@@ -32,6 +32,11 @@ DEFAULT_RESERVE_OUTPUT_TOKENS = 2_048
 DEFAULT_MIN_TOOL_RESULT_BYTES = 1_024
 DEFAULT_MAX_ITERATIONS = 64
 MAX_TOOL_RESULTS = 1_000
+# Results within this many bytes of the largest are cut as one. A cut lands on
+# whole characters (up to 4 bytes of UTF-8) and its marker's count may gain a
+# digit, so results cut to one size can differ by a few bytes; cutting each
+# down to the next by those few bytes would spend every round on them.
+TIE_BYTES = 8
 MAX_ERROR_BODY_BYTES = 64 * 1024
 # Real error bodies nest two or three levels; a deeper one is not read.
 MAX_ERROR_BODY_DEPTH = 64
@@ -139,11 +144,18 @@ class _Result:
         keep = max(0, size_bytes - len(truncation_marker(total, total)))
         # The marker's length depends on how much it says was removed.
         keep = max(0, size_bytes - len(truncation_marker(total - keep, total)))
-        # errors="ignore" drops a character split by the cut, never more.
-        head = self.original[:keep].decode("utf-8", errors="ignore")
-        removed = total - len(head.encode("utf-8"))
-        self.rendered = head + truncation_marker(removed, total)
-        self.size_bytes = len(self.rendered.encode("utf-8"))
+        while True:
+            # errors="ignore" drops a character split by the cut, never more.
+            head = self.original[:keep].decode("utf-8", errors="ignore")
+            kept = len(head.encode("utf-8"))
+            marker = truncation_marker(total - kept, total)
+            # Dropping that character can lengthen the marker's count by a digit:
+            # then one byte less, or a cut that lands above its size stalls the fit.
+            if kept + len(marker) <= size_bytes or kept == 0:
+                break
+            keep = kept - 1
+        self.rendered = head + marker
+        self.size_bytes = kept + len(marker)
         self.trimmed = True
 
 
@@ -176,21 +188,24 @@ def fit_tool_results(
 
 
 def _cut_largest(results: list[_Result], total_tokens: int, budget: ContextBudget) -> bool:
-    """Cuts the largest results (all of them if tied) down to the next largest
-    size, or only as far as the excess needs. False when nothing can be cut."""
+    """Cuts the largest results (all of them if tied, within TIE_BYTES) down to
+    the next largest size, or only as far as the excess needs. False when
+    nothing can be cut."""
     floor = budget.min_tool_result_bytes
     cuttable = [result for result in results if result.size_bytes > floor]
     if not cuttable:
         return False
     top = max(result.size_bytes for result in cuttable)
-    group = [result for result in cuttable if result.size_bytes == top]
-    next_size = max((r.size_bytes for r in results if r.size_bytes < top), default=0)
+    tied = top - TIE_BYTES
+    group = [result for result in cuttable if result.size_bytes >= tied]
+    next_size = max((r.size_bytes for r in results if r.size_bytes < tied), default=0)
     excess_tokens = total_tokens - budget.input_budget_tokens
     excess_bytes = -(-(excess_tokens * budget.bytes_per_token_milli) // BYTES_PER_TOKEN_SCALE)
     share = -(-excess_bytes // len(group))
     new_size = max(next_size, top - share, floor)
     for result in group:
-        result.cut_to(new_size)
+        if result.size_bytes > new_size:  # a cut never gives back what an earlier one took
+            result.cut_to(new_size)
     return True
 
 
