@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 import signal
 import socket
 import sys
@@ -254,9 +255,10 @@ class LedgerServer:
         except RuntimeError:  # grpcio's "Failed to bind to address"
             self.port = 0
         if self.port == 0:
+            tls = " or its TLS certificate and key do not match" if self.server_credentials else ""
             raise ListenFailed(
                 f"cannot listen on {self.settings.listen}: the port is taken "
-                "(is another ledger running?) or the address is not this machine's"
+                f"(is another ledger running?), the address is not this machine's{tls}"
             )
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
         log.info("telemetry: %s", self.telemetry.description)
@@ -464,10 +466,18 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together")
     return grpc.ssl_server_credentials(
-        [(key.read_bytes(), cert.read_bytes())],
-        root_certificates=None if client_ca is None else client_ca.read_bytes(),
+        [(_pem(key, "--tls-key"), _pem(cert, "--tls-cert"))],
+        root_certificates=None if client_ca is None else _pem(client_ca, "--tls-client-ca"),
         require_client_auth=client_ca is not None,
     )
+
+
+def _pem(path: pathlib.Path, flag: str) -> bytes:
+    """A PEM file's bytes; a file that cannot be read is the operator's to fix."""
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror or error}") from error
 
 
 def _transport(settings: Settings) -> str:

@@ -132,21 +132,20 @@ class Settings:
 
 
 def _numbers_from_environment() -> dict[str, object]:
-    """Every numeric or boolean limit may be set as LEDGER_<NAME>, e.g.
-    LEDGER_POOL_SIZE=32 or LEDGER_STATEMENT_TIMEOUT_MS=2000."""
+    """Every numeric limit may be set as LEDGER_<NAME>, e.g. LEDGER_POOL_SIZE=32
+    or LEDGER_STATEMENT_TIMEOUT_MS=2000. The switches (auth_enabled, test_clock)
+    are not: only their `ledger serve` flags turn auth off or the clock manual
+    (docs/security.md), so no stray variable does it unseen."""
     values: dict[str, object] = {}
     for field in dataclasses.fields(Settings):
-        if field.default is dataclasses.MISSING or isinstance(field.default, str):
+        if field.default is dataclasses.MISSING:
             continue
         kind = type(field.default)
         raw = os.environ.get(f"LEDGER_{field.name.upper()}")
-        if raw is None or kind not in (int, float, bool):
+        if raw is None or kind not in (int, float):
             continue
         try:
-            if kind is bool:
-                values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            else:
-                values[field.name] = kind(raw)
+            values[field.name] = kind(raw)
         except ValueError as error:
             raise ValueError(f"LEDGER_{field.name.upper()} must be a {kind.__name__}") from error
     return values

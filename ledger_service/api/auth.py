@@ -41,6 +41,7 @@ from ledger_service.domain.grants import (
     Rejection,
     Scope,
 )
+from ledger_service.domain.policies import MAX_NAME_LENGTH
 from ledger_service.generated.ledger.v1 import ledger_pb2
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,10 @@ def _granted_stream(behaviour: Behaviour) -> Behaviour:
 def refusal(grant: Grant, method: str, rule: Rule, lane: str) -> str:
     """What a refused caller is told: the scope the method needs on the lane,
     and what its own grant holds. Nothing of the keyring or of other grants."""
-    where = "every lane" if lane == ALL_LANES else f"lane {lane!r}"
+    # The lane is the caller's, not checked yet: its echo is bounded (a lane name
+    # is at most MAX_NAME_LENGTH), or a long one would overflow gRPC's trailers.
+    shown = lane if len(lane) <= MAX_NAME_LENGTH else lane[:MAX_NAME_LENGTH] + "..."
+    where = "every lane" if lane == ALL_LANES else f"lane {shown!r}"
     needed = " or ".join(scope.value for scope in sorted(rule.scopes, key=lambda s: s.value))
     held = ", ".join(sorted(scope.value for scope in grant.scopes))
     names = sorted(grant.lanes)
@@ -273,7 +277,12 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             # A request stream names no single lane: only a grant for every lane will do.
             lane = rule.lane_of(request) if isinstance(request, Message) else ALL_LANES
             if not any(grant.allows(scope, lane) for scope in rule.scopes):
-                log.info("refused %s: grant %s lacks %s", method, grant.grant_id, rule.scope.value)
+                log.info(
+                    "refused %s: grant %s lacks %s on the lane asked for",
+                    method,
+                    grant.grant_id,
+                    rule.scope.value,
+                )
                 refuse_permission(context, refusal(grant, method, rule, lane))
             token = _CURRENT_GRANT.set(grant)
             try:

@@ -130,6 +130,21 @@ def test_a_grant_for_another_lane_is_denied(shared_ledger: SecureLedger, method:
     assert shared_ledger.event_count() == before
 
 
+@pytest.mark.parametrize("length", [201, 5_000, 200_000])
+def test_a_long_lane_for_another_grant_is_denied_with_a_bounded_message(
+    shared_ledger: SecureLedger, length: int
+) -> None:
+    """The refusal names the lane asked for, before any check of it: its echo
+    is cut at a lane name's 200 characters, or gRPC's trailer limit turned the
+    refusal into its own RESOURCE_EXHAUSTED."""
+    [method] = [method for method in all_methods() if method.name == "GetBalance"]
+    grant = shared_ledger.forge.grant([OTHER_LANE], [Scope.CHARGE, Scope.READ])
+    outcome = shared_ledger.caller.call(method, request_for(method, "x" * length), bearer(grant))
+    assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, outcome
+    assert outcome.trailing.get("ledger-reason") == "PERMISSION_DENIED"
+    assert len(outcome.details) < 500, len(outcome.details)
+
+
 @pytest.mark.parametrize(
     "method",
     [method for method in all_methods() if method.name not in CHARGE_READS],

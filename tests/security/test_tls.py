@@ -255,3 +255,32 @@ def test_tls_files_come_from_the_environment(
     assert settings.tls_client_ca_path == tmp_path / "ca.pem"
     flag = Settings.from_environment(data_dir=tmp_path, tls_cert_path=tmp_path / "flag.pem")
     assert flag.tls_cert_path == tmp_path / "flag.pem", "a flag wins over the environment"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("LEDGER_AUTH_ENABLED", "0"), ("LEDGER_TEST_CLOCK", "1")]
+)
+def test_no_variable_turns_auth_off_or_the_clock_manual(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """docs/security.md: the one way to turn auth off is --insecure-no-auth, and
+    TestClock exists only with --test-clock."""
+    monkeypatch.setenv(variable, value)
+    settings = Settings.from_environment(data_dir=tmp_path)
+    assert settings.auth_enabled and not settings.test_clock
+
+
+def test_a_tls_file_that_cannot_be_read_is_one_line_naming_its_flag(
+    tmp_path: pathlib.Path,
+) -> None:
+    from ledger_service import server
+
+    missing = tmp_path / "nope.pem"
+    settings = Settings(
+        database_url="sqlite:///x.db",
+        data_dir=tmp_path,
+        tls_cert_path=missing,
+        tls_key_path=missing,
+    )
+    with pytest.raises(ValueError, match=r"^--tls-key .*nope\.pem: No such file"):
+        server.server_credentials(settings)
