@@ -99,3 +99,26 @@ def test_a_lone_surrogate_in_jsonl_is_a_bad_row_that_can_be_answered(line: bytes
     [bad] = parsed.bad
     assert bad.field == "content" and "surrogate" in bad.message
     (bad.message + bad.reservation_id + bad.lane).encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    "content", [b"reservation_id,la\rne\nr1,recall\n", b"reservation_id," + b"a" * 200_000 + b"\n"]
+)
+def test_a_header_the_csv_module_cannot_read_refuses_the_content(content: bytes) -> None:
+    with pytest.raises(reconcile.InvalidArgument) as caught:
+        reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert caught.value.field == "content"
+    assert "line 1 is not valid CSV" in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"reservation_id,lane\nr-1,recall\nr-3,recall\nx,rec\rall\n",
+        b"reservation_id,lane\nr-1,recall\nr-3,recall\nx," + b"a" * 200_000 + b"\nz,z\n",
+    ],
+)
+def test_a_line_the_csv_module_cannot_read_is_named_by_its_number(content: bytes) -> None:
+    with pytest.raises(reconcile.InvalidArgument) as caught:
+        reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert "line 4 is not valid CSV" in caught.value.message, caught.value.message

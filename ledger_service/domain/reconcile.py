@@ -11,6 +11,7 @@ recorded as a `corrected` event as an operator's correction would be.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import decimal
@@ -142,15 +143,17 @@ def _once(row: ExportRow, first_lines: dict[tuple[str, str], int]) -> None:
 
 
 def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
-    reader = csv.DictReader(io.StringIO(text))
-    header = set(reader.fieldnames or ())
+    lines = _CountedLines(text)
+    reader = csv.DictReader(lines)
+    with _readable(lines):
+        header = set(reader.fieldnames or ())
     if "reservation_id" not in header:
         raise InvalidArgument("content", "the CSV header must name a reservation_id column")
     unknown = header - COLUMNS
     if unknown:
         raise InvalidArgument("content", f"unknown CSV columns: {', '.join(sorted(unknown))}")
     records: list[tuple[int, Mapping[str, Any] | str]] = []
-    for record in _csv_rows(reader):
+    for record in _csv_rows(reader, lines):
         if None in record:
             records.append((reader.line_num, "has more fields than the header"))
             continue
@@ -160,18 +163,43 @@ def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
     return records
 
 
-def _csv_rows(reader: csv.DictReader[str]) -> Iterator[dict[str, Any]]:
-    """The reader's rows; a line the csv module cannot read (a field past its
-    limit, a bare carriage return outside quotes) refuses the content."""
+class _CountedLines:
+    """The text's lines, counting those handed out: on a csv.Error the reader's
+    own line_num has not yet counted the line it failed on."""
+
+    def __init__(self, text: str) -> None:
+        self._lines = io.StringIO(text)
+        self.read = 0
+
+    def __iter__(self) -> _CountedLines:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._lines)
+        self.read += 1
+        return line
+
+
+@contextlib.contextmanager
+def _readable(lines: _CountedLines) -> Iterator[None]:
+    """A line the csv module cannot read (a field past its limit, a bare
+    carriage return outside quotes) refuses the content, naming the line."""
+    try:
+        yield
+    except csv.Error as error:
+        why = str(error).split(" - ")[0]
+        message = f"line {lines.read} is not valid CSV ({why})"
+        raise InvalidArgument("content", message) from error
+
+
+def _csv_rows(reader: csv.DictReader[str], lines: _CountedLines) -> Iterator[dict[str, Any]]:
     while True:
-        try:
-            yield next(reader)
-        except StopIteration:
-            return
-        except csv.Error as error:
-            why = str(error).split(" - ")[0]
-            message = f"line {reader.line_num} is not valid CSV ({why})"
-            raise InvalidArgument("content", message) from error
+        with _readable(lines):
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+        yield row
 
 
 def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
