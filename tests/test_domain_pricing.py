@@ -144,9 +144,21 @@ def test_bytes_per_token_is_kept_in_exact_thousandths(wire: float, milli: int) -
 
 
 @pytest.mark.parametrize(
-    "wire", [3.3333, float("nan"), float("inf"), 1e306, -1.7976931348623157e308]
+    "wire",
+    [
+        3.3333,
+        3.4999999999,
+        0.0999999999,
+        64.0000000001,
+        float("nan"),
+        float("inf"),
+        1e306,
+        -1.7976931348623157e308,
+    ],
 )
 def test_bytes_per_token_that_cannot_be_kept_exactly_is_refused(wire: float) -> None:
+    """Within a hair of a thousandth is still not one: rounding 3.4999999999 up
+    would price a request one token short of what the lane was told."""
     with pytest.raises(InvalidArgument) as caught:
         policies.bytes_per_token_milli(wire)
     assert caught.value.field == "lane.bytes_per_token"

@@ -159,7 +159,9 @@ def bytes_per_token_milli(value: float) -> int:
     ):  # far out of range: its thousandths may not fit a float
         raise InvalidArgument("lane.bytes_per_token", BYTES_PER_TOKEN_RANGE)
     milli = round(value * BYTES_PER_TOKEN_SCALE)
-    if abs(value * BYTES_PER_TOKEN_SCALE - milli) > 1e-6:
+    # A decimal of three places comes back as the very same double; anything
+    # else, however close, is a different number and not kept.
+    if milli / BYTES_PER_TOKEN_SCALE != value:
         raise InvalidArgument("lane.bytes_per_token", "must have at most three decimals")
     return milli
 
