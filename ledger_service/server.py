@@ -83,6 +83,19 @@ def build_store(settings: Settings) -> SqlStore:
     )
 
 
+def _resume_after_last_event(clock: ManualClock, ledger: Ledger) -> None:
+    """A test clock starts at wall time. Restarted behind what the ledger has
+    recorded, it resumes at the last event: a ledger's time never runs backwards,
+    and a hold booked ahead of the wall keeps counting."""
+    try:
+        last_us = ledger.last_event_at_us()
+    except StoreUnavailable:
+        log.warning("the test clock starts at wall time: the database does not answer")
+        return
+    if last_us > clock.now_us():
+        clock.set_us(last_us)
+
+
 class LedgerServer:
     def __init__(
         self,
@@ -103,8 +116,9 @@ class LedgerServer:
         # From the OTEL_* variables unless given (tests); shut down with the server if ours.
         self.telemetry = telemetry or configure_telemetry()
         self._owns_telemetry = telemetry is None
+        fresh_test_clock = ManualClock() if clock is None and settings.test_clock else None
         if clock is None:
-            clock = ManualClock() if settings.test_clock else SystemClock()
+            clock = fresh_test_clock or SystemClock()
         self.clock = clock
         self.store = build_store(settings)
         # The schema brought up to date now, or, when the database cannot be
@@ -131,6 +145,8 @@ class LedgerServer:
             max_page_size=settings.max_page_size,
             verify_windows=settings.verify_windows,
         )
+        if fresh_test_clock is not None and pending_migration is None:
+            _resume_after_last_event(fresh_test_clock, self.ledger)
         # One reader of the log's tail for every WatchEvents stream.
         self.feed = EventFeed(
             self.ledger.read_events,

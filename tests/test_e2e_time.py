@@ -8,12 +8,17 @@ The test clock starts at START_US, an instant with a sub-second part
 
 from __future__ import annotations
 
+import pathlib
 import time
 from typing import Any
 
 import pytest
+from google.protobuf import empty_pb2
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.server import LedgerServer
+from ledger_service.settings import Settings
 
 SECOND_US = 1_000_000
 DAY_US = 86_400 * SECOND_US
@@ -300,3 +305,40 @@ def test_the_test_clock_stays_exactly_where_it_was_set(harness: Any) -> None:
     assert harness.now_us() == instant
     assert harness.advance_us(1) == instant + 1
     assert harness.micros_of(harness.balance().as_of) == instant + 1
+
+
+def test_a_restarted_test_clock_resumes_no_earlier_than_the_last_event(
+    tmp_path: pathlib.Path, harness_for: Any, open_ledger_channel: Any
+) -> None:
+    """The test clock starts at wall time; after a restart that would put the
+    ledger's time before what it recorded, and a future-dated hold would stop
+    counting. It resumes at the last recorded event instead."""
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path}/ledger.db",
+        data_dir=tmp_path,
+        listen="127.0.0.1:0",
+        test_clock=True,
+        sweep_interval_seconds=3600,
+    )
+    first = LedgerServer(settings)
+    first.start()
+    try:
+        harness = harness_for(first)
+        harness.make_lane()
+        held = harness.reserve("r1").hold_nanos
+        recorded_at = harness.now_us()
+    finally:
+        first.stop(0)
+    assert recorded_at > time.time() * 1_000_000, "the clock must be ahead of the wall here"
+    second = LedgerServer(settings)
+    second.start()
+    try:
+        channel = open_ledger_channel(second)
+        now = pb_grpc.TestClockStub(channel).GetTime(empty_pb2.Empty(), timeout=30)
+        assert harness.micros_of(now) == recorded_at
+        balance = pb_grpc.LedgerStub(channel).GetBalance(
+            pb.GetBalanceRequest(lane="recall"), timeout=30
+        )
+        assert balance.held_nanos == held
+    finally:
+        second.stop(0)
