@@ -850,6 +850,8 @@ def test_a_bad_value_names_the_option_the_server_refused(
         ),
         (["history", "--limit", "0"], "--limit: "),
         (["balance", "x", "--timeout", "-1"], "--timeout: "),
+        # The wire's 0 means "the default five": the CLI cannot ask for none.
+        (["audit", "x", "--biggest", "0"], "--biggest: must be between 1 and 100"),
     ],
 )
 def test_a_malformed_value_is_refused_before_any_call(

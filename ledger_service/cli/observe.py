@@ -126,8 +126,8 @@ _Item = TypeVar("_Item")
 
 def fetch_audit(arguments: argparse.Namespace, session: Session) -> pb.Audit:
     biggest = parse_count("--biggest", arguments.biggest)
-    if not 0 <= biggest <= MAX_BIGGEST:
-        raise CliError(f"--biggest: must be between 0 and {MAX_BIGGEST}", EXIT_BAD_VALUE)
+    if not 1 <= biggest <= MAX_BIGGEST:  # the wire's 0 asks for the default
+        raise CliError(f"--biggest: must be between 1 and {MAX_BIGGEST}", EXIT_BAD_VALUE)
     request = pb.GetAuditRequest(lane=arguments.lane, biggest=biggest)
     found: pb.Audit = session.ledger.GetAudit(request, **session.options())
     return found
