@@ -12,6 +12,7 @@ import pytest
 from ledger_service.domain import bookings, moves
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import (
+    BookingAlreadyEnded,
     BookingStillOpen,
     BookingWasDenied,
     ChargeExceedsCapMultiple,
@@ -232,6 +233,40 @@ def test_a_correction_may_correct_a_refund_or_a_correction() -> None:
     corrected = bookings.apply(dataclasses.replace(event, seq=3), refunded)
     again = moves.decide_correct(corrected, correction(correction_id="c-2"), START_US, "g")
     assert (again.previous_amount_nanos, again.amount_nanos) == (99, 240)
+
+
+def test_a_repeat_after_a_correction_gets_the_lane_s_own_last_answer() -> None:
+    """An UNKNOWN settle, a late SUCCEEDED one, then a correction: a repeat of
+    the late one returns its answer, the earlier UNKNOWN is not repeated, and
+    without its history a replaced booking refuses every move."""
+    command = moves.ReserveCommand("recall", "r1", "jev", 7_000, 200)
+    budget = moves.Budget(lane(), WindowTotals(0, 0, 0), lambda: [])
+    history = [dataclasses.replace(moves.decide_reserve([budget], command, START_US), seq=1)]
+    opened = bookings.apply(history[0], None)
+    unknown = moves.SettleCommand("recall", "r1", Outcome.UNKNOWN)
+    late = succeeded(billed_nanos=250)
+    booking = opened
+    for seq, command in ((2, unknown), (3, late)):
+        event = dataclasses.replace(settled_event(booking, command, 0), seq=seq)
+        history.append(event)
+        booking = bookings.apply(event, booking)
+    fixed = moves.decide_correct(booking, correction(), START_US, "g")
+    history.append(dataclasses.replace(fixed, seq=4))
+    corrected = bookings.apply(history[-1], booking)
+
+    def lane_left() -> Booking:
+        return moves.as_the_lane_left_it(history)
+
+    assert moves.decide_settle(corrected, late, START_US, 0, lane_left).repeat_seq == 3
+    for other in (unknown, succeeded(billed_nanos=251)):
+        with pytest.raises(BookingAlreadyEnded):
+            moves.decide_settle(corrected, other, START_US, 0, lane_left)
+    with pytest.raises(BookingAlreadyEnded):
+        moves.decide_refund(
+            corrected, moves.RefundCommand("recall", "r1", 403), START_US, lane_left
+        )
+    with pytest.raises(BookingAlreadyEnded):
+        moves.decide_settle(corrected, late, START_US, 0)
 
 
 def test_an_open_booking_cannot_be_corrected() -> None:

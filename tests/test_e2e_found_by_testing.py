@@ -113,7 +113,22 @@ def test_a_reconcile_past_the_largest_sum_names_its_line_once(harness: Any) -> N
     assert refused.details.startswith("content: line 3: would take a sum past")
 
 
-def test_a_settle_or_refund_after_a_correction_says_the_correction_stands(
+def test_a_repeat_after_a_correction_returns_the_first_answer(harness: Any) -> None:
+    """The contract: a repeated Settle or Refund returns the first answer. A lane
+    retrying a Settle whose answer it lost must not be told the booking ended
+    because an operator corrected it meanwhile; the correction still stands."""
+    harness.reserve("s")
+    first_settle = harness.settle("s", input_tokens=2_000, output_tokens=200)
+    harness.correct("s", 100, correction_id="c-s")
+    harness.reserve("r")
+    first_refund = harness.refund("r", 429)
+    harness.correct("r", 100, correction_id="c-r")
+    assert harness.settle("s", input_tokens=2_000, output_tokens=200) == first_settle
+    assert harness.refund("r", 429) == first_refund
+    assert harness.booking("s").amount_nanos == harness.booking("r").amount_nanos == 100
+
+
+def test_another_settle_or_refund_after_a_correction_says_the_correction_stands(
     harness: Any,
 ) -> None:
     harness.reserve("s")
@@ -123,13 +138,31 @@ def test_a_settle_or_refund_after_a_correction_says_the_correction_stands(
     harness.refund("r", 429)
     harness.correct("r", 100, correction_id="c-r")
     for call in (
-        lambda: harness.settle("s", input_tokens=2_000, output_tokens=200),  # its first Settle
-        lambda: harness.refund("r", 429),  # its first Refund
+        lambda: harness.settle("s", input_tokens=2_000, output_tokens=201),  # other usage
+        lambda: harness.settle("s", outcome=pb.UNKNOWN),
+        lambda: harness.refund("s", 429),
+        lambda: harness.settle("r", input_tokens=2_000, output_tokens=200),
     ):
         refused = harness.fails(grpc.StatusCode.FAILED_PRECONDITION, call)
         assert refused.reason == "BOOKING_ALREADY_ENDED"
-        assert "a correction set" in refused.details, refused.details
     assert harness.booking("s").amount_nanos == harness.booking("r").amount_nanos == 100
+
+
+def test_a_repeat_after_the_bill_replaced_the_charge_returns_the_first_answer(
+    harness: Any,
+) -> None:
+    harness.reserve("s")
+    first = harness.settle("s", input_tokens=2_000, output_tokens=200)
+    export = b"reservation_id,billed_nanos\ns,123\n"
+    harness.ledger.Reconcile(
+        pb.ReconcileRequest(
+            format=pb.ReconcileRequest.CSV, content=export, default_lane="recall", bill_wins=True
+        ),
+        timeout=30,
+    )
+    assert harness.booking("s").amount_nanos == 123
+    assert harness.settle("s", input_tokens=2_000, output_tokens=200) == first
+    assert harness.booking("s").amount_nanos == 123
 
 
 @pytest.mark.parametrize("reservation_id", ["a b", "a\x00b", "é", "tab\there", "\x7f", "x" * 201])

@@ -202,7 +202,11 @@ class Ledger:
         def work(tx: StoreTransaction) -> SettleResult:
             booking, windows, now_us = self._open_booking(tx, command, trace_id)
             verdict = moves.decide_settle(
-                booking, command, now_us, windows[0].policy.max_charge_multiple
+                booking,
+                command,
+                now_us,
+                windows[0].policy.max_charge_multiple,
+                functools.partial(_as_the_lane_left_it, tx, booking),
             )
             if verdict.event is not None:
                 stored, after = record_booking_event(
@@ -230,7 +234,9 @@ class Ledger:
 
         def work(tx: StoreTransaction) -> RefundResult:
             booking, windows, now_us = self._open_booking(tx, command, trace_id)
-            verdict = moves.decide_refund(booking, command, now_us)
+            verdict = moves.decide_refund(
+                booking, command, now_us, functools.partial(_as_the_lane_left_it, tx, booking)
+            )
             if verdict.event is not None:
                 stored, _ = record_booking_event(
                     tx, windows, booking, verdict.event, now_us, trace_id
@@ -455,6 +461,19 @@ def _checked_totals(
         raise moves.sum_out_of_range(field) from None
     moves.check_window_sums([totals.spent_nanos], field)
     return totals
+
+
+def _as_the_lane_left_it(tx: StoreTransaction, booking: Booking) -> Booking:
+    # A booking's own moves are a handful (reserve, expiry, an unknown and a
+    # late settle, a refund); the page bound is far above them.
+    query = EventQuery(
+        lane=booking.lane,
+        reservation_id=booking.reservation_id,
+        kinds=tuple(kind.value for kind in moves.LANE_KINDS),
+    )
+    history = tx.list_events(query)
+    assert len(history) < query.limit, "a booking's own moves fill a page"
+    return moves.as_the_lane_left_it(history)
 
 
 def _event(tx: StoreTransaction, seq: int) -> Event:

@@ -15,9 +15,12 @@ from collections.abc import Callable, Iterable, Sequence
 from ledger_service.domain.bookings import (
     CORRECTABLE_STATES,
     ENDED_STATES,
+    ENDING_STATES,
+    OPENING_STATES,
     REAL_STATES,
     Booking,
     BookingState,
+    apply,
     reserve_fingerprint,
     settle_fingerprint,
 )
@@ -316,11 +319,18 @@ def decide_settle(
     command: SettleCommand,
     now_us: int,
     max_charge_multiple: int = DEFAULT_MAX_CHARGE_MULTIPLE,
+    lane_left: LaneLeft | None = None,
 ) -> Verdict:
     """`booking` has already been expired if it was past its deadline;
     `max_charge_multiple` is its lane's as it stands now. A usage no request
     could have produced is refused, and then nothing is written: the booking
-    stays as it was."""
+    stays as it was. `lane_left` is read only once a bill or an operator has
+    replaced the charge (see `as_the_lane_left_it`)."""
+    if booking.state in REPLACED_STATES:
+        left = lane_left() if lane_left is not None else None
+        if left is not None and _repeats_settle(left, command):
+            return Verdict(repeat_seq=left.ended_seq)
+        raise BookingAlreadyEnded(_replaced(booking, "settled"))
     state = booking.state
     if state is BookingState.REJECTED:
         raise BookingWasDenied(booking.reservation_id)
@@ -328,10 +338,8 @@ def decide_settle(
         raise BookingAlreadyEnded(
             f"booking {booking.reservation_id!r} was refunded; it cannot be settled"
         )
-    if booking.outcome is not None and booking.settle_fingerprint() == command.fingerprint():
+    if _repeats_settle(booking, command):
         return Verdict(repeat_seq=booking.ended_seq)
-    if state in REPLACED_STATES:
-        raise BookingAlreadyEnded(_replaced(booking, "settled"))
     if state in REAL_STATES:
         raise BookingAlreadyEnded(
             f"booking {booking.reservation_id!r} already holds a real charge from other usage"
@@ -396,15 +404,24 @@ def _settled_event(
     return ending_event(booking, EventKind.SETTLED, charge, now_us, command=command)
 
 
-def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verdict:
+def _repeats_settle(booking: Booking, command: SettleCommand) -> bool:
+    return booking.outcome is not None and booking.settle_fingerprint() == command.fingerprint()
+
+
+def decide_refund(
+    booking: Booking, command: RefundCommand, now_us: int, lane_left: LaneLeft | None = None
+) -> Verdict:
     """A refused call costs zero, however late the news; a repeat returns the first answer."""
+    if booking.state in REPLACED_STATES:
+        left = lane_left() if lane_left is not None else None
+        if left is not None and left.state is BookingState.REFUNDED:
+            return Verdict(repeat_seq=left.ended_seq)
+        raise BookingAlreadyEnded(_replaced(booking, "refunded"))
     state = booking.state
     if state is BookingState.REJECTED:
         raise BookingWasDenied(booking.reservation_id)
     if state is BookingState.REFUNDED:
         return Verdict(repeat_seq=booking.ended_seq)
-    if state in REPLACED_STATES:
-        raise BookingAlreadyEnded(_replaced(booking, "refunded"))
     if state in REAL_STATES or state is BookingState.SETTLED_UNKNOWN:
         # The contract: a refund after a settle contradicts it. Only an expired
         # booking (nobody said anything) may still learn it was refused.
@@ -415,9 +432,28 @@ def decide_refund(booking: Booking, command: RefundCommand, now_us: int) -> Verd
     return Verdict(event=evolve(event, http_status=command.http_status, reason=command.reason))
 
 
-# A bill or an operator set these charges: no Settle or Refund changes them,
-# a repeat of the one that ended the booking first included.
+# A bill or an operator set these charges: no Settle or Refund changes them.
+# A repeat of the lane's own last Settle or Refund still returns its answer.
 REPLACED_STATES = frozenset({BookingState.RECONCILED, BookingState.CORRECTED})
+REPLACING_KINDS = frozenset({EventKind.RECONCILED, EventKind.CORRECTED})
+# The kinds a lane's own moves and its deadline write about a booking.
+LANE_KINDS = tuple(
+    kind for kind in (*OPENING_STATES, *ENDING_STATES) if kind not in REPLACING_KINDS
+)
+# Gives the booking as the lane's own moves left it, read only when needed.
+LaneLeft = Callable[[], Booking]
+
+
+def as_the_lane_left_it(history: Iterable[Event]) -> Booking:
+    """A booking folded from its events of LANE_KINDS alone, without the charges
+    a bill or an operator set since: what a repeated Settle or Refund is
+    compared with, and whose answer it gets back."""
+    booking: Booking | None = None
+    for event in history:
+        if event.kind not in REPLACING_KINDS:
+            booking = apply(event, booking)
+    assert booking is not None, "a booking's history starts with its Reserve"
+    return booking
 
 
 def _replaced(booking: Booking, move: str) -> str:
