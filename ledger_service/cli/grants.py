@@ -99,7 +99,7 @@ def lifetime_seconds(text: str) -> int:
         raise ValueError(f"--expires {text!r}: use a number and s, m, h or d, as in 30d")
     seconds = int(match.group(1)) * SECONDS_PER_UNIT[match.group(2)]
     if seconds > MAX_GRANT_LIFETIME_SECONDS:
-        raise ValueError("--expires: a grant may live at most ten years")
+        raise ValueError("--expires: a grant may live at most 3,660 days (ten years of 366 days)")
     return seconds
 
 

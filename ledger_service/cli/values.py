@@ -120,7 +120,7 @@ def parse_duration(option: str, text: str) -> duration_pb2.Duration:
     micros = decimal.Decimal(match["number"]) * MICROS_PER_UNIT[match["unit"] or "s"]
     if micros != micros.to_integral_value() or micros > MAX_DURATION_MICROS:
         raise CliError(
-            f"{option}: {text!r} is finer than a microsecond or longer than ten years",
+            f"{option}: {text!r} is finer than a microsecond or longer than 3,660 days",
             EXIT_BAD_VALUE,
         )
     seconds, remainder_micros = divmod(int(micros), 10**6)

@@ -224,7 +224,7 @@ def _claims(
     if not 0 <= issued_at_us < expires_at_us:
         raise ValueError("a grant must expire after it is issued")
     if expires_at_us - issued_at_us > MAX_GRANT_LIFETIME_SECONDS * MICROS_PER_SECOND:
-        raise ValueError("a grant may live at most ten years")
+        raise ValueError("a grant may live at most 3,660 days (ten years of 366 days)")
     return {
         "lanes": sorted(lanes),
         "scopes": sorted(scope.value for scope in scopes),
