@@ -120,6 +120,7 @@ class Ledger:
         policy.validate()
 
         def work(tx: StoreTransaction) -> LanePolicy:
+            tx.lock_configuration()
             existing = tx.lock_lane(policy.lane)
             if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
                 return existing

@@ -42,6 +42,11 @@ class StateTally:
 
 
 class StoreTransaction(Protocol):
+    def lock_configuration(self) -> None:
+        """Serializes lane configuration across every process until commit:
+        a PutLane checks the budget tree through lanes it does not lock."""
+        ...
+
     def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
         """The lane's policy, locked until commit so that admissions to one lane
         are serialized across every process sharing the database. With a

@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 # appends never wait for each other; a change of the projections' marker (a
 # rebuild's claim and finish) holds it exclusive, so it waits for them.
 EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
+# PostgreSQL: every PutLane holds it alone, since its checks of the budget
+# tree (a parent's depth, a subtree's, a lane's first version) read lanes it
+# does not lock. Moves never take it.
+CONFIGURATION_LOCK_KEY = 0x4C414E45  # "LANE"
 
 
 class SqlStore:
@@ -439,6 +443,7 @@ _HOT = prepared.Statements(
         f"SELECT pg_advisory_xact_lock_shared({EVENT_APPEND_LOCK_KEY}), pg_current_xact_id()"
     ),
     chain_lock=select(func.pg_advisory_xact_lock(func.hashtextextended(bindparam("lane"), 0))),
+    configuration_lock=text(f"SELECT pg_advisory_xact_lock({CONFIGURATION_LOCK_KEY})"),
     visible_last_seq=select(func.coalesce(func.max(events.c.seq), 0)).where(
         events.c.seq <= bindparam("horizon")
     ),
@@ -539,6 +544,13 @@ class SqlTransaction:
             return None
         policy = self._memo.lanes[lane] = records.lane_from_row(row)
         return policy
+
+    def lock_configuration(self) -> None:
+        if self._sqlite:
+            return  # one writer at a time already
+        calls = [*self._maintenance_calls(), (_HOT("configuration_lock", self._raw), {})]
+        for cursor in self._took_maintenance(prepared.pipelined(self._connection, calls)):
+            cursor.close()
 
     def _maintenance_calls(self) -> list[prepared.Call]:
         if self._maintained:

@@ -490,6 +490,9 @@ class WriterTransaction:
 
     # Lanes -----------------------------------------------------------------
 
+    def lock_configuration(self) -> None:
+        """The writer is SQLite's one writer: configurations are serialized already."""
+
     def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
         if not self._state.current:
             raise RecoveryRequired()
