@@ -11,6 +11,7 @@ sum of the window: the pair assertion.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from ledger_service.application.ports import StoreTransaction
 from ledger_service.domain.bookings import Booking
@@ -44,6 +45,15 @@ class BudgetWindow:
                 self.overdue.bookings - 1,
             )
         self.state = self.state.changed(before, after)
+
+
+def lane_time(tx: StoreTransaction, budgets: Sequence[LanePolicy], clock_us: int) -> int:
+    """The clock's instant, or, if later, the latest any budget's kept window was
+    moved to. Replicas' clocks disagree: one that lags must not date a move
+    before what a faster one recorded, or the bookings dated ahead would leave
+    the window it reads and the budget would be spent twice."""
+    kept = (tx.window_state(budget.lane) for budget in budgets)
+    return max([clock_us, *(state.as_of_us for state in kept if state is not None)])
 
 
 def open_window(

@@ -14,7 +14,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ledger_service.application.budgets import BudgetWindow, open_window, record_windows
+from ledger_service.application.budgets import (
+    BudgetWindow,
+    lane_time,
+    open_window,
+    record_windows,
+)
 from ledger_service.application.ports import EventQuery, Store, StoreTransaction
 from ledger_service.domain import bookings, moves
 from ledger_service.domain.bookings import Booking, BookingState
@@ -125,13 +130,13 @@ class Ledger:
             if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
                 return existing
             _check_nesting(tx, policy)
+            now_us = lane_time(tx, [policy], self._clock.now_us())
             # Every budget whose window or members may change keeps its sums no more.
             stale = {policy.lane}
             for chain_of in (existing, policy):
                 if chain_of is not None:
                     stale.update(ancestor.lane for ancestor in locked_ancestors(tx, chain_of))
             tx.drop_window_states(sorted(stale))
-            now_us = self._clock.now_us()
             # A longer window brings older bookings back into the lane's sums.
             totals = _checked_totals(tx, policy.lane, now_us, policy.window_us, "lane.window")
             joins_parent = policy.parent is not None and (
@@ -292,11 +297,10 @@ class Ledger:
     ) -> tuple[int, list[BudgetWindow]]:
         """Locks the lane's ancestors (the lane is locked already), then reads the
         clock and each budget's window at that instant."""
-        ancestors = locked_ancestors(tx, policy)
-        now_us = self._clock.now_us()
+        budgets = [policy, *locked_ancestors(tx, policy)]
+        now_us = lane_time(tx, budgets, self._clock.now_us())
         windows = [
-            open_window(tx, budget, now_us, verify=self._verify_windows)
-            for budget in (policy, *ancestors)
+            open_window(tx, budget, now_us, verify=self._verify_windows) for budget in budgets
         ]
         return now_us, windows
 
@@ -335,7 +339,7 @@ class Ledger:
             policy = tx.get_lane(lane)
             if policy is None:
                 raise LaneNotFound(lane)
-            now_us = self._clock.now_us()
+            now_us = lane_time(tx, [policy], self._clock.now_us())
             window = open_window(tx, policy, now_us, verify=self._verify_windows)
             return Balance(lane, policy.limit_nanos, policy.window_us, now_us, window.totals)
 

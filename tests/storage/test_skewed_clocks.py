@@ -1,0 +1,51 @@
+"""Replicas whose clocks disagree share one database. A lane's time is the
+latest any of them has moved its window to: a replica whose clock lags never
+dates a move before what another recorded, so the bookings that one dated
+ahead stay in the window and the budget holds (both databases)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ledger_service.application.ledger import Ledger
+from ledger_service.application.ports import EventQuery
+from ledger_service.domain.clock import ManualClock
+from ledger_service.domain.events import EventKind, Outcome
+from ledger_service.domain.moves import ReserveCommand, SettleCommand
+from ledger_service.storage.sql import SqlStore
+from tests.storage.conftest import RECALL, START_US
+
+HOLD = 1400  # 35,000 request bytes and 1,000 output tokens at the RECALL prices
+LEAD_US = 10 * 60 * 1_000_000  # the faster replica's clock runs ten minutes ahead
+
+
+def _reserve(rid: str, lane: str = "recall") -> ReserveCommand:
+    return ReserveCommand(lane, rid, "jev", 35_000, 1000)
+
+
+def _replicas(store: SqlStore) -> tuple[Ledger, Ledger]:
+    ahead = Ledger(store, ManualClock(START_US + LEAD_US), verify_windows=True)
+    behind = Ledger(store, ManualClock(START_US), verify_windows=True)
+    return ahead, behind
+
+
+def test_a_lagging_replica_counts_what_a_faster_one_booked(store: SqlStore) -> None:
+    ahead, behind = _replicas(store)
+    behind.put_lane(dataclasses.replace(RECALL, limit_nanos=HOLD + HOLD // 2))
+    first = ahead.reserve(_reserve("r1"))
+    assert first.admitted
+    second = behind.reserve(_reserve("r2"))
+    assert not second.admitted, "the lagging replica overbooked the lane"
+    assert second.event.occurred_at_us >= first.event.occurred_at_us
+    assert behind.balance("recall").totals.held_nanos == HOLD
+
+
+def test_a_lagging_replica_ends_a_booking_no_earlier_than_it_was_booked(
+    store: SqlStore,
+) -> None:
+    ahead, behind = _replicas(store)
+    behind.put_lane(RECALL)
+    booked = ahead.reserve(_reserve("r1")).event
+    assert behind.settle(SettleCommand("recall", "r1", Outcome.UNKNOWN)).charged_nanos == HOLD
+    [ending] = behind.list_events(EventQuery(lane="recall", kinds=(EventKind.SETTLED.value,)))
+    assert ending.occurred_at_us >= booked.occurred_at_us
