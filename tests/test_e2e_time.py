@@ -18,7 +18,7 @@ from google.protobuf import empty_pb2
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
-from ledger_service.settings import Settings
+from tests.conftest import ledger_settings
 
 SECOND_US = 1_000_000
 DAY_US = 86_400 * SECOND_US
@@ -313,13 +313,7 @@ def test_a_restarted_test_clock_resumes_no_earlier_than_the_last_event(
     """The test clock starts at wall time; after a restart that would put the
     ledger's time before what it recorded, and a future-dated hold would stop
     counting. It resumes at the last recorded event instead."""
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path}/ledger.db",
-        data_dir=tmp_path,
-        listen="127.0.0.1:0",
-        test_clock=True,
-        sweep_interval_seconds=3600,
-    )
+    settings = ledger_settings(tmp_path, sweep_interval_seconds=3600)
     first = LedgerServer(settings)
     first.start()
     try:
