@@ -34,6 +34,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
+from ledger_service.application.budgets import open_window
 from ledger_service.application.ports import EventQuery
 from ledger_service.domain import bookings as booking_fold
 from ledger_service.domain.bookings import Booking
@@ -598,6 +599,20 @@ class SqlRecoveryStore:
     def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
         with self._reading() as connection:
             return SqlTransaction(connection, self._sqlite).window_totals(lane, now_us, window_us)
+
+    def kept_window(self, policy: LanePolicy, now_us: int) -> tuple[int, WindowTotals] | None:
+        """The instant the budget's kept sums were last moved to, and what a move
+        would read of its window now from them (window_states: PostgreSQL's;
+        SQLite keeps them in the writer's memory, built from the bookings), or
+        None where none is kept."""
+        if self._sqlite:
+            return None
+        with self._reading() as connection:
+            tx = SqlTransaction(connection, self._sqlite)
+            state = tx.window_state(policy.lane)
+            if state is None:
+                return None
+            return state.as_of_us, open_window(tx, policy, now_us).totals
 
     # Snapshots -------------------------------------------------------------------
 

@@ -62,6 +62,7 @@ class Verifier:
     def __init__(self, store: SqlRecoveryStore, batch_events: int = 1000) -> None:
         self._store = store
         self._batch = batch_events
+        self._latest_us = 0
 
     def _events(self, lane: str = "", kinds: tuple[str, ...] = ()) -> Iterator[Event]:
         after = 0
@@ -80,6 +81,7 @@ class Verifier:
 
     def _verify(self, now_us: int, progress: ProgressFn) -> VerificationReport:
         report = VerificationReport()
+        self._latest_us = 0  # the latest instant of any event, as the lanes are read
         for finding in projection_findings(self._store.facts()):
             report.add(finding)
         policies: dict[str, LanePolicy] = {}
@@ -107,6 +109,7 @@ class Verifier:
         projection = Projection()
         for event in self._events(lane=lane):
             report.events += 1
+            self._latest_us = max(self._latest_us, event.occurred_at_us)
             found = walker.check(event)
             if found is not None:
                 report.add(f"broken link: {found.describe()}", broken_link=True)
@@ -160,12 +163,20 @@ class Verifier:
                 open_count += part.open_bookings
             expected = WindowTotals(held, charged, open_count)
             found = self._store.window_totals(lane, now_us, window_us)
-            if found != expected:
+            kept = self._store.kept_window(policies[lane], now_us)
+            if kept is not None and kept[0] > self._latest_us:
+                # A move dates itself no earlier than its budgets' kept windows.
                 report.add(
-                    f"lane {lane!r} window at {now_us}: projected held/charged/open "
-                    f"{found.held_nanos}/{found.charged_nanos}/{found.open_bookings}, "
-                    f"replayed {held}/{charged}/{open_count}"
+                    f"lane {lane!r} kept window is moved to {kept[0]}, after the "
+                    f"log's last event at {self._latest_us}"
                 )
+            for what, totals in (("window", found), ("kept window", kept[1] if kept else None)):
+                if totals is not None and totals != expected:
+                    report.add(
+                        f"lane {lane!r} {what} at {now_us}: projected held/charged/open "
+                        f"{totals.held_nanos}/{totals.charged_nanos}/{totals.open_bookings}, "
+                        f"replayed {held}/{charged}/{open_count}"
+                    )
 
 
 def _subtree(lane: str, children: Mapping[str, list[str]]) -> list[str]:

@@ -11,10 +11,15 @@ import pytest
 from ledger_service.domain.errors import RecoveryRequired
 from ledger_service.domain.moves import ReserveCommand
 from ledger_service.recovery.plan import RecoveryPolicy, Verdict
-from ledger_service.recovery.rebuild import SNAPSHOT_ROWS_PER_EVENT, Recovery
+from ledger_service.recovery.rebuild import (
+    FULL_LOG_SOURCE,
+    SNAPSHOT_ROWS_PER_EVENT,
+    Recovery,
+    Route,
+)
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.recovery.verify import Verifier
-from tests.recovery.conftest import History
+from tests.recovery.conftest import History, open_history
 
 DEFAULT = RecoveryPolicy(max_budget_seconds=60.0, max_risk_score=0.3)
 
@@ -71,6 +76,32 @@ def test_an_altered_booking_amount_is_found_and_rebuilt(sqlite_history: History)
     assert recovery.assess().findings == ("1 bookings differ from their latest event in the log",)
     assert recovery.recover(DEFAULT, "test").ready
     assert history.projected_amounts() == before and _verify(history) == []
+
+
+@pytest.mark.postgres
+def test_a_damaged_kept_window_is_found_by_verify_and_mended_by_a_rebuild(
+    postgres_schema_url: str,
+) -> None:
+    """PostgreSQL keeps each budget's window sums in window_states, and a move
+    reads them: a row altered there would deny Reserves the log can afford."""
+    for history in open_history(postgres_schema_url, bookings=8):
+        history.ledger.reserve(ReserveCommand("recall", "kept", "jev", 35_000, 1000))
+        balance = history.ledger.balance("recall")
+        history.sql(
+            "UPDATE window_states SET amount_nanos = amount_nanos + 100000000000 "
+            "WHERE lane = 'recall'"
+        )
+        assert history.ledger.balance("recall") != balance, "the damage must show"
+        findings = _verify(history)
+        assert any("lane 'recall' kept window" in f for f in findings), findings
+        history.recovery().rebuild(Route(FULL_LOG_SOURCE, None))
+        assert history.ledger.balance("recall") == balance
+        assert _verify(history) == []
+        # A kept window moved past the log would move the lane's time with it.
+        history.ledger.reserve(ReserveCommand("recall", "later", "jev", 35_000, 1000))
+        history.sql("UPDATE window_states SET as_of_us = as_of_us + 3600000000")
+        findings = _verify(history)
+        assert any("kept window is moved to" in f for f in findings), findings
 
 
 def test_without_its_position_marker_the_ledger_takes_no_move_until_rebuilt(
