@@ -237,7 +237,9 @@ def _recover(arguments: argparse.Namespace) -> int:
             max_risk_score=settings.recovery_max_risk
             if arguments.max_risk is None
             else arguments.max_risk,
-            min_viable_sources=arguments.min_viable_sources or settings.recovery_min_viable_sources,
+            min_viable_sources=settings.recovery_min_viable_sources
+            if arguments.min_viable_sources is None
+            else arguments.min_viable_sources,
         )
         try:
             policy.validate()

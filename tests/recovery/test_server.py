@@ -209,6 +209,18 @@ def test_snapshot_rebuild_and_verify_from_the_command_line(
     assert code == 0 and out.startswith(f"verified {events} events, 2 lanes, 40 bookings")
 
 
+@pytest.mark.parametrize("sources", ["0", "-3"])
+def test_recover_refuses_fewer_than_one_viable_source(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str], sources: str
+) -> None:
+    """0 is a value given, not the default left out."""
+    url = ("--database-url", sqlite_history.url)
+    code, _, err = _ledger(
+        capsys, "recover", "--budget-seconds", "5", "--min-viable-sources", sources, *url
+    )
+    assert code == 2 and "at least one viable source" in err, err
+
+
 def test_a_rebuild_from_the_command_line_ends_with_a_snapshot(
     sqlite_history: History, capsys: pytest.CaptureFixture[str]
 ) -> None:
