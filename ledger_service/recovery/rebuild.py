@@ -17,6 +17,7 @@ the server closed to moves.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -425,11 +426,25 @@ class Recovery:
 
     def rebuild(self, route: Route, progress: ProgressFn = no_progress) -> str:
         """Rebuilds the projections along `route` and marks them current.
-        Returns the digest of what was built."""
-        digest = self.rebuild_uncommitted(route, progress)
-        if not self.finish():
-            raise RebuildFailed("the log grew during the rebuild; run it again")
+        Returns the digest of what was built. A rebuild that stops releases its
+        claim, so that a recovery can follow at once."""
+        try:
+            digest = self.rebuild_uncommitted(route, progress)
+            if not self.finish():
+                raise RebuildFailed("the log grew during the rebuild; run it again")
+        except RebuildClaimLost:
+            raise
+        except BaseException:
+            self.release()
+            raise
         return digest
+
+    def release(self) -> None:
+        """Gives up our claim on the projections, if we hold one (see
+        SqlRecoveryStore.release_rebuild); a store that does not answer keeps
+        it until its lease runs out."""
+        with contextlib.suppress(StoreUnavailable):
+            self._store.release_rebuild(self.owner)
 
     def finish(self) -> bool:
         position = self._store.position()
@@ -635,6 +650,8 @@ class Recovery:
                 "recovery manifest %d: %s", manifest_id, manifest.to_json()
             )
             if not manifest.admissible:
+                if known:  # a rebuild of ours stopped at a break: our claim goes
+                    self.release()
                 return Outcome(False, manifest, manifest.directive)
             started = time.perf_counter()
             try:
@@ -647,10 +664,12 @@ class Recovery:
             except (RebuildFailed, RebuildClaimLost) as error:
                 self._record(manifest_id, "failed", started)
                 log.error("rebuild failed: %s", error)
+                self.release()
                 return Outcome(False, manifest, str(error))
             self._record(manifest_id, "rebuilt", started)
             self.snapshot_after_rebuild()
             return Outcome(True, manifest, manifest.directive)
+        self.release()
         return Outcome(False, None, "the rebuild kept meeting broken links")
 
     def _carry_out(self, plan: Plan, progress: ProgressFn) -> None:

@@ -902,6 +902,21 @@ class SqlRecoveryStore:
             else:
                 transaction.commit()
 
+    def release_rebuild(self, owner: str) -> None:
+        """Ends our claim's lease at once. The marker stays "rebuilding" (the
+        projections are not whole), and the next assessment, by any process,
+        plans a rebuild again instead of waiting for the lease to run out."""
+        with self._writing(marker=True) as connection:
+            connection.execute(
+                update(projection_position)
+                .where(
+                    projection_position.c.id == POSITION_ROW_ID,
+                    projection_position.c.state == STATE_REBUILDING,
+                    projection_position.c.owner == owner,
+                )
+                .values(updated_at_us=0)
+            )
+
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
         with self._writing(marker=True) as connection:
             head = connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()

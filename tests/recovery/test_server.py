@@ -209,6 +209,21 @@ def test_snapshot_rebuild_and_verify_from_the_command_line(
     assert code == 0 and out.startswith(f"verified {events} events, 2 lanes, 40 bookings")
 
 
+def test_a_rebuild_stopped_by_a_broken_link_lets_recover_go_on_at_once(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rebuild's message says `ledger recover --max-risk 1` accepts the
+    break: that must work now, not once the stopped rebuild's lease runs out."""
+    url = ("--database-url", sqlite_history.url)
+    settled = sqlite_history.scalar("SELECT MIN(seq) FROM events WHERE kind = 'settled'")
+    assert isinstance(settled, int)
+    sqlite_history.tamper_event(settled, 1)
+    code, _, err = _ledger(capsys, "rebuild", "--from-scratch", *url)
+    assert code == 1 and "`ledger recover --max-risk 1` accepts them" in err, err
+    code, out, err = _ledger(capsys, "recover", "--budget-seconds", "60", "--max-risk", "1", *url)
+    assert code == 0, out + err
+
+
 @pytest.mark.parametrize("sources", ["0", "-3"])
 def test_recover_refuses_fewer_than_one_viable_source(
     sqlite_history: History, capsys: pytest.CaptureFixture[str], sources: str
