@@ -24,7 +24,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from ledger_service.domain.chain import ChainBreak, ChainWalker
+from ledger_service.domain.chain import (
+    ChainBreak,
+    ChainWalker,
+    altered,
+    canonical_event,
+    content_matches,
+)
 from ledger_service.domain.clock import MICROS_PER_SECOND, Clock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import Event, EventKind
@@ -53,6 +59,8 @@ from ledger_service.recovery.walk import BookingLines, ChainWalk, Walk, ranges
 log = logging.getLogger("ledger.recovery")
 
 FULL_LOG_SOURCE = "log"
+# The differing bookings whose latest event an assessment checks for alteration.
+MAX_ALTERED_CHECKED = 100
 # The server's snapshots come at most this many copied rows per event apart
 # (see Recovery.snapshot_due).
 SNAPSHOT_ROWS_PER_EVENT = 10
@@ -91,6 +99,9 @@ class Assessment:
     facts: LogFacts
     findings: tuple[str, ...]
     rebuilding_elsewhere: bool = False
+    # Latest events of differing bookings that no longer hash to their hash:
+    # altered after append, wherever the walk from the verified point began.
+    altered: tuple[ChainBreak, ...] = ()
 
     @property
     def consistent(self) -> bool:
@@ -189,6 +200,8 @@ class Recovery:
             found = f"a rebuild by {position.owner} is in progress (event {position.last_seq})"
             return Assessment(facts, (found,), rebuilding_elsewhere=True)
         findings = list(projection_findings(facts))
+        altered = self._altered_latest_events(facts)
+        findings.extend(f"broken link: {found.describe()}" for found in altered)
         snapshots = self._store.snapshots()
         for snapshot in snapshots:
             if snapshot.position_seq > facts.head_seq:
@@ -213,7 +226,20 @@ class Recovery:
                 # Only a shortcut for the next walk: a file this process may
                 # not write (reads are still served) must not fail the look.
                 log.warning("the verified point of the chain was not saved: database unavailable")
-        return Assessment(facts, tuple(findings))
+        return Assessment(facts, tuple(findings), altered=altered)
+
+    def _altered_latest_events(self, facts: LogFacts) -> tuple[ChainBreak, ...]:
+        """A booking that differs from its latest event is a damaged projection,
+        unless the event itself was altered (even before the verified point or
+        a snapshot): then no rebuild from a snapshot would make them agree."""
+        if not facts.stale_bookings:
+            return ()
+        return tuple(
+            altered(event.seq, event.lane)
+            for event in self._store.stale_latest_events(MAX_ALTERED_CHECKED)
+            if event.hash
+            and not content_matches(event.previous_hash, event.hash, canonical_event(event))
+        )
 
     def _start_of_walk(
         self, snapshots: Sequence[SnapshotInfo], head_seq: int
@@ -292,8 +318,9 @@ class Recovery:
         valid = [s for s in usable if not digests[s.snapshot_id]]
         anchor = valid[-1] if valid else None
         walk = self._walk(anchor, [s.position_seq for s in usable])
-        for found in known_breaks:
-            walk.note(found)
+        for found in (*assessment.altered, *known_breaks):
+            if found not in walk.breaks:
+                walk.note(found)
         rate = self.measure_rate()
         findings = list(assessment.findings)
         if lost:
@@ -309,7 +336,7 @@ class Recovery:
             routes[log_source.source_id] = log_route
             for snapshot in usable:
                 source, route = self._snapshot_source(
-                    snapshot, digests[snapshot.snapshot_id], walk, rate, lost
+                    snapshot, digests[snapshot.snapshot_id], walk, rate, lost, assessment.altered
                 )
                 sources.append(source)
                 routes[source.source_id] = route
@@ -351,7 +378,13 @@ class Recovery:
         return source, Route(FULL_LOG_SOURCE, None, tolerated)
 
     def _snapshot_source(
-        self, snapshot: SnapshotInfo, problem: str, walk: Walk, rate: float, lost: bool
+        self,
+        snapshot: SnapshotInfo,
+        problem: str,
+        walk: Walk,
+        rate: float,
+        lost: bool,
+        altered_latest: Sequence[ChainBreak] = (),
     ) -> tuple[Source, Route]:
         tail = self._store.count_events_after(snapshot.position_seq)
         source_id = f"snapshot-{snapshot.snapshot_id}"
@@ -373,12 +406,17 @@ class Recovery:
         elif heads is not None and heads != dict(snapshot.chain_heads):
             risk = planner.RISK_UNVERIFIABLE
             detail += "; its chain heads are not the log's at its position"
+        covered = [found for found in altered_latest if found.seq <= snapshot.position_seq]
+        if covered:
+            # Its bookings hold what the event said before it was altered: the
+            # projections it gives can never agree with the log.
+            detail += f"; the log was altered before it, first {covered[0].describe()}"
         source = Source(
             source_id,
             planner.replay_cost_seconds(snapshot.rows + tail, rate),
             risk,
             detail,
-            possible=not lost,
+            possible=not lost and not covered,
         )
         return source, Route(source_id, snapshot, frozenset(found.seq for found in breaks))
 

@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     Engine,
+    Select,
     Table,
     case,
     delete,
@@ -162,6 +163,23 @@ def _position(connection: Connection, head_seq: int | None = None) -> Position |
     return Position(last_seq, str(row.state), str(row.owner), int(row.updated_at_us))
 
 
+def _stale_bookings(statement: Select[Any]) -> Select[Any]:
+    """`statement` over the bookings whose latest event is missing or says
+    another amount, lane or id, joined to that event."""
+    latest_seq = case(
+        (bookings.c.ended_seq > bookings.c.answer_seq, bookings.c.ended_seq),
+        else_=bookings.c.answer_seq,
+    )
+    return statement.select_from(bookings.outerjoin(events, events.c.seq == latest_seq)).where(
+        or_(
+            events.c.seq.is_(None),
+            events.c.amount_nanos != bookings.c.amount_nanos,
+            events.c.lane != bookings.c.lane,
+            events.c.reservation_id != bookings.c.reservation_id,
+        )
+    )
+
+
 def _facts(connection: Connection) -> LogFacts:
     head, count = connection.execute(
         select(func.coalesce(func.max(events.c.seq), 0), func.count())
@@ -175,22 +193,7 @@ def _facts(connection: Connection) -> LogFacts:
     ).scalar_one()
     booking_count = connection.execute(select(func.count()).select_from(bookings)).scalar_one()
     lane_count = connection.execute(select(func.count()).select_from(lanes)).scalar_one()
-    latest_seq = case(
-        (bookings.c.ended_seq > bookings.c.answer_seq, bookings.c.ended_seq),
-        else_=bookings.c.answer_seq,
-    )
-    stale = connection.execute(
-        select(func.count())
-        .select_from(bookings.outerjoin(events, events.c.seq == latest_seq))
-        .where(
-            or_(
-                events.c.seq.is_(None),
-                events.c.amount_nanos != bookings.c.amount_nanos,
-                events.c.lane != bookings.c.lane,
-                events.c.reservation_id != bookings.c.reservation_id,
-            )
-        )
-    ).scalar_one()
+    stale = connection.execute(_stale_bookings(select(func.count()))).scalar_one()
     return LogFacts(
         position=position,
         head_seq=int(head),
@@ -527,6 +530,14 @@ class SqlRecoveryStore:
     def last_seq(self) -> int:
         with self._reading() as connection:
             return SqlTransaction(connection, self._sqlite).last_seq()
+
+    def stale_latest_events(self, limit: int) -> Sequence[Event]:
+        """The latest events (first by seq) of bookings that differ from them."""
+        columns = [events.c[name] for name in records.EVENT_COLUMNS]
+        statement = _stale_bookings(select(*columns)).where(events.c.seq.is_not(None))
+        with self._reading() as connection:
+            rows = connection.execute(statement.order_by(events.c.seq).limit(limit)).all()
+        return records.events_from_rows(rows)
 
     def final_seq(self) -> int:
         """The last event below which none is still in flight (on SQLite, the

@@ -200,6 +200,31 @@ def test_a_tampered_event_before_a_snapshot_is_bypassed_by_the_snapshot(
     assert history.scalar("SELECT state FROM projection_position") == "current"
 
 
+def test_an_altered_latest_event_before_a_snapshot_is_refused_not_rebuilt_again_and_again(
+    sqlite_history: History,
+) -> None:
+    """The snapshot holds what the event said before it was altered: restored,
+    its booking still differs from the log, and a server would rebuild from it
+    at every check. The altered event is a broken link the operator accepts."""
+    history = sqlite_history
+    recovery = history.recovery()
+    assert recovery.take_snapshot() is not None
+    ended = history.scalar("SELECT MIN(ended_seq) FROM bookings WHERE state = 'settled'")
+    assert isinstance(ended, int)
+    history.tamper_event(ended, 1)
+    assessment = recovery.assess()
+    assert f"broken link: event {ended} " in "; ".join(assessment.findings)
+    refused = recovery.recover(DEFAULT, "test")
+    assert not refused.ready and refused.manifest is not None
+    assert refused.manifest.verdict is Verdict.RISK_TOO_HIGH, refused.manifest.to_json()
+    sources = {source.source_id: source for source in refused.manifest.sources}
+    assert not sources["snapshot-1"].possible
+    accepted = recovery.recover(RecoveryPolicy(60.0, 1.0), "test")
+    assert accepted.ready and accepted.manifest is not None
+    assert accepted.manifest.chosen == ("log",)
+    assert recovery.assess().consistent
+
+
 def test_a_budget_too_small_is_a_clean_refusal(sqlite_history: History) -> None:
     history = sqlite_history
     history.sql("DELETE FROM bookings WHERE lane = 'dreaming'")
