@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import queue
-import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -139,30 +137,58 @@ def history(arguments: argparse.Namespace, session: Session) -> int:
 def recent_events(
     arguments: argparse.Namespace, session: Session, after_seq: int, limit: int
 ) -> tuple[list[pb.Event], int]:
-    """The newest `limit` events after `after_seq`, and the last seq read."""
-    kept: collections.deque[pb.Event] = collections.deque(maxlen=limit)
-    last_seq = after_seq
+    """The newest `limit` events after `after_seq`, and the last seq read.
+
+    ListEvents reads forward only. The newest `limit` are the events after the
+    largest seq that still has `limit` after it: found by doubling, then
+    halving, the distance from `after_seq`, each probe a read of at most
+    `limit` events, so a log of any length costs some 2 x log2(its length)
+    probes."""
+    found = _events_after(arguments, session, after_seq, limit + 1)
+    if len(found) <= limit:
+        return found, found[-1].seq if found else after_seq
+    low, newest = after_seq, found[:limit]  # the first `limit` events after `low`
+    step = 1
+    while True:  # doubling: until a seq with fewer than `limit` after it
+        probe = _events_after(arguments, session, after_seq + step, limit)
+        if len(probe) < limit:
+            high = after_seq + step
+            break
+        low, newest, step = after_seq + step, probe, step * 2
+    while high - low > 1:  # halving: `limit` after low, fewer after high
+        middle = (low + high) // 2
+        probe = _events_after(arguments, session, middle, limit)
+        if len(probe) == limit:
+            low, newest = middle, probe
+        else:
+            high = middle
+    return newest, newest[-1].seq
+
+
+def _events_after(
+    arguments: argparse.Namespace, session: Session, after_seq: int, wanted: int
+) -> list[pb.Event]:
+    """The first `wanted` events after `after_seq` (fewer: the log ends first)."""
+    events: list[pb.Event] = []
     token = ""
     for _ in range(MAX_PAGES):
         request = pb.ListEventsRequest(
             lane=arguments.lane or "",
             reservation_id=arguments.reservation_id or "",
-            page_size=PAGE_SIZE,
+            page_size=min(wanted - len(events), PAGE_SIZE),
             page_token=token,
             after_seq=after_seq,
         )
         page = session.ledger.ListEvents(request, **session.options())
-        kept.extend(page.events)
-        last_seq = page.events[-1].seq if page.events else last_seq
+        events.extend(page.events)
         token = page.next_page_token
-        if not token:
-            return list(kept), last_seq
-    print(
-        f"ledger: read {MAX_PAGES * PAGE_SIZE} events and stopped; "
-        f"use --after-seq {last_seq} to read on",
-        file=sys.stderr,
+        if not token or len(events) >= wanted:
+            return events[:wanted]
+    raise CliError(
+        f"--limit: the server's pages are too small to read {wanted} events in "
+        f"{MAX_PAGES} pages: ask for a smaller --limit",
+        EXIT_BAD_VALUE,
     )
-    return list(kept), last_seq
 
 
 def follow(

@@ -1,0 +1,78 @@
+"""`ledger history --limit N` shows the newest N events, however long the log:
+it once read forward from the start for a bounded number of pages and showed
+the last N of those (the oldest part of a long log), exiting 0.
+
+Against a fake ListEvents that pages as the server does (small pages, holes in
+the seqs, a lane filter), so that a log far past the paging bound costs
+nothing to build."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import pytest
+
+from ledger_service.cli import reading
+from ledger_service.cli.connection import MAX_PAGES
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+
+@dataclasses.dataclass
+class _FakeLedger:
+    events: list[pb.Event]
+    max_page: int
+    calls: int = 0
+
+    def ListEvents(self, request: pb.ListEventsRequest, **_: Any) -> pb.ListEventsResponse:
+        self.calls += 1
+        after = int(request.page_token) if request.page_token else request.after_seq
+        size = min(request.page_size or 100, self.max_page)
+        found = [
+            event
+            for event in self.events
+            if event.seq > after and (not request.lane or event.lane == request.lane)
+        ]
+        page = found[:size]
+        token = str(page[-1].seq) if len(found) > size else ""
+        return pb.ListEventsResponse(events=page, next_page_token=token)
+
+
+@dataclasses.dataclass
+class _FakeSession:
+    ledger: _FakeLedger
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+
+def _log(count: int) -> list[pb.Event]:
+    # Every seventh seq is a hole; lanes alternate.
+    seqs = [seq for seq in range(1, count * 7 // 6 + 2) if seq % 7][:count]
+    return [pb.Event(seq=seq, lane="a" if seq % 2 else "b") for seq in seqs]
+
+
+@pytest.mark.parametrize(
+    ("count", "limit", "lane", "after_seq"),
+    [
+        (0, 5, "", 0),
+        (3, 5, "", 0),
+        (5, 5, "", 0),
+        (6, 5, "", 0),
+        (2_500, 3, "", 0),
+        (2_500, 3, "b", 0),
+        (2_500, 40, "a", 1_000),
+        (2_500, 3, "", 2_900),
+    ],
+)
+def test_history_shows_the_newest_events(count: int, limit: int, lane: str, after_seq: int) -> None:
+    log = _log(count)
+    fake = _FakeLedger(log, max_page=5)
+    assert count < 1_000 or count > MAX_PAGES * fake.max_page, "the log must pass the bound"
+    arguments = argparse.Namespace(lane=lane, reservation_id="")
+    events, last_seq = reading.recent_events(arguments, _FakeSession(fake), after_seq, limit)  # type: ignore[arg-type]
+    matching = [e for e in log if e.seq > after_seq and (not lane or e.lane == lane)]
+    assert [e.seq for e in events] == [e.seq for e in matching[-limit:]]
+    assert last_seq == (matching[-1].seq if matching else after_seq)
+    assert fake.calls < 200
