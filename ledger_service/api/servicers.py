@@ -24,12 +24,11 @@ from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument
 from ledger_service.domain.moves import validate_reservation_id
-from ledger_service.domain.policies import validate_name
+from ledger_service.domain.policies import MAX_NAME_LENGTH, validate_name
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.settings import Settings
 
-MAX_PAGE_TOKEN_LENGTH = 64
 T = TypeVar("T", bound=Message)
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,12 @@ def _encode_token(position: str) -> str:
     return base64.urlsafe_b64encode(position.encode()).decode()
 
 
+# A token is the base64 of a seq or of a lane name (ASCII, at most MAX_NAME_LENGTH).
+MAX_PAGE_TOKEN_LENGTH = len(_encode_token("x" * MAX_NAME_LENGTH))
+
+
 def _decode_token(token: str) -> str:
-    if len(token) > MAX_PAGE_TOKEN_LENGTH * 2:
+    if len(token) > MAX_PAGE_TOKEN_LENGTH:
         raise InvalidArgument("page_token", "is not a token this server gave")
     try:
         position = base64.urlsafe_b64decode(token.encode("ascii")).decode()
