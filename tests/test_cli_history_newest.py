@@ -13,8 +13,9 @@ import dataclasses
 from typing import Any
 
 import pytest
+from google.protobuf import duration_pb2, timestamp_pb2
 
-from ledger_service.cli import reading
+from ledger_service.cli import observe, reading
 from ledger_service.cli.connection import MAX_PAGES
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -76,3 +77,41 @@ def test_history_shows_the_newest_events(count: int, limit: int, lane: str, afte
     assert [e.seq for e in events] == [e.seq for e in matching[-limit:]]
     assert last_seq == (matching[-1].seq if matching else after_seq)
     assert fake.calls < 200
+
+
+DAY_US = 86_400 * 1_000_000
+START_US = 1_800_000_000 * 1_000_000
+
+
+def _dated_log(count: int) -> list[pb.Event]:
+    """`count` events of lane "a", one every hundredth of a day, with holes."""
+    seqs = [seq for seq in range(1, count * 7 // 6 + 2) if seq % 7][:count]
+    events = []
+    for index, seq in enumerate(seqs):
+        at_us = START_US + index * DAY_US // 100
+        stamp = timestamp_pb2.Timestamp(seconds=at_us // 10**6, nanos=at_us % 10**6 * 1000)
+        events.append(pb.Event(seq=seq, lane="a", occurred_at=stamp))
+    return events
+
+
+@pytest.mark.parametrize("count", [0, 50, 150, 2_500])
+def test_the_report_reads_the_windows_of_a_long_lived_lane(count: int) -> None:
+    """The report's two windows (a day each here) are the end of the lane's
+    history: it once read from the lane's first event for a bounded number of
+    pages, and on a long-lived lane never reached them."""
+    log = _dated_log(count)
+    fake = _FakeLedger(log, max_page=5)
+    end_us = START_US + max(count - 1, 0) * DAY_US // 100
+    as_of = timestamp_pb2.Timestamp(seconds=end_us // 10**6, nanos=end_us % 10**6 * 1000)
+    balance = pb.Balance(lane="a", as_of=as_of, window=duration_pb2.Duration(seconds=86_400))
+    kept, earlier, truncated = observe.window_events("a", balance, _FakeSession(fake))  # type: ignore[arg-type]
+    assert not truncated
+    in_window = [e.seq for e in log if end_us - DAY_US < _micros(e) <= end_us]
+    before = [e.seq for e in log if end_us - 2 * DAY_US < _micros(e) <= end_us - DAY_US]
+    assert [e.seq for e in kept] == in_window
+    assert [e.seq for e in earlier] == before
+    assert fake.calls < 200
+
+
+def _micros(event: pb.Event) -> int:
+    return event.occurred_at.seconds * 10**6 + event.occurred_at.nanos // 1000

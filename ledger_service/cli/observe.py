@@ -153,11 +153,14 @@ def window_events(
     read stopped at its bound (MAX_PAGES pages) before the end of the log."""
     start_us, end_us = window_span_us(balance)
     earlier_us = start_us - (end_us - start_us)
+    after_seq = _seq_before(lane, earlier_us, session)
     kept: list[pb.Event] = []
     earlier: list[pb.Event] = []
     token = ""
     for _ in range(MAX_PAGES):
-        request = pb.ListEventsRequest(lane=lane, page_size=PAGE_SIZE, page_token=token)
+        request = pb.ListEventsRequest(
+            lane=lane, page_size=PAGE_SIZE, page_token=token, after_seq=after_seq
+        )
         page = session.ledger.ListEvents(request, **session.options())
         for event in page.events:
             at_us = micros(event.occurred_at)
@@ -169,6 +172,35 @@ def window_events(
         if not token:
             return kept, earlier, False
     return kept, earlier, True
+
+
+def _seq_before(lane: str, instant_us: int, session: Session) -> int:
+    """The seq of the lane's last event dated at or before `instant_us` (0: none).
+    ListEvents reads forward only, and a lane's events are dated in seq order,
+    so it is found by doubling, then halving, a seq, each probe one event: a
+    long-lived lane's report then reads its windows, not its first pages."""
+
+    def next_is_before(seq: int) -> pb.Event | None:
+        request = pb.ListEventsRequest(lane=lane, page_size=1, after_seq=seq)
+        page = session.ledger.ListEvents(request, **session.options())
+        found = page.events[0] if page.events else None
+        return found if found is not None and micros(found.occurred_at) <= instant_us else None
+
+    first = next_is_before(0)
+    if first is None:
+        return 0
+    low, skipped, step = 0, first, 1  # the event after `low` is dated before the instant
+    while (probe := next_is_before(step)) is not None:
+        low, skipped, step = step, probe, step * 2
+    high = step
+    while high - low > 1:
+        middle = (low + high) // 2
+        probe = next_is_before(middle)
+        if probe is not None:
+            low, skipped = middle, probe
+        else:
+            high = middle
+    return skipped.seq
 
 
 # Text ------------------------------------------------------------------------
