@@ -525,8 +525,8 @@ export interface ReplayReport {
 
 export type Source = 'allowance' | 'ledger' | 'in_doubt';
 export const Source: Readonly<{ ALLOWANCE: 'allowance'; LEDGER: 'ledger'; IN_DOUBT: 'in_doubt' }>;
-export type ReplayResult = 'landed' | 'denied' | 'absent' | 'rejected';
-export const ReplayResult: Readonly<{ LANDED: 'landed'; DENIED: 'denied'; ABSENT: 'absent'; REJECTED: 'rejected' }>;
+export type ReplayResult = 'landed' | 'denied' | 'absent' | 'rejected' | 'superseded';
+export const ReplayResult: Readonly<{ LANDED: 'landed'; DENIED: 'denied'; ABSENT: 'absent'; REJECTED: 'rejected'; SUPERSEDED: 'superseded' }>;
 export type Settlement = 'settle_succeeded' | 'settle_unknown' | 'refund';
 export const Settlement: Readonly<{ SETTLE_SUCCEEDED: 'settle_succeeded'; SETTLE_UNKNOWN: 'settle_unknown'; REFUND: 'refund' }>;
 

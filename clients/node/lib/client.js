@@ -7,7 +7,7 @@ const { ledgerErrorOf, LedgerError, Unavailable, isLedgerUnavailable } = require
 const wire = require('./wire');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
-const { Journal, Source, Settlement, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
+const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
 const { OutagePolicy, OutageMode, Allowance, DenialReason, CallSource, argumentsOf, isJournalTrouble } = require('./outage');
 const { Replayer, replaySettingsOf, emptyReport, IN_DOUBT_REASON } = require('./replay');
 
@@ -28,6 +28,7 @@ const MAX_IN_DOUBT_ENTRIES = 1000;
 // most this many at a time (beyond: the hold expires under expire_charge).
 const MAX_BACKGROUND_REFUNDS = 100;
 const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
+const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
 /** A Reserve the ledger denied, or the outage mode did: the call was not made. */
@@ -429,8 +430,9 @@ class LaneClient {
     const replayer = this._replayer;
     // Before anything is journaled, so the replayer never takes this call for
     // the orphan of a dead process.
-    replayer?.hold(reservationId);
+    const held = replayer?.hold(reservationId);
     try {
+      await held;
       return await this._call({ ...request, reservationId }, fn, trace);
     } finally {
       replayer?.release(reservationId);
@@ -444,6 +446,7 @@ class LaneClient {
     try {
       const answer = await this._reserve(request, trace);
       if (!answer.admitted) return new Denied(answer);
+      await this._supersedeInDoubt(reservationId);
       this._wakeReplayer();
       booking = { ...answer, source: CallSource.LEDGER };
     } catch (error) {
@@ -556,6 +559,24 @@ class LaneClient {
       if (!(isJournalTrouble(failure) || failure instanceof TypeError)) throw failure;
       this._logger?.warn(`ledger journal: could not journal an unanswered reserve: ${failure.message}`);
       return false;
+    }
+  }
+
+  /**
+   * An earlier Reserve of this id went unanswered and was journaled in doubt,
+   * to be refunded. Admitted now, the booking is this call's to end: the
+   * refund would end it behind the call's back.
+   */
+  async _supersedeInDoubt(reservationId) {
+    const journal = this._journal;
+    if (journal === null || !journal.isOpen) return;
+    const entry = journal.pending().find((pending) => pending.reservationId === reservationId);
+    if (entry === undefined || entry.source !== Source.IN_DOUBT) return;
+    try {
+      await journal.recordReplay(reservationId, ReplayResult.SUPERSEDED, SUPERSEDED_DETAIL);
+    } catch (failure) {
+      if (!isJournalTrouble(failure)) throw failure;
+      this._logger?.warn(`ledger journal: could not mark ${reservationId} superseded: ${failure.message}`);
     }
   }
 

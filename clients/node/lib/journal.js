@@ -82,6 +82,11 @@ const ReplayResult = Object.freeze({
   ABSENT: 'absent',
   /** Refused for good (see replayDetail); an operator must look. */
   REJECTED: 'rejected',
+  /**
+   * An in-doubt Reserve sent again under its id and admitted: the call that
+   * followed owns the booking and ends it, so there is nothing to refund.
+   */
+  SUPERSEDED: 'superseded',
 });
 
 /** How an entry ends, as the journal spells it (the Python client's Settlement). */
@@ -437,7 +442,8 @@ function apply(entries, record) {
   const kind = record.kind;
   if (kind === 'reserve') {
     const entry = entryOf(record);
-    if (entries.has(entry.reservationId)) throw new LineError('reservation_id journaled twice');
+    const earlier = entries.get(entry.reservationId);
+    if (earlier !== undefined && earlier.replay === null) throw new LineError('reservation_id journaled twice');
     entries.set(entry.reservationId, entry);
     return;
   }
@@ -740,7 +746,9 @@ class Journal {
   recordReserve(entry) {
     return this._serially(async () => {
       if (entry.lane !== this.lane) throw new JournalError('an entry for another lane');
-      if (this._entries.has(entry.reservationId)) throw new JournalError('reservation_id already journaled');
+      // An id may come back once its earlier entry was replayed (a retry).
+      const earlier = this._entries.get(entry.reservationId);
+      if (earlier !== undefined && earlier.replay === null) throw new JournalError('reservation_id already journaled');
       if (this.sizeBytes >= this._maxBytes) throw new JournalFull(`journal ${this.path} is full`);
       await this._append(line(reserveRecord(entry)));
       this._entries.set(entry.reservationId, entry);

@@ -87,6 +87,7 @@ class Replayer {
     this._settings = settings;
     this._logger = logger;
     this._inFlight = new Set();
+    this._replaying = null; // {reservationId, done}: the entry being sent now
     this._attempts = Promise.resolve();
     this._stopped = false;
     this._intervalMs = null;
@@ -98,8 +99,15 @@ class Replayer {
 
   // Calls in progress in this process are not orphans ------------------------
 
+  /**
+   * Marks a call's id as in flight: no entry of that id is replayed until it
+   * is released (a retry under an id the journal holds in doubt owns its
+   * booking). Resolves once an entry of that id being sent now has been.
+   */
   hold(reservationId) {
     this._inFlight.add(reservationId);
+    const now = this._replaying;
+    return now !== null && now.reservationId === reservationId ? now.done : Promise.resolve();
   }
 
   release(reservationId) {
@@ -136,25 +144,33 @@ class Replayer {
           stopped = true;
           break;
         }
-        if (pending.ending === null && this._inFlight.has(pending.reservationId)) continue;
-        const entry = await this._closed(pending);
+        // A call of this id is in progress: it owns the booking.
+        if (this._inFlight.has(pending.reservationId)) continue;
+        let finish;
+        const done = new Promise((resolve) => { finish = resolve; });
+        this._replaying = { reservationId: pending.reservationId, done };
+        let entry;
         let result;
         let detail;
         try {
+          entry = await this._closed(pending);
           [result, detail] = await this._replay(entry);
+          await this._journal.recordReplay(entry.reservationId, result, detail);
         } catch (error) {
           if (stopsAttempt(error)) {
             stopped = true;
             break;
           }
           if (isFailure(error)) {
-            this._logger?.warn(`ledger journal: the replay of ${entry.reservationId} failed (${error.message}); will retry`);
+            this._logger?.warn(`ledger journal: the replay of ${pending.reservationId} failed (${error.message}); will retry`);
             failed += 1;
             continue;
           }
           throw error;
+        } finally {
+          this._replaying = null;
+          finish();
         }
-        await this._journal.recordReplay(entry.reservationId, result, detail);
         this._logResult(entry, result, detail);
         counts[result] += 1;
         handled += 1;

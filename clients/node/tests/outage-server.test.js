@@ -255,3 +255,40 @@ describe('a graceful stop under load', () => {
     }
   });
 });
+
+describe('a retry under the id of an unanswered Reserve', () => {
+  test('is not refunded behind the call by the journal\'s in-doubt refund', async () => {
+    const lane = 'outage-retry';
+    await ledger.admin.putLane({ lane: { lane, limit_nanos: '1000000000', prices: PRICES } });
+    const journalPath = path.join(directory, 'retry', 'journal.jsonl');
+    const client = new LaneClient(ledger.address, lane, {
+      grant: ledger.adminGrant ?? undefined,
+      deadlineMs: DEADLINE_MS,
+      outage: OutagePolicy.deny(journalPath),
+      replayIntervalMs: null,
+      logger: null,
+    });
+    try {
+      await client.waitForReady();
+      const request = { ...REQUEST, reservationId: `retry-${randomBytes(4).toString('hex')}` };
+      assert.equal(await ledger.halt(), 0, 'a graceful stop');
+      const refused = await client.call(request, async () => assert.fail('the model must not be called'));
+      assert.ok(refused instanceof Denied);
+      await ledger.restart();
+      await client.waitForReady();
+      // The README: send a LedgerUnavailable call again with the same reservation id.
+      const retried = await client.call(request, async () => {
+        await client.replayJournal(); // the replayer wakes while the call runs
+        return { httpStatus: 200, usage: { inputTokens: 900, outputTokens: 20 } };
+      });
+      assert.ok(retried instanceof Completed, retried.reason);
+      assert.equal(retried.chargedNanos, cost(900, 20), retried.ledgerError?.message);
+      await client.replayJournal();
+      const { kinds, amounts } = await bookings(lane);
+      assert.deepEqual(kinds[request.reservationId], ['reserved', 'settled']);
+      assert.equal(amounts[request.reservationId], cost(900, 20));
+    } finally {
+      await client.close();
+    }
+  });
+});

@@ -38,7 +38,14 @@ from ledger_client.bookings import (
     Settled,
 )
 from ledger_client.errors import LedgerError, LedgerUnavailable, is_retryable, may_have_applied
-from ledger_client.journal import Journal, JournalEntry, JournalError, Source, now_text
+from ledger_client.journal import (
+    Journal,
+    JournalEntry,
+    JournalError,
+    ReplayResult,
+    Source,
+    now_text,
+)
 from ledger_client.outage import Allowance
 from ledger_client.outcomes import (
     CallFailure,
@@ -63,6 +70,7 @@ MAX_IN_DOUBT_ENTRIES = 1000
 MAX_BACKGROUND_REFUNDS = 100
 # The reason those refunds carry (the Node client's UNANSWERED_REASON).
 UNANSWERED_REASON = "not sent: the Reserve went unanswered"
+SUPERSEDED_DETAIL = "reserved again under its id and admitted: the call that followed ends it"
 NO_OUTCOME_REASON = "the block ended without reporting an outcome"
 
 
@@ -300,6 +308,7 @@ class ModelCall:
                 arguments.reservation_id,
                 reservation.denied_by,
             )
+        self._supersede_in_doubt()
         self._wake_replayer()
         return CallHandle(
             arguments,
@@ -371,6 +380,21 @@ class ModelCall:
             log.warning("could not journal an unanswered reserve: %s", failure)
             return False
         return True
+
+    def _supersede_in_doubt(self) -> None:
+        """An earlier Reserve of this id went unanswered and was journaled in
+        doubt, to be refunded. Admitted now, the booking is this call's to end:
+        the refund would end it behind the call's back."""
+        journal = self._support.journal
+        reservation_id = self._arguments.reservation_id
+        entry = journal.entry(reservation_id) if journal is not None else None
+        if journal is None or entry is None:
+            return
+        if entry.source is Source.IN_DOUBT and entry.replay is None:
+            try:
+                journal.record_replay(reservation_id, ReplayResult.SUPERSEDED, SUPERSEDED_DETAIL)
+            except (JournalError, OSError) as failure:
+                log.warning("could not mark %s superseded: %s", reservation_id, failure)
 
     def _wake_replayer(self) -> None:
         support = self._support

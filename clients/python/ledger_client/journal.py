@@ -62,6 +62,9 @@ class ReplayResult(enum.Enum):
     DENIED = "denied"  # the ledger denied the replayed Reserve: spent without a booking
     ABSENT = "absent"  # an in-doubt Reserve never reached the ledger: nothing to undo
     REJECTED = "rejected"  # refused for good (see detail); an operator must look
+    # An in-doubt Reserve sent again under its id and admitted: the call that
+    # followed owns the booking and ends it, so there is nothing to refund.
+    SUPERSEDED = "superseded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +206,8 @@ def _apply(entries: dict[str, JournalEntry], record: dict[str, Any]) -> None:
     kind = record.get("kind")
     if kind == "reserve":
         entry = _entry_of(record)
-        if entry.reservation_id in entries:
+        earlier = entries.get(entry.reservation_id)
+        if earlier is not None and earlier.replay is None:
             raise ValueError("reservation_id journaled twice")
         entries[entry.reservation_id] = entry
         return
@@ -327,7 +331,9 @@ class Journal:
         if entry.lane != self.lane:
             raise JournalError("an entry for another lane")
         with self._lock:
-            if entry.reservation_id in self._entries:
+            earlier = self._entries.get(entry.reservation_id)
+            # An id may come back once its earlier entry was replayed (a retry).
+            if earlier is not None and earlier.replay is None:
                 raise JournalError("reservation_id already journaled")
             if self.size_bytes >= self._max_bytes:
                 raise JournalFull(f"journal {self.path} is full")

@@ -77,7 +77,8 @@ class Replayer:
         self._journal = journal
         self._settings = settings
         self._in_flight: set[str] = set()
-        self._in_flight_lock = threading.Lock()
+        self._replaying = ""  # the id whose entry is being sent now
+        self._in_flight_changed = threading.Condition()
         self._attempt_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -86,16 +87,29 @@ class Replayer:
     # Calls in progress in this process are not orphans ----------------------
 
     def hold(self, reservation_id: str) -> None:
-        with self._in_flight_lock:
+        """Marks a call's id as in flight: no entry of that id is replayed until
+        it is released (a retry under an id the journal holds in doubt owns its
+        booking). Waits while an entry of that id is being sent."""
+        with self._in_flight_changed:
+            while self._replaying == reservation_id:
+                self._in_flight_changed.wait()
             self._in_flight.add(reservation_id)
 
     def release(self, reservation_id: str) -> None:
-        with self._in_flight_lock:
+        with self._in_flight_changed:
             self._in_flight.discard(reservation_id)
 
-    def _is_in_flight(self, reservation_id: str) -> bool:
-        with self._in_flight_lock:
-            return reservation_id in self._in_flight
+    def _claim(self, reservation_id: str) -> bool:
+        with self._in_flight_changed:
+            if reservation_id in self._in_flight:
+                return False
+            self._replaying = reservation_id
+            return True
+
+    def _unclaim(self) -> None:
+        with self._in_flight_changed:
+            self._replaying = ""
+            self._in_flight_changed.notify_all()
 
     # One attempt -------------------------------------------------------------
 
@@ -115,19 +129,21 @@ class Replayer:
             if handled + failed >= limit or time.monotonic() >= deadline or self._stop.is_set():
                 stopped = True
                 break
-            if pending.ending is None and self._is_in_flight(pending.reservation_id):
-                continue
-            entry = self._closed(pending)
+            if not self._claim(pending.reservation_id):
+                continue  # a call of this id is in progress: it owns the booking
             try:
+                entry = self._closed(pending)
                 result, detail = self._replay(entry)
+                self._journal.record_replay(entry.reservation_id, result, detail)
             except _STOP_ATTEMPT:
                 stopped = True
                 break
             except LedgerInternal as error:
-                log.warning("replay of %s failed (%s); will retry", entry.reservation_id, error)
+                log.warning("replay of %s failed (%s); will retry", pending.reservation_id, error)
                 failed += 1
                 continue
-            self._journal.record_replay(entry.reservation_id, result, detail)
+            finally:
+                self._unclaim()
             _log_result(entry, result, detail)
             counts[result] += 1
             handled += 1

@@ -20,6 +20,7 @@ from ledger_client import (
     LaneClient,
     ModelPrice,
     OutagePolicy,
+    ReplayResult,
     Settlement,
     Source,
     Usage,
@@ -584,3 +585,44 @@ def test_the_attempts_are_a_setting(pauses: list[float]) -> None:
     assert fake.end_attempts == 1 and pauses == []
     with pytest.raises(ValueError, match="end_attempts"):
         ClientSettings(end_attempts=0)
+
+
+class LosesTheFirstAnswer(FakeLedger):
+    """Books every Reserve; the first one's answer is lost on the way back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        answer = super().reserve_arguments(arguments, **options)
+        if not self.lost:
+            self.lost = True
+            raise lost(grpc.StatusCode.UNAVAILABLE)()
+        return answer
+
+
+def test_a_retry_with_the_same_id_is_not_refunded_behind_the_call(tmp_path) -> None:
+    """The README says to send a LedgerUnavailable call again with the same
+    reservation_id. The first Reserve's in-doubt refund must not then end the
+    retried call's booking, neither while the call runs nor after it."""
+    fake = LosesTheFirstAnswer()
+    client = client_on(fake, OutagePolicy.deny(tmp_path / "journal.jsonl"))
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied) as denied, call(client):
+            raise AssertionError("the model must not be called")
+        rid = denied.value.reservation_id
+        assert [entry.source for entry in client.journal.pending()] == [Source.IN_DOUBT]
+        with client.model_call(
+            "model-a", REQUEST_BYTES, MAX_OUTPUT_TOKENS, reservation_id=rid
+        ) as handle:
+            client.replay_journal()  # the replayer wakes while the call runs
+            handle.succeeded(input_tokens=900, output_tokens=100)
+        assert handle.result is not None
+        client.replay_journal()
+        assert client.journal.pending() == []
+    assert fake.event_counts() == {rid: ["reserved", "settled"]}
+    ending = fake.bookings[rid].ending
+    assert ending is not None and ending.settlement is Settlement.SETTLE_SUCCEEDED
+    assert [entry.replay for entry in client.journal.entries()] == [ReplayResult.SUPERSEDED]
