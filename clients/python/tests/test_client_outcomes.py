@@ -113,6 +113,9 @@ def test_an_ending_refuses_what_the_ledger_would_refuse() -> None:
     assert refused.value.message == (
         "reason: is required when http_status is 0 (a call that was never sent)"
     )
+    for blank in ("   ", "\t\n"):  # not only blanks, as the ledger says too
+        with pytest.raises(errors.InvalidArgument):
+            Ending(REFUND, 0, None, blank)
 
 
 @pytest.mark.parametrize(
