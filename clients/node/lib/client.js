@@ -28,6 +28,8 @@ const MAX_IN_DOUBT_ENTRIES = 1000;
 // most this many at a time (beyond: the hold expires under expire_charge).
 const MAX_BACKGROUND_REFUNDS = 100;
 const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
+// A reservation id's and a model name's most characters, as the ledger takes them.
+const MAX_NAME_LENGTH = 200;
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
@@ -311,6 +313,13 @@ class LaneClient {
   }
 
   async _reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs }, trace, deadlineMs) {
+    // The ledger's bounds (domain/moves.py): past them a message may outgrow
+    // what the server takes, which would read as an outage, not a mistake.
+    for (const [field, value] of [['reservationId', reservationId], ['model', model]]) {
+      if (typeof value !== 'string' || value.length === 0 || value.length > MAX_NAME_LENGTH) {
+        throw new TypeError(`${field} must be a string of 1 to ${MAX_NAME_LENGTH} characters`);
+      }
+    }
     let ttl;
     if (ttlUs !== undefined && ttlUs !== null) {
       // A journaled call's ttl, in microseconds (BigInt).
@@ -424,8 +433,8 @@ class LaneClient {
     const trace = traceHeaders(request) ?? freshTraceHeaders();
     // A caller that must tag its provider request with the id first passes one.
     const reservationId = request.reservationId ?? randomUUID();
-    if (typeof reservationId !== 'string' || reservationId.length === 0 || reservationId.length > 200) {
-      throw new TypeError('reservationId must be a string of 1 to 200 characters');
+    if (typeof reservationId !== 'string' || reservationId.length === 0 || reservationId.length > MAX_NAME_LENGTH) {
+      throw new TypeError(`reservationId must be a string of 1 to ${MAX_NAME_LENGTH} characters`);
     }
     const replayer = this._replayer;
     // Before anything is journaled, so the replayer never takes this call for
