@@ -195,7 +195,11 @@ class Ending:
         status_class(self.http_status)
         if self.settlement is Settlement.SETTLE_SUCCEEDED and self.usage is None:
             raise ValueError("a SUCCEEDED settlement needs the usage")
-        if self.settlement is Settlement.REFUND and self.http_status == 0 and not self.reason.strip():
+        if (
+            self.settlement is Settlement.REFUND
+            and self.http_status == 0
+            and not self.reason.strip()
+        ):
             # What the ledger would answer (RefundCommand in ledger_service/domain/moves.py).
             raise invalid_argument(
                 "reason", "is required when http_status is 0 (a call that was never sent)"
