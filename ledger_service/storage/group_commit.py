@@ -197,10 +197,12 @@ class GroupCommitter:
                 log.warning("closing the writer's connection failed", exc_info=True)
 
     def _commit(self, batch: list[_Move[Any]]) -> None:
+        # The gate is waited for as long as the batch's latest caller waits: a
+        # move whose own deadline passes meanwhile is refused alone (_one), so a
+        # lane's short deadline never fails another lane's move.
         gate = self._write_gate
-        if gate is not None and not gate.acquire(
-            timeout=max(0.0, batch[0].deadline - time.monotonic())
-        ):
+        latest = max(move.deadline for move in batch)
+        if gate is not None and not gate.acquire(timeout=max(0.0, latest - time.monotonic())):
             for move in batch:
                 move.finish(error=StoreUnavailable())
             return

@@ -402,3 +402,58 @@ def test_a_batch_advances_the_marker_to_its_last_kept_event(tmp_path: Path) -> N
         assert tuple(marker) == (last, "current")
     finally:
         store.close()
+
+
+class _ContestedGate:
+    """The process's write gate, taken by another writer (a snapshot, say) for
+    `busy_seconds` each time a batch releases it."""
+
+    def __init__(self, busy_seconds: float) -> None:
+        self._busy_seconds = busy_seconds
+        self._free_at = 0.0
+
+    def acquire(self, timeout: float) -> bool:
+        wait = self._free_at - time.monotonic()
+        if wait > timeout:
+            time.sleep(max(0.0, timeout))
+            return False
+        time.sleep(max(0.0, wait))
+        return True
+
+    def release(self) -> None:
+        self._free_at = time.monotonic() + self._busy_seconds
+
+
+def test_a_short_deadline_first_in_a_batch_fails_only_its_own_move(engine: sa.Engine) -> None:
+    """Lanes are independent: a batch waits for the write gate as long as its
+    latest caller waits, and only a move whose own deadline has passed fails."""
+    committer = GroupCommitter(engine, write_gate=_ContestedGate(0.5))  # type: ignore[arg-type]
+    leader_inside = threading.Event()
+    release = threading.Event()
+
+    def slow(connection: Connection) -> str:
+        leader_inside.set()
+        release.wait(timeout=10)
+        return "slow"
+
+    leader = threading.Thread(target=committer.submit, args=(slow, _soon()))
+    leader.start()
+    assert leader_inside.wait(timeout=10)
+    answers: dict[str, object] = {}
+
+    def submit(name: str, seconds: float) -> None:
+        try:
+            answers[name] = committer.submit(_note(name), time.monotonic() + seconds)  # type: ignore[arg-type]
+        except StoreUnavailable as error:
+            answers[name] = error
+
+    threads = _queue_in_order(
+        [lambda: submit("hurried", 0.2), lambda: submit("patient", 10.0)], committer.queued
+    )
+    release.set()
+    for thread in (leader, *threads):
+        thread.join(timeout=10)
+    committer.close()
+    assert isinstance(answers["hurried"], StoreUnavailable)
+    assert answers["patient"] == "patient"
+    assert _names(engine) == ["patient"]
