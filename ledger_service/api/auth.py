@@ -96,27 +96,6 @@ _CURRENT_GRANT: contextvars.ContextVar[Grant | None] = contextvars.ContextVar(
 )
 
 
-def _granted_stream(behaviour: Behaviour) -> Behaviour:
-    """`behaviour`, with the call's grant current while its stream is read too
-    (inner layers may start the servicer only at the first message)."""
-
-    def streamed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        grant = _CURRENT_GRANT.get()
-        responses = behaviour(request, context)
-
-        def read() -> Iterator[Any]:
-            token = _CURRENT_GRANT.set(grant)
-            try:
-                yield from responses
-            finally:
-                with contextlib.suppress(ValueError):  # closed from another context
-                    _CURRENT_GRANT.reset(token)
-
-        return read()
-
-    return streamed
-
-
 def refusal(grant: Grant, method: str, rule: Rule, lane: str) -> str:
     """What a refused caller is told: the scope the method needs on the lane,
     and what its own grant holds. Nothing of the keyring or of other grants."""
@@ -231,10 +210,42 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             handler,
             unary=lambda behaviour: self._checked(behaviour, method, rule, decode),
             stream=lambda behaviour: self._checked(
-                _granted_stream(behaviour), method, rule, decode
+                self._granted_stream(behaviour), method, rule, decode
             ),
             request_deserializer=None,
         )
+
+    def _granted_stream(self, behaviour: Behaviour) -> Behaviour:
+        """`behaviour`, with the call's grant current while its stream is read too
+        (inner layers may start the servicer only at the first message), and
+        the stream ended, before its next message, once the grant's key is no
+        longer in the keyring: a retired key's grants are refused at once."""
+
+        def streamed(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            grant = _CURRENT_GRANT.get()
+            assert grant is not None, "_checked makes the call's grant current first"
+            responses = behaviour(request, context)
+
+            def read() -> Iterator[Any]:
+                token = _CURRENT_GRANT.set(grant)
+                try:
+                    for response in responses:
+                        if grant.key_id not in self._keys[0].keys:
+                            log.info(
+                                "ended a stream of grant %s: its key was retired", grant.grant_id
+                            )
+                            refuse_unauthenticated(context, UNAUTHENTICATED_MESSAGE)
+                        yield response
+                finally:
+                    close = getattr(responses, "close", None)
+                    if close is not None:  # as `yield from` would: the stream's slot is freed
+                        close()
+                    with contextlib.suppress(ValueError):  # closed from another context
+                        _CURRENT_GRANT.reset(token)
+
+            return read()
+
+        return streamed
 
     def _grant(self, method: str, context: grpc.ServicerContext) -> Grant:
         """The call's verified grant; ends the call with UNAUTHENTICATED without one."""

@@ -81,3 +81,38 @@ def _rotate_and_retire(tmp_path: pathlib.Path, replicas: list[LedgerServer]) -> 
     admin = keyring.admin_grant_path(tmp_path).read_text().strip()
     assert admin.split(".")[1] == rotated.signing_key_id
     assert _becomes(replicas, admin, grpc.StatusCode.OK)
+
+
+def test_an_open_event_stream_ends_once_its_key_is_retired(
+    start_ledger_server: Callable[..., LedgerServer], tmp_path: pathlib.Path
+) -> None:
+    """A leaked key's grants are refused once it is retired: a WatchEvents
+    stream it opened before gets no event recorded after that."""
+    server = start_ledger_server(health_check_interval_seconds=0.2)
+    old = keyring.load(tmp_path)
+    leaked = _grant(old)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stream = pb_grpc.LedgerStub(channel).WatchEvents(
+            pb.WatchEventsRequest(), metadata=(("authorization", f"Bearer {leaked}"),), timeout=30
+        )
+        keyring.rotate(tmp_path)
+        keyring.retire(tmp_path, old.signing_key_id)
+        assert _becomes([server], leaked, grpc.StatusCode.UNAUTHENTICATED)
+        admin = pb_grpc.LaneAdminStub(channel)
+        lane = pb.Lane(lane="after-retirement", limit_nanos=1_000_000)
+        lane.window.seconds = 86_400
+        lane.hold_ttl.seconds = 60
+        lane.prices["m"].input_nanos_per_million_tokens = 1
+        grant = keyring.admin_grant_path(tmp_path).read_text().strip()
+        admin.PutLane(
+            pb.PutLaneRequest(lane=lane),
+            metadata=(("authorization", f"Bearer {grant}"),),
+            timeout=5,
+        )
+        try:
+            event = next(stream)
+        except grpc.RpcError as error:
+            assert isinstance(error, grpc.Call)
+            assert error.code() is grpc.StatusCode.UNAUTHENTICATED
+        else:
+            raise AssertionError(f"the stream went on after its key was retired: {event.kind}")
