@@ -105,14 +105,16 @@ def settings_from(arguments: argparse.Namespace) -> Settings:
 
 def _serve(arguments: argparse.Namespace) -> int:
     from ledger_service import server
+    from ledger_service.storage.keyring import KeyringError
 
     try:
         settings = settings_from(arguments)
         if arguments.no_migrate:
             return server.serve_existing(settings)
         return server.serve(settings)
-    except ValueError as error:
-        # A refused configuration (say --insecure-no-auth on 0.0.0.0): one line, no traceback.
+    except (ValueError, KeyringError) as error:
+        # A refused configuration (say --insecure-no-auth on 0.0.0.0, or a
+        # keyring that cannot be read): one line, no traceback.
         print(f"ledger serve: {error}", file=sys.stderr)
         return 2
 

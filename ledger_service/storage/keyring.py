@@ -84,6 +84,7 @@ class KeyringFile:
         self._path = keyring_path(data_dir)
         self.keyring = load_or_create(data_dir)
         self._seen = self._stamp()
+        self._unreadable: tuple[int, int, int] | None = None  # a changed file that failed
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -98,12 +99,16 @@ class KeyringFile:
         stamp = self._stamp()
         if stamp == self._seen:
             return None
-        self._seen = stamp
         try:
             keyring = load(self._path.parent)
         except KeyringError as error:
-            log.error("%s; the keys read before stay in force", error)
+            # Read again at every check: a file made readable by `chown` or
+            # `chmod` (no write, the same stamp) must still take effect.
+            if stamp != self._unreadable:
+                log.error("%s; the keys read before stay in force", error)
+                self._unreadable = stamp
             return None
+        self._seen, self._unreadable = stamp, None
         if keyring == self.keyring:
             return None
         self.keyring = keyring
@@ -182,6 +187,7 @@ def _write_private(path: pathlib.Path, content: bytes, *, replace: bool) -> None
     descriptor = os.open(temporary, flags, 0o600)
     try:
         os.fchmod(descriptor, 0o600)  # whatever the umask said
+        _keep_owner(path, descriptor)
         view = memoryview(content)
         while view:
             view = view[os.write(descriptor, view) :]
@@ -196,6 +202,19 @@ def _write_private(path: pathlib.Path, content: bytes, *, replace: bool) -> None
     finally:
         with contextlib.suppress(FileNotFoundError):
             temporary.unlink()
+
+
+def _keep_owner(path: pathlib.Path, descriptor: int) -> None:
+    """A replacement keeps the file's owner: `ledger grant retire-key` run as
+    root must not leave the server's user a keyring it cannot read (only root
+    may give a file away; anyone else writes a file of their own anyway)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return
+    os.fchown(descriptor, status.st_uid, status.st_gid)
 
 
 def _warn_if_shared(path: pathlib.Path, status: os.stat_result) -> None:

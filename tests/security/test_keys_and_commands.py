@@ -266,3 +266,43 @@ def test_auth_is_on_unless_asked_off() -> None:
     assert settings_from(parsed).auth_enabled
     parsed = cli.parser().parse_args(["serve", "--insecure-no-auth"])
     assert not settings_from(parsed).auth_enabled
+
+
+def test_a_keyring_unreadable_when_it_changed_is_read_again_once_readable(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `retire-key` run as another user leaves a file the server cannot read;
+    fixing its owner or mode (no write) must still bring the retirement in."""
+    watched = keyring.KeyringFile(tmp_path)
+    rotated = keyring.rotate(tmp_path)
+    real_load = keyring.load
+
+    def unreadable(_data_dir: pathlib.Path) -> keyring.Keyring:
+        raise keyring.KeyringError("cannot read the keyring: permission denied")
+
+    monkeypatch.setattr(keyring, "load", unreadable)
+    assert watched.changed() is None, "unreadable: the keys in force stay"
+    monkeypatch.setattr(keyring, "load", real_load)
+    (tmp_path / "grant-keys.json").chmod(0o600)  # what `chown` or `chmod` changes
+    assert watched.changed() == rotated
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_keyring_rewritten_by_root_keeps_its_owner(tmp_path: pathlib.Path) -> None:
+    keyring.load_or_create(tmp_path)
+    path = tmp_path / "grant-keys.json"
+    os.chown(path, 65534, 65534)  # the server's user, say nobody
+    keyring.rotate(tmp_path)
+    status = path.stat()
+    assert (status.st_uid, status.st_gid, stat.S_IMODE(status.st_mode)) == (65534, 65534, 0o600)
+
+
+def test_serve_with_a_broken_keyring_says_so_in_one_line(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "grant-keys.json").write_text("{")
+    code, _, err = run_cli(
+        ["serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path)], capsys
+    )
+    assert code == 2 and err.startswith("ledger serve: "), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
