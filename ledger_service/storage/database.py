@@ -9,6 +9,7 @@ answering altogether to the call's deadline.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -184,11 +185,30 @@ def file_replaced(engine: Engine) -> str | None:
     return f"{path} was {how} while the server had it open"
 
 
+def _create_private(path: pathlib.Path) -> None:
+    """A new database is its owner's alone: its directory, made here, 0700, and
+    the file 0600 (SQLite gives its WAL and shared-memory files the same mode),
+    whatever the umask. Every lane's events are in it, and a grant guards them
+    only over the network. Existing ones are left as the operator set them."""
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.chmod(0o700)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:  # there already, or not ours to make: SQLite says what is wrong
+        return
+    try:
+        os.fchmod(descriptor, 0o600)
+    finally:
+        os.close(descriptor)
+
+
 def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
     if not url.database or url.database == ":memory:":
         raise ValueError("the SQLite database must be a file (the ledger is durable)")
     path = pathlib.Path(url.database)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _create_private(path)
     engine = create_engine(
         url,
         pool_size=limits.pool_size,

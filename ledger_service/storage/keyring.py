@@ -63,7 +63,10 @@ def load_or_create(data_dir: pathlib.Path) -> Keyring:
     """
     if keyring_path(data_dir).exists():
         return load(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    if not data_dir.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            data_dir.chmod(0o700)  # as a new database's (storage/database.py)
     key_id = new_key_id()
     created = Keyring(keys={key_id: new_key()}, signing_key_id=key_id)
     try:

@@ -306,3 +306,19 @@ def test_serve_with_a_broken_keyring_says_so_in_one_line(
     )
     assert code == 2 and err.startswith("ledger serve: "), err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_new_data_directory_and_database_are_their_owners_alone(tmp_path: pathlib.Path) -> None:
+    """Every lane's events are in the SQLite file: a grant guards them over the
+    network only, so other local users must not read the file either."""
+    data_dir = tmp_path / "fresh"
+    server = LedgerServer(security_settings(data_dir))
+    try:
+        server.start()
+    finally:
+        server.stop(0)
+    assert mode_of(data_dir) == 0o700
+    for name in ("ledger.db", "ledger.db-wal", "grant-keys.json"):
+        if (data_dir / name).exists():
+            assert mode_of(data_dir / name) == 0o600, name
+    assert (data_dir / "ledger.db").exists()
