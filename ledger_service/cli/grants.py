@@ -52,7 +52,8 @@ def register(commands: Any) -> None:
         required=True,
         dest="scopes",
         choices=[scope.value for scope in Scope],
-        help="charge: Reserve/Settle/Refund; read: balance, bookings, events; "
+        help="charge: Reserve/Settle/Refund (and the lane's balance and bookings); "
+        "read: balance, bookings, events, audit; "
         "admin: everything (needs --lane '*'). Repeat for more",
     )
     issue.add_argument(
@@ -118,7 +119,10 @@ def _issue(arguments: argparse.Namespace) -> int:
             expires_at_us=now_us + seconds * MICROS_PER_SECOND,
         )
     except keyring.KeyringError as error:
-        return _bad_value(f"{error} (`ledger serve` creates one at its first start)")
+        return _bad_value(
+            f"{error} (`ledger serve` creates one at its first start; if one was lost,"
+            " restore it: a new one would refuse every grant issued before)"
+        )
     except ValueError as error:
         return _bad_value(str(error))
     print(token)
