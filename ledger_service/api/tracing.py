@@ -485,6 +485,8 @@ def note_response(record: CallRecord, response: Message) -> None:
     elif isinstance(response, pb.RefundResponse):
         found["ledger.charge_nanos"] = 0
         balance = response.balance
+    elif isinstance(response, pb.CorrectResponse):
+        balance = response.balance
     elif isinstance(response, pb.Balance):
         balance = response
     elif isinstance(response, pb.Audit):

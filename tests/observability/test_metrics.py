@@ -16,6 +16,7 @@ from opentelemetry.sdk.metrics.export import (
     NumberDataPoint,
     Sum,
 )
+from opentelemetry.trace import SpanKind
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -132,3 +133,35 @@ def test_a_refused_settle_is_counted_by_its_reason(
         )
     }
     assert points(found["ledger.endings"]) == {(lane, ("ledger.outcome", "succeeded")): 1}
+
+
+def test_a_correction_moves_the_lane_gauges_and_its_span_carries_the_balance(
+    ledger: Any, metric_reader: InMemoryMetricReader, span_exporter: Any
+) -> None:
+    """Correct answers with the lane's balance, as Settle does: an operator's
+    correction (the one move that can put a lane past its limit) must show."""
+    ledger.put_lane(limit_nanos=2_000)
+    ledger.reserve("fixed")
+    ledger.settle("fixed", pb.SUCCEEDED, input_tokens=1_000)  # 100 nanos
+    ledger.ledger.Correct(
+        pb.CorrectRequest(
+            lane="recall",
+            reservation_id="fixed",
+            charge_nanos=1_500,
+            reason="the provider's bill",
+            correction_id="c-1",
+        ),
+        timeout=10,
+    )
+    found = metrics_by_name(metric_reader)
+    assert points(found["ledger.lane.spent"]) == {(("ledger.lane", "recall"),): 1_500}
+    [span] = [
+        s
+        for s in span_exporter.get_finished_spans()
+        if s.name == "ledger.v1.Ledger/Correct" and s.kind is SpanKind.SERVER
+    ]
+    assert span.attributes is not None
+    assert (span.attributes["ledger.spent_nanos"], span.attributes["ledger.limit_nanos"]) == (
+        1_500,
+        2_000,
+    )
