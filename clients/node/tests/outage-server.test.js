@@ -42,8 +42,7 @@ function traced() {
   return { traceId, traceparent: `00-${traceId}-${randomBytes(8).toString('hex')}-01` };
 }
 
-function allowanceClient(lane, journalPath, maxCalls) {
-  const outage = OutagePolicy.allowance({ maxNanos: 10n * CAP, maxCalls, journalPath, prices: LOCAL_PRICES });
+function laneClient(lane, outage) {
   return new LaneClient(ledger.address, lane, {
     grant: ledger.adminGrant ?? undefined,
     deadlineMs: DEADLINE_MS,
@@ -51,6 +50,10 @@ function allowanceClient(lane, journalPath, maxCalls) {
     replayIntervalMs: null, // the test replays on demand
     logger: null,
   });
+}
+
+function allowanceClient(lane, journalPath, maxCalls) {
+  return laneClient(lane, OutagePolicy.allowance({ maxNanos: 10n * CAP, maxCalls, journalPath, prices: LOCAL_PRICES }));
 }
 
 /** Each reservation id's event kinds, in order, and the amounts of its endings. */
@@ -189,13 +192,7 @@ describe('a graceful stop under load', () => {
     const lane = 'outage-stop';
     await ledger.admin.putLane({ lane: { lane, limit_nanos: '1000000000000', prices: PRICES } });
     const journalPath = path.join(directory, 'stop', 'journal.jsonl');
-    const client = new LaneClient(ledger.address, lane, {
-      grant: ledger.adminGrant ?? undefined,
-      deadlineMs: DEADLINE_MS,
-      outage: OutagePolicy.deny(journalPath),
-      replayIntervalMs: null,
-      logger: null,
-    });
+    const client = laneClient(lane, OutagePolicy.deny(journalPath));
     try {
       await client.waitForReady();
       const outcomes = { completed: 0, journaled: 0, denied: 0 };
@@ -261,13 +258,7 @@ describe('a retry under the id of an unanswered Reserve', () => {
     const lane = 'outage-retry';
     await ledger.admin.putLane({ lane: { lane, limit_nanos: '1000000000', prices: PRICES } });
     const journalPath = path.join(directory, 'retry', 'journal.jsonl');
-    const client = new LaneClient(ledger.address, lane, {
-      grant: ledger.adminGrant ?? undefined,
-      deadlineMs: DEADLINE_MS,
-      outage: OutagePolicy.deny(journalPath),
-      replayIntervalMs: null,
-      logger: null,
-    });
+    const client = laneClient(lane, OutagePolicy.deny(journalPath));
     try {
       await client.waitForReady();
       const request = { ...REQUEST, reservationId: `retry-${randomBytes(4).toString('hex')}` };
