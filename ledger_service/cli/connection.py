@@ -12,7 +12,7 @@ import os
 import pathlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -267,3 +267,25 @@ def common_options() -> argparse.ArgumentParser:
         "--server (default LEDGER_TLS_SERVER_NAME)",
     )
     return common
+
+
+_Found = TypeVar("_Found")
+
+
+def last_holding(low: int, at_low: _Found, probe: Callable[[int], _Found | None]) -> _Found:
+    """What `probe` finds at the largest seq at or after `low` where it still
+    finds something (it does at `low`: `at_low`; once it finds nothing it
+    never does again). ListEvents reads forward only, so the newest
+    events are found by doubling, then halving, a seq: some 2 x log2 probes."""
+    found, step = at_low, 1
+    while (probe_found := probe(low + step)) is not None:  # doubling
+        low, found, step = low + step, probe_found, step * 2
+    high = low + step
+    while high - low > 1:  # halving: found at low, nothing at high
+        middle = (low + high) // 2
+        probe_found = probe(middle)
+        if probe_found is not None:
+            low, found = middle, probe_found
+        else:
+            high = middle
+    return found

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
-from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session
+from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session, last_holding
 from ledger_service.cli.connection import command as _command
 from ledger_service.cli.connection import common_options as _common_options
 from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
@@ -175,10 +175,9 @@ def window_events(
 
 
 def _seq_before(lane: str, instant_us: int, session: Session) -> int:
-    """The seq of the lane's last event dated at or before `instant_us` (0: none).
-    ListEvents reads forward only, and a lane's events are dated in seq order,
-    so it is found by doubling, then halving, a seq, each probe one event: a
-    long-lived lane's report then reads its windows, not its first pages."""
+    """The seq of the lane's last event dated at or before `instant_us` (0:
+    none): a lane's events are dated in seq order, so a long-lived lane's
+    report then reads its windows, not its first pages."""
 
     def next_is_before(seq: int) -> pb.Event | None:
         request = pb.ListEventsRequest(lane=lane, page_size=1, after_seq=seq)
@@ -189,18 +188,7 @@ def _seq_before(lane: str, instant_us: int, session: Session) -> int:
     first = next_is_before(0)
     if first is None:
         return 0
-    low, skipped, step = 0, first, 1  # the event after `low` is dated before the instant
-    while (probe := next_is_before(step)) is not None:
-        low, skipped, step = step, probe, step * 2
-    high = step
-    while high - low > 1:
-        middle = (low + high) // 2
-        probe = next_is_before(middle)
-        if probe is not None:
-            low, skipped = middle, probe
-        else:
-            high = middle
-    return skipped.seq
+    return last_holding(0, first, next_is_before).seq
 
 
 # Text ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session, command
+from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session, command, last_holding
 from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
 from ledger_service.cli.render import (
     duration_text,
@@ -137,31 +137,17 @@ def history(arguments: argparse.Namespace, session: Session) -> int:
 def recent_events(
     arguments: argparse.Namespace, session: Session, after_seq: int, limit: int
 ) -> tuple[list[pb.Event], int]:
-    """The newest `limit` events after `after_seq`, and the last seq read.
-
-    ListEvents reads forward only. The newest `limit` are the events after the
-    largest seq that still has `limit` after it: found by doubling, then
-    halving, the distance from `after_seq`, each probe a read of at most
-    `limit` events, so a log of any length costs some 2 x log2(its length)
-    probes."""
+    """The newest `limit` events after `after_seq`, and the last seq read: the
+    events after the largest seq that still has `limit` after it."""
     found = _events_after(arguments, session, after_seq, limit + 1)
     if len(found) <= limit:
         return found, found[-1].seq if found else after_seq
-    low, newest = after_seq, found[:limit]  # the first `limit` events after `low`
-    step = 1
-    while True:  # doubling: until a seq with fewer than `limit` after it
-        probe = _events_after(arguments, session, after_seq + step, limit)
-        if len(probe) < limit:
-            high = after_seq + step
-            break
-        low, newest, step = after_seq + step, probe, step * 2
-    while high - low > 1:  # halving: `limit` after low, fewer after high
-        middle = (low + high) // 2
-        probe = _events_after(arguments, session, middle, limit)
-        if len(probe) == limit:
-            low, newest = middle, probe
-        else:
-            high = middle
+
+    def full_page_after(seq: int) -> list[pb.Event] | None:
+        page = _events_after(arguments, session, seq, limit)
+        return page if len(page) == limit else None
+
+    newest = last_holding(after_seq, found[:limit], full_page_after)
     return newest, newest[-1].seq
 
 
