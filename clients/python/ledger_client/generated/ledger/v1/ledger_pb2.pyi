@@ -1292,7 +1292,9 @@ class ReconcileResponse(_message.Message):
         """The rows in file order: those that need a look (bad, unmatched,
         disagrees, refunded, open) first of all, and the routine ones (corrected,
         matched, not_applied) up to 1,000; at most 4,000 rows in all, and fewer
-        where they would pass the message limit (1 MiB). The counts above cover all.
+        where they would pass the message limit (1 MiB). The counts above cover
+        the whole file, omitted rows included; open and refunded rows have no count
+        of their own and appear only here.
         """
 
     def __init__(
