@@ -54,6 +54,9 @@ log = logging.getLogger("ledger.server")
 
 # How often `serve` looks for a stop signal that reached another thread.
 SIGNAL_POLL_SECONDS = 0.2
+# How long past its grace period a stop still waits for its own threads and
+# the last commit before it abandons them (and the process exits regardless).
+STOP_SECONDS = 1.0
 
 SERVICE_NAMES = tuple(
     ledger_pb2.DESCRIPTOR.services_by_name[name].full_name
@@ -371,28 +374,40 @@ class LedgerServer:
             except Exception:
                 log.exception("sweeper failed; will retry")
 
-    def stop(self, grace_seconds: float | None = None) -> None:
+    def stop(self, grace_seconds: float | None = None) -> bool:
+        """Drains and stops within the grace period; whether nothing was left
+        running (False: a call or a commit was cut off at the grace limit and
+        may still hold a thread)."""
         if self._stopping.is_set():
-            return
+            return True
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         grace = self.settings.grace_period_seconds if grace_seconds is None else grace_seconds
         began = time.monotonic()
+        deadline = began + grace
+        last = deadline + STOP_SECONDS
+
+        def until(instant: float) -> float:
+            return max(0.0, instant - time.monotonic())
+
         self.feed.stop()  # open streams end with SHUTTING_DOWN, not at the grace limit
-        running = self._drain.drain(began + grace)
+        running = self._drain.drain(deadline)
         if running:
             log.warning("grace limit of %.1f s reached: %d calls cut off", grace, running)
         else:
             log.info("drained in %.2f s", time.monotonic() - began)
-        self._server.stop(max(0.0, began + grace - time.monotonic())).wait()
-        if self._maintenance.is_alive():
-            self._maintenance.join(timeout=grace + 5)
-        if self._health_probe.is_alive():
-            self._health_probe.join(timeout=self.settings.health_check_timeout_seconds + 5)
-        self.store.close()
+        stopped = self._server.stop(until(deadline))
+        self._drain.release()  # grpcio takes no more calls: the held ones are answered
+        clean = stopped.wait(until(last))
+        for thread in (self._maintenance, self._health_probe):
+            if thread.is_alive():
+                thread.join(timeout=until(last))
+                clean = clean and not thread.is_alive()
+        clean = self.store.close(until(last)) and clean
         if self._owns_telemetry:
             self.telemetry.shutdown()
-        log.info("stopped")
+        log.info("stopped" if clean else "stopped; work cut off at the grace limit is abandoned")
+        return clean
 
     def wait(self) -> None:
         self._server.wait_for_termination()
@@ -542,5 +557,12 @@ def serve(
     # does not wake a wait without a timeout, and would be lost.
     while not done.wait(SIGNAL_POLL_SECONDS):
         pass
-    server.stop()
+    if not server.stop():
+        # A thread still blocked in cut-off work (say, a statement the database
+        # never answered) would hold the interpreter's exit, which joins the
+        # worker threads: leave at the grace limit, as promised. What committed
+        # is on disk; what did not is rolled back, as after a kill.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     return 0

@@ -1,6 +1,7 @@
 """The drain (api/drain.py), without a server: a call in its handler runs to its
-answer, a call after the drain began is refused with SHUTTING_DOWN, and the
-drain ends when the last running call does, or at its deadline."""
+answer, a call after the drain began is held and then refused with
+SHUTTING_DOWN once released (or near its own deadline), and the drain ends
+when the last running call does, or at its deadline."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from ledger_service.api.drain import SETTLE_SECONDS, Drain
+from ledger_service.api.drain import HOLD_MARGIN_SECONDS, SETTLE_SECONDS, Drain
 from ledger_service.domain.errors import ShuttingDown
 
 WAIT_SECONDS = 5.0
@@ -48,14 +49,50 @@ def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
     draining = threading.Thread(target=lambda: left.append(drain.drain(time.monotonic() + 30)))
     draining.start()
     time.sleep(SETTLE_SECONDS * 2)
-    with pytest.raises(ShuttingDown):
-        call(None, None)
+    refused: list[BaseException] = []
+    later = threading.Thread(target=lambda: _refusal(call, None, refused))
+    later.start()
+    later.join(SETTLE_SECONDS * 2)
+    assert later.is_alive()  # held, not answered: its client sends nothing more
     assert draining.is_alive()  # still waiting for the running call
     release.set()
     running.join(WAIT_SECONDS)
     draining.join(WAIT_SECONDS)
     assert answers == ["answered"]
     assert left == [0]
+    assert later.is_alive()  # held until grpcio takes no more calls
+    drain.release()
+    later.join(WAIT_SECONDS)
+    assert [type(error) for error in refused] == [ShuttingDown]
+    with pytest.raises(ShuttingDown):  # once released, at once
+        call(None, None)
+
+
+class Context:
+    def __init__(self, remaining_seconds: float) -> None:
+        self.remaining_seconds = remaining_seconds
+
+    def time_remaining(self) -> float:
+        return self.remaining_seconds
+
+
+def _refusal(call: Any, context: Any, refused: list[BaseException]) -> None:
+    try:
+        call(None, context)
+    except BaseException as error:
+        refused.append(error)
+
+
+def test_a_held_call_is_refused_before_its_own_deadline() -> None:
+    drain = Drain()
+    drain.drain(time.monotonic())
+    call = _behaviour(drain, "/ledger.v1.Ledger/Reserve", lambda _r, _c: "booked")
+    began = time.monotonic()
+    refused: list[BaseException] = []
+    _refusal(call, Context(0.3), refused)
+    assert [type(error) for error in refused] == [ShuttingDown]
+    # Held until HOLD_MARGIN_SECONDS before its deadline, not refused at once.
+    assert time.monotonic() - began >= 0.3 - HOLD_MARGIN_SECONDS - 0.01
 
 
 def test_health_is_neither_counted_nor_refused() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import pathlib
 import signal
+import sqlite3
 import threading
 import time
 
@@ -25,9 +26,11 @@ GRACE_SECONDS = 20.0
 
 
 class Client(threading.Thread):
-    def __init__(self, address: str, index: int) -> None:
+    def __init__(self, address: str, index: int, pause_seconds: float = 0.02) -> None:
         super().__init__(daemon=True)
         self.address, self.index = address, index
+        # How long the client waits after a refusal before its next call.
+        self.pause_seconds = pause_seconds
         self.stop = threading.Event()
         self.signalled_at: float | None = None
         self.answered: list[str] = []  # reservation ids answered OK
@@ -54,7 +57,7 @@ class Client(threading.Thread):
                     assert isinstance(error, grpc.Call)
                     reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
                     self.outcomes[f"{error.code().name} {reason} {when}".strip()] += 1
-                    time.sleep(0.02)
+                    time.sleep(self.pause_seconds)
                     continue
                 self.answered.append(rid)
                 self.outcomes[f"OK {when}"] += 1
@@ -74,11 +77,15 @@ def put_lane(address: str) -> None:
         )
 
 
-def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) -> None:
+def _stopped_under_load(
+    tmp_path: pathlib.Path, pause_seconds: float
+) -> tuple[list[Client], collections.Counter[str], float]:
+    """SIGTERM to a server under CLIENTS clients; their outcomes, and how long
+    the process took to exit."""
     env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS=str(GRACE_SECONDS))
     process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env)
     put_lane(address)
-    clients = [Client(address, index) for index in range(CLIENTS)]
+    clients = [Client(address, index, pause_seconds) for index in range(CLIENTS)]
     for client in clients:
         client.start()
     time.sleep(LOAD_SECONDS)
@@ -97,6 +104,11 @@ def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) 
     outcomes: collections.Counter[str] = collections.Counter()
     for client in clients:
         outcomes.update(client.outcomes)
+    return clients, outcomes, exited_after
+
+
+def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) -> None:
+    clients, outcomes, exited_after = _stopped_under_load(tmp_path, pause_seconds=0.02)
     assert outcomes["OK before"] > 100, outcomes
     before = {key: count for key, count in outcomes.items() if key.endswith(" before")}
     assert set(before) <= {"OK before", "UNAVAILABLE SHUTTING_DOWN before"}, outcomes
@@ -115,6 +127,17 @@ def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) 
     assert answered <= booked
 
 
+def test_calls_sent_again_at_once_during_a_stop_are_refused_not_cancelled(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Clients that send again the instant they are refused keep calls arriving
+    until grpcio stops; none of them may be cut off by the stop (CANCELLED):
+    each is UNAVAILABLE, safe to send again."""
+    _, outcomes, _ = _stopped_under_load(tmp_path, pause_seconds=0.0)
+    assert outcomes["OK before"] > 100, outcomes
+    assert {key.split()[0] for key in outcomes} <= {"OK", "UNAVAILABLE"}, outcomes
+
+
 def test_a_sigterm_sent_to_a_stopped_server_then_sigcont_still_drains(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -130,4 +153,50 @@ def test_a_sigterm_sent_to_a_stopped_server_then_sigcont_still_drains(
         process.send_signal(signal.SIGCONT)
         assert process.wait(timeout=10) == 0
     finally:
+        serving.stop(process)
+
+
+def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A move stuck behind another process's write lock is cut off at the grace
+    limit, and the process exits then, not when the move gives up."""
+    grace_seconds, deadline_seconds = 1.0, 20.0
+    env = serving.clean_env(
+        LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds),
+        LEDGER_REQUEST_DEADLINE_SECONDS=str(deadline_seconds),
+    )
+    process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env)
+    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    try:
+        put_lane(address)
+        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
+        outcome: list[str] = []
+
+        def reserve() -> None:
+            with grpc.insecure_channel(address) as channel:
+                request = pb.ReserveRequest(
+                    lane="recall", reservation_id="stuck", model="jev", request_bytes=1000,
+                    max_output_tokens=10,
+                )  # fmt: skip
+                try:
+                    pb_grpc.LedgerStub(channel).Reserve(request, timeout=deadline_seconds + 5)
+                    outcome.append("OK")
+                except grpc.RpcError as error:
+                    assert isinstance(error, grpc.Call)
+                    outcome.append(error.code().name)
+
+        caller = threading.Thread(target=reserve, daemon=True)
+        caller.start()
+        time.sleep(0.5)  # the Reserve waits for the write lock
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=deadline_seconds) == 0
+        exited_after = time.monotonic() - signalled
+        caller.join(timeout=5)
+        # The grace limit, the stop's own second past it, and a start-up's worth of slack.
+        assert exited_after < grace_seconds + 1.0 + 2.0, exited_after
+        assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
+    finally:
+        blocker.close()
         serving.stop(process)

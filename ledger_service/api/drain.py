@@ -3,10 +3,12 @@
 grpcio's own stop refuses new connections, but the calls that reached the
 server and were not yet handed to a worker are cancelled outright, and it
 stops as soon as the workers are idle. So the server drains first, while
-grpcio still takes calls: every call that reaches a handler after the drain
-began is answered at once with UNAVAILABLE / SHUTTING_DOWN (no work done,
-safe to send again), every call already in a handler runs to its answer, and
-only once none is running (or at the grace limit) does grpcio stop. Health
+grpcio still takes calls: every call already in a handler runs to its answer,
+and every call that reaches a handler after the drain began is held, without
+any work done, until grpcio has stopped taking calls (`release`), then
+answered UNAVAILABLE / SHUTTING_DOWN (safe to send again). Holding it keeps
+its client from sending another call that grpcio would cancel at its stop.
+Only once none is running (or at the grace limit) does grpcio stop. Health
 and reflection are neither counted nor refused.
 """
 
@@ -24,8 +26,11 @@ from ledger_service.api.errors import Behaviour, replace_behaviour
 from ledger_service.domain.errors import ShuttingDown
 
 # The shortest drain: long enough for grpcio to hand every call that reached it
-# before the drain began to a (free) worker, which answers it.
+# before the drain began to a (free) worker, which answers or holds it.
 SETTLE_SECONDS = 0.1
+# A held call is answered this long before its own deadline at the latest, so
+# that its client reads SHUTTING_DOWN, not DEADLINE_EXCEEDED.
+HOLD_MARGIN_SECONDS = 0.05
 
 
 class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
@@ -33,6 +38,7 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._condition = threading.Condition()
         self._running = 0
         self._draining = False
+        self._released = False
 
     def intercept_service(
         self,
@@ -50,23 +56,27 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
             request_deserializer=handler.request_deserializer,
         )
 
-    def _admit(self, *, counted: bool) -> None:
-        """Refuses a call once draining; counts it as running when `counted`."""
+    def _admit(self, context: grpc.ServicerContext | None, *, counted: bool) -> None:
+        """Counts a call as running when `counted`; once draining, holds it
+        until released (or nearly its deadline) and refuses it."""
         with self._condition:
             if self._draining:
+                remaining = context.time_remaining() if context is not None else None
+                hold = None if remaining is None else max(0.0, remaining - HOLD_MARGIN_SECONDS)
+                self._condition.wait_for(lambda: self._released, hold)
                 raise ShuttingDown()
             self._running += int(counted)
 
     def _refused_once_draining(self, behaviour: Behaviour) -> Behaviour:
         def refused(request: Any, context: grpc.ServicerContext) -> Any:
-            self._admit(counted=False)
+            self._admit(context, counted=False)
             return behaviour(request, context)
 
         return refused
 
     def _counted(self, behaviour: Behaviour) -> Behaviour:
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            self._admit(counted=True)
+            self._admit(context, counted=True)
             try:
                 return behaviour(request, context)
             finally:
@@ -77,9 +87,9 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return counted
 
     def drain(self, deadline: float) -> int:
-        """Refuses calls from now on and waits until none is running, and at
+        """Holds new calls from now on and waits until none is running, and at
         least SETTLE_SECONDS (calls that reached grpcio before the signal are
-        handed to a worker and answered meanwhile), or until `deadline`
+        handed to a worker meanwhile), or until `deadline`
         (time.monotonic()); returns how many were still running then."""
         with self._condition:
             self._draining = True
@@ -91,3 +101,10 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 if self._running == 0 and now >= settled:
                     return 0
                 self._condition.wait((settled if self._running == 0 else deadline) - now)
+
+    def release(self) -> None:
+        """Answers the held calls, and every later one at once: grpcio has
+        stopped taking calls."""
+        with self._condition:
+            self._released = True
+            self._condition.notify_all()

@@ -175,13 +175,15 @@ class GroupCommitter:
         with self._mutex:
             return len(self._queue)
 
-    def close(self, timeout_seconds: float = 10.0) -> None:
-        """Refuses new moves and waits for those under way."""
+    def close(self, timeout_seconds: float = 10.0) -> bool:
+        """Refuses new moves and waits for those under way; whether they ended."""
         with self._mutex:
             self._stopped = True
             self._idle.wait_for(lambda: not self._leading, timeout=timeout_seconds)
-            if not self._leading:
-                self._disconnect()
+            if self._leading:
+                return False
+            self._disconnect()
+            return True
 
     def _connect(self) -> Connection:
         if self._connection is None:

@@ -325,12 +325,14 @@ class SqlStore:
         with self._translated(), self._watched(time.monotonic() + bound) as connection:
             connection.execute(select(literal(1))).scalar_one()
 
-    def close(self) -> None:
-        if self._committer is not None:
-            self._committer.close()
+    def close(self, timeout_seconds: float = 10.0) -> bool:
+        """Waits up to `timeout_seconds` for the commit under way; whether
+        nothing was left running."""
+        idle = self._committer is None or self._committer.close(timeout_seconds)
         if self._watchdog is not None:
             self._watchdog.close()
         self._engine.dispose()
+        return idle
 
 
 _OF_MEMBERS = bookings.c.lane.in_(bindparam("members", expanding=True))
