@@ -7,9 +7,10 @@ blocked in libpq waits for as long as the freeze lasts. So the store arms a
 Watch around every PostgreSQL transaction with the call's deadline, and the
 Watchdog's thread interrupts it from outside when that passes:
 
-1. `cancel_grace_seconds` before the deadline it asks the server to cancel the
-   statement (psycopg's cancel_safe, bounded by the grace). A slow but live
-   server aborts the statement (57014) and answers.
+1. `cancel_grace_seconds` before the deadline (a quarter of a shorter
+   budget) it asks the server to cancel the statement (psycopg's cancel_safe,
+   waited for until the deadline at most). A slow but live server aborts the
+   statement (57014) and answers.
 2. At the deadline, if the transaction is still running, it shuts the
    connection's socket down (shutdown(2) on a duplicate of libpq's descriptor;
    the descriptor itself stays open, so its number cannot be reused under
@@ -148,23 +149,24 @@ class Watchdog:
                 for watch in due:
                     self._armed.discard(watch)
                     threading.Thread(
-                        target=interrupt, args=(watch, self._grace_seconds),
-                        name="watchdog-interrupt", daemon=True,
-                    ).start()  # fmt: skip
+                        target=interrupt, args=(watch,), name="watchdog-interrupt", daemon=True
+                    ).start()
                 self._waking_at = min((watch.fire_at for watch in self._armed), default=math.inf)
                 wait = None if self._waking_at == math.inf else self._waking_at - now
                 self._condition.wait(wait)
 
 
-def interrupt(watch: Watch, grace_seconds: float) -> None:
+def interrupt(watch: Watch) -> None:
     """Cancels the watch's statement, then at its deadline shuts its socket."""
     with watch.lock:
         if not watch.armed:
             return
         watch.interrupted = True
         if watch.connection is not None:
-            with contextlib.suppress(Exception):  # a frozen server never answers
-                watch.connection.cancel_safe(timeout=max(0.05, grace_seconds))
+            # A frozen server never answers the cancel: wait for it no longer
+            # than the deadline, where the socket is shut.
+            with contextlib.suppress(Exception):
+                watch.connection.cancel_safe(timeout=max(0.01, watch.remaining_seconds()))
     if watch.ended.wait(watch.remaining_seconds()):
         return
     with watch.lock:

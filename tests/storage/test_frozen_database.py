@@ -234,6 +234,35 @@ def _report(calls: list[Call], samples: list[tuple[float, str]],
     )
 
 
+@pytest.mark.parametrize("budget_seconds", [0.4, 0.9])
+def test_a_statement_under_a_short_watch_returns_by_its_deadline(
+    proxy: FreezingProxy, frozen_database_url: str, budget_seconds: float
+) -> None:
+    """The cancel request a frozen server never answers is bounded by the
+    watch's own time left, so the socket is shut at the deadline, not after
+    the watchdog's full cancel grace (0.5 s) on a shorter deadline."""
+    import psycopg
+
+    url = make_url(frozen_database_url).set(host="127.0.0.1", port=proxy.port)
+    dsn = url.render_as_string(hide_password=False).replace("postgresql+psycopg", "postgresql")
+    connection = psycopg.connect(dsn, autocommit=True)
+    dog = watchdog.Watchdog(cancel_grace_seconds=0.5)
+    try:
+        proxy.freeze()
+        started = time.monotonic()
+        with dog.watch(started + budget_seconds) as watch:
+            watch.attach(connection)
+            with pytest.raises(psycopg.Error):
+                connection.execute("SELECT 1")
+            took = time.monotonic() - started
+        # By the deadline, give or take a scheduler's tick.
+        assert took < budget_seconds + 0.1, took
+    finally:
+        proxy.thaw()
+        dog.close()
+        connection.close()
+
+
 def test_the_wait_for_a_free_connection_ends_at_the_watch_deadline() -> None:
     engine = sa.create_engine(
         "sqlite://", poolclass=watchdog.DeadlinePool, pool_size=1, max_overflow=0,
