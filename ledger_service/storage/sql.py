@@ -429,10 +429,26 @@ _EVENT_COLUMNS = tuple(column.name for column in events.c if column.name != "seq
 
 
 # The statements of every move, compiled once per dialect (storage/prepared.py).
+def _below() -> Any:
+    """(lane, parent) of every lane under `lane`, down to MAX_BUDGET_DEPTH levels
+    in all: the edges policies.subtree walks, gathered in one statement."""
+    below = (
+        select(lanes.c.lane, lanes.c.parent, literal(2).label("level"))
+        .where(lanes.c.parent == bindparam("lane"))
+        .cte("below", recursive=True)
+    )
+    deeper = select(lanes.c.lane, lanes.c.parent, (below.c.level + 1).label("level")).where(
+        lanes.c.parent == below.c.lane, below.c.level < MAX_BUDGET_DEPTH
+    )
+    below = below.union_all(deeper)
+    return select(below.c.lane, below.c.parent)
+
+
 _HOT = prepared.Statements(
     lane=select(lanes).where(lanes.c.lane == bindparam("lane")),
     lane_for_update=select(lanes).where(lanes.c.lane == bindparam("lane")).with_for_update(),
     children=select(lanes.c.lane).where(lanes.c.parent == bindparam("parent")),
+    below=_below(),
     booking=select(bookings).where(
         bookings.c.lane == bindparam("lane"),
         bookings.c.reservation_id == bindparam("reservation_id"),
@@ -512,8 +528,9 @@ class SqlTransaction:
         self._chained: set[str] = set()  # PostgreSQL: lanes whose appends are serialized here
         self._prefetched_bookings: dict[tuple[str, str], Booking | None] = {}
         self._prefetched_windows: dict[str, WindowState | None] = {}
-        # PostgreSQL: a seq taken behind this lane's row lock, not yet used.
-        self._taken_seq: tuple[str, int] | None = None
+        # PostgreSQL: a seq taken behind these lanes' row locks, not yet used.
+        self._taken_seq: tuple[frozenset[str], int] | None = None
+        self._lock_tried = False
 
     @property
     def _connection(self) -> Connection:
@@ -572,22 +589,27 @@ class SqlTransaction:
     def _lock_lane_and_read(self, lane: str, reservation_id: str) -> LanePolicy | None:
         """PostgreSQL: one round trip takes the locks (the maintenance lock
         first, then the lane's row) and, behind them, reads what a move on the
-        lane reads next: its booking, kept window, children and chain head."""
+        lane reads next: its booking, kept window, member lanes and chain head."""
         keys = {"lane": lane}
         reads = [
             (_HOT("lane_for_update", self._raw), keys),
             (_HOT("window_state", self._raw), keys),
-            (_HOT("children", self._raw), {"parent": lane}),
+            (_HOT("below", self._raw), keys),
             (chaining.head_statement(self._raw), keys),
         ]
         if reservation_id:
             booking_keys = {"lane": lane, "reservation_id": reservation_id}
             reads.append((_HOT("booking", self._raw), booking_keys))
-        # The seq of the lane's next event, taken behind its row lock (so in
-        # the lane's chain order) and after the xid (storage/horizon.py): its
-        # INSERT then waits for the COMMIT's round trip. Unused, it is a hole.
-        # Only a lane with no parent gets one here (the statement's WHERE).
-        take_seq = self._taken_seq is None
+        # The seq of the move's next event, taken behind its row locks (so in
+        # the chain order of every lane locked so far) and after the xid
+        # (storage/horizon.py): its INSERT then waits for the COMMIT's round
+        # trip. Unused, it is a hole. Only a lane with no parent takes one (the
+        # statement's WHERE): a lane's own when it has none, else the root of
+        # its budgets', locked last, so that a parent's events are in seq
+        # order as its lock admitted them. None is taken where no lane would
+        # use it: after a lock that found no lane (a new lane's parent).
+        take_seq = self._taken_seq is None and (self._chained or not self._lock_tried)
+        self._lock_tried = True
         if take_seq:
             reads.append((_HOT("next_seq", self._raw), keys))
         cursors = self._took_maintenance(
@@ -595,19 +617,22 @@ class SqlTransaction:
         )
         row = prepared.fetched_mapping(reads[0], cursors[0])
         window = prepared.fetched_mapping(reads[1], cursors[1])
-        children = cursors[2].fetchall()
+        below = cursors[2].fetchall()
         head = cursors[3].fetchone()
         booking = prepared.fetched_mapping(reads[4], cursors[4]) if reservation_id else None
         seq = cursors[-1].fetchone() if take_seq else None
         if row is None:
             return None  # nothing was locked: nothing read behind the lock is kept
-        if seq is not None:
-            self._taken_seq = (lane, int(seq[0]))
-        policy = self._memo.lanes[lane] = records.lane_from_row(row)
         self._chained.add(lane)
+        if seq is not None:
+            self._taken_seq = (frozenset(self._chained), int(seq[0]))
+        policy = self._memo.lanes[lane] = records.lane_from_row(row)
         self._prefetched_windows[lane] = _window_state_of(window) if window else None
-        if not children:
-            self._memo.members[lane] = [lane]
+        children: dict[str, list[str]] = {}
+        for child, parent in below:
+            children.setdefault(parent, []).append(child)
+        levels = policies.subtree(lane, lambda parent: children.get(parent, ()), MAX_BUDGET_DEPTH)
+        self._memo.members[lane] = [name for level in levels for name in level]
         self._memo.heads[lane] = (head[0] if head is not None else None) or chain.GENESIS_HASH
         if reservation_id:
             key = (lane, reservation_id)
@@ -782,7 +807,7 @@ class SqlTransaction:
         digest = chain.event_hash(previous, event)
         values = records.event_values(event)
         values["hash"], values["previous_hash"] = digest, previous
-        if self._taken_seq is not None and self._taken_seq[0] == event.lane:
+        if self._taken_seq is not None and event.lane in self._taken_seq[0]:
             seq, self._taken_seq = self._taken_seq[1], None
             self._defer("insert_event_at", {**values, "seq": seq})
         else:

@@ -131,3 +131,29 @@ def test_a_parents_events_are_in_seq_order_as_its_lock_admitted_them(
     first.join(30)
     [first_event] = ledger.list_events(EventQuery(lane="first", kinds=("reserved",)))
     assert second.event.seq < first_event.seq
+
+
+def test_a_move_under_a_parent_leaves_no_hole_and_makes_few_round_trips(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Locking the parent takes no seq the move never uses, and the parent's
+    budget (its member lanes, its window) is read in the locks' round trips:
+    the child's own lock, the parent's, the windows' edges, its seq and the
+    COMMIT's pipeline."""
+    clock = ManualClock(START_US)
+    ledger = Ledger(postgres_store, clock)
+    ledger.put_lane(dataclasses.replace(RECALL, lane="team"))
+    for child in ("child", "sibling"):
+        ledger.put_lane(dataclasses.replace(RECALL, lane=child, parent="team"))
+    child_reserve = moves.ReserveCommand("child", "warm-up", "jev", 1000, 10)
+    assert ledger.reserve(child_reserve).admitted
+    trips = RoundTrips(postgres_store, monkeypatch)
+    clock.advance_us(1_000)
+    reserve = dataclasses.replace(child_reserve, reservation_id="r-1")
+    assert trips.of(lambda: ledger.reserve(reserve)) <= 5
+    clock.advance_us(1_000)
+    settle = moves.SettleCommand("child", "r-1", Outcome.SUCCEEDED, 10, 5)
+    assert trips.of(lambda: ledger.settle(settle)) <= 5
+    with postgres_store.engine.connect() as connection:
+        seqs = list(connection.execute(select(events.c.seq).order_by(events.c.seq)).scalars())
+    assert seqs == list(range(1, len(seqs) + 1))
