@@ -393,8 +393,12 @@ def test_the_test_clock_refuses_instants_finer_than_a_microsecond(harness: Any) 
     for call in (
         lambda: harness.clock.Advance(duration_pb2.Duration(seconds=1, nanos=-500)),
         lambda: harness.clock.SetTime(timestamp_pb2.Timestamp(seconds=2_000_000_000, nanos=-5)),
+        lambda: harness.clock.SetTime(timestamp_pb2.Timestamp(seconds=2_000_000_000, nanos=-1000)),
+        lambda: harness.clock.SetTime(timestamp_pb2.Timestamp(seconds=2_000_000_000, nanos=10**9)),
     ):
-        assert "not a valid" in harness.fails(INVALID, call).details
+        failure = harness.fails(INVALID, call)
+        assert "not a valid" in failure.details
+        assert failure.field == "nanos"
     harness.clock.Advance(duration_pb2.Duration(nanos=1000))
     assert harness.now_us() == before + 1
 

@@ -258,9 +258,10 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
 
 def _whole_micros(nanos: int) -> None:
     """The test clock counts whole microseconds, as the ledger does: a finer
-    instant would be silently cut. (Negative nanos are no valid instant or
-    duration here: the conversion that follows says so.)"""
-    if nanos > 0 and nanos % 1000:
+    instant would be silently cut. Its requests carry no negative part."""
+    if not 0 <= nanos <= 999_999_999:
+        raise InvalidArgument("nanos", "is not a valid part of a second: 0 to 999,999,999")
+    if nanos % 1000:
         raise InvalidArgument("nanos", "the ledger's clock counts whole microseconds")
 
 

@@ -1,5 +1,5 @@
 """Every RPC is a SERVER span joined to the lane's trace, and the ledger stores
-that trace id on the events the call writes (ledger-semantics.md, Audit)."""
+that trace id on the events the call writes (docs/semantics.md)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 // How a model call's end becomes the end of its booking: ONE table, the same
 // as the Python client's (clients/python/ledger_client/outcomes.py). A refused
 // call costs zero; an unknown outcome is charged at the hold (the server never
-// charges more); real usage is the real cost. See ledger-semantics.md, "The
-// five moves".
+// charges more); real usage is the real cost. See docs/semantics.md, "The
+// moves".
 
 const wire = require('./wire');
 
