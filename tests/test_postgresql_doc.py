@@ -74,12 +74,16 @@ def database_name() -> Iterator[str]:
         admin.dispose()
 
 
-def test_every_walk_through_command_runs(database_name: str, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("shell", ["bash", "sh"])
+def test_every_walk_through_command_runs(
+    database_name: str, tmp_path: pathlib.Path, shell: str
+) -> None:
+    """In bash and in a plain POSIX sh (dash, on Debian), as a reader may paste it."""
     url = make_url(POSTGRES_URL)
     if (url.host, url.port or 5432, url.username) != ("127.0.0.1", 5432, "postgres"):
         pytest.skip("the walk-through is written for postgres@127.0.0.1:5432")
     ports = [str(_free_port()), str(_free_port())]
-    script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    script = ["set -eu", "trap 'kill $(cat a.pid b.pid 2>/dev/null) 2>/dev/null || true' EXIT"]
     for command in walk_through():
         command = command.replace(DOC_DATABASE, database_name)
         for shown_port, port in zip(DOC_PORTS, ports, strict=True):
@@ -88,7 +92,7 @@ def test_every_walk_through_command_runs(database_name: str, tmp_path: pathlib.P
     environment = {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
     environment["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     done = subprocess.run(
-        ["bash", "-c", "\n".join(script)],
+        [shell, "-c", "\n".join(script)],
         cwd=tmp_path,
         env=environment,
         capture_output=True,
