@@ -428,7 +428,6 @@ _WINDOW_EDGES = _window_edges(_OF_MEMBERS)
 _EVENT_COLUMNS = tuple(column.name for column in events.c if column.name != "seq")
 
 
-# The statements of every move, compiled once per dialect (storage/prepared.py).
 def _below() -> Any:
     """(lane, parent) of every lane under `lane`, down to MAX_BUDGET_DEPTH levels
     in all: the edges policies.subtree walks, gathered in one statement."""
@@ -444,6 +443,7 @@ def _below() -> Any:
     return select(below.c.lane, below.c.parent)
 
 
+# The statements of every move, compiled once per dialect (storage/prepared.py).
 _HOT = prepared.Statements(
     lane=select(lanes).where(lanes.c.lane == bindparam("lane")),
     lane_for_update=select(lanes).where(lanes.c.lane == bindparam("lane")).with_for_update(),
