@@ -587,6 +587,8 @@ export class Journal {
   entries(): JournalEntry[];
   recordReserve(entry: JournalEntry): Promise<void>;
   recordEnd(reservationId: string, ending: JournaledEnding, localChargeNanos: bigint): Promise<void>;
+  /** An unanswered Reserve and its refund, unless `limit` such entries are pending; whether journaled. */
+  recordInDoubt(entry: JournalEntry, ending: JournaledEnding, limit: number): Promise<boolean>;
   recordReplay(reservationId: string, result: ReplayResult, detail?: string): Promise<void>;
   /** Moves a fully replayed journal of at least rotateBytes aside (<journal>.<stamp>.done); resolves with its path or null. */
   rotateIfReplayed(): Promise<string | null>;

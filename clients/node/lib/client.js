@@ -556,14 +556,10 @@ class LaneClient {
   async _journalInDoubt(request, trace) {
     const journal = this._journal;
     if (journal === null || !journal.isOpen) return false;
-    let inDoubt = 0;
-    for (const entry of journal.pending()) if (entry.source === Source.IN_DOUBT) inDoubt += 1;
-    if (inDoubt >= MAX_IN_DOUBT_ENTRIES) return false;
     try {
       const entry = newEntry(this.lane, argumentsOf(request), Source.IN_DOUBT, 0n, { traceId: traceIdOf(trace?.traceparent) ?? '' });
-      await journal.recordReserve(entry);
-      await journal.recordEnd(entry.reservationId, { settlement: Settlement.REFUND, httpStatus: 0, usage: null, reason: IN_DOUBT_REASON }, 0n);
-      return true;
+      const refund = { settlement: Settlement.REFUND, httpStatus: 0, usage: null, reason: IN_DOUBT_REASON };
+      return await journal.recordInDoubt(entry, refund, MAX_IN_DOUBT_ENTRIES);
     } catch (failure) {
       if (!(isJournalTrouble(failure) || failure instanceof TypeError)) throw failure;
       this._logger?.warn(`ledger journal: could not journal an unanswered reserve: ${failure.message}`);

@@ -744,28 +744,49 @@ class Journal {
 
   /** Journals a new entry. Refused when the journal is full (fail closed). */
   recordReserve(entry) {
+    return this._serially(() => this._reserve(entry));
+  }
+
+  async _reserve(entry) {
+    if (entry.lane !== this.lane) throw new JournalError('an entry for another lane');
+    // An id may come back once its earlier entry was replayed (a retry).
+    const earlier = this._entries.get(entry.reservationId);
+    if (earlier !== undefined && earlier.replay === null) throw new JournalError('reservation_id already journaled');
+    if (this.sizeBytes >= this._maxBytes) throw new JournalFull(`journal ${this.path} is full`);
+    await this._append(line(reserveRecord(entry)));
+    this._entries.set(entry.reservationId, entry);
+  }
+
+  /**
+   * Journals an unanswered Reserve (Source.IN_DOUBT) and the refund that ends
+   * it, unless `limit` such entries are pending already; resolves whether it
+   * did. Counted and written in one turn, so calls at once cannot pass the
+   * limit together.
+   */
+  recordInDoubt(entry, ending, limit) {
     return this._serially(async () => {
-      if (entry.lane !== this.lane) throw new JournalError('an entry for another lane');
-      // An id may come back once its earlier entry was replayed (a retry).
-      const earlier = this._entries.get(entry.reservationId);
-      if (earlier !== undefined && earlier.replay === null) throw new JournalError('reservation_id already journaled');
-      if (this.sizeBytes >= this._maxBytes) throw new JournalFull(`journal ${this.path} is full`);
-      await this._append(line(reserveRecord(entry)));
-      this._entries.set(entry.reservationId, entry);
+      let pending = 0;
+      for (const known of this.pending()) if (known.source === Source.IN_DOUBT) pending += 1;
+      if (pending >= limit) return false;
+      await this._reserve(entry);
+      await this._end(entry.reservationId, ending, 0n);
+      return true;
     });
   }
 
   /** Journals how an entry ended and what the lane thinks it costs. */
   recordEnd(reservationId, ending, localChargeNanos) {
-    return this._serially(async () => {
-      const current = this._entries.get(reservationId);
-      if (current === undefined) throw new JournalError('no such entry');
-      if (current.ending !== null) throw new JournalError('this entry already has its ending');
-      if (typeof localChargeNanos !== 'bigint') throw new TypeError('localChargeNanos must be a BigInt');
-      const checked = checkEnding(ending);
-      await this._append(line(endRecord(reservationId, checked, localChargeNanos)));
-      this._entries.set(reservationId, Object.freeze({ ...current, ending: checked, localChargeNanos }));
-    });
+    return this._serially(() => this._end(reservationId, ending, localChargeNanos));
+  }
+
+  async _end(reservationId, ending, localChargeNanos) {
+    const current = this._entries.get(reservationId);
+    if (current === undefined) throw new JournalError('no such entry');
+    if (current.ending !== null) throw new JournalError('this entry already has its ending');
+    if (typeof localChargeNanos !== 'bigint') throw new TypeError('localChargeNanos must be a BigInt');
+    const checked = checkEnding(ending);
+    await this._append(line(endRecord(reservationId, checked, localChargeNanos)));
+    this._entries.set(reservationId, Object.freeze({ ...current, ending: checked, localChargeNanos }));
   }
 
   /** Journals that the ledger acknowledged an entry (or refused it for good). */

@@ -233,6 +233,18 @@ describe('the journal', () => {
     open(); // free again once closed
   });
 
+  test('calls at once journal no more in-doubt Reserves than the limit', async () => {
+    const journal = open();
+    const refund = { settlement: Settlement.REFUND, httpStatus: 0, usage: null, reason: 'the call was not made' };
+    const kept = await Promise.all(
+      Array.from({ length: 12 }, () => journal.recordInDoubt(entry(Source.IN_DOUBT, 0n), refund, 3)),
+    );
+    assert.equal(kept.filter(Boolean).length, 3);
+    const inDoubt = journal.pending().filter((one) => one.source === Source.IN_DOUBT);
+    assert.equal(inDoubt.length, 3);
+    assert.ok(inDoubt.every((one) => one.ending?.settlement === Settlement.REFUND));
+  });
+
   test('a journal belongs to one lane', async () => {
     const journal = open();
     await journal.recordReserve(entry());

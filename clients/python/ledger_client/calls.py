@@ -360,9 +360,6 @@ class ModelCall:
         journal = self._support.journal
         if journal is None:
             return False
-        in_doubt = sum(1 for entry in journal.pending() if entry.source is Source.IN_DOUBT)
-        if in_doubt >= MAX_IN_DOUBT_ENTRIES:
-            return False
         entry = JournalEntry(
             self._support.lane,
             self._arguments,
@@ -371,15 +368,12 @@ class ModelCall:
             now_text(),
             trace_id=self._trace_id,
         )
+        refund = Ending(Settlement.REFUND, 0, None, IN_DOUBT_REASON)
         try:
-            journal.record_reserve(entry)
-            journal.record_end(
-                entry.reservation_id, Ending(Settlement.REFUND, 0, None, IN_DOUBT_REASON), 0
-            )
+            return journal.record_in_doubt(entry, refund, MAX_IN_DOUBT_ENTRIES)
         except (JournalError, OSError) as failure:
             log.warning("could not journal an unanswered reserve: %s", failure)
             return False
-        return True
 
     def _supersede_in_doubt(self) -> None:
         """An earlier Reserve of this id went unanswered and was journaled in

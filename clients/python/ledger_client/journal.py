@@ -340,6 +340,19 @@ class Journal:
             self._append(_line(_reserve_record(entry)))
             self._entries[entry.reservation_id] = entry
 
+    def record_in_doubt(self, entry: JournalEntry, ending: Ending, limit: int) -> bool:
+        """Journals an unanswered Reserve (Source.IN_DOUBT) and the refund that
+        ends it, unless `limit` such entries are pending already; whether it
+        did. Counted and written under one lock, so calls at once cannot pass
+        the limit together."""
+        with self._lock:
+            pending = sum(1 for known in self.pending() if known.source is Source.IN_DOUBT)
+            if pending >= limit:
+                return False
+            self.record_reserve(entry)
+            self.record_end(entry.reservation_id, ending, 0)
+            return True
+
     def record_end(self, reservation_id: str, ending: Ending, local_charge_nanos: int) -> None:
         with self._lock:
             current = self._entries[reservation_id]

@@ -477,6 +477,44 @@ def test_with_a_journal_full_of_doubts_the_refund_goes_in_the_background(
     assert [kinds for kinds in fake.event_counts().values()] == [["reserved", "refunded"]]
 
 
+class LostTogether(LostAnswers):
+    """Loses the answers of `parties` Reserves that arrive at once, all at once."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__(lost(grpc.StatusCode.UNAVAILABLE))
+        self.together = threading.Barrier(parties)
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        self.together.wait(5.0)
+        return super().reserve_arguments(arguments, **options)
+
+
+def test_calls_at_once_journal_no_more_doubts_than_the_limit(tmp_path, monkeypatch) -> None:
+    limit, parties = 3, 12
+    monkeypatch.setattr(calls, "MAX_IN_DOUBT_ENTRIES", limit)
+    fake = LostTogether(parties)
+    client = client_on(fake, OutagePolicy.deny(tmp_path / "journal.jsonl"))
+    assert isinstance(client, LaneClient)
+
+    def one() -> None:
+        with pytest.raises(Denied), call(client):
+            raise AssertionError("the model must not be called")
+
+    with client:
+        threads = [threading.Thread(target=one) for _ in range(parties)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10.0)
+        refunds_of(client)
+        assert client.journal is not None
+        in_doubt = [e for e in client.journal.pending() if e.source is Source.IN_DOUBT]
+        assert len(in_doubt) == limit
+    # The rest were refunded in the background: every booking is refunded or journaled.
+    refunded = [kinds for kinds in fake.event_counts().values() if kinds[-1] == "refunded"]
+    assert len(refunded) == parties - limit
+
+
 class BlockedEnds:
     """A ledger whose Refunds wait until released."""
 
