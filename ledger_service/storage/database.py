@@ -185,6 +185,23 @@ def file_replaced(engine: Engine) -> str | None:
     return f"{path} was {how} while the server had it open"
 
 
+def wal_deleted(engine: Engine) -> str | None:
+    """Why the engine's SQLite file has lost its write-ahead log while a
+    connection holds it open (SQLite removes it only when the last one
+    closes); None when it has not, and always on PostgreSQL. The moves in a
+    deleted log survive only a clean close, which copies them into the file."""
+    if engine.dialect.name != "sqlite" or engine not in _FILE_IDS:
+        return None
+    wal = pathlib.Path(f"{engine.url.database}-wal")
+    if wal.exists():
+        return None
+    return (
+        f"{wal} was deleted while the server had it open (moves since the last "
+        "checkpoint are only in the deleted file: stop the server with SIGTERM, not "
+        "kill -9, so that its close copies them into the database)"
+    )
+
+
 def _create_private(path: pathlib.Path) -> None:
     """A new database is its owner's alone: its directory, made here, 0700, and
     the file 0600 (SQLite gives its WAL and shared-memory files the same mode),

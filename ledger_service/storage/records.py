@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from json.encoder import encode_basestring_ascii
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import canonical_json
@@ -81,6 +82,29 @@ def window_values(state: WindowState) -> dict[str, Any]:
     }
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class UnreadableRow(ValueError):
+    """A row that breaks its table's shape: a NULL where the schema allows none,
+    a value no enum has, JSON that does not parse. The database let it through,
+    so its file is damaged (storage/translate.py makes it StoreDamaged)."""
+
+
+def _rows_read(decode: Callable[P, R]) -> Callable[P, R]:
+    """`decode`, with what a broken row makes it raise turned into UnreadableRow."""
+
+    @functools.wraps(decode)
+    def read(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return decode(*args, **kwargs)
+        except (TypeError, ValueError, KeyError) as error:
+            raise UnreadableRow(f"{decode.__name__}: {type(error).__name__}") from error
+
+    return read
+
+
 def event_from_row(row: Mapping[Any, Any]) -> Event:
     return events_from_rows([[row[column] for column in EVENT_COLUMNS]])[0]
 
@@ -104,6 +128,7 @@ def lane_values(policy: LanePolicy) -> dict[str, Any]:
     }
 
 
+@_rows_read
 def lane_from_row(row: Mapping[Any, Any]) -> LanePolicy:
     prices = json.loads(row["prices_json"])
     return LanePolicy(
@@ -228,6 +253,7 @@ _check_buildable(Booking)
 _check_buildable(ModelPrice)
 
 
+@_rows_read
 def events_from_rows(rows: Iterable[Sequence[Any]]) -> list[Event]:
     """Events from rows of EVENT_COLUMNS: what event_from_row gives for each."""
     built: list[Event] = []
@@ -253,6 +279,7 @@ def events_from_rows(rows: Iterable[Sequence[Any]]) -> list[Event]:
     return built
 
 
+@_rows_read
 def bookings_from_rows(rows: Iterable[Sequence[Any]]) -> list[Booking]:
     """Bookings from rows of BOOKING_COLUMNS: what booking_from_row gives for each."""
     built: list[Booking] = []

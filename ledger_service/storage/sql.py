@@ -121,6 +121,8 @@ class SqlStore:
         in_turn: bool = False,
         snapshot: bool = False,
     ) -> T:
+        if self._damage is not None:  # nothing is served from a damaged database
+            raise StoreDamaged(self._damage.what, self._damage.advice)
         # The request deadline, or the caller's if that comes first.
         deadline = time.monotonic() + self._deadline_seconds
         call_deadline = deadlines.call_deadline()
@@ -207,15 +209,18 @@ class SqlStore:
             self._write_problem = f"a write failed ({code})"
 
     def _begin_batch(self, connection: Connection) -> None:
-        self._check_file()
+        self._check_file(writing=True)
         self._writer.begin(connection)
 
-    def _check_file(self) -> None:
+    def _check_file(self, *, writing: bool = False) -> None:
         """Raises StoreUnavailable once the SQLite file is no longer the one the
         server opened: a move written to a deleted file is lost at the next
-        start. Only a restart opens the file that is there now."""
+        start. Only a restart opens the file that is there now. `writing`: the
+        writer's connection is open, so its write-ahead log must be there too."""
         if self._replaced is None:
             problem = database.file_replaced(self._engine)
+            if problem is None and writing:
+                problem = database.wal_deleted(self._engine)
             if problem is None:
                 return
             self._replaced = problem

@@ -140,3 +140,26 @@ def test_ledger_verify_says_the_database_is_damaged_and_what_to_do(
     assert "restore the database from a backup" in said, said
     assert url in said, "the message names the damaged database"
     assert "unavailable" not in said
+
+
+def test_a_row_that_breaks_its_schema_is_damage_and_then_nothing_is_served(
+    sqlite_history: History,
+    started: Callable[[str], Running],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SQLite hands back a damaged page's cells as rows without an error: a
+    lane whose prices no longer parse is damage (STORE_DAMAGED, NOT_SERVING),
+    never an INTERNAL error with a traceback; and once the damage is known, the
+    log is not served either."""
+    caplog.set_level(logging.INFO)
+    sqlite_history.sql("UPDATE lanes SET prices_json = '{broken' WHERE lane = 'recall'")
+    sqlite_history.store.close()
+    running = started(sqlite_history.url)
+    assert _reason(lambda: running.reserve("after-damage")) == "STORE_DAMAGED"
+    running.wait_for(NOT_SERVING)
+    listing = running.ledger.ListEvents
+    assert _reason(lambda: listing(pb.ListEventsRequest(), timeout=5)) == "STORE_DAMAGED"
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert tracebacks == [], [r.getMessage() for r in tracebacks]
+    damaged = [r.getMessage() for r in caplog.records if "DATABASE IS DAMAGED" in r.getMessage()]
+    assert len(damaged) == 1 and "schema" in damaged[0], damaged

@@ -155,6 +155,22 @@ def test_reads_are_served_while_the_files_cannot_be_written(
     store.close()
 
 
+def test_a_write_ahead_log_deleted_under_the_server_books_nothing_more(
+    data_dir: pathlib.Path, serve: Callable[[], tuple[str, pathlib.Path]]
+) -> None:
+    """Moves since the last checkpoint live in ledger.db-wal: deleted, they
+    would be lost to a crash, so no move is booked into it."""
+    address, log_path = serve()
+    with grpc.insecure_channel(address) as channel:
+        assert _health_becomes(channel, SERVING)
+        assert _put_lane(channel) is grpc.StatusCode.OK
+        (data_dir / "ledger.db-wal").unlink()
+        assert _put_lane(channel, 2_000_000) is grpc.StatusCode.UNAVAILABLE
+        assert _health_becomes(channel, NOT_SERVING)
+        logged = log_path.read_text()
+        assert f"THE DATABASE FILE IS GONE: {data_dir / 'ledger.db-wal'} was" in logged, logged
+
+
 @pytest.mark.parametrize("how", ["deleted", "replaced"])
 def test_a_database_file_gone_under_the_server_books_nothing_more(
     data_dir: pathlib.Path, serve: Callable[[], tuple[str, pathlib.Path]], how: str
