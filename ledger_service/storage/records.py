@@ -100,7 +100,7 @@ def _rows_read(decode: Callable[P, R]) -> Callable[P, R]:
         try:
             return decode(*args, **kwargs)
         except (TypeError, ValueError, KeyError) as error:
-            raise UnreadableRow(f"{decode.__name__}: {type(error).__name__}") from error
+            raise UnreadableRow(str(error)) from error
 
     return read
 
@@ -408,7 +408,7 @@ def lane_rows(policies: Iterable[LanePolicy]) -> list[tuple[Any, ...]]:
 # it costs a fifth: a template per combination of the row's value types, the
 # three free strings escaped as json does. A row with a type or an enum value
 # the template does not foresee takes the reference path (and fails as
-# bookings_from_rows would). tests/storage/test_booking_texts.py compares.
+# bookings_from_rows would). tests/recovery/test_parallel_rebuild.py compares.
 
 # Type combinations a process keeps templates for (past them: made each time).
 MAX_BOOKING_TEMPLATES = 256
