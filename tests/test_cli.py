@@ -334,6 +334,18 @@ def test_migrate_on_a_database_that_does_not_answer_is_one_line(
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("command", ["verify", "snapshot", "rebuild", "recover"])
+def test_a_recovery_command_on_a_data_dir_with_no_database_creates_nothing(
+    ledger: RunLedger, tmp_path: pathlib.Path, command: str
+) -> None:
+    nowhere = tmp_path / "nowhere"
+    needed = ["--budget-seconds", "60"] if command == "recover" else []
+    run = ledger(command, "--data-dir", str(nowhere), *needed)
+    assert run.code == 2
+    assert one_line_error(run).strip() == f"ledger {command}: no database at {nowhere / 'ledger.db'}"
+    assert not nowhere.exists()
+
+
 def test_verify_on_a_database_that_is_not_there_says_what_the_server_said(
     ledger: RunLedger, tmp_path: pathlib.Path
 ) -> None:

@@ -109,12 +109,27 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
     from ledger_service import server
 
     settings = settings_from(arguments)
+    missing = _missing_database(settings)
+    if missing:
+        # These commands look at a ledger; they never create an empty one.
+        print(f"ledger {command}: no database at {missing}", file=sys.stderr)
+        raise SystemExit(2)
     store = server.build_store(settings)
     owner = f"ledger {command} {socket.gethostname()}:{os.getpid()}"
     try:
         yield settings, server.build_recovery(settings, store, owner)
     finally:
         store.close()
+
+
+def _missing_database(settings: Settings) -> str:
+    """The path of a SQLite database file that does not exist ("" otherwise)."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return ""
+    return "" if pathlib.Path(url.database).exists() else url.database
 
 
 def database_unavailable(command: str, error: Exception, where: str = "") -> int:
