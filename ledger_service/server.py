@@ -132,14 +132,21 @@ class LedgerServer:
             try:
                 _upgrade(self.store)
             except StoreUnavailable as error:
-                why = "it is damaged" if isinstance(error, StoreDamaged) else "it does not answer"
+                damaged = isinstance(error, StoreDamaged)
+                why = "it is damaged" if damaged else "it does not answer"
                 said = translate.driver_message(error)
                 why += f" ({said})" if said else ""
+                every = settings.recovery_check_interval_seconds
+                then = (
+                    " until it is repaired and the server restarted"
+                    if damaged
+                    else f"; the server tries again every {every:g} s"
+                )
                 log.error(
                     "the database's schema could not be brought up to date: %s. Health is "
-                    "NOT_SERVING; the server tries again every %g s",
+                    "NOT_SERVING%s",
                     why,
-                    settings.recovery_check_interval_seconds,
+                    then,
                 )
                 pending_migration = functools.partial(_upgrade, self.store)
         self.ledger = Ledger(

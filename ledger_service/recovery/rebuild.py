@@ -32,7 +32,7 @@ from ledger_service.domain.chain import (
     content_matches,
 )
 from ledger_service.domain.clock import MICROS_PER_SECOND, Clock
-from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.policies import LanePolicy, policy_from_dict
 from ledger_service.recovery import plan as planner
@@ -874,6 +874,11 @@ class RecoveryGuard:
                 self._prepare()
                 self._prepare = None
             outcome = self.recovery.recover(self.policy, self._actor)
+        except StoreDamaged:
+            # The store logs what is damaged and what to do, once; the server's
+            # maintenance stops these checks.
+            self._set(self.PENDING)
+            return
         except StoreUnavailable:
             log.warning("recovery check: database unavailable; will retry")
             self._set(self.PENDING)
