@@ -1,4 +1,4 @@
-"""The incident of seeds/000 as a test: it cannot happen on this ledger.
+"""The incident of docs/semantics.md ("Why it exists") as a test: it cannot happen on this ledger.
 
 Recall fell back on 1,539 of 1,685 live attempts while real spend was about
 $0.0014 of a $0.50 daily budget: unknown outcomes were booked at 16 to 750 times

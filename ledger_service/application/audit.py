@@ -1,7 +1,7 @@
 """The audit of a lane's window: how its spend splits into real charges, estimates,
 open holds and refusals, how often its Reserves were denied, and what that means.
 
-The recall jam (seeds/000) was a window full of estimates: UNKNOWN outcomes booked
+The recall jam (docs/semantics.md) was a window full of estimates: UNKNOWN outcomes booked
 far above the real bill and holds that expired, $0.4989 booked against $0.50 while
 real spend was about $0.0014, and 1,539 of 1,685 calls denied. The audit puts those
 numbers side by side so that one look at a lane says "check its ledger before

@@ -5,7 +5,7 @@ the log, they can be rebuilt from several sources: a snapshot plus the tail of
 the log after it, or the whole log. Each source has a cost (seconds, estimated
 from how much it must replay and a measured replay rate) and a risk score (the
 chance that it yields a state that differs from the one the log implies). The
-decision follows the seed's boundary (docs/recovery.md):
+decision follows this boundary (docs/recovery.md):
 
 1. Is reconstruction technically possible? No source can reach the position the
    ledger must be restored to: HARD_ABORT.
@@ -16,8 +16,8 @@ decision follows the seed's boundary (docs/recovery.md):
    EXCEEDS_BUDGET.
 4. Otherwise ADMISSIBLE.
 
-Here the sources are alternatives, not parts of one reconstruction (the seed
-sums every safe source), so the cost is that of the sources the plan uses. The
+Here the sources are alternatives, not parts of one reconstruction (a reconstruction
+would sum every safe source), so the cost is that of the sources the plan uses. The
 manifest's digest covers every field that made the decision (not a constant per
 verdict), so two manifests with one digest are the same decision.
 """

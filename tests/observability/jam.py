@@ -1,6 +1,6 @@
-"""The seed's situation (seeds/000), scaled down: a lane whose window is full of
-estimates, UNKNOWN outcomes booked at their holds and holds that expired, while
-its real spend is tiny, so that most of its Reserves are denied.
+"""The recall jam's situation (docs/semantics.md, "Why it exists"), scaled
+down: a lane whose window is full of estimates, UNKNOWN outcomes booked at their
+holds and holds that expired, while its real spend is tiny, so that most of its Reserves are denied.
 
 limit 10_000 nanos; every hold is the cap of 10_000 bytes and 500 output tokens,
 486 nanos. Each group is reserved one second after the previous one:

@@ -5,8 +5,6 @@ from the row's values, without building the Event; the reference is
 chain.canonical_event of the Event the row holds. A change to any column is
 found either way, and a value no enum has fails as the reference fails. A
 rebuild's digest hashes the bookings' texts (records.booking_texts_from_rows).
-(Moved from tests/storage/test_canonical_sql.py when SQLite stopped writing
-the texts: the tests of SQLite's texts went with it.)
 """
 
 from __future__ import annotations

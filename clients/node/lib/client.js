@@ -11,7 +11,7 @@ const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL
 const { OutagePolicy, OutageMode, Allowance, DenialReason, CallSource, argumentsOf, isJournalTrouble } = require('./outage');
 const { Replayer, replaySettingsOf, emptyReport, IN_DOUBT_REASON } = require('./replay');
 
-// Why 250 ms: in the recall budget jam (shared/seeds/000_835af494282c4981.txt)
+// Why 250 ms: in the recall budget jam (docs/semantics.md, "Why it exists")
 // a 2.0 s step lost 0.8 s to grant and key lookups and 1.0 s to a retry
 // reserve, which left the model call itself about 0.3 s. Ledger calls sit on
 // that same path, so each one gets a short deadline and fails fast; the lane

@@ -1,5 +1,5 @@
 'use strict';
-// Context budgeting, before a lane reserves (seeds/002): the same rules and the
+// Context budgeting, before a lane reserves: the same rules and the
 // same answers as the Python client's clients/python/ledger_client/context.py,
 // held to them by the cases both test suites run, clients/cases/context.json.
 //

@@ -1,6 +1,6 @@
 'use strict';
 // The shared context-budgeting cases (clients/cases/context.json), which the
-// Python client's tests/test_client_context_cases.py runs too: the same inputs,
+// Python client's clients/python/tests/test_client_context_cases.py runs too: the same inputs,
 // the same answers. Pure tests, no server.
 
 const { describe, test } = require('node:test');

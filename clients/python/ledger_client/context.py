@@ -1,4 +1,4 @@
-"""Context budgeting, before a lane reserves (seeds/002).
+"""Context budgeting, before a lane reserves.
 
 - Tokens are estimated pessimistically from bytes: 3.5 bytes per token by
   default (JSON tokenizes worse than prose), rounded up. Over-estimating trims a

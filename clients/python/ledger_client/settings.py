@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-# Why 0.25 s: in the recall jam (seeds/000) a step had 2.0 s in total, lookups ate
+# Why 0.25 s: in the recall jam (docs/semantics.md) a step had 2.0 s in total, lookups ate
 # 0.8 s, a retry kept 1.0 s, and the model call itself was left about 0.3 s while
 # large requests needed 0.4 to 0.5 s. A ledger call that can take as long as the
 # model call is a second outage. A healthy ledger answers in milliseconds; 0.25 s

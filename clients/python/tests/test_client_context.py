@@ -16,7 +16,7 @@ from ledger_client.context import (
     tokens_of_bytes,
 )
 
-# The seed's fan-out (seeds/002): /api/issues, agents, events/recent,
+# A lane's fan-out of tool results: /api/issues, agents, events/recent,
 # stuck-issues, streams/status, health.
 SEED_SIZES = (316_876, 7_738, 789, 702, 406, 57)
 
