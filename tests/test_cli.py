@@ -342,7 +342,9 @@ def test_a_recovery_command_on_a_data_dir_with_no_database_creates_nothing(
     needed = ["--budget-seconds", "60"] if command == "recover" else []
     run = ledger(command, "--data-dir", str(nowhere), *needed)
     assert run.code == 2
-    assert one_line_error(run).strip() == f"ledger {command}: no database at {nowhere / 'ledger.db'}"
+    assert (
+        one_line_error(run).strip() == f"ledger {command}: no database at {nowhere / 'ledger.db'}"
+    )
     assert not nowhere.exists()
 
 
