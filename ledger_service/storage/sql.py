@@ -535,7 +535,8 @@ class SqlTransaction:
         self._prefetched_windows: dict[str, WindowState | None] = {}
         # PostgreSQL: a seq taken behind these lanes' row locks, not yet used.
         self._taken_seq: tuple[frozenset[str], int] | None = None
-        self._lock_tried = False
+        # Whether the transaction's first lock found its lane (None: no lock yet).
+        self._seq_useful: bool | None = None
 
     @property
     def _connection(self) -> Connection:
@@ -609,12 +610,12 @@ class SqlTransaction:
         # the chain order of every lane locked so far) and after the xid
         # (storage/horizon.py): its INSERT then waits for the COMMIT's round
         # trip. Unused, it is a hole. Only a lane with no parent takes one (the
-        # statement's WHERE): a lane's own when it has none, else the root of
-        # its budgets', locked last, so that a parent's events are in seq
-        # order as its lock admitted them. None is taken where no lane would
-        # use it: after a lock that found no lane (a new lane's parent).
-        take_seq = self._taken_seq is None and (self._chained or not self._lock_tried)
-        self._lock_tried = True
+        # statement's WHERE), so a lane's chain up to its root is locked first:
+        # every budget's events are in seq order as its lock admitted them. A
+        # seq serves only events appended after the transaction's last lock
+        # (below). None is taken when the first lock found no lane: a new
+        # lane's event takes its seq with its INSERT.
+        take_seq = self._seq_useful is not False
         if take_seq:
             reads.append((_HOT("next_seq", self._raw), keys))
         cursors = self._took_maintenance(
@@ -626,11 +627,14 @@ class SqlTransaction:
         head = cursors[3].fetchone()
         booking = prepared.fetched_mapping(reads[4], cursors[4]) if reservation_id else None
         seq = cursors[-1].fetchone() if take_seq else None
+        if self._seq_useful is None:
+            self._seq_useful = row is not None
         if row is None:
             return None  # nothing was locked: nothing read behind the lock is kept
         self._chained.add(lane)
-        if seq is not None:
-            self._taken_seq = (frozenset(self._chained), int(seq[0]))
+        # A seq taken before this lock would put this move's event before
+        # events this lock admitted first: it is dropped (a hole) for this one.
+        self._taken_seq = (frozenset(self._chained), int(seq[0])) if seq is not None else None
         policy = self._memo.lanes[lane] = records.lane_from_row(row)
         self._prefetched_windows[lane] = _window_state_of(window) if window else None
         children: dict[str, list[str]] = {}

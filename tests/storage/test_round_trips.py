@@ -157,3 +157,56 @@ def test_a_move_under_a_parent_leaves_no_hole_and_makes_few_round_trips(
     with postgres_store.engine.connect() as connection:
         seqs = list(connection.execute(select(events.c.seq).order_by(events.c.seq)).scalars())
     assert seqs == list(range(1, len(seqs) + 1))
+
+
+@pytest.mark.parametrize("joins_from", ["another parent", "no parent"])
+def test_a_lane_that_joins_a_parent_is_in_seq_order_as_the_new_parent_admitted_it(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch, joins_from: str
+) -> None:
+    """A PutLane that moves a lane under another root locks the lane and its
+    old chain before the new parent. A seq taken before that last lock would
+    put the lane's joining before a sibling's Reserve that the new parent
+    admitted first; a replay in seq order would then count the lane in the
+    parent's budget when the Reserve was admitted."""
+    clock = ManualClock(START_US)
+    ledger = Ledger(postgres_store, clock)
+    for root in ("old-team", "new-team"):
+        ledger.put_lane(dataclasses.replace(RECALL, lane=root))
+    old_parent = "old-team" if joins_from == "another parent" else None
+    ledger.put_lane(dataclasses.replace(RECALL, lane="mover", parent=old_parent))
+    ledger.put_lane(dataclasses.replace(RECALL, lane="sibling", parent="new-team"))
+    paused, go_on = threading.Event(), threading.Event()
+    pausing_thread: list[threading.Thread] = []
+    lock_lane = SqlTransaction.lock_lane
+
+    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "") -> Any:
+        policy = lock_lane(tx, lane, reservation_id)
+        # The PutLane holds the mover's chain, not yet the new parent.
+        if threading.current_thread() in pausing_thread and lane == (old_parent or "mover"):
+            paused.set()
+            assert go_on.wait(30)
+        return policy
+
+    monkeypatch.setattr(SqlTransaction, "lock_lane", pausing)
+    moving = threading.Thread(
+        target=ledger.put_lane, args=(dataclasses.replace(RECALL, lane="mover", parent="new-team"),)
+    )
+    pausing_thread.append(moving)
+    moving.start()
+    assert paused.wait(30)
+    clock.advance_us(1_000)
+    admitted = ledger.reserve(moves.ReserveCommand("sibling", "s", "jev", 1000, 10))
+    go_on.set()
+    moving.join(30)
+    joined = ledger.list_events(EventQuery(lane="mover", kinds=("lane_configured",)))[-1]
+    assert joined.policy is not None and joined.policy["parent"] == "new-team"
+    assert admitted.event.seq < joined.seq
+
+
+def test_a_new_lane_under_a_chain_of_parents_leaves_no_hole(postgres_store: SqlStore) -> None:
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    for lane, parent in (("top", None), ("middle", "top"), ("bottom", "middle")):
+        ledger.put_lane(dataclasses.replace(RECALL, lane=lane, parent=parent))
+    with postgres_store.engine.connect() as connection:
+        seqs = list(connection.execute(select(events.c.seq).order_by(events.c.seq)).scalars())
+    assert seqs == [1, 2, 3]
