@@ -119,3 +119,32 @@ def test_the_deadline_ends_a_drain_and_says_how_many_were_cut_off() -> None:
     assert 0.3 <= time.monotonic() - began < WAIT_SECONDS
     release.set()
     running.join(WAIT_SECONDS)
+
+
+def test_the_drain_settles_after_the_last_call_ends_not_only_after_it_began() -> None:
+    """The last running call's client may resend the instant it is answered:
+    the drain waits SETTLE_SECONDS after that answer, so the resend is held
+    rather than met by grpcio's stop."""
+    drain = Drain()
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(_request: Any, _context: Any) -> str:
+        entered.set()
+        release.wait(WAIT_SECONDS)
+        return "answered"
+
+    call = _behaviour(drain, "/ledger.v1.Ledger/Reserve", slow)
+    running = threading.Thread(target=call, args=(None, None))
+    running.start()
+    assert entered.wait(WAIT_SECONDS)
+    ended: list[float] = []
+    draining = threading.Thread(
+        target=lambda: (drain.drain(time.monotonic() + 30), ended.append(time.monotonic()))
+    )
+    draining.start()
+    time.sleep(SETTLE_SECONDS * 3)
+    answered = time.monotonic()
+    release.set()
+    running.join(WAIT_SECONDS)
+    draining.join(WAIT_SECONDS)
+    assert ended and ended[0] - answered >= SETTLE_SECONDS * 0.9, ended[0] - answered

@@ -39,6 +39,8 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._running = 0
         self._draining = False
         self._released = False
+        # When the last counted call ended: its client may send again at once.
+        self._last_end = 0.0
 
     def intercept_service(
         self,
@@ -82,22 +84,25 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
             finally:
                 with self._condition:
                     self._running -= 1
+                    self._last_end = time.monotonic()
                     self._condition.notify_all()
 
         return counted
 
     def drain(self, deadline: float) -> int:
-        """Holds new calls from now on and waits until none is running, and at
-        least SETTLE_SECONDS (calls that reached grpcio before the signal are
-        handed to a worker meanwhile), or until `deadline`
+        """Holds new calls from now on and waits until none is running, and
+        SETTLE_SECONDS more after the drain began and after the last call
+        ended (a call that reached grpcio meanwhile, a client's resend of an
+        answer included, is handed to a worker and held), or until `deadline`
         (time.monotonic()); returns how many were still running then."""
         with self._condition:
             self._draining = True
-            settled = min(time.monotonic() + SETTLE_SECONDS, deadline)
+            began = time.monotonic()
             while True:
                 now = time.monotonic()
                 if now >= deadline:
                     return self._running
+                settled = min(max(began, self._last_end) + SETTLE_SECONDS, deadline)
                 if self._running == 0 and now >= settled:
                     return 0
                 self._condition.wait((settled if self._running == 0 else deadline) - now)
