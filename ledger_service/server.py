@@ -326,9 +326,10 @@ class LedgerServer:
         recovery checks and sweeps."""
         try:
             self.store.ping(timeout_seconds=self.settings.health_check_timeout_seconds)
-        except (StoreDamaged, StoreUnavailable):
+        except (StoreDamaged, StoreUnavailable) as error:
             if self._database_answers.is_set():
-                log.warning("health: the database does not answer; NOT_SERVING")
+                what = "is damaged" if isinstance(error, StoreDamaged) else "does not answer"
+                log.warning("health: the database %s; NOT_SERVING", what)
             self._database_answers.clear()
             if not self._stopping.is_set():
                 self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -442,6 +443,7 @@ def recovery_guard(
         snapshot_every_events=settings.snapshot_every_events,
         on_change=on_change,
         prepare=prepare,
+        on_damage=store.note_damage,
     )
 
 

@@ -348,6 +348,17 @@ def test_a_recovery_command_on_a_data_dir_with_no_database_creates_nothing(
     assert not nowhere.exists()
 
 
+def test_verify_on_an_empty_database_file_says_there_is_none_and_leaves_it(
+    ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    empty = tmp_path / "ledger.db"
+    empty.touch()
+    run = ledger("verify", "--data-dir", str(tmp_path))
+    assert run.code == 2
+    assert one_line_error(run).strip() == f"ledger verify: no database at {empty}"
+    assert empty.stat().st_size == 0
+
+
 def test_verify_on_a_database_that_is_not_there_says_what_the_server_said(
     ledger: RunLedger, tmp_path: pathlib.Path
 ) -> None:

@@ -123,13 +123,15 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
 
 
 def _missing_database(settings: Settings) -> str:
-    """The path of a SQLite database file that does not exist ("" otherwise)."""
+    """The path of a SQLite database file that does not exist, or is empty
+    ("" otherwise): opening it would make an empty database of it."""
     from sqlalchemy.engine import make_url
 
     url = make_url(settings.database_url)
     if url.get_backend_name() != "sqlite" or not url.database:
         return ""
-    return "" if pathlib.Path(url.database).exists() else url.database
+    path = pathlib.Path(url.database)
+    return "" if path.is_file() and path.stat().st_size > 0 else url.database
 
 
 def database_unavailable(command: str, error: Exception, where: str = "") -> int:

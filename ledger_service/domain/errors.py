@@ -153,6 +153,14 @@ class StoreUnavailable(LedgerError):
         super().__init__("the ledger's database is unavailable; retry later")
 
 
+# What an operator does about a damaged database.
+DAMAGE_ADVICE = (
+    "stop the ledger and restore the database from a backup; "
+    "if `ledger verify` finds the log whole, `ledger rebuild` remakes the projections "
+    "(docs/recovery.md)"
+)
+
+
 class StoreDamaged(StoreUnavailable):
     """The database says its own content is broken (a corrupt page, a file that
     is no longer a database, PostgreSQL's data-corruption class). Not safe to

@@ -818,10 +818,14 @@ class RecoveryGuard:
         snapshot_every_events: int,
         on_change: Callable[[bool], None] = lambda ready: None,
         prepare: Callable[[], None] | None = None,
+        on_damage: Callable[[StoreDamaged], None] = lambda damage: None,
     ) -> None:
         """`prepare` runs before each recovery until it once succeeds (the
-        schema's migration, when the database could not be reached at start)."""
+        schema's migration, when the database could not be reached at start);
+        `on_damage` hears of damage the recovery met (a row that does not
+        decode), which the server's store then refuses to serve from."""
         self.recovery = recovery
+        self._on_damage = on_damage
         self._prepare = prepare
         self.policy = policy
         self._actor = actor
@@ -874,9 +878,10 @@ class RecoveryGuard:
                 self._prepare()
                 self._prepare = None
             outcome = self.recovery.recover(self.policy, self._actor)
-        except StoreDamaged:
+        except StoreDamaged as damage:
             # The store logs what is damaged and what to do, once; the server's
             # maintenance stops these checks.
+            self._on_damage(damage)
             self._set(self.PENDING)
             return
         except StoreUnavailable:

@@ -13,6 +13,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import canonical_json
+from ledger_service.domain.errors import DAMAGE_ADVICE, StoreDamaged
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge, LanePolicy
 from ledger_service.domain.pricing import ModelPrice, price_from_list, price_to_list
@@ -86,10 +87,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class UnreadableRow(ValueError):
+class UnreadableRow(StoreDamaged, ValueError):
     """A row that breaks its table's shape: a NULL where the schema allows none,
     a value no enum has, JSON that does not parse. The database let it through,
-    so its file is damaged (storage/translate.py makes it StoreDamaged)."""
+    so its file is damaged. A ValueError too, as the decoders' own errors were:
+    a snapshot chunk that does not decode is only an unreadable snapshot."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"a row of its tables breaks their schema ({detail})", DAMAGE_ADVICE)
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[UnreadableRow], tuple[str]]:
+        return UnreadableRow, (self.detail,)  # across the rebuild's helper processes
 
 
 def _rows_read(decode: Callable[P, R]) -> Callable[P, R]:
@@ -99,6 +108,8 @@ def _rows_read(decode: Callable[P, R]) -> Callable[P, R]:
     def read(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return decode(*args, **kwargs)
+        except UnreadableRow:
+            raise
         except (TypeError, ValueError, KeyError) as error:
             raise UnreadableRow(str(error)) from error
 

@@ -150,7 +150,7 @@ class SqlStore:
             with translate.translated():
                 yield
         except StoreDamaged as error:
-            self._note_damage(error)
+            self.note_damage(error)
             raise
         except StoreUnavailable as error:
             cause = error.__cause__
@@ -174,7 +174,8 @@ class SqlStore:
         process stops, since a damaged store does not heal by itself."""
         return self._damage
 
-    def _note_damage(self, error: StoreDamaged) -> None:
+    def note_damage(self, error: StoreDamaged) -> None:
+        """Marks the store damaged (logged once): from then on it serves nothing."""
         with self._damage_lock:
             first = self._damage is None
             if first:
@@ -203,7 +204,7 @@ class SqlStore:
     def _note_error(self, foreign: BaseException) -> None:
         domain = translate.translate(foreign)
         if isinstance(domain, StoreDamaged):
-            self._note_damage(domain)
+            self.note_damage(domain)
         code = translate.driver_code(foreign)
         if self._sqlite and code in translate.CANNOT_WRITE and self._write_problem is None:
             self._write_problem = f"a write failed ({code})"

@@ -11,9 +11,9 @@ What a caller is told, from the most to the least specific:
 - StoreDamaged: the database says its own content is broken (SQLite's
   SQLITE_CORRUPT "database disk image is malformed" and SQLITE_NOTADB "file is
   not a database"; PostgreSQL's XX001 data_corrupted and XX002
-  index_corrupted), or it handed back a row that breaks its table's schema
-  (records.UnreadableRow). Retrying cannot help; an operator must restore a
-  backup.
+  index_corrupted). A row that breaks its table's schema is damage too: the
+  decoders raise it as such (records.UnreadableRow). Retrying cannot help; an
+  operator must restore a backup.
 - SumOutOfRange: a sum of amounts passed what the database's integers hold
   (SQLite's "integer overflow"; PostgreSQL's 22003 numeric_value_out_of_range),
   which only a request that would take a budget past the largest sum the
@@ -39,16 +39,14 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.domain import moves
 from ledger_service.domain.errors import (
+    DAMAGE_ADVICE,
     LedgerError,
     StoreDamaged,
     StoreUnavailable,
     SumOutOfRange,
 )
-from ledger_service.storage.records import UnreadableRow
 
 ANY = "*"
-# The code of a row that broke its table's schema on the way out (records.py).
-UNREADABLE_ROW = "unreadable row"
 # SQLite reports an overflowing SUM as a plain SQLITE_ERROR: told by its message.
 INTEGER_OVERFLOW = "integer overflow"
 
@@ -65,7 +63,6 @@ MAPPING: tuple[tuple[type[BaseException], str, type[LedgerError], bool], ...] = 
     (psycopg.Error, "40P01", StoreUnavailable, True),  # deadlock_detected
     (psycopg.Error, "55P03", StoreUnavailable, True),  # lock_not_available
     (psycopg.Error, ANY, StoreUnavailable, False),
-    (UnreadableRow, UNREADABLE_ROW, StoreDamaged, False),  # a row that breaks its schema
     (PoolTimeoutError, ANY, StoreUnavailable, False),  # no connection free in time
     (DBAPIError, ANY, StoreUnavailable, False),  # a driver error of no driver above
 )
@@ -76,15 +73,8 @@ DAMAGE: dict[str, str] = {
     "SQLITE_NOTADB": "the SQLite database file is not a database (its header is damaged)",
     "XX001": "PostgreSQL reports corrupted data (XX001 data_corrupted)",
     "XX002": "PostgreSQL reports a corrupted index (XX002 index_corrupted)",
-    UNREADABLE_ROW: "a row of its tables breaks their schema (a NULL where none may be, "
-    "a value no column allows)",
 }
 # Said to the caller and in the log: what to do about a damaged store.
-DAMAGE_ADVICE = (
-    "stop the ledger and restore the database from a backup; "
-    "if `ledger verify` finds the log whole, `ledger rebuild` remakes the projections "
-    "(docs/recovery.md)"
-)
 
 # SQLite's codes for a file this process may not write (a read-only file or
 # mount, a WAL file it cannot open, a file made immutable while open, whose
@@ -126,8 +116,6 @@ def driver_message(error: BaseException) -> str:
 def driver_code(error: BaseException) -> str:
     """The driver's code for `error`: a SQLSTATE, or SQLite's primary code name."""
     error = driver_error(error)
-    if isinstance(error, UnreadableRow):
-        return UNREADABLE_ROW
     if isinstance(error, sqlite3.Error):
         if str(error) == INTEGER_OVERFLOW:
             return INTEGER_OVERFLOW

@@ -163,3 +163,28 @@ def test_a_row_that_breaks_its_schema_is_damage_and_then_nothing_is_served(
     assert tracebacks == [], [r.getMessage() for r in tracebacks]
     damaged = [r.getMessage() for r in caplog.records if "DATABASE IS DAMAGED" in r.getMessage()]
     assert len(damaged) == 1 and "schema" in damaged[0], damaged
+
+
+def test_an_event_row_that_breaks_its_schema_is_damage_to_the_start_up_recovery(
+    sqlite_history: History,
+    started: Callable[[str], Running],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The start-up recovery reads the log outside any one call: a row it
+    cannot decode is damage there too (STORE_DAMAGED, NOT_SERVING, no
+    traceback), not a recovery failure retried for ever."""
+    caplog.set_level(logging.INFO)
+    trigger = sqlite_history.scalar(
+        "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'events_refuse_update'"
+    )
+    sqlite_history.sql(
+        "DROP TRIGGER events_refuse_update",
+        "UPDATE events SET kind = 'bogus' WHERE seq = (SELECT max(seq) FROM events)",
+        str(trigger),  # the append-only guard, as it was
+    )
+    sqlite_history.store.close()
+    running = started(sqlite_history.url)
+    running.wait_for(NOT_SERVING)
+    assert _reason(lambda: running.reserve("after-damage")) == "STORE_DAMAGED"
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert tracebacks == [], [r.getMessage() for r in tracebacks]
