@@ -31,8 +31,8 @@ def _behaviour(drain: Drain, method: str, body: Any) -> Any:
     return wrapped.unary_unary
 
 
-def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
-    drain = Drain()
+def _slow_reserve(drain: Drain) -> tuple[Any, threading.Event, threading.Event]:
+    """A Reserve that answers once released; set `entered` once running."""
     entered, release = threading.Event(), threading.Event()
 
     def slow(_request: Any, _context: Any) -> str:
@@ -40,7 +40,12 @@ def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
         release.wait(WAIT_SECONDS)
         return "answered"
 
-    call = _behaviour(drain, "/ledger.v1.Ledger/Reserve", slow)
+    return _behaviour(drain, "/ledger.v1.Ledger/Reserve", slow), entered, release
+
+
+def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
+    drain = Drain()
+    call, entered, release = _slow_reserve(drain)
     answers: list[str] = []
     running = threading.Thread(target=lambda: answers.append(call(None, None)))
     running.start()
@@ -126,14 +131,7 @@ def test_the_drain_settles_after_the_last_call_ends_not_only_after_it_began() ->
     the drain waits SETTLE_SECONDS after that answer, so the resend is held
     rather than met by grpcio's stop."""
     drain = Drain()
-    entered, release = threading.Event(), threading.Event()
-
-    def slow(_request: Any, _context: Any) -> str:
-        entered.set()
-        release.wait(WAIT_SECONDS)
-        return "answered"
-
-    call = _behaviour(drain, "/ledger.v1.Ledger/Reserve", slow)
+    call, entered, release = _slow_reserve(drain)
     running = threading.Thread(target=call, args=(None, None))
     running.start()
     assert entered.wait(WAIT_SECONDS)
