@@ -119,6 +119,12 @@ def subtree(
     return levels
 
 
+def members(lane: str, children_of: Callable[[str], Iterable[str]]) -> list[str]:
+    """A budget's lanes: the lane and every lane below it (`subtree`'s levels,
+    MAX_BUDGET_DEPTH at most), nearest first."""
+    return [name for level in subtree(lane, children_of, MAX_BUDGET_DEPTH) for name in level]
+
+
 def validate_name(field: str, value: str) -> None:
     if not value:
         raise InvalidArgument(field, "is required")

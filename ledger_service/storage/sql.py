@@ -641,8 +641,7 @@ class SqlTransaction:
         children: dict[str, list[str]] = {}
         for child, parent in below:
             children.setdefault(parent, []).append(child)
-        levels = policies.subtree(lane, lambda parent: children.get(parent, ()), MAX_BUDGET_DEPTH)
-        self._memo.members[lane] = [name for level in levels for name in level]
+        self._memo.members[lane] = policies.members(lane, lambda parent: children.get(parent, ()))
         self._memo.heads[lane] = (head[0] if head is not None else None) or chain.GENESIS_HASH
         if reservation_id:
             key = (lane, reservation_id)
@@ -684,19 +683,18 @@ class SqlTransaction:
             self._defer("save_booking", values)
 
     def subtree(self, lane: str, max_depth: int) -> Sequence[Sequence[str]]:
+        return policies.subtree(lane, self._children_of, max_depth)
+
+    def _children_of(self, parent: str) -> list[str]:
         children = _HOT("children", self._connection)
-
-        def children_of(parent: str) -> list[str]:
-            return [name for (name,) in children.all(self._connection, {"parent": parent})]
-
-        return policies.subtree(lane, children_of, max_depth)
+        return [name for (name,) in children.all(self._connection, {"parent": parent})]
 
     def _budget_lanes(self, lane: str) -> list[str]:
         # A budget's members do not change inside a move (PutLane drops its kept
         # windows), so one look per transaction is enough.
         members = self._memo.members.get(lane)
         if members is None:
-            members = [name for level in self.subtree(lane, MAX_BUDGET_DEPTH) for name in level]
+            members = policies.members(lane, self._children_of)
             self._memo.members[lane] = members
         return members
 

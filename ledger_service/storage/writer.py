@@ -322,7 +322,7 @@ class WriterState:
         return policies.subtree(lane, lambda parent: self.children.get(parent, ()), max_depth)
 
     def members(self, lane: str) -> list[str]:
-        return [name for level in self.subtree(lane, MAX_BUDGET_DEPTH) for name in level]
+        return policies.members(lane, lambda parent: self.children.get(parent, ()))
 
     def budgets_of(self, lane: str) -> list[str]:
         """The lane and its ancestors: every budget its bookings count in."""
