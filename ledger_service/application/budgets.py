@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ledger_service.application.ports import StoreTransaction
+from ledger_service.application.ports import EdgeQuery, StoreTransaction
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.window import Overdue, WindowState, WindowTotals, in_window
@@ -56,14 +56,48 @@ def lane_time(tx: StoreTransaction, budgets: Sequence[LanePolicy], clock_us: int
     return max([clock_us, *(state.as_of_us for state in kept if state is not None)])
 
 
+def open_windows(
+    tx: StoreTransaction, budgets: Sequence[LanePolicy], now_us: int, *, verify: bool = False
+) -> list[BudgetWindow]:
+    """Each budget's window at now_us, moved incrementally from where it was
+    kept; the edges of all of them in one read."""
+    kept = [_kept(tx, policy) for policy in budgets]
+    queries = [
+        _edges_to(policy, state, now_us) for policy, state in zip(budgets, kept, strict=True)
+    ]
+    windows = []
+    for policy, state, (entered, left, overdue) in zip(
+        budgets, kept, tx.window_edges(queries), strict=True
+    ):
+        if state is None:
+            state = WindowState(policy.lane, policy.window_us, now_us, entered)
+        elif state.as_of_us != now_us:
+            state = state.moved_to(now_us, entered, left)
+        window = BudgetWindow(policy, state, overdue)
+        if verify:
+            full = tx.window_totals(policy.lane, now_us, policy.window_us)
+            assert window.totals == full, (
+                f"incremental window of {policy.lane!r} says {window.totals}, a full sum {full}"
+            )
+        windows.append(window)
+    return windows
+
+
 def open_window(
     tx: StoreTransaction, policy: LanePolicy, now_us: int, *, verify: bool = False
 ) -> BudgetWindow:
-    """The budget's window at now_us, moved incrementally from where it was kept."""
-    window_us = policy.window_us
+    return open_windows(tx, [policy], now_us, verify=verify)[0]
+
+
+def _kept(tx: StoreTransaction, policy: LanePolicy) -> WindowState | None:
+    """The budget's kept window, unless it was kept for another window length."""
     kept = tx.window_state(policy.lane)
-    if kept is not None and kept.window_us != window_us:
-        kept = None  # kept for another window: sum this one afresh
+    return kept if kept is not None and kept.window_us == policy.window_us else None
+
+
+def _edges_to(policy: LanePolicy, kept: WindowState | None, now_us: int) -> EdgeQuery:
+    """What moves the kept window to now_us; with none kept, the whole window enters."""
+    window_us = policy.window_us
     nothing = (now_us, now_us)
     if kept is None:
         entering, leaving = (now_us - window_us, now_us), nothing
@@ -71,21 +105,7 @@ def open_window(
         entering, leaving = nothing, nothing
     else:
         entering, leaving = kept.edges_to(now_us)
-    # The window's two edges and its overdue holds, in one read.
-    entered, left, overdue = tx.window_edges(policy.lane, entering, leaving, now_us, window_us)
-    if kept is None:
-        state = WindowState(policy.lane, window_us, now_us, entered)
-    elif kept.as_of_us == now_us:
-        state = kept
-    else:
-        state = kept.moved_to(now_us, entered, left)
-    window = BudgetWindow(policy, state, overdue)
-    if verify:
-        full = tx.window_totals(policy.lane, now_us, policy.window_us)
-        assert window.totals == full, (
-            f"incremental window of {policy.lane!r} says {window.totals}, a full sum {full}"
-        )
-    return window
+    return EdgeQuery(policy.lane, entering, leaving, now_us, window_us)
 
 
 def record_windows(tx: StoreTransaction, windows: list[BudgetWindow]) -> None:

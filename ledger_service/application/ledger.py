@@ -18,6 +18,7 @@ from ledger_service.application.budgets import (
     BudgetWindow,
     lane_time,
     open_window,
+    open_windows,
     record_windows,
 )
 from ledger_service.application.ports import EventQuery, Store, StoreTransaction
@@ -299,10 +300,7 @@ class Ledger:
         clock and each budget's window at that instant."""
         budgets = [policy, *locked_ancestors(tx, policy)]
         now_us = lane_time(tx, budgets, self._clock.now_us())
-        windows = [
-            open_window(tx, budget, now_us, verify=self._verify_windows) for budget in budgets
-        ]
-        return now_us, windows
+        return now_us, open_windows(tx, budgets, now_us, verify=self._verify_windows)
 
     def sweep(self, batch_size: int) -> int:
         """Records an expired event for every hold past its deadline; returns how many."""

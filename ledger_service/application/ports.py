@@ -30,6 +30,23 @@ class EventQuery:
 
 
 @dataclasses.dataclass(frozen=True)
+class EdgeQuery:
+    """One budget's window edges to read: its bookings with after < reserved_at
+    <= until for each of the two (after, until] ranges (an empty range sums to
+    nothing), and its open holds inside the window at now_us past their deadline."""
+
+    lane: str
+    entering: Range
+    leaving: Range
+    now_us: int
+    window_us: int
+
+
+# What an EdgeQuery reads: the entering and leaving sums, and the overdue holds.
+Edges = tuple[StoredSums, StoredSums, Overdue]
+
+
+@dataclasses.dataclass(frozen=True)
 class StateTally:
     """How many of a window's bookings are in one state, and what they count now.
 
@@ -51,7 +68,10 @@ class StoreTransaction(Protocol):
         """The lane's policy, locked until commit so that admissions to one lane
         are serialized across every process sharing the database. With a
         reservation id, the store may read that booking in the same round trip
-        (get_booking then answers from it)."""
+        (get_booking then answers from it). The store may also lock the lane's
+        ancestors, nearest first, in the same round trip: every caller locks
+        them next (locks go from a lane upwards), and lock_lane then answers
+        for them without another."""
         ...
 
     def get_lane(self, lane: str) -> LanePolicy | None: ...
@@ -83,13 +103,9 @@ class StoreTransaction(Protocol):
         """Forgets kept window sums (a window or a lane tree changed)."""
         ...
 
-    def window_edges(
-        self, lane: str, entering: Range, leaving: Range, now_us: int, window_us: int
-    ) -> tuple[StoredSums, StoredSums, Overdue]:
-        """In one read, for the lane's budget: the stored amounts of its bookings
-        with after < reserved_at <= until for each of the two (after, until]
-        ranges (an empty range sums to nothing), and its open holds inside the
-        window at now_us whose deadline has passed."""
+    def window_edges(self, queries: Sequence[EdgeQuery]) -> list[Edges]:
+        """Each query's edges over its lane's budget, in order: all of them in
+        one read where the store can."""
         ...
 
     def aging(self, lane: str, now_us: int, window_us: int) -> Iterator[tuple[int, int]]:

@@ -80,7 +80,15 @@ def _param(value: Any) -> bytes | None:
         return str(value).encode()
     if isinstance(value, bytes):
         return b"\\x" + value.hex().encode()
+    if isinstance(value, list | tuple):
+        return _array(value)
     raise TypeError(f"no text form for a parameter of type {type(value).__name__}")
+
+
+def _array(values: Sequence[str]) -> bytes:
+    """A text array's literal: each element quoted, its quotes and backslashes escaped."""
+    quoted = ('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"' for value in values)
+    return ("{" + ",".join(quoted) + "}").encode()
 
 
 class Statement:

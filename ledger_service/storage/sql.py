@@ -21,7 +21,9 @@ from typing import Any, TypeVar
 from sqlalchemy import (
     Connection,
     Engine,
+    String,
     and_,
+    any_,
     bindparam,
     case,
     delete,
@@ -33,11 +35,18 @@ from sqlalchemy import (
     text,
     true,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.application import deadlines
-from ledger_service.application.ports import EventQuery, Range, StateTally, StoreTransaction
+from ledger_service.application.ports import (
+    EdgeQuery,
+    Edges,
+    EventQuery,
+    StateTally,
+    StoreTransaction,
+)
 from ledger_service.domain import chain, policies
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
@@ -428,18 +437,33 @@ def _window_edges(of_budget: Any) -> Any:
     return select(*columns).select_from(joined)
 
 
-# A budget of several lanes (a parent) binds its members as an expanding IN
-# and runs through SQLAlchemy; a lane's own budget (most moves) runs prepared.
+# SQLite: a budget of several lanes (a parent) binds its members as an
+# expanding IN and runs through SQLAlchemy.
 _WINDOW_EDGES = _window_edges(_OF_MEMBERS)
 _EVENT_COLUMNS = tuple(column.name for column in events.c if column.name != "seq")
 
 
-def _below() -> Any:
-    """(lane, parent) of every lane under `lane`, down to MAX_BUDGET_DEPTH levels
-    in all: the edges policies.subtree walks, gathered in one statement."""
+def _chain() -> Any:
+    """(lane, parent, depth) of the lane (depth 0) and the lanes above it,
+    nearest first: the budgets of a move on the lane, MAX_BUDGET_DEPTH at most."""
+    chain = (
+        select(lanes.c.lane, lanes.c.parent, literal(0).label("depth"))
+        .where(lanes.c.lane == bindparam("lane"))
+        .cte("chain", recursive=True)
+    )
+    above = lanes.alias("above")
+    higher = select(above.c.lane, above.c.parent, (chain.c.depth + 1).label("depth")).where(
+        above.c.lane == chain.c.parent, chain.c.depth < MAX_BUDGET_DEPTH - 1
+    )
+    return chain.union_all(higher)
+
+
+def _below(top: Any) -> Any:
+    """(lane, parent) of every lane under `top`, down to MAX_BUDGET_DEPTH levels
+    in all: the edges policies.members walks, gathered in one statement."""
     below = (
         select(lanes.c.lane, lanes.c.parent, literal(2).label("level"))
-        .where(lanes.c.parent == bindparam("lane"))
+        .where(lanes.c.parent == top)
         .cte("below", recursive=True)
     )
     deeper = select(lanes.c.lane, lanes.c.parent, (below.c.level + 1).label("level")).where(
@@ -449,18 +473,34 @@ def _below() -> Any:
     return select(below.c.lane, below.c.parent)
 
 
+_CHAIN = _chain()
+
+
 # The statements of every move, compiled once per dialect (storage/prepared.py).
 _HOT = prepared.Statements(
     lane=select(lanes).where(lanes.c.lane == bindparam("lane")),
-    lane_for_update=select(lanes).where(lanes.c.lane == bindparam("lane")).with_for_update(),
+    # PostgreSQL: the lane's row and its ancestors' rows, locked in that order
+    # (every lock goes from a lane upwards, so two moves never deadlock on them).
+    chain_for_update=select(lanes)
+    .join(_CHAIN, lanes.c.lane == _CHAIN.c.lane)
+    .order_by(_CHAIN.c.depth)
+    .with_for_update(of=lanes),
     children=select(lanes.c.lane).where(lanes.c.parent == bindparam("parent")),
-    below=_below(),
+    # The kept windows of the lane's budgets, and the lanes under the top one.
+    chain_windows=select(window_states).join(_CHAIN, window_states.c.lane == _CHAIN.c.lane),
+    chain_below=_below(
+        select(_CHAIN.c.lane).order_by(_CHAIN.c.depth.desc()).limit(1).scalar_subquery()
+    ),
     booking=select(bookings).where(
         bookings.c.lane == bindparam("lane"),
         bookings.c.reservation_id == bindparam("reservation_id"),
     ),
     window_state=select(window_states).where(window_states.c.lane == bindparam("lane")),
     window_edges=_window_edges(_OF_LANE),
+    # PostgreSQL: a parent's budget, its members bound as one array.
+    budget_window_edges=_window_edges(
+        bookings.c.lane == any_(bindparam("members", type_=postgresql.ARRAY(String)))
+    ),
     # PostgreSQL, first in every write: the maintenance lock, shared (a rebuild
     # takes it alone), and an xid before any seq (storage/horizon.py).
     maintenance=text(
@@ -475,13 +515,9 @@ _HOT = prepared.Statements(
     insert_event=insert(events)
     .values({name: bindparam(name) for name in _EVENT_COLUMNS})
     .returning(events.c.seq),
-    # PostgreSQL: a seq taken behind a lane's row lock, and the event that uses it.
-    # None for a lane that does not exist yet, nor for one under a parent: its
-    # move takes its seq after its parents' locks, so that a budget's events
-    # are in seq order as its lock admitted them.
-    next_seq=select(func.nextval("events_seq_seq")).where(
-        lanes.c.lane == bindparam("lane"), lanes.c.parent.is_(None)
-    ),
+    # PostgreSQL: a seq taken behind the row locks of a lane and its ancestors,
+    # and the event that uses it. None for a lane that does not exist yet.
+    next_seq=select(func.nextval("events_seq_seq")).where(lanes.c.lane == bindparam("lane")),
     insert_event_at=insert(events).values(
         {name: bindparam(name) for name in ("seq", *_EVENT_COLUMNS)}
     ),
@@ -514,9 +550,10 @@ def _sqlite_transaction(connection: Connection) -> SqlTransaction:
 
 class SqlTransaction:
     """One transaction's statements. On PostgreSQL a move is three round trips:
-    BEGIN with the locks, what the move reads of its lane and a seq for its
-    event (lock_lane); the window's edges; the event's INSERT, the booking and
-    window writes and the COMMIT (deferred, and sent before any later statement)."""
+    BEGIN with the locks of its lane and every budget above it, what the move
+    reads of them and a seq for its event (lock_lane); every budget's window
+    edges; the event's INSERT, the booking and window writes and the COMMIT
+    (deferred, and sent before any later statement)."""
 
     def __init__(
         self,
@@ -595,58 +632,61 @@ class SqlTransaction:
 
     def _lock_lane_and_read(self, lane: str, reservation_id: str) -> LanePolicy | None:
         """PostgreSQL: one round trip takes the locks (the maintenance lock
-        first, then the lane's row) and, behind them, reads what a move on the
-        lane reads next: its booking, kept window, member lanes and chain head."""
+        first, then the rows of the lane and its ancestors, nearest first) and,
+        behind them, reads what a move on the lane reads next: its budgets'
+        kept windows and members, its chain head and its booking."""
         keys = {"lane": lane}
         reads = [
-            (_HOT("lane_for_update", self._raw), keys),
-            (_HOT("window_state", self._raw), keys),
-            (_HOT("below", self._raw), keys),
+            (_HOT("chain_for_update", self._raw), keys),
+            (_HOT("chain_windows", self._raw), keys),
+            (_HOT("chain_below", self._raw), keys),
             (chaining.head_statement(self._raw), keys),
         ]
         if reservation_id:
             booking_keys = {"lane": lane, "reservation_id": reservation_id}
             reads.append((_HOT("booking", self._raw), booking_keys))
-        # The seq of the move's next event, taken behind its row locks (so in
-        # the chain order of every lane locked so far) and after the xid
-        # (storage/horizon.py): its INSERT then waits for the COMMIT's round
-        # trip. Unused, it is a hole. Only a lane with no parent takes one (the
-        # statement's WHERE), so a lane's chain up to its root is locked first:
-        # every budget's events are in seq order as its lock admitted them. A
-        # seq serves only events appended after the transaction's last lock
-        # (below). None is taken when the first lock found no lane: a new
-        # lane's event takes its seq with its INSERT.
+        # The seq of the move's next event, taken behind the row locks of its
+        # lane and every budget above it (so every budget's events are in seq
+        # order as its lock admitted them) and after the xid (storage/horizon.py):
+        # its INSERT then waits for the COMMIT's round trip. Unused, it is a
+        # hole. None is taken when the first lock found no lane: a new lane's
+        # event takes its seq with its INSERT.
         take_seq = self._seq_useful is not False
         if take_seq:
             reads.append((_HOT("next_seq", self._raw), keys))
         cursors = self._took_maintenance(
             prepared.pipelined(self._connection, [*self._maintenance_calls(), *reads])
         )
-        row = prepared.fetched_mapping(reads[0], cursors[0])
-        window = prepared.fetched_mapping(reads[1], cursors[1])
+        locked = [records.lane_from_row(row) for row in _mappings(reads[0], cursors[0])]
+        windows = {row["lane"]: _window_state_of(row) for row in _mappings(reads[1], cursors[1])}
         below = cursors[2].fetchall()
         head = cursors[3].fetchone()
         booking = prepared.fetched_mapping(reads[4], cursors[4]) if reservation_id else None
         seq = cursors[-1].fetchone() if take_seq else None
+        for cursor in cursors:
+            cursor.close()
         if self._seq_useful is None:
-            self._seq_useful = row is not None
-        if row is None:
+            self._seq_useful = bool(locked)
+        if not locked:
             return None  # nothing was locked: nothing read behind the lock is kept
-        self._chained.add(lane)
+        linked = _linked(locked)
+        self._chained.update(policy.lane for policy in linked)
         # A seq taken before this lock would put this move's event before
         # events this lock admitted first: it is dropped (a hole) for this one.
         self._taken_seq = (frozenset(self._chained), int(seq[0])) if seq is not None else None
-        policy = self._memo.lanes[lane] = records.lane_from_row(row)
-        self._prefetched_windows[lane] = _window_state_of(window) if window else None
         children: dict[str, list[str]] = {}
         for child, parent in below:
             children.setdefault(parent, []).append(child)
-        self._memo.members[lane] = policies.members(lane, lambda parent: children.get(parent, ()))
+        for policy in linked:
+            self._memo.lanes[policy.lane] = policy
+            self._prefetched_windows[policy.lane] = windows.get(policy.lane)
+            members = policies.members(policy.lane, lambda parent: children.get(parent, ()))
+            self._memo.members[policy.lane] = members
         self._memo.heads[lane] = (head[0] if head is not None else None) or chain.GENESIS_HASH
         if reservation_id:
             key = (lane, reservation_id)
             self._prefetched_bookings[key] = records.booking_from_row(booking) if booking else None
-        return policy
+        return linked[0]
 
     def get_lane(self, lane: str) -> LanePolicy | None:
         row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
@@ -733,33 +773,34 @@ class SqlTransaction:
         if lanes and not self._sqlite:
             self._connection.execute(delete(window_states).where(window_states.c.lane.in_(lanes)))
 
-    def window_edges(
-        self, lane: str, entering: Range, leaving: Range, now_us: int, window_us: int
-    ) -> tuple[StoredSums, StoredSums, Overdue]:
-        parameters = {
-            "enter_after": entering[0],
-            "enter_until": entering[1],
-            "leave_after": leaving[0],
-            "leave_until": leaving[1],
-            "now": now_us,
-            "window_start": now_us - window_us,
-        }
-        row = self._budget_row("window_edges", _WINDOW_EDGES, lane, parameters)
-        values = [int(value) for value in row[0:9]]
-        return StoredSums(*values[0:3]), StoredSums(*values[3:6]), Overdue(*values[6:9])
+    def window_edges(self, queries: Sequence[EdgeQuery]) -> list[Edges]:
+        if self._sqlite:  # a read beside the writer, which answers the moves' own
+            rows = [self._edges_row(query) for query in queries]
+        else:  # every budget's edges in one round trip
+            calls = [self._edges_call(query) for query in queries]
+            cursors = prepared.pipelined(self._connection, calls)
+            rows = [cursor.fetchone() for cursor in cursors]
+            for cursor in cursors:
+                cursor.close()
+        return [_edges_of(row) for row in rows]
 
-    def _budget_row(
-        self, prepared_name: str, of_members: Any, lane: str, parameters: dict[str, Any]
-    ) -> Sequence[Any]:
-        """One aggregate row over the lane's budget: prepared for a lane that is
-        its own budget (most moves), through SQLAlchemy's expanding IN for a parent."""
-        if self._single(lane):
-            row = _HOT(prepared_name, self._connection).one(
-                self._connection, {"lane": lane, **parameters}
-            )
+    def _edges_call(self, query: EdgeQuery) -> prepared.Call:
+        """PostgreSQL: a lane's own budget by its name, a parent's by its members."""
+        members = self._budget_lanes(query.lane)
+        if len(members) == 1:
+            return _HOT("window_edges", self._raw), {"lane": query.lane, **_edge_bounds(query)}
+        return _HOT("budget_window_edges", self._raw), {"members": members, **_edge_bounds(query)}
+
+    def _edges_row(self, query: EdgeQuery) -> Sequence[Any]:
+        """SQLite: prepared for a lane that is its own budget (most reads),
+        through SQLAlchemy's expanding IN for a parent."""
+        members = self._budget_lanes(query.lane)
+        if len(members) == 1:
+            values = {"lane": query.lane, **_edge_bounds(query)}
+            row = _HOT("window_edges", self._connection).one(self._connection, values)
         else:
-            members = {"members": self._budget_lanes(lane), **parameters}
-            row = self._connection.execute(of_members, members).one()
+            values = {"members": members, **_edge_bounds(query)}
+            row = self._connection.execute(_WINDOW_EDGES, values).one()
         assert row is not None
         return row
 
@@ -958,3 +999,36 @@ def _window_state_of(row: dict[str, Any]) -> WindowState:
         int(row["amount_nanos"]), int(row["open_amount_nanos"]), int(row["open_bookings"])
     )
     return WindowState(str(row["lane"]), int(row["window_us"]), int(row["as_of_us"]), sums)
+
+
+def _edge_bounds(query: EdgeQuery) -> dict[str, int]:
+    return {
+        "enter_after": query.entering[0],
+        "enter_until": query.entering[1],
+        "leave_after": query.leaving[0],
+        "leave_until": query.leaving[1],
+        "now": query.now_us,
+        "window_start": query.now_us - query.window_us,
+    }
+
+
+def _edges_of(row: Sequence[Any]) -> Edges:
+    values = [int(value) for value in row[0:9]]
+    return StoredSums(*values[0:3]), StoredSums(*values[3:6]), Overdue(*values[6:9])
+
+
+def _mappings(call: prepared.Call, cursor: Any) -> list[dict[str, Any]]:
+    rows = [call[0].as_mapping(row, cursor) for row in cursor.fetchall()]
+    return [row for row in rows if row is not None]
+
+
+def _linked(locked: list[LanePolicy]) -> list[LanePolicy]:
+    """The locked rows (the lane first) up to the first that is not the parent
+    of the one before: a PutLane committed while the lock waited may have
+    moved an ancestor under another parent, which the caller then locks."""
+    linked = locked[:1]
+    for policy in locked[1:]:
+        if policy.lane != linked[-1].parent:
+            break
+        linked.append(policy)
+    return linked

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, bindparam, case, delete, func, insert, null, select, text
 
-from ledger_service.application.ports import EventQuery, Range, StateTally
+from ledger_service.application.ports import EdgeQuery, Edges, EventQuery, StateTally
 from ledger_service.domain import chain, policies
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import RecoveryRequired
@@ -550,14 +550,16 @@ class WriterTransaction:
         for lane in lanes:
             self.saved_windows.pop(lane, None)
 
-    def window_edges(
-        self, lane: str, entering: Range, leaving: Range, now_us: int, window_us: int
-    ) -> tuple[StoredSums, StoredSums, Overdue]:
+    def window_edges(self, queries: Sequence[EdgeQuery]) -> list[Edges]:
         assert not self.saved_bookings, "a move reads its windows before it writes"
-        lowest = min(entering[0], leaving[0], now_us - window_us)
-        queue = self._state.queue(self._connection, lane, lowest)
+        return [self._edges(query) for query in queries]
+
+    def _edges(self, query: EdgeQuery) -> Edges:
+        now_us, window_us = query.now_us, query.window_us
+        lowest = min(query.entering[0], query.leaving[0], now_us - window_us)
+        queue = self._state.queue(self._connection, query.lane, lowest)
         overdue = self._state.overdue(queue.members, now_us, window_us)
-        return queue.sums(*entering), queue.sums(*leaving), overdue
+        return queue.sums(*query.entering), queue.sums(*query.leaving), overdue
 
     def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
         assert not self.saved_bookings, "a full sum before the move's own writes"

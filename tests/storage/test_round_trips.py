@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import event, select, text
 
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
@@ -97,63 +98,70 @@ def test_events_sent_with_the_commit_keep_each_lanes_chain_in_seq_order(
     assert [walker.check(event) for event in logged] == [None] * len(logged)
 
 
-def test_a_parents_events_are_in_seq_order_as_its_lock_admitted_them(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+def test_a_child_takes_its_seq_only_once_its_parents_lock_is_granted(
+    postgres_store: SqlStore,
 ) -> None:
-    """A child's move holds its own lane's lock before its parent's. Its seq
-    is taken after the parent's lock, so a sibling that got the parent first
-    has the lower seq: a replay of the parent's events in seq order meets
-    each Reserve with the bookings its admission saw."""
+    """A child's move locks its own lane and then its parent's. Its seq must
+    come after the parent's lock: a seq taken while it waits would put its
+    event before those of a sibling the parent admitted first, and a replay
+    of the parent's events in seq order would meet a Reserve with bookings
+    its admission did not see."""
     clock = ManualClock(START_US)
     ledger = Ledger(postgres_store, clock)
     ledger.put_lane(dataclasses.replace(RECALL, lane="team"))
-    for child in ("first", "second"):
-        ledger.put_lane(dataclasses.replace(RECALL, lane=child, parent="team"))
-    locked_first, go_on = threading.Event(), threading.Event()
-    lock_lane = SqlTransaction.lock_lane
+    ledger.put_lane(dataclasses.replace(RECALL, lane="first", parent="team"))
+    # The probe reads outside a transaction: within one, pg_stat_activity
+    # keeps the snapshot of its first read.
+    autocommit = postgres_store.engine.execution_options(isolation_level="AUTOCOMMIT")
+    with postgres_store.engine.connect() as holder, autocommit.connect() as probe:
+        last_seq = probe.execute(text("SELECT last_value FROM events_seq_seq")).scalar_one()
+        holder.execute(text("SELECT 1 FROM lanes WHERE lane = 'team' FOR UPDATE"))
+        holder_pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        child = threading.Thread(
+            target=ledger.reserve, args=(moves.ReserveCommand("first", "f", "jev", 1000, 10),)
+        )
+        child.start()
+        waiting = text(
+            "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY(pg_blocking_pids(pid))"
+        )
+        for _ in range(3000):  # a new connection may take seconds to open
+            if probe.execute(waiting, {"pid": holder_pid}).scalar_one():
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the child's move never waited for its parent's lock")
+        assert probe.execute(text("SELECT last_value FROM events_seq_seq")).scalar_one() == last_seq
+        holder.rollback()
+        child.join(30)
+    [reserved] = ledger.list_events(EventQuery(lane="first", kinds=("reserved",)))
+    assert reserved.seq == last_seq + 1
 
-    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "") -> Any:
-        policy = lock_lane(tx, lane, reservation_id)
-        if lane == "first":
-            locked_first.set()
-            assert go_on.wait(30)
-        return policy
 
-    monkeypatch.setattr(SqlTransaction, "lock_lane", pausing)
-    first = threading.Thread(
-        target=ledger.reserve, args=(moves.ReserveCommand("first", "f", "jev", 1000, 10),)
-    )
-    first.start()
-    assert locked_first.wait(30)
-    # "second" takes the parent's lock while "first" holds only its own lane's.
-    second = ledger.reserve(moves.ReserveCommand("second", "s", "jev", 1000, 10))
-    go_on.set()
-    first.join(30)
-    [first_event] = ledger.list_events(EventQuery(lane="first", kinds=("reserved",)))
-    assert second.event.seq < first_event.seq
-
-
-def test_a_move_under_a_parent_leaves_no_hole_and_makes_few_round_trips(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("parents", [1, 2, 3])
+def test_a_move_under_parents_leaves_no_hole_and_is_three_round_trips(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch, parents: int
 ) -> None:
-    """Locking the parent takes no seq the move never uses, and the parent's
-    budget (its member lanes, its window) is read in the locks' round trips:
-    the child's own lock, the parent's, the windows' edges, its seq and the
-    COMMIT's pipeline."""
+    """However deep its budgets nest, a move is three round trips: the locks
+    of its lane and every parent with what it reads of them and its seq; the
+    edges of every budget's window; the writes and the COMMIT. Locking the
+    parents takes no seq the move never uses."""
     clock = ManualClock(START_US)
     ledger = Ledger(postgres_store, clock)
-    ledger.put_lane(dataclasses.replace(RECALL, lane="team"))
+    above: str | None = None
+    for level in range(parents):
+        ledger.put_lane(dataclasses.replace(RECALL, lane=f"team-{level}", parent=above))
+        above = f"team-{level}"
     for child in ("child", "sibling"):
-        ledger.put_lane(dataclasses.replace(RECALL, lane=child, parent="team"))
+        ledger.put_lane(dataclasses.replace(RECALL, lane=child, parent=above))
     child_reserve = moves.ReserveCommand("child", "warm-up", "jev", 1000, 10)
     assert ledger.reserve(child_reserve).admitted
     trips = RoundTrips(postgres_store, monkeypatch)
     clock.advance_us(1_000)
     reserve = dataclasses.replace(child_reserve, reservation_id="r-1")
-    assert trips.of(lambda: ledger.reserve(reserve)) <= 5
+    assert trips.of(lambda: ledger.reserve(reserve)) == 3
     clock.advance_us(1_000)
     settle = moves.SettleCommand("child", "r-1", Outcome.SUCCEEDED, 10, 5)
-    assert trips.of(lambda: ledger.settle(settle)) <= 5
+    assert trips.of(lambda: ledger.settle(settle)) == 3
     with postgres_store.engine.connect() as connection:
         seqs = list(connection.execute(select(events.c.seq).order_by(events.c.seq)).scalars())
     assert seqs == list(range(1, len(seqs) + 1))
@@ -210,3 +218,57 @@ def test_a_new_lane_under_a_chain_of_parents_leaves_no_hole(postgres_store: SqlS
     with postgres_store.engine.connect() as connection:
         seqs = list(connection.execute(select(events.c.seq).order_by(events.c.seq)).scalars())
     assert seqs == [1, 2, 3]
+
+
+def test_a_move_whose_parent_is_moved_while_it_waits_counts_against_the_new_chain(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move locks its lane's chain of budgets in one statement, which reads
+    the chain before its locks are granted. If a PutLane moves the parent
+    under another root meanwhile, the rows it locked no longer link up: the
+    move locks the new root too and is admitted against it, not the old."""
+    clock = ManualClock(START_US)
+    ledger = Ledger(postgres_store, clock)
+    ledger.put_lane(dataclasses.replace(RECALL, lane="old-root"))
+    ledger.put_lane(dataclasses.replace(RECALL, lane="new-root", limit_nanos=1))
+    ledger.put_lane(dataclasses.replace(RECALL, lane="team", parent="old-root"))
+    ledger.put_lane(dataclasses.replace(RECALL, lane="child", parent="team"))
+    paused, go_on = threading.Event(), threading.Event()
+    moving: list[threading.Thread] = []
+    lock_lane = SqlTransaction.lock_lane
+
+    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "") -> Any:
+        policy = lock_lane(tx, lane, reservation_id)
+        if threading.current_thread() in moving and lane == "team":
+            paused.set()  # the PutLane holds the team's row, not yet the new root's
+            assert go_on.wait(30)
+        return policy
+
+    monkeypatch.setattr(SqlTransaction, "lock_lane", pausing)
+    moved = dataclasses.replace(RECALL, lane="team", parent="new-root")
+    moving.append(threading.Thread(target=ledger.put_lane, args=(moved,)))
+    moving[0].start()
+    assert paused.wait(30)
+    answers: list[Any] = []
+    reserve = moves.ReserveCommand("child", "r-1", "jev", 1000, 10)
+    child = threading.Thread(target=lambda: answers.append(ledger.reserve(reserve)))
+    child.start()
+    autocommit = postgres_store.engine.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit.connect() as probe:
+        waiting = text(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND query LIKE '%chain%'"
+        )
+        for _ in range(3000):
+            if probe.execute(waiting).scalar_one():
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the child's move never waited for the team's lock")
+    go_on.set()
+    moving[0].join(30)
+    child.join(30)
+    [answer] = answers
+    assert not answer.admitted  # the new root's limit of one nano refuses it
+    joined = ledger.list_events(EventQuery(lane="team", kinds=("lane_configured",)))[-1]
+    assert joined.seq < answer.event.seq
