@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import bindparam, column, func, literal, select, table, text
+from sqlalchemy.dialects import postgresql
 
 from ledger_service.storage import database, prepared
 from tests.storage.conftest import POSTGRES_URL, require_postgres
@@ -38,6 +39,10 @@ _STATEMENTS = prepared.Statements(
     named=select(_THINGS.c.name).where(_THINGS.c.id == bindparam("id")),
     isolation=select(func.current_setting("transaction_isolation")),
     lock=text("SELECT pg_advisory_xact_lock(42)"),
+    elements=select(
+        func.array_length(bindparam("words", type_=postgresql.ARRAY(sa.String)), 1),
+        func.array_to_string(bindparam("words", type_=postgresql.ARRAY(sa.String)), "|"),
+    ),
 )
 
 
@@ -162,3 +167,9 @@ def test_text_reads_the_same_on_a_database_of_another_encoding() -> None:
         with admin.connect() as connection:
             connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
         admin.dispose()
+
+
+def test_a_list_goes_as_a_text_array_with_every_element_intact(engine: sa.Engine) -> None:
+    words = ["team", 'a "quoted" lane', "back\\slash", "comma,brace}", ""]
+    with engine.begin() as connection:
+        assert _one(connection, "elements", words=words) == (5, "|".join(words))
