@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -163,7 +163,10 @@ def lane_policy(lane: str) -> LanePolicy:
     )
 
 
-def put_lanes(address: str, lanes: Sequence[str]) -> None:
+def put_lanes(
+    address: str, lanes: Sequence[str], parent_of: Mapping[str, str] | None = None
+) -> None:
+    """Puts each lane, in order, under its parent in `parent_of` if it has one."""
     with grpc.insecure_channel(address) as channel:
         admin = pb_grpc.LaneAdminStub(channel)
         for lane in lanes:
@@ -175,7 +178,12 @@ def put_lanes(address: str, lanes: Sequence[str]) -> None:
                 )
                 for model, price in policy.prices.items()
             }
-            message = pb.Lane(lane=lane, limit_nanos=policy.limit_nanos, prices=prices)
+            message = pb.Lane(
+                lane=lane,
+                limit_nanos=policy.limit_nanos,
+                prices=prices,
+                parent=(parent_of or {}).get(lane, ""),
+            )
             admin.PutLane(pb.PutLaneRequest(lane=message), timeout=ADMIN_TIMEOUT_SECONDS)
 
 
@@ -794,7 +802,7 @@ def _alternating_ways(
 
 
 def _timed_pairs(
-    stub: pb_grpc.LedgerStub, lane: str, prefix: str, pairs: int, timeout_seconds: float
+    stub: pb_grpc.LedgerStub, lane: str, timeout_seconds: float, prefix: str, pairs: int
 ) -> dict[str, float]:
     """`pairs` Reserve then Settle, back to back; the seconds of each RPC, summed."""
     reserve_seconds = settle_seconds = 0.0
@@ -811,12 +819,18 @@ def _timed_pairs(
     return {"reserve_seconds": reserve_seconds, "settle_seconds": settle_seconds}
 
 
+# A lane under three parents (the deepest nesting allowed), root first.
+NESTED_CHAIN = ("roundtrips-top", "roundtrips-mid", "roundtrips-low", "roundtrips-nested")
+
+
 def _ledger_round_trips(plan: Plan, workdir: pathlib.Path, url: str) -> dict[str, Any]:
-    """One client, one lane, Reserve then Settle back to back, through one
-    ledger server whose database is behind the proxy: timed with no delay and
-    with the delay, and the proxy's turns counted while each ran."""
+    """One client, Reserve then Settle back to back, through one ledger server
+    whose database is behind the proxy: timed with no delay and with the
+    delay, and the proxy's turns counted while each ran. On a lane of its own,
+    and on a lane under three parents ("nested")."""
     directory = workdir / "roundtrips"
     lane = "roundtrips-00"
+    parent_of = dict(zip(NESTED_CHAIN[1:], NESTED_CHAIN, strict=False))
     with fresh_schema(url) as schema_url, _proxied(schema_url) as (proxy, proxy_url):
         # No background queries (the sweeper's, health's) between the moves:
         # the proxy's count is then the moves' own round trips.
@@ -824,23 +838,26 @@ def _ledger_round_trips(plan: Plan, workdir: pathlib.Path, url: str) -> dict[str
         settings = _replica_settings(proxy_url, directory, **quiet)
         # Migrated and made ready with no delay: only the moves are measured.
         with _replica(plan, "ledger-roundtrips", directory, settings) as server:
-            put_lanes(server.address, [lane])
+            put_lanes(server.address, [lane, *NESTED_CHAIN], parent_of)
             with grpc.insecure_channel(server.address) as channel:
                 stub = pb_grpc.LedgerStub(channel)
                 timeout = plan.call_timeout_seconds
-                _timed_pairs(stub, lane, "warm", plan.roundtrip_pairs, timeout)
-                ways = _alternating_ways(
-                    proxy,
-                    plan.roundtrip_delay_seconds,
-                    plan.roundtrip_pairs,
-                    lambda prefix, pairs: _timed_pairs(stub, lane, prefix, pairs, timeout),
-                )
+                measured = {}
+                for name, on_lane in (("own", lane), ("nested", NESTED_CHAIN[-1])):
+                    _timed_pairs(stub, on_lane, timeout, f"warm-{name}", plan.roundtrip_pairs)
+                    measured[name] = _alternating_ways(
+                        proxy,
+                        plan.roundtrip_delay_seconds,
+                        plan.roundtrip_pairs,
+                        functools.partial(_timed_pairs, stub, on_lane, timeout),
+                    )
             facts = _server_facts(server)
-    for figures in ways.values():
-        figures["pairs"] = figures["count"]
-        figures["reserve_mean_seconds"] = figures.pop("reserve_seconds") / figures["count"]
-        figures["settle_mean_seconds"] = figures.pop("settle_seconds") / figures["count"]
-    return {"server": facts, **ways}
+    for ways in measured.values():
+        for figures in ways.values():
+            figures["pairs"] = figures["count"]
+            figures["reserve_mean_seconds"] = figures.pop("reserve_seconds") / figures["count"]
+            figures["settle_mean_seconds"] = figures.pop("settle_seconds") / figures["count"]
+    return {"server": facts, **measured["own"], "nested": measured["nested"]}
 
 
 def _floor_round_trips(plan: Plan, url: str) -> dict[str, Any]:

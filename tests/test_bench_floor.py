@@ -227,7 +227,7 @@ def test_a_skipped_postgres_leaves_every_target_unjudged() -> None:
     floor_targets = [
         target for target in targets if "floor" in target.name or "round trips" in target.name
     ]
-    assert len(floor_targets) == 5
+    assert len(floor_targets) == 6
     assert all(target.measured is None and target.met is None for target in floor_targets)
     row = _row(rows, "round trips a move, ledger on postgres, 1 client")
     assert row.notes == "skipped: --skip-postgres"
