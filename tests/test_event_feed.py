@@ -5,6 +5,7 @@ Driven with an in-memory log and a real thread; no server, no database.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -14,7 +15,7 @@ import pytest
 from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import EventSignal
 from ledger_service.application.ports import EventQuery
-from ledger_service.domain.errors import ShuttingDown, TooManyWatchers
+from ledger_service.domain.errors import ShuttingDown, StoreUnavailable, TooManyWatchers
 from ledger_service.domain.events import Event, EventKind
 
 WAIT_SECONDS = 5.0
@@ -205,3 +206,32 @@ def test_a_stream_blocked_in_its_send_is_cancelled_after_the_stall_limit(log: Lo
     assert next(stream).seq == 1  # handed over; the "transport" never asks for more
     assert cancelled.wait(WAIT_SECONDS)
     feed.stop()
+
+
+def test_a_store_that_keeps_refusing_is_logged_once_until_it_reads_again(
+    log: Log, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ledger.feed")
+    refusing = threading.Event()
+    refusing.set()
+    read = log.read
+
+    def flaky(query: EventQuery) -> Sequence[Event]:
+        if refusing.is_set():
+            log.reads += 1
+            raise StoreUnavailable()
+        return read(query)
+
+    log.read = flaky  # type: ignore[method-assign]
+    feed = _feed(log)
+    reader = _stream(feed)
+    give_up = time.monotonic() + WAIT_SECONDS
+    while log.reads < 10 and time.monotonic() < give_up:
+        time.sleep(0.01)
+    refusing.clear()
+    log.append("a")
+    assert reader.wait_for(1) == [1]
+    feed.stop()
+    warnings = [record for record in caplog.records if "will retry" in record.getMessage()]
+    assert log.reads >= 10 and len(warnings) == 1, (log.reads, warnings)
+    assert any("reading the log again" in record.getMessage() for record in caplog.records)

@@ -138,6 +138,7 @@ class EventFeed:
     # The one reader ------------------------------------------------------------
 
     def _run(self) -> None:
+        failing = ""  # the store's refusal last logged, until a read succeeds
         while not self._stopping.is_set():
             with self._condition:
                 if not self._streams:  # idle: commits do not wake it, a stream does
@@ -147,8 +148,13 @@ class EventFeed:
             began = time.monotonic()
             try:
                 self._read_on()
+                if failing:
+                    log.info("event feed: reading the log again")
+                failing = ""
             except LedgerError as error:  # the store is down: streams wait, the feed retries
-                log.warning("event feed: %s; will retry", error)
+                if str(error) != failing:  # said once, not at every poll while it lasts
+                    log.warning("event feed: %s; will retry", error)
+                failing = str(error)
             except Exception:
                 log.exception("event feed failed; will retry")
             self._cancel_stalled()
