@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping
 
-from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import canonical_json
 from ledger_service.domain.policies import LanePolicy
 
@@ -75,11 +74,8 @@ class ProjectionDigest:
         self.lanes += 1
         self._line("lane " + canonical_json(policy))
 
-    def add_booking(self, booking: Booking) -> None:
-        self.add_booking_text(canonical_json(booking))
-
     def add_booking_text(self, text: str) -> None:
-        """add_booking of the booking whose canonical_json is `text`."""
+        """Adds the booking whose chain.canonical_json is `text`."""
         self.bookings += 1
         self._line("booking " + text)
 

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Engine,
     Select,
     Table,
+    Update,
     case,
     delete,
     distinct,
@@ -111,7 +112,6 @@ class LogFacts:
 @dataclasses.dataclass(frozen=True)
 class SnapshotChunk:
     lanes: Sequence[LanePolicy] = ()
-    bookings: Sequence[Booking] = ()
     # Bookings as rows of BOOKING_COLUMNS, with each one's canonical text
     # (chain.canonical_json of its Booking): copied into a snapshot and back
     # without a Booking built for each.
@@ -121,14 +121,12 @@ class SnapshotChunk:
     def add_to(self, digest: ProjectionDigest) -> None:
         for policy in self.lanes:
             digest.add_lane(policy)
-        for booking in self.bookings:
-            digest.add_booking(booking)
         for text in self.booking_texts:
             digest.add_booking_text(text)
 
     @property
     def rows(self) -> int:
-        return len(self.lanes) + len(self.bookings) + len(self.booking_rows)
+        return len(self.lanes) + len(self.booking_rows)
 
 
 # A booking's key, (lane, reservation_id): the order of the bookings everywhere.
@@ -273,8 +271,7 @@ class _FoldSql:
     ending with no opening before it, an opening without its expiry charge,
     or a kind the fold does not know. It runs only when the fold refused (it
     writes NULL into NOT NULL columns for a booking it cannot fold; an
-    unknown kind is looked for first): on every range it was a correlated
-    probe per ending (docs/benchmarks.md)."""
+    unknown kind is looked for first)."""
 
     def __init__(self, placeholder: str) -> None:
         p = placeholder
@@ -353,22 +350,12 @@ class _FoldSql:
             f"OR kind NOT IN ({known})) ORDER BY seq LIMIT 1"
         )
 
-    @staticmethod
-    def fold_parameters(after_seq: int, through_seq: int) -> tuple[int, int, int, int]:
-        return (after_seq, through_seq, through_seq, through_seq)
-
-    @staticmethod
-    def problem_parameters(after_seq: int, through_seq: int) -> tuple[int, int]:
-        return (after_seq, through_seq)
-
 
 class SqlProjectionView:
-    def __init__(
-        self, connection: Connection, batch_rows: int, sql: _RebuildSql | None = None
-    ) -> None:
+    def __init__(self, connection: Connection, batch_rows: int, sql: _RebuildSql) -> None:
         self._connection = connection
         self._batch = batch_rows
-        self._sql = sql or _RebuildSql("?" if connection.dialect.paramstyle == "qmark" else "%s")
+        self._sql = sql
         self._facts: LogFacts | None = None
 
     @property
@@ -769,13 +756,7 @@ class SqlRecoveryStore:
     def _advance(self, connection: Connection, owner: str, applied_seq: int, now_us: int) -> None:
         """Moves the marker of our rebuild on; fails if the rebuild is no longer ours."""
         result = connection.execute(
-            update(projection_position)
-            .where(
-                projection_position.c.id == POSITION_ROW_ID,
-                projection_position.c.state == STATE_REBUILDING,
-                projection_position.c.owner == owner,
-            )
-            .values(last_seq=applied_seq, updated_at_us=now_us)
+            _our_rebuild(owner).values(last_seq=applied_seq, updated_at_us=now_us)
         )
         if result.rowcount != 1:
             raise RebuildClaimLost("the rebuild was taken over by another process")
@@ -796,8 +777,6 @@ class SqlRecoveryStore:
                 connection.exec_driver_sql(self._sql.insert_bookings, list(chunk.booking_rows))
             elif chunk.lanes:
                 connection.execute(insert(lanes), _rows_of(chunk)[1])
-            elif chunk.bookings:
-                connection.execute(insert(bookings), _rows_of(chunk)[1])
 
     def event_rows(self, after_seq: int, through_seq: int) -> list[tuple[Any, ...]]:
         """The events in (after_seq, through_seq] as rows of EVENT_COLUMNS, in seq order."""
@@ -875,7 +854,7 @@ class SqlRecoveryStore:
         with translated(), self._engine.connect() as connection:
             connection = connection.execution_options(ledger_write=True)
             transaction = connection.begin()
-            range_parameters = self._fold.problem_parameters(after_seq, through_seq)
+            range_parameters = (after_seq, through_seq)
             refused = False
             error: IntegrityError | None = None
             try:
@@ -889,7 +868,7 @@ class SqlRecoveryStore:
                             connection.exec_driver_sql(self._sql.upsert_lanes, rows)
                     try:
                         connection.exec_driver_sql(
-                            self._fold.fold, self._fold.fold_parameters(after_seq, through_seq)
+                            self._fold.fold, (after_seq, through_seq, through_seq, through_seq)
                         )
                     except IntegrityError as caught:
                         refused, error = True, caught
@@ -918,15 +897,7 @@ class SqlRecoveryStore:
         projections are not whole), and the next assessment, by any process,
         plans a rebuild again instead of waiting for the lease to run out."""
         with self._writing(marker=True) as connection:
-            connection.execute(
-                update(projection_position)
-                .where(
-                    projection_position.c.id == POSITION_ROW_ID,
-                    projection_position.c.state == STATE_REBUILDING,
-                    projection_position.c.owner == owner,
-                )
-                .values(updated_at_us=0)
-            )
+            connection.execute(_our_rebuild(owner).values(updated_at_us=0))
 
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
         with self._writing(marker=True) as connection:
@@ -934,13 +905,7 @@ class SqlRecoveryStore:
             if int(head) != applied_seq:
                 return False
             result = connection.execute(
-                update(projection_position)
-                .where(
-                    projection_position.c.id == POSITION_ROW_ID,
-                    projection_position.c.state == STATE_REBUILDING,
-                    projection_position.c.owner == owner,
-                )
-                .values(state=STATE_CURRENT, owner="", last_seq=applied_seq)
+                _our_rebuild(owner).values(state=STATE_CURRENT, owner="", last_seq=applied_seq)
             )
             if result.rowcount != 1:
                 raise RebuildClaimLost("the rebuild was taken over by another process")
@@ -985,6 +950,15 @@ class SqlRecoveryStore:
             return [dict(row) for row in rows]
 
 
+def _our_rebuild(owner: str) -> Update:
+    """An UPDATE of the marker while it is `owner`'s rebuild."""
+    return update(projection_position).where(
+        projection_position.c.id == POSITION_ROW_ID,
+        projection_position.c.state == STATE_REBUILDING,
+        projection_position.c.owner == owner,
+    )
+
+
 def _heads_json(heads: Mapping[str, str]) -> str:
     """Chain heads as stored, in snapshots and the verified point alike."""
     return json.dumps(dict(sorted(heads.items())))
@@ -1010,8 +984,8 @@ def _snapshot_info(row: Any) -> SnapshotInfo:
 
 
 # A chunk's kinds. "booking_rows" holds {"columns": [...], "rows": [[...]]}:
-# bookings as arrays of their columns, named once. Encoding a dict per booking
-# (the older "bookings", still read) took a third of a snapshot's time.
+# bookings as arrays of their columns, named once; "bookings" (a dict per
+# booking) is an older format, still read.
 CHUNK_LANES = "lanes"
 CHUNK_BOOKINGS = "bookings"
 CHUNK_BOOKING_ROWS = "booking_rows"
@@ -1021,12 +995,10 @@ def _rows_of(chunk: SnapshotChunk) -> tuple[str, Any]:
     """A chunk's kind and its payload, ready for JSON."""
     if chunk.lanes:
         return CHUNK_LANES, [records.lane_values(policy) for policy in chunk.lanes]
-    if chunk.booking_rows:
-        return CHUNK_BOOKING_ROWS, {
-            "columns": records.BOOKING_COLUMNS,
-            "rows": [list(row) for row in chunk.booking_rows],
-        }
-    return CHUNK_BOOKINGS, [records.booking_values(booking) for booking in chunk.bookings]
+    return CHUNK_BOOKING_ROWS, {
+        "columns": records.BOOKING_COLUMNS,
+        "rows": [list(row) for row in chunk.booking_rows],
+    }
 
 
 _booking_columns_of = operator.itemgetter(*records.BOOKING_COLUMNS)
