@@ -68,23 +68,20 @@ def _default_of(field: dataclasses.Field[Any]) -> Any:
 
 # The fast encoding --------------------------------------------------------------
 #
-# The chain is checked at every rebuild, so an event's text must cost little.
-# It is the same text as `_dumps(plain(...))` (tests/domain/test_chain_canonical.py
-# keeps that reference and compares), made without building a dict: an object's
-# field values are read in sorted-key order in one call, and the values' types
-# (and, for events, which values are falsy, i.e. at their default) pick a cached
-# template for str.format, e.g. '{{"amount_nanos":{0},"kind":"{7._value_}",...}}'.
+# Every append hashes an event and every rebuild checks them all, so an event's
+# text must cost little. It is the same text as `canonical_json` of its fields
+# (tests/domain/test_chain_canonical.py keeps that reference and compares), made
+# without building a dict: the event's field values are read in sorted-key order
+# in one call, and the values' types and which are falsy (at their default) pick
+# a cached template for str.format, e.g. '{{"amount_nanos":{0},"kind":"{7._value_}",...}}'.
 # Integers and enums of plain string values are written by str.format itself;
 # strings (escaped) and anything else (through the reference) by a converter
 # each, into slots after the values.
 
 
-def _reference_text(value: Any) -> str:
+def canonical_json(value: Any) -> str:
+    """Compact JSON with sorted keys: one text for one value, on every machine."""
     return _dumps(plain(value))
-
-
-def _bool_text(value: bool) -> str:
-    return "true" if value else "false"
 
 
 # How one field is written after its key: a constant text, the value as
@@ -144,18 +141,12 @@ class _Shape:
         )
 
 
-_enum_pieces: dict[type[Any], bool] = {}
+_plain_enums: dict[type[Any], bool] = {}
 
 
-def field_key(name: str) -> str:
-    """How an object's key is written, its colon included."""
-    return encode_basestring_ascii(name) + ":"
-
-
-def _piece(name: str, kind: type[Any], truthy: bool | None = None) -> _Piece:
-    """How a value of exactly this type is written, after its key (`truthy`:
-    whether it is, when known)."""
-    key = field_key(name)
+def _piece(name: str, kind: type[Any], truthy: bool) -> _Piece:
+    """How a value of exactly this type, true or not, is written after its key."""
+    key = encode_basestring_ascii(name) + ":"
     if kind is type(None):
         return _Piece(key, constant="null")
     if kind is int:
@@ -164,76 +155,26 @@ def _piece(name: str, kind: type[Any], truthy: bool | None = None) -> _Piece:
     if kind is str:
         return _Piece(key, converter=encode_basestring_ascii)
     if kind is bool:
-        if truthy is None:
-            return _Piece(key, converter=_bool_text)
-        return _Piece(key, constant=_bool_text(truthy))
+        return _Piece(key, constant="true" if truthy else "false")
     if isinstance(kind, type) and issubclass(kind, enum.Enum) and plain_enum(kind):
         return _Piece(key, direct="._value_", quote='"')
-    if dataclasses.is_dataclass(kind) and not issubclass(kind, enum.Enum):
-        return _Piece(key, converter=_dataclass_text)
-    return _Piece(key, converter=_reference_text)
+    return _Piece(key, converter=canonical_json)
 
 
 def plain_enum(kind: type[enum.Enum]) -> bool:
     """Whether every value is a str that JSON writes as it is, in quotes: then
     a member is written as its `_value_` (its `value` is a property)."""
-    plain_values = _enum_pieces.get(kind)
-    if plain_values is None:
+    if kind not in _plain_enums:
         values = [member._value_ for member in kind]
-        plain_values = all(type(value) is str and _dumps(value) == f'"{value}"' for value in values)
-        _enum_pieces[kind] = plain_values
-    return plain_values
+        _plain_enums[kind] = all(type(v) is str and _dumps(v) == f'"{v}"' for v in values)
+    return _plain_enums[kind]
 
 
-class _DataclassEncoder:
-    __slots__ = ("names", "shapes", "values")
-
-    def __init__(self, kind: type[Any]) -> None:
-        self.names = tuple(sorted(field.name for field in dataclasses.fields(kind)))
-        self.values = operator.attrgetter(*self.names) if self.names else None
-        self.shapes: dict[tuple[type[Any], ...], _Shape] = {}
-
-    def text(self, value: Any) -> str:
-        if self.values is None:
-            return "{}"
-        values = self.values(value)
-        if len(self.names) == 1:
-            values = (values,)
-        types = tuple(map(type, values))
-        shape = self.shapes.get(types)
-        if shape is None:
-            shape = _Shape(
-                [_piece(name, kind) for name, kind in zip(self.names, types, strict=True)]
-            )
-            if len(self.shapes) < MAX_SHAPES:
-                self.shapes[types] = shape
-        return shape.text(values)
-
-
-_dataclass_encoders: dict[type[Any], _DataclassEncoder] = {}
-
-
-def _dataclass_text(value: Any) -> str:
-    kind = type(value)
-    encoder = _dataclass_encoders.get(kind)
-    if encoder is None:
-        encoder = _DataclassEncoder(kind)
-        if len(_dataclass_encoders) < MAX_SHAPES:
-            _dataclass_encoders[kind] = encoder
-    return encoder.text(value)
-
-
-def canonical_json(value: Any) -> str:
-    """Compact JSON with sorted keys: one text for one value, on every machine."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type | enum.Enum):
-        return _dataclass_text(value)
-    return _reference_text(value)
-
-
-_HASHED_NAMES = tuple(sorted(field.name for field in _EVENT_FIELDS))
-_hashed_values = operator.attrgetter(*_HASHED_NAMES)
+# The names of the hashed fields, in the order canonical_values takes them.
+HASHED_NAMES = tuple(sorted(field.name for field in _EVENT_FIELDS))
+_hashed_values = operator.attrgetter(*HASHED_NAMES)
 _FIELD_DEFAULTS = {field.name: _default_of(field) for field in _EVENT_FIELDS}
-_HASHED_DEFAULTS = tuple(_FIELD_DEFAULTS[name] for name in _HASHED_NAMES)
+_HASHED_DEFAULTS = tuple(_FIELD_DEFAULTS[name] for name in HASHED_NAMES)
 _event_shapes: dict[tuple[tuple[type[Any], ...], tuple[bool, ...]], _Shape] = {}
 # canonical_event tells a value at its default by its type and truth, which
 # holds for these defaults only (the one falsy value of their type).
@@ -247,7 +188,7 @@ assert all(
 def _event_shape(types: tuple[type[Any], ...], truths: tuple[bool, ...]) -> _Shape:
     pieces: list[_Piece] = []
     for name, kind, truthy, default in zip(
-        _HASHED_NAMES, types, truths, _HASHED_DEFAULTS, strict=True
+        HASHED_NAMES, types, truths, _HASHED_DEFAULTS, strict=True
     ):
         # A field is left out only at its default, of the default's very type
         # (0 and None, 0 and False stay apart); a MISSING default never matches.
@@ -255,10 +196,6 @@ def _event_shape(types: tuple[type[Any], ...], truths: tuple[bool, ...]) -> _Sha
         at_default = kind is type(default) and not truthy
         pieces.append(_LEFT_OUT if at_default else _piece(name, kind, truthy))
     return _Shape(pieces)
-
-
-# The names of the hashed fields, in the order canonical_values takes them.
-HASHED_NAMES = _HASHED_NAMES
 
 
 def canonical_event(event: Event) -> str:
@@ -318,9 +255,7 @@ class ChainWalker:
 
     def __init__(self, heads: Mapping[str, str] | None = None) -> None:
         self.heads: dict[str, str] = dict(heads or {})
-        self.checked = 0
         self.unsealed = 0
-        self.last_seq = 0
 
     def check(self, event: Event) -> ChainBreak | None:
         found = self.check_link(event.seq, event.lane, event.previous_hash, event.hash)
@@ -331,8 +266,6 @@ class ChainWalker:
     def check_link(self, seq: int, lane: str, previous_hash: str, hash_: str) -> ChainBreak | None:
         """The link alone: what `check` finds except an altered content, which
         the caller checks apart (`content_matches`), for events with a hash."""
-        self.checked += 1
-        self.last_seq = seq
         expected = self.heads.get(lane, GENESIS_HASH)
         if not hash_:
             if expected or previous_hash:
