@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from ledger_service.domain import bookings
+from ledger_service.domain import bookings, policies
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.events import Event, EventKind
-from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_from_dict
+from ledger_service.domain.policies import LanePolicy, policy_from_dict
 from ledger_service.domain.window import WindowTotals, totals_of
 
 
@@ -33,24 +33,15 @@ class Projection:
         key = (event.lane, event.reservation_id)
         self.bookings[key] = bookings.apply(event, self.bookings.get(key))
 
-    def budget_members(self, lane: str) -> set[str]:
-        """The lane and every lane below it: the bookings its budget counts."""
-        members = {lane}
-        for _ in range(MAX_BUDGET_DEPTH):
-            below = {
-                name for name, policy in self.lanes.items() if policy.parent in members
-            } - members
-            if not below:
-                break
-            members |= below
-        return members
-
     def totals(self, lane: str, now_us: int) -> WindowTotals:
         """The lane's budget at now_us: its own bookings and its descendants'."""
         policy = self.lanes[lane]
-        members = self.budget_members(lane)
-        budget = (b for (name, _), b in self.bookings.items() if name in members)
+        budget_lanes = set(policies.members(lane, self._children))
+        budget = (b for (name, _), b in self.bookings.items() if name in budget_lanes)
         return totals_of(budget, now_us, policy.window_us)
+
+    def _children(self, lane: str) -> list[str]:
+        return [name for name, policy in self.lanes.items() if policy.parent == lane]
 
 
 def replay(events: Iterable[Event]) -> Projection:

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import ChainWalker
 from ledger_service.domain.events import Event, EventKind
-from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, policy_from_dict
+from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, members, policy_from_dict
 from ledger_service.domain.replay import Projection
 from ledger_service.domain.window import WindowTotals, totals_of
 from ledger_service.recovery.rebuild import ProgressFn, no_progress, projection_findings
@@ -156,7 +156,7 @@ class Verifier:
         for lane in sorted(policies):
             window_us = policies[lane].window_us
             held = charged = open_count = 0
-            for member in _subtree(lane, children):
+            for member in members(lane, lambda name: children.get(name, ())):
                 part = own_totals.get((member, window_us), WindowTotals())
                 held += part.held_nanos
                 charged += part.charged_nanos
@@ -177,17 +177,6 @@ class Verifier:
                         f"{totals.held_nanos}/{totals.charged_nanos}/{totals.open_bookings}, "
                         f"replayed {held}/{charged}/{open_count}"
                     )
-
-
-def _subtree(lane: str, children: Mapping[str, list[str]]) -> list[str]:
-    members, level, seen = [lane], [lane], {lane}
-    for _ in range(MAX_BUDGET_DEPTH - 1):
-        level = [child for name in level for child in children.get(name, []) if child not in seen]
-        if not level:
-            break
-        seen.update(level)
-        members.extend(level)
-    return members
 
 
 def _windows_needed(policies: Mapping[str, LanePolicy]) -> dict[str, set[int]]:
