@@ -95,15 +95,28 @@ class Manifest:
         return self.verdict is Verdict.ADMISSIBLE
 
     def body(self) -> dict[str, Any]:
-        return _body(
-            self.verdict,
-            self.sources,
-            self.chosen,
-            self.total_cost_seconds,
-            self.policy,
-            self.directive,
-            self.findings,
-        )
+        return {
+            "verdict": self.verdict.value,
+            "sources": [
+                {
+                    "source_id": source.source_id,
+                    "cost_seconds": _seconds(source.cost_seconds),
+                    "risk_score": _seconds(source.risk_score),
+                    "possible": source.possible,
+                    "detail": source.detail,
+                }
+                for source in self.sources
+            ],
+            "chosen": list(self.chosen),
+            "total_cost_seconds": _seconds(self.total_cost_seconds),
+            "policy": {
+                "max_budget_seconds": _seconds(self.policy.max_budget_seconds),
+                "max_risk_score": _seconds(self.policy.max_risk_score),
+                "min_viable_sources": self.policy.min_viable_sources,
+            },
+            "directive": self.directive,
+            "findings": list(self.findings),
+        }
 
     def to_json(self) -> str:
         return json.dumps({**self.body(), "digest": self.digest}, sort_keys=True)
@@ -114,107 +127,45 @@ def _seconds(value: float) -> str:
     return f"{value:.3f}"
 
 
-def _body(
-    verdict: Verdict,
-    sources: tuple[Source, ...],
-    chosen: tuple[str, ...],
-    total_cost_seconds: float,
-    policy: RecoveryPolicy,
-    directive: str,
-    findings: tuple[str, ...],
-) -> dict[str, Any]:
-    return {
-        "verdict": verdict.value,
-        "sources": [
-            {
-                "source_id": source.source_id,
-                "cost_seconds": _seconds(source.cost_seconds),
-                "risk_score": _seconds(source.risk_score),
-                "possible": source.possible,
-                "detail": source.detail,
-            }
-            for source in sources
-        ],
-        "chosen": list(chosen),
-        "total_cost_seconds": _seconds(total_cost_seconds),
-        "policy": {
-            "max_budget_seconds": _seconds(policy.max_budget_seconds),
-            "max_risk_score": _seconds(policy.max_risk_score),
-            "min_viable_sources": policy.min_viable_sources,
-        },
-        "directive": directive,
-        "findings": list(findings),
-    }
-
-
-def _manifest(
-    verdict: Verdict,
-    sources: tuple[Source, ...],
-    chosen: tuple[Source, ...],
-    policy: RecoveryPolicy,
-    directive: str,
-    findings: tuple[str, ...],
-) -> Manifest:
-    total = sum(source.cost_seconds for source in chosen)
-    ids = tuple(source.source_id for source in chosen)
-    body = _body(verdict, sources, ids, total, policy, directive, findings)
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return Manifest(verdict, sources, ids, total, policy, directive, findings, digest)
-
-
 def plan(
     sources: Iterable[Source], policy: RecoveryPolicy, findings: Iterable[str] = ()
 ) -> Manifest:
     """The decision, deterministic in its inputs (sources are ordered by id)."""
     policy.validate()
     every = tuple(sorted(sources, key=lambda source: source.source_id))
-    found = tuple(findings)
-    possible = tuple(source for source in every if source.possible)
-    if not possible:
-        return _manifest(
-            Verdict.HARD_ABORT,
-            every,
-            (),
-            policy,
-            "HALT: no source can reconstruct the projections; restore the database "
-            "(its event log) from a backup",
-            found,
-        )
+    possible = [source for source in every if source.possible]
     safe = sorted(
         (source for source in possible if source.risk_score <= policy.max_risk_score),
         key=lambda source: (source.cost_seconds, source.source_id),
     )
-    if len(safe) < policy.min_viable_sources:
-        return _manifest(
-            Verdict.RISK_TOO_HIGH,
-            every,
-            (),
-            policy,
-            f"HALT: {len(safe)} source(s) with risk <= {policy.max_risk_score:.2f} "
-            f"< minimum {policy.min_viable_sources}",
-            found,
-        )
     chosen = tuple(safe[: policy.min_viable_sources])
     total = sum(source.cost_seconds for source in chosen)
-    if total > policy.max_budget_seconds:
-        return _manifest(
-            Verdict.EXCEEDS_BUDGET,
-            every,
-            chosen,
-            policy,
-            f"HALT: cost {total:.3f}s exceeds budget {policy.max_budget_seconds:.3f}s",
-            found,
+    if not possible:
+        verdict, chosen = Verdict.HARD_ABORT, ()
+        directive = (
+            "HALT: no source can reconstruct the projections; restore the database "
+            "(its event log) from a backup"
         )
-    return _manifest(
-        Verdict.ADMISSIBLE,
-        every,
-        chosen,
-        policy,
-        f"PROCEED: rebuild from {' and '.join(source.source_id for source in chosen)} "
-        f"within budget ({total:.3f}s / {policy.max_budget_seconds:.3f}s)",
-        found,
-    )
+    elif len(safe) < policy.min_viable_sources:
+        verdict, chosen = Verdict.RISK_TOO_HIGH, ()
+        directive = (
+            f"HALT: {len(safe)} source(s) with risk <= {policy.max_risk_score:.2f} "
+            f"< minimum {policy.min_viable_sources}"
+        )
+    elif total > policy.max_budget_seconds:
+        verdict = Verdict.EXCEEDS_BUDGET
+        directive = f"HALT: cost {total:.3f}s exceeds budget {policy.max_budget_seconds:.3f}s"
+    else:
+        verdict = Verdict.ADMISSIBLE
+        directive = (
+            f"PROCEED: rebuild from {' and '.join(source.source_id for source in chosen)} "
+            f"within budget ({total:.3f}s / {policy.max_budget_seconds:.3f}s)"
+        )
+    ids = tuple(source.source_id for source in chosen)
+    total = sum(source.cost_seconds for source in chosen)
+    manifest = Manifest(verdict, every, ids, total, policy, directive, tuple(findings), "")
+    text = json.dumps(manifest.body(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return dataclasses.replace(manifest, digest=hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
 def replay_cost_seconds(units: int, units_per_second: float) -> float:
