@@ -168,11 +168,7 @@ def _digest_of_lanes(view: SqlProjectionView, heads: Mapping[str, str] | None) -
 
 class Recovery:
     def __init__(
-        self,
-        store: SqlRecoveryStore,
-        wall_clock: Clock,
-        settings: RecoverySettings,
-        owner: str,
+        self, store: SqlRecoveryStore, wall_clock: Clock, settings: RecoverySettings, owner: str
     ) -> None:
         self._store = store
         self._wall = wall_clock
@@ -384,7 +380,7 @@ class Recovery:
         walk: Walk,
         rate: float,
         lost: bool,
-        altered_latest: Sequence[ChainBreak] = (),
+        altered_latest: Sequence[ChainBreak],
     ) -> tuple[Source, Route]:
         tail = self._store.count_events_after(snapshot.position_seq)
         source_id = f"snapshot-{snapshot.snapshot_id}"
@@ -547,12 +543,7 @@ class Recovery:
             digest.add_booking_lines(count, made)
         return digest.hexdigest()
 
-    def _restore(
-        self,
-        snapshot: SnapshotInfo,
-        progress: ProgressFn,
-        started: float,
-    ) -> None:
+    def _restore(self, snapshot: SnapshotInfo, progress: ProgressFn, started: float) -> None:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
         done = 0
         for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
@@ -563,11 +554,10 @@ class Recovery:
         if digest.hexdigest() != snapshot.digest:
             raise RebuildFailed(f"snapshot {snapshot.snapshot_id} changed while it was restored")
 
-    def projection_digest(self, heads: Mapping[str, str] | None = None) -> str:
-        """The digest of the projections as they stand, with the lanes' chain
-        heads `heads` (read from the log when None)."""
+    def projection_digest(self) -> str:
+        """The digest of the projections as they stand: what a snapshot of them gives."""
         with self._store.view() as view:
-            digest = _digest_of_lanes(view, heads)
+            digest = _digest_of_lanes(view, None)
             for text in view.booking_texts():
                 digest.add_booking_text(text)
         return digest.hexdigest()
