@@ -138,7 +138,7 @@ class ChainBroken(Exception):
         self.chain_break = chain_break
 
 
-def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
+def lanes_of(batch: Sequence[Event]) -> list[LanePolicy]:
     """The lanes as the batch's lane_configured events leave them (the same
     fold as the live path: `policy_from_dict`)."""
     lanes: dict[str, LanePolicy] = {}
@@ -147,7 +147,7 @@ def lanes_of(batch: Sequence[Event]) -> dict[str, LanePolicy]:
             if event.policy is None:
                 raise RebuildFailed(f"event {event.seq} configures a lane without a policy")
             lanes[event.lane] = policy_from_dict(event.policy, event.seq, event.occurred_at_us)
-    return lanes
+    return list(lanes.values())
 
 
 def _digest_of_lanes(view: SqlProjectionView, heads: Mapping[str, str] | None) -> ProjectionDigest:
@@ -445,14 +445,8 @@ class Recovery:
         walker = ChainWalker()
         for event in sample:
             walker.check(event)
-        self._store.fold_events(
-            self.owner,
-            list(lanes_of(sample).values()),
-            0,
-            sample[-1].seq,
-            self._wall.now_us(),
-            dry_run=True,
-        )
+        lanes, now_us = lanes_of(sample), self._wall.now_us()
+        self._store.fold_events(self.owner, lanes, 0, sample[-1].seq, now_us, dry_run=True)
         elapsed = max(time.perf_counter() - started, 1e-3)
         return len(sample) / elapsed
 
@@ -518,7 +512,7 @@ class Recovery:
                 if folding is not None:
                     folding.result()
                     progress("replay", done, max(total, done), time.perf_counter() - started)
-                lanes = list(lanes_of(taken.lane_events).values())
+                lanes = lanes_of(taken.lane_events)
                 folding = folder.submit(
                     self._store.fold_events,
                     *(self.owner, lanes, taken.after_seq, taken.through_seq, self._wall.now_us()),

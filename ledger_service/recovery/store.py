@@ -22,7 +22,6 @@ from sqlalchemy import (
     Connection,
     Engine,
     Select,
-    Table,
     Update,
     case,
     delete,
@@ -230,7 +229,13 @@ class _RebuildSql:
             f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
             "ORDER BY lane, reservation_id"
         )
-        self.upsert_lanes = _upsert_sql(lanes, records.LANE_COLUMNS, ("lane",), p)
+        columns = records.LANE_COLUMNS
+        assert set(columns) == set(lanes.c.keys()), columns
+        updates = ", ".join(f"{name} = excluded.{name}" for name in columns if name != "lane")
+        self.upsert_lanes = (
+            f"INSERT INTO {lanes.name} ({', '.join(columns)}) "
+            f"VALUES ({', '.join(p for _ in columns)}) ON CONFLICT (lane) DO UPDATE SET {updates}"
+        )
         # The key `count` bookings on: the index steps over the others in C.
         keys = "ORDER BY lane, reservation_id LIMIT 1 OFFSET"
         self.first_booking_key_at = f"SELECT lane, reservation_id FROM {bookings.name} {keys} {p}"
@@ -238,17 +243,6 @@ class _RebuildSql:
             f"SELECT lane, reservation_id FROM {bookings.name} "
             f"WHERE (lane, reservation_id) > ({p}, {p}) {keys} {p}"
         )
-
-
-def _upsert_sql(table: Table, columns: Sequence[str], keys: Sequence[str], placeholder: str) -> str:
-    """INSERT ... ON CONFLICT DO UPDATE, in the syntax SQLite and PostgreSQL share."""
-    assert set(columns) == set(table.c.keys()), f"{table.name}: {columns}"
-    updates = ", ".join(f"{name} = excluded.{name}" for name in columns if name not in keys)
-    return (
-        f"INSERT INTO {table.name} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(placeholder for _ in columns)}) "
-        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates}"
-    )
 
 
 def _quoted(values: Sequence[str]) -> str:
@@ -628,23 +622,20 @@ class SqlRecoveryStore:
         """One chunk per read, so no transaction stays open while it is used."""
         after = -1
         while True:
-            row = self._chunk_after(snapshot_id, after)
+            with self._reading() as connection:
+                row = connection.execute(
+                    select(snapshot_chunks)
+                    .where(
+                        snapshot_chunks.c.snapshot_id == snapshot_id,
+                        snapshot_chunks.c.chunk_no > after,
+                    )
+                    .order_by(snapshot_chunks.c.chunk_no)
+                    .limit(1)
+                ).first()
             if row is None:
                 return
             after = int(row.chunk_no)
             yield _chunk_of(str(row.kind), json.loads(row.payload))
-
-    def _chunk_after(self, snapshot_id: int, after: int) -> Any:
-        with self._reading() as connection:
-            return connection.execute(
-                select(snapshot_chunks)
-                .where(
-                    snapshot_chunks.c.snapshot_id == snapshot_id,
-                    snapshot_chunks.c.chunk_no > after,
-                )
-                .order_by(snapshot_chunks.c.chunk_no)
-                .limit(1)
-            ).first()
 
     def begin_snapshot(
         self, position_seq: int, chain_heads: Mapping[str, str], taken_at_us: int
@@ -805,17 +796,14 @@ class SqlRecoveryStore:
         """How many bookings have keys in (after, through] (None: from the
         first, to the last), and snapshots.booking_lines of their texts, in
         key order."""
+        p = self._placeholder
         conditions: list[str] = []
         parameters: list[str] = []
         if after is not None:
-            conditions.append(
-                f"(lane, reservation_id) > ({self._placeholder}, {self._placeholder})"
-            )
+            conditions.append(f"(lane, reservation_id) > ({p}, {p})")
             parameters += after
         if through is not None:
-            conditions.append(
-                f"(lane, reservation_id) <= ({self._placeholder}, {self._placeholder})"
-            )
+            conditions.append(f"(lane, reservation_id) <= ({p}, {p})")
             parameters += through
         where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
         sql = (
