@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.events import Event
@@ -29,8 +29,7 @@ class EventQuery:
     limit: int = 100
 
 
-@dataclasses.dataclass(frozen=True)
-class EdgeQuery:
+class EdgeQuery(NamedTuple):
     """One budget's window edges to read: its bookings with after < reserved_at
     <= until for each of the two (after, until] ranges (an empty range sums to
     nothing), and its open holds inside the window at now_us past their deadline."""

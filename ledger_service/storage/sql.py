@@ -663,8 +663,6 @@ class SqlTransaction:
         head = cursors[3].fetchone()
         booking = prepared.fetched_mapping(reads[4], cursors[4]) if reservation_id else None
         seq = cursors[-1].fetchone() if take_seq else None
-        for cursor in cursors:
-            cursor.close()
         if self._seq_useful is None:
             self._seq_useful = bool(locked)
         if not locked:
@@ -778,10 +776,7 @@ class SqlTransaction:
             rows = [self._edges_row(query) for query in queries]
         else:  # every budget's edges in one round trip
             calls = [self._edges_call(query) for query in queries]
-            cursors = prepared.pipelined(self._connection, calls)
-            rows = [cursor.fetchone() for cursor in cursors]
-            for cursor in cursors:
-                cursor.close()
+            rows = [cursor.fetchone() for cursor in prepared.pipelined(self._connection, calls)]
         return [_edges_of(row) for row in rows]
 
     def _edges_call(self, query: EdgeQuery) -> prepared.Call:
