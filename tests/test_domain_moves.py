@@ -19,7 +19,7 @@ from ledger_service.domain.errors import (
 )
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge, LanePolicy
-from ledger_service.domain.pricing import ModelPrice
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, ModelPrice
 from ledger_service.domain.window import WindowTotals
 
 START_US = 1_800_000_000_000_000 + 123_456
@@ -171,6 +171,72 @@ def test_a_hold_above_the_limit_is_denied_for_ever_without_retry_after() -> None
     assert event.denial_reason is DenialReason.HOLD_EXCEEDS_LIMIT
     assert event.retry_after_us is None
     assert "never" in event.reason
+
+
+def test_a_hold_equal_to_the_limit_fits_an_empty_budget() -> None:
+    """Only a hold *larger* than a limit can never fit."""
+    event = decide(reserve_command(estimate_nanos=400), lane=policy(limit_nanos=400))
+    assert event.kind is EventKind.RESERVED
+    assert event.amount_nanos == 400
+
+
+def test_the_largest_amount_is_a_cap_the_ledger_takes() -> None:
+    # 427,387,904 request tokens at 1 nano each and 4,611,686,018 output tokens
+    # at 10^9 nanos each: a cap of exactly 2^62 nanos, the largest amount.
+    lane = policy(
+        limit_nanos=MAX_AMOUNT_NANOS,
+        prices={"jev": ModelPrice(1_000_000, 10**15)},
+        bytes_per_token_milli=1000,
+    )
+    command = reserve_command(request_bytes=427_387_904, max_output_tokens=4_611_686_018)
+    command.validate()
+    event = decide(command, lane=lane)
+    assert event.kind is EventKind.RESERVED
+    assert event.cap_nanos == event.hold_nanos == MAX_AMOUNT_NANOS
+
+
+def budget(
+    name: str, limit_nanos: int, spent_nanos: int = 0, aging: list[tuple[int, int]] | None = None
+) -> moves.Budget:
+    return moves.Budget(
+        policy=policy(lane=name, limit_nanos=limit_nanos),
+        totals=WindowTotals(0, spent_nanos, 0),
+        aging=(lambda: aging) if aging is not None else no_aging,
+    )
+
+
+def test_a_hold_above_several_limits_is_denied_by_the_nearest() -> None:
+    budgets = [budget("recall", 10_000), budget("agents", 300), budget("org", 200)]
+    event = moves.decide_reserve(budgets, reserve_command(estimate_nanos=400), START_US)
+    assert event.denial_reason is DenialReason.HOLD_EXCEEDS_LIMIT
+    assert event.denied_by == "agents"
+    assert event.retry_after_us is None
+
+
+def test_short_budgets_freeing_room_at_the_same_instant_deny_by_the_nearest() -> None:
+    """Several budgets say no and free room at one instant: the tie goes to the
+    budget nearest the lane."""
+    aging = [(START_US - 500, 1_000)]
+    budgets = [
+        budget("recall", 10_000),
+        budget("agents", 1_000, 1_000, aging),
+        budget("org", 1_000, 1_000, aging),
+    ]
+    event = moves.decide_reserve(budgets, reserve_command(estimate_nanos=400), START_US)
+    assert event.denial_reason is DenialReason.BUDGET_EXHAUSTED
+    assert event.retry_after_us == START_US - 500 + WINDOW_US
+    assert event.denied_by == "agents"
+
+
+def test_short_budgets_deny_by_the_one_that_frees_room_last() -> None:
+    budgets = [
+        budget("recall", 10_000),
+        budget("agents", 1_000, 1_000, [(START_US - 300, 1_000)]),
+        budget("org", 1_000, 1_000, [(START_US - 500, 1_000)]),
+    ]
+    event = moves.decide_reserve(budgets, reserve_command(estimate_nanos=400), START_US)
+    assert event.retry_after_us == START_US - 300 + WINDOW_US
+    assert event.denied_by == "agents"
 
 
 def test_a_denied_reserve_folds_into_a_rejected_booking_that_counts_nothing() -> None:
