@@ -194,6 +194,13 @@ def test_a_settle_records_its_cache_tokens() -> None:
     # A retry with other cache counts is other usage, not a repeat.
     other = succeeded(cached_input_tokens=700, cache_write_tokens=100)
     assert other.fingerprint() != after.settle_fingerprint()
+    # Cached reads and cache writes are both the Settle's content: a report
+    # that differs in either one is other usage, refused.
+    moves.decide_settle(after, succeeded(cached_input_tokens=800, cache_write_tokens=100), START_US)
+    for changed in ({"cached_input_tokens": 700}, {"cache_write_tokens": 50}):
+        different = succeeded(**{"cached_input_tokens": 800, "cache_write_tokens": 100, **changed})
+        with pytest.raises(BookingAlreadyEnded):
+            moves.decide_settle(after, different, START_US)
 
 
 # Corrections ------------------------------------------------------------------------
