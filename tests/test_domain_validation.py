@@ -30,6 +30,10 @@ def test_valid_commands_and_policy_pass() -> None:
         value.validate()  # type: ignore[attr-defined]
     moves.RefundCommand("recall", "r1", 0, "never sent").validate()
     moves.SettleCommand("recall", "r1", Outcome.UNKNOWN, http_status=503).validate()
+    for status in (100, 399, 500, 599):
+        moves.SettleCommand("recall", "r1", Outcome.UNKNOWN, http_status=status).validate()
+    for status in (400, 499):
+        moves.RefundCommand("recall", "r1", status).validate()
 
 
 @pytest.mark.parametrize(
@@ -80,6 +84,8 @@ def test_reserve_names_the_bad_field(changes: dict[str, object], field: str) -> 
         ({"output_tokens": -1}, "output_tokens"),
         ({"billed_nanos": -1}, "billed_nanos"),
         ({"http_status": -1}, "http_status"),
+        ({"http_status": 99}, "http_status"),
+        ({"http_status": 600}, "http_status"),
         # A 4xx is a refused call: Refund, which costs zero.
         ({"http_status": 403}, "http_status"),
         ({"http_status": 429, "outcome": Outcome.UNKNOWN}, "http_status"),
