@@ -80,6 +80,22 @@ def test_parents_are_validated_for_existence_cycles_and_depth(ledger: Ledger) ->
         ledger.put_lane(_lane("a", HOLD, parent="root"))  # ...but a's tree is four deep
 
 
+def test_a_reserve_must_fit_the_budget_four_levels_up(ledger: Ledger) -> None:
+    """Budgets nest four deep, and the top one holds a Reserve at the bottom."""
+    ledger.put_lane(_lane("org", HOLD))
+    ledger.put_lane(_lane("dept", 10 * HOLD, parent="org"))
+    ledger.put_lane(_lane("team", 10 * HOLD, parent="dept"))
+    ledger.put_lane(_lane("recall", 10 * HOLD, parent="team"))
+    assert ledger.reserve(_reserve("recall", "a")).admitted
+    denied = ledger.reserve(_reserve("recall", "b"))
+    assert not denied.admitted
+    assert (denied.event.denied_by, denied.event.denial_reason) == (
+        "org",
+        DenialReason.BUDGET_EXHAUSTED,
+    )
+    assert ledger.balance("org").spent_nanos == HOLD
+
+
 def test_hot_lanes_sharing_a_parent_never_overbook_it(ledger: Ledger) -> None:
     ledger.put_lane(_lane("judge", 12 * HOLD))
     for name in ("hot-1", "hot-2", "hot-3"):
