@@ -96,6 +96,26 @@ def test_a_reserve_must_fit_the_budget_four_levels_up(ledger: Ledger) -> None:
     assert ledger.balance("org").spent_nanos == HOLD
 
 
+def test_a_new_parent_counts_the_lane_s_bookings_from_the_moment_it_is_set(
+    ledger: Ledger,
+) -> None:
+    ledger.put_lane(_lane("team", 2 * HOLD))
+    ledger.put_lane(_lane("recall", 10 * HOLD))
+    # The parent has kept a window of its own before the lane joins it.
+    ledger.reserve(_reserve("team", "t"))
+    ledger.refund(RefundCommand("team", "t", http_status=429))
+    assert ledger.reserve(_reserve("recall", "a")).admitted
+    ledger.put_lane(_lane("recall", 10 * HOLD, parent="team"))
+    assert ledger.balance("team").spent_nanos == HOLD
+    assert ledger.reserve(_reserve("recall", "b")).admitted
+    denied = ledger.reserve(_reserve("recall", "c"))
+    assert (denied.admitted, denied.event.denied_by) == (False, "team")
+    # Leaving the parent takes the lane's bookings out of it.
+    ledger.put_lane(_lane("recall", 10 * HOLD))
+    assert ledger.balance("team").spent_nanos == 0
+    assert ledger.reserve(_reserve("team", "t2")).admitted
+
+
 def test_hot_lanes_sharing_a_parent_never_overbook_it(ledger: Ledger) -> None:
     ledger.put_lane(_lane("judge", 12 * HOLD))
     for name in ("hot-1", "hot-2", "hot-3"):
