@@ -127,13 +127,16 @@ class Ledger:
 
         def work(tx: StoreTransaction) -> LanePolicy:
             tx.lock_configuration()
-            existing = tx.lock_lane(policy.lane)
+            # The lane alone: its old budgets are locked after the checks, next
+            # to its new ones, so a busy root is not held while it checks.
+            existing = tx.lock_lane(policy.lane, budgets=False)
             if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
                 return existing
             _check_nesting(tx, policy)
             now_us = lane_time(tx, [policy], self._clock.now_us())
             # Every budget whose window or members may change keeps its sums no more.
             stale = {policy.lane}
+            _lock_apart_from_shared(tx, existing, policy)
             for chain_of in (existing, policy):
                 if chain_of is not None:
                     stale.update(ancestor.lane for ancestor in locked_ancestors(tx, chain_of))
@@ -415,6 +418,33 @@ def locked_ancestors(tx: StoreTransaction, policy: LanePolicy) -> list[LanePolic
         ancestors.append(ancestor)
         parent = ancestor.parent
     return ancestors
+
+
+def _lock_apart_from_shared(
+    tx: StoreTransaction, before: LanePolicy | None, after: LanePolicy
+) -> None:
+    """A PutLane that changes a lane's parent locks the lanes that only one of
+    its two chains holds, each chain from below, before the ancestors both
+    share: so it takes its locks in the order every move does, a lane before
+    any lane above it (the old chain's root first would deadlock with a move
+    under the new parent that holds the parent and waits for that root). The
+    chains are read without locks: only PutLanes change them, one at a time."""
+    if before is None or before.parent == after.parent:
+        return
+    old, new = _ancestor_names(tx, before), _ancestor_names(tx, after)
+    for lane in [*old, *new]:
+        if lane not in old or lane not in new:
+            tx.lock_lane(lane, budgets=False)
+
+
+def _ancestor_names(tx: StoreTransaction, policy: LanePolicy) -> list[str]:
+    names: list[str] = []
+    parent = policy.parent
+    while parent is not None and parent not in names and len(names) < MAX_BUDGET_DEPTH - 1:
+        names.append(parent)
+        ancestor = tx.get_lane(parent)
+        parent = ancestor.parent if ancestor is not None else None
+    return names
 
 
 def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> None:

@@ -63,14 +63,16 @@ class StoreTransaction(Protocol):
         a PutLane checks the budget tree through lanes it does not lock."""
         ...
 
-    def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
+    def lock_lane(
+        self, lane: str, reservation_id: str = "", *, budgets: bool = True
+    ) -> LanePolicy | None:
         """The lane's policy, locked until commit so that admissions to one lane
         are serialized across every process sharing the database. With a
         reservation id, the store may read that booking in the same round trip
-        (get_booking then answers from it). The store may also lock the lane's
-        ancestors, nearest first, in the same round trip: every caller locks
-        them next (locks go from a lane upwards), and lock_lane then answers
-        for them without another."""
+        (get_booking then answers from it). With `budgets`, the store may also
+        lock the lane's ancestors, nearest first, in the same round trip, for
+        a caller that locks them next (locks go from a lane upwards): lock_lane
+        then answers for them without another."""
         ...
 
     def get_lane(self, lane: str) -> LanePolicy | None: ...

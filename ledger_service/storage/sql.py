@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from sqlalchemy import (
     Connection,
     Engine,
+    Integer,
     String,
     and_,
     any_,
@@ -474,17 +475,21 @@ def _below(top: Any) -> Any:
 
 
 _CHAIN = _chain()
+_LOCKED_CHAIN = (
+    func.ledger_lock_chain(bindparam("lane"), bindparam("levels", type_=Integer))
+    .table_valued(*(column.name for column in lanes.c), with_ordinality="ordinality")
+    .alias("locked")
+)
 
 
 # The statements of every move, compiled once per dialect (storage/prepared.py).
 _HOT = prepared.Statements(
     lane=select(lanes).where(lanes.c.lane == bindparam("lane")),
-    # PostgreSQL: the lane's row and its ancestors' rows, locked in that order
-    # (every lock goes from a lane upwards, so two moves never deadlock on them).
-    chain_for_update=select(lanes)
-    .join(_CHAIN, lanes.c.lane == _CHAIN.c.lane)
-    .order_by(_CHAIN.c.depth)
-    .with_for_update(of=lanes),
+    # PostgreSQL: the lane's row and then each ancestor's, locked in that
+    # order, each parent read from the row just locked (migration 0007).
+    chain_for_update=select(*(_LOCKED_CHAIN.c[column.name] for column in lanes.c)).order_by(
+        _LOCKED_CHAIN.c.ordinality
+    ),
     children=select(lanes.c.lane).where(lanes.c.parent == bindparam("parent")),
     # The kept windows of the lane's budgets, and the lanes under the top one.
     chain_windows=select(window_states).join(_CHAIN, window_states.c.lane == _CHAIN.c.lane),
@@ -595,13 +600,15 @@ class SqlTransaction:
 
     # Lanes -----------------------------------------------------------------
 
-    def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
+    def lock_lane(
+        self, lane: str, reservation_id: str = "", *, budgets: bool = True
+    ) -> LanePolicy | None:
         # Known only once locked in this transaction.
         policy = self._memo.lanes.get(lane)
         if policy is not None:
             return policy
         if not self._sqlite:
-            return self._lock_lane_and_read(lane, reservation_id)
+            return self._lock_lane_and_read(lane, reservation_id, budgets)
         row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
         if row is None:
             return None
@@ -630,14 +637,17 @@ class SqlTransaction:
         self._maintained = True
         return cursors[2:]
 
-    def _lock_lane_and_read(self, lane: str, reservation_id: str) -> LanePolicy | None:
+    def _lock_lane_and_read(
+        self, lane: str, reservation_id: str, budgets: bool
+    ) -> LanePolicy | None:
         """PostgreSQL: one round trip takes the locks (the maintenance lock
         first, then the rows of the lane and its ancestors, nearest first) and,
         behind them, reads what a move on the lane reads next: its budgets'
         kept windows and members, its chain head and its booking."""
         keys = {"lane": lane}
-        reads = [
-            (_HOT("chain_for_update", self._raw), keys),
+        levels = {"lane": lane, "levels": MAX_BUDGET_DEPTH if budgets else 1}
+        reads: list[prepared.Call] = [
+            (_HOT("chain_for_update", self._raw), levels),
             (_HOT("chain_windows", self._raw), keys),
             (_HOT("chain_below", self._raw), keys),
             (chaining.head_statement(self._raw), keys),
@@ -667,15 +677,14 @@ class SqlTransaction:
             self._seq_useful = bool(locked)
         if not locked:
             return None  # nothing was locked: nothing read behind the lock is kept
-        linked = _linked(locked)
-        self._chained.update(policy.lane for policy in linked)
+        self._chained.update(policy.lane for policy in locked)
         # A seq taken before this lock would put this move's event before
         # events this lock admitted first: it is dropped (a hole) for this one.
         self._taken_seq = (frozenset(self._chained), int(seq[0])) if seq is not None else None
         children: dict[str, list[str]] = {}
         for child, parent in below:
             children.setdefault(parent, []).append(child)
-        for policy in linked:
+        for policy in locked:
             self._memo.lanes[policy.lane] = policy
             self._prefetched_windows[policy.lane] = windows.get(policy.lane)
             members = policies.members(policy.lane, lambda parent: children.get(parent, ()))
@@ -684,7 +693,7 @@ class SqlTransaction:
         if reservation_id:
             key = (lane, reservation_id)
             self._prefetched_bookings[key] = records.booking_from_row(booking) if booking else None
-        return linked[0]
+        return locked[0]
 
     def get_lane(self, lane: str) -> LanePolicy | None:
         row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
@@ -1015,15 +1024,3 @@ def _edges_of(row: Sequence[Any]) -> Edges:
 def _mappings(call: prepared.Call, cursor: Any) -> list[dict[str, Any]]:
     rows = [call[0].as_mapping(row, cursor) for row in cursor.fetchall()]
     return [row for row in rows if row is not None]
-
-
-def _linked(locked: list[LanePolicy]) -> list[LanePolicy]:
-    """The locked rows (the lane first) up to the first that is not the parent
-    of the one before: a PutLane committed while the lock waited may have
-    moved an ancestor under another parent, which the caller then locks."""
-    linked = locked[:1]
-    for policy in locked[1:]:
-        if policy.lane != linked[-1].parent:
-            break
-        linked.append(policy)
-    return linked

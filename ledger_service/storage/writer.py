@@ -493,7 +493,9 @@ class WriterTransaction:
     def lock_configuration(self) -> None:
         """The writer is SQLite's one writer: configurations are serialized already."""
 
-    def lock_lane(self, lane: str, reservation_id: str = "") -> LanePolicy | None:
+    def lock_lane(
+        self, lane: str, reservation_id: str = "", *, budgets: bool = True
+    ) -> LanePolicy | None:
         if not self._state.current:
             raise RecoveryRequired()
         return self.get_lane(lane)

@@ -187,8 +187,8 @@ def test_a_lane_that_joins_a_parent_is_in_seq_order_as_the_new_parent_admitted_i
     pausing_thread: list[threading.Thread] = []
     lock_lane = SqlTransaction.lock_lane
 
-    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "") -> Any:
-        policy = lock_lane(tx, lane, reservation_id)
+    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "", **options: Any) -> Any:
+        policy = lock_lane(tx, lane, reservation_id, **options)
         # The PutLane holds the mover's chain, not yet the new parent.
         if threading.current_thread() in pausing_thread and lane == (old_parent or "mover"):
             paused.set()
@@ -237,8 +237,8 @@ def test_a_move_whose_parent_is_moved_while_it_waits_counts_against_the_new_chai
     moving: list[threading.Thread] = []
     lock_lane = SqlTransaction.lock_lane
 
-    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "") -> Any:
-        policy = lock_lane(tx, lane, reservation_id)
+    def pausing(tx: SqlTransaction, lane: str, reservation_id: str = "", **options: Any) -> Any:
+        policy = lock_lane(tx, lane, reservation_id, **options)
         if threading.current_thread() in moving and lane == "team":
             paused.set()  # the PutLane holds the team's row, not yet the new root's
             assert go_on.wait(30)
