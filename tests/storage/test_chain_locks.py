@@ -26,11 +26,9 @@ from tests.storage.conftest import RECALL, START_US
 pytestmark = pytest.mark.postgres
 
 
-def test_two_moves_do_not_deadlock_after_a_leaf_moved_between_teams(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    clock = ManualClock(START_US)
-    ledger = Ledger(postgres_store, clock)
+def _one_root_two_teams(store: SqlStore) -> Ledger:
+    """root <- team-a <- leaf, and root <- team-b <- sib."""
+    ledger = Ledger(store, ManualClock(START_US))
     for lane, parent in (
         ("root", None),
         ("team-a", "root"),
@@ -39,6 +37,11 @@ def test_two_moves_do_not_deadlock_after_a_leaf_moved_between_teams(
         ("sib", "team-b"),
     ):
         ledger.put_lane(dataclasses.replace(RECALL, lane=lane, parent=parent))
+    return ledger
+
+
+def _retried_codes(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The SQLSTATE of every error the store retries, from now on."""
     retried: list[str | None] = []
     is_retryable = translate.is_retryable
 
@@ -49,6 +52,14 @@ def test_two_moves_do_not_deadlock_after_a_leaf_moved_between_teams(
         return answer
 
     monkeypatch.setattr(translate, "is_retryable", noting)
+    return retried
+
+
+def test_two_moves_do_not_deadlock_after_a_leaf_moved_between_teams(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = _one_root_two_teams(postgres_store)
+    retried = _retried_codes(monkeypatch)
     roles: dict[int, str] = {}
     hold_commit, put_paused = threading.Event(), threading.Event()
     leaf_paused, leaf_go = threading.Event(), threading.Event()
@@ -124,26 +135,8 @@ def test_a_put_lane_that_moves_a_lane_within_a_root_does_not_deadlock_with_moves
     teams before the root. Were it to lock team-a's chain, root included,
     before team-b, a Reserve under team-b holding team-b and waiting for the
     root would deadlock with it."""
-    clock = ManualClock(START_US)
-    ledger = Ledger(postgres_store, clock)
-    for lane, parent in (
-        ("root", None),
-        ("team-a", "root"),
-        ("team-b", "root"),
-        ("leaf", "team-a"),
-        ("sib", "team-b"),
-    ):
-        ledger.put_lane(dataclasses.replace(RECALL, lane=lane, parent=parent))
-    retried: list[str | None] = []
-    is_retryable = translate.is_retryable
-
-    def noting(error: BaseException) -> bool:
-        answer = is_retryable(error)
-        if answer and error.__cause__ is not None:
-            retried.append(translate.driver_code(error.__cause__))
-        return answer
-
-    monkeypatch.setattr(translate, "is_retryable", noting)
+    ledger = _one_root_two_teams(postgres_store)
+    retried = _retried_codes(monkeypatch)
     putting: list[int] = []
     paused, go_on = threading.Event(), threading.Event()
     lock_lane = SqlTransaction.lock_lane
