@@ -122,7 +122,7 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
     # Issue 8's five, issue 24's four against the PostgreSQL floor and the
     # round trips a move (unjudged here, without PostgreSQL), and issue 25's
     # four: the restart, the memory, the streams and the floor line.
-    assert len(results["targets"]) == 14
+    assert len(results["targets"]) == 15
     for name in ("reserve_1_unwatched", "reserve_1_watched", "reserve_1_unwatched_after"):
         _check_phase(scenarios["sqlite"]["phases"][name], f"sqlite {name}")
     for count in ("100", "10000"):
