@@ -660,6 +660,10 @@ def test_history_json_is_one_event_per_line(target: LedgerProcess, ledger: RunLe
     assert events[0]["seq"] < events[1]["seq"]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_history_follow_tails_until_ctrl_c(target: LedgerProcess, ledger: RunLedger) -> None:
     put_recall(ledger, "tail")
     environment = {**os.environ, "LEDGER_SERVER": target.address}
@@ -669,6 +673,10 @@ def test_history_follow_tails_until_ctrl_c(target: LedgerProcess, ledger: RunLed
         stderr=subprocess.PIPE,
         text=True,
         env=environment,
+        # Ctrl-C as at a terminal, even when these tests run where SIGINT is
+        # ignored (a job sent to the background without job control), which
+        # the follower would inherit.
+        preexec_fn=_default_sigint,
     )
     try:
         assert follower.stdout is not None
