@@ -132,11 +132,11 @@ class Ledger:
             existing = tx.lock_lane(policy.lane, budgets=False)
             if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
                 return existing
-            _check_nesting(tx, policy)
+            new_chain = _check_nesting(tx, policy)
             now_us = lane_time(tx, [policy], self._clock.now_us())
             # Every budget whose window or members may change keeps its sums no more.
             stale = {policy.lane}
-            _lock_apart_from_shared(tx, existing, policy)
+            _lock_apart_from_shared(tx, existing, policy, new_chain)
             for chain_of in (existing, policy):
                 if chain_of is not None:
                     stale.update(ancestor.lane for ancestor in locked_ancestors(tx, chain_of))
@@ -421,17 +421,18 @@ def locked_ancestors(tx: StoreTransaction, policy: LanePolicy) -> list[LanePolic
 
 
 def _lock_apart_from_shared(
-    tx: StoreTransaction, before: LanePolicy | None, after: LanePolicy
+    tx: StoreTransaction, before: LanePolicy | None, after: LanePolicy, new: list[str]
 ) -> None:
     """A PutLane that changes a lane's parent locks the lanes that only one of
     its two chains holds, each chain from below, before the ancestors both
     share: so it takes its locks in the order every move does, a lane before
     any lane above it (the old chain's root first would deadlock with a move
     under the new parent that holds the parent and waits for that root). The
-    chains are read without locks: only PutLanes change them, one at a time."""
+    chains are read without locks: only PutLanes change them, one at a time.
+    `new`: the new parent's chain, as _check_nesting walked it."""
     if before is None or before.parent == after.parent:
         return
-    old, new = _ancestor_names(tx, before), _ancestor_names(tx, after)
+    old = _ancestor_names(tx, before)
     for lane in [*old, *new]:
         if lane not in old or lane not in new:
             tx.lock_lane(lane, budgets=False)
@@ -447,11 +448,12 @@ def _ancestor_names(tx: StoreTransaction, policy: LanePolicy) -> list[str]:
     return names
 
 
-def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> None:
-    """A parent must exist, make no cycle, and nest budgets at most MAX_BUDGET_DEPTH deep."""
+def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> list[str]:
+    """A parent must exist, make no cycle, and nest budgets at most MAX_BUDGET_DEPTH
+    deep. Returns the lanes above the lane, nearest first."""
     if policy.parent is None:
-        return
-    depth_above = 0
+        return []
+    above: list[str] = []
     parent: str | None = policy.parent
     while parent is not None:
         if parent == policy.lane:
@@ -459,15 +461,16 @@ def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> None:
         ancestor = tx.get_lane(parent)
         if ancestor is None:
             raise InvalidArgument("lane.parent", f"there is no lane named {parent!r}")
-        depth_above += 1
-        if depth_above >= MAX_BUDGET_DEPTH:
+        above.append(parent)
+        if len(above) >= MAX_BUDGET_DEPTH:
             break
         parent = ancestor.parent
     levels = len(tx.subtree(policy.lane, MAX_BUDGET_DEPTH))
-    if depth_above + levels > MAX_BUDGET_DEPTH:
+    if len(above) + levels > MAX_BUDGET_DEPTH:
         raise InvalidArgument(
             "lane.parent", f"budgets may nest at most {MAX_BUDGET_DEPTH} lanes deep"
         )
+    return above
 
 
 def _check_parent_sums(tx: StoreTransaction, policy: LanePolicy, now_us: int) -> None:
