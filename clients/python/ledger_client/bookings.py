@@ -75,6 +75,8 @@ class ReserveArguments:
 
     def __post_init__(self) -> None:
         # The server's rules and words (ledger_service/domain/moves.py, ReserveCommand).
+        if not isinstance(self.reservation_id, str):
+            raise invalid_argument("reservation_id", "must be a string")
         if not self.reservation_id:
             raise invalid_argument("reservation_id", "is required")
         if len(self.reservation_id) > MAX_RESERVATION_ID_LENGTH:
@@ -83,6 +85,8 @@ class ReserveArguments:
             )
         if not _RESERVATION_ID.fullmatch(self.reservation_id):
             raise invalid_argument("reservation_id", "must be printable ASCII without spaces")
+        if not isinstance(self.model, str):
+            raise invalid_argument("model", "must be a string")
         if not self.model:
             raise invalid_argument("model", "is required")
         if len(self.model) > MAX_MODEL_LENGTH:

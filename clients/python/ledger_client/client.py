@@ -24,7 +24,7 @@ from ledger_client.bookings import (
 from ledger_client.calls import BackgroundRefunds, CallSupport, ModelCall
 from ledger_client.channels import TlsSettings, check_grant, open_channel
 from ledger_client.context import payload_bytes
-from ledger_client.errors import from_rpc_error
+from ledger_client.errors import from_rpc_error, invalid_argument
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_client.journal import Journal
@@ -45,6 +45,17 @@ def new_trace_id() -> str:
 
 def _traceparent(trace_id: str) -> str:
     return f"00-{trace_id}-{secrets.token_hex(8)}-01"
+
+
+def check_lane(lane: object) -> None:
+    """The lane's name as the ledger would check its length: InvalidArgument
+    (field `lane`) before any call, as for a Reserve's arguments."""
+    if not isinstance(lane, str):
+        raise invalid_argument("lane", "must be a string")
+    if not lane:
+        raise invalid_argument("lane", "is required")
+    if len(lane) > MAX_LANE_LENGTH:
+        raise invalid_argument("lane", f"must be at most {MAX_LANE_LENGTH} characters")
 
 
 def _micros_of(ttl: datetime.timedelta | None) -> int | None:
@@ -69,8 +80,7 @@ class LaneClient:
         outage: OutagePolicy | None = None,
         settings: ClientSettings | None = None,
     ) -> None:
-        if not 0 < len(lane) <= MAX_LANE_LENGTH:
-            raise ValueError(f"lane must be 1 to {MAX_LANE_LENGTH} characters")
+        check_lane(lane)
         if grant is not None:
             check_grant(grant)
         self.lane = lane

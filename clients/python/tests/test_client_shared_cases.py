@@ -2,7 +2,8 @@
 error table and local pricing, against this client's own code. The Node client
 runs the same files in clients/node/tests/shared-cases.test.js; the server's
 tests (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the
-files say what the server does."""
+files say what the server does. arguments.json: what each client refuses
+itself, before any call."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any
 import grpc
 import pytest
 from ledger_client import errors
-from ledger_client.outcomes import RULES, CallFailure, Settlement, rule_for
+from ledger_client.bookings import ReserveArguments
+from ledger_client.client import LaneClient
+from ledger_client.outcomes import RULES, CallFailure, Ending, Settlement, rule_for
 from ledger_client.pricing import ModelPrice, cap_nanos, request_tokens
 
 CASES_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "cases"
@@ -27,6 +30,7 @@ def _load(name: str) -> dict[str, Any]:
 OUTCOMES = _load("outcomes.json")
 ERRORS = _load("errors.json")
 PRICING = _load("pricing.json")
+ARGUMENTS = _load("arguments.json")
 
 
 # --- outcomes ---------------------------------------------------------------
@@ -185,3 +189,69 @@ def test_pricing_charge(case: dict[str, Any]) -> None:
 def test_pricing_refuses_cache_parts_above_the_input(case: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="parts of input_tokens"):
         _price(case).real_cost(*_usage(case))
+
+
+# --- arguments checked before any call ---------------------------------------
+
+
+def _argument(value: Any) -> Any:
+    """A case's value: {"int": "..."} is an integer past 2^53."""
+    return int(value["int"]) if isinstance(value, dict) and set(value) == {"int"} else value
+
+
+def _refusal(case: dict[str, Any]) -> Any:
+    """pytest.raises for the error a case names."""
+    return pytest.raises(getattr(errors, case["error"]))
+
+
+def _check_refusal(error: BaseException, case: dict[str, Any]) -> None:
+    assert type(error) is getattr(errors, case["error"])
+    assert isinstance(error, errors.InvalidArgument)
+    assert error.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.reason, error.field, error.message) == (
+        case["reason"],
+        case["field"],
+        case["message"],
+    )
+
+
+def _reserve_arguments(case: dict[str, Any]) -> ReserveArguments:
+    values = {**ARGUMENTS["reserve_defaults"], **case["set"]}
+    values = {name: _argument(value) for name, value in values.items()}
+    ttl_ms = values.pop("ttl_ms", None)
+    values["ttl_us"] = None if ttl_ms is None else ttl_ms * 1000
+    return ReserveArguments(**values)
+
+
+@pytest.mark.parametrize("case", ARGUMENTS["reserve"], ids=lambda case: case["why"])
+def test_reserve_arguments(case: dict[str, Any]) -> None:
+    if case.get("accepted"):
+        _reserve_arguments(case)
+        return
+    with _refusal(case) as caught:
+        _reserve_arguments(case)
+    _check_refusal(caught.value, case)
+
+
+@pytest.mark.parametrize("case", ARGUMENTS["refund"], ids=lambda case: case["why"])
+def test_refund_arguments(case: dict[str, Any]) -> None:
+    def ending() -> Ending:
+        return Ending(Settlement.REFUND, case["set"]["http_status"], None, case["set"]["reason"])
+
+    if case.get("accepted"):
+        ending()
+        return
+    with _refusal(case) as caught:
+        ending()
+    _check_refusal(caught.value, case)
+
+
+@pytest.mark.parametrize("case", ARGUMENTS["lane"], ids=lambda case: case["why"])
+def test_lane_arguments(case: dict[str, Any]) -> None:
+    # Nothing listens there; a client connects only when it makes a call.
+    if case.get("accepted"):
+        LaneClient("127.0.0.1:9", case["set"]["lane"]).close()
+        return
+    with _refusal(case) as caught:
+        LaneClient("127.0.0.1:9", case["set"]["lane"])
+    _check_refusal(caught.value, case)
