@@ -438,6 +438,7 @@ export const DEFAULT_DEADLINE_MS: number;
 export const DEFAULT_END_ATTEMPTS: number;
 
 export class LaneClient {
+  /** Throws InvalidArgument (field `lane`) for a lane that is not a string of 1 to 200 characters. */
   constructor(address: string, lane: string, options?: LaneClientOptions);
   readonly address: string;
   readonly lane: string;
@@ -455,6 +456,7 @@ export class LaneClient {
   allowanceUsed(): { nanos: bigint; calls: number } | null;
   /** One bounded replay attempt of the journal, now. */
   replayJournal(options?: { maxEntries?: number }): Promise<ReplayReport>;
+  /** Rejects with InvalidArgument, before any call, for an argument the ledger would refuse (README, "Amounts"). */
   reserve(request: ReserveRequest): Promise<ReserveResult>;
   settle(request: SettleRequest): Promise<SettleResult>;
   refund(request: RefundRequest): Promise<{ balance: Balance | null }>;

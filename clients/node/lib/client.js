@@ -5,6 +5,7 @@ const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
 const { ledgerErrorOf, LedgerError, Unavailable, isLedgerUnavailable } = require('./errors');
 const wire = require('./wire');
+const { checkLane, checkReserve, checkRefund } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -29,7 +30,6 @@ const MAX_IN_DOUBT_ENTRIES = 1000;
 const MAX_BACKGROUND_REFUNDS = 100;
 const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
 // A reservation id's and a model name's most characters, as the ledger takes them.
-const MAX_NAME_LENGTH = 200;
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
@@ -177,7 +177,7 @@ class LaneClient {
    * @param {import('../index').LaneClientOptions} [options]
    */
   constructor(address, lane, options = {}) {
-    if (typeof lane !== 'string' || lane === '') throw new TypeError('lane must be a non-empty string');
+    checkLane(lane);
     this.address = address;
     this.lane = lane;
     this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;
@@ -313,27 +313,21 @@ class LaneClient {
   }
 
   async _reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs }, trace, deadlineMs) {
-    // The ledger's bounds (domain/moves.py): past them a message may outgrow
-    // what the server takes, which would read as an outage, not a mistake.
-    for (const [field, value] of [['reservationId', reservationId], ['model', model]]) {
-      if (typeof value !== 'string' || value.length === 0 || value.length > MAX_NAME_LENGTH) {
-        throw new TypeError(`${field} must be a string of 1 to ${MAX_NAME_LENGTH} characters`);
-      }
-    }
-    let ttl;
-    if (ttlUs !== undefined && ttlUs !== null) {
-      // A journaled call's ttl, in microseconds (BigInt).
-      ttl = { seconds: String(ttlUs / 1_000_000n), nanos: Number(ttlUs % 1_000_000n) * 1000 };
-    } else if (ttlMs !== undefined && ttlMs !== null) {
-      ttl = wire.durationOfMs(ttlMs, 'ttlMs');
-    }
+    // The ledger's rules (domain/moves.py), checked before any call: refused
+    // with the InvalidArgument the ledger would send (see arguments.js). Past
+    // its bounds a message may also outgrow what the server takes, which would
+    // read as an outage, not a mistake.
+    const checked = checkReserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs });
+    // A journaled call's ttl is in microseconds (BigInt); a caller's in milliseconds.
+    const micros = checked.ttlUs;
+    const ttl = micros === null ? undefined : { seconds: String(micros / 1_000_000n), nanos: Number(micros % 1_000_000n) * 1000 };
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
       model,
-      request_bytes: wire.int64(requestBytes, 'requestBytes'),
-      max_output_tokens: wire.int64(maxOutputTokens, 'maxOutputTokens'),
-      estimate_nanos: wire.optionalInt64(estimateNanos, 'estimateNanos'),
+      request_bytes: checked.requestBytes.toString(),
+      max_output_tokens: checked.maxOutputTokens.toString(),
+      estimate_nanos: checked.estimateNanos === null ? undefined : checked.estimateNanos.toString(),
       ttl,
     };
     return wire.reserveResultOf(await this._unary('Reserve', message, trace, deadlineMs), reservationId);
@@ -378,6 +372,7 @@ class LaneClient {
   }
 
   async _refund({ reservationId, httpStatus = 0, reason = '' }, trace, deadlineMs) {
+    checkRefund({ httpStatus, reason });
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
@@ -433,9 +428,9 @@ class LaneClient {
     const trace = traceHeaders(request) ?? freshTraceHeaders();
     // A caller that must tag its provider request with the id first passes one.
     const reservationId = request.reservationId ?? randomUUID();
-    if (typeof reservationId !== 'string' || reservationId.length === 0 || reservationId.length > MAX_NAME_LENGTH) {
-      throw new TypeError(`reservationId must be a string of 1 to ${MAX_NAME_LENGTH} characters`);
-    }
+    // Every argument the ledger would refuse, refused before anything is
+    // booked or journaled, with the InvalidArgument it would send.
+    checkReserve({ ...request, reservationId });
     const replayer = this._replayer;
     // Before anything is journaled, so the replayer never takes this call for
     // the orphan of a dead process.

@@ -356,8 +356,12 @@ describe('reserve / settle / refund', () => {
     const denied = await client.reserve({ ...REQUEST, reservationId: 'too-big', maxOutputTokens: 1_000_000 });
     assert.equal(denied.admitted, false);
     await assert.rejects(client.refund({ reservationId: 'too-big', httpStatus: 403 }), BookingWasDenied);
-    // A client-side type error never reaches the wire.
-    await assert.rejects(client.reserve({ ...REQUEST, reservationId: 'float', requestBytes: 1.5 }), TypeError);
+    // A client-side mistake never reaches the wire: refused as the ledger would refuse it.
+    await assert.rejects(client.reserve({ ...REQUEST, reservationId: 'float', requestBytes: 1.5 }), (error) => {
+      assert.ok(error instanceof InvalidArgument);
+      assert.equal(error.field, 'request_bytes');
+      return true;
+    });
   });
 
   test('cache reads and writes are priced at their own rates; the cap at the dearest input rate', async () => {

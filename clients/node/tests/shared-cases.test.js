@@ -1,6 +1,6 @@
 'use strict';
 // The cases both clients run (clients/cases/*.json): the outcome table, the
-// error table and local pricing, against this client's lib/outcomes.js,
+// error table, local pricing and the arguments refused before any call, against this client's lib/outcomes.js,
 // lib/errors.js and lib/pricing.js. The Python client runs the same files in
 // clients/python/tests/test_client_shared_cases.py; the server's tests
 // (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the files
@@ -20,6 +20,7 @@ const load = (name) => JSON.parse(fs.readFileSync(path.join(CASES_DIR, name), 'u
 const OUTCOMES = load('outcomes.json');
 const ERRORS = load('errors.json');
 const PRICING = load('pricing.json');
+const ARGUMENTS = load('arguments.json');
 
 // --- outcomes ----------------------------------------------------------------
 
@@ -247,4 +248,77 @@ describe('pricing cases', () => {
     assert.throws(() => pricing.realCostNanos(price, { inputTokens: -1n, outputTokens: 0n }), RangeError);
     assert.equal(pricing.realCostNanos(price, { inputTokens: 1n, outputTokens: 0n }), 1n);
   });
+});
+
+// --- arguments checked before any call ----------------------------------------
+
+const { LaneClient } = require('../lib/client');
+
+// Nothing listens on this port (the discard service): an argument the client
+// lets through gets as far as the call, which fails as an outage.
+const NOWHERE = '127.0.0.1:9';
+const camel = (name) => name.replace(/_([a-z])/g, (_, letter) => letter.toUpperCase());
+/** A case's value: {"int": "..."} is an integer past 2^53, a BigInt here. */
+const argumentOf = (value) =>
+  value !== null && typeof value === 'object' && Object.keys(value).join() === 'int' ? BigInt(value.int) : value;
+
+function requestOf(argumentCase) {
+  const request = {};
+  for (const [name, value] of Object.entries({ ...ARGUMENTS.reserve_defaults, ...argumentCase.set })) {
+    request[camel(name)] = argumentOf(value);
+  }
+  return request;
+}
+
+function isRefusal(argumentCase) {
+  return (error) => {
+    assert.equal(error.constructor, errors[argumentCase.error], `${error.name}: ${error.message}`);
+    assert.ok(error instanceof errors.InvalidArgument);
+    assert.equal(error.code, grpc.status.INVALID_ARGUMENT);
+    assert.deepEqual(
+      { reason: error.reason, field: error.field, message: error.message },
+      { reason: argumentCase.reason, field: argumentCase.field, message: argumentCase.message },
+    );
+    return true;
+  };
+}
+
+const isOutage = (error) => {
+  assert.ok(errors.isLedgerUnavailable(error), `${error.name}: ${error.message}`);
+  return true;
+};
+
+describe('argument cases', () => {
+  const lane = new LaneClient(NOWHERE, 'arguments', { deadlineMs: 2000, logger: null });
+  test.after(() => lane.close());
+
+  for (const argumentCase of ARGUMENTS.reserve) {
+    test(`reserve: ${argumentCase.why}`, async () => {
+      const reserve = lane.reserve(requestOf(argumentCase));
+      await assert.rejects(reserve, argumentCase.accepted ? isOutage : isRefusal(argumentCase));
+    });
+  }
+
+  for (const argumentCase of ARGUMENTS.reserve.filter((item) => !item.accepted)) {
+    test(`call: ${argumentCase.why}`, async () => {
+      const call = lane.call(requestOf(argumentCase), async () => assert.fail('not called'));
+      await assert.rejects(call, isRefusal(argumentCase));
+    });
+  }
+
+  for (const argumentCase of ARGUMENTS.refund) {
+    test(`refund: ${argumentCase.why}`, async () => {
+      const { http_status: httpStatus, reason } = argumentCase.set;
+      const refund = lane.refund({ reservationId: 'r-1', httpStatus, reason });
+      await assert.rejects(refund, argumentCase.accepted ? isOutage : isRefusal(argumentCase));
+    });
+  }
+
+  for (const argumentCase of ARGUMENTS.lane) {
+    test(`lane: ${argumentCase.why}`, async () => {
+      const make = () => new LaneClient(NOWHERE, argumentCase.set.lane, { logger: null });
+      if (argumentCase.accepted) await make().close();
+      else assert.throws(make, isRefusal(argumentCase));
+    });
+  }
 });

@@ -1,0 +1,120 @@
+'use strict';
+// The arguments the client checks itself, before any call, refused the way the
+// ledger would refuse them (ledger_service/domain/moves.py): an InvalidArgument
+// with the reason INVALID_ARGUMENT, `.field` the wire's name and the message
+// "field: rule", so one `catch (error instanceof InvalidArgument)` takes a
+// mistake whether this client or the ledger saw it. The Python client refuses
+// the same arguments with the same error (ledger_client/bookings.py); the cases
+// are clients/cases/arguments.json.
+
+const { status: Status } = require('@grpc/grpc-js');
+const { InvalidArgument, TtlExceedsHoldTtl } = require('./errors');
+
+const MAX_NAME_LENGTH = 200;
+const MAX_REQUEST_BYTES = 2n ** 40n;
+const MAX_TOKENS = 10n ** 12n;
+const MAX_AMOUNT_NANOS = 2n ** 62n;
+const MAX_TTL_US = 7n * 86_400n * 1_000_000n;
+const RESERVATION_ID = /^[\x21-\x7e]+$/;
+const DECIMAL = /^-?\d+$/;
+// What Python's str.strip() takes away (the ledger's test for a blank reason).
+const PYTHON_SPACE = /^[\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$/;
+
+/** The InvalidArgument the ledger would send for this field and rule. */
+function invalidArgument(field, rule) {
+  return new InvalidArgument(`${field}: ${rule}`, { code: Status.INVALID_ARGUMENT, reason: 'INVALID_ARGUMENT', field });
+}
+
+/** Length in characters (code points), as the ledger counts: not UTF-16 units. */
+function characters(text) {
+  let count = 0;
+  for (const _ of text) count += 1;
+  return count;
+}
+
+/** A name (lane, model, reservation id): a string of 1 to 200 characters. */
+function checkName(field, value) {
+  if (typeof value !== 'string') throw invalidArgument(field, 'must be a string');
+  if (value.length === 0) throw invalidArgument(field, 'is required');
+  if (value.length > MAX_NAME_LENGTH && characters(value) > MAX_NAME_LENGTH) {
+    throw invalidArgument(field, `must be at most ${MAX_NAME_LENGTH} characters`);
+  }
+  return value;
+}
+
+/** The lane a client is built for. */
+function checkLane(lane) {
+  return checkName('lane', lane);
+}
+
+/**
+ * An integer in [low, high] as a BigInt: a BigInt, a safe-integer Number or a
+ * decimal string (as every int64 this client takes); anything else, or a value
+ * out of range, is refused.
+ */
+function checkRange(field, value, low, high) {
+  let integer = null;
+  if (typeof value === 'bigint') integer = value;
+  else if (typeof value === 'number' && Number.isSafeInteger(value)) integer = BigInt(value);
+  else if (typeof value === 'string' && DECIMAL.test(value)) integer = BigInt(value);
+  if (integer === null) throw invalidArgument(field, `must be an integer between ${low} and ${high}`);
+  if (integer < low || integer > high) throw invalidArgument(field, `must be between ${low} and ${high}`);
+  return integer;
+}
+
+/** A ttl in microseconds (BigInt), from ttlUs (the journal's) or ttlMs; null when neither is set. */
+function checkTtl({ ttlMs, ttlUs }) {
+  let micros;
+  if (ttlUs !== undefined && ttlUs !== null) {
+    if (typeof ttlUs !== 'bigint') throw invalidArgument('ttl', 'must be a whole number of microseconds');
+    micros = ttlUs;
+  } else if (ttlMs !== undefined && ttlMs !== null) {
+    if (!Number.isSafeInteger(ttlMs)) throw invalidArgument('ttl', 'must be a whole number of milliseconds');
+    micros = BigInt(ttlMs) * 1000n;
+  } else {
+    return null;
+  }
+  if (micros <= 0n) throw invalidArgument('ttl', 'must be positive');
+  if (micros > MAX_TTL_US) {
+    // No lane's hold_ttl is longer: the ledger refuses it as too long for the lane.
+    throw new TtlExceedsHoldTtl("ttl: must not exceed the lane's hold_ttl, which is at most 7 days", {
+      code: Status.INVALID_ARGUMENT,
+      reason: 'TTL_EXCEEDS_HOLD_TTL',
+      field: 'ttl',
+    });
+  }
+  return micros;
+}
+
+/**
+ * A Reserve's arguments, checked: {reservationId, model, requestBytes,
+ * maxOutputTokens, estimateNanos (or null), ttlUs (or null)}, the integers as
+ * BigInts. Throws InvalidArgument (TtlExceedsHoldTtl for a ttl past 7 days).
+ */
+function checkReserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs }) {
+  checkName('reservation_id', reservationId);
+  if (!RESERVATION_ID.test(reservationId)) {
+    throw invalidArgument('reservation_id', 'must be printable ASCII without spaces');
+  }
+  checkName('model', model);
+  return {
+    reservationId,
+    model,
+    requestBytes: checkRange('request_bytes', requestBytes, 0n, MAX_REQUEST_BYTES),
+    maxOutputTokens: checkRange('max_output_tokens', maxOutputTokens, 0n, MAX_TOKENS),
+    estimateNanos:
+      estimateNanos === undefined || estimateNanos === null
+        ? null
+        : checkRange('estimate_nanos', estimateNanos, 0n, MAX_AMOUNT_NANOS),
+    ttlUs: checkTtl({ ttlMs, ttlUs }),
+  };
+}
+
+/** A Refund of a call never sent (httpStatus 0) needs a reason. */
+function checkRefund({ httpStatus = 0, reason = '' }) {
+  if ((httpStatus === 0 || httpStatus === 0n || httpStatus === '0') && (typeof reason !== 'string' || PYTHON_SPACE.test(reason))) {
+    throw invalidArgument('reason', 'is required when http_status is 0 (a call that was never sent)');
+  }
+}
+
+module.exports = { invalidArgument, checkLane, checkName, checkRange, checkReserve, checkRefund, MAX_NAME_LENGTH };
