@@ -21,6 +21,7 @@ const OUTCOMES = load('outcomes.json');
 const ERRORS = load('errors.json');
 const PRICING = load('pricing.json');
 const ARGUMENTS = load('arguments.json');
+const BYTES = load('bytes.json');
 
 // --- outcomes ----------------------------------------------------------------
 
@@ -319,6 +320,22 @@ describe('argument cases', () => {
       const make = () => new LaneClient(NOWHERE, argumentCase.set.lane, { logger: null });
       if (argumentCase.accepted) await make().close();
       else assert.throws(make, isRefusal(argumentCase));
+    });
+  }
+});
+
+// --- request bytes ---------------------------------------------------------------
+
+describe('request byte cases', () => {
+  const { estimateTokens } = require('../lib/context');
+  for (const bytesCase of BYTES.cases) {
+    test(bytesCase.why, () => {
+      const value = JSON.parse(bytesCase.value);
+      // The canonical text is JSON.stringify's: what ledgerFetch sends and books.
+      assert.equal(JSON.stringify(value), bytesCase.json);
+      assert.equal(Buffer.byteLength(bytesCase.json, 'utf8'), bytesCase.bytes);
+      // 1,000 bytes a token: the estimate is the byte count.
+      assert.equal(estimateTokens(value, 1000), bytesCase.bytes);
     });
   }
 });

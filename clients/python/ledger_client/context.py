@@ -25,6 +25,8 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 
+from ledger_client import canonical_json
+
 DEFAULT_BYTES_PER_TOKEN_MILLI = 3500  # 3.5 bytes per token, in thousandths
 BYTES_PER_TOKEN_SCALE = 1000
 DEFAULT_MAX_CONTEXT_TOKENS = 16_384
@@ -69,14 +71,16 @@ def payload_bytes(payload: object) -> bytes:
     """The bytes a payload is measured by: a str's UTF-8, bytes (or a bytearray,
     a memoryview) as they are, and any other value (a dict, a list, a number)
     as its compact JSON in UTF-8, the way it is sent: never its len(), which
-    for a dict counts its keys. The Node client measures JSON.stringify alike.
+    for a dict counts its keys. The JSON is canonical_json's: the text the
+    Node client's JSON.stringify writes, floats included (1.0 is 1, 1e-07 is
+    1e-7), so both clients count the same bytes for the same value.
     A value JSON cannot carry raises TypeError; text with a lone surrogate
     (no UTF-8 at all) raises UnicodeEncodeError, as a str payload does."""
     if isinstance(payload, str):
         return payload.encode("utf-8")
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload)
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return canonical_json.dump_bytes(payload)
 
 
 @dataclasses.dataclass(frozen=True)

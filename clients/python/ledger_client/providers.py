@@ -58,6 +58,7 @@ import anyio
 import anyio.to_thread
 import httpx2
 
+from ledger_client import canonical_json
 from ledger_client.bookings import new_reservation_id
 from ledger_client.calls import CallHandle, ModelCall
 from ledger_client.errors import InvalidArgument, LedgerError
@@ -195,7 +196,8 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
 
 
 def _dumps(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    # The Node client's JSON.stringify text: the same body, the same request_bytes.
+    return canonical_json.dump_bytes(body)
 
 
 def _is_count(value: object) -> bool:

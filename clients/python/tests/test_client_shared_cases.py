@@ -3,7 +3,7 @@ error table and local pricing, against this client's own code. The Node client
 runs the same files in clients/node/tests/shared-cases.test.js; the server's
 tests (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the
 files say what the server does. arguments.json: what each client refuses
-itself, before any call."""
+itself, before any call; bytes.json: how a JSON request's bytes are counted."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from ledger_client import errors
 from ledger_client.bookings import ReserveArguments
 from ledger_client.client import LaneClient
+from ledger_client.context import estimate_tokens, payload_bytes
 from ledger_client.outcomes import RULES, CallFailure, Ending, Settlement, rule_for
 from ledger_client.pricing import ModelPrice, cap_nanos, request_tokens
 
@@ -31,6 +32,7 @@ OUTCOMES = _load("outcomes.json")
 ERRORS = _load("errors.json")
 PRICING = _load("pricing.json")
 ARGUMENTS = _load("arguments.json")
+BYTES = _load("bytes.json")
 
 
 # --- outcomes ---------------------------------------------------------------
@@ -255,3 +257,16 @@ def test_lane_arguments(case: dict[str, Any]) -> None:
     with _refusal(case) as caught:
         LaneClient("127.0.0.1:9", case["set"]["lane"])
     _check_refusal(caught.value, case)
+
+
+# --- request bytes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", BYTES["cases"], ids=lambda case: case["why"])
+def test_request_bytes(case: dict[str, Any]) -> None:
+    value = json.loads(case["value"])
+    measured = payload_bytes(value)
+    assert measured.decode("utf-8") == case["json"]
+    assert len(measured) == case["bytes"]
+    # 1,000 bytes a token: the estimate is the byte count.
+    assert estimate_tokens(value, 1000) == case["bytes"]
