@@ -420,6 +420,59 @@ def locked_ancestors(tx: StoreTransaction, policy: LanePolicy) -> list[LanePolic
     return ancestors
 
 
+def locked_trees(tx: StoreTransaction, lanes: Sequence[str]) -> dict[str, LanePolicy]:
+    """Locks each of `lanes` that exists and every budget above it, for work on
+    several lanes in one transaction (a reconcile); the locked policies by name.
+
+    The locks go deepest first, by name within a depth. A move takes its
+    locks at strictly falling depth (its lane, then each parent), so no move
+    and no other caller of this can hold a lock this wants while waiting for
+    one this holds. Depths are read before the locks, so the configuration
+    lock comes first: no PutLane changes the tree until commit, and none
+    holds a row lock this waits for (each takes that lock before any row's).
+    """
+    tx.lock_configuration()
+    trees = _read_trees(tx, lanes)
+    locked: dict[str, LanePolicy] = {}
+    for name in sorted(trees, key=lambda name: (-trees[name][1], name)):
+        policy = tx.lock_lane(name, budgets=False)
+        if policy is None or policy.parent != trees[name][0].parent:
+            raise RuntimeError(f"lane {name!r} changed under the configuration lock")
+        locked[name] = policy
+    return locked
+
+
+def _read_trees(tx: StoreTransaction, lanes: Sequence[str]) -> dict[str, tuple[LanePolicy, int]]:
+    """Each existing lane of `lanes` and each budget above it (as far as
+    locked_ancestors goes), with its depth (how many budgets are above it),
+    read without locks: one read a lane."""
+    read: dict[str, LanePolicy | None] = {}
+
+    def lane(name: str) -> LanePolicy | None:
+        if name not in read:
+            read[name] = tx.get_lane(name)
+        return read[name]
+
+    def chain(policy: LanePolicy) -> list[LanePolicy]:
+        found = [policy]
+        parent = policy.parent
+        while parent is not None and len(found) < MAX_BUDGET_DEPTH:
+            ancestor = lane(parent)
+            if ancestor is None or any(seen.lane == parent for seen in found):
+                break  # a cycle cannot be configured; never loop on one
+            found.append(ancestor)
+            parent = ancestor.parent
+        return found
+
+    trees: dict[str, tuple[LanePolicy, int]] = {}
+    for name in lanes:
+        policy = lane(name)
+        for budget in chain(policy) if policy is not None else []:
+            if budget.lane not in trees:
+                trees[budget.lane] = (budget, len(chain(budget)) - 1)
+    return trees
+
+
 def _lock_apart_from_shared(
     tx: StoreTransaction, before: LanePolicy | None, after: LanePolicy, new: list[str]
 ) -> None:

@@ -8,7 +8,12 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ledger_service.application.budgets import BudgetWindow, open_window
-from ledger_service.application.ledger import Ledger, locked_ancestors, record_booking_event
+from ledger_service.application.ledger import (
+    Ledger,
+    locked_ancestors,
+    locked_trees,
+    record_booking_event,
+)
 from ledger_service.application.ports import StoreTransaction
 from ledger_service.domain import moves, reconcile
 from ledger_service.domain.errors import SumOutOfRange
@@ -121,11 +126,16 @@ def _budget_chains(
     tx: StoreTransaction, lanes: Sequence[str], now_us: int
 ) -> dict[str, list[BudgetWindow]]:
     """Each named lane's budgets, locked. A budget shared by several lanes is one
-    BudgetWindow, so every change to it lands in the same kept sums."""
+    BudgetWindow, so every change to it lands in the same kept sums.
+
+    Every lock is taken up front, in locked_trees' order: a lane's chain
+    locked in turn, the lanes by name, would hold a parent while it waits for
+    a sibling that a move holds while it waits for that parent."""
+    locked = locked_trees(tx, lanes)
     windows: dict[str, BudgetWindow] = {}
     chains: dict[str, list[BudgetWindow]] = {}
     for lane in lanes:
-        policy = tx.lock_lane(lane)
+        policy = locked.get(lane)
         if policy is None:
             continue
         chain = []
