@@ -146,3 +146,40 @@ def test_the_drain_settles_after_the_last_call_ends_not_only_after_it_began() ->
     running.join(WAIT_SECONDS)
     draining.join(WAIT_SECONDS)
     assert ended and ended[0] - answered >= SETTLE_SECONDS * 0.9, ended[0] - answered
+
+
+def test_hurry_ends_a_drain_at_once_and_says_how_many_were_cut_off() -> None:
+    """A second stop signal: the drain returns without waiting for its deadline."""
+    drain = Drain()
+    call, entered, release = _slow_reserve(drain)
+    running = threading.Thread(target=call, args=(None, None))
+    running.start()
+    assert entered.wait(WAIT_SECONDS)
+    left: list[int] = []
+    draining = threading.Thread(
+        target=lambda: left.append(drain.drain(time.monotonic() + 600)), daemon=True
+    )
+    draining.start()
+    time.sleep(SETTLE_SECONDS * 2)
+    assert draining.is_alive()  # waiting for the running call
+    drain.hurry()
+    draining.join(WAIT_SECONDS)
+    assert left == [1]
+    release.set()
+    running.join(WAIT_SECONDS)
+
+
+def test_hurry_before_the_drain_begins_ends_it_at_once() -> None:
+    """The second signal may be handled before the stop has begun to drain."""
+    drain = Drain()
+    call, entered, release = _slow_reserve(drain)
+    running = threading.Thread(target=call, args=(None, None))
+    running.start()
+    assert entered.wait(WAIT_SECONDS)
+    drain.hurry()
+    assert drain.drain(time.monotonic() + 600) == 1
+    drain.release()
+    with pytest.raises(ShuttingDown):  # later calls are still refused
+        call(None, None)
+    release.set()
+    running.join(WAIT_SECONDS)

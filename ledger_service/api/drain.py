@@ -8,8 +8,9 @@ and every call that reaches a handler after the drain began is held, without
 any work done, until grpcio has stopped taking calls (`release`), then
 answered UNAVAILABLE / SHUTTING_DOWN (safe to send again). Holding it keeps
 its client from sending another call that grpcio would cancel at its stop.
-Only once none is running (or at the grace limit) does grpcio stop. Health
-and reflection are neither counted nor refused.
+Only once none is running (or at the grace limit, or when `hurry` is called:
+the operator's second stop signal) does grpcio stop. Health and reflection
+are neither counted nor refused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._running = 0
         self._draining = False
         self._released = False
+        # The drain is to end now, whatever still runs (a second stop signal).
+        self._hurried = False
         # When the last counted call ended: its client may send again at once.
         self._last_end = 0.0
 
@@ -94,18 +97,26 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         SETTLE_SECONDS more after the drain began and after the last call
         ended (a call that reached grpcio meanwhile, a client's resend of an
         answer included, is handed to a worker and held), or until `deadline`
-        (time.monotonic()); returns how many were still running then."""
+        (time.monotonic()), or until `hurry`; returns how many were still
+        running then."""
         with self._condition:
             self._draining = True
             began = time.monotonic()
             while True:
                 now = time.monotonic()
-                if now >= deadline:
+                if now >= deadline or self._hurried:
                     return self._running
                 settled = min(max(began, self._last_end) + SETTLE_SECONDS, deadline)
                 if self._running == 0 and now >= settled:
                     return 0
                 self._condition.wait((settled if self._running == 0 else deadline) - now)
+
+    def hurry(self) -> None:
+        """Ends the drain now (or, called before it, as soon as it begins), as
+        its deadline would: the calls still running are left to grpcio's stop."""
+        with self._condition:
+            self._hurried = True
+            self._condition.notify_all()
 
     def release(self) -> None:
         """Answers the held calls, and every later one at once: grpcio has
