@@ -57,6 +57,11 @@ SIGNAL_POLL_SECONDS = 0.2
 # How long past its grace period a stop still waits for its own threads and
 # the last commit before it abandons them (and the process exits regardless).
 STOP_SECONDS = 1.0
+# `ledger serve`'s status after a stop that cut work off: a call still running
+# at the grace limit or at a second signal, a thread or commit that did not end
+# within STOP_SECONDS more, or a database that failed to close. 0 is a clean
+# stop; 1 a listen address it could not bind; 2 a refused configuration.
+EXIT_CUT_OFF = 3
 
 SERVICE_NAMES = tuple(
     ledger_pb2.DESCRIPTOR.services_by_name[name].full_name
@@ -177,6 +182,8 @@ class LedgerServer:
         )
         self.health = health.HealthServicer()
         self._stopping = threading.Event()
+        # Set by `hurry`: the stop's drain ends now.
+        self._hurried = threading.Event()
         # Set while the health probe finds the database answering.
         self._database_answers = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
@@ -382,10 +389,18 @@ class LedgerServer:
             except Exception:
                 log.exception("sweeper failed; will retry")
 
+    def hurry(self) -> None:
+        """Ends a stop's drain now (the operator's second signal), as its grace
+        limit would: the calls still running are cut off. Called before the
+        stop begins, its drain ends as soon as it begins."""
+        self._hurried.set()
+        self._drain.hurry()
+
     def stop(self, grace_seconds: float | None = None) -> bool:
-        """Drains and stops within the grace period; whether nothing was left
-        running (False: a call or a commit was cut off at the grace limit and
-        may still hold a thread)."""
+        """Drains and stops within the grace period (or sooner, at `hurry`);
+        whether it was clean: False when a call was cut off, a thread or the
+        last commit did not end within STOP_SECONDS more (it may still hold a
+        thread), or the database failed to close."""
         if self._stopping.is_set():
             return True
         self._stopping.set()
@@ -400,21 +415,38 @@ class LedgerServer:
 
         self.feed.stop()  # open streams end with SHUTTING_DOWN, not at the grace limit
         running = self._drain.drain(deadline)
+        if self._hurried.is_set():
+            # Cut off now, not at the grace limit; the threads and the last
+            # commit still get their STOP_SECONDS.
+            now = time.monotonic()
+            deadline, last = min(deadline, now), min(last, now + STOP_SECONDS)
         if running:
-            log.warning("grace limit of %.1f s reached: %d calls cut off", grace, running)
+            why = (
+                "stopping now"
+                if self._hurried.is_set()
+                else f"grace limit of {grace:.1f} s reached"
+            )
+            log.warning("%s: %d calls cut off", why, running)
         else:
             log.info("drained in %.2f s", time.monotonic() - began)
         stopped = self._server.stop(until(deadline))
         self._drain.release()  # grpcio takes no more calls: the held ones are answered
-        clean = stopped.wait(until(last))
+        clean = stopped.wait(until(last)) and running == 0
         for thread in (self._maintenance, self._health_probe):
             if thread.is_alive():
                 thread.join(timeout=until(last))
                 clean = clean and not thread.is_alive()
-        clean = self.store.close(until(last)) and clean
+        try:
+            clean = self.store.close(until(last)) and clean
+        except Exception:
+            log.exception("closing the database failed")
+            clean = False
         if self._owns_telemetry:
-            self.telemetry.shutdown()
-        log.info("stopped" if clean else "stopped; work cut off at the grace limit is abandoned")
+            try:
+                self.telemetry.shutdown()
+            except Exception:
+                log.exception("telemetry shutdown failed")  # not the ledger's work: no effect
+        log.info("stopped" if clean else "stopped; work cut off is abandoned")
         return clean
 
     def wait(self) -> None:
@@ -538,9 +570,11 @@ def serve(
     prepare: Callable[[LedgerServer], None] | None = None,
     transport: Callable[..., grpc.Server] = grpc.server,
 ) -> int:
-    """Runs until SIGTERM or SIGINT, then stops with a grace period. `prepare`
-    sees the server before it starts (the benchmark's storeless server);
-    `transport` is LedgerServer's."""
+    """Runs until SIGTERM or SIGINT, then stops with a grace period; a second
+    signal ends the drain at once. Returns 0 after a clean stop (the process
+    exits with EXIT_CUT_OFF after one that cut work off). `prepare` sees the
+    server before it starts (the benchmark's storeless server); `transport` is
+    LedgerServer's."""
     server = LedgerServer(settings, run_migrations=run_migrations, transport=transport)
     if prepare is not None:
         prepare(server)
@@ -555,7 +589,13 @@ def serve(
     done = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("received %s: draining (at most %.1f s)", signal.Signals(signum).name,
+        name = signal.Signals(signum).name
+        if done.is_set():
+            log.warning("received %s again: stopping now; calls still running are cut off",
+                        name)  # fmt: skip
+            server.hurry()
+            return
+        log.info("received %s: draining (at most %.1f s; signal again to stop now)", name,
                  settings.grace_period_seconds)  # fmt: skip
         done.set()
 
@@ -563,15 +603,25 @@ def serve(
     signal.signal(signal.SIGINT, on_signal)
     # Python runs a handler in the main thread, and only when that thread runs:
     # a signal the kernel gives another thread (as after SIGSTOP and SIGCONT)
-    # does not wake a wait without a timeout, and would be lost.
+    # does not wake a wait without a timeout, and would be lost. So the main
+    # thread keeps waiting in short turns, and the stop runs in a thread of
+    # its own, where a second signal can reach it at once.
     while not done.wait(SIGNAL_POLL_SECONDS):
         pass
-    if not server.stop():
-        # A thread still blocked in cut-off work (say, a statement the database
-        # never answered) would hold the interpreter's exit, which joins the
-        # worker threads: leave at the grace limit, as promised. What committed
-        # is on disk; what did not is rolled back, as after a kill.
+    outcome: list[bool] = []
+    stopper = threading.Thread(
+        target=lambda: outcome.append(server.stop()), name="stop", daemon=True
+    )
+    stopper.start()
+    while stopper.is_alive():
+        stopper.join(SIGNAL_POLL_SECONDS)
+    if outcome != [True]:
+        # Work was cut off, and a thread still blocked in it (say, a statement
+        # the database never answered) would hold the interpreter's exit, which
+        # joins the worker threads: leave now, as promised, with a status that
+        # says so. What committed is on disk; what did not is rolled back, as
+        # after a kill.
         logging.shutdown()
         sys.stdout.flush()
-        os._exit(0)
+        os._exit(EXIT_CUT_OFF)
     return 0

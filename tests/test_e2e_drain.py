@@ -2,7 +2,9 @@
 clients reserving back to back. No call sent before the signal is cut off
 (CANCELLED): each is answered, by its move or by UNAVAILABLE / SHUTTING_DOWN;
 every move answered OK is in the log after a restart; and the process exits
-once drained, well inside its grace period."""
+once drained, well inside its grace period, with status 0. A stop that cuts
+off a call (at the grace limit, or at a second signal) exits with
+EXIT_CUT_OFF, so that a supervisor can tell it from a clean one."""
 
 from __future__ import annotations
 
@@ -10,13 +12,17 @@ import collections
 import pathlib
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
+
+import pytest
 
 import grpc
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.server import EXIT_CUT_OFF
 from ledger_service.storage import database
 from tests import serving
 
@@ -160,7 +166,8 @@ def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
     tmp_path: pathlib.Path,
 ) -> None:
     """A move stuck behind another process's write lock is cut off at the grace
-    limit, and the process exits then, not when the move gives up."""
+    limit, and the process exits then, not when the move gives up, with
+    EXIT_CUT_OFF: the stop was not clean."""
     grace_seconds, deadline_seconds = 1.0, 20.0
     env = serving.clean_env(
         LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds),
@@ -191,7 +198,7 @@ def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
         time.sleep(0.5)  # the Reserve waits for the write lock
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=deadline_seconds) == 0
+        assert process.wait(timeout=deadline_seconds) == EXIT_CUT_OFF
         exited_after = time.monotonic() - signalled
         caller.join(timeout=5)
         # The grace limit, the stop's own second past it, and a start-up's worth of slack.
@@ -200,3 +207,103 @@ def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
     finally:
         blocker.close()
         serving.stop(process)
+
+
+class Stderr(threading.Thread):
+    """Reads a process's stderr to its end; `seen(text)` waits for a line with it."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        super().__init__(daemon=True)
+        assert process.stderr is not None
+        self.stream = process.stderr
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+
+    def run(self) -> None:
+        for line in self.stream:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+
+    def close(self) -> None:
+        """Once the process has exited: the rest read, the pipe closed."""
+        self.join(timeout=15)
+        self.stream.close()
+
+    def seen(self, text: str, timeout: float = 15.0) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: any(text in line for line in self.lines), timeout)
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_ends_the_drain_at_once(
+    tmp_path: pathlib.Path, second: signal.Signals
+) -> None:
+    """An operator who signals again does not wait out the grace period: the
+    call still running is cut off at once (UNAVAILABLE or CANCELLED, as at the
+    grace limit) and the process exits with EXIT_CUT_OFF. The grace period and
+    the move's deadline are far longer than the waits here, so only the second
+    signal can end the stop in time."""
+    grace_seconds, deadline_seconds = 600.0, 600.0
+    env = serving.clean_env(
+        LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds),
+        LEDGER_REQUEST_DEADLINE_SECONDS=str(deadline_seconds),
+    )
+    process, address = serving.spawn(
+        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
+    )
+    stderr = Stderr(process)
+    stderr.start()
+    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    outcome: list[str] = []
+    try:
+        put_lane(address)
+        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
+
+        def reserve() -> None:
+            with grpc.insecure_channel(address) as channel:
+                request = pb.ReserveRequest(
+                    lane="recall", reservation_id="stuck", model="jev", request_bytes=1000,
+                    max_output_tokens=10,
+                )  # fmt: skip
+                try:
+                    pb_grpc.LedgerStub(channel).Reserve(request, timeout=deadline_seconds)
+                    outcome.append("OK")
+                except grpc.RpcError as error:
+                    assert isinstance(error, grpc.Call)
+                    outcome.append(error.code().name)
+
+        caller = threading.Thread(target=reserve, daemon=True)
+        caller.start()
+        time.sleep(0.5)  # the Reserve waits for the write lock
+        process.send_signal(signal.SIGTERM)
+        # Handled before the second is sent: two pending signals may merge into one.
+        assert stderr.seen("received SIGTERM: draining"), stderr.lines
+        process.send_signal(second)
+        assert process.wait(timeout=60) == EXIT_CUT_OFF, stderr.lines
+        caller.join(timeout=15)
+        assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
+        stderr.join(timeout=15)
+        assert any(f"received {second.name} again" in line for line in stderr.lines), stderr.lines
+    finally:
+        blocker.close()
+        serving.stop(process)
+        stderr.close()
+
+
+def test_a_second_signal_after_a_clean_drain_still_exits_0(tmp_path: pathlib.Path) -> None:
+    """The exit status says whether work was cut off, not how many signals came."""
+    process, address = serving.spawn(
+        tmp_path, "--insecure-no-auth", env=serving.clean_env(), stderr=subprocess.PIPE
+    )
+    stderr = Stderr(process)
+    stderr.start()
+    try:
+        put_lane(address)
+        process.send_signal(signal.SIGTERM)
+        assert stderr.seen("received SIGTERM: draining"), stderr.lines
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, stderr.lines
+    finally:
+        serving.stop(process)
+        stderr.close()
