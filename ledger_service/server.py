@@ -10,6 +10,7 @@ NOT_SERVING even while the sweeper or a recovery check waits on it.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import pathlib
@@ -587,17 +588,20 @@ def serve(
         return 1
     print(f"ledger listening on {settings.listen.rsplit(':', 1)[0]}:{server.port}", flush=True)
     done = threading.Event()
+    # Counts the signals: next() is one step, which a second handler, run
+    # inside the first one as Python may do, cannot split.
+    signals = itertools.count()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if done.is_set():
+        if next(signals) > 0:
+            server.hurry()
             log.warning("received %s again: stopping now; calls still running are cut off",
                         name)  # fmt: skip
-            server.hurry()
             return
+        done.set()
         log.info("received %s: draining (at most %.1f s; signal again to stop now)", name,
                  settings.grace_period_seconds)  # fmt: skip
-        done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

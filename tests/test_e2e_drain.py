@@ -16,9 +16,8 @@ import subprocess
 import threading
 import time
 
-import pytest
-
 import grpc
+import pytest
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
