@@ -23,6 +23,31 @@ def default_database_url(data_dir: pathlib.Path) -> str:
     return f"sqlite:///{data_dir / 'ledger.db'}"
 
 
+def database_url_problem(url: str) -> str | None:
+    """Why the ledger refuses a database URL's form, or None. A SQLite URL
+    names the file by its path, with no query: SQLite's URI form
+    (`sqlite:///file:PATH?mode=ro&uri=true`) is refused, for its options
+    (read-only, immutable, nolock, shared memory) undo what the ledger
+    promises, and the ledger checks, creates and watches its file by path."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return "is not a database URL"
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    if (parsed.database or "").startswith("file:") or parsed.query:
+        return (
+            "is a SQLite URI (file:..., ?uri=true or other query options), which the "
+            "ledger does not take; give the database file's path: "
+            "sqlite:///relative/path/ledger.db or sqlite:////absolute/path/ledger.db, "
+            "with no query"
+        )
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     database_url: str
@@ -128,6 +153,16 @@ class Settings:
             and not (os.environ.get("LEDGER_DATABASE_URL") or overrides.get("database_url"))
         ):
             values["database_url"] = default_database_url(pathlib.Path(str(overrides["data_dir"])))
+        problem = database_url_problem(str(values["database_url"]))
+        if problem is not None:
+            source = (
+                "--database-url"
+                if overrides.get("database_url")
+                else "LEDGER_DATABASE_URL"
+                if os.environ.get("LEDGER_DATABASE_URL")
+                else f"the default database URL {values['database_url']} (from the data directory)"
+            )
+            raise ValueError(f"{source} {problem}")
         return cls(**values)  # type: ignore[arg-type]
 
 

@@ -90,7 +90,11 @@ def _data_dir_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _data_dir(arguments: argparse.Namespace) -> pathlib.Path:
-    return Settings.from_environment(data_dir=arguments.data_dir).data_dir
+    try:
+        return Settings.from_environment(data_dir=arguments.data_dir).data_dir
+    except ValueError as error:  # a refused LEDGER_* setting: one line, no traceback
+        print(f"ledger {arguments.command}: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
 
 
 def lifetime_seconds(text: str) -> int:

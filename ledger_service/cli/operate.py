@@ -100,7 +100,13 @@ def settings_from(arguments: argparse.Namespace) -> Settings:
         overrides["test_clock"] = True
     if getattr(arguments, "insecure_no_auth", False):
         overrides["auth_enabled"] = False
-    return Settings.from_environment(**overrides)
+    try:
+        return Settings.from_environment(**overrides)
+    except ValueError as error:
+        # A refused setting (a LEDGER_* number that is not one, a database
+        # URL in a form the ledger does not take): one line, no traceback.
+        print(f"ledger {arguments.command}: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
 
 
 def _serve(arguments: argparse.Namespace) -> int:

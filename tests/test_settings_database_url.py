@@ -1,0 +1,55 @@
+"""A SQLite URL in URI form (`sqlite:///file:PATH?mode=ro&uri=true`) is
+refused when the settings are read, with the setting that gave it and the
+form the ledger takes, rather than opening `file:PATH` as a relative path."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger_service.settings import Settings
+
+URI_FORMS = [
+    "sqlite:///file:/tmp/x.db?mode=ro&uri=true",
+    "sqlite:///file:/tmp/x.db?uri=true",
+    "sqlite:///file:x.db",
+    "sqlite:////tmp/x.db?uri=true",
+    "sqlite:////tmp/x.db?mode=ro",
+    "sqlite:///file::memory:?cache=shared&uri=true",
+]
+
+
+@pytest.mark.parametrize("url", URI_FORMS)
+def test_a_uri_form_sqlite_url_in_the_environment_is_refused_naming_it(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEDGER_DATABASE_URL", url)
+    with pytest.raises(ValueError) as refused:
+        Settings.from_environment()
+    message = str(refused.value)
+    assert message.startswith("LEDGER_DATABASE_URL "), message
+    assert "sqlite:////absolute/path/ledger.db" in message, message
+
+
+@pytest.mark.parametrize("url", URI_FORMS)
+def test_a_uri_form_sqlite_url_given_as_a_flag_is_refused_naming_it(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LEDGER_DATABASE_URL", raising=False)
+    with pytest.raises(ValueError) as refused:
+        Settings.from_environment(database_url=url)
+    assert str(refused.value).startswith("--database-url "), refused.value
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///data/ledger.db",
+        "sqlite:////tmp/ledger.db",
+        "postgresql+psycopg://user:secret@db:5432/ledger?sslmode=require",
+    ],
+)
+def test_a_path_form_sqlite_url_and_a_postgresql_url_are_taken(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEDGER_DATABASE_URL", url)
+    assert Settings.from_environment().database_url == url
