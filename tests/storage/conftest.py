@@ -21,7 +21,7 @@ from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.pricing import ModelPrice
 from ledger_service.recovery.walk import WalkedRange
-from ledger_service.storage import database, migrate
+from ledger_service.storage import database, migrate, translate
 from ledger_service.storage.sql import SqlStore
 
 POSTGRES_URL = os.environ.get(
@@ -108,6 +108,25 @@ def clock() -> ManualClock:
 @pytest.fixture
 def ledger(store: SqlStore, clock: ManualClock) -> Ledger:
     return Ledger(store, clock, verify_windows=True)
+
+
+@pytest.fixture
+def retried_codes(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The SQLSTATE of every error the store retries, from now on, once per
+    error (the store asks whether an error is retryable in two places)."""
+    retried: list[str | None] = []
+    seen: set[int] = set()
+    is_retryable = translate.is_retryable
+
+    def noting(error: BaseException) -> bool:
+        answer = is_retryable(error)
+        if answer and error.__cause__ is not None and id(error) not in seen:
+            seen.add(id(error))
+            retried.append(translate.driver_code(error.__cause__))
+        return answer
+
+    monkeypatch.setattr(translate, "is_retryable", noting)
+    return retried
 
 
 def altered_by_walk(walked: WalkedRange) -> list[int]:

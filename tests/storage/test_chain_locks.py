@@ -19,7 +19,6 @@ from sqlalchemy import text
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
-from ledger_service.storage import translate
 from ledger_service.storage.sql import SqlStore, SqlTransaction
 from tests.storage.conftest import RECALL, START_US
 
@@ -40,26 +39,12 @@ def _one_root_two_teams(store: SqlStore) -> Ledger:
     return ledger
 
 
-def _retried_codes(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
-    """The SQLSTATE of every error the store retries, from now on."""
-    retried: list[str | None] = []
-    is_retryable = translate.is_retryable
-
-    def noting(error: BaseException) -> bool:
-        answer = is_retryable(error)
-        if answer and error.__cause__ is not None:
-            retried.append(translate.driver_code(error.__cause__))
-        return answer
-
-    monkeypatch.setattr(translate, "is_retryable", noting)
-    return retried
-
-
 def test_two_moves_do_not_deadlock_after_a_leaf_moved_between_teams(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore,
+    monkeypatch: pytest.MonkeyPatch,
+    retried_codes: list[str | None],
 ) -> None:
     ledger = _one_root_two_teams(postgres_store)
-    retried = _retried_codes(monkeypatch)
     roles: dict[int, str] = {}
     hold_commit, put_paused = threading.Event(), threading.Event()
     leaf_paused, leaf_go = threading.Event(), threading.Event()
@@ -125,18 +110,19 @@ def test_two_moves_do_not_deadlock_after_a_leaf_moved_between_teams(
     leaf.join(30)
     sib.join(30)
     assert done["leaf"].admitted and done["sib"].admitted
-    assert "40P01" not in retried, f"two moves deadlocked: {retried}"
+    assert "40P01" not in retried_codes, f"two moves deadlocked: {retried_codes}"
 
 
 def test_a_put_lane_that_moves_a_lane_within_a_root_does_not_deadlock_with_moves(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore,
+    monkeypatch: pytest.MonkeyPatch,
+    retried_codes: list[str | None],
 ) -> None:
     """A PutLane moving a leaf from team-a to team-b (one root) locks both
     teams before the root. Were it to lock team-a's chain, root included,
     before team-b, a Reserve under team-b holding team-b and waiting for the
     root would deadlock with it."""
     ledger = _one_root_two_teams(postgres_store)
-    retried = _retried_codes(monkeypatch)
     putting: list[int] = []
     paused, go_on = threading.Event(), threading.Event()
     lock_lane = SqlTransaction.lock_lane
@@ -169,4 +155,4 @@ def test_a_put_lane_that_moves_a_lane_within_a_root_does_not_deadlock_with_moves
     mover.join(30)
     sib.join(30)
     assert done["sib"].admitted and done["put"].parent == "team-b"
-    assert "40P01" not in retried, f"a PutLane and a move deadlocked: {retried}"
+    assert "40P01" not in retried_codes, f"a PutLane and a move deadlocked: {retried_codes}"

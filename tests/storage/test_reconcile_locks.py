@@ -23,7 +23,6 @@ from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.events import Outcome
 from ledger_service.domain.reconcile import ExportFormat, RowStatus
-from ledger_service.storage import translate
 from ledger_service.storage.sql import SqlStore, SqlTransaction
 from tests.storage.conftest import RECALL, START_US
 
@@ -42,21 +41,6 @@ def _tree(store: SqlStore, edges: tuple[tuple[str, str | None], ...]) -> Ledger:
     for lane, parent in edges:
         ledger.put_lane(dataclasses.replace(RECALL, lane=lane, parent=parent))
     return ledger
-
-
-def _retried_codes(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
-    """The SQLSTATE of every error the store retries, from now on."""
-    retried: list[str | None] = []
-    is_retryable = translate.is_retryable
-
-    def noting(error: BaseException) -> bool:
-        answer = is_retryable(error)
-        if answer and error.__cause__ is not None:
-            retried.append(translate.driver_code(error.__cause__))
-        return answer
-
-    monkeypatch.setattr(translate, "is_retryable", noting)
-    return retried
 
 
 def _unknown_booking(ledger: Ledger, lane: str, reservation_id: str) -> None:
@@ -119,7 +103,9 @@ def _wait_until(store: SqlStore, done: Callable[[], bool], what: str) -> None:
 
 
 def test_a_reconcile_does_not_deadlock_with_a_move_on_a_sibling_lane(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore,
+    monkeypatch: pytest.MonkeyPatch,
+    retried_codes: list[str | None],
 ) -> None:
     """hub <- leaf-1, hub <- leaf-2. A reconcile of both leaves that holds hub
     and leaf-1 (leaf-1's chain first, or every lane in name order) waits for
@@ -127,7 +113,6 @@ def test_a_reconcile_does_not_deadlock_with_a_move_on_a_sibling_lane(
     ledger = _tree(postgres_store, (("hub", None), ("leaf-1", "hub"), ("leaf-2", "hub")))
     _unknown_booking(ledger, "leaf-1", "r-1")
     _unknown_booking(ledger, "leaf-2", "r-2")
-    retried = _retried_codes(monkeypatch)
     roles = Roles()
     paused, go_on = _pause_after_lock(monkeypatch, roles, "reconcile", "leaf-1")
     export = (CSV_HEADER + "leaf-1,r-1,120\nleaf-2,r-2,130\n").encode()
@@ -146,11 +131,13 @@ def test_a_reconcile_does_not_deadlock_with_a_move_on_a_sibling_lane(
     assert roles.done["move"].admitted
     report = roles.done["reconcile"]
     assert report.applied and report.count(RowStatus.CORRECTED) == 2
-    assert "40P01" not in retried, f"a reconcile and a move deadlocked: {retried}"
+    assert "40P01" not in retried_codes, f"a reconcile and a move deadlocked: {retried_codes}"
 
 
 def test_a_reconcile_does_not_deadlock_with_a_put_lane_that_moves_a_lane_deeper(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore,
+    monkeypatch: pytest.MonkeyPatch,
+    retried_codes: list[str | None],
 ) -> None:
     """root <- team-a <- leaf, root <- deep-1 <- deep-2 <- m; a PutLane moves
     leaf under deep-2. It locks leaf first, then team-a, then deep-2 and
@@ -171,7 +158,6 @@ def test_a_reconcile_does_not_deadlock_with_a_put_lane_that_moves_a_lane_deeper(
     )
     _unknown_booking(ledger, "leaf", "r-leaf")
     _unknown_booking(ledger, "m", "r-m")
-    retried = _retried_codes(monkeypatch)
     roles = Roles()
     paused, go_on = _pause_after_lock(monkeypatch, roles, "put", "leaf")
     move_leaf = dataclasses.replace(RECALL, lane="leaf", parent="deep-2")
@@ -191,4 +177,4 @@ def test_a_reconcile_does_not_deadlock_with_a_put_lane_that_moves_a_lane_deeper(
     assert roles.done["put"].parent == "deep-2"
     report = roles.done["reconcile"]
     assert report.applied and report.count(RowStatus.CORRECTED) == 2
-    assert "40P01" not in retried, f"a reconcile and a PutLane deadlocked: {retried}"
+    assert "40P01" not in retried_codes, f"a reconcile and a PutLane deadlocked: {retried_codes}"
