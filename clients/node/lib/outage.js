@@ -213,9 +213,16 @@ class Allowance {
     for (const entry of this._journal.pending()) {
       if (entry.source !== Source.ALLOWANCE) continue;
       calls += 1;
-      nanos += entry.ending === null ? entry.localHoldNanos : entry.localChargeNanos;
+      nanos += entry.ending === null ? this._openCost(entry) : entry.localChargeNanos;
     }
     return { nanos, calls };
+  }
+
+  /** An open call may cost its cap, whatever estimate lowered its hold. */
+  _openCost(entry) {
+    const priced = this._policy.localHold(entry.arguments);
+    if (priced === null || priced.capNanos < entry.localHoldNanos) return entry.localHoldNanos;
+    return priced.capNanos;
   }
 
   /**
@@ -252,8 +259,11 @@ class Allowance {
     const policy = this._policy;
     const use = this.used();
     if (use.calls + 1 > policy.maxCalls) return exhausted(`all ${policy.maxCalls} allowance calls are used`);
-    if (use.nanos + holdNanos > policy.maxNanos) {
-      return exhausted(`a hold of ${holdNanos} nanos does not fit the ${policy.maxNanos - use.nanos} nanos left of the allowance`);
+    // Admitted at its cap: an estimate lowers the ledger's hold, not what the
+    // call may cost, and the allowance bounds the cost.
+    if (use.nanos + cap > policy.maxNanos) {
+      const left = use.nanos < policy.maxNanos ? policy.maxNanos - use.nanos : 0n;
+      return exhausted(`a call capped at ${cap} nanos does not fit the ${left} nanos left of the allowance`);
     }
     try {
       await this._journal.recordReserve(newEntry(lane, args, Source.ALLOWANCE, holdNanos, { traceId }));

@@ -182,7 +182,7 @@ describe('a bounded allowance', () => {
         assert.equal(secondBooking.holdNanos, HOLD_NANOS);
         const third = await denied(lane); // a third hold of 2,000 does not fit the 1,000 left
         assert.equal(third.reason, 'ALLOWANCE_EXHAUSTED');
-        assert.match(third.message, /a hold of 2000 nanos does not fit the 1000 nanos left/);
+        assert.match(third.message, /a call capped at 2000 nanos does not fit the 1000 nanos left/);
         small = await lane.call({ ...REQUEST, requestBytes: 0 }, async (booking) => {
           assert.equal(booking.holdNanos, 1_000n); // 1,000 nanos still fits
           return { httpStatus: 200 }; // no usage: charged at the hold
@@ -194,6 +194,37 @@ describe('a bounded allowance', () => {
     assert.equal(first.ending, 'UNKNOWN');
     assert.equal(small.ending, 'UNKNOWN');
     assert.deepEqual(lane.allowanceUsed(), { calls: 3, nanos: HOLD_NANOS + 0n + 1_000n });
+  });
+
+  test('an estimate does not stretch the allowance: calls are admitted at their byte cap', async () => {
+    // The estimate lowers what the ledger will hold, not what the call may cost.
+    const lane = client(allowance({ maxNanos: 5_000n }));
+    const COSTS_ITS_CAP = { httpStatus: 200, usage: { inputTokens: 1_000, outputTokens: 500 } };
+    let spent = 0n;
+    for (let index = 0; index < 10; index += 1) {
+      const result = await lane.call({ ...REQUEST, estimateNanos: 10n }, async (booking) => {
+        assert.equal(booking.holdNanos, 10n, "the ledger's hold is still the estimate");
+        return COSTS_ITS_CAP;
+      });
+      if (!result.admitted) {
+        assert.equal(result.reason, 'ALLOWANCE_EXHAUSTED');
+        assert.doesNotMatch(result.message, /-/);
+        break;
+      }
+      spent += HOLD_NANOS;
+    }
+    assert.equal(spent, 2n * HOLD_NANOS);
+    assert.equal(lane.allowanceUsed().nanos, spent);
+  });
+
+  test('an open call counts at its cap, not its estimate', async () => {
+    const lane = client(allowance({ maxNanos: 3_000n }));
+    await lane.call({ ...REQUEST, estimateNanos: 10n }, async () => {
+      assert.equal(lane.allowanceUsed().nanos, HOLD_NANOS);
+      const result = await denied(lane); // 2,000 more do not fit the 1,000 left
+      assert.equal(result.reason, 'ALLOWANCE_EXHAUSTED');
+      return OK;
+    });
   });
 
   test('a known usage is charged at the local real cost; an estimate lowers the hold', async () => {

@@ -86,19 +86,26 @@ class OutagePolicy:
         if not 0 <= self.overhead_tokens <= MAX_OVERHEAD_TOKENS:
             raise ValueError(f"overhead_tokens must be between 0 and {MAX_OVERHEAD_TOKENS}")
 
-    def local_hold_nanos(self, arguments: ReserveArguments) -> int | None:
-        """What the ledger would hold for this call, or None for an unpriced model."""
+    def local_cap_nanos(self, arguments: ReserveArguments) -> int | None:
+        """The most this call can cost by the ledger's byte cap, or None for an
+        unpriced model. The allowance is spent at this, never at an estimate."""
         price = self.prices.get(arguments.model)
         if price is None:
             return None
-        cap = cap_nanos(
+        return cap_nanos(
             price,
             arguments.request_bytes,
             arguments.max_output_tokens,
             self.bytes_per_token_milli,
             self.overhead_tokens,
         )
-        return cap if arguments.estimate_nanos is None else min(arguments.estimate_nanos, cap)
+
+    def local_hold_nanos(self, arguments: ReserveArguments) -> int | None:
+        """What the ledger would hold for this call, or None for an unpriced model."""
+        cap = self.local_cap_nanos(arguments)
+        if cap is None or arguments.estimate_nanos is None:
+            return cap
+        return min(arguments.estimate_nanos, cap)
 
     def local_charge_nanos(self, entry: JournalEntry, ending: Ending) -> int:
         """What the ledger will charge for this ending, as far as the lane can tell."""
@@ -152,15 +159,21 @@ class Allowance:
             if entry.source is Source.ALLOWANCE:
                 calls += 1
                 nanos += (
-                    entry.local_hold_nanos if entry.ending is None else (entry.local_charge_nanos)
+                    self._open_cost(entry) if entry.ending is None else entry.local_charge_nanos
                 )
         return AllowanceUse(nanos, calls)
+
+    def _open_cost(self, entry: JournalEntry) -> int:
+        """An open call may cost its cap, whatever estimate lowered its hold."""
+        cap = self._policy.local_cap_nanos(entry.arguments)
+        return entry.local_hold_nanos if cap is None else max(cap, entry.local_hold_nanos)
 
     def take(self, lane: str, arguments: ReserveArguments, trace_id: str = "") -> AllowanceVerdict:
         """Admits one call on the allowance and journals it (fsync'd) before
         answering, or says why not."""
         hold = self._policy.local_hold_nanos(arguments)
-        if hold is None:
+        cap = self._policy.local_cap_nanos(arguments)
+        if hold is None or cap is None:
             return AllowanceVerdict(
                 False,
                 denial_reason=DenialReason.LEDGER_UNAVAILABLE,
@@ -170,10 +183,12 @@ class Allowance:
             use = self.used()
             if use.calls + 1 > self._policy.max_calls:
                 return _exhausted(f"all {self._policy.max_calls} allowance calls are used")
-            if use.nanos + hold > self._policy.max_nanos:
+            # Admitted at its cap: an estimate lowers the ledger's hold, not
+            # what the call may cost, and the allowance bounds the cost.
+            if use.nanos + cap > self._policy.max_nanos:
                 return _exhausted(
-                    f"a hold of {hold} nanos does not fit the "
-                    f"{self._policy.max_nanos - use.nanos} nanos left of the allowance"
+                    f"a call capped at {cap} nanos does not fit the "
+                    f"{max(0, self._policy.max_nanos - use.nanos)} nanos left of the allowance"
                 )
             entry = JournalEntry(
                 lane, arguments, Source.ALLOWANCE, hold, now_text(), trace_id=trace_id

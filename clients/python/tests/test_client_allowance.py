@@ -316,6 +316,38 @@ def test_the_allowance_limits_the_nanos_at_the_local_cap(fake, make_client, tmp_
     assert used.nanos == HOLD_NANOS + 0 + 1_000
 
 
+def test_an_estimate_does_not_stretch_the_allowance(fake, make_client, tmp_path) -> None:
+    # The estimate lowers what the ledger will hold, not what the call may cost:
+    # the allowance admits on the byte cap, or calls that cost more than their
+    # estimate spend past max_nanos while the ledger is away.
+    client = make_client(allowance(tmp_path, max_nanos=5_000))
+    fake.reachable = False
+    spent = 0
+    for _ in range(10):
+        try:
+            with client.model_call(
+                "model-a", REQUEST_BYTES, MAX_OUTPUT_TOKENS, estimate_nanos=10
+            ) as handle:
+                assert handle.hold_nanos == 10  # the ledger's hold is still the estimate
+                handle.succeeded(input_tokens=1_000, output_tokens=500)  # costs its cap
+        except Denied as denied:
+            assert denied.denial_reason is DenialReason.ALLOWANCE_EXHAUSTED
+            assert "-" not in denied.message
+            break
+        spent += HOLD_NANOS
+    assert spent == 2 * HOLD_NANOS <= 5_000
+    assert client._allowance.used().nanos == spent
+
+
+def test_an_open_call_counts_at_its_cap_not_its_estimate(fake, make_client, tmp_path) -> None:
+    client = make_client(allowance(tmp_path, max_nanos=3_000))
+    fake.reachable = False
+    with client.model_call("model-a", REQUEST_BYTES, MAX_OUTPUT_TOKENS, estimate_nanos=10):
+        assert client._allowance.used().nanos == HOLD_NANOS
+        with pytest.raises(Denied), call(client):  # 2,000 more do not fit the 1,000 left
+            raise AssertionError("the model must not be called")
+
+
 def test_a_model_without_a_local_price_fails_closed(fake, make_client, tmp_path) -> None:
     client = make_client(allowance(tmp_path))
     fake.reachable = False
