@@ -612,6 +612,12 @@ const write = (descriptor, buffer) =>
   new Promise((resolve, reject) => fs.write(descriptor, buffer, 0, buffer.length, null, (error, written) => (error ? reject(error) : resolve(written))));
 const fsync = (descriptor) => new Promise((resolve, reject) => fs.fsync(descriptor, (error) => (error ? reject(error) : resolve())));
 
+/** A file system's refusal (a directory, under a file, unwritable, ...) as a JournalError naming the setting. */
+function unusable(file, error) {
+  if (error instanceof JournalError || typeof error?.code !== 'string') return error;
+  return new JournalError(`journalPath ${file}: cannot open the journal (${error.code})`, { cause: error });
+}
+
 /** The durable, append-only record of what the ledger has not heard yet. */
 class Journal {
   /**
@@ -640,15 +646,19 @@ class Journal {
     /** Lines that could not be read at start-up (a torn last line counts). */
     this.skippedLines = 0;
     this.sizeBytes = 0;
-    fs.mkdirSync(path.dirname(this.path), { recursive: true });
-    this._lock = acquireLock(this._lockPath, this.path);
+    try {
+      fs.mkdirSync(path.dirname(this.path), { recursive: true });
+      this._lock = acquireLock(this._lockPath, this.path);
+    } catch (error) {
+      throw unusable(this.path, error);
+    }
     this._onExit = () => releaseLock(this._lockPath, this._lock);
     process.once('exit', this._onExit);
     try {
       this._open();
     } catch (error) {
       this._release();
-      throw error;
+      throw unusable(this.path, error);
     }
   }
 

@@ -363,6 +363,23 @@ describe('the journal', () => {
   });
 });
 
+describe('a journal path that cannot hold a journal', () => {
+  for (const where of ['a directory', 'under a file', 'where nothing can be made']) {
+    test(`is refused naming the setting: ${where}`, () => {
+      fs.writeFileSync(path.join(directory, 'a-file'), 'not a directory');
+      const target = {
+        'a directory': directory,
+        'under a file': path.join(directory, 'a-file', 'journal.jsonl'),
+        'where nothing can be made': '/proc/ledger-journal.jsonl',
+      }[where];
+      assert.throws(
+        () => new Journal(target, LANE),
+        (error) => error instanceof JournalError && /^journalPath .*: cannot open the journal \(/.test(error.message),
+      );
+    });
+  }
+});
+
 describe('one format with the Python client', { skip: !hasPython && 'the repository venv has no ledger_client' }, () => {
   const PYTHON_READS = `
 import json, sys

@@ -41,7 +41,7 @@ from ledger_client.errors import (
     Unauthenticated,
     UnknownModel,
 )
-from ledger_client.journal import Journal, JournalEntry, ReplayResult, Source
+from ledger_client.journal import Journal, JournalEntry, JournalError, ReplayResult, Source
 from ledger_client.outage import OutageMode, OutagePolicy
 from ledger_client.outcomes import CallFailure, CallNotSent, Ending, Settlement, Usage, classify
 from ledger_client.pricing import ModelPrice
@@ -73,6 +73,7 @@ __all__ = [
     "InvalidArgument",
     "Journal",
     "JournalEntry",
+    "JournalError",
     "LaneClient",
     "LaneNotFound",
     "LedgerError",

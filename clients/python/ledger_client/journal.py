@@ -266,6 +266,15 @@ class Journal:
         self._open()
 
     def _open(self) -> None:
+        try:
+            self._open_file()
+        except OSError as error:  # a directory, under a file, unwritable, ...
+            reason = error.strerror or type(error).__name__
+            raise JournalError(
+                f"journal_path {self.path}: cannot open the journal ({reason})"
+            ) from error
+
+    def _open_file(self) -> None:
         created = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import pathlib
 import threading
 from collections.abc import Mapping
@@ -46,7 +47,7 @@ class OutagePolicy:
 
     @classmethod
     def deny(cls, journal_path: pathlib.Path | str | None = None) -> OutagePolicy:
-        path = None if journal_path is None else pathlib.Path(journal_path)
+        path = None if journal_path is None else _journal_path(journal_path)
         return cls(OutageMode.DENY, journal_path=path)
 
     @classmethod
@@ -62,7 +63,7 @@ class OutagePolicy:
     ) -> OutagePolicy:
         return cls(
             OutageMode.ALLOWANCE,
-            journal_path=pathlib.Path(journal_path),
+            journal_path=_journal_path(journal_path),
             max_nanos=max_nanos,
             max_calls=max_calls,
             prices=dict(prices),
@@ -127,6 +128,13 @@ class OutagePolicy:
             usage.cached_input_tokens,
             usage.cache_write_tokens,
         )
+
+
+def _journal_path(journal_path: pathlib.Path | str) -> pathlib.Path:
+    # pathlib reads "" as ".", the working directory: never a journal.
+    if journal_path == "" or not isinstance(journal_path, str | os.PathLike):
+        raise ValueError("journal_path must be a non-empty path")
+    return pathlib.Path(journal_path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,9 @@ from ledger_client.journal import (
     Source,
     now_text,
 )
+from ledger_client.outage import OutagePolicy
 from ledger_client.outcomes import Ending, Settlement, Usage
+from ledger_client.pricing import ModelPrice
 
 LANE = "recall"
 
@@ -243,3 +245,28 @@ def test_a_line_the_ledger_would_refuse_is_skipped(tmp_path: pathlib.Path) -> No
         assert [e.reservation_id for e in journal.pending()] == [first.reservation_id]
         assert journal.pending()[0].ending is None
         assert journal.skipped_lines == 2
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file", "where nothing can be made"])
+def test_a_journal_path_that_cannot_hold_a_journal_is_refused_naming_the_setting(
+    tmp_path: pathlib.Path, where: str
+) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    path = {
+        "a directory": tmp_path,
+        "under a file": tmp_path / "a-file" / "journal.jsonl",
+        "where nothing can be made": pathlib.Path("/proc/ledger-journal.jsonl"),
+    }[where]
+    with pytest.raises(JournalError, match=r"^journal_path .*: cannot open the journal \("):
+        open_journal(path)
+
+
+def test_an_empty_journal_path_is_refused_naming_the_setting() -> None:
+    # pathlib reads "" as ".", the working directory: never a journal.
+    prices = {"model-a": ModelPrice(1, 1)}
+    with pytest.raises(ValueError, match="journal_path"):
+        OutagePolicy.allowance(max_nanos=1, max_calls=1, journal_path="", prices=prices)
+    with pytest.raises(ValueError, match="journal_path"):
+        OutagePolicy.allowance(max_nanos=1, max_calls=1, journal_path=None, prices=prices)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="journal_path"):
+        OutagePolicy.deny("")
