@@ -62,7 +62,7 @@ describe('estimates', () => {
 describe('budgets', () => {
   for (const [name, item] of named('budgets')) {
     test(name, () => {
-      if (item.refused) assert.throws(() => budgetOf(item.budget), RangeError);
+      if (item.refused) assert.throws(() => budgetOf(item.budget), item.refused === 'type' ? TypeError : RangeError);
       else assert.equal(budgetOf(item.budget).inputBudgetTokens, item.input_budget_tokens);
     });
   }

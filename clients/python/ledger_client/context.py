@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from ledger_client import canonical_json
+from ledger_client.settings import require_int
 
 DEFAULT_BYTES_PER_TOKEN_MILLI = 3500  # 3.5 bytes per token, in thousandths
 BYTES_PER_TOKEN_SCALE = 1000
@@ -96,6 +97,8 @@ class ContextBudget:
     max_iterations: int = DEFAULT_MAX_ITERATIONS
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            require_int(getattr(self, field.name), field.name)
         if not 0 <= self.reserve_output_tokens < self.max_context_tokens <= 10**9:
             raise ValueError("need 0 <= reserve_output_tokens < max_context_tokens <= 10**9")
         if not 100 <= self.bytes_per_token_milli <= 64_000:

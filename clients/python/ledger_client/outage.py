@@ -21,6 +21,7 @@ from ledger_client.bookings import MAX_AMOUNT_NANOS, DenialReason, ReserveArgume
 from ledger_client.journal import Journal, JournalEntry, JournalError, Source, now_text
 from ledger_client.outcomes import Ending, Settlement
 from ledger_client.pricing import DEFAULT_BYTES_PER_TOKEN_MILLI, ModelPrice, cap_nanos
+from ledger_client.settings import require_int
 
 MAX_ALLOWANCE_CALLS = 100_000
 MAX_OVERHEAD_TOKENS = 10_000_000
@@ -76,6 +77,11 @@ class OutagePolicy:
             return
         if self.journal_path is None:
             raise ValueError("an outage allowance needs a journal_path")
+        for name in ("max_nanos", "max_calls", "bytes_per_token_milli", "overhead_tokens"):
+            require_int(getattr(self, name), name)
+        for model, price in self.prices.items():
+            if not isinstance(price, ModelPrice):
+                raise TypeError(f"prices[{model!r}] must be a ModelPrice")
         if not 1 <= self.max_calls <= MAX_ALLOWANCE_CALLS:
             raise ValueError(f"max_calls must be between 1 and {MAX_ALLOWANCE_CALLS}")
         if not 1 <= self.max_nanos <= MAX_AMOUNT_NANOS:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ledger_client.settings import require_int
+
 TOKENS_PER_MILLION = 1_000_000
 # bytes_per_token in thousandths: 3.5 bytes per token is 3500.
 BYTES_PER_TOKEN_SCALE = 1000
@@ -49,6 +51,8 @@ class ModelPrice:
             self.cache_write_nanos_per_million_tokens,
         )
         for value in rates:
+            if value is not None:
+                require_int(value, "a price")
             if value is not None and not 0 <= value <= MAX_PRICE_NANOS_PER_MILLION:
                 raise ValueError(f"prices must be between 0 and {MAX_PRICE_NANOS_PER_MILLION}")
 

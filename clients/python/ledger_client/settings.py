@@ -24,6 +24,19 @@ DEFAULT_END_ATTEMPTS = 3
 END_RETRY_PAUSE_SECONDS = 0.020
 
 
+def require_int(value: object, name: str) -> None:
+    """A count or an amount is an int (not a bool, a float or a str), as the
+    Node client's checks require: TypeError naming the setting, before any
+    comparison can fail somewhere deeper."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__}")
+
+
+def require_number(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientSettings:
     # Deadline of each Reserve, Settle, Refund and GetBalance on the call path.
@@ -56,6 +69,25 @@ class ClientSettings:
     end_attempts: int = DEFAULT_END_ATTEMPTS
 
     def __post_init__(self) -> None:
+        for name in (
+            "deadline_seconds",
+            "replay_deadline_seconds",
+            "max_replay_seconds_per_attempt",
+        ):
+            require_number(getattr(self, name), name)
+        if self.replay_interval_seconds is not None:
+            require_number(self.replay_interval_seconds, "replay_interval_seconds")
+        for name in (
+            "max_replay_entries_per_attempt",
+            "max_journal_bytes",
+            "rotate_journal_bytes",
+            "max_message_bytes",
+            "initial_reconnect_backoff_ms",
+            "max_reconnect_backoff_ms",
+            "max_reason_length",
+            "end_attempts",
+        ):
+            require_int(getattr(self, name), name)
         if not 0 < self.deadline_seconds <= 60:
             raise ValueError("deadline_seconds must be in (0, 60]")
         if not 0 < self.replay_deadline_seconds <= 60:

@@ -316,6 +316,44 @@ def test_the_allowance_limits_the_nanos_at_the_local_cap(fake, make_client, tmp_
     assert used.nanos == HOLD_NANOS + 0 + 1_000
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("max_nanos", 1.5),
+        ("max_nanos", "5"),
+        ("max_calls", True),
+        ("max_calls", 2.5),
+        ("bytes_per_token_milli", 3500.0),
+        ("overhead_tokens", None),
+    ],
+)
+def test_an_allowance_setting_that_is_not_an_integer_is_refused_by_name(
+    tmp_path, setting, value
+) -> None:
+    # As the Node client does: a count is an integer, not something that compares like one.
+    settings = {"max_nanos": 10**6, "max_calls": 10, setting: value}
+    with pytest.raises(TypeError, match=f"^{setting} must be an integer"):
+        OutagePolicy.allowance(journal_path=tmp_path / "j.jsonl", prices=PRICES, **settings)
+
+
+def test_a_price_that_is_not_a_model_price_is_refused(tmp_path) -> None:
+    with pytest.raises(TypeError, match="prices"):
+        OutagePolicy.allowance(
+            max_nanos=1, max_calls=1, journal_path=tmp_path / "j", prices={"m": (1, 2)}
+        )
+    with pytest.raises(TypeError, match="price"):
+        ModelPrice(1.5, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("end_attempts", 1.5), ("deadline_seconds", "1"), ("max_journal_bytes", True)],
+)
+def test_a_client_setting_of_the_wrong_type_is_refused_by_name(setting, value) -> None:
+    with pytest.raises(TypeError, match=f"^{setting} must be"):
+        ClientSettings(**{setting: value})
+
+
 def test_an_estimate_does_not_stretch_the_allowance(fake, make_client, tmp_path) -> None:
     # The estimate lowers what the ledger will hold, not what the call may cost:
     # the allowance admits on the byte cap, or calls that cost more than their
