@@ -146,6 +146,11 @@ class Replayer {
         }
         // A call of this id is in progress: it owns the booking.
         if (this._inFlight.has(pending.reservationId)) continue;
+        // Read afresh: the list is as old as the attempt, and a call of this id
+        // may since have ended it, superseded it or journaled it anew (an
+        // in-doubt refund replaced by the retry's settle).
+        const current = this._journal.entry(pending.reservationId);
+        if (current === null || current.replay !== null) continue;
         let finish;
         const done = new Promise((resolve) => { finish = resolve; });
         this._replaying = { reservationId: pending.reservationId, done };
@@ -153,7 +158,7 @@ class Replayer {
         let result;
         let detail;
         try {
-          entry = await this._closed(pending);
+          entry = await this._closed(current);
           [result, detail] = await this._replay(entry);
           await this._journal.recordReplay(entry.reservationId, result, detail);
         } catch (error) {

@@ -282,4 +282,36 @@ describe('a retry under the id of an unanswered Reserve', () => {
       await client.close();
     }
   });
+
+  test('a replay that listed the in-doubt refund before the retry never refunds the retry', async () => {
+    const lane = 'outage-retry-stale';
+    await ledger.admin.putLane({ lane: { lane, limit_nanos: '1000000000', prices: PRICES } });
+    const journalPath = path.join(directory, 'retry-stale', 'journal.jsonl');
+    const client = laneClient(lane, OutagePolicy.deny(journalPath));
+    try {
+      await client.waitForReady();
+      const request = { ...REQUEST, reservationId: `stale-${randomBytes(4).toString('hex')}` };
+      assert.equal(await ledger.halt(), 0, 'a graceful stop');
+      assert.ok((await client.call(request, async () => assert.fail('not called'))) instanceof Denied);
+      const stale = client.journal.pending(); // the in-doubt refund, as a slow attempt listed it
+      await ledger.restart();
+      await client.waitForReady();
+      const retried = await client.call(request, async () => {
+        assert.equal(await ledger.halt(), 0, 'the ledger goes away again during the call');
+        return { httpStatus: 200, usage: { inputTokens: 900, outputTokens: 20 } };
+      });
+      assert.equal(retried.journaled, true, 'its settle is journaled');
+      await ledger.restart();
+      await client.waitForReady();
+      const pending = client.journal.pending.bind(client.journal);
+      let listed = false;
+      client.journal.pending = () => (listed ? pending() : ((listed = true), stale));
+      await client.replayJournal();
+      const { kinds, amounts } = await bookings(lane);
+      assert.deepEqual(kinds[request.reservationId], ['reserved', 'settled']);
+      assert.equal(amounts[request.reservationId], cost(900, 20));
+    } finally {
+      await client.close();
+    }
+  });
 });

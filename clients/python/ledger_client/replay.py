@@ -132,7 +132,13 @@ class Replayer:
             if not self._claim(pending.reservation_id):
                 continue  # a call of this id is in progress: it owns the booking
             try:
-                entry = self._closed(pending)
+                # Read afresh: the list is as old as the attempt, and a call of
+                # this id may since have ended it, superseded it or journaled it
+                # anew (an in-doubt refund replaced by the retry's settle).
+                current = self._journal.entry(pending.reservation_id)
+                if current is None or current.replay is not None:
+                    continue
+                entry = self._closed(current)
                 result, detail = self._replay(entry)
                 self._journal.record_replay(entry.reservation_id, result, detail)
             except _STOP_ATTEMPT:

@@ -734,3 +734,48 @@ def test_a_retry_with_the_same_id_is_not_refunded_behind_the_call(tmp_path) -> N
     ending = fake.bookings[rid].ending
     assert ending is not None and ending.settlement is Settlement.SETTLE_SUCCEEDED
     assert [entry.replay for entry in client.journal.entries()] == [ReplayResult.SUPERSEDED]
+
+
+def _listed_once(monkeypatch: pytest.MonkeyPatch, journal: object, stale: list[object]) -> None:
+    """The replay's next look at the journal sees `stale`, as an attempt that
+    listed the pending entries before a call in flight changed them."""
+    real = journal.pending  # type: ignore[attr-defined]
+    listed = iter([stale])
+    monkeypatch.setattr(journal, "pending", lambda: next(listed, None) or real())
+
+
+def test_a_replay_reads_an_entry_afresh_once_its_call_has_ended(
+    fake, make_client, tmp_path, monkeypatch
+) -> None:
+    client = make_client(allowance(tmp_path))
+    fake.reachable = False
+    with call(client) as handle:
+        stale = client.journal.pending()  # listed while the call is in flight
+        handle.succeeded(input_tokens=900, output_tokens=100)
+    fake.reachable = True
+    _listed_once(monkeypatch, client.journal, stale)
+    report = client.replay_journal()
+    assert report.landed == 1 and report.remaining == 0
+    ending = fake.bookings[handle.reservation_id].ending
+    assert ending is not None and ending.settlement is Settlement.SETTLE_SUCCEEDED
+
+
+def test_a_stale_in_doubt_refund_never_ends_the_retry_that_superseded_it(
+    fake, make_client, tmp_path, monkeypatch
+) -> None:
+    client = make_client(OutagePolicy.deny(tmp_path / "journal.jsonl"))
+    fake.reachable = False
+    with pytest.raises(Denied), client.model_call("model-a", 100, 10, reservation_id="r-1"):
+        pass
+    stale = client.journal.pending()  # the in-doubt refund of r-1, listed by an attempt
+    fake.reachable = True
+    with client.model_call("model-a", 100, 10, reservation_id="r-1") as retry:  # admitted
+        retry.succeeded(input_tokens=30, output_tokens=10)
+        fake.reachable = False  # its settle cannot reach the ledger: journaled
+    assert retry.journaled
+    fake.reachable = True
+    _listed_once(monkeypatch, client.journal, stale)
+    client.replay_journal()
+    ending = fake.bookings["r-1"].ending
+    assert ending is not None and ending.settlement is Settlement.SETTLE_SUCCEEDED
+    assert client.journal.pending() == []
