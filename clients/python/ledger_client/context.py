@@ -178,8 +178,15 @@ def fit_tool_results(
     by `payload_bytes`: a str or bytes as they are, a dict (or any other
     value) as its compact JSON."""
     budget = budget or ContextBudget()
+    if isinstance(tool_results, str | bytes | bytearray):
+        # A str is a sequence of one-character results: refused, as Node does.
+        kind = type(tool_results).__name__
+        raise TypeError(f"tool_results must be a list of str, not a {kind}")
     if len(tool_results) > MAX_TOOL_RESULTS:
         raise ValueError(f"at most {MAX_TOOL_RESULTS} tool results")
+    for index, text in enumerate(tool_results):
+        if not isinstance(text, str):
+            raise TypeError(f"tool result {index} must be a str, not a {type(text).__name__}")
     fixed_tokens = sum(budget.tokens(text) for text in (*messages, *tool_schemas))
     results = [_Result(text) for text in tool_results]
     iterations = 0

@@ -164,6 +164,21 @@ def test_nothing_to_trim_is_returned_untouched() -> None:
     assert fit.iterations == 0
 
 
+@pytest.mark.parametrize(
+    ("tool_results", "message"),
+    [
+        ("one result as a str", "tool_results must be a list of str, not a str"),
+        (b"bytes", "tool_results must be a list of str, not a bytes"),
+        ([{"a": 1}], "tool result 0 must be a str, not a dict"),
+        (["ok", None], "tool result 1 must be a str, not a NoneType"),
+    ],
+)
+def test_tool_results_that_are_not_strings_are_refused(tool_results: object, message: str) -> None:
+    # A str is a sequence of one-character results: it must not fit as eight of them.
+    with pytest.raises(TypeError, match=f"^{message}$"):
+        fit_tool_results(tool_results)  # type: ignore[arg-type]
+
+
 def test_budget_settings_are_checked() -> None:
     with pytest.raises(ValueError):
         ContextBudget(max_context_tokens=1_000, reserve_output_tokens=1_000)
