@@ -31,6 +31,8 @@ const MAX_BACKGROUND_REFUNDS = 100;
 const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
 // A reservation id's and a model name's most characters, as the ledger takes them.
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
+const MAX_DEADLINE_MS = 60_000;
+const MAX_END_ATTEMPTS = 10;
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
 /** A Reserve the ledger denied, or the outage mode did: the call was not made. */
@@ -182,9 +184,14 @@ class LaneClient {
     this.lane = lane;
     this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;
     this.endAttempts = options.endAttempts ?? DEFAULT_END_ATTEMPTS;
-    if (!(this.deadlineMs > 0)) throw new RangeError('deadlineMs must be positive');
-    if (!(Number.isInteger(this.endAttempts) && this.endAttempts >= 1)) {
-      throw new RangeError('endAttempts must be an integer of at least 1');
+    // Bounded as the Python client's deadline_seconds (0, 60] and end_attempts
+    // [1, 10]: past them the ledger could eat the model call's time (Infinity
+    // is no deadline at all; a string makes every call an outage).
+    if (typeof this.deadlineMs !== 'number' || !(this.deadlineMs > 0 && this.deadlineMs <= MAX_DEADLINE_MS)) {
+      throw new RangeError(`deadlineMs must be a number of milliseconds in (0, ${MAX_DEADLINE_MS}]`);
+    }
+    if (!(Number.isInteger(this.endAttempts) && this.endAttempts >= 1 && this.endAttempts <= MAX_END_ATTEMPTS)) {
+      throw new RangeError(`endAttempts must be an integer from 1 to ${MAX_END_ATTEMPTS}`);
     }
     this._grant = options.grant ?? null;
     /** The lane's outage mode; deny (fail closed) unless set. */

@@ -311,6 +311,15 @@ describe('a bounded allowance', () => {
     }
     assert.throws(() => OutagePolicy.allowance({ ...base, maxNanos: 1n, maxCalls: 1, overheadTokens: 10_000_001n }), RangeError);
     assert.throws(() => new LaneClient(closedAddress, 'recall', { outage: { mode: 'allowance' } }), TypeError);
+    // The deadline and the ending's attempts bound what the ledger may cost the
+    // call in time (the Python client's (0, 60] s and [1, 10]): a string, an
+    // unbounded or a non-integer value is refused, never a call without a deadline.
+    for (const deadlineMs of ['100', Infinity, NaN, 0, 60_001]) {
+      assert.throws(() => new LaneClient(closedAddress, 'recall', { deadlineMs }), /deadlineMs must be/, String(deadlineMs));
+    }
+    for (const endAttempts of [0, 1.5, 11, 1e9, '3']) {
+      assert.throws(() => new LaneClient(closedAddress, 'recall', { endAttempts }), /endAttempts must be/, String(endAttempts));
+    }
     const policy = OutagePolicy.allowance({ ...base, maxNanos: 1n, maxCalls: 1 });
     assert.ok(Object.isFrozen(policy));
     assert.equal(policy.prices.get('model-a').inputNanosPerMillionTokens, 1_000_000n);
