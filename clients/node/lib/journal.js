@@ -519,9 +519,16 @@ function syncDirectory(directory) {
 function isAlive(pid) {
   try {
     process.kill(pid, 0);
-    return true;
   } catch (error) {
     return error.code === 'EPERM';
+  }
+  // A holder that died but is not yet reaped (a zombie: its parent has not
+  // waited for it) still answers kill(pid, 0); on Linux, /proc says it is dead.
+  try {
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat.slice(stat.lastIndexOf(')') + 2)[0] !== 'Z';
+  } catch {
+    return true; // no /proc (not Linux) or it went meanwhile: kill(pid, 0) decides
   }
 }
 

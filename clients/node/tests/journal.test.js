@@ -363,6 +363,25 @@ describe('the journal', () => {
   });
 });
 
+describe('a lock whose holder died', () => {
+  const linux = process.platform === 'linux';
+  test('is taken over while the holder is a zombie its parent has not reaped yet', { skip: (!linux || !hasPython) && 'needs Linux /proc and the venv python' }, async () => {
+    // A parent that forks a child, lets it exit and never waits for it.
+    const parent = spawn(PYTHON, ['-c', 'import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint(pid, flush=True)\ntime.sleep(30)'], { stdio: ['ignore', 'pipe', 'inherit'] });
+    try {
+      const pid = Number(await new Promise((resolve) => parent.stdout.once('data', (data) => resolve(String(data).trim()))));
+      const state = () => fs.readFileSync(`/proc/${pid}/stat`, 'utf8').replace(/^.*\) /s, '')[0];
+      for (let tries = 0; state() !== 'Z' && tries < 100; tries += 1) await new Promise((resolve) => setTimeout(resolve, 10));
+      assert.equal(state(), 'Z', 'the child is a zombie');
+      fs.writeFileSync(`${file}.lock`, `${JSON.stringify({ pid, host: os.hostname(), at: nowText() })}\n`);
+      open();
+      assert.equal(JSON.parse(fs.readFileSync(`${file}.lock`, 'utf8')).pid, process.pid);
+    } finally {
+      parent.kill('SIGKILL');
+    }
+  });
+});
+
 describe('a journal path that cannot hold a journal', () => {
   for (const where of ['a directory', 'under a file', 'where nothing can be made']) {
     test(`is refused naming the setting: ${where}`, () => {
