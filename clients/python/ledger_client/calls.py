@@ -21,6 +21,7 @@ client does.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import enum
@@ -30,6 +31,8 @@ import time
 from types import TracebackType
 from typing import Protocol
 
+import grpc
+
 from ledger_client.bookings import (
     DenialReason,
     Refunded,
@@ -37,7 +40,16 @@ from ledger_client.bookings import (
     ReserveArguments,
     Settled,
 )
-from ledger_client.errors import LedgerError, LedgerUnavailable, is_retryable, may_have_applied
+from ledger_client.errors import (
+    BookingAlreadyEnded,
+    BookingNotFound,
+    BookingWasDenied,
+    LedgerError,
+    LedgerUnavailable,
+    ReservationConflict,
+    is_retryable,
+    may_have_applied,
+)
 from ledger_client.journal import (
     Journal,
     JournalEntry,
@@ -58,7 +70,11 @@ from ledger_client.outcomes import (
     status_of_exception,
 )
 from ledger_client.replay import IN_DOUBT_REASON, Replayer
-from ledger_client.settings import DEFAULT_END_ATTEMPTS, END_RETRY_PAUSE_SECONDS
+from ledger_client.settings import (
+    DEFAULT_DEADLINE_SECONDS,
+    DEFAULT_END_ATTEMPTS,
+    END_RETRY_PAUSE_SECONDS,
+)
 
 log = logging.getLogger("ledger_client.calls")
 
@@ -68,6 +84,9 @@ MAX_IN_DOUBT_ENTRIES = 1000
 # Refunds of unanswered Reserves sent in the background without a journal, at
 # most this many at a time (beyond: the hold expires under expire_charge).
 MAX_BACKGROUND_REFUNDS = 100
+# Ids whose background refund ended (or may have ended) their booking, kept so
+# that a Reserve under one is refused rather than admitted: the latest this many.
+MAX_ENDED_IDS = 1000
 # The reason those refunds carry (the Node client's UNANSWERED_REASON).
 UNANSWERED_REASON = "not sent: the Reserve went unanswered"
 SUPERSEDED_DETAIL = "reserved again under its id and admitted: the call that followed ends it"
@@ -118,19 +137,34 @@ class BackgroundRefunds:
     """Refunds of unanswered Reserves, each sent once in a thread of its own, off
     the call's path, with the client's usual deadline; at most `limit` at a
     time (beyond that, and when one fails, the hold expires). Best effort:
-    nothing they meet is raised or retried. One per LaneClient."""
+    nothing they meet is raised or retried. One per LaneClient.
 
-    def __init__(self, limit: int = MAX_BACKGROUND_REFUNDS) -> None:
+    A Reserve sent again under such an id would get the ledger's first answer
+    (admitted) even for a booking the refund has ended, and its paid call could
+    then never be settled. So `clear` stands before every Reserve: it waits for
+    the id's refund under way, and refuses the id (ReservationConflict) once
+    the ledger has ended its booking; a refund whose answer was lost is sent
+    again first. It remembers the `remember` latest ids whose refund did or may
+    have ended a booking."""
+
+    def __init__(self, limit: int = MAX_BACKGROUND_REFUNDS, remember: int = MAX_ENDED_IDS) -> None:
         self._limit = limit
+        self._remember = remember
         self._running = 0
+        self._in_flight: set[str] = set()
+        # Ids whose refund ended the booking (True) or may have (False: its answer was lost).
+        self._ended: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self._changed = threading.Condition()
 
     def send(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> bool:
         """Starts the refund; False when `limit` are already under way."""
         with self._changed:
+            if reservation_id in self._in_flight:
+                return True
             if self._running >= self._limit:
                 return False
             self._running += 1
+            self._in_flight.add(reservation_id)
         thread = threading.Thread(
             target=self._refund,
             args=(ledger, reservation_id, trace_id),
@@ -140,22 +174,82 @@ class BackgroundRefunds:
         try:
             thread.start()
         except RuntimeError:  # no thread to be had (the interpreter is exiting)
-            self._done()
+            self._done(reservation_id)
             return False
         return True
 
     def _refund(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> None:
         try:
-            ending = Ending(Settlement.REFUND, 0, None, UNANSWERED_REASON)
-            ledger.end(reservation_id, ending, trace_id=trace_id)
-        except Exception as error:  # best effort: at worst the hold expires
+            error = self._attempt(ledger, reservation_id, trace_id)
+            if error is not None:  # best effort: at worst the hold expires
+                log.debug("could not refund the unanswered reserve %s: %s", reservation_id, error)
+        except Exception as error:
             log.debug("could not refund the unanswered reserve %s: %s", reservation_id, error)
         finally:
-            self._done()
+            self._done(reservation_id)
 
-    def _done(self) -> None:
+    def _attempt(
+        self, ledger: CallLedger, reservation_id: str, trace_id: str, deadline: float | None = None
+    ) -> LedgerError | None:
+        """Sends the refund once and remembers what its answer means for a later
+        Reserve of the id; returns the error when the answer is not known."""
+        ending = Ending(Settlement.REFUND, 0, None, UNANSWERED_REASON)
+        try:
+            ledger.end(reservation_id, ending, deadline_seconds=deadline, trace_id=trace_id)
+        except (BookingNotFound, BookingWasDenied):
+            self._remember_ended(reservation_id, None)  # nothing booked, or a denial a repeat gets
+            return None
+        except BookingAlreadyEnded:
+            self._remember_ended(reservation_id, True)  # ended otherwise: the id is used up
+            return None
+        except LedgerError as error:
+            self._remember_ended(reservation_id, False if may_have_applied(error) else None)
+            return error
+        self._remember_ended(reservation_id, True)
+        return None
+
+    def _remember_ended(self, reservation_id: str, ended: bool | None) -> None:
+        with self._changed:
+            self._ended.pop(reservation_id, None)
+            if ended is not None:
+                self._ended[reservation_id] = ended
+                while len(self._ended) > self._remember:
+                    self._ended.popitem(last=False)
+
+    def clear(
+        self, ledger: CallLedger, reservation_id: str, trace_id: str, deadline: float
+    ) -> None:
+        """Before a Reserve of this id: returns when it may be sent. Raises
+        ReservationConflict when a refund of it ended its booking, and
+        LedgerUnavailable when that cannot be known now (a refund still under
+        way after `deadline` seconds, or one asked again that got no answer)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: reservation_id not in self._in_flight, deadline):
+                raise LedgerUnavailable(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "",
+                    f"a refund of reservation {reservation_id} is still under way",
+                )
+            ended = self._ended.get(reservation_id)
+        if ended is False:  # its answer was lost: ask again (a repeat gets the first answer)
+            error = self._attempt(ledger, reservation_id, trace_id, deadline)
+            if error is not None:
+                raise error
+            with self._changed:
+                ended = self._ended.get(reservation_id)
+        if ended:
+            raise ReservationConflict(
+                grpc.StatusCode.ALREADY_EXISTS,
+                "RESERVATION_ID_REUSED",
+                f"reservation {reservation_id} was refunded after its Reserve went unanswered; "
+                "the ledger would answer a Reserve under it with its first answer for a booking "
+                "that has ended: send the call under a new reservation_id",
+            )
+
+    def _done(self, reservation_id: str) -> None:
         with self._changed:
             self._running -= 1
+            self._in_flight.discard(reservation_id)
             self._changed.notify_all()
 
     @property
@@ -179,6 +273,8 @@ class CallSupport:
     refunds: BackgroundRefunds | None = None
     # Attempts at a Settle or Refund in all (see ClientSettings.end_attempts).
     end_attempts: int = DEFAULT_END_ATTEMPTS
+    # The client's deadline, also the longest a Reserve waits for a refund of its id.
+    deadline_seconds: float = DEFAULT_DEADLINE_SECONDS
 
 
 class CallSource(enum.Enum):
@@ -291,8 +387,10 @@ class ModelCall:
 
     def _reserve(self) -> CallHandle:
         arguments = self._arguments
+        support = self._support
+        self._clear_refund()
         try:
-            reservation = self._support.ledger.reserve_arguments(arguments, trace_id=self._trace_id)
+            reservation = support.ledger.reserve_arguments(arguments, trace_id=self._trace_id)
         except LedgerUnavailable as error:
             return self._reserve_in_outage(error)
         except LedgerError as error:
@@ -317,6 +415,28 @@ class ModelCall:
             reservation.expires_at,
             self._trace_id,
         )
+
+    def _clear_refund(self) -> None:
+        """A refund of an unanswered Reserve of this id may have ended the booking
+        a Reserve would now be admitted to (BackgroundRefunds.clear). When that
+        cannot be known, the lane falls back, whatever its outage mode: a call
+        on the allowance under this id could not be settled either."""
+        support = self._support
+        if support.refunds is None:
+            return
+        reservation_id = self._arguments.reservation_id
+        try:
+            support.refunds.clear(
+                support.ledger, reservation_id, self._trace_id, support.deadline_seconds
+            )
+        except LedgerUnavailable as error:
+            raise Denied(
+                DenialReason.LEDGER_UNAVAILABLE,
+                f"a refund of reservation {reservation_id} has no answer yet ({error.message}): "
+                "send the call again later, or under a new reservation_id",
+                None,
+                reservation_id,
+            ) from error
 
     def _reserve_in_outage(self, error: LedgerUnavailable) -> CallHandle:
         support = self._support

@@ -184,6 +184,11 @@ class LaneClient:
             estimate_nanos=estimate_nanos,
             ttl_us=_micros_of(ttl),
         )
+        # A refund of an unanswered Reserve of this id may have ended the booking
+        # this Reserve would be admitted to (calls.BackgroundRefunds).
+        self._refunds.clear(
+            self, arguments.reservation_id, "", deadline_seconds or self.settings.deadline_seconds
+        )
         return self.reserve_arguments(arguments, deadline_seconds=deadline_seconds)
 
     def reserve_arguments(
@@ -310,6 +315,7 @@ class LaneClient:
             self._replayer,
             self._refunds,
             self.settings.end_attempts,
+            self.settings.deadline_seconds,
         )
 
     # The journal -----------------------------------------------------------------

@@ -27,6 +27,7 @@ from ledger_client import (
     calls,
     errors,
 )
+from ledger_client.bookings import ReserveArguments
 from ledger_client.outcomes import CallFailure
 from test_client_outcomes import FakeRpcError
 
@@ -612,6 +613,210 @@ def test_background_refunds_are_bounded_and_never_raise() -> None:
     assert refunds.wait(5.0) and refunds.running == 0
     assert sorted(ledger.refunded) == ["id-0", "id-1"]
     assert refunds.send(ledger, "id-3", "") and refunds.wait(5.0)
+
+
+# A retry under the id of an unanswered Reserve, without a journal -------------------------
+
+
+class LostOnce(FakeLedger):
+    """Books every Reserve (a repeat gets the first answer, as the ledger's);
+    only the first one's answer is lost on the way back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error = lost(grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.lost = 0
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        answer = super().reserve_arguments(arguments, **options)
+        if self.lost == 0:
+            self.lost += 1
+            raise self.error()
+        return answer
+
+
+RETRIED_ID = "retried-call-1"
+
+
+def retried(client: LaneClient) -> object:
+    return client.model_call("model-a", REQUEST_BYTES, MAX_OUTPUT_TOKENS, reservation_id=RETRIED_ID)
+
+
+def unanswered_then_refunded(client: LaneClient) -> None:
+    with pytest.raises(Denied), retried(client):
+        raise AssertionError("the model must not be called")
+    refunds_of(client)  # the background refund has reached the ledger
+
+
+def test_a_retry_after_the_background_refund_is_refused_and_never_called() -> None:
+    # The leak: the retried Reserve gets the first answer (admitted) for a booking
+    # already refunded, the paid call is made and its Settle is BOOKING_ALREADY_ENDED.
+    fake = LostOnce()
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    made: list[object] = []
+    with client:
+        unanswered_then_refunded(client)
+        with pytest.raises(errors.ReservationConflict) as refused, retried(client) as handle:
+            made.append(handle)
+            handle.succeeded(input_tokens=900, output_tokens=100)
+    assert made == [], "the model call was made under a refunded booking"
+    assert RETRIED_ID in str(refused.value) and "new reservation_id" in str(refused.value)
+    assert refused.value.reason == "RESERVATION_ID_REUSED"
+    assert not errors.is_retryable(refused.value)
+    assert fake.event_counts() == {RETRIED_ID: ["reserved", "refunded"]}
+    assert fake.rpcs == [("reserve", RETRIED_ID), ("end", RETRIED_ID)]  # the retry sent nothing
+
+
+def test_a_bare_reserve_after_the_background_refund_is_refused_too() -> None:
+    fake = LostOnce()
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        unanswered_then_refunded(client)
+        with pytest.raises(errors.ReservationConflict):
+            client.reserve("model-a", REQUEST_BYTES, MAX_OUTPUT_TOKENS, reservation_id=RETRIED_ID)
+    assert fake.rpcs == [("reserve", RETRIED_ID), ("end", RETRIED_ID)]
+
+
+class SlowRefunds(LostOnce):
+    """Refunds take `seconds` to reach the ledger."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.refund_started = threading.Event()
+
+    def end(self, reservation_id, ending, **options):  # type: ignore[no-untyped-def]
+        self.refund_started.set()
+        threading.Event().wait(self.seconds)
+        return super().end(reservation_id, ending, **options)
+
+
+def test_a_retry_waits_for_the_refund_under_way_then_is_refused() -> None:
+    fake = SlowRefunds(0.1)
+    client = client_on(fake, OutagePolicy.deny(), deadline_seconds=1.0)
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied), retried(client):
+            raise AssertionError("the model must not be called")
+        assert fake.refund_started.wait(5.0)
+        with pytest.raises(errors.ReservationConflict), retried(client):
+            raise AssertionError("the model must not be called")
+    assert fake.rpcs == [("reserve", RETRIED_ID), ("end", RETRIED_ID)]
+
+
+def test_a_retry_that_outwaits_its_deadline_is_an_outage_and_sends_nothing() -> None:
+    fake = SlowRefunds(0.5)
+    client = client_on(fake, OutagePolicy.deny(), deadline_seconds=0.05)
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied), retried(client):
+            raise AssertionError("the model must not be called")
+        assert fake.refund_started.wait(5.0)
+        with pytest.raises(Denied) as denied, retried(client):
+            raise AssertionError("the model must not be called")
+        assert denied.value.denial_reason is DenialReason.LEDGER_UNAVAILABLE
+        refunds_of(client)
+    assert fake.rpcs == [("reserve", RETRIED_ID), ("end", RETRIED_ID)]
+
+
+class AwayForTheRefund(LostOnce):
+    """The first Refund fails with `error`; `applied`: after it reached the ledger."""
+
+    def __init__(self, error: Callable[[], errors.LedgerError], *, applied: bool) -> None:
+        super().__init__()
+        self.refund_error = error
+        self.applied = applied
+        self.failures = 1
+
+    def end(self, reservation_id, ending, **options):  # type: ignore[no-untyped-def]
+        if self.failures > 0:
+            self.failures -= 1
+            if self.applied:
+                super().end(reservation_id, ending, **options)
+            raise self.refund_error()
+        return super().end(reservation_id, ending, **options)
+
+
+def test_a_refund_whose_answer_was_lost_is_asked_again_before_a_retry() -> None:
+    fake = AwayForTheRefund(lost(grpc.StatusCode.DEADLINE_EXCEEDED), applied=True)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        unanswered_then_refunded(client)
+        with pytest.raises(errors.ReservationConflict), retried(client):
+            raise AssertionError("the model must not be called")
+    assert [method for method, _ in fake.rpcs] == ["reserve", "end", "end"]
+
+
+def test_a_retry_whose_refund_is_still_unanswered_falls_back_even_on_an_allowance(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(calls, "MAX_IN_DOUBT_ENTRIES", 0)  # the refund goes in the background
+    fake = AwayForTheRefund(lost(grpc.StatusCode.DEADLINE_EXCEEDED), applied=True)
+    fake.failures = 2
+    client = client_on(fake, allowance(tmp_path))
+    assert isinstance(client, LaneClient)
+    fake.error = lambda: errors.from_rpc_error(
+        FakeRpcError(grpc.StatusCode.INTERNAL, (("ledger-reason", "INTERNAL"),))
+    )  # no outage, so the allowance admits nothing; but it may have been booked
+    with client:
+        with pytest.raises(errors.LedgerInternal), retried(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+        with pytest.raises(Denied) as denied, retried(client):
+            raise AssertionError("the model must not be called")
+        assert denied.value.denial_reason is DenialReason.LEDGER_UNAVAILABLE
+        assert RETRIED_ID in denied.value.message
+        # Once the ledger answers the refund again, the id is refused for good.
+        with pytest.raises(errors.ReservationConflict), retried(client):
+            raise AssertionError("the model must not be called")
+    assert [method for method, _ in fake.rpcs] == ["reserve", "end", "end", "end"]
+
+
+def test_background_refunds_remember_the_latest_ended_ids_only() -> None:
+    assert calls.MAX_ENDED_IDS == 1000
+    fake = FakeLedger()
+    refunds = calls.BackgroundRefunds(remember=2)
+    for n in range(3):
+        fake.reserve_arguments(ReserveArguments(f"id-{n}", "model-a", 1, 1))
+        assert refunds.send(fake, f"id-{n}", "")
+        assert refunds.wait(5.0)
+    refunds.clear(fake, "id-0", "", 0.1)  # forgotten: a Reserve under it goes
+    for n in (1, 2):
+        with pytest.raises(errors.ReservationConflict):
+            refunds.clear(fake, f"id-{n}", "", 0.1)
+
+
+def test_a_retry_after_a_refund_that_found_nothing_is_made() -> None:
+    # The ledger never booked the first Reserve: the refund finds nothing, the
+    # retry books and the call is made and settled, as before.
+    fake = FakeLedger()
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    fake.reachable = False
+    with client:
+        with pytest.raises(Denied), retried(client):
+            raise AssertionError("the model must not be called")
+        fake.reachable = True
+        refunds_of(client)
+        with retried(client) as handle:
+            handle.succeeded(input_tokens=900, output_tokens=100)
+    assert fake.event_counts() == {RETRIED_ID: ["reserved", "settled"]}
+
+
+def test_a_retry_after_a_refund_the_ledger_definitely_refused_is_made() -> None:
+    # The ledger booked it, but the refund was refused for lack of capacity
+    # (it did nothing): the retry owns the open booking and settles it.
+    fake = AwayForTheRefund(lost(grpc.StatusCode.RESOURCE_EXHAUSTED), applied=False)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        unanswered_then_refunded(client)
+        with retried(client) as handle:
+            handle.succeeded(input_tokens=900, output_tokens=100)
+    assert fake.event_counts() == {RETRIED_ID: ["reserved", "settled"]}
 
 
 # Endings the ledger did not confirm are sent again ------------------------------------------
