@@ -3,7 +3,17 @@
 const { randomBytes, randomUUID } = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
-const { ledgerErrorOf, LedgerError, Unavailable, isLedgerUnavailable } = require('./errors');
+const {
+  ledgerErrorOf,
+  LedgerError,
+  Unavailable,
+  DeadlineExceeded,
+  BookingNotFound,
+  BookingWasDenied,
+  BookingAlreadyEnded,
+  ReservationIdReused,
+  isLedgerUnavailable,
+} = require('./errors');
 const wire = require('./wire');
 const { checkLane, checkReserve, checkRefund } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
@@ -28,12 +38,114 @@ const MAX_IN_DOUBT_ENTRIES = 1000;
 // Refunds of unanswered Reserves sent in the background without a journal, at
 // most this many at a time (beyond: the hold expires under expire_charge).
 const MAX_BACKGROUND_REFUNDS = 100;
+// Ids whose background refund ended (or may have ended) their booking, kept so
+// that a Reserve under one is refused rather than admitted: the latest this many.
+const MAX_ENDED_IDS = 1000;
 const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
 // A reservation id's and a model name's most characters, as the ledger takes them.
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
 const MAX_DEADLINE_MS = 60_000;
 const MAX_END_ATTEMPTS = 10;
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
+
+/**
+ * Refunds of unanswered Reserves, sent once in the background (at most `limit`
+ * at a time; beyond that, and when one fails, the hold expires), and what
+ * their answers mean for a later Reserve of the same id: the ledger would
+ * answer it with its first answer (admitted) even for a booking the refund
+ * has ended, and the paid call could then never be settled. So clear() stands
+ * before every Reserve: it waits for the id's refund under way (at most the
+ * deadline), asks again a refund whose answer was lost, and refuses an id
+ * whose booking was ended (ReservationIdReused). It remembers the `remember`
+ * latest ids whose refund did or may have ended a booking (the Python
+ * client's BackgroundRefunds).
+ */
+class BackgroundRefunds {
+  constructor(limit = MAX_BACKGROUND_REFUNDS, remember = MAX_ENDED_IDS) {
+    this._limit = limit;
+    this._remember = remember;
+    /** reservation id -> the promise of its refund under way */
+    this._inFlight = new Map();
+    /** reservation id -> true: its refund ended the booking; false: it may have (its answer was lost) */
+    this._ended = new Map();
+  }
+
+  get running() {
+    return this._inFlight.size;
+  }
+
+  /** Starts `refund()` (a promise) for this id; false when `limit` are already under way. */
+  send(refund, reservationId) {
+    if (this._inFlight.has(reservationId)) return true;
+    if (this._inFlight.size >= this._limit) return false;
+    const sent = this._attempt(refund, reservationId)
+      .catch(() => undefined) // best effort: at worst the hold expires
+      .finally(() => this._inFlight.delete(reservationId));
+    this._inFlight.set(reservationId, sent);
+    return true;
+  }
+
+  /** Resolves once none is under way. */
+  async idle() {
+    while (this._inFlight.size > 0) await Promise.allSettled([...this._inFlight.values()]);
+  }
+
+  /** Sends the refund once and remembers what its answer means; rejects when it is not known. */
+  async _attempt(refund, reservationId) {
+    try {
+      await refund();
+    } catch (error) {
+      if (error instanceof BookingNotFound || error instanceof BookingWasDenied) {
+        this._note(reservationId, null); // nothing booked, or a denial a repeat gets
+        return;
+      }
+      if (error instanceof BookingAlreadyEnded) {
+        this._note(reservationId, true); // ended otherwise: the id is used up
+        return;
+      }
+      this._note(reservationId, error instanceof LedgerError && error.mayHaveApplied ? false : null);
+      throw error;
+    }
+    this._note(reservationId, true);
+  }
+
+  _note(reservationId, ended) {
+    this._ended.delete(reservationId);
+    if (ended === null) return;
+    this._ended.set(reservationId, ended);
+    while (this._ended.size > this._remember) this._ended.delete(this._ended.keys().next().value);
+  }
+
+  /**
+   * Before a Reserve of this id: resolves when it may be sent. Rejects with
+   * ReservationIdReused when a refund of it ended its booking, and with an
+   * outage error when that cannot be known now (a refund still under way
+   * after `deadlineMs`, or one asked again that got no answer).
+   */
+  async clear(refund, reservationId, deadlineMs) {
+    const running = this._inFlight.get(reservationId);
+    if (running !== undefined) {
+      let timer;
+      const late = new Promise((resolve) => {
+        timer = setTimeout(() => resolve(true), deadlineMs);
+      });
+      const timedOut = await Promise.race([running.then(() => false), late]);
+      clearTimeout(timer);
+      if (timedOut) {
+        throw new DeadlineExceeded(`a refund of reservation ${reservationId} is still under way`, { code: grpc.status.DEADLINE_EXCEEDED });
+      }
+    }
+    // Its answer was lost: ask again (a repeat gets the first answer).
+    if (this._ended.get(reservationId) === false) await this._attempt(refund, reservationId);
+    if (this._ended.get(reservationId) === true) {
+      throw new ReservationIdReused(
+        `reservation ${reservationId} was refunded after its Reserve went unanswered; the ledger would ` +
+          'answer a Reserve under it with its first answer for a booking that has ended: send the call under a new reservation id',
+        { code: grpc.status.ALREADY_EXISTS, reason: 'RESERVATION_ID_REUSED' },
+      );
+    }
+  }
+}
 
 /** A Reserve the ledger denied, or the outage mode did: the call was not made. */
 class Denied {
@@ -206,7 +318,7 @@ class LaneClient {
     this._journal = null;
     this._allowance = null;
     this._replayer = null;
-    this._backgroundRefunds = 0;
+    this._refunds = new BackgroundRefunds();
     this._closed = null;
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
@@ -316,7 +428,11 @@ class LaneClient {
    * @returns {Promise<import('../index').ReserveResult>}
    */
   async reserve(request) {
-    return this._reserve(request, traceHeaders(request));
+    const trace = traceHeaders(request);
+    // A refund of an unanswered Reserve of this id may have ended the booking
+    // this Reserve would be admitted to (BackgroundRefunds).
+    await this._refunds.clear(() => this._refundUnanswered(request.reservationId, trace), request.reservationId, this.deadlineMs);
+    return this._reserve(request, trace);
   }
 
   async _reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs }, trace, deadlineMs) {
@@ -452,6 +568,8 @@ class LaneClient {
 
   async _call(request, fn, trace) {
     const { reservationId } = request;
+    const unclear = await this._clearRefund(reservationId, trace);
+    if (unclear !== null) return unclear;
     let booking;
     let outageError = null;
     try {
@@ -518,6 +636,30 @@ class LaneClient {
     });
   }
 
+  /**
+   * A refund of an unanswered Reserve of this id may have ended the booking a
+   * Reserve would now be admitted to (BackgroundRefunds.clear): rejects with
+   * ReservationIdReused when it did. When that cannot be known, the lane falls
+   * back (a LEDGER_UNAVAILABLE Denied), whatever its outage mode: a call on
+   * the allowance under this id could not be settled either. Else null.
+   */
+  async _clearRefund(reservationId, trace) {
+    try {
+      await this._refunds.clear(() => this._refundUnanswered(reservationId, trace), reservationId, this.deadlineMs);
+      return null;
+    } catch (error) {
+      if (!isLedgerUnavailable(error)) throw error;
+      const message =
+        `a refund of reservation ${reservationId} has no answer yet (${error.message}): ` +
+        'send the call again later, or under a new reservation id';
+      return outageDenial(reservationId, DenialReason.LEDGER_UNAVAILABLE, message, error);
+    }
+  }
+
+  _refundUnanswered(reservationId, trace) {
+    return this._refund({ reservationId, reason: UNANSWERED_REASON }, trace);
+  }
+
   // The outage mode ------------------------------------------------------------
 
   /** The allowance's booking for this call, or the Denied of the outage mode. */
@@ -546,13 +688,8 @@ class LaneClient {
   async _forgetUnanswered(request, trace, error) {
     if (!(error instanceof LedgerError && error.mayHaveApplied)) return;
     if (await this._journalInDoubt(request, trace)) return;
-    if (this._backgroundRefunds >= MAX_BACKGROUND_REFUNDS) return;
-    this._backgroundRefunds += 1;
-    this._refund({ reservationId: request.reservationId, reason: UNANSWERED_REASON }, trace)
-      .catch(() => undefined)
-      .finally(() => {
-        this._backgroundRefunds -= 1;
-      });
+    const { reservationId } = request;
+    this._refunds.send(() => this._refundUnanswered(reservationId, trace), reservationId);
   }
 
   async _journalInDoubt(request, trace) {
@@ -662,4 +799,5 @@ module.exports = {
   DEFAULT_END_ATTEMPTS,
   MAX_IN_DOUBT_ENTRIES,
   MAX_BACKGROUND_REFUNDS,
+  MAX_ENDED_IDS,
 };
