@@ -172,3 +172,41 @@ def test_get_booking_refuses_an_id_no_move_could_have_booked(
     """The same rule as every move's: 1 to 200 printable ASCII characters, no spaces."""
     refused = harness.fails(INVALID, lambda: harness.booking(reservation_id))
     assert refused.field == "reservation_id"
+
+
+def test_unknown_csv_columns_are_named_within_a_status_message(harness: Any) -> None:
+    # Found by fuzzing: the refusal echoed every unknown column in full, so a
+    # 20 kB header name made the status message pass gRPC's metadata limit and
+    # the caller got RESOURCE_EXHAUSTED with no reason, on every retry.
+    export = b"reservation_id," + b"x" * 20_000 + b",y\nr1,1,2\n"
+    refused = harness.fails(
+        INVALID,
+        lambda: harness.ledger.Reconcile(
+            pb.ReconcileRequest(
+                format=pb.ReconcileRequest.CSV, content=export, default_lane="recall"
+            ),
+            timeout=30,
+        ),
+    )
+    assert (refused.reason, refused.field) == ("INVALID_ARGUMENT", "content")
+    assert "unknown CSV columns" in refused.details
+    assert len(refused.details) < 1_000
+
+
+def test_unknown_jsonl_keys_as_long_as_the_request_still_get_an_answer(harness: Any) -> None:
+    # Found by fuzzing: a bad row's message echoed its unknown key in full, so
+    # a key that filled the request made the answer pass the 1 MiB message
+    # limit: RESOURCE_EXHAUSTED ("Sent message larger than max"), no reason.
+    key = "k" * (1_048_550 - 8)
+    export = b'{"' + key.encode() + b'": 1}\n'
+    response = harness.ledger.Reconcile(
+        pb.ReconcileRequest(
+            format=pb.ReconcileRequest.JSONL, content=export, default_lane="recall"
+        ),
+        timeout=30,
+    )
+    assert (response.applied, response.bad_count) == (False, 1)
+    [bad] = response.rows
+    assert (bad.line, bad.field) == (1, "content")
+    assert bad.message.startswith("unknown keys: kkk")
+    assert len(bad.message) < 1_000
