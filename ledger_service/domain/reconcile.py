@@ -151,7 +151,7 @@ def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
         raise InvalidArgument("content", "the CSV header must name a reservation_id column")
     unknown = header - COLUMNS
     if unknown:
-        raise InvalidArgument("content", f"unknown CSV columns: {', '.join(sorted(unknown))}")
+        raise InvalidArgument("content", f"unknown CSV columns: {_names(unknown)}")
     records: list[tuple[int, Mapping[str, Any] | str]] = []
     for record in _csv_rows(reader, lines):
         if None in record:
@@ -220,10 +220,29 @@ def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
         elif not _is_text(value):
             records.append((line, "holds a \\u escape that is not text (a lone surrogate)"))
         elif set(value) - COLUMNS:
-            records.append((line, f"unknown keys: {', '.join(sorted(set(value) - COLUMNS))}"))
+            records.append((line, f"unknown keys: {_names(set(value) - COLUMNS)}"))
         else:
             records.append((line, value))
     return records
+
+
+# Unknown names are the caller's own text, so their echo is bounded: in full,
+# a long one passed gRPC's metadata limit (a CSV header's refusal) or the
+# answer's message limit (a JSONL row's message), and the caller heard
+# RESOURCE_EXHAUSTED with no reason instead of what was wrong.
+_SHOWN_NAMES = 10
+_SHOWN_NAME_LENGTH = 40
+
+
+def _names(names: set[str]) -> str:
+    """The first few names, each cut short, and how many more there are."""
+    ordered = sorted(names)
+    shown = [
+        name if len(name) <= _SHOWN_NAME_LENGTH else name[:_SHOWN_NAME_LENGTH] + "..."
+        for name in ordered[:_SHOWN_NAMES]
+    ]
+    more = len(ordered) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
 
 
 def _is_text(value: Any) -> bool:
