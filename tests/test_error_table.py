@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import grpc
+import pytest
 
 from ledger_service.api import errors as api_errors
 from ledger_service.domain import errors as domain_errors
@@ -49,3 +50,40 @@ def test_the_readme_lists_every_reason_the_clients_know() -> None:
     table = readme[readme.index("| status | `ledger-reason` | when |") :].split("\n\n")[0]
     missing = [case["reason"] for case in cases["reasons"] if f"`{case['reason']}`" not in table]
     assert not missing, f"README's error table lacks {missing}"
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.trailers: tuple[tuple[str, str | bytes], ...] = ()
+        self.message = ""
+
+    def set_trailing_metadata(self, trailers: tuple[tuple[str, str | bytes], ...]) -> None:
+        self.trailers = trailers
+
+    def abort(self, _code: grpc.StatusCode, message: str) -> None:
+        self.message = message
+        raise Exception()  # as grpcio's abort does
+
+
+@pytest.mark.parametrize("unit", ["x", "\u00e9", "\U0001f600"])
+def test_a_long_message_is_cut_to_fit_the_trailers(unit: str) -> None:
+    """Caller text echoed in full could pass gRPC's metadata limit, and the
+    caller would get RESOURCE_EXHAUSTED with no reason instead."""
+    context = _Context()
+    with pytest.raises(Exception):  # noqa: B017 - grpcio's abort raises a bare Exception
+        api_errors.refuse(
+            context,  # type: ignore[arg-type]
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "content: " + unit * 20_000,
+            "INVALID_ARGUMENT",
+            field="content",
+        )
+    assert context.message.startswith("content: " + unit)
+    assert context.message.endswith("...")
+    assert len(context.message.encode()) <= api_errors.MAX_MESSAGE_BYTES
+    details = dict(context.trailers)[api_errors.DETAILS_KEY]
+    assert isinstance(details, bytes) and len(details) < 2 * api_errors.MAX_MESSAGE_BYTES
+    short = _Context()
+    with pytest.raises(Exception):  # noqa: B017
+        api_errors.refuse(short, grpc.StatusCode.NOT_FOUND, "lane x not found", "LANE_NOT_FOUND")  # type: ignore[arg-type]
+    assert short.message == "lane x not found"

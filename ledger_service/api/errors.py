@@ -33,6 +33,10 @@ UNDECODABLE_MESSAGE = "the request is not a valid message for this method"
 # The grant interceptor's refusals (api/auth.py), the table's rows for auth.
 UNAUTHENTICATED_REASON = "UNAUTHENTICATED"
 PERMISSION_DENIED_REASON = "PERMISSION_DENIED"
+# A status message is sent twice in the trailers (grpc-message, percent-encoded,
+# and inside the rich status): past gRPC's 8 KiB of metadata the caller would
+# get RESOURCE_EXHAUSTED with no reason. So it is cut at this many UTF-8 bytes.
+MAX_MESSAGE_BYTES = 1000
 
 # Most specific first: the first matching class wins.
 ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
@@ -75,6 +79,7 @@ def refuse(
     as `ledger-<name>`) in our own trailers, and beside them gRPC's rich error
     model: a google.rpc.Status with one ErrorInfo (the reason, ERROR_DOMAIN,
     `extra` as its metadata), as grpcio-status builds it. Raises."""
+    message = bounded_message(message)
     info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=extra)
     status = status_pb2.Status(code=code.value[0], message=message)
     status.details.add().Pack(info)
@@ -83,6 +88,15 @@ def refuse(
     trailers.append((DETAILS_KEY, status.SerializeToString()))
     context.set_trailing_metadata(tuple(trailers))
     context.abort(code, message)
+
+
+def bounded_message(message: str) -> str:
+    """The message, or its first MAX_MESSAGE_BYTES of UTF-8 (whole characters)
+    and an ellipsis."""
+    encoded = message.encode("utf-8", "replace")
+    if len(encoded) <= MAX_MESSAGE_BYTES:
+        return message
+    return encoded[: MAX_MESSAGE_BYTES - 3].decode("utf-8", "ignore") + "..."
 
 
 def _abort(context: grpc.ServicerContext, error: BaseException) -> None:
