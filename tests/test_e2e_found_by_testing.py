@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
+from ledger_service.domain.clock import TEST_CLOCK_LATEST_US
 from ledger_service.domain.events import EventKind
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -50,6 +51,27 @@ def test_every_event_kind_can_be_filtered(harness: Any) -> None:
     unknown = harness.fails(INVALID, lambda: harness.events("recall", kinds=["spent"]))
     assert unknown.field == "kinds"
     assert "corrected" in unknown.details, "the refusal lists the kinds there are"
+
+
+def test_the_test_clock_keeps_every_answer_a_valid_timestamp(harness: Any) -> None:
+    """Set to 9999-12-31, the clock would answer a hold's expires_at past the
+    last instant a protobuf Timestamp holds, which other languages' clients refuse."""
+    last_second_us = 253_402_300_799 * harness.MICROS_PER_SECOND
+    refused = harness.fails(INVALID, lambda: harness.set_time_us(last_second_us))
+    assert refused.field == "seconds" and "9998-12-23" in refused.details
+    latest_us = harness.set_time_us(TEST_CLOCK_LATEST_US)
+    assert harness.advance_us(0) == latest_us
+    refused = harness.fails(INVALID, lambda: harness.advance_us(1))
+    assert refused.field == "seconds" and "9998-12-23" in refused.details
+    assert harness.now_us() == latest_us, "a refused Advance leaves the clock where it was"
+    admitted = harness.reserve("r-late")
+    assert admitted.decision == pb.ADMITTED
+    assert admitted.expires_at.seconds <= 253_402_300_799
+
+
+def test_the_test_clock_starts_no_earlier_than_the_epoch(harness: Any) -> None:
+    refused = harness.fails(INVALID, lambda: harness.set_time_us(-1))
+    assert refused.field == "seconds" and "1970-01-01" in refused.details
 
 
 def test_a_deeply_nested_export_is_a_bad_row_not_internal(harness: Any) -> None:

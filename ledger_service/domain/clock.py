@@ -13,6 +13,13 @@ from typing import Protocol
 from ledger_service.domain.errors import InvalidArgument
 
 MICROS_PER_SECOND = 1_000_000
+# A test clock stays within these instants: from the Unix epoch to a year (the
+# longest window) and a week (the longest hold) before the last instant a
+# protobuf Timestamp holds (9999-12-31T23:59:59Z), so that every instant the
+# ledger answers with (a hold's expires_at, a denial's retry_after) is valid.
+TEST_CLOCK_EARLIEST_US = 0
+TEST_CLOCK_LATEST_US = (253_402_300_799 - (366 + 7) * 86_400) * MICROS_PER_SECOND
+_TEST_CLOCK_RANGE = "must be between 1970-01-01 and 9998-12-23, the range a test clock keeps"
 
 
 class Clock(Protocol):
@@ -42,6 +49,8 @@ class ManualClock:
     def set_us(self, instant_us: int, not_before_us: int = 0) -> int:
         """Sets the clock; a ledger's time never runs back past its last
         recorded event (`not_before_us`)."""
+        if not TEST_CLOCK_EARLIEST_US <= instant_us <= TEST_CLOCK_LATEST_US:
+            raise InvalidArgument("seconds", _TEST_CLOCK_RANGE)
         if instant_us < not_before_us:
             raise InvalidArgument(
                 "seconds",
@@ -55,5 +64,9 @@ class ManualClock:
         if duration_us < 0:
             raise ValueError("a test clock only moves forward by Advance")
         with self._lock:
+            if self._now_us + duration_us > TEST_CLOCK_LATEST_US:
+                raise InvalidArgument(
+                    "seconds", f"would take the clock past 9998-12-23: {_TEST_CLOCK_RANGE}"
+                )
             self._now_us += duration_us
             return self._now_us
