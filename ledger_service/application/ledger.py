@@ -559,6 +559,7 @@ def _as_the_lane_left_it(tx: StoreTransaction, booking: Booking) -> Booking:
         lane=booking.lane,
         reservation_id=booking.reservation_id,
         kinds=tuple(kind.value for kind in moves.LANE_KINDS),
+        lane_locked=True,  # the move holds the lane's lock: read past the horizon
     )
     history = tx.list_events(query)
     assert len(history) < query.limit, "a booking's own moves fill a page"

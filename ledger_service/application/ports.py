@@ -27,6 +27,11 @@ class EventQuery:
     kinds: tuple[str, ...] = ()
     after_seq: int = 0
     limit: int = 100
+    # The reader holds `lane`'s row lock in a write transaction. Every event of
+    # the lane is appended under that lock, so each one is committed or the
+    # reader's own: the read need not stop at (nor wait for) the commit
+    # horizon, which other lanes' appends in flight and holes hold back.
+    lane_locked: bool = False
 
 
 class EdgeQuery(NamedTuple):

@@ -905,7 +905,9 @@ class SqlTransaction:
         # reads every event this way).
         columns = [events.c[name] for name in records.EVENT_COLUMNS]
         statement = select(*columns).where(events.c.seq > query.after_seq)
-        if self._horizon is not None:  # PostgreSQL: never past an append still in flight
+        # PostgreSQL: never past an append still in flight, unless the reader
+        # holds the lane's lock (then none of the lane's can be).
+        if self._horizon is not None and not (query.lane_locked and query.lane):
             statement = statement.where(events.c.seq <= self._horizon.advance(self._connection))
         if query.lane:
             statement = statement.where(events.c.lane == query.lane)
