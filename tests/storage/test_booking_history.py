@@ -69,3 +69,19 @@ def test_a_repeated_settle_of_a_reconciled_booking_gets_its_first_answer(
     ledger = _reconciled_behind_a_hole(postgres_store, hole_before_settle=True)
     again = ledger.settle(moves.SettleCommand("recall", "r-1", Outcome.UNKNOWN))
     assert again.charged_nanos != 120  # the hold it was first charged, not the bill
+
+
+def test_a_repeated_settle_of_a_reconciled_booking_does_not_wait_holding_the_lane(
+    postgres_store: SqlStore,
+) -> None:
+    """No hole at all: the history read still waited the horizon's whole 1 s
+    for the move's own seq, holding the lane's lock, on every such repeat."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(dataclasses.replace(RECALL, lane="recall"))
+    assert ledger.reserve(moves.ReserveCommand("recall", "r-1", "jev", 1000, 10)).admitted
+    first = ledger.settle(moves.SettleCommand("recall", "r-1", Outcome.UNKNOWN))
+    assert reconcile_export(ledger, EXPORT, ExportFormat.CSV, "recall").applied
+    started = time.monotonic()
+    again = ledger.settle(moves.SettleCommand("recall", "r-1", Outcome.UNKNOWN))
+    assert again.charged_nanos == first.charged_nanos
+    assert time.monotonic() - started < 0.5, "the Settle waited for the commit horizon"
