@@ -129,7 +129,7 @@ class _Otlp:
     endpoint: str
 
     def describe(self) -> str:
-        return f"otlp {self.protocol} to {_without_userinfo(self.endpoint)}"
+        return f"otlp {self.protocol} to {_without_credentials(self.endpoint)}"
 
 
 def _otlp(environ: Mapping[str, str], signal: str) -> _Otlp:
@@ -156,13 +156,13 @@ def _otlp(environ: Mapping[str, str], signal: str) -> _Otlp:
     return _Otlp(protocol, endpoint)
 
 
-def _without_userinfo(url: str) -> str:
+def _without_credentials(url: str) -> str:
+    """`url` as the start line shows it: without user info, query or fragment,
+    where a collector's password, key or token may be (the host keeps its case
+    and an IPv6 address its brackets)."""
     parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
 
 
 # The SDK's OTLP exporter for each signal and protocol: (module, class).

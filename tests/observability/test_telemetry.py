@@ -178,3 +178,30 @@ def test_prometheus_metrics_are_scraped_from_a_running_server(
     assert logged == [
         f"telemetry: traces: none; metrics: prometheus on http://127.0.0.1:{port}/metrics"
     ]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "shown"),
+    [
+        # A collector's key in the query string is a credential too.
+        ("https://collector.example:4318/v1/traces?api_key=s3cret", "https://collector.example:4318/v1/traces"),
+        ("http://user:s3cret@127.0.0.1:4318/v1/traces?token=s3cret#s3cret", "http://127.0.0.1:4318/v1/traces"),
+        # An IPv6 collector keeps its brackets once the credentials are left out.
+        ("http://user:s3cret@[::1]:4318/v1/traces", "http://[::1]:4318/v1/traces"),
+    ],
+)  # fmt: skip
+def test_the_start_line_leaves_every_credential_of_an_endpoint_out(
+    endpoint: str, shown: str
+) -> None:
+    sending = configure_telemetry(
+        {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint,
+        }
+    )
+    try:
+        assert "s3cret" not in sending.description
+        assert sending.description == f"traces: otlp http/protobuf to {shown}; metrics: none"
+    finally:
+        sending.shutdown()
