@@ -11,10 +11,16 @@ a command that cannot reach one still has to say so on one line.
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+
 import pytest
 
 from ledger_service.cli import exits, values
+from ledger_service.storage import keyring
+from tests.test_cli import LEDGER, server_environment
 
+COMMAND_SECONDS = 60
 # Arabic-Indic and fullwidth digits: str.isdigit() and Decimal() take them, a ledger must not.
 OTHER_DIGITS = ["$\u0661", "\u0665 USD", "\uff11n", "$\u0660.\u0665"]
 
@@ -60,3 +66,48 @@ def test_a_timeout_of_nan_is_refused_on_one_line(text: str) -> None:
         values.parse_timeout_seconds(text)
     assert refused.value.exit_code == exits.EXIT_BAD_VALUE
     assert refused.value.message.startswith(f"--timeout: {text!r} is not a number of seconds")
+
+
+def run_ledger(*arguments: str, **options: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LEDGER), *arguments],
+        capture_output=True,
+        text=True,
+        env=server_environment(),
+        timeout=COMMAND_SECONDS,
+        check=False,
+        **options,  # type: ignore[call-overload]
+    )
+
+
+def test_a_full_disk_on_stdout_is_one_line_and_status_1(tmp_path: pathlib.Path) -> None:
+    """`grant issue` prints a grant and needs no server; /dev/full refuses every write."""
+    keyring.load_or_create(tmp_path)
+    issue = ["grant", "issue", "--lane", "x", "--scope", "read", "--data-dir", str(tmp_path)]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [str(LEDGER), *issue],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=server_environment(),
+            timeout=COMMAND_SECONDS,
+            check=False,
+        )
+    assert done.returncode == exits.EXIT_FAILED
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("ledger: cannot write to stdout"), done.stderr
+
+
+def test_a_closed_stdout_is_not_a_traceback(tmp_path: pathlib.Path) -> None:
+    done = subprocess.run(
+        ["bash", "-c", f"'{LEDGER}' balance recall --server 127.0.0.1:1 >&-"],
+        capture_output=True,
+        text=True,
+        env=server_environment(),
+        timeout=COMMAND_SECONDS,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == exits.EXIT_UNREACHABLE, done.stderr

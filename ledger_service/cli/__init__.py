@@ -13,6 +13,7 @@ import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 from ledger_service.cli import (
     connection,
@@ -75,17 +76,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command. A reader that leaves early (`ledger history | head -1`) ends it
     quietly with status 1, as the Python docs' note on SIGPIPE recommends."""
     configure_logging()
+    stdout = sys.stdout
+    if stdout is not None:  # None: the shell closed it (`>&-`); print() then writes nothing
+        sys.stdout = _TaggedStdout(stdout)
     try:
         try:
             arguments = parser().parse_args(argv)
             code: int = arguments.run(arguments)
         finally:
             # Flush now, so a closed pipe is a BrokenPipeError here and not at exit.
-            sys.stdout.flush()
+            if sys.stdout is not None:
+                sys.stdout.flush()
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_FAILED
+    except _StdoutUnwritable as error:
+        print(f"ledger: cannot write to stdout: {error.reason}", file=sys.stderr)
+        _discard_stdout()
+        return EXIT_FAILED
+    finally:
+        sys.stdout = stdout
     return code
+
+
+class _StdoutUnwritable(Exception):
+    """stdout refused a write for a reason other than a reader that left (a full disk)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.reason = error.strerror or str(error)
+
+
+class _TaggedStdout:
+    """stdout, whose write errors are told apart from those of any other file."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise _StdoutUnwritable(error) from error
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise _StdoutUnwritable(error) from error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _discard_stdout() -> None:
