@@ -111,3 +111,20 @@ def test_a_closed_stdout_is_not_a_traceback(tmp_path: pathlib.Path) -> None:
     )
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == exits.EXIT_UNREACHABLE, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (["--database-url", "bogus://x"], "sqlite:/// or postgresql+psycopg://"),
+        (["--data-dir", "/proc/no-such-dir"], "/proc/no-such-dir"),
+    ],
+)
+def test_migrate_refuses_a_database_it_cannot_use_on_one_line(
+    arguments: list[str], says: str
+) -> None:
+    done = run_ledger("migrate", *arguments)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert says in done.stderr
+    assert done.returncode == exits.EXIT_BAD_VALUE

@@ -133,7 +133,13 @@ def _migrate(arguments: argparse.Namespace) -> int:
 
     settings = settings_from(arguments)
     where = database.redacted(settings.database_url)
-    store = build_store(settings)
+    try:
+        store = build_store(settings)
+    except (ValueError, OSError) as error:
+        # A URL of no database the ledger takes, or a data directory it cannot
+        # create: one line, exit 2, as for any refused configuration.
+        print(f"ledger migrate: {error} ({where})", file=sys.stderr)
+        return 2
     try:
         with translate.translated():
             done = migrate.upgrade(store.engine)
