@@ -128,3 +128,13 @@ def test_migrate_refuses_a_database_it_cannot_use_on_one_line(
     assert done.stderr.count("\n") == 1, done.stderr
     assert says in done.stderr
     assert done.returncode == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize("grant", ["lg1.a\nb", "lg1.\u00e9\u00e9", "lg1.a b"])
+def test_a_grant_with_a_character_no_grant_has_is_refused_naming_its_source(grant: str) -> None:
+    """gRPC refuses such a header itself: a C-core log line and 'Invalid metadata (INTERNAL)'."""
+    done = run_ledger("balance", "recall", "--server", "127.0.0.1:1", "--grant", grant)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("ledger: --grant: not a grant"), done.stderr
+    assert done.returncode == exits.EXIT_BAD_VALUE

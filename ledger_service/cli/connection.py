@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ledger_service.api.errors import FIELD_KEY, REASON_KEY
-from ledger_service.cli.exits import EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
+from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import money_in_text
 from ledger_service.cli.tls import Tls, resolve_tls
 from ledger_service.cli.values import DEFAULT_TIMEOUT_SECONDS, parse_timeout_seconds
@@ -83,6 +84,10 @@ class Session:
         return {"timeout": self.timeout_seconds, "metadata": self.metadata}
 
 
+# Every character a grant (lg1.KEY.PAYLOAD.SIGNATURE, base64url) can hold.
+_GRANT_CHARACTERS = re.compile(r"[A-Za-z0-9._=-]*")
+
+
 def resolve_grant(given: str | None) -> tuple[str, str]:
     """The grant and where it came from: --grant, else LEDGER_GRANT, else the
     admin grant the server wrote to <LEDGER_DATA_DIR or ./data>/admin.grant."""
@@ -105,6 +110,14 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
     server = arguments.server or os.environ.get("LEDGER_SERVER") or DEFAULT_SERVER
     timeout_seconds = parse_timeout_seconds(arguments.timeout)
     grant, grant_source = resolve_grant(arguments.grant)
+    if not _GRANT_CHARACTERS.fullmatch(grant):
+        # gRPC would refuse the header itself, with a C-core log line and "Invalid
+        # metadata (INTERNAL)": a grant pasted with a line break, a space or a quote.
+        raise CliError(
+            f"{grant_source}: not a grant (it holds a space, a line break or a character "
+            "other than ASCII letters, digits and . - _ =)",
+            EXIT_BAD_VALUE,
+        )
     metadata = (("authorization", f"Bearer {grant}"),) if grant else ()
     tls = resolve_tls(arguments)
     channel = (
