@@ -138,3 +138,31 @@ def test_a_grant_with_a_character_no_grant_has_is_refused_naming_its_source(gran
     assert done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("ledger: --grant: not a grant"), done.stderr
     assert done.returncode == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize(
+    ("server", "source"),
+    [
+        ("notaport", "--server"),
+        ("127.0.0.1:99999", "--server"),
+        ("127.0.0.1:0", "--server"),
+        ("127.0.0.1:", "--server"),
+        ("", "--server"),
+    ],
+)
+def test_a_server_address_that_is_not_host_port_is_a_bad_value_not_unreachable(
+    server: str, source: str
+) -> None:
+    """It was 'cannot reach the ledger at notaport: is `ledger serve` running?', exit 3,
+    or, for an empty --server, a silent fall back to the default address."""
+    done = run_ledger("balance", "recall", "--server", server, "--timeout", "2")
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"ledger: {source}: {server!r} is not HOST:PORT"), done.stderr
+    assert done.returncode == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize("server", ["127.0.0.1:1", "[::1]:1", "localhost:1", "unix:/nonexistent"])
+def test_a_well_formed_server_address_nobody_answers_is_still_unreachable(server: str) -> None:
+    done = run_ledger("balance", "recall", "--server", server, "--timeout", "2")
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.returncode == exits.EXIT_UNREACHABLE, done.stderr

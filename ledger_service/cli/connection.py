@@ -21,7 +21,11 @@ from ledger_service.api.errors import FIELD_KEY, REASON_KEY
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import money_in_text
 from ledger_service.cli.tls import Tls, resolve_tls
-from ledger_service.cli.values import DEFAULT_TIMEOUT_SECONDS, parse_timeout_seconds
+from ledger_service.cli.values import (
+    DEFAULT_TIMEOUT_SECONDS,
+    MAX_VALUE_LENGTH,
+    parse_timeout_seconds,
+)
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -88,6 +92,28 @@ class Session:
 _GRANT_CHARACTERS = re.compile(r"[A-Za-z0-9._=-]*")
 
 
+# gRPC's own target schemes, passed on as they are (`unix:/run/ledger.sock`).
+_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def resolve_server(given: str | None) -> str:
+    """--server, else LEDGER_SERVER, else the default; a HOST:PORT with a port gRPC
+    can dial, so that a typo is named here rather than read as a server that is down."""
+    source, server = ("--server", given) if given is not None else ("LEDGER_SERVER", None)
+    if server is None:
+        server = os.environ.get("LEDGER_SERVER") or DEFAULT_SERVER
+    if server.startswith(_TARGET_SCHEMES):
+        return server
+    host, colon, port = server.rpartition(":")
+    if not (host and colon and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise CliError(
+            f"{source}: {server[:MAX_VALUE_LENGTH]!r} is not HOST:PORT "
+            f"(a port from 1 to 65535, as in {DEFAULT_SERVER})",
+            EXIT_BAD_VALUE,
+        )
+    return server
+
+
 def resolve_grant(given: str | None) -> tuple[str, str]:
     """The grant and where it came from: --grant, else LEDGER_GRANT, else the
     admin grant the server wrote to <LEDGER_DATA_DIR or ./data>/admin.grant."""
@@ -107,7 +133,7 @@ def resolve_grant(given: str | None) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def connect(arguments: argparse.Namespace) -> Iterator[Session]:
-    server = arguments.server or os.environ.get("LEDGER_SERVER") or DEFAULT_SERVER
+    server = resolve_server(arguments.server)
     timeout_seconds = parse_timeout_seconds(arguments.timeout)
     grant, grant_source = resolve_grant(arguments.grant)
     if not _GRANT_CHARACTERS.fullmatch(grant):
