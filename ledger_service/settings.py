@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import pathlib
 
@@ -133,6 +134,28 @@ class Settings:
     # A rebuild whose marker has not moved for this long is taken as dead.
     rebuild_lease_seconds: float = 30.0
 
+    def __post_init__(self) -> None:
+        """Refuses a number no server could run with, naming the setting: a
+        negative count, a zero interval, NaN. Raises ValueError."""
+        for field in dataclasses.fields(self):
+            kind = type(field.default)
+            if kind not in (int, float):
+                continue  # the switches (bool defaults) and the paths
+            value = getattr(self, field.name)
+            name = f"{field.name} (LEDGER_{field.name.upper()})"
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number")
+            if field.name in _POSITIVE and value <= 0:
+                raise ValueError(f"{name} must be above 0")
+            if value < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.recovery_max_risk > 1:
+            raise ValueError("recovery_max_risk (LEDGER_RECOVERY_MAX_RISK) must be at most 1")
+        if self.default_page_size > self.max_page_size:
+            raise ValueError("default_page_size must not exceed max_page_size")
+
     @classmethod
     def from_environment(cls, **overrides: object) -> Settings:
         """Builds settings from LEDGER_* variables, then explicit overrides."""
@@ -164,6 +187,40 @@ class Settings:
             )
             raise ValueError(f"{source} {problem}")
         return cls(**values)  # type: ignore[arg-type]
+
+
+# Numbers that must be above 0; every other one may be 0 (where 0 means none,
+# never or no wait, as each setting's comment says) but never negative.
+_POSITIVE = frozenset(
+    {
+        "admin_grant_lifetime_seconds",
+        "max_workers",
+        "max_concurrent_rpcs",
+        "max_message_bytes",
+        "request_deadline_seconds",
+        "pool_size",
+        "pool_timeout_seconds",
+        "statement_timeout_ms",
+        "group_commit_batch",
+        "health_check_interval_seconds",
+        "health_check_timeout_seconds",
+        "sweep_interval_seconds",
+        "sweep_batch_size",
+        "default_page_size",
+        "max_page_size",
+        "watch_poll_interval_seconds",
+        "watch_batch_size",
+        "max_watchers_per_grant",
+        "watch_buffer_events",
+        "watch_stall_seconds",
+        "snapshot_keep",
+        "recovery_batch_events",
+        "recovery_sample_events",
+        "recovery_replay_range_events",
+        "recovery_check_interval_seconds",
+        "rebuild_lease_seconds",
+    }
+)
 
 
 def _numbers_from_environment() -> dict[str, object]:

@@ -1,0 +1,64 @@
+"""A number no server could run with is refused at start, naming the setting:
+`ledger serve --max-workers=-1` once started and served (docs: a refused
+configuration exits 2)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ledger_service.settings import Settings
+from tests import serving
+
+URL = "sqlite:///unused.db"
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("max_workers", 0, "above 0"),
+        ("max_workers", -1, "above 0"),
+        ("sweep_interval_seconds", 0.0, "above 0"),
+        ("sweep_interval_seconds", -1.0, "above 0"),
+        ("snapshot_every_events", -5, "not be negative"),
+        ("grace_period_seconds", -0.5, "not be negative"),
+        ("request_deadline_seconds", math.nan, "finite"),
+        ("pool_size", math.inf, "finite"),
+        ("recovery_max_risk", 2.0, "at most 1"),
+        ("max_page_size", True, "a number"),
+    ],
+)
+def test_a_number_no_server_could_run_with_is_refused_by_name(
+    setting: str, value: object, said: str
+) -> None:
+    with pytest.raises(ValueError, match=setting) as refused:
+        Settings(database_url=URL, **{setting: value})  # type: ignore[arg-type]
+    assert said in str(refused.value)
+
+
+def test_zero_where_zero_means_none_or_never_is_taken() -> None:
+    settings = Settings(
+        database_url=URL,
+        snapshot_every_events=0,
+        consistency_check_interval_seconds=0.0,
+        recovery_budget_seconds=0.0,
+        recovery_check_processes=0,
+        grace_period_seconds=0.0,
+        max_transaction_retries=0,
+    )
+    assert settings.snapshot_every_events == 0
+
+
+def test_serve_refuses_a_negative_worker_count_in_one_line(tmp_path: pathlib.Path) -> None:
+    ledger = pathlib.Path(sys.executable).with_name("ledger")
+    done = subprocess.run(
+        [str(ledger), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path),
+         "--max-workers=-1"],
+        cwd=tmp_path, env=serving.clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "max_workers" in done.stderr and "Traceback" not in done.stderr, done.stderr
