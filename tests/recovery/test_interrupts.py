@@ -1,0 +1,82 @@
+"""Ctrl-C during the recovery commands: one line and exit 130, never a
+traceback, from the command or from the processes it started; the claim is
+given up, so the same command can run again at once (docs/recovery.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ledger_service import cli
+from ledger_service.cli import recovery as recovery_cli
+from ledger_service.recovery.store import SqlRecoveryStore
+from ledger_service.recovery.walk import BookingLines
+from tests.recovery.conftest import History
+
+
+def _interrupt_at_first_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recovery_cli.ProgressPrinter, "__call__", interrupted)
+
+
+def test_a_rebuild_interrupted_half_way_says_so_and_can_run_again(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = ("--database-url", sqlite_history.url)
+    with monkeypatch.context() as patch:
+        _interrupt_at_first_progress(patch)
+        code = cli.main(["rebuild", "--from-scratch", *url])
+    said = capsys.readouterr().err
+    assert code == 130, said
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said
+    [line] = [text for text in said.splitlines() if text.startswith("ledger rebuild:")]
+    assert "interrupted" in line and "ledger rebuild" in line.split(":", 1)[1], line
+    # Left rebuilding, its claim given up: the same command runs again at once.
+    assert sqlite_history.scalar("SELECT state FROM projection_position") == "rebuilding"
+    assert cli.main(["rebuild", *url]) == 0
+    assert cli.main(["verify", *url]) == 0
+
+
+@pytest.mark.parametrize("command", [["verify"], ["recover", "--budget-seconds", "60"]])
+def test_the_other_commands_interrupted_say_so_in_one_line(
+    sqlite_history: History,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: list[str],
+) -> None:
+    # A recover with something to rebuild, so that it reports progress.
+    sqlite_history.sql("DELETE FROM bookings")
+    _interrupt_at_first_progress(monkeypatch)
+    code = cli.main([*command, "--database-url", sqlite_history.url])
+    said = capsys.readouterr().err
+    assert code == 130, said
+    assert "Traceback" not in said, said
+    assert f"ledger {command[0]}: interrupted" in said, said
+
+
+def test_the_digest_processes_leave_ctrl_c_to_the_command(
+    sqlite_history: History, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C reaches every process of the terminal's group: the helpers must
+    not die of it with a traceback each; the command stops them."""
+    store = SqlRecoveryStore(sqlite_history.engine)
+    with BookingLines(store, 2) as lines:
+        pool = lines._pool
+        assert pool is not None
+        # Two sleeps at once: both workers are up (imported, initialised).
+        for started in [pool.submit(time.sleep, 0.5) for _ in range(2)]:
+            started.result(timeout=60)
+        workers = list(pool._processes.values())
+        assert len(workers) == 2
+        for worker in workers:
+            assert worker.pid is not None
+            os.kill(worker.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in workers)
+        assert list(lines.lines([(None, None)])) == [store.booking_lines(None, None)]
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
