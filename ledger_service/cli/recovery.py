@@ -2,7 +2,7 @@
 `verify`, `snapshot`, `rebuild` and `recover` (docs/recovery.md).
 
 Exit codes: 0 done (or nothing to do), 1 a finding or a refusal, 2 the
-database could not be reached or the work failed.
+database could not be reached or the work failed, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import pathlib
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
+from ledger_service.cli.exits import EXIT_INTERRUPTED
 from ledger_service.cli.operate import settings_from
 from ledger_service.cli.render import micros_time_text
 from ledger_service.settings import Settings
@@ -35,11 +36,11 @@ def register(commands: Any) -> None:
     _database_options(verify)
     verify.add_argument("--at-us", type=int, help="instant of the window totals, in "
                         "microseconds since the epoch (default: now)")  # fmt: skip
-    verify.set_defaults(run=_verify)
+    verify.set_defaults(run=_interruptible("verify", _verify))
 
     snapshot = commands.add_parser("snapshot", help="snapshot the projections now")
     _database_options(snapshot)
-    snapshot.set_defaults(run=_snapshot)
+    snapshot.set_defaults(run=_interruptible("snapshot", _snapshot))
 
     rebuild = commands.add_parser(
         "rebuild",
@@ -49,7 +50,7 @@ def register(commands: Any) -> None:
     _database_options(rebuild)
     rebuild.add_argument("--from-scratch", action="store_true",
                          help="replay the whole log; ignore snapshots")  # fmt: skip
-    rebuild.set_defaults(run=_rebuild)
+    rebuild.set_defaults(run=_interruptible("rebuild", _rebuild))
 
     recover = commands.add_parser(
         "recover",
@@ -69,7 +70,35 @@ def register(commands: Any) -> None:
         help="restore to the log's last event even though the projections or a snapshot "
         "had gone further (the events in between are lost)",
     )
-    recover.set_defaults(run=_recover)
+    recover.set_defaults(run=_interruptible("recover", _recover))
+
+
+# What Ctrl-C leaves behind, by command. A rebuild that had begun leaves the
+# projections incomplete and the marker `rebuilding` (its claim given up):
+# moves are refused until a rebuild finishes.
+_INTERRUPTED = {
+    "verify": "nothing was changed",
+    "snapshot": "no snapshot was taken",
+    "rebuild": "if it had begun, moves are refused until a rebuild finishes: "
+    "run `ledger rebuild` again",
+    "recover": "if it had begun rebuilding, moves are refused until a rebuild finishes: "
+    "run `ledger recover` again",
+}
+
+
+def _interruptible(
+    command: str, run: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    """`run`, ended by Ctrl-C with one line and exit 130, never a traceback."""
+
+    def interruptible(arguments: argparse.Namespace) -> int:
+        try:
+            return run(arguments)
+        except KeyboardInterrupt:
+            print(f"ledger {command}: interrupted; {_INTERRUPTED[command]}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+    return interruptible
 
 
 def _database_options(parser: argparse.ArgumentParser) -> None:

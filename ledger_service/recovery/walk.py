@@ -23,8 +23,11 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import operator
+import signal
+import threading
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from typing import Any
 
 from ledger_service.domain import chain
@@ -170,12 +173,40 @@ def _lane_events(rows: Sequence[Sequence[Any]]) -> list[Event]:
 Content = tuple[list[int], list[Event]]
 
 
+@contextmanager
+def deaf_to_ctrl_c() -> Iterator[None]:
+    """Processes started inside ignore Ctrl-C from birth (an ignored signal
+    stays ignored across the spawn's exec; a blocked one does not stay
+    blocked): it reaches every process of the terminal's group, and it is
+    the command's to handle, which stops its helpers as it stops; a helper
+    killed by it printed a traceback of its own. Here it is only held back
+    (blocked, so Linux keeps it pending), and arrives once they have
+    started. Only the main thread can set a handler: elsewhere each helper
+    ignores it once it runs (ignore_interrupts)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def ignore_interrupts() -> None:
+    """In a helper process: Ctrl-C is the command's (deaf_to_ctrl_c)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _helper(
     sender: multiprocessing.connection.Connection, url: str, ranges: Sequence[tuple[int, int]]
 ) -> None:
     """A helper process: checks the contents of its ranges and sends each
     one's Content, in order; or the StoreUnavailable it met. Sending to a
     caller that is gone ends it."""
+    ignore_interrupts()
     engine = database.create(url, database.EngineLimits(pool_size=1, pool_max_overflow=0))
     store = SqlRecoveryStore(engine)
     try:
@@ -224,7 +255,8 @@ class ChainWalk:
                 daemon=True,
             )
             try:
-                process.start()
+                with deaf_to_ctrl_c():
+                    process.start()
             except (OSError, RuntimeError) as error:
                 log.warning("no chain-checking process (%s); checking in this process", error)
                 receiver.close()
@@ -312,10 +344,13 @@ class BookingLines:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         if processes > 0 and not multiprocessing.current_process().daemon:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                min(processes, MAX_PROCESSES), mp_context=multiprocessing.get_context("spawn")
+                min(processes, MAX_PROCESSES),
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=ignore_interrupts,
             )
-            for _ in range(min(processes, MAX_PROCESSES)):
-                self._pool.submit(int)
+            with deaf_to_ctrl_c():  # the pool starts its processes here
+                for _ in range(min(processes, MAX_PROCESSES)):
+                    self._pool.submit(int)
 
     def __enter__(self) -> BookingLines:
         return self
