@@ -188,3 +188,21 @@ def test_an_event_row_that_breaks_its_schema_is_damage_to_the_start_up_recovery(
     assert _reason(lambda: running.reserve("after-damage")) == "STORE_DAMAGED"
     tracebacks = [r for r in caplog.records if r.exc_info is not None]
     assert tracebacks == [], [r.getMessage() for r in tracebacks]
+
+
+def test_a_recovery_check_the_database_fails_says_why_in_the_log(
+    sqlite_history: History,
+    started: Callable[[str], Running],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A table gone (dropped by hand, a partial restore): SQLite answers, but
+    every check fails. "database unavailable; will retry" alone, beside
+    "health: the database answers", left the operator nothing to go on; the
+    line carries the database's own words, as `ledger verify` prints them."""
+    caplog.set_level(logging.INFO)
+    sqlite_history.sql("DROP TABLE bookings")
+    running = started(sqlite_history.url)
+    running.wait_for(NOT_SERVING)
+    checks = [r.getMessage() for r in caplog.records if "recovery check" in r.getMessage()]
+    assert checks, [r.getMessage() for r in caplog.records]
+    assert all("no such table: bookings" in line for line in checks), checks
