@@ -55,6 +55,7 @@ from ledger_service.recovery.store import (
     SqlRecoveryStore,
 )
 from ledger_service.recovery.walk import BookingLines, ChainWalk, Walk, ranges
+from ledger_service.storage import translate
 
 log = logging.getLogger("ledger.recovery")
 
@@ -868,8 +869,8 @@ class RecoveryGuard:
             self._on_damage(damage)
             self._set(self.PENDING)
             return
-        except StoreUnavailable:
-            log.warning("recovery check: database unavailable; will retry")
+        except StoreUnavailable as error:
+            _log_unavailable(error)
             self._set(self.PENDING)
             return
         except Exception:
@@ -899,8 +900,8 @@ class RecoveryGuard:
                     self._set(self.READY)
             elif state == self.READY:
                 self._tick_ready(now)
-        except StoreUnavailable:
-            log.warning("recovery check: database unavailable; will retry")
+        except StoreUnavailable as error:
+            _log_unavailable(error)
         except Exception:
             log.exception("recovery check failed; will retry")
 
@@ -919,3 +920,10 @@ class RecoveryGuard:
             self._last_check = now
             if self.recovery.snapshot_due(self._snapshot_every):
                 self.recovery.take_snapshot()
+
+
+def _log_unavailable(error: StoreUnavailable) -> None:
+    """The database's own words go with it (a table missing, a file it may
+    not open): the server may answer health while every check fails."""
+    said = translate.driver_message(error)
+    log.warning("recovery check: database unavailable%s; will retry", f" ({said})" if said else "")
