@@ -166,6 +166,37 @@ def test_a_tampered_log_is_refused_and_named_by_verify(
     assert running.reserve("x").decision == pb.ADMITTED
 
 
+@pytest.mark.parametrize(
+    ("damage", "told"),
+    [
+        ("over budget", "ledger recover --budget-seconds"),
+        ("tampered", "--max-risk 1"),
+    ],
+)
+def test_a_refusal_tells_the_operator_in_the_log_what_to_do(
+    sqlite_history: History,
+    start: Callable[..., Running],
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
+    told: str,
+) -> None:
+    """A refused start is one the operator must act on: the log line that says
+    moves are refused says how, for the verdict the planner gave."""
+    caplog.set_level(logging.INFO)
+    history = sqlite_history
+    if damage == "over budget":
+        history.sql("DELETE FROM bookings WHERE lane = 'recall'")
+        running = start(history, recovery_budget_seconds=0.0)
+    else:
+        settled = history.scalar("SELECT MIN(seq) FROM events WHERE kind = 'settled'")
+        history.tamper_event(int(str(settled)), 1)
+        running = start(history)
+    assert running.status() == NOT_SERVING
+    [refused] = [r.getMessage() for r in caplog.records if "projections refused" in r.getMessage()]
+    assert told in refused and "ledger verify" in refused, refused
+    assert "serves again by itself" in refused, refused
+
+
 def test_a_move_that_finds_the_marker_gone_closes_the_gate_until_rebuilt(
     sqlite_history: History, start: Callable[..., Running]
 ) -> None:
