@@ -837,11 +837,23 @@ class RecoveryGuard:
             changed = state != self._state
             self._state = state
         if changed:
+            said = (
+                "taking moves" if state == self.READY else "moves are refused (RECOVERY_REQUIRED)"
+            )
+            if state == self.REFUSED and self.manifest is not None:
+                said += (
+                    "; "
+                    + _OPERATOR_STEPS.get(self.manifest.verdict.value, "")
+                    + (
+                        "; this server serves again by itself once the projections are whole "
+                        "(docs/recovery.md)"
+                    )
+                )
             log.log(
                 logging.INFO if state == self.READY else logging.WARNING,
                 "projections %s: %s",
                 state,
-                "taking moves" if state == self.READY else "moves are refused (RECOVERY_REQUIRED)",
+                said,
             )
             self._on_change(state == self.READY)
 
@@ -927,3 +939,17 @@ def _log_unavailable(error: StoreUnavailable) -> None:
     not open): the server may answer health while every check fails."""
     said = translate.driver_message(error)
     log.warning("recovery check: database unavailable%s; will retry", f" ({said})" if said else "")
+
+
+# What an operator can do about each refusal (docs/recovery.md, the planner).
+_OPERATOR_STEPS = {
+    "EXCEEDS_BUDGET": "the rebuild would take longer than the server may spend on its own: "
+    "`ledger verify` names the damage; `ledger recover --budget-seconds N`, with N above "
+    "the cost in the manifest, rebuilds",
+    "RISK_TOO_HIGH": "no source is safe enough to rebuild from: `ledger verify` names the "
+    "damage; restore the database from a backup, or accept the log as it is with "
+    "`ledger recover --budget-seconds N --max-risk 1`",
+    "HARD_ABORT": "events acknowledged are missing from the log: `ledger verify` names the "
+    "damage; restore the database from a backup, or, if the log is known to be right, "
+    "`ledger recover --budget-seconds N --accept-log-head`",
+}
