@@ -80,3 +80,27 @@ def test_the_digest_processes_leave_ctrl_c_to_the_command(
         assert all(worker.is_alive() for worker in workers)
         assert list(lines.lines([(None, None)])) == [store.booking_lines(None, None)]
     assert "KeyboardInterrupt" not in capfd.readouterr().err
+
+
+def test_recover_on_a_log_that_cannot_be_folded_says_so_without_a_traceback(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reserve deleted from the log by hand, its settle left: measuring the
+    rebuild's rate on the log's first events fails on it. That was a
+    RebuildFailed traceback from `ledger recover` (exit 1), and one in the
+    server's log at every retry."""
+    reserve = sqlite_history.scalar(
+        "SELECT MIN(r.seq) FROM events r JOIN events s ON s.lane = r.lane "
+        "AND s.reservation_id = r.reservation_id AND s.kind = 'settled' WHERE r.kind = 'reserved'"
+    )
+    sqlite_history.sql(
+        "DROP TRIGGER events_refuse_delete",
+        f"DELETE FROM events WHERE seq = {reserve}",
+        "DELETE FROM bookings",
+    )
+    code = cli.main(["recover", "--budget-seconds", "60", "--database-url", sqlite_history.url])
+    said = capsys.readouterr().err
+    assert code == 2, said
+    assert "Traceback" not in said, said
+    [line] = [text for text in said.splitlines() if text.startswith("ledger recover:")]
+    assert "cannot be applied" in line and "ledger verify" in line, line
