@@ -665,7 +665,19 @@ class Recovery:
         known: list[ChainBreak] = []
         # A second plan only when the rebuild met a broken link the first did not know.
         for _attempt in range(2):
-            plan = self.plan(assessment, policy, known)
+            try:
+                plan = self.plan(assessment, policy, known)
+            except RebuildFailed as error:
+                # Measuring the rate folds the log's first events: one of them
+                # cannot be applied (an event it needs was removed).
+                detail = (
+                    f"cannot plan a rebuild: {error}; `ledger verify` names the damage; "
+                    "restore the database from a backup (docs/recovery.md)"
+                )
+                log.error("%s", detail)
+                if known:
+                    self.release()
+                return Outcome(False, None, detail)
             manifest = plan.manifest
             outcome = "planned" if manifest.admissible else "refused"
             manifest_id = self._store.save_manifest(manifest, actor, self._wall.now_us(), outcome)
