@@ -197,6 +197,34 @@ def test_a_refusal_tells_the_operator_in_the_log_what_to_do(
     assert "serves again by itself" in refused, refused
 
 
+def test_a_snapshot_that_cannot_match_a_log_changed_before_it_is_not_served(
+    sqlite_history: History,
+    start: Callable[..., Running],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A booking's every event deleted by hand, before the newest snapshot
+    and the verified point: the snapshot still holds the booking. The server
+    restored it, saw the projections still differ from the log ("no
+    snapshot: ... bookings are projected but the log answers ..."), and
+    served them all the same."""
+    history = sqlite_history
+    assert history.recovery().take_snapshot() is not None
+    first = "(SELECT MIN(seq) FROM events WHERE kind = 'reserved')"
+    history.sql(
+        "DROP TRIGGER events_refuse_delete",
+        "DELETE FROM events WHERE (lane, reservation_id) = "
+        f"(SELECT lane, reservation_id FROM events WHERE seq = {first})",
+    )
+    running = start(history)
+    assert running.status() == NOT_SERVING
+    assert running.refused(lambda: running.reserve("x")) == "RECOVERY_REQUIRED"
+    url = ("--database-url", history.url)
+    code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", "--max-risk", "1", *url)
+    assert code == 0 and json.loads(out)["chosen"] == ["log"], out
+    running.wait_for(SERVING)
+    assert running.reserve("x").decision == pb.ADMITTED
+
+
 def test_a_move_that_finds_the_marker_gone_closes_the_gate_until_rebuilt(
     sqlite_history: History, start: Callable[..., Running]
 ) -> None:
