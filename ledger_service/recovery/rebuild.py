@@ -701,6 +701,32 @@ class Recovery:
                 log.error("rebuild failed: %s", error)
                 self.release()
                 return Outcome(False, manifest, str(error))
+            differ = projection_findings(self._store.facts())
+            if differ:
+                # The source gave projections the log does not: a snapshot that
+                # holds what the log no longer says (events removed before it).
+                # The links before it, taken on its word, are walked for the
+                # break; planned again with it, no such snapshot is possible.
+                self._record(manifest_id, "failed", started)
+                snapshot = plan.routes[manifest.chosen[0]].snapshot
+                found = self._walk(None, (), snapshot.position_seq).breaks if snapshot else []
+                log.error(
+                    "the projections rebuilt from %s do not match the log (%s)%s",
+                    ", ".join(manifest.chosen),
+                    "; ".join(differ),
+                    f"; the log was changed before it, first {found[0].describe()}"
+                    if found
+                    else "",
+                )
+                if not found:
+                    return Outcome(
+                        False,
+                        manifest,
+                        "the rebuilt projections do not match the log; "
+                        "`ledger verify` names the damage (docs/recovery.md)",
+                    )
+                assessment = dataclasses.replace(assessment, altered=(*assessment.altered, *found))
+                continue
             self._record(manifest_id, "rebuilt", started)
             self.snapshot_after_rebuild()
             return Outcome(True, manifest, manifest.directive)
