@@ -225,6 +225,25 @@ def test_a_snapshot_that_cannot_match_a_log_changed_before_it_is_not_served(
     assert running.reserve("x").decision == pb.ADMITTED
 
 
+def test_a_refused_server_with_a_slow_sweeper_still_checks_at_its_own_interval(
+    sqlite_history: History,
+    start: Callable[..., Running],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The recovery checks rode on the sweeper's turns: with `--sweep-interval
+    3600` a refused server took an operator's `ledger recover` up to an hour
+    later, not at recovery_check_interval_seconds as docs/recovery.md says."""
+    history = sqlite_history
+    history.sql("DELETE FROM bookings WHERE lane = 'recall'")
+    running = start(history, recovery_budget_seconds=0.0, sweep_interval_seconds=3600.0)
+    assert running.status() == NOT_SERVING
+    code, _, err = _ledger(
+        capsys, "recover", "--budget-seconds", "60", "--database-url", history.url
+    )
+    assert code == 0, err
+    running.wait_for(SERVING, seconds=5)
+
+
 def test_a_move_that_finds_the_marker_gone_closes_the_gate_until_rebuilt(
     sqlite_history: History, start: Callable[..., Running]
 ) -> None:
