@@ -368,14 +368,21 @@ class LedgerServer:
                 log.exception("keyring check failed; the keys in force stay")
 
     def _maintain(self) -> None:
-        """Sweeps expired holds while the database answers, until stopped."""
-        while not self._stopping.wait(self.settings.sweep_interval_seconds):
+        """Sweeps expired holds while the database answers, until stopped. It
+        turns at the shorter of the sweep's and the recovery checks' intervals,
+        so that a slow sweep (`--sweep-interval 3600`) does not hold back the
+        checks a refused server serves again by (docs/recovery.md)."""
+        sweep_every = self.settings.sweep_interval_seconds
+        turn = min(sweep_every, self.settings.recovery_check_interval_seconds)
+        next_sweep = time.monotonic() + sweep_every
+        while not self._stopping.wait(max(turn, 0.01)):
             if not self._database_answers.is_set():
                 continue
             # Recovery checks and snapshots; no sweep unless the projections are whole.
             self.guard.tick()
-            if not self.guard.is_ready():
+            if not self.guard.is_ready() or time.monotonic() < next_sweep:
                 continue
+            next_sweep = time.monotonic() + sweep_every
             try:
                 while not self._stopping.is_set():
                     expired = self.ledger.sweep(self.settings.sweep_batch_size)
