@@ -161,6 +161,28 @@ def test_a_sigterm_sent_to_a_stopped_server_then_sigcont_still_drains(
         serving.stop(process)
 
 
+def _stuck_reserve(address: str, timeout: float, outcome: list[str]) -> threading.Thread:
+    """A Reserve sent on a thread of its own (it waits for the write lock the
+    test holds); its status's name goes to `outcome` when it ends."""
+
+    def reserve() -> None:
+        with grpc.insecure_channel(address) as channel:
+            request = pb.ReserveRequest(
+                lane="recall", reservation_id="stuck", model="jev", request_bytes=1000,
+                max_output_tokens=10,
+            )  # fmt: skip
+            try:
+                pb_grpc.LedgerStub(channel).Reserve(request, timeout=timeout)
+                outcome.append("OK")
+            except grpc.RpcError as error:
+                assert isinstance(error, grpc.Call)
+                outcome.append(error.code().name)
+
+    caller = threading.Thread(target=reserve, daemon=True)
+    caller.start()
+    return caller
+
+
 def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -178,22 +200,7 @@ def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
         put_lane(address)
         blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
         outcome: list[str] = []
-
-        def reserve() -> None:
-            with grpc.insecure_channel(address) as channel:
-                request = pb.ReserveRequest(
-                    lane="recall", reservation_id="stuck", model="jev", request_bytes=1000,
-                    max_output_tokens=10,
-                )  # fmt: skip
-                try:
-                    pb_grpc.LedgerStub(channel).Reserve(request, timeout=deadline_seconds + 5)
-                    outcome.append("OK")
-                except grpc.RpcError as error:
-                    assert isinstance(error, grpc.Call)
-                    outcome.append(error.code().name)
-
-        caller = threading.Thread(target=reserve, daemon=True)
-        caller.start()
+        caller = _stuck_reserve(address, deadline_seconds + 5, outcome)
         time.sleep(0.5)  # the Reserve waits for the write lock
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
@@ -258,22 +265,7 @@ def test_a_second_signal_ends_the_drain_at_once(
     try:
         put_lane(address)
         blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
-
-        def reserve() -> None:
-            with grpc.insecure_channel(address) as channel:
-                request = pb.ReserveRequest(
-                    lane="recall", reservation_id="stuck", model="jev", request_bytes=1000,
-                    max_output_tokens=10,
-                )  # fmt: skip
-                try:
-                    pb_grpc.LedgerStub(channel).Reserve(request, timeout=deadline_seconds)
-                    outcome.append("OK")
-                except grpc.RpcError as error:
-                    assert isinstance(error, grpc.Call)
-                    outcome.append(error.code().name)
-
-        caller = threading.Thread(target=reserve, daemon=True)
-        caller.start()
+        caller = _stuck_reserve(address, deadline_seconds, outcome)
         time.sleep(0.5)  # the Reserve waits for the write lock
         process.send_signal(signal.SIGTERM)
         # Handled before the second is sent: two pending signals may merge into one.
