@@ -140,6 +140,13 @@ def test_a_grant_with_a_character_no_grant_has_is_refused_naming_its_source(gran
     assert done.returncode == exits.EXIT_BAD_VALUE
 
 
+@pytest.mark.parametrize("grant", ["", "  "])
+def test_an_empty_grant_is_refused_not_replaced_by_the_admin_grant(grant: str) -> None:
+    done = run_ledger("balance", "recall", "--server", "127.0.0.1:1", "--grant", grant)
+    assert done.stderr.startswith("ledger: --grant: is empty"), done.stderr
+    assert done.returncode == exits.EXIT_BAD_VALUE
+
+
 @pytest.mark.parametrize(
     ("server", "source"),
     [

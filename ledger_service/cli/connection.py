@@ -117,7 +117,11 @@ def resolve_server(given: str | None) -> str:
 def resolve_grant(given: str | None) -> tuple[str, str]:
     """The grant and where it came from: --grant, else LEDGER_GRANT, else the
     admin grant the server wrote to <LEDGER_DATA_DIR or ./data>/admin.grant."""
-    if given:
+    if given is not None:
+        if not given.strip():  # never taken as "no grant given": the admin grant would answer
+            raise CliError(
+                "--grant: is empty; give a grant, or leave the option out", EXIT_BAD_VALUE
+            )
         return given.strip(), "--grant"
     if os.environ.get("LEDGER_GRANT"):
         return os.environ["LEDGER_GRANT"].strip(), "LEDGER_GRANT"
