@@ -76,6 +76,16 @@ async function unanswered(client) {
   assert.equal(first.reason, 'LEDGER_UNAVAILABLE');
 }
 
+/** After the unanswered Reserve's refund ends, the same call sent again is made and settled. */
+async function retryIsMadeAndSettled(client, fake) {
+  await unanswered(client);
+  await client._refunds.idle();
+  const retried = await client.call(REQUEST, async () => USAGE);
+  assert.ok(retried instanceof Completed);
+  assert.equal(retried.ledgerError, null);
+  assert.equal(fake.states.get(REQUEST.reservationId), 'settled');
+}
+
 describe('a retry under the id of an unanswered Reserve, without a journal', () => {
   test('after the background refund ended the booking, is refused and never called', async () => {
     const fake = await ledgerLosingTheFirstAnswer();
@@ -168,12 +178,7 @@ describe('a retry under the id of an unanswered Reserve, without a journal', () 
   test('after a refund that found nothing, the retry is made and settled', async () => {
     const fake = await ledgerLosingTheFirstAnswer({ booked: false });
     await withClient(fake, {}, async (client) => {
-      await unanswered(client);
-      await client._refunds.idle();
-      const retried = await client.call(REQUEST, async () => USAGE);
-      assert.ok(retried instanceof Completed);
-      assert.equal(retried.ledgerError, null);
-      assert.equal(fake.states.get(REQUEST.reservationId), 'settled');
+      await retryIsMadeAndSettled(client, fake);
     });
   });
 
@@ -181,12 +186,7 @@ describe('a retry under the id of an unanswered Reserve, without a journal', () 
     const refundError = ledgerStatus(grpc.status.RESOURCE_EXHAUSTED, '');
     const fake = await ledgerLosingTheFirstAnswer({ refundFailures: 1, refundError, refundApplied: false });
     await withClient(fake, { outage: OutagePolicy.deny() }, async (client) => {
-      await unanswered(client);
-      await client._refunds.idle();
-      const retried = await client.call(REQUEST, async () => USAGE);
-      assert.ok(retried instanceof Completed);
-      assert.equal(retried.ledgerError, null);
-      assert.equal(fake.states.get(REQUEST.reservationId), 'settled');
+      await retryIsMadeAndSettled(client, fake);
     });
   });
 });
