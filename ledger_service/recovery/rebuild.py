@@ -585,7 +585,7 @@ class Recovery:
         """Snapshots the projections if they are consistent with the log, then
         keeps the newest `snapshot_keep`. None (and a warning) when they are not."""
         previous = next(iter(self._store.snapshots()), None)
-        with self._store.view() as view:
+        with self._store.settled_view() as view:
             problems = projection_findings(view.facts)
             if problems:
                 log.warning("no snapshot: %s", "; ".join(problems))
@@ -599,7 +599,7 @@ class Recovery:
             self._write_chunks(snapshot_id, view, digest)
         if previous is not None and previous.position_seq > position:
             previous = None
-        walk = self._walk(previous, [position])
+        walk = self._walk(previous, [position], position)
         verified = (
             (previous is None or previous.chain_verified)
             and walk.break_count == 0

@@ -70,6 +70,8 @@ from ledger_service.storage.translate import translated
 
 # How long a write waits for this process's other SQLite writers (as busy_timeout).
 WRITE_GATE_TIMEOUT_SECONDS = 5.0
+# PostgreSQL: how long a snapshot waits for the appends in flight (settled_view).
+SETTLE_WAIT_MS = 1000
 
 STATE_CURRENT = "current"
 STATE_REBUILDING = "rebuilding"
@@ -495,6 +497,29 @@ class SqlRecoveryStore:
     def view(self) -> Iterator[SqlProjectionView]:
         with self._reading() as connection:
             yield SqlProjectionView(connection, self._batch, self._sql)
+
+    @contextlib.contextmanager
+    def settled_view(self) -> Iterator[SqlProjectionView]:
+        """A view of an instant when no append was in flight: every seq below
+        its last event is in it or never will be, so "the projections at that
+        event" is a point a rebuild can go on from. On PostgreSQL lanes commit
+        independently, and a plain snapshot may hold seq 11 while seq 10 still
+        runs (storage/horizon.py). There the maintenance lock, taken alone on
+        a second connection, waits for the appends in flight and holds new
+        ones back while the view takes its snapshot (one statement); it waits
+        at most SETTLE_WAIT_MS (then StoreUnavailable: try again later)."""
+        if self._sqlite:  # one writer: a read transaction sees whole commits
+            with self.view() as view:
+                yield view
+            return
+        with translated(), self._engine.connect() as gate, self._engine.connect() as connection:
+            connection = connection.execution_options(isolation_level="REPEATABLE READ")
+            with connection.begin():
+                with gate.begin():
+                    gate.exec_driver_sql(f"SET LOCAL lock_timeout = {SETTLE_WAIT_MS}")
+                    gate.execute(select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))))
+                    connection.execute(select(literal(1)))  # the view's snapshot is taken here
+                yield SqlProjectionView(connection, self._batch, self._sql)
 
     def events_after(
         self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()

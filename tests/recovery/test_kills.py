@@ -53,6 +53,7 @@ FIGURES: dict[str, dict[str, int]] = {}
 
 class Zygote:
     def __init__(self, log_path: pathlib.Path) -> None:
+        self.log_path = log_path
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.recovery.zygote"],
@@ -314,6 +315,9 @@ def _kill_under_load(
         thread.join(timeout=60)
     _kill(pid)
     assert not tally.errors, tally.errors[:3]
+    # Nothing was altered: a kill may leave a rebuild to do, never a break to see.
+    said = zygote.log_path.read_text()
+    assert "chain is broken" not in said and "did NOT check out" not in said
     by_booking = _log_and_verify(url)
     lost = duplicated = 0
     for ack in tally.acks:
