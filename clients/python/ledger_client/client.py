@@ -58,6 +58,13 @@ def check_lane(lane: object) -> None:
         raise invalid_argument("lane", f"must be at most {MAX_LANE_LENGTH} characters")
 
 
+def _given_or_new(reservation_id: str | None) -> str:
+    """A fresh id only when none was given: an empty one is refused by
+    ReserveArguments, as by the Node client, never replaced (a resend with
+    it would book twice)."""
+    return new_reservation_id() if reservation_id is None else reservation_id
+
+
 def _micros_of(ttl: datetime.timedelta | None) -> int | None:
     return None if ttl is None else ttl // datetime.timedelta(microseconds=1)
 
@@ -177,7 +184,7 @@ class LaneClient:
     ) -> Reservation:
         """Books a hold, or is denied (a normal answer: `admitted` is False)."""
         arguments = ReserveArguments(
-            reservation_id=reservation_id or new_reservation_id(),
+            reservation_id=_given_or_new(reservation_id),
             model=model,
             request_bytes=request_bytes,
             max_output_tokens=max_output_tokens,
@@ -297,7 +304,7 @@ class LaneClient:
             raise TypeError("request must be a payload or its size in bytes, not a bool")
         request_bytes = request if isinstance(request, int) else len(payload_bytes(request))
         arguments = ReserveArguments(
-            reservation_id=reservation_id or new_reservation_id(),
+            reservation_id=_given_or_new(reservation_id),
             model=model,
             request_bytes=request_bytes,
             max_output_tokens=max_output_tokens,

@@ -235,6 +235,43 @@ def test_reserve_arguments(case: dict[str, Any]) -> None:
     _check_refusal(caught.value, case)
 
 
+def _reservation_id_cases() -> list[dict[str, Any]]:
+    return [
+        case
+        for case in ARGUMENTS["reserve"]
+        if "error" in case and set(case["set"]) == {"reservation_id"}
+    ]
+
+
+@pytest.mark.parametrize("case", _reservation_id_cases(), ids=lambda case: case["why"])
+def test_reserve_and_model_call_refuse_the_reservation_ids_the_cases_refuse(
+    case: dict[str, Any],
+) -> None:
+    # The README: ReserveArguments' checks hold for reserve() and model_call()
+    # too, as in the Node client. An empty id given is a mistake, not "pick one
+    # for me": replaced by a fresh id, a resend would book twice. Nothing
+    # listens at the address, so a call that went out would fail otherwise.
+    reservation_id = case["set"]["reservation_id"]
+    defaults = ARGUMENTS["reserve_defaults"]
+    with LaneClient("127.0.0.1:9", "lane") as client:
+        with _refusal(case) as caught:
+            client.reserve(
+                defaults["model"],
+                defaults["request_bytes"],
+                defaults["max_output_tokens"],
+                reservation_id=reservation_id,
+            )
+        _check_refusal(caught.value, case)
+        with _refusal(case) as caught:
+            client.model_call(
+                defaults["model"],
+                defaults["request_bytes"],
+                defaults["max_output_tokens"],
+                reservation_id=reservation_id,
+            )
+        _check_refusal(caught.value, case)
+
+
 @pytest.mark.parametrize("case", ARGUMENTS["refund"], ids=lambda case: case["why"])
 def test_refund_arguments(case: dict[str, Any]) -> None:
     def ending() -> Ending:
