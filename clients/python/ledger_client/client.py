@@ -31,7 +31,7 @@ from ledger_client.journal import Journal
 from ledger_client.outage import Allowance, OutageMode, OutagePolicy
 from ledger_client.outcomes import Ending, Settlement, Usage
 from ledger_client.replay import Replayer, ReplayReport
-from ledger_client.settings import ClientSettings
+from ledger_client.settings import MAX_DEADLINE_SECONDS, ClientSettings
 
 log = logging.getLogger("ledger_client")
 
@@ -149,6 +149,20 @@ class LaneClient:
 
     # The RPCs ------------------------------------------------------------------
 
+    def _deadline(self, deadline_seconds: float | None) -> float:
+        """A call's own deadline, in the range the settings allow; None: the settings'."""
+        if deadline_seconds is None:
+            return self.settings.deadline_seconds
+        if (
+            isinstance(deadline_seconds, bool)
+            or not isinstance(deadline_seconds, int | float)
+            or not 0 < deadline_seconds <= MAX_DEADLINE_SECONDS
+        ):
+            raise invalid_argument(
+                "deadline_seconds", f"must be a number of seconds in (0, {MAX_DEADLINE_SECONDS}]"
+            )
+        return float(deadline_seconds)
+
     def _invoke(
         self,
         method: Callable[..., _Response],
@@ -164,7 +178,7 @@ class LaneClient:
         try:
             return method(
                 request,
-                timeout=deadline_seconds or self.settings.deadline_seconds,
+                timeout=self._deadline(deadline_seconds),
                 metadata=tuple(metadata),
                 wait_for_ready=False,
             )
@@ -193,9 +207,7 @@ class LaneClient:
         )
         # A refund of an unanswered Reserve of this id may have ended the booking
         # this Reserve would be admitted to (calls.BackgroundRefunds).
-        self._refunds.clear(
-            self, arguments.reservation_id, "", deadline_seconds or self.settings.deadline_seconds
-        )
+        self._refunds.clear(self, arguments.reservation_id, "", self._deadline(deadline_seconds))
         return self.reserve_arguments(arguments, deadline_seconds=deadline_seconds)
 
     def reserve_arguments(

@@ -16,6 +16,8 @@ import dataclasses
 # covers a cold connection and a slow commit, and past it the lane is better
 # served by its outage mode than by waiting.
 DEFAULT_DEADLINE_SECONDS = 0.25
+# The longest deadline a call may have, in the settings or given to one call.
+MAX_DEADLINE_SECONDS = 60
 # Settle and Refund are idempotent, so an unconfirmed one is sent again with the
 # same content; without this an ended call would expire at its hold. Three
 # attempts, 20 ms and then 40 ms apart: the Node client's DEFAULT_END_ATTEMPTS
@@ -88,10 +90,10 @@ class ClientSettings:
             "end_attempts",
         ):
             require_int(getattr(self, name), name)
-        if not 0 < self.deadline_seconds <= 60:
-            raise ValueError("deadline_seconds must be in (0, 60]")
-        if not 0 < self.replay_deadline_seconds <= 60:
-            raise ValueError("replay_deadline_seconds must be in (0, 60]")
+        if not 0 < self.deadline_seconds <= MAX_DEADLINE_SECONDS:
+            raise ValueError(f"deadline_seconds must be in (0, {MAX_DEADLINE_SECONDS}]")
+        if not 0 < self.replay_deadline_seconds <= MAX_DEADLINE_SECONDS:
+            raise ValueError(f"replay_deadline_seconds must be in (0, {MAX_DEADLINE_SECONDS}]")
         if not 1 <= self.max_replay_entries_per_attempt <= 10_000:
             raise ValueError("max_replay_entries_per_attempt must be in [1, 10000]")
         if not 0 < self.max_replay_seconds_per_attempt <= 600:

@@ -307,3 +307,24 @@ def test_request_bytes(case: dict[str, Any]) -> None:
     assert len(measured) == case["bytes"]
     # 1,000 bytes a token: the estimate is the byte count.
     assert estimate_tokens(value, 1000) == case["bytes"]
+
+
+@pytest.mark.parametrize("deadline", [0, -1.0, 61, float("nan"), True, "1"])
+def test_a_call_with_a_deadline_out_of_range_is_refused_before_it_goes_out(
+    deadline: object,
+) -> None:
+    # Not the default in its place: a caller who asked for no time at all, or
+    # for more than the settings allow, made a mistake. Nothing listens at the
+    # address, so a call that went out would fail as unavailable instead.
+    defaults = ARGUMENTS["reserve_defaults"]
+    with LaneClient("127.0.0.1:9", "lane") as client:
+        with pytest.raises(errors.InvalidArgument) as caught:
+            client.reserve(
+                defaults["model"],
+                defaults["request_bytes"],
+                defaults["max_output_tokens"],
+                deadline_seconds=deadline,  # type: ignore[arg-type]
+            )
+        assert caught.value.field == "deadline_seconds"
+        with pytest.raises(errors.InvalidArgument):
+            client.refund("r-1", http_status=429, deadline_seconds=deadline)  # type: ignore[arg-type]
