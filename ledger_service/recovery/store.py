@@ -443,10 +443,10 @@ class SqlRecoveryStore:
         thread's `one_snapshot` when it holds one."""
         held: Connection | None = getattr(self._held, "connection", None)
         if held is not None:
-            with translated():
+            with translated(self._engine):
                 yield held
             return
-        with translated(), self._engine.connect() as connection:
+        with translated(self._engine), self._engine.connect() as connection:
             if not self._sqlite:
                 connection = connection.execution_options(isolation_level="REPEATABLE READ")
             with connection.begin():
@@ -471,7 +471,7 @@ class SqlRecoveryStore:
         if gate is not None and not gate.acquire(timeout=WRITE_GATE_TIMEOUT_SECONDS):
             raise StoreUnavailable()
         try:
-            with translated(), self._engine.connect() as connection:
+            with translated(self._engine), self._engine.connect() as connection:
                 connection = connection.execution_options(ledger_write=True)
                 with connection.begin():
                     if marker and not self._sqlite:
@@ -549,7 +549,7 @@ class SqlRecoveryStore:
         """The last event below which none is still in flight (on SQLite, the
         last). Read committed, not in a snapshot: the horizon moves as
         transactions end (storage/horizon.py)."""
-        with translated(), self._engine.connect() as connection, connection.begin():
+        with translated(self._engine), self._engine.connect() as connection, connection.begin():
             return SqlTransaction(connection, self._sqlite, horizon=self._horizon).last_seq()
 
     def checkpoint(self) -> ChainPoint | None:
@@ -864,7 +864,7 @@ class SqlRecoveryStore:
         *,
         dry_run: bool = False,
     ) -> None:
-        with translated(), self._engine.connect() as connection:
+        with translated(self._engine), self._engine.connect() as connection:
             connection = connection.execution_options(ledger_write=True)
             transaction = connection.begin()
             range_parameters = (after_seq, through_seq)

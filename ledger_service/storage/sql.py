@@ -157,7 +157,7 @@ class SqlStore:
     def _translated(self) -> Iterator[None]:
         """translate.translated(), noting a damaged store and logging a failure."""
         try:
-            with translate.translated():
+            with translate.translated(self._engine):
                 yield
         except StoreDamaged as error:
             self.note_damage(error)

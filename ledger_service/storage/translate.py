@@ -12,8 +12,12 @@ What a caller is told, from the most to the least specific:
   SQLITE_CORRUPT "database disk image is malformed" and SQLITE_NOTADB "file is
   not a database"; PostgreSQL's XX001 data_corrupted and XX002
   index_corrupted). A row that breaks its table's schema is damage too: the
-  decoders raise it as such (records.UnreadableRow). Retrying cannot help; an
-  operator must restore a backup.
+  decoders raise it as such (records.UnreadableRow). So is a table of the
+  schema gone (SQLite's "no such table", PostgreSQL's 42P01 undefined_table),
+  once `ledger migrate` has made the schema: before that, every table is
+  missing and the migration ends the outage (a server started with
+  --no-migrate waits for it). Retrying cannot help; an operator must restore
+  a backup.
 - SumOutOfRange: a sum of amounts passed what the database's integers hold
   (SQLite's "integer overflow"; PostgreSQL's 22003 numeric_value_out_of_range),
   which only a request that would take a budget past the largest sum the
@@ -29,11 +33,13 @@ reach a caller.
 
 from __future__ import annotations
 
+import re
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -45,10 +51,14 @@ from ledger_service.domain.errors import (
     StoreUnavailable,
     SumOutOfRange,
 )
+from ledger_service.storage.schema import Base
 
 ANY = "*"
 # SQLite reports an overflowing SUM as a plain SQLITE_ERROR: told by its message.
 INTEGER_OVERFLOW = "integer overflow"
+# And a missing table too ("no such table: bookings"); PostgreSQL says 42P01.
+MISSING_TABLE = "no such table"
+MISSING_TABLE_CODES = frozenset({MISSING_TABLE, "42P01"})
 
 # (the exception, the driver's code for it or ANY, the domain error, retryable at once)
 MAPPING: tuple[tuple[type[BaseException], str, type[LedgerError], bool], ...] = (
@@ -58,6 +68,9 @@ MAPPING: tuple[tuple[type[BaseException], str, type[LedgerError], bool], ...] = 
     (sqlite3.Error, ANY, StoreUnavailable, False),
     (psycopg.Error, "XX001", StoreDamaged, False),
     (psycopg.Error, "XX002", StoreDamaged, False),
+    # A missing table: an outage here; damage once the schema was made (translate).
+    (sqlite3.Error, MISSING_TABLE, StoreUnavailable, False),
+    (psycopg.Error, "42P01", StoreUnavailable, False),  # undefined_table
     (psycopg.Error, "22003", SumOutOfRange, False),  # numeric_value_out_of_range
     (psycopg.Error, "40001", StoreUnavailable, True),  # serialization_failure
     (psycopg.Error, "40P01", StoreUnavailable, True),  # deadlock_detected
@@ -74,7 +87,15 @@ DAMAGE: dict[str, str] = {
     "XX001": "PostgreSQL reports corrupted data (XX001 data_corrupted)",
     "XX002": "PostgreSQL reports a corrupted index (XX002 index_corrupted)",
 }
-# Said to the caller and in the log: what to do about a damaged store.
+# A table of a made schema gone: what it is, and what to do (`ledger migrate`
+# makes no table of a revision it has recorded; a rebuild writes into tables).
+MISSING_TABLE_DAMAGE = (
+    "the table {table} of the ledger's schema is missing (dropped, or left out of a restore)"
+)
+MISSING_TABLE_ADVICE = (
+    "stop the ledger and restore the database from a backup; neither `ledger migrate` "
+    "nor `ledger rebuild` makes a table again (docs/recovery.md)"
+)
 
 # SQLite's codes for a file this process may not write (a read-only file or
 # mount, a WAL file it cannot open, a file made immutable while open, whose
@@ -119,6 +140,8 @@ def driver_code(error: BaseException) -> str:
     if isinstance(error, sqlite3.Error):
         if str(error) == INTEGER_OVERFLOW:
             return INTEGER_OVERFLOW
+        if str(error).startswith(MISSING_TABLE):
+            return MISSING_TABLE
         name = str(getattr(error, "sqlite_errorname", "") or "")
         primary = name.split("_")[:2]  # SQLITE_CORRUPT_INDEX -> SQLITE_CORRUPT
         if len(primary) == 2:
@@ -141,8 +164,45 @@ def row_of(
     return None
 
 
-def translate(error: BaseException) -> LedgerError | None:
-    """The domain error for a foreign `error`; None for one the table does not name."""
+# The table a driver's message names as missing: SQLite's "no such table:
+# main.bookings", PostgreSQL's 'relation "bookings" does not exist'.
+_MISSING_TABLE_NAME = re.compile(r'no such table: (?:\w+\.)?(\w+)|relation "(?:[^"]*\.)?([^"]+)"')
+
+
+def missing_table(error: BaseException) -> str:
+    """The table of the ledger's schema a foreign `error` says is missing,
+    quoted ("'bookings'"), or "a table" (the name unknown, or not one of the
+    schema's: the message never repeats other text of the driver's); "" for
+    an error of another kind."""
+    if driver_code(error) not in MISSING_TABLE_CODES:
+        return ""
+    found = _MISSING_TABLE_NAME.search(str(driver_error(error)))
+    name = next((group for group in found.groups() if group), "") if found else ""
+    return repr(name) if name in Base.metadata.tables else "a table"
+
+
+def schema_recorded(engine: Engine) -> bool:
+    """Whether `ledger migrate` has made the ledger's schema in this database:
+    Alembic has recorded a revision. False when that cannot be read."""
+    try:
+        with engine.connect() as connection:
+            found = connection.execute(text("SELECT version_num FROM alembic_version"))
+            return found.first() is not None
+    except DBAPIError:
+        return False
+
+
+def translate(
+    error: BaseException, schema_made: Callable[[], bool] | None = None
+) -> LedgerError | None:
+    """The domain error for a foreign `error`; None for one the table does not
+    name. `schema_made`, when given, says whether the schema was ever made:
+    then a missing table is damage (asked only when one is missing)."""
+    foreign = foreign_cause(error) if isinstance(error, LedgerError) else error
+    if schema_made is not None and foreign is not None and not isinstance(error, StoreDamaged):
+        table = missing_table(foreign)
+        if table and schema_made():
+            return StoreDamaged(MISSING_TABLE_DAMAGE.format(table=table), MISSING_TABLE_ADVICE)
     if isinstance(error, LedgerError):
         return error
     row = row_of(error)
@@ -176,15 +236,16 @@ def is_retryable(error: BaseException) -> bool:
 
 
 @contextmanager
-def translated() -> Iterator[None]:
+def translated(engine: Engine | None = None) -> Iterator[None]:
     """Runs the block; a foreign error MAPPING names leaves it as a domain error
-    (the foreign one its __cause__). Domain errors and bugs pass unchanged."""
+    (the foreign one its __cause__). Domain errors and bugs pass unchanged, but
+    for a missing table of `engine`'s made schema, which is damage (the
+    engine, when given, is asked whether the schema was made)."""
     try:
         yield
-    except LedgerError:
-        raise
     except Exception as error:
-        domain = translate(error)
-        if domain is None:
+        probe = None if engine is None else (lambda: schema_recorded(engine))
+        domain = translate(error, probe)
+        if domain is None or domain is error:
             raise
-        raise domain from error
+        raise domain from (foreign_cause(error) or error)

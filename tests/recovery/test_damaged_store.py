@@ -190,19 +190,60 @@ def test_an_event_row_that_breaks_its_schema_is_damage_to_the_start_up_recovery(
     assert tracebacks == [], [r.getMessage() for r in tracebacks]
 
 
-def test_a_recovery_check_the_database_fails_says_why_in_the_log(
+@pytest.mark.parametrize("table", ["bookings", "events"])
+def test_a_dropped_table_is_damage_named_in_the_log(
+    table: str,
     sqlite_history: History,
     started: Callable[[str], Running],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A table gone (dropped by hand, a partial restore): SQLite answers, but
-    every check fails. "database unavailable; will retry" alone, beside
-    "health: the database answers", left the operator nothing to go on; the
-    line carries the database's own words, as `ledger verify` prints them."""
+    """A table of a migrated schema gone (dropped by hand, a partial restore):
+    SQLite answers, but nothing can be served. It is damage, not an outage
+    to retry ("database unavailable; will retry" for ever, RECOVERY_REQUIRED
+    to the callers): STORE_DAMAGED, NOT_SERVING, and one line naming the
+    missing table and what to do."""
     caplog.set_level(logging.INFO)
-    sqlite_history.sql("DROP TABLE bookings")
+    sqlite_history.sql(f"DROP TABLE {table}")
+    sqlite_history.store.close()
     running = started(sqlite_history.url)
     running.wait_for(NOT_SERVING)
-    checks = [r.getMessage() for r in caplog.records if "recovery check" in r.getMessage()]
-    assert checks, [r.getMessage() for r in caplog.records]
-    assert all("no such table: bookings" in line for line in checks), checks
+    assert _reason(lambda: running.reserve("after-damage")) == "STORE_DAMAGED"
+    damaged = [r.getMessage() for r in caplog.records if "DATABASE IS DAMAGED" in r.getMessage()]
+    assert len(damaged) == 1, [r.getMessage() for r in caplog.records]
+    assert f"table '{table}'" in damaged[0] and "backup" in damaged[0], damaged[0]
+    retries = [r.getMessage() for r in caplog.records if "will retry" in r.getMessage()]
+    assert retries == [], retries
+
+
+def test_ledger_verify_says_a_dropped_table_is_damage(
+    history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On both databases (PostgreSQL's undefined_table, 42P01)."""
+    from ledger_service import cli
+
+    cascade = "" if history.url.startswith("sqlite") else " CASCADE"
+    history.sql(f"DROP TABLE bookings{cascade}")
+    history.store.close()
+    assert cli.main(["verify", "--database-url", history.url]) == 2
+    said = capsys.readouterr().err
+    assert "the ledger's database is damaged" in said, said
+    assert "table 'bookings'" in said and "backup" in said, said
+    assert "unavailable" not in said, said
+
+
+def test_a_database_not_migrated_yet_is_not_damage(tmp_path: pathlib.Path) -> None:
+    """Before `ledger migrate` has made the schema every table is missing: a
+    server started with --no-migrate waits for the migration (an outage),
+    and is never marked damaged for it."""
+    from ledger_service import server
+    from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path}/ledger.db", data_dir=tmp_path)
+    store = server.build_store(settings)
+    try:
+        with pytest.raises(StoreUnavailable) as caught:
+            store.run(lambda transaction: transaction.last_seq(), write=False)
+        assert not isinstance(caught.value, StoreDamaged)
+        assert store.damage is None
+    finally:
+        store.close()

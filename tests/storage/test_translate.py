@@ -78,11 +78,31 @@ def test_sqlite_names_its_error_codes() -> None:
     try:
         connection.execute("PRAGMA no_such_pragma")
         with pytest.raises(sqlite3.Error) as caught:
-            connection.execute("SELECT * FROM nowhere")
+            connection.execute("SELECT no_such_function()")
     finally:
         connection.close()
     assert translate.driver_code(caught.value) == "SQLITE_ERROR"
     assert isinstance(translate.translate(caught.value), StoreUnavailable)
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        sqlite3.OperationalError("no such table: main.bookings"),
+        psycopg.errors.UndefinedTable('relation "bookings" does not exist'),
+    ],
+)
+def test_a_missing_table_is_damage_once_the_schema_was_made(foreign: BaseException) -> None:
+    assert translate.missing_table(foreign) == "'bookings'"
+    assert not isinstance(translate.translate(foreign), StoreDamaged)
+    assert not isinstance(translate.translate(foreign, lambda: False), StoreDamaged)
+    damaged = translate.translate(foreign, lambda: True)
+    assert isinstance(damaged, StoreDamaged) and "table 'bookings'" in damaged.message
+
+
+def test_a_missing_table_the_schema_does_not_have_is_not_repeated() -> None:
+    foreign = sqlite3.OperationalError("no such table: secret_stuff")
+    assert translate.missing_table(foreign) == "a table"
 
 
 @pytest.mark.parametrize("sqlstate", ["40001", "40P01", "55P03"])
