@@ -51,7 +51,7 @@ from ledger_service.recovery.snapshots import (
     ProjectionDigest,
     SnapshotInfo,
 )
-from ledger_service.storage import database, records
+from ledger_service.storage import database, records, translate
 from ledger_service.storage.chaining import POSITION_ROW_ID
 from ledger_service.storage.horizon import CommitHorizon
 from ledger_service.storage.schema import (
@@ -589,6 +589,20 @@ class SqlRecoveryStore:
                         )
                 except IntegrityError:
                     pass  # a point at or past this one is recorded already
+
+    def check_integrity(self) -> None:
+        """Raises StoreDamaged when SQLite's integrity_check finds the file
+        damaged: pages, and indexes whose entries no longer match their rows,
+        which no query of a verification reads (docs/recovery.md). Nothing on
+        PostgreSQL, whose own checks (amcheck) are the operator's."""
+        if not self._sqlite:
+            return
+        with self._reading() as connection:
+            limit = translate.MAX_INTEGRITY_PROBLEMS
+            rows = connection.exec_driver_sql(f"PRAGMA integrity_check({limit})").all()
+        problems = [str(row[0]) for row in rows]
+        if problems != ["ok"]:
+            raise translate.integrity_damage(problems)
 
     def count_events_after(self, after_seq: int) -> int:
         with self._reading() as connection:

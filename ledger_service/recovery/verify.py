@@ -74,9 +74,11 @@ class Verifier:
             after = batch[-1].seq
 
     def verify(self, now_us: int, progress: ProgressFn = no_progress) -> VerificationReport:
-        """The log against its chain and the projections against a replay, all
-        read at one instant: moves may commit meanwhile."""
+        """The file's integrity (SQLite), then the log against its chain and the
+        projections against a replay, all read at one instant: moves may
+        commit meanwhile. A damaged file raises StoreDamaged."""
         with self._store.one_snapshot():
+            self._store.check_integrity()
             return self._verify(now_us, progress)
 
     def _verify(self, now_us: int, progress: ProgressFn) -> VerificationReport:

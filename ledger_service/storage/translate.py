@@ -164,6 +164,24 @@ def row_of(
     return None
 
 
+# A file that fails integrity_check is not made whole by a rebuild (an index,
+# or a page of the log, may be what is damaged).
+INTEGRITY_ADVICE = "stop the ledger and restore the database from a backup (docs/recovery.md)"
+# The most of SQLite's integrity_check lines a verification reads and repeats.
+MAX_INTEGRITY_PROBLEMS = 10
+
+
+def integrity_damage(problems: list[str]) -> StoreDamaged:
+    """SQLite's PRAGMA integrity_check found `problems` (its own lines, which
+    name pages, rows and indexes, never data): the file is damaged."""
+    first = " ".join(problems[0].split())[:MAX_DRIVER_MESSAGE]
+    more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+    return StoreDamaged(
+        f"the SQLite database file is corrupt (PRAGMA integrity_check: {first}{more})",
+        INTEGRITY_ADVICE,
+    )
+
+
 # The table a driver's message names as missing: SQLite's "no such table:
 # main.bookings", PostgreSQL's 'relation "bookings" does not exist'.
 _MISSING_TABLE_NAME = re.compile(r'no such table: (?:\w+\.)?(\w+)|relation "(?:[^"]*\.)?([^"]+)"')

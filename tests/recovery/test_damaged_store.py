@@ -247,3 +247,35 @@ def test_a_database_not_migrated_yet_is_not_damage(tmp_path: pathlib.Path) -> No
         assert store.damage is None
     finally:
         store.close()
+
+
+def _flip_a_key_byte_of_an_index_verify_never_reads(path: pathlib.Path) -> None:
+    """One byte of an index entry's key changed, its page's structure intact:
+    SQLite's quick_check passes it, integrity_check does not."""
+    with sqlite3.connect(path) as connection:
+        (page,) = connection.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'ix_bookings_state_expires_at_us'"
+        ).fetchone()
+    with path.open("r+b") as file:
+        file.seek(page * PAGE_BYTES - 3)
+        (byte,) = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte ^ 0x01]))
+
+
+def test_ledger_verify_finds_damage_its_reads_never_touch(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A damaged index that no read of verify uses (the sweeper's): verify
+    runs SQLite's integrity_check and says the file is damaged (exit 2)."""
+    from ledger_service import cli
+
+    url = _damaged_file(sqlite_history, _flip_a_key_byte_of_an_index_verify_never_reads)
+    with sqlite3.connect(url.removeprefix("sqlite:///")) as connection:
+        found = connection.execute("PRAGMA integrity_check").fetchall()
+    assert found != [("ok",)], "the damage is there"
+    assert cli.main(["verify", "--database-url", url]) == 2
+    said = capsys.readouterr().err
+    assert "the ledger's database is damaged" in said, said
+    assert "integrity_check" in said and "ix_bookings_state_expires_at_us" in said, said
+    assert "restore the database from a backup" in said, said
