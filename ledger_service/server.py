@@ -129,6 +129,14 @@ class LedgerServer:
         if clock is None:
             clock = fresh_test_clock or SystemClock()
         self.clock = clock
+        empty = database.empty_sqlite_file(settings.database_url) if run_migrations else None
+        if empty is not None:
+            # Before the store opens it: a migration would make a new ledger in it.
+            raise ValueError(
+                f"{database.empty_file_text(empty)}, and a ledger may have been lost: if one "
+                "was there, restore it from a backup; to start a new ledger in it, run "
+                "`ledger migrate` (docs/recovery.md)"
+            )
         self.store = build_store(settings)
         # The schema brought up to date now, or, when the database cannot be
         # reached (or is damaged), by the recovery guard before its first look:

@@ -355,8 +355,28 @@ def test_verify_on_an_empty_database_file_says_there_is_none_and_leaves_it(
     empty.touch()
     run = ledger("verify", "--data-dir", str(tmp_path))
     assert run.code == 2
-    assert one_line_error(run).strip() == f"ledger verify: no database at {empty}"
+    said = one_line_error(run).strip()
+    assert said.startswith(f"ledger verify: {empty} is empty (0 bytes): there is no ledger in it")
     assert empty.stat().st_size == 0
+
+
+def test_serve_on_an_empty_database_file_refuses_as_verify_does_and_leaves_it(
+    ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    """A zero-byte ledger.db is most often a ledger lost (a copy to a full
+    disk, a failed restore): `serve` does not make a new, empty ledger over
+    it, as it does where no file is, and says what `verify` says. `ledger
+    migrate`, asked in so many words, makes one (docs/recovery.md)."""
+    empty = tmp_path / "ledger.db"
+    empty.touch()
+    settings = Settings(database_url=f"sqlite:///{empty}", data_dir=tmp_path, auth_enabled=False)
+    with pytest.raises(ValueError) as refused:
+        LedgerServer(settings)
+    assert str(refused.value).startswith(f"{empty} is empty (0 bytes): there is no ledger in it")
+    assert "backup" in str(refused.value) and "ledger migrate" in str(refused.value)
+    assert empty.stat().st_size == 0
+    assert ledger("migrate", "--data-dir", str(tmp_path)).code == 0
+    assert ledger("verify", "--data-dir", str(tmp_path)).code == 0
 
 
 def test_verify_on_a_database_that_is_not_there_says_what_the_server_said(

@@ -136,11 +136,17 @@ class ProgressPrinter:
 @contextmanager
 def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Settings, Recovery]]:
     from ledger_service import server
+    from ledger_service.storage import database
 
     settings = settings_from(arguments)
+    # These commands look at a ledger; they never create an empty one.
+    empty = database.empty_sqlite_file(settings.database_url)
+    if empty is not None:
+        print(f"ledger {command}: {database.empty_file_text(empty)} (docs/recovery.md)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     missing = _missing_database(settings)
     if missing:
-        # These commands look at a ledger; they never create an empty one.
         print(f"ledger {command}: no database at {missing}", file=sys.stderr)
         raise SystemExit(2)
     store = server.build_store(settings)
@@ -152,15 +158,15 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
 
 
 def _missing_database(settings: Settings) -> str:
-    """The path of a SQLite database file that does not exist, or is empty
-    ("" otherwise): opening it would make an empty database of it."""
+    """The path of a SQLite database file that does not exist ("" otherwise):
+    opening it would make an empty database of it."""
     from sqlalchemy.engine import make_url
 
     url = make_url(settings.database_url)
     if url.get_backend_name() != "sqlite" or not url.database:
         return ""
     path = pathlib.Path(url.database)
-    return "" if path.is_file() and path.stat().st_size > 0 else url.database
+    return "" if path.is_file() else url.database
 
 
 def database_unavailable(command: str, error: Exception, where: str = "") -> int:

@@ -202,6 +202,26 @@ def wal_deleted(engine: Engine) -> str | None:
     )
 
 
+def empty_sqlite_file(url: str | URL) -> pathlib.Path | None:
+    """The SQLite database file of `url` when it is there but empty (0 bytes);
+    None for PostgreSQL, a file with content, or none at all.
+
+    SQLite takes an empty file for an empty database, but a ledger's file is
+    never empty once it has been made: one that is empty now most often held
+    a ledger (a copy to a full disk, a failed restore). `serve` does not make
+    a new ledger in it; `ledger migrate`, asked in so many words, does."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return None
+    path = pathlib.Path(parsed.database)
+    return path if path.is_file() and path.stat().st_size == 0 else None
+
+
+def empty_file_text(path: pathlib.Path) -> str:
+    """What `serve` and the recovery commands say of an empty database file."""
+    return f"{path} is empty (0 bytes): there is no ledger in it"
+
+
 def _create_private(path: pathlib.Path) -> None:
     """A new database is its owner's alone: its directory, made here, 0700, and
     the file 0600 (SQLite gives its WAL and shared-memory files the same mode),
