@@ -25,6 +25,7 @@ from ledger_service.settings import Settings
 
 if TYPE_CHECKING:  # the commands import the server lazily, as `serve` does
     from ledger_service.recovery.rebuild import Recovery
+    from ledger_service.recovery.verify import VerificationReport
 
 
 def register(commands: Any) -> None:
@@ -208,8 +209,13 @@ def _verify(arguments: argparse.Namespace) -> int:
     )
     if report.unsealed_events:
         summary += f" ({report.unsealed_events} events predate the hash chain)"
+    accepted = report.accepted_count
+    if accepted:
+        links = "link" if accepted == 1 else "links"
+        summary += f"; {accepted} broken {links} accepted by an operator's recovery"
     if report.ok:
         print(f"verified {summary}: OK")
+        _print_accepted(report)
         return 0
     print(f"FAILED: {report.finding_count} finding(s) in {summary}")
     print(f"first: {report.findings[0]}")
@@ -217,9 +223,19 @@ def _verify(arguments: argparse.Namespace) -> int:
         print(f"  {finding}")
     if report.finding_count > len(report.findings):
         print(f"  ... and {report.finding_count - len(report.findings)} more")
+    _print_accepted(report)
     print("next: `ledger recover` plans a rebuild of the projections from the log and says "
           "whether it may run (docs/recovery.md)")  # fmt: skip
     return 1
+
+
+def _print_accepted(report: VerificationReport) -> None:
+    """The broken links accepted by `ledger recover --max-risk 1`: the log
+    keeps them, and verify names them every time (docs/recovery.md)."""
+    for described in report.accepted:
+        print(f"accepted: {described}")
+    if report.accepted_count > len(report.accepted):
+        print(f"  ... and {report.accepted_count - len(report.accepted)} more accepted")
 
 
 def _snapshot(arguments: argparse.Namespace) -> int:

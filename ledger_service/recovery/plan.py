@@ -29,7 +29,7 @@ import enum
 import hashlib
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # Risk scores: 0 = the state is exactly what the verified log implies.
@@ -89,6 +89,10 @@ class Manifest:
     # Why a reconstruction was considered: what the assessment found.
     findings: tuple[str, ...]
     digest: str
+    # The broken links (ChainBreak.describe()) the chosen sources go past: an
+    # admissible plan that has them accepts the log as it is there, and
+    # `ledger verify` names them as accepted once the rebuild is done.
+    accepted: tuple[str, ...] = ()
 
     @property
     def admissible(self) -> bool:
@@ -116,6 +120,8 @@ class Manifest:
             },
             "directive": self.directive,
             "findings": list(self.findings),
+            # Only when there are some: the digests of other manifests stay as they were.
+            **({"accepted_breaks": list(self.accepted)} if self.accepted else {}),
         }
 
     def to_json(self) -> str:
@@ -128,9 +134,14 @@ def _seconds(value: float) -> str:
 
 
 def plan(
-    sources: Iterable[Source], policy: RecoveryPolicy, findings: Iterable[str] = ()
+    sources: Iterable[Source],
+    policy: RecoveryPolicy,
+    findings: Iterable[str] = (),
+    breaks: Mapping[str, Iterable[str]] | None = None,
 ) -> Manifest:
-    """The decision, deterministic in its inputs (sources are ordered by id)."""
+    """The decision, deterministic in its inputs (sources are ordered by id).
+    `breaks`: the broken links each source goes past, by source id; those of
+    the chosen sources of an admissible plan are the manifest's `accepted`."""
     policy.validate()
     every = tuple(sorted(sources, key=lambda source: source.source_id))
     possible = [source for source in every if source.possible]
@@ -163,7 +174,13 @@ def plan(
         )
     ids = tuple(source.source_id for source in chosen)
     total = sum(source.cost_seconds for source in chosen)
-    manifest = Manifest(verdict, every, ids, total, policy, directive, tuple(findings), "")
+    accepted: dict[str, None] = {}  # in the sources' order, each once
+    if verdict is Verdict.ADMISSIBLE:
+        for source_id in ids:
+            accepted.update(dict.fromkeys((breaks or {}).get(source_id, ())))
+    manifest = Manifest(
+        verdict, every, ids, total, policy, directive, tuple(findings), "", tuple(accepted)
+    )
     text = json.dumps(manifest.body(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return dataclasses.replace(manifest, digest=hashlib.sha256(text.encode("utf-8")).hexdigest())
 

@@ -44,6 +44,7 @@ from ledger_service.recovery.snapshots import (
     SnapshotInfo,
 )
 from ledger_service.recovery.store import (
+    MANIFEST_REBUILT,
     STATE_CURRENT,
     STATE_REBUILDING,
     BookingKey,
@@ -117,6 +118,8 @@ class Route:
     snapshot: SnapshotInfo | None
     # Breaks the plan knew of and the policy accepted: the rebuild goes on past them.
     tolerated_breaks: frozenset[int] = frozenset()
+    # The same breaks, described (ChainBreak.describe()), for the manifest.
+    tolerated_described: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +340,8 @@ class Recovery:
                 )
                 sources.append(source)
                 routes[source.source_id] = route
-            manifest = planner.plan(sources, policy, findings)
+            breaks = {source_id: route.tolerated_described for source_id, route in routes.items()}
+            manifest = planner.plan(sources, policy, findings, breaks)
             if anchor is None or FULL_LOG_SOURCE not in manifest.chosen:
                 return Plan(manifest, routes, rate)
             # The whole log would be replayed, and its links before the anchor were
@@ -372,7 +376,8 @@ class Recovery:
             possible=not lost,
         )
         tolerated = frozenset(found.seq for found in walk.breaks)
-        return source, Route(FULL_LOG_SOURCE, None, tolerated)
+        described = tuple(found.describe() for found in walk.breaks)
+        return source, Route(FULL_LOG_SOURCE, None, tolerated, described)
 
     def _snapshot_source(
         self,
@@ -415,7 +420,9 @@ class Recovery:
             detail,
             possible=not lost and not covered,
         )
-        return source, Route(source_id, snapshot, frozenset(found.seq for found in breaks))
+        tolerated = frozenset(found.seq for found in breaks)
+        described = tuple(found.describe() for found in breaks)
+        return source, Route(source_id, snapshot, tolerated, described)
 
     def check_snapshot(self, snapshot: SnapshotInfo) -> str:
         """ "" when the snapshot's rows still give its digest, else what is wrong."""
@@ -727,7 +734,7 @@ class Recovery:
                     )
                 assessment = dataclasses.replace(assessment, altered=(*assessment.altered, *found))
                 continue
-            self._record(manifest_id, "rebuilt", started)
+            self._record(manifest_id, MANIFEST_REBUILT, started)
             self.snapshot_after_rebuild()
             return Outcome(True, manifest, manifest.directive)
         self.release()

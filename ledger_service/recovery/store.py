@@ -82,6 +82,21 @@ MAX_LISTED_SNAPSHOTS = 10
 ANSWER_KINDS = ("reserved", "denied")
 
 
+# The outcome of a manifest whose rebuild was carried out (Recovery._record).
+MANIFEST_REBUILT = "rebuilt"
+# How many of those `accepted_breaks` reads, newest first.
+MAX_ACCEPTING_MANIFESTS = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptedBreak:
+    """Which recovery accepted a broken link, when, and who ran it."""
+
+    manifest_id: int
+    created_at_us: int
+    actor: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Position:
     """The projections' position marker."""
@@ -967,6 +982,32 @@ class SqlRecoveryStore:
                 .where(recovery_manifests.c.id == manifest_id)
                 .values(outcome=outcome, elapsed_ms=elapsed_ms)
             )
+
+    def accepted_breaks(self) -> Mapping[str, AcceptedBreak]:
+        """The broken links an operator's recovery accepted (`ledger recover
+        --max-risk 1`), by their description: the `accepted_breaks` of the
+        manifests whose rebuild was done, the first to accept each. Read from
+        the newest MAX_ACCEPTING_MANIFESTS such manifests."""
+        with self._reading() as connection:
+            rows = connection.execute(
+                select(
+                    recovery_manifests.c.id,
+                    recovery_manifests.c.created_at_us,
+                    recovery_manifests.c.actor,
+                    recovery_manifests.c.body_json,
+                )
+                .where(recovery_manifests.c.outcome == MANIFEST_REBUILT)
+                .order_by(recovery_manifests.c.id.desc())
+                .limit(MAX_ACCEPTING_MANIFESTS)
+            ).all()
+        accepted: dict[str, AcceptedBreak] = {}
+        for manifest_id, created_at_us, actor, body_json in reversed(rows):
+            body = json.loads(body_json)
+            for described in body.get("accepted_breaks", ()):
+                accepted.setdefault(
+                    str(described), AcceptedBreak(int(manifest_id), int(created_at_us), str(actor))
+                )
+        return accepted
 
     def manifests(self, limit: int = 10) -> Sequence[Mapping[str, Any]]:
         """The newest manifests, newest first (for people and tests)."""

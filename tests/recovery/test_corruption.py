@@ -18,7 +18,7 @@ from ledger_service.recovery.rebuild import (
     Route,
 )
 from ledger_service.recovery.store import SqlRecoveryStore
-from ledger_service.recovery.verify import Verifier
+from ledger_service.recovery.verify import VerificationReport, Verifier
 from tests.recovery.conftest import History, open_history
 
 DEFAULT = RecoveryPolicy(max_budget_seconds=60.0, max_risk_score=0.3)
@@ -27,6 +27,13 @@ DEFAULT = RecoveryPolicy(max_budget_seconds=60.0, max_risk_score=0.3)
 def _verify(history: History) -> list[str]:
     report = Verifier(SqlRecoveryStore(history.engine), 25).verify(history.clock.now_us())
     return report.findings
+
+
+BROKEN = "its content does not match its hash: altered after append"
+
+
+def _report(history: History) -> VerificationReport:
+    return Verifier(SqlRecoveryStore(history.engine), 25).verify(history.clock.now_us())
 
 
 def _manifests(history: History) -> list[dict[str, object]]:
@@ -163,8 +170,49 @@ def test_a_tampered_event_breaks_the_chain_and_only_an_operator_accepts_it(
     # is replayed as it is, and a snapshot after the break anchors later checks.
     accepted = recovery.recover(RecoveryPolicy(60.0, 1.0), "operator")
     assert accepted.ready and recovery.assess().consistent
-    # The evidence stays: the log is append-only.
-    assert _verify(history)[0].startswith(f"broken link: event {settled} ")
+    assert accepted.manifest is not None
+    lane = history.scalar(f"SELECT lane FROM events WHERE seq = {settled}")
+    assert accepted.manifest.accepted == (f"event {settled} (lane {lane!r}): {BROKEN}",)
+    # The evidence stays (the log is append-only): verify names the link, and
+    # the recovery that accepted it, every time; and it passes, so that a
+    # verify on a schedule goes on telling new damage from what was accepted.
+    report = _report(history)
+    assert report.findings == [] and report.ok
+    [named] = report.accepted
+    assert named.startswith(f"broken link: event {settled} (lane {lane!r}): {BROKEN}")
+    assert "accepted by recovery manifest" in named and "operator" in named
+
+
+def test_verify_after_an_accepted_recovery_passes_and_says_what_was_accepted(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ledger recover --max-risk 1` accepts the log as it is; `ledger verify`
+    then exits 0 and lists what was accepted, instead of failing for ever
+    with advice to run `recover` again, which finds nothing to do. A link
+    broken after the acceptance is a finding again."""
+    from ledger_service import cli
+
+    history = sqlite_history
+    first, second = (
+        int(str(seq))
+        for seq in history.engine.connect()
+        .exec_driver_sql("SELECT seq FROM events WHERE kind = 'settled' ORDER BY seq LIMIT 2")
+        .scalars()
+    )
+    history.tamper_event(first, 1)
+    url = history.url
+    assert cli.main(["recover", "--database-url", url, "--budget-seconds", "60",
+                     "--max-risk", "1"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert cli.main(["verify", "--database-url", url]) == 0
+    said = capsys.readouterr().out
+    assert ": OK" in said and "1 broken link accepted" in said, said
+    assert f"event {first} " in said and "accepted by recovery manifest" in said, said
+    assert "next:" not in said
+    history.tamper_event(second, 1)
+    assert cli.main(["verify", "--database-url", url]) == 1
+    said = capsys.readouterr().out
+    assert f"first: broken link: event {second} " in said, said
 
 
 def test_a_tampered_event_before_a_snapshot_is_bypassed_by_the_snapshot(
