@@ -174,6 +174,8 @@ MAX_INTEGRITY_PROBLEMS = 10
 def integrity_damage(problems: list[str]) -> StoreDamaged:
     """SQLite's PRAGMA integrity_check found `problems` (its own lines, which
     name pages, rows and indexes, never data): the file is damaged."""
+    # "*** in database main ***" heads the findings of a damaged structure.
+    problems = [problem for problem in problems if not problem.startswith("*** ")] or problems
     first = " ".join(problems[0].split())[:MAX_DRIVER_MESSAGE]
     more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
     return StoreDamaged(

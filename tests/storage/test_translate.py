@@ -136,3 +136,14 @@ def test_domain_errors_and_bugs_pass_unchanged() -> None:
     assert caught.value is refusal
     with pytest.raises(KeyError), translate.translated():
         raise KeyError("a bug")
+
+
+def test_integrity_check_damage_names_sqlites_first_finding_not_its_heading() -> None:
+    """integrity_check heads its findings with the database's name when
+    the structure is damaged; the sentence names the first finding."""
+    damage = translate.integrity_damage(
+        ["*** in database main ***", "Multiple uses for byte 3279 of page 32", "Page 33: x"]
+    )
+    assert "(PRAGMA integrity_check: Multiple uses for byte 3279 of page 32 and 1 more)" in (
+        damage.message
+    ), damage.message
