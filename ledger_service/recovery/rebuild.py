@@ -812,6 +812,10 @@ def projection_findings(facts: LogFacts) -> list[str]:
         findings.append(
             f"{facts.lanes} lanes are projected but the log configures {facts.configured_lanes}"
         )
+    if facts.stale_lanes:
+        findings.append(
+            f"{facts.stale_lanes} lanes differ from their latest configuration in the log"
+        )
     if facts.stale_bookings:
         findings.append(
             f"{facts.stale_bookings} bookings differ from their latest event in the log"

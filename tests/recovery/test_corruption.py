@@ -73,6 +73,25 @@ def test_truncated_bookings_are_rebuilt_from_the_log(history: History) -> None:
     assert snapshot.chain_verified and recovery.check_snapshot(snapshot) == ""
 
 
+def test_an_altered_lane_row_is_found_at_start_and_rebuilt(history: History) -> None:
+    """A lanes row that still decodes but is no longer its latest
+    configuration (one flipped byte of a model's name in its prices): the
+    assessment, not only `ledger verify`, sees it, so that a server does not
+    serve from it and refuse a caller's model as the caller's mistake."""
+    history.sql(
+        "UPDATE lanes SET prices_json = replace(prices_json, '\"jev\"', '\"kev\"') "
+        "WHERE lane = 'recall'"
+    )
+    assert any("lane 'recall': prices" in finding for finding in _verify(history))
+    recovery = history.recovery()
+    assessment = recovery.assess()
+    assert "1 lanes differ from their latest configuration in the log" in assessment.findings
+    outcome = recovery.recover(DEFAULT, "test")
+    assert outcome.ready and outcome.manifest is not None
+    assert outcome.manifest.chosen == ("log",)
+    assert _verify(history) == [] and recovery.assess().consistent
+
+
 def test_an_altered_booking_amount_is_found_and_rebuilt(sqlite_history: History) -> None:
     history = sqlite_history
     before = history.projected_amounts()
