@@ -329,11 +329,17 @@ class LedgerServer:
 
     def _ready_for_moves(self) -> bool:
         """The gate's question. A damaged store answers with its own error, not
-        with RECOVERY_REQUIRED: no recovery can run until an operator repairs it."""
+        with RECOVERY_REQUIRED: no recovery can run until an operator repairs it;
+        and so does a database that does not answer."""
         damage = self.store.damage
         if damage is not None:
             raise StoreDamaged(damage.what, damage.advice)
-        return self.guard.is_ready()
+        ready = self.guard.is_ready()
+        if not ready and not self._database_answers.is_set():
+            # Nothing is being recovered: the database does not answer (an
+            # outage, a file SQLite cannot open). Said as the log says it.
+            raise StoreUnavailable()
+        return ready
 
     def _check_database(self) -> bool:
         """Whether the database answers within the health check's bound; health

@@ -279,3 +279,19 @@ def test_ledger_verify_finds_damage_its_reads_never_touch(
     assert "the ledger's database is damaged" in said, said
     assert "integrity_check" in said and "ix_bookings_state_expires_at_us" in said, said
     assert "restore the database from a backup" in said, said
+
+
+def test_a_database_that_does_not_answer_is_told_as_unavailable_not_as_recovering(
+    started: Callable[[str], Running],
+) -> None:
+    """A database the server cannot open at all (PostgreSQL down at start; a
+    SQLite file in a directory where its -shm file cannot be made): nothing
+    is being recovered, so a caller is told STORE_UNAVAILABLE, as the log
+    says, not RECOVERY_REQUIRED ("recovering its projections")."""
+    running = started("postgresql+psycopg://postgres@127.0.0.1:1/ledger_nowhere")
+    running.wait_for(NOT_SERVING)
+    assert _reason(lambda: running.reserve("while-down")) == "STORE_UNAVAILABLE"
+    balance = running.ledger.GetBalance
+    assert _reason(lambda: balance(pb.GetBalanceRequest(lane="recall"), timeout=5)) == (
+        "STORE_UNAVAILABLE"
+    )
