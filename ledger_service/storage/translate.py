@@ -65,11 +65,11 @@ MAPPING: tuple[tuple[type[BaseException], str, type[LedgerError], bool], ...] = 
     (sqlite3.DatabaseError, "SQLITE_CORRUPT", StoreDamaged, False),
     (sqlite3.DatabaseError, "SQLITE_NOTADB", StoreDamaged, False),
     (sqlite3.Error, INTEGER_OVERFLOW, SumOutOfRange, False),
+    # A missing table: an outage here; damage once the schema was made (translate).
+    (sqlite3.Error, MISSING_TABLE, StoreUnavailable, False),
     (sqlite3.Error, ANY, StoreUnavailable, False),
     (psycopg.Error, "XX001", StoreDamaged, False),
     (psycopg.Error, "XX002", StoreDamaged, False),
-    # A missing table: an outage here; damage once the schema was made (translate).
-    (sqlite3.Error, MISSING_TABLE, StoreUnavailable, False),
     (psycopg.Error, "42P01", StoreUnavailable, False),  # undefined_table
     (psycopg.Error, "22003", SumOutOfRange, False),  # numeric_value_out_of_range
     (psycopg.Error, "40001", StoreUnavailable, True),  # serialization_failure
