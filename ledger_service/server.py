@@ -35,7 +35,12 @@ from ledger_service.api.drain import Drain
 from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.gate import RecoveryGateInterceptor
 from ledger_service.api.pipeline import MethodPipeline
-from ledger_service.api.servicers import LaneAdminServicer, LedgerServicer, TestClockServicer
+from ledger_service.api.servicers import (
+    AbsentTestClockServicer,
+    LaneAdminServicer,
+    LedgerServicer,
+    TestClockServicer,
+)
 from ledger_service.application.audit import Auditor
 from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import Ledger
@@ -248,6 +253,10 @@ class LedgerServer:
                 TestClockServicer(self.clock, self.ledger), server
             )
             names.append(SERVICE_NAMES[2])
+        else:
+            # Answers UNIMPLEMENTED, after the grant check and traced (not listed
+            # by reflection): an unregistered service would skip both.
+            ledger_pb2_grpc.add_TestClockServicer_to_server(AbsentTestClockServicer(), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -266,7 +266,7 @@ def _whole_micros(nanos: int) -> None:
 
 
 class TestClockServicer(pb_grpc.TestClockServicer):
-    """Registered only by a server started with --test-clock."""
+    """Registered by a server started with --test-clock (else AbsentTestClockServicer)."""
 
     def __init__(self, clock: ManualClock, ledger: Ledger) -> None:
         self._clock = clock
@@ -293,3 +293,31 @@ class TestClockServicer(pb_grpc.TestClockServicer):
         self, request: empty_pb2.Empty, context: grpc.ServicerContext
     ) -> timestamp_pb2.Timestamp:
         return convert.timestamp(self._clock.now_us())
+
+
+NO_TEST_CLOCK_MESSAGE = "this server has no test clock (start it with --test-clock)"
+
+
+class AbsentTestClockServicer(pb_grpc.TestClockServicer):
+    """The TestClock of a server started without --test-clock: every method
+    answers UNIMPLEMENTED. It is registered rather than left out so that its
+    calls pass the grant check and the tracing as every RPC does: unregistered,
+    grpcio would answer before any interceptor ran."""
+
+    def SetTime(
+        self, request: timestamp_pb2.Timestamp, context: grpc.ServicerContext
+    ) -> timestamp_pb2.Timestamp:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TEST_CLOCK_MESSAGE)
+        raise AssertionError("abort raises")
+
+    def Advance(
+        self, request: duration_pb2.Duration, context: grpc.ServicerContext
+    ) -> timestamp_pb2.Timestamp:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TEST_CLOCK_MESSAGE)
+        raise AssertionError("abort raises")
+
+    def GetTime(
+        self, request: empty_pb2.Empty, context: grpc.ServicerContext
+    ) -> timestamp_pb2.Timestamp:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TEST_CLOCK_MESSAGE)
+        raise AssertionError("abort raises")

@@ -208,3 +208,41 @@ def test_without_an_exporter_spans_are_not_recorded_but_trace_ids_are_kept(
     assert by_id["traced"] == TRACE_ID
     assert len(by_id["fresh"]) == 32 and by_id["fresh"] != TRACE_ID
     assert span_exporter.get_finished_spans() == ()
+
+
+def test_the_absent_test_clock_checks_the_grant_and_is_traced_like_every_rpc(
+    server_with: Any, telemetry: Any, span_exporter: InMemorySpanExporter
+) -> None:
+    """docs/security.md, docs/observability.md: on a server without --test-clock
+    the TestClock RPCs are still checked for an admin grant first and traced,
+    then answer UNIMPLEMENTED; an unknown caller learns nothing more."""
+    from google.protobuf import empty_pb2
+
+    from ledger_service.domain.clock import SystemClock
+    from ledger_service.domain.grants import Scope
+    from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+
+    server = server_with(telemetry, test_clock=False)
+    now_us = SystemClock().now_us()
+    charge = server.keyring.issue(
+        ["recall"], [Scope.CHARGE], issued_at_us=now_us, expires_at_us=now_us + 3_600_000_000
+    )
+    callers = {
+        "anonymous": ((), grpc.StatusCode.UNAUTHENTICATED),
+        "charge": ((("authorization", f"Bearer {charge}"),), grpc.StatusCode.PERMISSION_DENIED),
+        "admin": (
+            (("authorization", f"Bearer {server.admin_grant}"),),
+            grpc.StatusCode.UNIMPLEMENTED,
+        ),
+    }
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        clock = pb_grpc.TestClockStub(channel)
+        for metadata, expected in callers.values():
+            with pytest.raises(grpc.RpcError) as refused:
+                clock.GetTime(empty_pb2.Empty(), metadata=metadata, timeout=10)
+            assert refused.value.code() is expected
+            if expected is grpc.StatusCode.UNIMPLEMENTED:
+                assert "--test-clock" in (refused.value.details() or "")
+    spans = spans_named(span_exporter, "ledger.v1.TestClock/GetTime")
+    codes = [span.attributes["rpc.grpc.status_code"] for span in spans if span.attributes]
+    assert codes == [expected.value[0] for _, expected in callers.values()]
