@@ -188,6 +188,9 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             bill_wins=request.bill_wins,
             grant_id=auth.current_grant_id(),
         )
+        lanes = {row.lane for row in report.rows if row.lane}
+        if len(lanes) == 1:
+            tracing.note_lane(lanes.pop())
         response = convert.reconcile_response(report)
         shown = len(_fitting(response.rows, self._settings.max_message_bytes))
         response.rows_omitted += len(response.rows) - shown

@@ -442,11 +442,24 @@ def note_refused_settle(reason: str) -> None:
         record.attributes["ledger.refused"] = reason
 
 
+def note_lane(lane: str) -> None:
+    """Names the one lane the current call is about (`ledger.lane`), for a
+    request that names its lanes elsewhere than in `lane` (Reconcile's rows)."""
+    record = otel_context.get_value(_RECORD_KEY)
+    if isinstance(record, CallRecord):
+        record.attributes["ledger.lane"] = lane[:MAX_NAME_CHARACTERS]
+
+
 def note_request(record: CallRecord, request: Message) -> None:
     """The ledger's attributes a request carries: its lane, booking and move."""
     found = record.attributes
     if isinstance(request, pb.PutLaneRequest):
         found["ledger.lane"] = request.lane.lane[:MAX_NAME_CHARACTERS]
+        return
+    if isinstance(request, pb.ReconcileRequest):
+        # Only the lane of rows that name none: the call's lane is its rows'.
+        if request.default_lane:
+            found["ledger.default_lane"] = request.default_lane[:MAX_NAME_CHARACTERS]
         return
     lane = getattr(request, "lane", "")
     if isinstance(lane, str) and lane:

@@ -246,3 +246,42 @@ def test_the_absent_test_clock_checks_the_grant_and_is_traced_like_every_rpc(
     spans = spans_named(span_exporter, "ledger.v1.TestClock/GetTime")
     codes = [span.attributes["rpc.grpc.status_code"] for span in spans if span.attributes]
     assert codes == [expected.value[0] for _, expected in callers.values()]
+
+
+@pytest.mark.parametrize(
+    ("content", "default_lane", "expected"),
+    [
+        # Rows that name no lane: the default lane is the lane of the call.
+        (b"reservation_id,billed_nanos\nr1,5\n", "recall", {"recall"}),
+        # Rows that name their lane, all one: that lane.
+        (b"reservation_id,billed_nanos,lane\nr1,5,recall\n", "", {"recall"}),
+        # Rows of several lanes: no one lane to name.
+        (b"reservation_id,billed_nanos,lane\nr1,5,recall\nr2,5,filter\n", "recall", set()),
+    ],
+)
+def test_a_reconcile_span_names_the_lane_its_rows_are_of(
+    ledger: Any,
+    span_exporter: InMemorySpanExporter,
+    content: bytes,
+    default_lane: str,
+    expected: set[str],
+) -> None:
+    """docs/observability.md: `ledger.lane` on every call about one lane; a
+    Reconcile is about the lanes its rows name, and also carries its default lane."""
+    ledger.put_lane("recall")
+    ledger.put_lane("filter")
+    ledger.ledger.Reconcile(
+        pb.ReconcileRequest(
+            format=pb.ReconcileRequest.CSV,
+            content=content,
+            default_lane=default_lane,
+            dry_run=True,
+        ),
+        timeout=10,
+    )
+    span = one_span(span_exporter, "ledger.v1.Ledger/Reconcile", SpanKind.SERVER)
+    assert span.attributes is not None
+    assert ({span.attributes["ledger.lane"]} if "ledger.lane" in span.attributes else set()) == (
+        expected
+    )
+    assert span.attributes.get("ledger.default_lane") == (default_lane or None)
