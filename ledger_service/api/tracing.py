@@ -411,6 +411,8 @@ def _observed_unary(behaviour: Behaviour) -> Behaviour:
         response = behaviour(request, context)
         if isinstance(response, Message):
             note_response(record, response)
+            if isinstance(request, Message):
+                note_answered_move(record, request)
         return response
 
     return observed
@@ -469,12 +471,17 @@ def note_request(record: CallRecord, request: Message) -> None:
         found["ledger.reservation_id"] = reservation_id[:MAX_NAME_CHARACTERS]
     if isinstance(request, pb.ReserveRequest):
         found["ledger.model"] = request.model[:MAX_NAME_CHARACTERS]
-    elif isinstance(request, pb.SettleRequest):
-        found["ledger.outcome"] = _enum_name(pb.Outcome, request.outcome)
+    elif isinstance(request, (pb.SettleRequest, pb.RefundRequest)):
         found["ledger.http_status"] = request.http_status
+
+
+def note_answered_move(record: CallRecord, request: Message) -> None:
+    """The outcome a Settle or Refund reported, once the ledger answered it: a
+    refused one booked nothing, so its span claims no outcome."""
+    if isinstance(request, pb.SettleRequest):
+        record.attributes["ledger.outcome"] = _enum_name(pb.Outcome, request.outcome)
     elif isinstance(request, pb.RefundRequest):
-        found["ledger.outcome"] = "refunded"
-        found["ledger.http_status"] = request.http_status
+        record.attributes["ledger.outcome"] = "refunded"
 
 
 def note_response(record: CallRecord, response: Message) -> None:

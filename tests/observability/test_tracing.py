@@ -285,3 +285,50 @@ def test_a_reconcile_span_names_the_lane_its_rows_are_of(
         expected
     )
     assert span.attributes.get("ledger.default_lane") == (default_lane or None)
+
+
+def _move_attributes(exporter: InMemorySpanExporter) -> list[tuple[str, int, dict[str, Any]]]:
+    """Each move's span: its method, status code and ledger.* attributes."""
+    found = []
+    for span in exporter.get_finished_spans():
+        if span.name in {RESERVE, SETTLE, "ledger.v1.Ledger/Refund"} and span.attributes:
+            ledger_attributes = {
+                key: value for key, value in span.attributes.items() if key.startswith("ledger.")
+            }
+            found.append((span.name, span.attributes["rpc.grpc.status_code"], ledger_attributes))
+    return found
+
+
+def test_a_failed_move_claims_no_outcome_it_did_not_book(
+    ledger: Any, span_exporter: InMemorySpanExporter
+) -> None:
+    """docs/observability.md: `ledger.outcome`, the decision and the charge are on
+    moves that were answered; a refused one names only what its request asked."""
+    ledger.put_lane("recall")
+    ledger.reserve("open", ttl_seconds=60)
+    refused = [
+        lambda: ledger.reserve("r", lane="nobody"),  # NOT_FOUND
+        lambda: ledger.settle("nope", pb.SUCCEEDED, input_tokens=1),  # NOT_FOUND
+        lambda: ledger.settle("nope", pb.UNKNOWN),  # NOT_FOUND
+        lambda: ledger.refund("nope"),  # NOT_FOUND
+        lambda: ledger.settle("open", pb.SUCCEEDED),  # SETTLE_WITHOUT_USAGE
+    ]
+    span_exporter.clear()
+    for move in refused:
+        with pytest.raises(grpc.RpcError):
+            move()
+    failed = _move_attributes(span_exporter)
+    assert len(failed) == len(refused)
+    for name, code, attributes in failed:
+        assert code != 0, name
+        claimed = {"ledger.outcome", "ledger.decision", "ledger.charge_nanos"} & set(attributes)
+        assert not claimed, (name, attributes)
+    # The expired booking: a late UNKNOWN is answered and changes nothing; the
+    # span says what the lane reported and what the booking is booked as.
+    ledger.advance_seconds(61)
+    span_exporter.clear()
+    ledger.settle("open", pb.UNKNOWN)
+    [(_, code, attributes)] = _move_attributes(span_exporter)
+    assert code == 0
+    assert attributes["ledger.outcome"] == "unknown"
+    assert attributes["ledger.booking_state"] == "expired"
