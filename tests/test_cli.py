@@ -941,6 +941,27 @@ def test_a_missing_or_refused_grant_is_one_line(
     assert "refused the grant from --grant (" in one_line_error(refused)
 
 
+def test_an_expired_grant_is_one_line_saying_when_it_expired_and_what_to_do(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    """The server's refusal is the same for every bad grant (docs/security.md);
+    the CLI holds the grant, so it reads its expiry itself and says so."""
+    from ledger_service.domain.grants import Scope
+    from ledger_service.storage import keyring
+
+    hour_us = 3_600_000_000
+    issued_at_us = (int(time.time()) - 7200) * 1_000_000
+    expired = keyring.load(target.data_dir).issue(
+        ["recall"], [Scope.READ], issued_at_us=issued_at_us, expires_at_us=issued_at_us + hour_us
+    )
+    run = ledger("balance", "recall", "--grant", expired)
+    line = one_line_error(run)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((issued_at_us + hour_us) // 1_000_000))
+    assert f"the grant from --grant expired at {when}" in line, line
+    assert "ledger grant issue" in line, line
+    assert run.code == exits.EXIT_FAILED
+
+
 def test_the_server_option_wins_over_the_environment(
     target: LedgerProcess, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:

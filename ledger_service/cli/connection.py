@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import os
 import pathlib
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -26,6 +28,7 @@ from ledger_service.cli.values import (
     MAX_VALUE_LENGTH,
     parse_timeout_seconds,
 )
+from ledger_service.domain.grants import GrantRejected, decode_unverified
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -83,6 +86,8 @@ class Session:
     grant_source: str = ""
     # None: plaintext.
     tls: Tls | None = None
+    # The grant sent, to say why the server refused it ("" when none).
+    grant: str = ""
 
     def options(self) -> dict[str, Any]:
         return {"timeout": self.timeout_seconds, "metadata": self.metadata}
@@ -164,6 +169,7 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
             metadata=metadata,
             grant_source=grant_source if grant else "",
             tls=tls,
+            grant=grant,
         )
 
 
@@ -244,9 +250,35 @@ def _unauthenticated(session: Session, reason: str) -> str:
             f"the ledger at {session.server} needs a grant and none was found: pass --grant, "
             f"set LEDGER_GRANT, or point LEDGER_DATA_DIR at the server's data directory ({reason})"
         )
+    expired_at = _expired_at(session.grant)
+    if expired_at:
+        renew = (
+            "restart the server, which writes a fresh one, or issue one with `ledger grant issue`"
+            if session.grant_source.endswith("admin.grant")
+            else "issue a new one with `ledger grant issue`"
+        )
+        return (
+            f"the grant from {session.grant_source} expired at {expired_at} "
+            f"(the ledger at {session.server} refused it): {renew}"
+        )
     return (
-        f"the ledger at {session.server} refused the grant from {session.grant_source} ({reason})"
+        f"the ledger at {session.server} refused the grant from {session.grant_source} "
+        f"({reason}): check it with `ledger grant inspect`"
     )
+
+
+def _expired_at(grant: str) -> str:
+    """When `grant` expired, by this machine's clock, or "" if it has not or is
+    not a grant. The server says only UNAUTHENTICATED, the same for every bad
+    grant; the CLI holds the grant, so it can read its expiry (unverified)."""
+    try:
+        claims = decode_unverified(grant)
+    except GrantRejected:
+        return ""
+    if claims.expires_at_us > time.time_ns() // 1000:
+        return ""
+    instant = datetime.datetime.fromtimestamp(claims.expires_at_us // 1_000_000, datetime.UTC)
+    return instant.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def command(behaviour: Callable[[argparse.Namespace, Session], int]) -> Callable[..., int]:
