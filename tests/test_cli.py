@@ -195,7 +195,6 @@ def reserve(ledger: RunLedger, lane: str, reservation_id: str, *extra: str) -> R
         ("$0.000001400", 1400),
         ("1400n", 1400),
         ("1400 nanos", 1400),
-        ("-$0.25", -250_000_000),
         ("$12345678.123456789", 12_345_678_123_456_789),
     ],
 )
@@ -223,6 +222,19 @@ def test_amounts_finer_than_a_nano_or_malformed_are_refused(text: str) -> None:
         values.parse_amount_nanos("--limit", text)
     assert refused.value.exit_code == exits.EXIT_BAD_VALUE
     assert refused.value.message.startswith("--limit: ")
+
+
+NEGATIVE_AMOUNTS = ["-$1", "$-1", "-1n", "- $0.25", "$ -0.25", "-0.5 USD"]
+
+
+@pytest.mark.parametrize("text", NEGATIVE_AMOUNTS)
+def test_a_negative_amount_is_refused_whichever_side_its_sign(text: str) -> None:
+    """No amount the CLI sends (a limit, estimate, bill, charge or price) may be
+    negative: '-$1' and '$-1' are the same mistake, refused the same way."""
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_amount_nanos("--limit", text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+    assert refused.value.message == f"--limit: {text!r} is negative: an amount is 0 or more"
 
 
 def test_amounts_print_as_usd_with_nine_decimals() -> None:
@@ -912,6 +924,21 @@ def test_a_malformed_value_is_refused_before_any_call(
 ) -> None:
     run = ledger(*command)
     assert one_line_error(run).startswith(f"ledger: {start}")
+    assert run.code == exits.EXIT_BAD_VALUE
+
+
+@pytest.mark.parametrize("text", ["-$1", "$-1"])
+@pytest.mark.parametrize("joined", [True, False], ids=["--limit=V", "--limit V"])
+def test_a_negative_amount_is_a_usage_error_naming_its_option(
+    target: LedgerProcess, ledger: RunLedger, text: str, joined: bool
+) -> None:
+    """README's exit codes: 2 for a malformed value on the command line, whichever
+    way it is written, and before any call (the server would answer 1)."""
+    limit = [f"--limit={text}"] if joined else ["--limit", text]
+    run = ledger("lane", "put", "negative", *limit, "--price", JEV_PRICE)
+    assert one_line_error(run) == (
+        f"ledger: --limit: {text!r} is negative: an amount is 0 or more\n"
+    )
     assert run.code == exits.EXIT_BAD_VALUE
 
 

@@ -27,6 +27,7 @@ from ledger_service.cli import (
     recovery,
 )
 from ledger_service.cli.exits import EXIT_FAILED
+from ledger_service.cli.values import NEGATIVE_AMOUNT
 
 # The distribution `ledger --version` reports (pyproject.toml's [project] name).
 DISTRIBUTION = "ledger-service"
@@ -40,8 +41,24 @@ def version_text() -> str:
         return f"ledger (unknown version: {DISTRIBUTION} is not installed)"
 
 
+class LedgerArgumentParser(argparse.ArgumentParser):
+    """argparse, except that '-$1' or '-1n' after an option is that option's value.
+
+    argparse takes any word starting with '-' that is not a plain negative number
+    for an option, so `--limit -$1` failed as 'expected one argument' while
+    `--limit=-$1` reached the value check: the same mistake must get the same
+    refusal (values.parse_amount_nanos). Subcommands' parsers are of this class too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Read by argparse to tell a negative number from an option (no option
+        # of ours starts with a digit, '$' or '.').
+        self._negative_number_matcher = NEGATIVE_AMOUNT
+
+
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(
+    root = LedgerArgumentParser(
         prog="ledger",
         description="The lane ledger: budgets for paid model calls, booked before they are made.",
     )

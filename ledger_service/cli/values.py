@@ -24,10 +24,15 @@ MAX_DURATION_MICROS = 10 * 366 * MICROS_PER_UNIT["d"]
 MAX_VALUE_LENGTH = 64
 DEFAULT_TIMEOUT_SECONDS = decimal.Decimal(5)
 MAX_TIMEOUT_SECONDS = decimal.Decimal(3600)
+# A sign before or after the dollar sign ('-$1', '$-1'): both are read, to be
+# refused alike, since no amount the CLI sends may be negative.
 _AMOUNT = re.compile(
-    r"^(?P<sign>-?)\s*(?P<dollar>\$?)\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)$",
+    r"^(?P<sign>-?)\s*(?P<dollar>\$?)\s*(?P<inner_sign>-?)\s*"
+    r"(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)$",
     re.ASCII,
 )
+# What argparse must take as an option's value, not as an option: '-$1', '-1n'.
+NEGATIVE_AMOUNT = re.compile(r"^-\s*\$?\s*(?:\d|\.\d)", re.ASCII)
 
 _DURATION = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>us|ms|s|m|h|d|)$", re.ASCII)
 _COUNT = re.compile(r"^-?\d{1,19}$", re.ASCII)
@@ -50,6 +55,13 @@ def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> 
             "(write $0.50, 0.50 USD or 500000000n)",
             EXIT_BAD_VALUE,
         )
+    if match["sign"] or match["inner_sign"]:
+        # Every amount on the wire (limit, estimate, bill, charge, price) is 0 or
+        # more; refused here, so '-$1' is a usage error as '$-1' is, not a call.
+        raise CliError(
+            f"{option}: {text[:MAX_VALUE_LENGTH]!r} is negative: an amount is 0 or more",
+            EXIT_BAD_VALUE,
+        )
     unit = match["unit"].lower()
     if not unit and not match["dollar"] and not bare_is_usd:
         raise CliError(f"{option}: {_no_unit_message(text, match)}", EXIT_BAD_VALUE)
@@ -69,16 +81,13 @@ def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> 
         raise CliError(f"{option}: unknown unit {match['unit']!r} (use USD or n)", EXIT_BAD_VALUE)
     if nanos > MAX_INT64:
         raise CliError(f"{option}: {text!r} is too large", EXIT_BAD_VALUE)
-    return -nanos if match["sign"] else nanos
+    return nanos
 
 
 def _no_unit_message(text: str, match: re.Match[str]) -> str:
     """Says the unit is missing and shows the number in each accepted form."""
-    sign, number = match["sign"], match["number"]
-    return (
-        f"{text.strip()!r} has no unit "
-        f"(write {sign}${number}, {sign}{number} USD or {sign}{number}n)"
-    )
+    number = match["number"]
+    return f"{text.strip()!r} has no unit (write ${number}, {number} USD or {number}n)"
 
 
 # The parts of a --price after MODEL=, in order; the last two may be left out.
