@@ -1072,6 +1072,25 @@ def test_reconcile_dry_run_then_apply(
     assert "\napplied: 0 corrected, 2 matched, 1 unmatched, 0 disagreeing\n" in again.out
 
 
+def test_reconcile_lane_is_the_lane_of_rows_naming_none_not_a_filter(
+    target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    """ReconcileRequest.default_lane (the proto): `--lane` fills in rows that name
+    no lane; a row naming its own lane is reconciled there. README and --help say so."""
+    booked_for_reconciling(ledger, "home")
+    booked_for_reconciling(ledger, "away")
+    export = tmp_path / "mixed.csv"
+    export.write_text("reservation_id,lane,billed_nanos\nu-1,,100\nu-1,away,200\n")
+    dry = ledger("reconcile", str(export), "--lane", "home", "--dry-run")
+    assert dry.code == 0, dry
+    rows = [line.split()[:4] for line in dry.out.splitlines()[1:3]]
+    assert rows == [["2", "home", "u-1", "corrected"], ["3", "away", "u-1", "corrected"]]
+    help_text = " ".join(ledger("reconcile", "--help").out.split())
+    assert "the lane of rows that name none (not a filter" in help_text
+    readme = " ".join((pathlib.Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "`--lane LANE` is the lane of the rows that name none, not a filter" in readme
+
+
 def test_reconcile_bad_rows_exit_1_with_their_lines_and_fields(
     target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
 ) -> None:

@@ -186,7 +186,12 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         choices=("csv", "jsonl"),
         help="default from the extension: .csv, or .jsonl / .ndjson",
     )
-    fix.add_argument("--lane", metavar="LANE", help="the lane of rows that name none")
+    fix.add_argument(
+        "--lane",
+        metavar="LANE",
+        help="the lane of rows that name none (not a filter: a row that names its "
+        "lane is reconciled in that lane)",
+    )
     fix.add_argument(
         "--dry-run", action="store_true", help="show what would change; change nothing"
     )
