@@ -151,6 +151,7 @@ class Settings:
                 raise ValueError(f"{name} must be above 0")
             if value < 0:
                 raise ValueError(f"{name} must not be negative")
+        _check_listen(self.listen)
         if self.recovery_max_risk > 1:
             raise ValueError("recovery_max_risk (LEDGER_RECOVERY_MAX_RISK) must be at most 1")
         if self.default_page_size > self.max_page_size:
@@ -221,6 +222,17 @@ _POSITIVE = frozenset(
         "rebuild_lease_seconds",
     }
 )
+
+
+def _check_listen(listen: str) -> None:
+    """HOST:PORT with a port from 0 to 65535. Raises ValueError: grpcio itself
+    takes '127.0.0.1:99999' and listens on some other port, unsaid."""
+    host, colon, port = listen.rpartition(":")
+    if not (host and colon and port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise ValueError(
+            f"listen (--listen or LEDGER_LISTEN): {listen[:100]!r} is not HOST:PORT "
+            "with a port from 0 to 65535 (0 picks a free one)"
+        )
 
 
 def _numbers_from_environment() -> dict[str, object]:

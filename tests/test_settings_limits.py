@@ -62,3 +62,21 @@ def test_serve_refuses_a_negative_worker_count_in_one_line(tmp_path: pathlib.Pat
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "max_workers" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "127.0.0.1:-1", "127.0.0.1", "127.0.0.1:x"])
+def test_a_listen_address_without_a_port_gRPC_can_bind_is_refused(listen: str) -> None:
+    """grpcio took '127.0.0.1:99999' and listened on a random port, unsaid."""
+    with pytest.raises(ValueError, match=r"^listen \(--listen or LEDGER_LISTEN\): ") as refused:
+        Settings(database_url=URL, listen=listen)
+    assert "0 to 65535" in str(refused.value)
+
+
+def test_serve_refuses_a_port_past_65535_in_one_line(tmp_path: pathlib.Path) -> None:
+    ledger = pathlib.Path(sys.executable).with_name("ledger")
+    done = subprocess.run(
+        [str(ledger), "serve", "--listen", "127.0.0.1:99999", "--data-dir", str(tmp_path)],
+        cwd=tmp_path, env=serving.clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and "99999" in done.stderr, done.stderr
