@@ -155,6 +155,10 @@ def test_an_empty_grant_is_refused_not_replaced_by_the_admin_grant(grant: str) -
         ("127.0.0.1:0", "--server"),
         ("127.0.0.1:", "--server"),
         ("", "--server"),
+        # A URL: gRPC would read 'http' as a host name and find nobody there.
+        ("http://127.0.0.1:50051", "--server"),
+        ("grpc://localhost:50051", "--server"),
+        ("127.0.0.1:50051/ledger", "--server"),
     ],
 )
 def test_a_server_address_that_is_not_host_port_is_a_bad_value_not_unreachable(

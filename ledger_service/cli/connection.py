@@ -110,6 +110,12 @@ def resolve_server(given: str | None) -> str:
     if server.startswith(_TARGET_SCHEMES):
         return server
     host, colon, port = server.rpartition(":")
+    if "/" in host:  # a URL ('http://host:port'): gRPC would take 'http' for a host name
+        raise CliError(
+            f"{source}: {server[:MAX_VALUE_LENGTH]!r} is not HOST:PORT (a URL: leave out "
+            f"the scheme, as in {DEFAULT_SERVER}; for TLS pass --tls-ca)",
+            EXIT_BAD_VALUE,
+        )
     if not (host and colon and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise CliError(
             f"{source}: {server[:MAX_VALUE_LENGTH]!r} is not HOST:PORT "
