@@ -942,6 +942,31 @@ def test_a_negative_amount_is_a_usage_error_naming_its_option(
     assert run.code == exits.EXIT_BAD_VALUE
 
 
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        ([], "ledger: the following arguments are required: COMMAND (see `ledger --help`)"),
+        (["balance"], "ledger balance: the following arguments are required: LANE "
+                      "(see `ledger balance --help`)"),
+        (["settle", "recall", "r-1"], "ledger settle: the following arguments are required: "
+                                      "--outcome (see `ledger settle --help`)"),
+        (["grant", "issue", "--lane", "recall", "--scope", "nope"],
+         "ledger grant issue: argument --scope: invalid choice: 'nope' (choose from 'charge', "
+         "'read', 'admin') (see `ledger grant issue --help`)"),
+        (["lane", "show", "recall", "extra"],
+         "ledger: unrecognized arguments: extra (see `ledger --help`)"),
+    ],
+)  # fmt: skip
+def test_a_usage_error_is_one_line_naming_what_is_wrong(
+    ledger: RunLedger, command: list[str], said: str
+) -> None:
+    """README: exit 2 for a malformed command line, and one line, not argparse's
+    usage block (every command's usage is in its --help)."""
+    run = ledger(*command)
+    assert one_line_error(run) == said + "\n"
+    assert run.code == exits.EXIT_BAD_VALUE
+
+
 def test_a_contradicting_move_fails_with_its_reason(
     target: LedgerProcess, ledger: RunLedger
 ) -> None:

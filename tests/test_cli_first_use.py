@@ -157,7 +157,7 @@ def test_a_real_head_gets_its_line_and_the_command_ends_quietly(
         ("100", "$100, 100 USD or 100n"),
         ("0.50", "$0.50, 0.50 USD or 0.50n"),
         ("0", "$0, 0 USD or 0n"),
-        ("-1", "-$1, -1 USD or -1n"),
+        # '-1' is negative first of all (test_cli.py: no amount is negative).
     ],
 )
 def test_a_bare_amount_is_refused_naming_the_option_and_the_forms(text: str, forms: str) -> None:

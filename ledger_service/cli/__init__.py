@@ -13,7 +13,7 @@ import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from ledger_service.cli import (
     connection,
@@ -26,7 +26,7 @@ from ledger_service.cli import (
     reconcile,
     recovery,
 )
-from ledger_service.cli.exits import EXIT_FAILED
+from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_FAILED
 from ledger_service.cli.values import NEGATIVE_AMOUNT
 
 # The distribution `ledger --version` reports (pyproject.toml's [project] name).
@@ -42,7 +42,8 @@ def version_text() -> str:
 
 
 class LedgerArgumentParser(argparse.ArgumentParser):
-    """argparse, except that '-$1' or '-1n' after an option is that option's value.
+    """argparse, except that a usage error is one line, and that '-$1' or '-1n'
+    after an option is that option's value.
 
     argparse takes any word starting with '-' that is not a plain negative number
     for an option, so `--limit -$1` failed as 'expected one argument' while
@@ -55,6 +56,11 @@ class LedgerArgumentParser(argparse.ArgumentParser):
         # Read by argparse to tell a negative number from an option (no option
         # of ours starts with a digit, '$' or '.').
         self._negative_number_matcher = NEGATIVE_AMOUNT
+
+    def error(self, message: str) -> NoReturn:
+        """One line naming what is wrong, exit 2 (EXIT_BAD_VALUE), as every other
+        refused value: argparse's usage block first made it ten lines or more."""
+        self.exit(EXIT_BAD_VALUE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def parser() -> argparse.ArgumentParser:
