@@ -307,20 +307,8 @@ class AbsentTestClockServicer(pb_grpc.TestClockServicer):
     calls pass the grant check and the tracing as every RPC does: unregistered,
     grpcio would answer before any interceptor ran."""
 
-    def SetTime(
-        self, request: timestamp_pb2.Timestamp, context: grpc.ServicerContext
-    ) -> timestamp_pb2.Timestamp:
+    def _absent(self, request: object, context: grpc.ServicerContext) -> timestamp_pb2.Timestamp:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TEST_CLOCK_MESSAGE)
         raise AssertionError("abort raises")
 
-    def Advance(
-        self, request: duration_pb2.Duration, context: grpc.ServicerContext
-    ) -> timestamp_pb2.Timestamp:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TEST_CLOCK_MESSAGE)
-        raise AssertionError("abort raises")
-
-    def GetTime(
-        self, request: empty_pb2.Empty, context: grpc.ServicerContext
-    ) -> timestamp_pb2.Timestamp:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_TEST_CLOCK_MESSAGE)
-        raise AssertionError("abort raises")
+    SetTime = Advance = GetTime = _absent
