@@ -11,7 +11,6 @@ from the snapshot, refused every move over a chain break that was not there.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,30 +19,13 @@ import pytest
 import sqlalchemy as sa
 
 from ledger_service.domain.moves import ReserveCommand
-from ledger_service.storage.sql import SqlTransaction
 from tests.recovery.conftest import History, open_history
+from tests.storage.test_independent_lanes import HeldCommits
 
 pytestmark = pytest.mark.postgres
 
 HELD_THREAD = "held-move"
 TIMEOUT_SECONDS = 10.0
-
-
-class HeldCommit:
-    """Holds the commit of moves made in the HELD_THREAD thread until released."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.reached = threading.Event()
-        self.release = threading.Event()
-        commit = SqlTransaction.commit
-
-        def holding(tx: SqlTransaction) -> None:
-            if threading.current_thread().name.startswith(HELD_THREAD):
-                self.reached.set()
-                assert self.release.wait(60), "the held commit was never released"
-            commit(tx)
-
-        monkeypatch.setattr(SqlTransaction, "commit", holding)
 
 
 @pytest.fixture
@@ -68,7 +50,7 @@ def _lock_waiters(history: History) -> int:
 def test_a_snapshot_beside_a_move_in_flight_holds_that_move(
     history: History, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    held = HeldCommit(monkeypatch)
+    held = HeldCommits(monkeypatch, HELD_THREAD)
     recovery = history.recovery()
     with (
         concurrent.futures.ThreadPoolExecutor(1, HELD_THREAD) as mover,

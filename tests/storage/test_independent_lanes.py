@@ -33,15 +33,19 @@ TIMEOUT_SECONDS = 10.0
 
 
 class HeldCommits:
-    """Holds this process's next commit until released (or fails it instead)."""
+    """Holds this process's commits (those of threads whose name starts with
+    `thread`) until released (or fails them instead)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, thread: str = "") -> None:
         self.reached = threading.Event()
         self.release = threading.Event()
         self.fail = False
         commit = SqlTransaction.commit
 
         def holding(tx: SqlTransaction) -> None:
+            if not threading.current_thread().name.startswith(thread):
+                commit(tx)
+                return
             self.reached.set()
             assert self.release.wait(60), "the held commit was never released"
             if self.fail:

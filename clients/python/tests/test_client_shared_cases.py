@@ -254,22 +254,15 @@ def test_reserve_and_model_call_refuse_the_reservation_ids_the_cases_refuse(
     reservation_id = case["set"]["reservation_id"]
     defaults = ARGUMENTS["reserve_defaults"]
     with LaneClient("127.0.0.1:9", "lane") as client:
-        with _refusal(case) as caught:
-            client.reserve(
-                defaults["model"],
-                defaults["request_bytes"],
-                defaults["max_output_tokens"],
-                reservation_id=reservation_id,
-            )
-        _check_refusal(caught.value, case)
-        with _refusal(case) as caught:
-            client.model_call(
-                defaults["model"],
-                defaults["request_bytes"],
-                defaults["max_output_tokens"],
-                reservation_id=reservation_id,
-            )
-        _check_refusal(caught.value, case)
+        for method in (client.reserve, client.model_call):
+            with _refusal(case) as caught:
+                method(
+                    defaults["model"],
+                    defaults["request_bytes"],
+                    defaults["max_output_tokens"],
+                    reservation_id=reservation_id,
+                )
+            _check_refusal(caught.value, case)
 
 
 @pytest.mark.parametrize("case", ARGUMENTS["refund"], ids=lambda case: case["why"])
