@@ -666,10 +666,14 @@ class SqlRecoveryStore:
             rows = connection.execute(select(lanes).order_by(lanes.c.lane)).mappings()
             return [records.lane_from_row(row) for row in rows]
 
-    def projected_bookings(self, lane: str) -> Sequence[Booking]:
+    def projected_bookings(self, lane: str) -> Iterator[Booking]:
+        """The lane's bookings by reservation id, `batch_rows` rows in memory at a time."""
         with self._reading() as connection:
-            rows = connection.execute(select(bookings).where(bookings.c.lane == lane)).mappings()
-            return [records.booking_from_row(row) for row in rows]
+            result = connection.execution_options(yield_per=self._batch).execute(
+                select(bookings).where(bookings.c.lane == lane).order_by(bookings.c.reservation_id)
+            )
+            for row in result.mappings():
+                yield records.booking_from_row(row)
 
     def window_totals(self, lane: str, now_us: int, window_us: int) -> WindowTotals:
         with self._reading() as connection:

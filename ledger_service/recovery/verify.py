@@ -152,19 +152,21 @@ class Verifier:
         elif replayed_policy != projected_policy:
             report.add(f"lane {lane!r}: {_first_difference(replayed_policy, projected_policy)}")
         replayed = {rid: booking for (_, rid), booking in projection.bookings.items()}
-        projected = {
-            booking.reservation_id: booking for booking in self._store.projected_bookings(lane)
-        }
-        for rid in sorted(set(replayed) | set(projected)):
+        # The projection is streamed against the replay: one lane's bookings
+        # are held once, not twice.
+        unseen = set(replayed)
+        for found_booking in self._store.projected_bookings(lane):
+            rid = found_booking.reservation_id
             report.bookings += 1
-            expected, found_booking = replayed.get(rid), projected.get(rid)
-            where = f"booking {lane}/{rid}"
+            expected = replayed.get(rid)
+            unseen.discard(rid)
             if expected is None:
-                report.add(f"{where} is projected but not in the log")
-            elif found_booking is None:
-                report.add(f"{where} is in the log but missing from the projection")
+                report.add(f"booking {lane}/{rid} is projected but not in the log")
             elif expected != found_booking:
-                report.add(f"{where}: {_first_difference(expected, found_booking)}")
+                report.add(f"booking {lane}/{rid}: {_first_difference(expected, found_booking)}")
+        for rid in sorted(unseen):
+            report.bookings += 1
+            report.add(f"booking {lane}/{rid} is in the log but missing from the projection")
         return replayed
 
     def _verify_windows(

@@ -104,6 +104,19 @@ def test_an_altered_booking_amount_is_found_and_rebuilt(sqlite_history: History)
     assert history.projected_amounts() == before and _verify(history) == []
 
 
+def test_verify_names_a_booking_missing_from_the_projection_and_one_not_in_the_log(
+    history: History,
+) -> None:
+    # r7 gone from the projection, and its row back under an id no event has.
+    history.sql(
+        "UPDATE bookings SET reservation_id = 'r7-unlogged' WHERE reservation_id = 'r7'",
+    )
+    findings = _verify(history)
+    assert "booking recall/r7-unlogged is projected but not in the log" in findings, findings
+    assert "booking recall/r7 is in the log but missing from the projection" in findings, findings
+    assert len(findings) == 3, findings  # and the facts: "1 bookings differ from ..."
+
+
 @pytest.mark.postgres
 def test_a_damaged_kept_window_is_found_by_verify_and_mended_by_a_rebuild(
     postgres_schema_url: str,
