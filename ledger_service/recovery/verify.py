@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import ChainWalker
@@ -109,7 +109,9 @@ class Verifier:
         own_totals: dict[tuple[str, int], WindowTotals] = {}
         total = self._store.count_events_after(0)
         for lane in sorted(set(self._store.log_lanes()) | set(projected)):
-            replayed = self._verify_lane(lane, projected.get(lane), report)
+            replayed = self._verify_lane(
+                lane, projected.get(lane), report, lambda done: progress("verify", done, total, 0.0)
+            )
             for window_us in windows.get(lane, ()):
                 own_totals[(lane, window_us)] = totals_of(replayed.values(), now_us, window_us)
             progress("verify", report.events, total, 0.0)
@@ -117,12 +119,18 @@ class Verifier:
         return report
 
     def _verify_lane(
-        self, lane: str, projected_policy: LanePolicy | None, report: VerificationReport
+        self,
+        lane: str,
+        projected_policy: LanePolicy | None,
+        report: VerificationReport,
+        events_done: Callable[[int], None],
     ) -> Mapping[str, Booking]:
         walker = ChainWalker()
         projection = Projection()
         for event in self._events(lane=lane):
             report.events += 1
+            if report.events % self._batch == 0:
+                events_done(report.events)  # within a lane too: one lane may hold them all
             self._latest_us = max(self._latest_us, event.occurred_at_us)
             found = walker.check(event)
             if found is not None:

@@ -397,3 +397,17 @@ def test_snapshots_come_further_apart_as_the_projections_grow(history: History) 
     history.ledger.reserve(ReserveCommand("recall", "spaced-last", "jev", 35_000, 1000))
     assert recovery.snapshot_due(1)
     assert not recovery.snapshot_due(spacing + 1), "the configured interval still holds"
+
+
+def test_verify_reports_progress_within_a_lane(sqlite_history: History) -> None:
+    # One lane may hold the whole log: progress comes every batch of events,
+    # not only at the end of each lane.
+    seen: list[tuple[str, int, int]] = []
+    report = Verifier(SqlRecoveryStore(sqlite_history.engine), 10).verify(
+        sqlite_history.clock.now_us(),
+        lambda phase, done, total, elapsed: seen.append((phase, done, total)),
+    )
+    assert report.ok
+    assert len(seen) > report.lanes + 2, seen
+    assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
+    assert seen[-1] == ("verify", report.events, report.events)
