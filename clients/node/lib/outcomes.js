@@ -74,10 +74,26 @@ function statusOf(value) {
   throw new TypeError(`httpStatus must be an HTTP status (100 to 599) or 0, not ${String(value).slice(0, 40)}`);
 }
 
-// The cached and cache-write tokens are parts of inputTokens (see usage.js),
-// so together at most it; the server refuses more, and so does this check.
-function checkCacheParts(usage) {
+// The ledger's bounds of a usage, as the Python client's Usage holds them: a
+// count outside them is malformed (settled UNKNOWN, the error rethrown) rather
+// than sent, refused by the ledger, and left open to expire.
+const MAX_TOKENS = 10n ** 12n;
+const MAX_AMOUNT_NANOS = 2n ** 62n;
+const TOKEN_FIELDS = ['inputTokens', 'outputTokens', 'cachedInputTokens', 'cacheWriteTokens'];
+
+// Each count within the ledger's bounds; the cached and cache-write tokens are
+// parts of inputTokens (see usage.js), so together at most it: the server
+// refuses more, and so does this check.
+function checkUsage(usage) {
   const integer = (value, name) => BigInt(wire.int64(value, name));
+  for (const name of TOKEN_FIELDS) {
+    const count = integer(usage[name], name);
+    if (count < 0n || count > MAX_TOKENS) throw new RangeError(`${name} must be between 0 and ${MAX_TOKENS}`);
+  }
+  if (usage.billedNanos !== null) {
+    const billed = integer(usage.billedNanos, 'billedNanos');
+    if (billed < 0n || billed > MAX_AMOUNT_NANOS) throw new RangeError(`billedNanos must be between 0 and ${MAX_AMOUNT_NANOS}`);
+  }
   const parts = integer(usage.cachedInputTokens, 'cachedInputTokens') + integer(usage.cacheWriteTokens, 'cacheWriteTokens');
   if (parts > integer(usage.inputTokens, 'inputTokens')) {
     throw new RangeError('cachedInputTokens + cacheWriteTokens must be at most inputTokens, which counts every input token');
@@ -97,7 +113,7 @@ function reportedUsage(returned) {
     cachedInputTokens: usage?.cachedInputTokens ?? 0,
     cacheWriteTokens: usage?.cacheWriteTokens ?? 0,
   };
-  checkCacheParts(reported);
+  checkUsage(reported);
   return reported;
 }
 
@@ -109,8 +125,8 @@ function reportedUsage(returned) {
  * `undefined` or `null` reports nothing: an UNKNOWN ending (`nothingReported`
  * is then true, and call() warns), like the Python client's model_call block
  * that ends without a report. Throws TypeError on a malformed value (any other
- * non-object, a bad status or usage), RangeError on cache counts above
- * inputTokens (the wrapper then settles UNKNOWN).
+ * non-object, a bad status or usage), RangeError on a count outside the
+ * ledger's bounds or cache counts above inputTokens (the wrapper then settles UNKNOWN).
  */
 function reportOf(returned) {
   if (returned === undefined || returned === null) {

@@ -211,6 +211,36 @@ describe('call()', () => {
     assert.equal((await client.booking(reservationId)).state, 'SETTLED_UNKNOWN');
   });
 
+  test('a usage outside the ledger\'s bounds is malformed: settled UNKNOWN and rethrown, as the Python client\'s Usage', async () => {
+    // Python's Usage refuses a count outside [0, 10^12] and a billed amount
+    // outside [0, 2^62] inside the block, so model_call settles UNKNOWN. Sent
+    // as it is, the ledger would refuse the Settle and leave the booking open
+    // until it expires.
+    const client = await laneClient('usage-bounds');
+    const bad = [
+      { inputTokens: 10n ** 12n + 1n, outputTokens: 1 },
+      { inputTokens: 10, outputTokens: -1 },
+      { inputTokens: -1, outputTokens: 1 },
+      { inputTokens: 10, outputTokens: 1, cachedInputTokens: -1 },
+      { billedNanos: -1 },
+      { billedNanos: 2n ** 62n + 1n },
+    ];
+    for (const usage of bad) {
+      let reservationId;
+      await assert.rejects(
+        client.call(REQUEST, async (booking) => {
+          reservationId = booking.reservationId;
+          return { httpStatus: 200, usage };
+        }),
+        RangeError,
+        JSON.stringify(usage, (key, value) => (typeof value === 'bigint' ? String(value) : value)),
+      );
+      const booking = await client.booking(reservationId);
+      assert.equal(booking.state, 'SETTLED_UNKNOWN');
+      assert.equal(booking.amountNanos, CAP, 'charged at the hold');
+    }
+  });
+
   test('a denial skips the callback and says when to retry', async () => {
     const client = await laneClient('denial', { limit_nanos: '2000000' });
     const first = await client.call(REQUEST, async () => ({ httpStatus: 504 }));
