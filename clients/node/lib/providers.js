@@ -128,10 +128,15 @@ const isCount = (value) => Number.isSafeInteger(value) && value >= 0;
 function ensureMaxTokens(json, plan, defaultMaxOutputTokens) {
   const fields = plan.chat ? MAX_TOKEN_FIELDS.chat : MAX_TOKEN_FIELDS.responses;
   const given = fields.map((field) => json[field]).find(isCount);
-  if (given !== undefined) return given;
-  if (fields.every((field) => json[field] === undefined || json[field] === null)) json[fields[0]] = defaultMaxOutputTokens;
-  return defaultMaxOutputTokens;
+  if (given !== undefined) return { maxOutputTokens: given, changed: false };
+  if (fields.every((field) => json[field] === undefined || json[field] === null)) {
+    json[fields[0]] = defaultMaxOutputTokens;
+    return { maxOutputTokens: defaultMaxOutputTokens, changed: true };
+  }
+  return { maxOutputTokens: defaultMaxOutputTokens, changed: false };
 }
+
+const isPlainObject = (value) => value !== null && typeof value === 'object' && !Array.isArray(value);
 
 /**
  * What is sent and booked: a JSON body with the reservation id in its
@@ -145,11 +150,20 @@ function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
     return { body: sent, requestBytes: bytes.length, model: UNKNOWN_MODEL, maxOutputTokens: defaultMaxOutputTokens };
   }
   const json = { ...plan.json };
-  const maxOutputTokens = ensureMaxTokens(json, plan, defaultMaxOutputTokens);
-  tagMetadata(json, reservationId);
-  if (plan.chat && plan.stream) json.stream_options = { ...(json.stream_options ?? {}), include_usage: true };
-  const body = JSON.stringify(json);
+  const { maxOutputTokens, changed: bounded } = ensureMaxTokens(json, plan, defaultMaxOutputTokens);
+  const tagged = tagMetadata(json, reservationId);
+  let asked = false;
+  if (plan.chat && plan.stream) {
+    // Options that are not an object are replaced, as the Python transport does.
+    const options = isPlainObject(json.stream_options) ? json.stream_options : {};
+    asked = options !== json.stream_options || options.include_usage !== true;
+    json.stream_options = { ...options, include_usage: true };
+  }
   const model = typeof json.model === 'string' && json.model !== '' ? json.model : UNKNOWN_MODEL;
+  // Nothing changed: the body goes as the caller wrote it (the Python
+  // transport's `raw if edited == parsed`), so both book the same bytes.
+  if (!bounded && !tagged && !asked) return { body: plan.sent, requestBytes: plan.bytes.length, model, maxOutputTokens };
+  const body = JSON.stringify(json);
   return { body, requestBytes: Buffer.byteLength(body), model, maxOutputTokens };
 }
 
@@ -157,15 +171,16 @@ function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
  * The reservation id into the body's metadata, as the Python client's
  * _tag_body: not when the caller set the key, nor into a metadata that holds
  * 16 keys already (OpenAI's limit) or is not an object (the provider refuses
- * it either way); a missing or null metadata becomes one.
+ * it either way); a missing or null metadata becomes one. true when it tagged.
  */
 function tagMetadata(json, reservationId) {
   const given = json.metadata;
-  if (given !== undefined && given !== null && (typeof given !== 'object' || Array.isArray(given))) return;
+  if (given !== undefined && given !== null && (typeof given !== 'object' || Array.isArray(given))) return false;
   const metadata = { ...(given ?? {}) };
-  if (Object.hasOwn(metadata, TAG_KEY) || Object.keys(metadata).length >= MAX_METADATA_KEYS) return;
+  if (Object.hasOwn(metadata, TAG_KEY) || Object.keys(metadata).length >= MAX_METADATA_KEYS) return false;
   metadata[TAG_KEY] = reservationId;
   json.metadata = metadata;
+  return true;
 }
 
 // What undici's fetch fails with when no connection could be made (its

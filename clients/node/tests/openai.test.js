@@ -411,6 +411,36 @@ test('a JSON body given as bytes or a stream is booked like a string: tagged, it
   }
 });
 
+test('a JSON body that needs no change is sent and booked byte for byte, as the Python transport does', async () => {
+  // The Python transport sends the raw body when its edits change nothing
+  // (prepare_request: `raw if edited == parsed`), so both clients book the
+  // same request_bytes for it, and the caller's text (its spacing, its
+  // integers past 2^53) reaches the provider as written.
+  const lane = await laneForAnyBody();
+  try {
+    const raw = '{ "model": "m", "max_tokens": 100, "n": 12345678901234567890,\n  "metadata": {"ledger_reservation_id": "mine"},\n  "messages": [{"role": "user", "content": "ok"}] }';
+    for (const body of [raw, Buffer.from(raw)]) {
+      const { sent, booking } = await postedThrough(lane, body);
+      assert.equal(sent.raw, raw, 'sent as written');
+      assert.equal(booking.requestBytes, BigInt(Buffer.byteLength(raw)));
+      assert.equal(booking.model, 'm');
+      assert.equal(booking.maxOutputTokens, 100n);
+    }
+    // A metadata that is not an object is left for the provider to refuse: nothing else to change.
+    const odd = '{"model": "m", "max_tokens": 100, "metadata": "x", "messages": []}';
+    assert.equal((await postedThrough(lane, odd)).sent.raw, odd);
+    // A chat stream whose stream_options is not an object gets {include_usage: true}
+    // in its place, as in Python, not the string's characters or the array's items.
+    for (const options of ['"ab"', '[1, 2]']) {
+      const stream = `{"model": "m", "max_tokens": 100, "stream": true, "stream_options": ${options}, "messages": []}`;
+      const { sent } = await postedThrough(lane, stream);
+      assert.deepEqual(sent.body.stream_options, { include_usage: true }, options);
+    }
+  } finally {
+    lane.close();
+  }
+});
+
 test('a body that is not a JSON object, or names no model, is booked as the model "unknown"', async () => {
   const lane = await laneForAnyBody();
   try {
