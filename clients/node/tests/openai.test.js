@@ -426,6 +426,11 @@ test('a JSON body that needs no change is sent and booked byte for byte, as the 
       assert.equal(booking.model, 'm');
       assert.equal(booking.maxOutputTokens, 100n);
     }
+    // An integral bound written as a float is the count, in both clients.
+    const float = raw.replace('"max_tokens": 100', '"max_tokens": 100.0');
+    const floated = await postedThrough(lane, float);
+    assert.equal(floated.sent.raw, float);
+    assert.equal(floated.booking.maxOutputTokens, 100n);
     // A metadata that is not an object is left for the provider to refuse: nothing else to change.
     const odd = '{"model": "m", "max_tokens": 100, "metadata": "x", "messages": []}';
     assert.equal((await postedThrough(lane, odd)).sent.raw, odd);

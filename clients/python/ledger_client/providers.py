@@ -200,17 +200,29 @@ def _dumps(body: Mapping[str, Any]) -> bytes:
     return canonical_json.dump_bytes(body)
 
 
+_MAX_SAFE_INTEGER = 2**53 - 1
+
+
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _count_of(value: object) -> int | None:
+    """A bound as a count, or None. An integral JSON number is one, 100.0 too:
+    JavaScript's JSON.parse reads it as 100, and the Node client books that."""
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= _MAX_SAFE_INTEGER:
+        return int(value)
+    if isinstance(value, int) and _is_count(value):
+        return value
+    return None
 
 
 def _ensure_max_tokens(body: dict[str, Any], style: CallStyle, default: int) -> int:
     fields = _MAX_TOKEN_FIELDS[style]
     for name in fields:
-        value = body.get(name)
-        if _is_count(value):
-            assert isinstance(value, int)
-            return value
+        count = _count_of(body.get(name))
+        if count is not None:
+            return count
     if all(body.get(name) is None for name in fields):
         body[fields[0]] = default
     # A bound that is not a count: the provider refuses it (a 4xx, refunded).

@@ -621,3 +621,24 @@ def test_booking_options_change_the_bound_and_the_tag(
     assert body["max_completion_tokens"] == 77 and booking.max_output_tokens == 77
     with pytest.raises(ValueError, match="default_max_output_tokens"):
         BookingOptions(default_max_output_tokens=-1)
+
+
+def test_an_integral_float_bound_is_a_count_and_the_body_goes_as_written() -> None:
+    # JSON has one number type: `"max_tokens": 100.0` is the bound 100, as the
+    # Node client reads it (JSON.parse gives 100) and as usage_of reads an
+    # integral count. Read as "not a count", the default was reserved instead.
+    from ledger_client.providers import CallStyle, prepare_request
+
+    raw = b'{"model": "m", "max_tokens": 100.0, "metadata": {"ledger_reservation_id": "mine"}}'
+    request = httpx2.Request("POST", "http://provider/v1/chat/completions", content=raw)
+    prepared = prepare_request(request, CallStyle.OPENAI_CHAT, "r-1")
+    assert prepared.max_output_tokens == 100
+    assert isinstance(prepared.max_output_tokens, int)
+    assert prepared.body == raw
+    # A fraction or a float past 2^53 is still no count: the default is reserved.
+    for bound in (b"100.5", b"1e300", b"true"):
+        odd = raw.replace(b"100.0", bound)
+        request = httpx2.Request("POST", "http://provider/v1/chat/completions", content=odd)
+        prepared = prepare_request(request, CallStyle.OPENAI_CHAT, "r-1")
+        assert prepared.max_output_tokens == DEFAULT_MAX_OUTPUT_TOKENS
+        assert prepared.body == odd
