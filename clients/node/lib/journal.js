@@ -559,6 +559,26 @@ function readText(file) {
   }
 }
 
+/**
+ * mkdir -p, one folder at a time. Node's mkdirSync(..., {recursive: true})
+ * spins for ever where mkdir(2) answers ENOENT under a parent that exists
+ * (under /proc): here that ENOENT is thrown, as Python's os.makedirs does.
+ */
+function makeFolders(folder) {
+  const missing = [];
+  for (let current = path.resolve(folder); !fs.existsSync(current); current = path.dirname(current)) {
+    missing.push(current);
+    if (path.dirname(current) === current) break;
+  }
+  for (const one of missing.reverse()) {
+    try {
+      fs.mkdirSync(one);
+    } catch (error) {
+      if (error.code !== 'EEXIST') throw error;
+    }
+  }
+}
+
 /** Creates the lock file exclusively; takes over a dead holder's lock. Returns its text. */
 function acquireLock(lockPath, journalPath) {
   const mine = `${JSON.stringify({ pid: process.pid, host: os.hostname(), at: nowText() })}\n`;
@@ -654,7 +674,7 @@ class Journal {
     this.skippedLines = 0;
     this.sizeBytes = 0;
     try {
-      fs.mkdirSync(path.dirname(this.path), { recursive: true });
+      makeFolders(path.dirname(this.path));
       this._lock = acquireLock(this._lockPath, this.path);
     } catch (error) {
       throw unusable(this.path, error);

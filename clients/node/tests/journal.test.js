@@ -4,7 +4,7 @@
 
 const { afterEach, beforeEach, describe, mock, test } = require('node:test');
 const assert = require('node:assert/strict');
-const { execFileSync, spawn } = require('node:child_process');
+const { execFileSync, spawn, spawnSync } = require('node:child_process');
 const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
@@ -397,6 +397,21 @@ describe('a journal path that cannot hold a journal', () => {
       );
     });
   }
+});
+
+describe('a journal under a folder that cannot be made', () => {
+  // Node's own fs.mkdirSync(..., {recursive: true}) spins for ever where
+  // mkdir(2) answers ENOENT under a parent that exists (procfs), so the lane
+  // would hang in new LaneClient. Run in a child, killed if it never returns.
+  test('is refused with a JournalError, as the Python client refuses it', { skip: !fs.existsSync('/proc/self') && 'no /proc' }, () => {
+    const script = `
+const { Journal, JournalError } = require(${JSON.stringify(path.resolve(__dirname, '..'))});
+try { new Journal('/proc/ledger-journal-folder/journal.jsonl', 'recall'); console.log('opened'); }
+catch (error) { console.log(error instanceof JournalError ? 'JournalError' : error.name); }`;
+    const child = spawnSync(process.execPath, ['-e', script], { encoding: 'utf8', timeout: 20_000, killSignal: 'SIGKILL' });
+    assert.equal(child.signal, null, 'it returned');
+    assert.equal(child.stdout.trim(), 'JournalError');
+  });
 });
 
 describe('one format with the Python client', { skip: !hasPython && 'the repository venv has no ledger_client' }, () => {
