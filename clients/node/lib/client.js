@@ -614,6 +614,8 @@ class LaneClient {
       } catch (error) {
         ledgerError = error;
         if (isLedgerUnavailable(error)) journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
+        // A refusal leaves the booking open to expire at its hold: say so, as the Python client does.
+        else this._logger?.error(`ledger: the ledger refused to end booking ${reservationId} (${error.reason || error.message})`);
       }
     }
     if (thrown !== null) {

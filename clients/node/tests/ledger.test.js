@@ -241,6 +241,17 @@ describe('call()', () => {
     }
   });
 
+  test('an ending the ledger refuses is reported on Completed and logged, as the Python client logs it', async () => {
+    const errors = [];
+    const logger = { warn: () => undefined, error: (message) => errors.push(message) };
+    const client = await laneClient('refused-ending', {}, { logger });
+    const result = await client.call(REQUEST, async () => ({ httpStatus: 200, usage: { inputTokens: 10, outputTokens: 101 } }));
+    assert.ok(result.ledgerError instanceof OutputExceedsMaxTokens);
+    assert.equal(result.chargedNanos, null);
+    assert.equal(errors.length, 1);
+    assert.match(errors[0], new RegExp(`${result.reservationId}.*OUTPUT_EXCEEDS_MAX_TOKENS`));
+  });
+
   test('a denial skips the callback and says when to retry', async () => {
     const client = await laneClient('denial', { limit_nanos: '2000000' });
     const first = await client.call(REQUEST, async () => ({ httpStatus: 504 }));
