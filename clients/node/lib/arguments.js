@@ -92,10 +92,7 @@ function checkTtl({ ttlMs, ttlUs }) {
  * BigInts. Throws InvalidArgument (TtlExceedsHoldTtl for a ttl past 7 days).
  */
 function checkReserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs }) {
-  checkName('reservation_id', reservationId);
-  if (!RESERVATION_ID.test(reservationId)) {
-    throw invalidArgument('reservation_id', 'must be printable ASCII without spaces');
-  }
+  checkReservationId(reservationId);
   checkName('model', model);
   return {
     reservationId,
@@ -110,11 +107,21 @@ function checkReserve({ reservationId, model, requestBytes, maxOutputTokens, est
   };
 }
 
-/** A Refund of a call never sent (httpStatus 0) needs a reason. */
+/** The id a Reserve, Settle, Refund or GetBooking names, by the ledger's rule. */
+function checkReservationId(reservationId) {
+  checkName('reservation_id', reservationId);
+  if (!RESERVATION_ID.test(reservationId)) {
+    throw invalidArgument('reservation_id', 'must be printable ASCII without spaces');
+  }
+  return reservationId;
+}
+
+/** A Refund's reason is text; one of a call never sent (httpStatus 0) is required. */
 function checkRefund({ httpStatus = 0, reason = '' }) {
+  if (typeof reason !== 'string') throw invalidArgument('reason', 'must be a string');
   if ((httpStatus === 0 || httpStatus === 0n || httpStatus === '0') && (typeof reason !== 'string' || PYTHON_SPACE.test(reason))) {
     throw invalidArgument('reason', 'is required when http_status is 0 (a call that was never sent)');
   }
 }
 
-module.exports = { invalidArgument, checkLane, checkName, checkRange, checkReserve, checkRefund, MAX_NAME_LENGTH };
+module.exports = { invalidArgument, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };

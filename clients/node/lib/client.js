@@ -15,7 +15,7 @@ const {
   isLedgerUnavailable,
 } = require('./errors');
 const wire = require('./wire');
-const { checkLane, checkReserve, checkRefund } = require('./arguments');
+const { checkLane, checkReservationId, checkReserve, checkRefund } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -469,6 +469,7 @@ class LaneClient {
   async _settle(request, trace, deadlineMs) {
     const { reservationId, outcome, inputTokens = 0, outputTokens = 0, billedNanos, httpStatus = 0 } = request;
     const { cachedInputTokens = 0, cacheWriteTokens = 0 } = request;
+    checkReservationId(reservationId);
     const message = {
       lane: this.lane,
       reservation_id: reservationId,
@@ -495,6 +496,7 @@ class LaneClient {
   }
 
   async _refund({ reservationId, httpStatus = 0, reason = '' }, trace, deadlineMs) {
+    checkReservationId(reservationId);
     checkRefund({ httpStatus, reason });
     const message = {
       lane: this.lane,
@@ -520,6 +522,7 @@ class LaneClient {
    * @returns {Promise<import('../index').Booking>}
    */
   async booking(reservationId, options) {
+    checkReservationId(reservationId);
     const message = { lane: this.lane, reservation_id: reservationId };
     return wire.bookingOf(await this._unary('GetBooking', message, traceHeaders(options)));
   }

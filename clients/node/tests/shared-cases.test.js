@@ -315,6 +315,18 @@ describe('argument cases', () => {
     });
   }
 
+  const reservationIdCases = ARGUMENTS.reserve.filter(
+    (item) => !item.accepted && Object.keys(item.set).length === 1 && 'reservation_id' in item.set,
+  );
+  for (const argumentCase of reservationIdCases) {
+    test(`settle, refund, booking: ${argumentCase.why}`, async () => {
+      const reservationId = argumentCase.set.reservation_id;
+      await assert.rejects(lane.settle({ reservationId, outcome: 'UNKNOWN' }), isRefusal(argumentCase));
+      await assert.rejects(lane.refund({ reservationId, httpStatus: 429 }), isRefusal(argumentCase));
+      await assert.rejects(lane.booking(reservationId), isRefusal(argumentCase));
+    });
+  }
+
   for (const argumentCase of ARGUMENTS.lane) {
     test(`lane: ${argumentCase.why}`, async () => {
       const make = () => new LaneClient(NOWHERE, argumentCase.set.lane, { logger: null });

@@ -58,6 +58,21 @@ def _check_range(name: str, value: int, low: int, high: int) -> None:
         raise invalid_argument(name, f"must be between {low} and {high}")
 
 
+def check_reservation_id(reservation_id: object) -> None:
+    """The id a Reserve, Settle, Refund or GetBooking names, by the ledger's
+    rule: InvalidArgument here, before any call, as the ledger would say it."""
+    if not isinstance(reservation_id, str):
+        raise invalid_argument("reservation_id", "must be a string")
+    if not reservation_id:
+        raise invalid_argument("reservation_id", "is required")
+    if len(reservation_id) > MAX_RESERVATION_ID_LENGTH:
+        raise invalid_argument(
+            "reservation_id", f"must be at most {MAX_RESERVATION_ID_LENGTH} characters"
+        )
+    if not _RESERVATION_ID.fullmatch(reservation_id):
+        raise invalid_argument("reservation_id", "must be printable ASCII without spaces")
+
+
 @dataclasses.dataclass(frozen=True)
 class ReserveArguments:
     """Everything a Reserve sends besides the lane. A replay sends exactly these
@@ -75,16 +90,7 @@ class ReserveArguments:
 
     def __post_init__(self) -> None:
         # The server's rules and words (ledger_service/domain/moves.py, ReserveCommand).
-        if not isinstance(self.reservation_id, str):
-            raise invalid_argument("reservation_id", "must be a string")
-        if not self.reservation_id:
-            raise invalid_argument("reservation_id", "is required")
-        if len(self.reservation_id) > MAX_RESERVATION_ID_LENGTH:
-            raise invalid_argument(
-                "reservation_id", f"must be at most {MAX_RESERVATION_ID_LENGTH} characters"
-            )
-        if not _RESERVATION_ID.fullmatch(self.reservation_id):
-            raise invalid_argument("reservation_id", "must be printable ASCII without spaces")
+        check_reservation_id(self.reservation_id)
         if not isinstance(self.model, str):
             raise invalid_argument("model", "must be a string")
         if not self.model:

@@ -19,6 +19,7 @@ from ledger_client.bookings import (
     Reservation,
     ReserveArguments,
     Settled,
+    check_reservation_id,
     new_reservation_id,
 )
 from ledger_client.calls import BackgroundRefunds, CallSupport, ModelCall
@@ -269,6 +270,7 @@ class LaneClient:
         trace_id: str = "",
     ) -> Settled | Refunded:
         """Sends the move an Ending stands for: Settle or Refund."""
+        check_reservation_id(reservation_id)
         if ending.settlement is Settlement.REFUND:
             ending = _printable_reason(ending, self.settings.max_reason_length)
             refund = convert.refund_request(self.lane, reservation_id, ending)
@@ -290,6 +292,7 @@ class LaneClient:
     def booking_state(
         self, reservation_id: str, *, deadline_seconds: float | None = None
     ) -> BookingState:
+        check_reservation_id(reservation_id)
         request = pb.GetBookingRequest(lane=self.lane, reservation_id=reservation_id)
         response: pb.Booking = self._invoke(self._stub.GetBooking, request, deadline_seconds, "")
         return convert.booking_state(response.state)

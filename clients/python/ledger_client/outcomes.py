@@ -195,6 +195,8 @@ class Ending:
         status_class(self.http_status)
         if self.settlement is Settlement.SETTLE_SUCCEEDED and self.usage is None:
             raise ValueError("a SUCCEEDED settlement needs the usage")
+        if not isinstance(self.reason, str):
+            raise invalid_argument("reason", "must be a string")
         if (
             self.settlement is Settlement.REFUND
             and self.http_status == 0

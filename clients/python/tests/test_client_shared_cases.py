@@ -265,6 +265,23 @@ def test_reserve_and_model_call_refuse_the_reservation_ids_the_cases_refuse(
             _check_refusal(caught.value, case)
 
 
+@pytest.mark.parametrize("case", _reservation_id_cases(), ids=lambda case: case["why"])
+def test_settle_refund_and_booking_refuse_the_reservation_ids_reserve_refuses(
+    case: dict[str, Any],
+) -> None:
+    # Nothing listens at the address: a call that went out would fail otherwise.
+    reservation_id = case["set"]["reservation_id"]
+    with LaneClient("127.0.0.1:9", "lane") as client:
+        for call in (
+            lambda: client.settle(reservation_id),
+            lambda: client.refund(reservation_id, http_status=429),
+            lambda: client.booking_state(reservation_id),
+        ):
+            with _refusal(case) as caught:
+                call()
+            _check_refusal(caught.value, case)
+
+
 @pytest.mark.parametrize("case", ARGUMENTS["refund"], ids=lambda case: case["why"])
 def test_refund_arguments(case: dict[str, Any]) -> None:
     def ending() -> Ending:
