@@ -1,0 +1,76 @@
+"""Recovery's reads while another replica serves: moves and snapshots land
+between them.
+
+An assessment or a plan reads the log, the projections and the snapshots in
+more than one transaction. Another replica keeps appending and snapshotting
+meanwhile, so a later read may see a snapshot whose position is past the end
+of the log an earlier read saw. That is the log growing, not events missing;
+read as "events are missing", an assessment refused moves and a plan refused
+to rebuild (HARD_ABORT). Found by reading recovery for reads that span
+transactions; the hooks below put the other replica's move and snapshot
+between two of them, where a busy replica may put it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ledger_service.domain.moves import ReserveCommand
+from ledger_service.recovery.plan import RecoveryPolicy, Verdict
+from ledger_service.recovery.store import SqlRecoveryStore
+from tests.recovery.conftest import History
+
+
+def _reserve(history: History, rid: str) -> None:
+    history.ledger.reserve(ReserveCommand("recall", rid, "jev", 1_000, 10))
+
+
+def _after_first_facts(
+    monkeypatch: pytest.MonkeyPatch, store: SqlRecoveryStore, then: Callable[[], None]
+) -> None:
+    """Runs `then` once, right after `store` has read its facts."""
+    facts = SqlRecoveryStore.facts
+    done: list[bool] = []
+
+    def and_then(self: SqlRecoveryStore) -> Any:
+        found = facts(self)
+        if self is store and not done:
+            done.append(True)
+            then()
+        return found
+
+    monkeypatch.setattr(SqlRecoveryStore, "facts", and_then)
+
+
+def test_an_assessment_beside_another_replicas_snapshot_finds_nothing(
+    history: History, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours, theirs = history.recovery("replica-a"), history.recovery("replica-b")
+
+    def a_move_and_a_snapshot() -> None:
+        _reserve(history, "between-the-reads")
+        assert theirs.take_snapshot() is not None
+
+    _after_first_facts(monkeypatch, ours.store, a_move_and_a_snapshot)
+    assessment = ours.assess()
+    assert assessment.consistent, assessment.findings
+
+
+def test_a_plan_beside_another_replicas_snapshot_finds_no_events_missing(
+    history: History,
+) -> None:
+    # A break the snapshot check does not see (the event altered is not its
+    # booking's latest), so the other replica keeps serving and snapshotting.
+    seq = history.scalar("SELECT seq FROM events WHERE reservation_id = 'r2' AND kind = 'reserved'")
+    history.tamper_event(int(seq), 1)  # type: ignore[call-overload]
+    ours, theirs = history.recovery("replica-a"), history.recovery("replica-b")
+    assessment = ours.assess()
+    assert not assessment.consistent
+    _reserve(history, "after-the-assessment")
+    assert theirs.take_snapshot() is not None
+    plan = ours.plan(assessment, RecoveryPolicy(max_budget_seconds=300, max_risk_score=1.0))
+    assert plan.manifest.verdict is not Verdict.HARD_ABORT, plan.manifest.findings
+    assert not any("no source holds" in found for found in plan.manifest.findings)
