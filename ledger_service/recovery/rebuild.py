@@ -189,6 +189,11 @@ class Recovery:
         """A cheap look: the marker, counts, each booking against its latest
         event, and the chain from the last verified point (or a newer snapshot)
         to the log's end, which then becomes the verified point."""
+        # The snapshots before the facts: other replicas append and snapshot
+        # between the two reads, and a snapshot completed before the facts
+        # were read is at or below the log's end they see. Read after, a new
+        # one could be past it: the log grown, not events missing.
+        snapshots = self._store.snapshots()
         facts = self._store.facts()
         position = facts.position
         if (
@@ -202,7 +207,6 @@ class Recovery:
         findings = list(projection_findings(facts))
         altered = self._altered_latest_events(facts)
         findings.extend(f"broken link: {found.describe()}" for found in altered)
-        snapshots = self._store.snapshots()
         for snapshot in snapshots:
             if snapshot.position_seq > facts.head_seq:
                 findings.append(
@@ -305,8 +309,10 @@ class Recovery:
         known_breaks: Sequence[ChainBreak] = (),
     ) -> Plan:
         facts = assessment.facts
-        head = facts.head_seq
         snapshots = list(self._store.snapshots())
+        # The log's end read after the snapshots, not the assessment's: other
+        # replicas may have appended and snapshotted since (see assess).
+        head = max(facts.head_seq, self._store.last_seq())
         required = head
         if facts.position is not None and facts.position.state == STATE_CURRENT:
             required = max(required, facts.position.last_seq)
