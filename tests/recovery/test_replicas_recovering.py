@@ -9,6 +9,10 @@ read as "events are missing", an assessment refused moves and a plan refused
 to rebuild (HARD_ABORT). Found by reading recovery for reads that span
 transactions; the hooks below put the other replica's move and snapshot
 between two of them, where a busy replica may put it.
+
+Likewise a recovery acts on what its assessment read: when two replicas see
+the same damage, the second to claim the projections must notice that the
+first has rebuilt them since, not rebuild them again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pytest
 
 from ledger_service.domain.moves import ReserveCommand
 from ledger_service.recovery.plan import RecoveryPolicy, Verdict
+from ledger_service.recovery.rebuild import Recovery
 from ledger_service.recovery.store import SqlRecoveryStore
 from tests.recovery.conftest import History
 
@@ -74,3 +79,31 @@ def test_a_plan_beside_another_replicas_snapshot_finds_no_events_missing(
     plan = ours.plan(assessment, RecoveryPolicy(max_budget_seconds=300, max_risk_score=1.0))
     assert plan.manifest.verdict is not Verdict.HARD_ABORT, plan.manifest.findings
     assert not any("no source holds" in found for found in plan.manifest.findings)
+
+
+POLICY = RecoveryPolicy(max_budget_seconds=300, max_risk_score=0.3)
+
+
+def test_a_recovery_after_another_replicas_rebuild_does_not_rebuild_again(
+    history: History, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both replicas' checks see the damage; the other one rebuilds first,
+    # while this one is still planning.
+    history.sql("DELETE FROM bookings WHERE reservation_id = 'r3'")
+    ours, theirs = history.recovery("replica-a"), history.recovery("replica-b")
+    plan = Recovery.plan
+    done: list[bool] = []
+
+    def and_theirs_recovers(self: Recovery, *arguments: Any, **keywords: Any) -> Any:
+        planned = plan(self, *arguments, **keywords)
+        if self is ours and not done:
+            done.append(True)
+            assert theirs.recover(POLICY, "replica-b").ready
+        return planned
+
+    monkeypatch.setattr(Recovery, "plan", and_theirs_recovers)
+    assert ours.recover(POLICY, "replica-a").ready
+    outcomes = [manifest["outcome"] for manifest in ours.store.manifests()]
+    # One rebuild, not a second one that refuses every move for nothing.
+    assert outcomes.count("rebuilt") == 1, outcomes
+    assert ours.assess().consistent
