@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 from ledger_service.domain.chain import (
     ChainBreak,
@@ -49,11 +50,13 @@ from ledger_service.recovery.store import (
     STATE_REBUILDING,
     BookingKey,
     LogFacts,
+    MarkerMoved,
     RebuildClaimLost,
     RebuildFailed,
     SnapshotChunk,
     SqlProjectionView,
     SqlRecoveryStore,
+    marker_key,
 )
 from ledger_service.recovery.walk import BookingLines, ChainWalk, Walk, ranges
 from ledger_service.storage import translate
@@ -492,16 +495,25 @@ class Recovery:
         position = self._store.position()
         return self._store.finish_rebuild(self.owner, position.last_seq if position else -1)
 
-    def rebuild_uncommitted(self, route: Route, progress: ProgressFn = no_progress) -> str:
+    def rebuild_uncommitted(
+        self,
+        route: Route,
+        progress: ProgressFn = no_progress,
+        assessed: tuple[str, str, int] | Literal["any"] | None = "any",
+    ) -> str:
         """Rebuilds, leaving the marker "rebuilding" (no move is taken meanwhile);
         returns the digest of the projections built, for a cross-check.
+        `assessed`: the marker_key the plan was made under (MarkerMoved when
+        another process has recovered since), or "any".
 
         The log is folded in ranges of `replay_range_events` seqs, each once
         the chain walk (in a helper process, for a long log) has checked every
         event in it, in log order; the helper starts before the old
         projections are deleted, which it does not need."""
         started = time.perf_counter()
-        if not self._store.claim_rebuild(self.owner, self._wall.now_us(), self._lease_us()):
+        if not self._store.claim_rebuild(
+            self.owner, self._wall.now_us(), self._lease_us(), assessed
+        ):
             raise RebuildClaimLost("another process is rebuilding the projections")
         snapshot = route.snapshot
         position = snapshot.position_seq if snapshot else 0
@@ -676,6 +688,9 @@ class Recovery:
             return Outcome(False, detail=assessment.findings[0])
         log.warning("projections need recovery: %s", "; ".join(assessment.findings))
         known: list[ChainBreak] = []
+        # The marker a claim expects: the assessment's, then the one our own
+        # rebuild left (a plan made again after it finished).
+        claim_on = marker_key(assessment.facts.position)
         # A second plan only when the rebuild met a broken link the first did not know.
         for _attempt in range(2):
             try:
@@ -703,7 +718,12 @@ class Recovery:
                 return Outcome(False, manifest, manifest.directive)
             started = time.perf_counter()
             try:
-                self._carry_out(plan, progress)
+                self._carry_out(plan, progress, claim_on)
+            except MarkerMoved:
+                # Another replica saw the same and rebuilt first: whole again,
+                # most likely, and a second rebuild would refuse every move anew.
+                self._record(manifest_id, "superseded", started)
+                return self._assessed_again()
             except ChainBroken as error:
                 self._record(manifest_id, "failed", started)
                 log.error("rebuild stopped: %s; planning again", error)
@@ -714,7 +734,9 @@ class Recovery:
                 log.error("rebuild failed: %s", error)
                 self.release()
                 return Outcome(False, manifest, str(error))
-            differ = projection_findings(self._store.facts())
+            rebuilt = self._store.facts()
+            claim_on = marker_key(rebuilt.position)
+            differ = projection_findings(rebuilt)
             if differ:
                 # The source gave projections the log does not: a snapshot that
                 # holds what the log no longer says (events removed before it).
@@ -746,10 +768,22 @@ class Recovery:
         self.release()
         return Outcome(False, None, "the rebuild kept meeting broken links")
 
-    def _carry_out(self, plan: Plan, progress: ProgressFn) -> None:
+    def _assessed_again(self) -> Outcome:
+        if self.assess().consistent:
+            log.info("another process recovered the projections meanwhile")
+            return Outcome(True, detail="another process recovered the projections meanwhile")
+        return Outcome(False, None, "the projections changed while the rebuild was planned")
+
+    def _carry_out(
+        self, plan: Plan, progress: ProgressFn, assessed: tuple[str, str, int] | None
+    ) -> None:
         digests: list[tuple[str, str]] = []
-        for source_id in plan.manifest.chosen:
-            built = self.rebuild_uncommitted(plan.routes[source_id], progress)
+        for index, source_id in enumerate(plan.manifest.chosen):
+            # The first source claims under the marker assessed; the next ones
+            # (min_viable_sources) rebuild again under our own claim.
+            built = self.rebuild_uncommitted(
+                plan.routes[source_id], progress, assessed if index == 0 else "any"
+            )
             if digests and built != digests[0][1]:
                 raise RebuildFailed(
                     f"{source_id} rebuilt other projections than {digests[0][0]} "

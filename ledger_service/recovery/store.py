@@ -16,7 +16,7 @@ import json
 import operator
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import (
     Connection,
@@ -153,6 +153,17 @@ BookingKey = tuple[str, str]
 
 class RebuildClaimLost(Exception):
     """Another process took the rebuild over (its lease had expired for ours)."""
+
+
+class MarkerMoved(RebuildClaimLost):
+    """A claim found the marker changed since the projections were assessed:
+    another process rebuilt them (or began to) meanwhile."""
+
+
+def marker_key(position: Position | None) -> tuple[str, str, int] | None:
+    """What only a recovery changes in the marker (appends move last_seq at
+    most): two keys differ when a rebuild claimed, advanced or ended between."""
+    return None if position is None else (position.state, position.owner, position.updated_at_us)
 
 
 class RebuildFailed(Exception):
@@ -808,9 +819,22 @@ class SqlRecoveryStore:
 
     # Rebuilding ------------------------------------------------------------------
 
-    def claim_rebuild(self, owner: str, now_us: int, lease_us: int) -> bool:
+    def claim_rebuild(
+        self,
+        owner: str,
+        now_us: int,
+        lease_us: int,
+        assessed: tuple[str, str, int] | Literal["any"] | None = "any",
+    ) -> bool:
+        """Marks the projections ours to rebuild; False while another process's
+        lease runs. `assessed`: the marker_key the assessment saw, else
+        MarkerMoved (a plan made from it is stale; our own claim, from a plan
+        made again, is not); "any": claim regardless."""
         with self._writing(marker=True) as connection:
             row = _position(connection)
+            ours = row is not None and row.state == STATE_REBUILDING and row.owner == owner
+            if assessed != "any" and not ours and marker_key(row) != assessed:
+                raise MarkerMoved("the projections were recovered since they were assessed")
             if (
                 row is not None
                 and row.state == STATE_REBUILDING
