@@ -200,6 +200,19 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+# What a helper sends instead of its Content when the database failed it.
+HELPER_UNAVAILABLE = "the database is unavailable"
+
+
+def received(message: object) -> Content:
+    """A helper's message as the Content it holds; StoreUnavailable for
+    HELPER_UNAVAILABLE."""
+    if message == HELPER_UNAVAILABLE:
+        raise StoreUnavailable()
+    content: Content = message  # type: ignore[assignment]
+    return content
+
+
 def _helper(
     sender: multiprocessing.connection.Connection, url: str, ranges: Sequence[tuple[int, int]]
 ) -> None:
@@ -214,7 +227,7 @@ def _helper(
             rows = store.event_rows(after_seq, through_seq)
             sender.send((altered_seqs(rows), _lane_events(rows)))
     except LedgerError:
-        sender.send(StoreUnavailable())
+        sender.send(HELPER_UNAVAILABLE)  # domain errors do not cross a process boundary
     except (BrokenPipeError, EOFError):
         pass
     finally:
@@ -288,10 +301,7 @@ class ChainWalk:
             log.warning("a chain-checking process died; checking in this process")
             self.__exit__()
             return None
-        if isinstance(message, StoreUnavailable):
-            raise message
-        content: Content = message
-        return content
+        return received(message)
 
     def __iter__(self) -> Iterator[WalkedRange]:
         walker = ChainWalker(self._heads)

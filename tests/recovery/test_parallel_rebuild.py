@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import ChainWalker, canonical_event, canonical_json
+from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.moves import ReserveCommand
 from ledger_service.domain.policies import ExpireCharge
@@ -520,3 +521,12 @@ def _altered_rows(rows: list[Any]) -> list[int]:
     content = chain.altered(0, "").reason
     found = chain_walk.walk_rows(ChainWalker(heads), rows)
     return [broken.seq for broken in found if broken.reason == content]
+
+
+def test_a_helper_the_database_failed_is_told_as_unavailable(tmp_path: pathlib.Path) -> None:
+    # The helper's own database error must reach the walk as StoreUnavailable
+    # (a domain error cannot be unpickled on the other side of the pipe).
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    chain_walk._helper(sender, f"sqlite:///{tmp_path}/no/such/dir/ledger.db", [(0, 1)])
+    with pytest.raises(StoreUnavailable):
+        chain_walk.received(receiver.recv())
