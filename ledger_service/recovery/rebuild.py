@@ -120,9 +120,11 @@ class Route:
     source_id: str
     snapshot: SnapshotInfo | None
     # Breaks the plan knew of and the policy accepted: the rebuild goes on past them.
-    tolerated_breaks: frozenset[int] = frozenset()
-    # The same breaks, described (ChainBreak.describe()), for the manifest.
-    tolerated_described: tuple[str, ...] = ()
+    tolerated: tuple[ChainBreak, ...] = ()
+
+    @property
+    def tolerated_breaks(self) -> frozenset[int]:
+        return frozenset(found.seq for found in self.tolerated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +351,10 @@ class Recovery:
                 )
                 sources.append(source)
                 routes[source.source_id] = route
-            breaks = {source_id: route.tolerated_described for source_id, route in routes.items()}
+            breaks = {
+                source_id: [found.describe() for found in route.tolerated]
+                for source_id, route in routes.items()
+            }
             manifest = planner.plan(sources, policy, findings, breaks)
             if anchor is None or FULL_LOG_SOURCE not in manifest.chosen:
                 return Plan(manifest, routes, rate)
@@ -384,9 +389,7 @@ class Recovery:
             detail,
             possible=not lost,
         )
-        tolerated = frozenset(found.seq for found in walk.breaks)
-        described = tuple(found.describe() for found in walk.breaks)
-        return source, Route(FULL_LOG_SOURCE, None, tolerated, described)
+        return source, Route(FULL_LOG_SOURCE, None, tuple(walk.breaks))
 
     def _snapshot_source(
         self,
@@ -429,9 +432,7 @@ class Recovery:
             detail,
             possible=not lost and not covered,
         )
-        tolerated = frozenset(found.seq for found in breaks)
-        described = tuple(found.describe() for found in breaks)
-        return source, Route(source_id, snapshot, tolerated, described)
+        return source, Route(source_id, snapshot, tuple(breaks))
 
     def check_snapshot(self, snapshot: SnapshotInfo) -> str:
         """ "" when the snapshot's rows still give its digest, else what is wrong."""
