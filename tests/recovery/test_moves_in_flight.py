@@ -18,7 +18,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.moves import ReserveCommand
+from ledger_service.recovery import store as store_module
+from ledger_service.storage import translate
 from tests.recovery.conftest import History, open_history
 from tests.storage.test_independent_lanes import HeldCommits
 
@@ -75,3 +78,24 @@ def test_a_snapshot_beside_a_move_in_flight_holds_that_move(
     _reserve(history, "dreaming", "next")
     assessment = history.recovery().assess()
     assert assessment.consistent, assessment.findings
+
+
+def test_a_snapshot_gives_up_on_a_move_that_stays_in_flight(
+    history: History, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The wait is bounded (SETTLE_WAIT_MS): the snapshot is tried again later,
+    # and the moves it held back go on.
+    monkeypatch.setattr(store_module, "SETTLE_WAIT_MS", 50)
+    held = HeldCommits(monkeypatch, HELD_THREAD)
+    with concurrent.futures.ThreadPoolExecutor(1, HELD_THREAD) as mover:
+        holding = mover.submit(_reserve, history, "dreaming", "held")
+        assert held.reached.wait(TIMEOUT_SECONDS)
+        with pytest.raises(StoreUnavailable) as refused:
+            history.recovery().take_snapshot()
+        # Its own bound, not a deadline of the store's: lock_not_available.
+        assert refused.value.__cause__ is not None
+        assert translate.driver_code(refused.value.__cause__) == "55P03"
+        assert _reserve(history, "recall", "after-the-refused-snapshot").admitted
+        held.release.set()
+        assert holding.result(timeout=TIMEOUT_SECONDS).admitted
+    assert history.recovery().take_snapshot() is not None
