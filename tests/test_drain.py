@@ -183,3 +183,19 @@ def test_hurry_before_the_drain_begins_ends_it_at_once() -> None:
         call(None, None)
     release.set()
     running.join(WAIT_SECONDS)
+
+
+def test_a_held_call_without_a_deadline_is_refused_once_released() -> None:
+    """grpcio gives a call without a deadline about 2^63 s remaining, past
+    what a wait takes: it is held until released, then SHUTTING_DOWN."""
+    drain = Drain()
+    drain.drain(time.monotonic())
+    call = _behaviour(drain, "/ledger.v1.Ledger/Reserve", lambda _r, _c: "booked")
+    refused: list[BaseException] = []
+    held = threading.Thread(target=_refusal, args=(call, Context(float(2**63)), refused))
+    held.start()
+    held.join(SETTLE_SECONDS)
+    assert held.is_alive()
+    drain.release()
+    held.join(WAIT_SECONDS)
+    assert [type(error) for error in refused] == [ShuttingDown]

@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -296,5 +297,63 @@ def test_a_second_signal_after_a_clean_drain_still_exits_0(tmp_path: pathlib.Pat
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, stderr.lines
     finally:
+        serving.stop(process)
+        stderr.close()
+
+
+def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_down(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A call sent with no deadline (grpcio's default, and a WatchEvents
+    stream's usual form) that reaches the server while it drains is held, then
+    refused UNAVAILABLE / SHUTTING_DOWN like any other: safe to send again, not
+    INTERNAL. grpcio gives such a call a time_remaining() of about 2^63 s,
+    which no wait takes."""
+    env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS="60", LEDGER_REQUEST_DEADLINE_SECONDS="60")
+    process, address = serving.spawn(
+        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
+    )
+    stderr = Stderr(process)
+    stderr.start()
+    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    outcome: list[str] = []
+    refusals: list[str] = []
+
+    def refused(call: Callable[[pb_grpc.LedgerStub], object]) -> None:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                call(pb_grpc.LedgerStub(channel))
+                refusals.append("OK")
+            except grpc.RpcError as error:
+                assert isinstance(error, grpc.Call)
+                reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
+                refusals.append(f"{error.code().name} {reason}")
+
+    try:
+        put_lane(address)
+        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock: the drain waits
+        caller = _stuck_reserve(address, 60, outcome)
+        time.sleep(0.5)  # the Reserve waits for the write lock
+        process.send_signal(signal.SIGTERM)
+        assert stderr.seen("received SIGTERM: draining"), stderr.lines
+        late = [
+            threading.Thread(target=refused, args=(call,), daemon=True)
+            for call in (
+                lambda stub: stub.GetBalance(pb.GetBalanceRequest(lane="recall")),
+                lambda stub: list(stub.WatchEvents(pb.WatchEventsRequest(after_seq=0))),
+            )
+        ]
+        for thread in late:
+            thread.start()
+        time.sleep(0.5)  # both reach a handler and are held
+        blocker.rollback()
+        assert process.wait(timeout=30) == 0, stderr.lines
+        caller.join(timeout=15)
+        for thread in late:
+            thread.join(timeout=15)
+        assert outcome == ["OK"]
+        assert refusals == ["UNAVAILABLE SHUTTING_DOWN"] * 2, refusals
+    finally:
+        blocker.close()
         serving.stop(process)
         stderr.close()

@@ -67,6 +67,10 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         with self._condition:
             if self._draining:
                 remaining = context.time_remaining() if context is not None else None
+                # A call without a deadline has about 2^63 s remaining in
+                # grpcio, past what any wait takes (OverflowError): no bound.
+                if remaining is not None and remaining >= threading.TIMEOUT_MAX:
+                    remaining = None
                 hold = None if remaining is None else max(0.0, remaining - HOLD_MARGIN_SECONDS)
                 self._condition.wait_for(lambda: self._released, hold)
                 raise ShuttingDown()
