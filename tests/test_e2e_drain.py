@@ -357,3 +357,45 @@ def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_dow
         blocker.close()
         serving.stop(process)
         stderr.close()
+
+
+def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_limit(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A stream blocked in its send (its client reads nothing) cannot take its
+    SHUTTING_DOWN: the drain waits for it as for any call, and at the grace
+    limit it is cut off (UNAVAILABLE, which its client resumes from), logged as
+    such, and the process exits EXIT_CUT_OFF, not 0 after "drained"."""
+    env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS="1")
+    process, address = serving.spawn(
+        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
+    )
+    stderr = Stderr(process)
+    stderr.start()
+    # Without BDP probing the client's window stays at 64 KiB: a few large
+    # events fill it, and the server's send of the next one blocks.
+    stuck = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        prices = {
+            f"m{index}".ljust(200, "x"): pb.ModelPrice(input_nanos_per_million_tokens=1)
+            for index in range(256)
+        }
+        with grpc.insecure_channel(address) as channel:
+            admin = pb_grpc.LaneAdminStub(channel)
+            for index in range(20):  # about 58 KB an event
+                lane = pb.Lane(lane=f"big-{index}", limit_nanos=10**15, prices=prices)
+                admin.PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
+        stream = pb_grpc.LedgerStub(stuck).WatchEvents(pb.WatchEventsRequest(after_seq=0))
+        time.sleep(1.0)  # the stream's send blocks on the full window
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
+        stderr.join(timeout=15)
+        assert any("1 calls cut off" in line for line in stderr.lines), stderr.lines
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in stream:
+                pass
+        assert ended.value.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        stuck.close()
+        serving.stop(process)
+        stderr.close()

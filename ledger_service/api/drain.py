@@ -8,8 +8,8 @@ and every call that reaches a handler after the drain began is held, without
 any work done, until grpcio has stopped taking calls (`release`), then
 answered UNAVAILABLE / SHUTTING_DOWN (safe to send again). Holding it keeps
 its client from sending another call that grpcio would cancel at its stop.
-Only once none is running (or at the grace limit, or when `hurry` is called:
-the operator's second stop signal) does grpcio stop. Health and reflection
+Only once none is running, streams included (or at the grace limit, or when
+`hurry` is called: the operator's second stop signal) does grpcio stop. Health and reflection
 are neither counted nor refused.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -56,14 +56,16 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return replace_behaviour(
             handler,
             unary=self._counted,
-            # A stream is not waited for: the event feed ends it on a stop.
-            stream=self._refused_once_draining,
+            # A stream is waited for as a call is: the event feed ends it on a
+            # stop with SHUTTING_DOWN; one blocked in its send (a reader that
+            # takes nothing) runs on to the grace limit, and is cut off there.
+            stream=self._counted_stream,
             request_deserializer=handler.request_deserializer,
         )
 
-    def _admit(self, context: grpc.ServicerContext | None, *, counted: bool) -> None:
-        """Counts a call as running when `counted`; once draining, holds it
-        until released (or nearly its deadline) and refuses it."""
+    def _admit(self, context: grpc.ServicerContext | None) -> None:
+        """Counts a call as running; once draining, holds it until released
+        (or nearly its deadline) and refuses it."""
         with self._condition:
             if self._draining:
                 remaining = context.time_remaining() if context is not None else None
@@ -74,25 +76,34 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 hold = None if remaining is None else max(0.0, remaining - HOLD_MARGIN_SECONDS)
                 self._condition.wait_for(lambda: self._released, hold)
                 raise ShuttingDown()
-            self._running += int(counted)
+            self._running += 1
 
-    def _refused_once_draining(self, behaviour: Behaviour) -> Behaviour:
-        def refused(request: Any, context: grpc.ServicerContext) -> Any:
-            self._admit(context, counted=False)
-            return behaviour(request, context)
-
-        return refused
+    def _ended(self) -> None:
+        with self._condition:
+            self._running -= 1
+            self._last_end = time.monotonic()
+            self._condition.notify_all()
 
     def _counted(self, behaviour: Behaviour) -> Behaviour:
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            self._admit(context, counted=True)
+            self._admit(context)
             try:
                 return behaviour(request, context)
             finally:
-                with self._condition:
-                    self._running -= 1
-                    self._last_end = time.monotonic()
-                    self._condition.notify_all()
+                self._ended()
+
+        return counted
+
+    def _counted_stream(self, behaviour: Behaviour) -> Behaviour:
+        """A response stream runs while grpcio iterates it: counted from its
+        first step until it ends, fails or is closed (a cancelled call's)."""
+
+        def counted(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._admit(context)
+            try:
+                yield from behaviour(request, context)
+            finally:
+                self._ended()
 
         return counted
 
