@@ -63,6 +63,10 @@ SIGNAL_POLL_SECONDS = 0.2
 # How long past its grace period a stop still waits for its own threads and
 # the last commit before it abandons them (and the process exits regardless).
 STOP_SECONDS = 1.0
+# How long grpcio's stop waits, at the least, before it cancels the calls
+# still running: the calls held by the drain are answered meanwhile. Within
+# STOP_SECONDS.
+ANSWER_HELD_SECONDS = 0.2
 # `ledger serve`'s status after a stop that cut work off: a call still running
 # at the grace limit or at a second signal, a thread or commit that did not end
 # within STOP_SECONDS more, or a database that failed to close. 0 is a clean
@@ -460,7 +464,10 @@ class LedgerServer:
             log.warning("%s: %d calls cut off", why, running)
         else:
             log.info("drained in %.2f s", time.monotonic() - began)
-        stopped = self._server.stop(until(deadline))
+        # Past the grace limit (or hurried) grpcio still gets ANSWER_HELD_SECONDS
+        # before it cancels every call: the held ones, which did no work, are
+        # answered SHUTTING_DOWN in it rather than cut off with the running ones.
+        stopped = self._server.stop(max(until(deadline), ANSWER_HELD_SECONDS))
         self._drain.release()  # grpcio takes no more calls: the held ones are answered
         clean = stopped.wait(until(last)) and running == 0
         for thread in (self._maintenance, self._health_probe):

@@ -399,3 +399,60 @@ def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_l
         stuck.close()
         serving.stop(process)
         stderr.close()
+
+
+@pytest.mark.parametrize("ending", ["grace limit", "second signal"])
+def test_a_call_held_by_a_drain_that_cuts_work_off_is_still_refused_as_shutting_down(
+    tmp_path: pathlib.Path, ending: str
+) -> None:
+    """A call that reached the server during the drain did no work: when the
+    drain ends by cutting off a move still running (at the grace limit or at
+    a second signal), the held call is answered UNAVAILABLE / SHUTTING_DOWN,
+    safe to send again, not cut off with it (UNAVAILABLE "Cancelling all
+    calls", no reason: the client cannot tell it did nothing)."""
+    grace_seconds = 2.0 if ending == "grace limit" else 600.0
+    env = serving.clean_env(
+        LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds), LEDGER_REQUEST_DEADLINE_SECONDS="60"
+    )
+    process, address = serving.spawn(
+        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
+    )
+    stderr = Stderr(process)
+    stderr.start()
+    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    outcome: list[str] = []
+    late: list[str] = []
+
+    def send_late() -> None:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                pb_grpc.LedgerStub(channel).GetBalance(
+                    pb.GetBalanceRequest(lane="recall"), timeout=60
+                )
+                late.append("OK")
+            except grpc.RpcError as error:
+                assert isinstance(error, grpc.Call)
+                reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
+                late.append(f"{error.code().name} {reason}")
+
+    try:
+        put_lane(address)
+        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
+        caller = _stuck_reserve(address, 60, outcome)
+        time.sleep(0.5)  # the Reserve waits for the write lock
+        process.send_signal(signal.SIGTERM)
+        assert stderr.seen("received SIGTERM: draining"), stderr.lines
+        sender = threading.Thread(target=send_late, daemon=True)
+        sender.start()
+        time.sleep(0.5)  # it reaches a handler and is held
+        if ending == "second signal":
+            process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
+        sender.join(timeout=15)
+        caller.join(timeout=15)
+        assert late == ["UNAVAILABLE SHUTTING_DOWN"], late
+        assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
+    finally:
+        blocker.close()
+        serving.stop(process)
+        stderr.close()
