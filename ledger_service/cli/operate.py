@@ -22,7 +22,11 @@ def register(commands: Any) -> None:
     )
     serve.add_argument("--sweep-interval", type=float, dest="sweep_interval_seconds",
                        help="seconds between expiry sweeps (default 1)")  # fmt: skip
-    serve.add_argument("--max-workers", type=int, help="gRPC worker threads (default 16)")
+    serve.add_argument(
+        "--max-workers",
+        type=int,
+        help="gRPC worker threads for calls (default 16); streams get one more each (64)",
+    )
     # Recovery (docs/recovery.md).
     serve.add_argument(
         "--snapshot-every",
