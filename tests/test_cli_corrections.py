@@ -431,7 +431,9 @@ def test_correct_refusals_are_one_line(target: LedgerProcess, ledger: RunLedger)
     ("options", "code", "start"),
     [
         (["--charge", "abc", "--reason", "x"], exits.EXIT_BAD_VALUE, "ledger: --charge: "),
-        (["--charge=-1n", "--reason", "x"], exits.EXIT_FAILED,
+        (["--charge=-1n", "--reason", "x"], exits.EXIT_BAD_VALUE,
+         "ledger: --charge: '-1n' is negative: an amount is 0 or more"),
+        (["--charge", f"{2**62 + 1}n", "--reason", "x"], exits.EXIT_FAILED,
          "ledger: bad value for --charge (field charge_nanos): "),
         (["--charge", "$0", "--reason", " "], exits.EXIT_FAILED,
          "ledger: bad value for --reason (field reason): "),
