@@ -9,13 +9,14 @@ EXIT_CUT_OFF, so that a supervisor can tell it from a clean one."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import pathlib
 import signal
 import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -242,6 +243,35 @@ class Stderr(threading.Thread):
             return self.changed.wait_for(lambda: any(text in line for line in self.lines), timeout)
 
 
+@contextlib.contextmanager
+def watched(
+    tmp_path: pathlib.Path, env: dict[str, str]
+) -> Iterator[tuple[subprocess.Popen[str], str, Stderr]]:
+    """`ledger serve` (no auth) with its stderr read as it comes; stopped at the end."""
+    process, address = serving.spawn(
+        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
+    )
+    stderr = Stderr(process)
+    stderr.start()
+    try:
+        yield process, address, stderr
+    finally:
+        serving.stop(process)
+        stderr.close()
+
+
+def answer_of(call: Callable[[pb_grpc.LedgerStub], object], address: str) -> str:
+    """ "OK", or the refusal's status and ledger-reason."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            call(pb_grpc.LedgerStub(channel))
+            return "OK"
+        except grpc.RpcError as error:
+            assert isinstance(error, grpc.Call)
+            reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
+            return f"{error.code().name} {reason}"
+
+
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_second_signal_ends_the_drain_at_once(
     tmp_path: pathlib.Path, second: signal.Signals
@@ -256,31 +286,27 @@ def test_a_second_signal_ends_the_drain_at_once(
         LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds),
         LEDGER_REQUEST_DEADLINE_SECONDS=str(deadline_seconds),
     )
-    process, address = serving.spawn(
-        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
-    )
-    stderr = Stderr(process)
-    stderr.start()
-    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
-    outcome: list[str] = []
-    try:
-        put_lane(address)
-        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
-        caller = _stuck_reserve(address, deadline_seconds, outcome)
-        time.sleep(0.5)  # the Reserve waits for the write lock
-        process.send_signal(signal.SIGTERM)
-        # Handled before the second is sent: two pending signals may merge into one.
-        assert stderr.seen("received SIGTERM: draining"), stderr.lines
-        process.send_signal(second)
-        assert process.wait(timeout=60) == EXIT_CUT_OFF, stderr.lines
-        caller.join(timeout=15)
-        assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
-        stderr.join(timeout=15)
-        assert any(f"received {second.name} again" in line for line in stderr.lines), stderr.lines
-    finally:
-        blocker.close()
-        serving.stop(process)
-        stderr.close()
+    with watched(tmp_path, env) as (process, address, stderr):
+        blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+        outcome: list[str] = []
+        try:
+            put_lane(address)
+            blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
+            caller = _stuck_reserve(address, deadline_seconds, outcome)
+            time.sleep(0.5)  # the Reserve waits for the write lock
+            process.send_signal(signal.SIGTERM)
+            # Handled before the second is sent: two pending signals may merge into one.
+            assert stderr.seen("received SIGTERM: draining"), stderr.lines
+            process.send_signal(second)
+            assert process.wait(timeout=60) == EXIT_CUT_OFF, stderr.lines
+            caller.join(timeout=15)
+            assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
+            stderr.join(timeout=15)
+            assert any(f"received {second.name} again" in line for line in stderr.lines), (
+                stderr.lines
+            )
+        finally:
+            blocker.close()
 
 
 def test_a_second_signal_after_a_clean_drain_still_exits_0(tmp_path: pathlib.Path) -> None:
@@ -310,53 +336,40 @@ def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_dow
     INTERNAL. grpcio gives such a call a time_remaining() of about 2^63 s,
     which no wait takes."""
     env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS="60", LEDGER_REQUEST_DEADLINE_SECONDS="60")
-    process, address = serving.spawn(
-        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
-    )
-    stderr = Stderr(process)
-    stderr.start()
-    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
-    outcome: list[str] = []
-    refusals: list[str] = []
+    with watched(tmp_path, env) as (process, address, stderr):
+        blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+        outcome: list[str] = []
+        refusals: list[str] = []
 
-    def refused(call: Callable[[pb_grpc.LedgerStub], object]) -> None:
-        with grpc.insecure_channel(address) as channel:
-            try:
-                call(pb_grpc.LedgerStub(channel))
-                refusals.append("OK")
-            except grpc.RpcError as error:
-                assert isinstance(error, grpc.Call)
-                reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
-                refusals.append(f"{error.code().name} {reason}")
+        def refused(call: Callable[[pb_grpc.LedgerStub], object]) -> None:
+            refusals.append(answer_of(call, address))
 
-    try:
-        put_lane(address)
-        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock: the drain waits
-        caller = _stuck_reserve(address, 60, outcome)
-        time.sleep(0.5)  # the Reserve waits for the write lock
-        process.send_signal(signal.SIGTERM)
-        assert stderr.seen("received SIGTERM: draining"), stderr.lines
-        late = [
-            threading.Thread(target=refused, args=(call,), daemon=True)
-            for call in (
-                lambda stub: stub.GetBalance(pb.GetBalanceRequest(lane="recall")),
-                lambda stub: list(stub.WatchEvents(pb.WatchEventsRequest(after_seq=0))),
-            )
-        ]
-        for thread in late:
-            thread.start()
-        time.sleep(0.5)  # both reach a handler and are held
-        blocker.rollback()
-        assert process.wait(timeout=30) == 0, stderr.lines
-        caller.join(timeout=15)
-        for thread in late:
-            thread.join(timeout=15)
-        assert outcome == ["OK"]
-        assert refusals == ["UNAVAILABLE SHUTTING_DOWN"] * 2, refusals
-    finally:
-        blocker.close()
-        serving.stop(process)
-        stderr.close()
+        try:
+            put_lane(address)
+            blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock: the drain waits
+            caller = _stuck_reserve(address, 60, outcome)
+            time.sleep(0.5)  # the Reserve waits for the write lock
+            process.send_signal(signal.SIGTERM)
+            assert stderr.seen("received SIGTERM: draining"), stderr.lines
+            late = [
+                threading.Thread(target=refused, args=(call,), daemon=True)
+                for call in (
+                    lambda stub: stub.GetBalance(pb.GetBalanceRequest(lane="recall")),
+                    lambda stub: list(stub.WatchEvents(pb.WatchEventsRequest(after_seq=0))),
+                )
+            ]
+            for thread in late:
+                thread.start()
+            time.sleep(0.5)  # both reach a handler and are held
+            blocker.rollback()
+            assert process.wait(timeout=30) == 0, stderr.lines
+            caller.join(timeout=15)
+            for thread in late:
+                thread.join(timeout=15)
+            assert outcome == ["OK"]
+            assert refusals == ["UNAVAILABLE SHUTTING_DOWN"] * 2, refusals
+        finally:
+            blocker.close()
 
 
 def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_limit(
@@ -367,38 +380,32 @@ def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_l
     limit it is cut off (UNAVAILABLE, which its client resumes from), logged as
     such, and the process exits EXIT_CUT_OFF, not 0 after "drained"."""
     env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS="1")
-    process, address = serving.spawn(
-        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
-    )
-    stderr = Stderr(process)
-    stderr.start()
-    # Without BDP probing the client's window stays at 64 KiB: a few large
-    # events fill it, and the server's send of the next one blocks.
-    stuck = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
-    try:
-        prices = {
-            f"m{index}".ljust(200, "x"): pb.ModelPrice(input_nanos_per_million_tokens=1)
-            for index in range(256)
-        }
-        with grpc.insecure_channel(address) as channel:
-            admin = pb_grpc.LaneAdminStub(channel)
-            for index in range(20):  # about 58 KB an event
-                lane = pb.Lane(lane=f"big-{index}", limit_nanos=10**15, prices=prices)
-                admin.PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
-        stream = pb_grpc.LedgerStub(stuck).WatchEvents(pb.WatchEventsRequest(after_seq=0))
-        time.sleep(1.0)  # the stream's send blocks on the full window
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
-        stderr.join(timeout=15)
-        assert any("1 calls cut off" in line for line in stderr.lines), stderr.lines
-        with pytest.raises(grpc.RpcError) as ended:
-            for _ in stream:
-                pass
-        assert ended.value.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-    finally:
-        stuck.close()
-        serving.stop(process)
-        stderr.close()
+    with watched(tmp_path, env) as (process, address, stderr):
+        # Without BDP probing the client's window stays at 64 KiB: a few large
+        # events fill it, and the server's send of the next one blocks.
+        stuck = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+        try:
+            prices = {
+                f"m{index}".ljust(200, "x"): pb.ModelPrice(input_nanos_per_million_tokens=1)
+                for index in range(256)
+            }
+            with grpc.insecure_channel(address) as channel:
+                admin = pb_grpc.LaneAdminStub(channel)
+                for index in range(20):  # about 58 KB an event
+                    lane = pb.Lane(lane=f"big-{index}", limit_nanos=10**15, prices=prices)
+                    admin.PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
+            stream = pb_grpc.LedgerStub(stuck).WatchEvents(pb.WatchEventsRequest(after_seq=0))
+            time.sleep(1.0)  # the stream's send blocks on the full window
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
+            stderr.join(timeout=15)
+            assert any("1 calls cut off" in line for line in stderr.lines), stderr.lines
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in stream:
+                    pass
+            assert ended.value.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        finally:
+            stuck.close()
 
 
 @pytest.mark.parametrize("ending", ["grace limit", "second signal"])
@@ -414,45 +421,31 @@ def test_a_call_held_by_a_drain_that_cuts_work_off_is_still_refused_as_shutting_
     env = serving.clean_env(
         LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds), LEDGER_REQUEST_DEADLINE_SECONDS="60"
     )
-    process, address = serving.spawn(
-        tmp_path, "--insecure-no-auth", env=env, stderr=subprocess.PIPE
-    )
-    stderr = Stderr(process)
-    stderr.start()
-    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
-    outcome: list[str] = []
-    late: list[str] = []
+    with watched(tmp_path, env) as (process, address, stderr):
+        blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+        outcome: list[str] = []
+        late: list[str] = []
 
-    def send_late() -> None:
-        with grpc.insecure_channel(address) as channel:
-            try:
-                pb_grpc.LedgerStub(channel).GetBalance(
-                    pb.GetBalanceRequest(lane="recall"), timeout=60
-                )
-                late.append("OK")
-            except grpc.RpcError as error:
-                assert isinstance(error, grpc.Call)
-                reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
-                late.append(f"{error.code().name} {reason}")
+        def send_late() -> None:
+            balance = pb.GetBalanceRequest(lane="recall")
+            late.append(answer_of(lambda stub: stub.GetBalance(balance, timeout=60), address))
 
-    try:
-        put_lane(address)
-        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
-        caller = _stuck_reserve(address, 60, outcome)
-        time.sleep(0.5)  # the Reserve waits for the write lock
-        process.send_signal(signal.SIGTERM)
-        assert stderr.seen("received SIGTERM: draining"), stderr.lines
-        sender = threading.Thread(target=send_late, daemon=True)
-        sender.start()
-        time.sleep(0.5)  # it reaches a handler and is held
-        if ending == "second signal":
+        try:
+            put_lane(address)
+            blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
+            caller = _stuck_reserve(address, 60, outcome)
+            time.sleep(0.5)  # the Reserve waits for the write lock
             process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
-        sender.join(timeout=15)
-        caller.join(timeout=15)
-        assert late == ["UNAVAILABLE SHUTTING_DOWN"], late
-        assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
-    finally:
-        blocker.close()
-        serving.stop(process)
-        stderr.close()
+            assert stderr.seen("received SIGTERM: draining"), stderr.lines
+            sender = threading.Thread(target=send_late, daemon=True)
+            sender.start()
+            time.sleep(0.5)  # it reaches a handler and is held
+            if ending == "second signal":
+                process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
+            sender.join(timeout=15)
+            caller.join(timeout=15)
+            assert late == ["UNAVAILABLE SHUTTING_DOWN"], late
+            assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
+        finally:
+            blocker.close()
