@@ -80,6 +80,8 @@ SNAPSHOT_COMPLETE = "complete"
 # How many complete snapshots are ever read: retention keeps fewer.
 MAX_LISTED_SNAPSHOTS = 10
 ANSWER_KINDS = ("reserved", "denied")
+# How many lanes' configuring events one statement reads (_stale_lanes).
+STALE_LANES_READ = 1000
 
 
 # The outcome of a manifest whose rebuild was carried out (Recovery._record).
@@ -208,28 +210,28 @@ def _stale_bookings(statement: Select[Any]) -> Select[Any]:
 
 
 def _stale_lanes(connection: Connection) -> int:
-    """How many lanes rows are not the policy their latest lane_configured
-    event sets (a damaged row still decodes: a flipped byte of a model's
-    name). One row and one event per lane, as `lanes` holds them."""
-    latest = (
-        select(func.max(events.c.seq))
-        .where(events.c.kind == EventKind.LANE_CONFIGURED.value)
-        .group_by(events.c.lane)
-    )
+    """How many lanes rows are not the policy of the event that set them (the
+    lane_configured event at their version): a damaged row still decodes (a
+    flipped byte of a model's name). One read by primary key a lane, not a
+    scan of the log; a row left behind a later configuration is for `ledger
+    verify`, which replays every lane."""
+    projected = [records.lane_from_row(row) for row in connection.execute(select(lanes)).mappings()]
     columns = [events.c[name] for name in records.EVENT_COLUMNS]
-    configured = records.events_from_rows(
-        connection.execute(select(*columns).where(events.c.seq.in_(latest))).all()
-    )
-    projected = {
-        policy.lane: policy
-        for policy in map(records.lane_from_row, connection.execute(select(lanes)).mappings())
-    }
-    return sum(
-        1
-        for event in configured
-        if event.policy is not None
-        and projected.get(event.lane)
-        not in (None, policy_from_dict(event.policy, event.seq, event.occurred_at_us))
+    setting: dict[int, Event] = {}
+    for start in range(0, len(projected), STALE_LANES_READ):
+        versions = [policy.version for policy in projected[start : start + STALE_LANES_READ]]
+        rows = connection.execute(select(*columns).where(events.c.seq.in_(versions))).all()
+        setting.update((event.seq, event) for event in records.events_from_rows(rows))
+    return sum(1 for policy in projected if not _set_by(policy, setting.get(policy.version)))
+
+
+def _set_by(policy: LanePolicy, event: Event | None) -> bool:
+    return (
+        event is not None
+        and event.kind is EventKind.LANE_CONFIGURED
+        and event.lane == policy.lane
+        and event.policy is not None
+        and policy_from_dict(event.policy, event.seq, event.occurred_at_us) == policy
     )
 
 
