@@ -43,6 +43,16 @@ def _slow_reserve(drain: Drain) -> tuple[Any, threading.Event, threading.Event]:
     return _behaviour(drain, "/ledger.v1.Ledger/Reserve", slow), entered, release
 
 
+def _running_reserve(drain: Drain) -> tuple[Any, threading.Thread, threading.Event]:
+    """A slow Reserve started in its own thread and running: the call (to
+    make again), the thread, and the event that releases it."""
+    call, entered, release = _slow_reserve(drain)
+    running = threading.Thread(target=call, args=(None, None))
+    running.start()
+    assert entered.wait(WAIT_SECONDS)
+    return call, running, release
+
+
 def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
     drain = Drain()
     call, entered, release = _slow_reserve(drain)
@@ -131,10 +141,7 @@ def test_the_drain_settles_after_the_last_call_ends_not_only_after_it_began() ->
     the drain waits SETTLE_SECONDS after that answer, so the resend is held
     rather than met by grpcio's stop."""
     drain = Drain()
-    call, entered, release = _slow_reserve(drain)
-    running = threading.Thread(target=call, args=(None, None))
-    running.start()
-    assert entered.wait(WAIT_SECONDS)
+    _, running, release = _running_reserve(drain)
     ended: list[float] = []
     draining = threading.Thread(
         target=lambda: (drain.drain(time.monotonic() + 30), ended.append(time.monotonic()))
@@ -151,10 +158,7 @@ def test_the_drain_settles_after_the_last_call_ends_not_only_after_it_began() ->
 def test_hurry_ends_a_drain_at_once_and_says_how_many_were_cut_off() -> None:
     """A second stop signal: the drain returns without waiting for its deadline."""
     drain = Drain()
-    call, entered, release = _slow_reserve(drain)
-    running = threading.Thread(target=call, args=(None, None))
-    running.start()
-    assert entered.wait(WAIT_SECONDS)
+    _, running, release = _running_reserve(drain)
     left: list[int] = []
     draining = threading.Thread(
         target=lambda: left.append(drain.drain(time.monotonic() + 600)), daemon=True
@@ -172,10 +176,7 @@ def test_hurry_ends_a_drain_at_once_and_says_how_many_were_cut_off() -> None:
 def test_hurry_before_the_drain_begins_ends_it_at_once() -> None:
     """The second signal may be handled before the stop has begun to drain."""
     drain = Drain()
-    call, entered, release = _slow_reserve(drain)
-    running = threading.Thread(target=call, args=(None, None))
-    running.start()
-    assert entered.wait(WAIT_SECONDS)
+    call, running, release = _running_reserve(drain)
     drain.hurry()
     assert drain.drain(time.monotonic() + 600) == 1
     drain.release()

@@ -253,14 +253,29 @@ describe('a graceful stop under load', () => {
   });
 });
 
+// A lane with a client journaling to a folder of its own; `fn(lane, client)`
+// runs once the client is ready, and the client is closed after.
+async function withJournaledClient(lane, fn) {
+  await ledger.admin.putLane({ lane: { lane, limit_nanos: '1000000000', prices: PRICES } });
+  const client = laneClient(lane, OutagePolicy.deny(path.join(directory, lane, 'journal.jsonl')));
+  try {
+    await client.waitForReady();
+    await fn(lane, client);
+  } finally {
+    await client.close();
+  }
+}
+
+// The booking was reserved and settled once, at `charged`.
+async function assertSettledOnce(lane, reservationId, charged) {
+  const { kinds, amounts } = await bookings(lane);
+  assert.deepEqual(kinds[reservationId], ['reserved', 'settled']);
+  assert.equal(amounts[reservationId], charged);
+}
+
 describe('a retry under the id of an unanswered Reserve', () => {
   test('is not refunded behind the call by the journal\'s in-doubt refund', async () => {
-    const lane = 'outage-retry';
-    await ledger.admin.putLane({ lane: { lane, limit_nanos: '1000000000', prices: PRICES } });
-    const journalPath = path.join(directory, 'retry', 'journal.jsonl');
-    const client = laneClient(lane, OutagePolicy.deny(journalPath));
-    try {
-      await client.waitForReady();
+    await withJournaledClient('outage-retry', async (lane, client) => {
       const request = { ...REQUEST, reservationId: `retry-${randomBytes(4).toString('hex')}` };
       assert.equal(await ledger.halt(), 0, 'a graceful stop');
       const refused = await client.call(request, async () => assert.fail('the model must not be called'));
@@ -275,21 +290,12 @@ describe('a retry under the id of an unanswered Reserve', () => {
       assert.ok(retried instanceof Completed, retried.reason);
       assert.equal(retried.chargedNanos, cost(900, 20), retried.ledgerError?.message);
       await client.replayJournal();
-      const { kinds, amounts } = await bookings(lane);
-      assert.deepEqual(kinds[request.reservationId], ['reserved', 'settled']);
-      assert.equal(amounts[request.reservationId], cost(900, 20));
-    } finally {
-      await client.close();
-    }
+      await assertSettledOnce(lane, request.reservationId, cost(900, 20));
+    });
   });
 
   test('a replay that listed the in-doubt refund before the retry never refunds the retry', async () => {
-    const lane = 'outage-retry-stale';
-    await ledger.admin.putLane({ lane: { lane, limit_nanos: '1000000000', prices: PRICES } });
-    const journalPath = path.join(directory, 'retry-stale', 'journal.jsonl');
-    const client = laneClient(lane, OutagePolicy.deny(journalPath));
-    try {
-      await client.waitForReady();
+    await withJournaledClient('outage-retry-stale', async (lane, client) => {
       const request = { ...REQUEST, reservationId: `stale-${randomBytes(4).toString('hex')}` };
       assert.equal(await ledger.halt(), 0, 'a graceful stop');
       assert.ok((await client.call(request, async () => assert.fail('not called'))) instanceof Denied);
@@ -307,11 +313,7 @@ describe('a retry under the id of an unanswered Reserve', () => {
       let listed = false;
       client.journal.pending = () => (listed ? pending() : ((listed = true), stale));
       await client.replayJournal();
-      const { kinds, amounts } = await bookings(lane);
-      assert.deepEqual(kinds[request.reservationId], ['reserved', 'settled']);
-      assert.equal(amounts[request.reservationId], cost(900, 20));
-    } finally {
-      await client.close();
-    }
+      await assertSettledOnce(lane, request.reservationId, cost(900, 20));
+    });
   });
 });

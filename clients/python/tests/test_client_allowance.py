@@ -693,14 +693,18 @@ class SlowRefunds(LostOnce):
         return super().end(reservation_id, ending, **options)
 
 
+def unanswered_while_refunding(client: LaneClient, fake: SlowRefunds) -> None:
+    with pytest.raises(Denied), retried(client):
+        raise AssertionError("the model must not be called")
+    assert fake.refund_started.wait(5.0)  # the background refund is under way
+
+
 def test_a_retry_waits_for_the_refund_under_way_then_is_refused() -> None:
     fake = SlowRefunds(0.1)
     client = client_on(fake, OutagePolicy.deny(), deadline_seconds=1.0)
     assert isinstance(client, LaneClient)
     with client:
-        with pytest.raises(Denied), retried(client):
-            raise AssertionError("the model must not be called")
-        assert fake.refund_started.wait(5.0)
+        unanswered_while_refunding(client, fake)
         with pytest.raises(errors.ReservationConflict), retried(client):
             raise AssertionError("the model must not be called")
     assert fake.rpcs == [("reserve", RETRIED_ID), ("end", RETRIED_ID)]
@@ -711,9 +715,7 @@ def test_a_retry_that_outwaits_its_deadline_is_an_outage_and_sends_nothing() -> 
     client = client_on(fake, OutagePolicy.deny(), deadline_seconds=0.05)
     assert isinstance(client, LaneClient)
     with client:
-        with pytest.raises(Denied), retried(client):
-            raise AssertionError("the model must not be called")
-        assert fake.refund_started.wait(5.0)
+        unanswered_while_refunding(client, fake)
         with pytest.raises(Denied) as denied, retried(client):
             raise AssertionError("the model must not be called")
         assert denied.value.denial_reason is DenialReason.LEDGER_UNAVAILABLE
