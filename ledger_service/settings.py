@@ -49,6 +49,13 @@ def database_url_problem(url: str) -> str | None:
     return None
 
 
+# The largest value of any setting: a count (gRPC's channel options and
+# PostgreSQL's statement_timeout are C ints) and a number of seconds (the
+# longest a grant may live, far within what a thread can wait).
+MAX_SETTING_COUNT = 2**31 - 1
+MAX_SETTING_SECONDS = 10 * 366 * 86_400
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     database_url: str
@@ -151,6 +158,12 @@ class Settings:
                 raise ValueError(f"{name} must be above 0")
             if value < 0:
                 raise ValueError(f"{name} must not be negative")
+            if field.name.endswith("_seconds") and value > MAX_SETTING_SECONDS:
+                # Past what a thread can wait or a grant may live.
+                raise ValueError(f"{name} must be at most {MAX_SETTING_SECONDS} (3,660 days)")
+            if kind is int and value > MAX_SETTING_COUNT:
+                # gRPC's channel options and PostgreSQL's settings are C ints.
+                raise ValueError(f"{name} must be at most {MAX_SETTING_COUNT}")
         _check_listen(self.listen)
         if self.recovery_max_risk > 1:
             raise ValueError("recovery_max_risk (LEDGER_RECOVERY_MAX_RISK) must be at most 1")

@@ -4,6 +4,7 @@ configuration exits 2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import subprocess
@@ -80,3 +81,51 @@ def test_serve_refuses_a_port_past_65535_in_one_line(tmp_path: pathlib.Path) -> 
     )  # fmt: skip
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1 and "99999" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        # gRPC's channel options are C ints: 2 GiB was an OverflowError traceback.
+        ("max_message_bytes", 2**31),
+        # PostgreSQL's statement_timeout is an int of milliseconds.
+        ("statement_timeout_ms", 2**31),
+        ("sweep_batch_size", 10**20),
+        # Waits past what a thread can wait killed the health and feed threads.
+        ("health_check_interval_seconds", 1e300),
+        ("watch_poll_interval_seconds", 1e300),
+        ("grace_period_seconds", 316_224_000.5),
+        # A grant lives at most 3,660 days (docs/security.md), the admin grant too.
+        ("admin_grant_lifetime_seconds", 316_224_001),
+    ],
+)
+def test_a_number_too_large_for_any_server_is_refused_by_name(setting: str, value: object) -> None:
+    with pytest.raises(ValueError, match=setting) as refused:
+        Settings(database_url=URL, **{setting: value})  # type: ignore[arg-type]
+    assert "at most" in str(refused.value)
+
+
+def test_every_number_at_its_largest_is_taken() -> None:
+    """Every count at 2^31 - 1 and every number of seconds at 3,660 days."""
+    largest: dict[str, object] = {}
+    for field in dataclasses.fields(Settings):
+        if field.name.endswith("_seconds"):
+            largest[field.name] = 316_224_000 if type(field.default) is int else 316_224_000.0
+        elif type(field.default) is int:
+            largest[field.name] = 2**31 - 1
+    largest["recovery_max_risk"] = 1.0
+    settings = Settings(database_url=URL, **largest)  # type: ignore[arg-type]
+    assert settings.max_message_bytes == 2**31 - 1
+
+
+def test_serve_refuses_a_message_limit_gRPC_cannot_take_in_one_line(
+    tmp_path: pathlib.Path,
+) -> None:
+    ledger = pathlib.Path(sys.executable).with_name("ledger")
+    done = subprocess.run(
+        [str(ledger), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path)],
+        cwd=tmp_path, env=serving.clean_env(LEDGER_MAX_MESSAGE_BYTES=str(2**31)),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "LEDGER_MAX_MESSAGE_BYTES" in done.stderr and "Traceback" not in done.stderr, done.stderr
