@@ -197,6 +197,39 @@ def test_replaced_rows_show_their_amounts_and_are_counted() -> None:
     assert "applied: 0 corrected, 0 matched, 0 unmatched, 0 disagreeing" in quiet
 
 
+def test_rows_the_answer_left_out_are_said_and_counted() -> None:
+    """A 10,000-row file came back with 4,000 rows and the CLI printed those
+    alone, saying nothing of the rest; a refused file of 1 bad and 2,000 good
+    rows said "1000 not checked", the routine rows the answer kept."""
+    unmatched = pb.ReconcileResponse(
+        unmatched_count=3,
+        rows_omitted=2,
+        rows=[pb.ReconcileRow(line=2, lane="l", reservation_id="x0", status="unmatched")],
+    )
+    lines = reconcile.reconcile_lines(unmatched, dry_run=True)
+    assert (
+        "2 more rows not listed (the ledger lists those that need a look and routine ones "
+        "up to 1,000: at most 4,000)"
+    ) in lines
+    refused = pb.ReconcileResponse(
+        bad_count=1,
+        rows_omitted=1000,
+        rows=[
+            pb.ReconcileRow(
+                line=2, lane="l", reservation_id="s1", status="bad", field="billed_nanos"
+            ),
+            *[
+                pb.ReconcileRow(line=3 + i, lane="l", reservation_id=f"y{i}", status="not_applied")
+                for i in range(1000)
+            ],
+        ],
+    )
+    lines = reconcile.reconcile_lines(refused, dry_run=True)
+    assert (
+        "not applied: the file has bad rows, so nothing changed: 1 bad, 2000 not checked" in lines
+    )
+
+
 @pytest.mark.parametrize(
     ("command", "option"),
     [

@@ -89,9 +89,17 @@ def reconcile_lines(
         verdict = "not applied"
     rows = [reconcile_row(row) for row in response.rows]
     shown = table(RECONCILE_HEADER, rows) if rows else ["the file holds no rows"]
+    if response.rows_omitted:
+        # The answer holds at most 4,000 rows (the routine ones up to 1,000).
+        shown.append(
+            f"{response.rows_omitted} more {'row' if response.rows_omitted == 1 else 'rows'} "
+            "not listed (the ledger lists those that need a look and routine ones up to 1,000: "
+            "at most 4,000)"
+        )
+    in_file = len(rows) + response.rows_omitted
     counts = (
         # The good rows of a refused file are listed as not_applied: they were never checked.
-        f"{response.bad_count} bad, {len(rows) - response.bad_count} not checked"
+        f"{response.bad_count} bad, {in_file - response.bad_count} not checked"
         if response.bad_count
         else f"{response.corrected_count} corrected, {response.matched_count} matched, "
         f"{response.unmatched_count} unmatched, {response.disagreement_count} disagreeing"
