@@ -68,6 +68,16 @@ def test_a_timeout_of_nan_is_refused_on_one_line(text: str) -> None:
     assert refused.value.message.startswith(f"--timeout: {text!r} is not a number of seconds")
 
 
+@pytest.mark.parametrize("text", ["1e-400", "0.0e5"])
+def test_a_timeout_that_is_zero_as_a_float_is_refused(text: str) -> None:
+    """'1e-400' passed as above 0 and went out as a deadline of 0 s: exit 3,
+    'did not answer within 0 s', a mistake of the command line taken for an
+    unreachable ledger."""
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_timeout_seconds(text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+
+
 def run_ledger(*arguments: str, **options: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(LEDGER), *arguments],

@@ -166,7 +166,8 @@ def parse_timeout_seconds(text: str | None) -> float:
         return float(DEFAULT_TIMEOUT_SECONDS)
     # Matched first: Decimal("nan") compares by raising, Decimal("\u0661") is 1.
     value = decimal.Decimal(text) if _SECONDS.match(text) else decimal.Decimal(-1)
-    if not decimal.Decimal(0) < value <= MAX_TIMEOUT_SECONDS:
+    # float() too: '1e-400' is above 0 as a Decimal and 0.0 as the deadline sent.
+    if not decimal.Decimal(0) < value <= MAX_TIMEOUT_SECONDS or float(value) <= 0:
         raise CliError(
             f"--timeout: {text[:MAX_VALUE_LENGTH]!r} is not a number of seconds "
             f"between 0 and {MAX_TIMEOUT_SECONDS}",
