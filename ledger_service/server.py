@@ -154,6 +154,10 @@ class LedgerServer:
         if run_migrations:
             try:
                 _upgrade(self.store)
+            except migrate.UnknownRevision:
+                # A newer release's schema: refused at start (exit 2), never served.
+                self.store.close()
+                raise
             except StoreUnavailable as error:
                 damaged = isinstance(error, StoreDamaged)
                 why = "it is damaged" if damaged else "it does not answer"

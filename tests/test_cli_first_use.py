@@ -20,7 +20,7 @@ import subprocess
 import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 from ledger_service.cli import exits, reading, render, values
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -302,6 +302,31 @@ def test_migrate_says_whether_it_created_upgraded_or_found_the_schema_current(
     upgraded = ledger("migrate", "--database-url", older)
     assert upgraded.code == 0
     assert upgraded.err == f"upgraded the schema from revision 0003 to {head} in {older}\n"
+
+
+def test_a_schema_of_a_newer_release_is_refused_in_one_line_by_migrate_and_serve(
+    ledger: RunLedger, tmp_path: pathlib.Path, no_database_settings: None
+) -> None:
+    # An older build pointed at a database a newer release has migrated (a
+    # rollback, a replica left behind): Alembic cannot find the revision, and
+    # both commands ended in its traceback, `serve` with exit 1 ("cannot listen").
+    url = f"sqlite:///{tmp_path / 'newer.db'}"
+    assert ledger("migrate", "--database-url", url).code == 0
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    finally:
+        engine.dispose()
+    head = head_revision(url)
+    for command_line in (
+        ("migrate", "--database-url", url),
+        ("serve", "--database-url", url, "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0"),
+    ):
+        refused = ledger(*command_line)
+        assert refused.code == 2, refused
+        said = one_line_error(refused)
+        assert "revision 9999" in said and f"newest is {head}" in said, said
 
 
 def test_a_refusal_shows_its_amounts_in_dollars(target: LedgerProcess, ledger: RunLedger) -> None:

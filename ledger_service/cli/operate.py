@@ -149,6 +149,9 @@ def _migrate(arguments: argparse.Namespace) -> int:
             done = migrate.upgrade(store.engine)
     except StoreUnavailable as error:
         return database_unavailable("migrate", error, where)
+    except migrate.UnknownRevision as error:
+        print(f"ledger migrate: {error} ({where})", file=sys.stderr)
+        return 2
     finally:
         store.close()
     print(f"{migrate_text(done.before, done.after)} in {where}", file=sys.stderr)

@@ -8,6 +8,7 @@ import pathlib
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, text
 
 import migrations
@@ -31,6 +32,23 @@ class Upgrade:
     after: str | None
 
 
+class UnknownRevision(ValueError):
+    """The schema is at a revision this build's migrations do not hold: a newer
+    release migrated the database. A refused configuration, not an outage."""
+
+
+def _check_known(config: Config, revision: str | None) -> None:
+    script = ScriptDirectory.from_config(config)
+    known = {found.revision for found in script.walk_revisions()}
+    if revision is None or revision in known:
+        return
+    raise UnknownRevision(
+        f"the database's schema is at revision {revision}, which this build does not "
+        f"know (its newest is {script.get_current_head()}): a newer release migrated it; "
+        "run that release (or newer) against it"
+    )
+
+
 def upgrade(engine: Engine) -> Upgrade:
     config = alembic_config(engine)
     with engine.begin() as connection:
@@ -39,6 +57,8 @@ def upgrade(engine: Engine) -> Upgrade:
             connection.execute(text("SELECT pg_advisory_xact_lock(4998)"))
         # Read under the lock, so `before` is what this upgrade started from.
         before = MigrationContext.configure(connection).get_current_revision()
+        # Alembic's own answer to an unknown revision is a traceback.
+        _check_known(config, before)
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
         after = MigrationContext.configure(connection).get_current_revision()
