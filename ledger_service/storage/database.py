@@ -295,6 +295,10 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
     given_options = given if isinstance(given, str) else " ".join(given)
     url = url.difference_update_query(["options"])
     connect_timeout = max(1, timeout // 1000)
+    # PostgreSQL takes its timeouts as an int of milliseconds; Linux takes a
+    # keepalive's idle time up to 32,767 s.
+    idle_timeout = min(timeout * 4, 2**31 - 1)
+    keepalive_idle = min(max(1, timeout // 1000), 32_767)
     engine = create_engine(
         url,
         # The wait for a free connection ends at the watch's deadline too.
@@ -308,7 +312,7 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
         connect_args={
             "connect_timeout": connect_timeout,
             "options": f"{given_options} -c statement_timeout={timeout}"
-            f" -c lock_timeout={timeout} -c idle_in_transaction_session_timeout={timeout * 4}",
+            f" -c lock_timeout={timeout} -c idle_in_transaction_session_timeout={idle_timeout}",
             "application_name": "ledger",
             # Off: psycopg's own prepared statements make its ROLLBACK send
             # DEALLOCATE ALL, which would drop those of storage/libpq.py.
@@ -321,7 +325,7 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
             # only works while the server can still answer. A server that is
             # frozen still ACKs, so neither fires: the watchdog covers that.
             "keepalives": 1,
-            "keepalives_idle": max(1, timeout // 1000),
+            "keepalives_idle": keepalive_idle,
             "keepalives_interval": 1,
             "keepalives_count": 3,
             "tcp_user_timeout": timeout,
