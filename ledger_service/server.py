@@ -151,31 +151,32 @@ class LedgerServer:
         # reached (or is damaged), by the recovery guard before its first look:
         # the server comes up NOT_SERVING and tries again, never a traceback.
         pending_migration: Callable[[], None] | None = None
-        if run_migrations:
-            try:
-                _upgrade(self.store)
-            except migrate.UnknownRevision:
-                # A newer release's schema: refused at start (exit 2), never served.
-                self.store.close()
-                raise
-            except StoreUnavailable as error:
-                damaged = isinstance(error, StoreDamaged)
-                why = "it is damaged" if damaged else "it does not answer"
-                said = translate.driver_message(error)
-                why += f" ({said})" if said else ""
-                every = settings.recovery_check_interval_seconds
-                then = (
-                    " until it is repaired and the server restarted"
-                    if damaged
-                    else f"; the server tries again every {every:g} s"
-                )
-                log.error(
-                    "the database's schema could not be brought up to date: %s. Health is "
-                    "NOT_SERVING%s",
-                    why,
-                    then,
-                )
-                pending_migration = functools.partial(_upgrade, self.store)
+        # Without migrations, the schema's revision is still read: a newer
+        # release's is refused at start (exit 2), never served.
+        schema_step = _upgrade if run_migrations else _check_revision
+        try:
+            schema_step(self.store)
+        except migrate.UnknownRevision:
+            self.store.close()
+            raise
+        except StoreUnavailable as error:
+            damaged = isinstance(error, StoreDamaged)
+            why = "it is damaged" if damaged else "it does not answer"
+            said = translate.driver_message(error)
+            why += f" ({said})" if said else ""
+            every = settings.recovery_check_interval_seconds
+            then = (
+                " until it is repaired and the server restarted"
+                if damaged
+                else f"; the server tries again every {every:g} s"
+            )
+            log.error(
+                "the database's schema could not be %s: %s. Health is NOT_SERVING%s",
+                "brought up to date" if run_migrations else "read",
+                why,
+                then,
+            )
+            pending_migration = functools.partial(schema_step, self.store)
         self.ledger = Ledger(
             self.store,
             clock,
@@ -499,6 +500,12 @@ def _upgrade(store: SqlStore) -> None:
     """migrate.upgrade, its database errors translated (StoreUnavailable, StoreDamaged)."""
     with translate.translated():
         migrate.upgrade(store.engine)
+
+
+def _check_revision(store: SqlStore) -> None:
+    """migrate.check_revision, its database errors translated."""
+    with translate.translated():
+        migrate.check_revision(store.engine)
 
 
 def recovery_guard(

@@ -322,7 +322,12 @@ def test_a_schema_of_a_newer_release_is_refused_in_one_line_by_migrate_and_serve
     for command_line in (
         ("migrate", "--database-url", url),
         ("serve", "--database-url", url, "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0"),
-    ):
+        # It served such a schema, health SERVING, when told not to migrate.
+        (
+            "serve", "--no-migrate", "--database-url", url,
+            "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0",
+        ),
+    ):  # fmt: skip
         refused = ledger(*command_line)
         assert refused.code == 2, refused
         said = one_line_error(refused)

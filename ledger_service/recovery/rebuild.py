@@ -59,7 +59,7 @@ from ledger_service.recovery.store import (
     marker_key,
 )
 from ledger_service.recovery.walk import BookingLines, ChainWalk, Walk, ranges
-from ledger_service.storage import translate
+from ledger_service.storage import migrate, translate
 
 log = logging.getLogger("ledger.recovery")
 
@@ -973,6 +973,11 @@ class RecoveryGuard:
             return
         except StoreUnavailable as error:
             _log_unavailable(error)
+            self._set(self.PENDING)
+            return
+        except migrate.UnknownRevision as error:
+            # Read once the database answered: a newer release migrated it.
+            log.error("%s; health stays NOT_SERVING", error)
             self._set(self.PENDING)
             return
         except Exception:

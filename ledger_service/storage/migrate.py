@@ -65,6 +65,14 @@ def upgrade(engine: Engine) -> Upgrade:
     return Upgrade(before, after)
 
 
+def check_revision(engine: Engine) -> None:
+    """Raises UnknownRevision when a newer release has migrated the database
+    (for a server that does not migrate it itself)."""
+    with engine.connect() as connection:
+        revision = MigrationContext.configure(connection).get_current_revision()
+    _check_known(alembic_config(engine), revision)
+
+
 def check(engine: Engine) -> None:
     """Raises when the models and the migrated schema differ (`alembic check`)."""
     config = alembic_config(engine)
