@@ -136,6 +136,17 @@ function ensureMaxTokens(json, plan, defaultMaxOutputTokens) {
   return { maxOutputTokens: defaultMaxOutputTokens, changed: false };
 }
 
+/**
+ * How many choices a chat asks for (`n`), as the Python client's _choices:
+ * each may use the whole output bound, so the call's bound is the bound times
+ * n. A count of at least 1 is taken; anything else (left out, null, 0, not a
+ * count) is 1, and an `n` the provider does not take it refuses (a 4xx,
+ * refunded).
+ */
+function choicesOf(json, plan) {
+  return plan.chat && isCount(json.n) && json.n >= 1 ? json.n : 1;
+}
+
 const isPlainObject = (value) => value !== null && typeof value === 'object' && !Array.isArray(value);
 
 /**
@@ -150,7 +161,8 @@ function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
     return { body: sent, requestBytes: bytes.length, model: UNKNOWN_MODEL, maxOutputTokens: defaultMaxOutputTokens };
   }
   const json = { ...plan.json };
-  const { maxOutputTokens, changed: bounded } = ensureMaxTokens(json, plan, defaultMaxOutputTokens);
+  const { maxOutputTokens: bound, changed: bounded } = ensureMaxTokens(json, plan, defaultMaxOutputTokens);
+  const maxOutputTokens = bound * choicesOf(json, plan);
   const tagged = tagMetadata(json, reservationId);
   let asked = false;
   if (plan.chat && plan.stream) {

@@ -58,6 +58,11 @@ function chatReply(body, res) {
   if (kind === 'broken') return json(500, { error: { message: 'oops', type: 'server_error' } });
   // More output than the request's max: the ledger refuses this usage.
   if (kind === 'verbose') return json(200, { id: 'c2', object: 'chat.completion', model: body.model, choices: [], usage: { ...USAGE, completion_tokens: 100 } });
+  // Every one of `n` choices runs to the bound: n times max_tokens of output.
+  if (kind === 'choices') {
+    const choices = Array.from({ length: body.n }, (_, index) => ({ index, message: { role: 'assistant', content: 'hi' }, finish_reason: 'length' }));
+    return json(200, { id: 'c3', object: 'chat.completion', model: body.model, choices, usage: { ...USAGE, completion_tokens: body.n * body.max_tokens } });
+  }
   if (kind === 'stall') return setTimeout(() => json(200, {}), STALL_MS);
   if (kind === 'stream') {
     res.writeHead(200, { 'content-type': 'text/event-stream' });
@@ -242,6 +247,18 @@ test('a request without a max gets the default written in and reserved', async (
   assert.equal(sent.body.max_completion_tokens, 4096);
   assert.equal(booking.maxOutputTokens, 4096n);
   assert.equal(booking.state, 'SETTLED');
+});
+
+test('a chat asking for n choices reserves the bound n times and is settled from its usage', async () => {
+  // Each choice may run to max_tokens, so the call can bill n times it.
+  // Reserved for one choice, the real usage was refused (more output than the
+  // max) and the call settled UNKNOWN at a hold a third of what it could cost.
+  const { booking, sent } = await booked('choices', {}, { n: 3 });
+  assert.equal(sent.body.n, 3);
+  assert.equal(sent.body.max_tokens, 100);
+  assert.equal(booking.maxOutputTokens, 300n);
+  assert.equal(booking.state, 'SETTLED');
+  assert.equal(booking.amountNanos, 600n * 1000n + 400n * 100n + 300n * 4000n);
 });
 
 test('a Responses stream is settled from response.completed', async () => {

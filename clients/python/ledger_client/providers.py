@@ -166,6 +166,7 @@ def prepare_request(
     else:
         edited = dict(parsed)
         max_output_tokens = _ensure_max_tokens(edited, style, default_max_output_tokens)
+        max_output_tokens *= _choices(edited, style)
         stream = edited.get("stream") is True
         if stream and style is CallStyle.OPENAI_CHAT:
             options = edited.get("stream_options")
@@ -227,6 +228,17 @@ def _ensure_max_tokens(body: dict[str, Any], style: CallStyle, default: int) -> 
         body[fields[0]] = default
     # A bound that is not a count: the provider refuses it (a 4xx, refunded).
     return default
+
+
+def _choices(body: Mapping[str, Any], style: CallStyle) -> int:
+    """How many choices a chat asks for (`n`): each may use the whole output
+    bound, so the call's output bound is the bound times n. A count of at
+    least 1 is taken; anything else (left out, null, 0, not a count) is 1,
+    and an `n` the provider does not take it refuses (a 4xx, refunded)."""
+    if style is not CallStyle.OPENAI_CHAT:
+        return 1
+    count = _count_of(body.get("n"))
+    return count if count is not None and count >= 1 else 1
 
 
 def _tag_body(body: dict[str, Any], style: CallStyle, reservation_id: str) -> None:

@@ -259,6 +259,23 @@ def test_openai_responses_success(
     assert_settled(bookings, booking, 200 + 300 + 80, input_tokens=800, cached_input_tokens=600)
 
 
+def test_openai_chat_with_several_choices_reserves_and_settles_every_choice(
+    ledger: LaneClient, provider: FakeProvider, bookings: Bookings, make_openai: SdkFactory
+) -> None:
+    # `n` choices each get up to the bound: 3 x 64 output tokens is what the
+    # call can bill, so that is the bound the ledger holds. Reserved for one
+    # choice, the real usage was refused (more output than the max) and the
+    # call settled UNKNOWN at a hold a third of what it could cost.
+    provider.script(Reply(body=openai_chat_body(prompt=100, cached=0, completion=3 * 64)))
+    client = make_openai()
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=64, n=3)
+    request, booking = only_booked(provider, bookings)
+    assert request.json()["n"] == 3 and request.json()["max_completion_tokens"] == 64
+    assert booking.max_output_tokens == 3 * 64
+    # 100 input at 1 + 192 output at 2.
+    assert_settled(bookings, booking, 100 + 384, input_tokens=100, output_tokens=192)
+
+
 def test_openai_caller_metadata_key_is_left_alone(
     ledger: LaneClient, provider: FakeProvider, bookings: Bookings, make_openai: SdkFactory
 ) -> None:
