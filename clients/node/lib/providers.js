@@ -16,8 +16,8 @@
 // - Streams are handed on at once; their usage comes from the last chunk that
 //   carries one (chat: asked for with stream_options.include_usage; responses:
 //   the response.completed event), and the booking ends when the stream does.
-//   A stream that ends, or is cancelled, before any usage came, or is cut
-//   off, is UNKNOWN.
+//   A stream that ends, is cancelled or is cut off before any usage came is
+//   UNKNOWN; one cut off after its usage is settled from it.
 // - The reservation id travels as the header x-ledger-reservation-id and in the
 //   body's metadata (ledger_reservation_id), unless the caller set that key,
 //   the metadata already holds OpenAI's maximum of 16 keys (OpenAI would
@@ -320,7 +320,7 @@ function watchedStream(response) {
         controller.enqueue(value);
       } catch (error) {
         controller.error(error);
-        finish({ error });
+        finish({ error, usage: watcher.usage });
       }
     },
     async cancel(reason) {
@@ -414,7 +414,10 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       const { handed, ended } = watchedStream(response);
       deliver.resolve(handed);
       const end = await ended;
-      if (end.error) throw end.error;
+      // Cut off: a usage that had arrived is what the call cost (known usage
+      // wins over the failure, as in the Python transport); without one, the
+      // answer's status is kept and the booking is UNKNOWN, at its hold.
+      if (end.error && end.usage === null) return { httpStatus: response.status, connectionLost: true };
       return { httpStatus: response.status, usage: end.usage };
     });
     outcome.then(

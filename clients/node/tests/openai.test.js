@@ -73,6 +73,14 @@ function chatReply(body, res) {
     res.end('data: [DONE]\n\n');
     return undefined;
   }
+  if (kind === 'cut after usage') {
+    // The usage chunk arrives, then the connection is cut before [DONE].
+    res.writeHead(200, { 'content-type': 'text/event-stream' });
+    const chunk = (value) => `data: ${JSON.stringify(value)}\n\n`;
+    res.write(chunk({ id: 's3', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'hi' }, finish_reason: 'stop' }] }));
+    res.write(chunk({ id: 's3', object: 'chat.completion.chunk', model: body.model, choices: [], usage: USAGE }), () => res.socket.destroy());
+    return undefined;
+  }
   if (kind === 'huge stream') {
     // A usage above the ledger's bound of 10^12 tokens: no usage, the stream still passes.
     res.writeHead(200, { 'content-type': 'text/event-stream' });
@@ -501,6 +509,15 @@ test('a stream whose usage is out of bounds reaches the SDK whole, and is charge
   assert.equal(error, null, 'the stream is not broken by a usage it cannot book');
   assert.equal(booking.state, 'SETTLED_UNKNOWN');
   assert.equal(booking.amountNanos, booking.holdNanos);
+});
+
+test('a stream cut off after its usage arrived is settled from that usage, as the Python transport does', async () => {
+  // It was settled UNKNOWN, at the hold, although the provider had reported
+  // what the call cost: the usage seen was dropped with the error.
+  const { booking, error } = await booked('cut after usage', {}, { stream: true });
+  assert.ok(error instanceof Error, 'the reader still sees the cut');
+  assert.equal(booking.state, 'SETTLED');
+  assert.equal(booking.amountNanos, COST);
 });
 
 // --- a usage the ledger refuses --------------------------------------------------------
