@@ -319,6 +319,8 @@ class LaneClient {
     this._allowance = null;
     this._replayer = null;
     this._refunds = new BackgroundRefunds();
+    // The Settles and Refunds of calls whose model call has returned.
+    this._endings = new Set();
     this._closed = null;
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
@@ -377,17 +379,23 @@ class LaneClient {
   }
 
   /**
-   * Stops the background replayer, closes the channel, then the journal (once
-   * its writes under way are on disk) and releases its lock. Idempotent; the
-   * promise it returns never rejects.
+   * Stops the background replayer, lets the Settles and Refunds of calls
+   * already made finish (each within the call deadline), closes the channel,
+   * then the journal (once its writes under way are on disk) and releases its
+   * lock. Idempotent; the promise it returns never rejects.
    */
   close() {
     if (this._closed !== null) return this._closed;
     this._replayer?.stop();
-    this._stub.close();
     const replayer = this._replayer;
     const journal = this._journal;
+    const endings = [...this._endings];
+    if (endings.length === 0) this._stub.close();
     this._closed = (async () => {
+      if (endings.length > 0) {
+        await Promise.allSettled(endings);
+        this._stub.close();
+      }
       await replayer?.idle().catch(() => undefined);
       await journal?.close().catch(() => undefined);
     })();
@@ -609,9 +617,11 @@ class LaneClient {
     let ended = null;
     let ledgerError = outageError;
     let journaled = false;
-    if (booking.source === CallSource.ALLOWANCE) {
-      journaled = await this._endOnAllowance(reservationId, move);
-    } else {
+    const ending = (async () => {
+      if (booking.source === CallSource.ALLOWANCE) {
+        journaled = await this._endOnAllowance(reservationId, move);
+        return;
+      }
       try {
         ended = await this._end(reservationId, move, trace);
       } catch (error) {
@@ -620,6 +630,13 @@ class LaneClient {
         // A refusal leaves the booking open to expire at its hold: say so, as the Python client does.
         else this._logger?.error(`ledger: the ledger refused to end booking ${reservationId} (${error.reason || error.message})`);
       }
+    })();
+    // close() waits for it: a call that has returned is ended, not cut off.
+    this._endings.add(ending);
+    try {
+      await ending;
+    } finally {
+      this._endings.delete(ending);
     }
     if (thrown !== null) {
       // The caller needs its own error; the ledger's failure rides along on it.

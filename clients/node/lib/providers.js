@@ -395,6 +395,10 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       deliver = { resolve, reject };
     });
     const booking = { reservationId, ...booked, ...trace };
+    // A whole (not streamed) answer, handed to the SDK once its booking has
+    // ended, as the Python transport does: a lane that closes its client
+    // right after the call must not leave the booking open.
+    let whole = null;
     const outcome = ledger.call(booking, async () => {
       let response;
       try {
@@ -408,7 +412,7 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       const streaming = response.ok && response.body && /text\/event-stream/.test(response.headers.get('content-type') ?? '');
       if (!streaming) {
         const text = await response.text();
-        deliver.resolve(new Response(text, { status: response.status, statusText: response.statusText, headers: response.headers }));
+        whole = new Response(text, { status: response.status, statusText: response.statusText, headers: response.headers });
         return { httpStatus: response.status, usage: usageIn(parsed(text)) };
       }
       const { handed, ended } = watchedStream(response);
@@ -421,7 +425,12 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       return { httpStatus: response.status, usage: end.usage };
     });
     outcome.then(
-      (result) => (result.admitted ? settleRefusedUsage(ledger, result, trace, logger) : deliver.resolve(deniedResponse(result))),
+      async (result) => {
+        if (!result.admitted) return deliver.resolve(deniedResponse(result));
+        await settleRefusedUsage(ledger, result, trace, logger);
+        if (whole !== null) deliver.resolve(whole);
+        return undefined;
+      },
       (error) => deliver.reject(error),
     );
     return delivered;

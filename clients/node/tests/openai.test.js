@@ -581,3 +581,23 @@ test("the README's openai example runs as written: a completion booked, a denial
     }
   }
 });
+
+test('a lane that closes its client right after a call leaves no booking open', async () => {
+  // The SDK had its answer before the Settle was sent, and close() cut the
+  // Settle off ("the ledger call did not start"): the booking stayed open to
+  // expire. Python's transport ends the booking before it returns.
+  for (const [kind, request, state] of [
+    ['ok', {}, 'SETTLED'],
+    ['verbose', { max_tokens: 10 }, 'SETTLED_UNKNOWN'],
+    ['stream', { stream: true, stream_options: { include_usage: true } }, 'SETTLED'],
+  ]) {
+    replies.set(kind, kind);
+    const lane = new LaneClient(ledger.address, 'sdk', { grant: ledger.adminGrant ?? undefined, deadlineMs: 3000, logger: null });
+    const before = seen.length;
+    const answer = await sdk({ fetch: ledgerFetch(lane) }).chat.completions.create({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: kind }], ...request });
+    if (request.stream) for await (const _chunk of answer) { /* read to its end */ }
+    await lane.close();
+    const reservationId = seen[before].headers['x-ledger-reservation-id'];
+    assert.equal((await client.booking(reservationId)).state, state, kind);
+  }
+});
