@@ -7,6 +7,7 @@
 // the same arguments with the same error (ledger_client/bookings.py); the cases
 // are clients/cases/arguments.json.
 
+const { randomUUID } = require('node:crypto');
 const { status: Status } = require('@grpc/grpc-js');
 const { InvalidArgument, TtlExceedsHoldTtl } = require('./errors');
 
@@ -124,4 +125,9 @@ function checkRefund({ httpStatus = 0, reason = '' }) {
   }
 }
 
-module.exports = { invalidArgument, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };
+/** A fresh reservation id: 32 hex digits, as the Python client's new_reservation_id. */
+function newReservationId() {
+  return randomUUID().replaceAll('-', '');
+}
+
+module.exports = { invalidArgument, newReservationId, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };

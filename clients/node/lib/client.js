@@ -1,6 +1,6 @@
 'use strict';
 
-const { randomBytes, randomUUID } = require('node:crypto');
+const { randomBytes } = require('node:crypto');
 const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
 const {
@@ -15,7 +15,7 @@ const {
   isLedgerUnavailable,
 } = require('./errors');
 const wire = require('./wire');
-const { checkLane, checkReservationId, checkReserve, checkRefund } = require('./arguments');
+const { checkLane, checkReservationId, checkReserve, checkRefund, newReservationId } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -561,7 +561,7 @@ class LaneClient {
     // Taken now, before any await: the caller's context, shared by every ledger call of this one.
     const trace = traceHeaders(request) ?? freshTraceHeaders();
     // A caller that must tag its provider request with the id first passes one.
-    const reservationId = request.reservationId ?? randomUUID();
+    const reservationId = request.reservationId ?? newReservationId();
     // Every argument the ledger would refuse, refused before anything is
     // booked or journaled, with the InvalidArgument it would send.
     checkReserve({ ...request, reservationId });

@@ -41,6 +41,7 @@
 const { usageOf } = require('./usage');
 const { Ending, markNotSent } = require('./outcomes');
 const { InvalidArgument } = require('./errors');
+const { newReservationId } = require('./arguments');
 const { traceHeaders, freshTraceHeaders } = require('./tracing');
 
 const CREATE_PATHS = [/\/chat\/completions$/, /\/responses$/];
@@ -387,7 +388,7 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
     const trace = traceHeaders() ?? freshTraceHeaders();
     const plan = await planOf(url, init);
     if (plan === null) return inner(url, init);
-    const reservationId = crypto.randomUUID();
+    const reservationId = newReservationId();
     const { body, ...booked } = preparedOf(plan, reservationId, maxOutputTokens);
     const headers = headersOf(init, plan, reservationId);
     let deliver;
