@@ -44,7 +44,7 @@ from ledger_service.api.servicers import (
 from ledger_service.application.audit import Auditor
 from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import Ledger
-from ledger_service.domain.clock import Clock, ManualClock, SystemClock
+from ledger_service.domain.clock import Clock, ManualClock, SteadyClock, SystemClock
 from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.grants import Keyring, Scope, key_id_of
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
@@ -101,17 +101,17 @@ def build_store(settings: Settings) -> SqlStore:
     )
 
 
-def _resume_after_last_event(clock: ManualClock, ledger: Ledger) -> None:
-    """A test clock starts at wall time. Restarted behind what the ledger has
-    recorded, it resumes at the last event: a ledger's time never runs backwards,
-    and a hold booked ahead of the wall keeps counting."""
+def _resume_after_last_event(clock: ManualClock | SteadyClock, ledger: Ledger) -> None:
+    """A server's clock starts at wall time. Restarted behind what the ledger
+    has recorded (a test clock, or a system clock stepped back), it resumes at
+    the last event: a ledger's time never runs backwards, and a hold booked
+    ahead of the wall keeps counting."""
     try:
         last_us = ledger.last_event_at_us()
     except StoreUnavailable:
-        log.warning("the test clock starts at wall time: the database does not answer")
+        log.warning("the clock starts at wall time: the database does not answer")
         return
-    if last_us > clock.now_us():
-        clock.set_us(last_us)
+    clock.resume_at(last_us)
 
 
 class LedgerServer:
@@ -137,6 +137,9 @@ class LedgerServer:
         fresh_test_clock = ManualClock() if clock is None and settings.test_clock else None
         if clock is None:
             clock = fresh_test_clock or SystemClock()
+        resuming: ManualClock | SteadyClock | None = fresh_test_clock
+        if not settings.test_clock:
+            clock = resuming = SteadyClock(clock)
         self.clock = clock
         empty = database.empty_sqlite_file(settings.database_url) if run_migrations else None
         if empty is not None:
@@ -183,8 +186,8 @@ class LedgerServer:
             max_page_size=settings.max_page_size,
             verify_windows=settings.verify_windows,
         )
-        if fresh_test_clock is not None and pending_migration is None:
-            _resume_after_last_event(fresh_test_clock, self.ledger)
+        if resuming is not None and pending_migration is None:
+            _resume_after_last_event(resuming, self.ledger)
         # One reader of the log's tail for every WatchEvents stream.
         self.feed = EventFeed(
             self.ledger.read_events,

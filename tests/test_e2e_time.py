@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 from google.protobuf import empty_pb2
 
+from ledger_service.domain.clock import ManualClock
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
-from tests.conftest import ledger_settings
+from tests.conftest import START_US, ledger_settings
 
 SECOND_US = 1_000_000
 DAY_US = 86_400 * SECOND_US
@@ -336,3 +337,62 @@ def test_a_restarted_test_clock_resumes_no_earlier_than_the_last_event(
         assert balance.held_nanos == held
     finally:
         second.stop(0)
+
+
+# A server's own clock stepped back ------------------------------------------------
+#
+# A server without --test-clock reads the system clock, which NTP or a resumed
+# virtual machine may step back. A ManualClock passed in as that clock stands
+# for it here: the server does not serve it, the test moves it.
+
+
+def test_a_restart_behind_the_last_event_still_counts_it(
+    tmp_path: pathlib.Path, harness_for: Any
+) -> None:
+    """Restarted with its clock behind a booking it recorded, a server must
+    not date a Reserve before it: the booking would fall out of the window
+    (reserved_at <= now) and the lane would be booked past its limit."""
+    settings = ledger_settings(tmp_path, test_clock=False, sweep_interval_seconds=3600)
+    system = ManualClock(START_US + 10 * SECOND_US)
+    first = LedgerServer(settings, clock=system)
+    first.start()
+    try:
+        harness = harness_for(first)
+        harness.make_lane(limit_nanos=CAP_10K_500 + CAP_10K_500 // 2)
+        booked = harness.reserve("r1")
+        assert booked.decision == pb.ADMITTED
+    finally:
+        first.stop(0)
+    system.set_us(START_US)  # stepped back ten seconds
+    second = LedgerServer(settings, clock=system)
+    second.start()
+    try:
+        harness = harness_for(second)
+        assert harness.balance().held_nanos == CAP_10K_500
+        again = harness.reserve("r2")
+        assert again.decision == pb.DENIED, "the lane was booked past its limit"
+        assert harness.micros_of(again.reserved_at) >= harness.micros_of(booked.reserved_at)
+    finally:
+        second.stop(0)
+
+
+def test_a_clock_stepped_back_while_serving_never_dates_a_move_earlier(
+    tmp_path: pathlib.Path, harness_for: Any
+) -> None:
+    """A put drops the lane's kept window; a clock stepped back after it must
+    still not date the next Reserve before the bookings already recorded."""
+    settings = ledger_settings(tmp_path, test_clock=False, sweep_interval_seconds=3600)
+    system = ManualClock(START_US + 10 * SECOND_US)
+    server = LedgerServer(settings, clock=system)
+    server.start()
+    try:
+        harness = harness_for(server)
+        harness.make_lane(limit_nanos=CAP_10K_500 + CAP_10K_500 // 2)
+        booked = harness.reserve("r1")
+        system.set_us(START_US)  # stepped back ten seconds
+        harness.make_lane(limit_nanos=CAP_10K_500 + CAP_10K_500 // 2 + 1)
+        again = harness.reserve("r2")
+        assert again.decision == pb.DENIED, "the lane was booked past its limit"
+        assert harness.micros_of(again.reserved_at) >= harness.micros_of(booked.reserved_at)
+    finally:
+        server.stop(0)

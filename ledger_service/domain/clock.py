@@ -31,6 +31,31 @@ class SystemClock:
         return time.time_ns() // 1000
 
 
+class SteadyClock:
+    """A server's clock over the system's, which NTP or a resumed virtual
+    machine may step back: it never reads earlier than it has read before, nor
+    than the instant it resumed at (the last recorded event, at start). A clock
+    stepped back holds still until it catches up, so no move is dated before
+    one the ledger recorded: a booking dated ahead of `now` would fall out of
+    the window (reserved_at <= now) and its budget be spent twice."""
+
+    def __init__(self, system: Clock) -> None:
+        self._lock = threading.Lock()
+        self._system = system
+        self._latest_us = 0
+
+    def now_us(self) -> int:
+        read = self._system.now_us()
+        with self._lock:
+            self._latest_us = max(self._latest_us, read)
+            return self._latest_us
+
+    def resume_at(self, instant_us: int) -> None:
+        """Reads no earlier than `instant_us` from now on."""
+        with self._lock:
+            self._latest_us = max(self._latest_us, instant_us)
+
+
 class ManualClock:
     """A clock that stays exactly where it was set until set or advanced again.
 
@@ -59,6 +84,11 @@ class ManualClock:
         with self._lock:
             self._now_us = instant_us
             return self._now_us
+
+    def resume_at(self, instant_us: int) -> None:
+        """Set to `instant_us` if it is later (a restart behind the last event)."""
+        with self._lock:
+            self._now_us = max(self._now_us, instant_us)
 
     def advance_us(self, duration_us: int) -> int:
         if duration_us < 0:
