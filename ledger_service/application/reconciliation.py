@@ -7,7 +7,7 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 
-from ledger_service.application.budgets import BudgetWindow, open_window
+from ledger_service.application.budgets import BudgetWindow, lane_time, open_window
 from ledger_service.application.ledger import (
     Ledger,
     locked_ancestors,
@@ -16,7 +16,9 @@ from ledger_service.application.ledger import (
 )
 from ledger_service.application.ports import StoreTransaction
 from ledger_service.domain import moves, reconcile
+from ledger_service.domain.clock import Clock
 from ledger_service.domain.errors import SumOutOfRange
+from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.reconcile import ExportFormat, RowResult, RowStatus
 
 # Rows that replaced an estimate (corrected) or a real charge (replaced, bill wins).
@@ -98,8 +100,7 @@ def _apply(
     bill_wins_grant: str | None,
 ) -> list[RowResult]:
     """`bill_wins_grant`: the grant id when the bill replaces disagreeing real charges."""
-    now_us = ledger.clock.now_us()
-    chains = _budget_chains(tx, sorted({row.lane for row in rows}), now_us)
+    now_us, chains = _budget_chains(tx, sorted({row.lane for row in rows}), ledger.clock)
     results: list[RowResult] = []
     for row in rows:
         windows = chains.get(row.lane)
@@ -123,25 +124,31 @@ def _apply(
 
 
 def _budget_chains(
-    tx: StoreTransaction, lanes: Sequence[str], now_us: int
-) -> dict[str, list[BudgetWindow]]:
-    """Each named lane's budgets, locked. A budget shared by several lanes is one
-    BudgetWindow, so every change to it lands in the same kept sums.
+    tx: StoreTransaction, lanes: Sequence[str], clock: Clock
+) -> tuple[int, dict[str, list[BudgetWindow]]]:
+    """Each named lane's budgets, locked, and the instant the reconcile is
+    dated at: read once the locks are held, and, as for every move, no
+    earlier than any of those budgets' kept windows (lane_time). A budget
+    shared by several lanes is one BudgetWindow, so every change to it lands
+    in the same kept sums.
 
     Every lock is taken up front, in locked_trees' order: a lane's chain
     locked in turn, the lanes by name, would hold a parent while it waits for
     a sibling that a move holds while it waits for that parent."""
     locked = locked_trees(tx, lanes)
-    windows: dict[str, BudgetWindow] = {}
-    chains: dict[str, list[BudgetWindow]] = {}
+    budgets: dict[str, list[LanePolicy]] = {}
     for lane in lanes:
         policy = locked.get(lane)
-        if policy is None:
-            continue
+        if policy is not None:
+            budgets[lane] = [policy, *locked_ancestors(tx, policy)]
+    now_us = lane_time(tx, list(locked.values()), clock.now_us())
+    windows: dict[str, BudgetWindow] = {}
+    chains: dict[str, list[BudgetWindow]] = {}
+    for lane, chain_of in budgets.items():
         chain = []
-        for budget in (policy, *locked_ancestors(tx, policy)):
+        for budget in chain_of:
             if budget.lane not in windows:
                 windows[budget.lane] = open_window(tx, budget, now_us)
             chain.append(windows[budget.lane])
         chains[lane] = chain
-    return chains
+    return now_us, chains

@@ -9,9 +9,11 @@ import dataclasses
 
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
+from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.events import EventKind, Outcome
 from ledger_service.domain.moves import ReserveCommand, SettleCommand
+from ledger_service.domain.reconcile import ExportFormat
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 
@@ -49,3 +51,22 @@ def test_a_lagging_replica_ends_a_booking_no_earlier_than_it_was_booked(
     assert behind.settle(SettleCommand("recall", "r1", Outcome.UNKNOWN)).charged_nanos == HOLD
     [ending] = behind.list_events(EventQuery(lane="recall", kinds=(EventKind.SETTLED.value,)))
     assert ending.occurred_at_us >= booked.occurred_at_us
+
+
+def test_a_lagging_replicas_reconcile_is_dated_no_earlier_than_the_window(
+    store: SqlStore,
+) -> None:
+    """A reconcile is a move too: dated at the lagging replica's bare clock, it
+    moved the lane's kept window back to that instant, and on PostgreSQL the
+    next move there read its time from it and left out what the faster replica
+    had booked ahead."""
+    ahead, behind = _replicas(store)
+    behind.put_lane(RECALL)
+    ahead.reserve(_reserve("r0"))
+    ahead.settle(SettleCommand("recall", "r0", Outcome.UNKNOWN))
+    export = b"lane,reservation_id,billed_nanos\nrecall,r0,0\n"
+    assert reconcile_export(behind, export, ExportFormat.CSV, "recall").applied
+    [reconciled] = behind.list_events(
+        EventQuery(lane="recall", kinds=(EventKind.RECONCILED.value,))
+    )
+    assert reconciled.occurred_at_us >= START_US + LEAD_US
