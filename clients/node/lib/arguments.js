@@ -48,6 +48,23 @@ function checkLane(lane) {
   return checkName('lane', lane);
 }
 
+// A grant travels in an HTTP/2 header: visible ASCII, no spaces (as the Python
+// client's channels.check_grant).
+const MAX_GRANT_LENGTH = 16 * 1024;
+const GRANT = /^[\x21-\x7e]+$/;
+
+/**
+ * A grant the header can carry. Refused with a message that never quotes it:
+ * grpc-js would refuse the header itself with an error holding the whole
+ * value, and a grant read from a file often ends with a line break.
+ */
+function checkGrant(grant) {
+  if (typeof grant !== 'string' || grant.length > MAX_GRANT_LENGTH || !GRANT.test(grant)) {
+    throw new TypeError(`a grant must be 1 to ${MAX_GRANT_LENGTH} visible ASCII characters without spaces`);
+  }
+  return grant;
+}
+
 /**
  * An integer in [low, high] as a BigInt: a BigInt, a safe-integer Number or a
  * decimal string (as every int64 this client takes); anything else, or a value
@@ -130,4 +147,4 @@ function newReservationId() {
   return randomUUID().replaceAll('-', '');
 }
 
-module.exports = { invalidArgument, newReservationId, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };
+module.exports = { invalidArgument, newReservationId, checkGrant, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };

@@ -15,7 +15,7 @@ const {
   isLedgerUnavailable,
 } = require('./errors');
 const wire = require('./wire');
-const { checkLane, checkReservationId, checkReserve, checkRefund, newReservationId } = require('./arguments');
+const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, newReservationId } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -306,6 +306,7 @@ class LaneClient {
       throw new RangeError(`endAttempts must be an integer from 1 to ${MAX_END_ATTEMPTS}`);
     }
     this._grant = options.grant ?? null;
+    if (this._grant !== null && typeof this._grant !== 'function') checkGrant(this._grant);
     /** The lane's outage mode; deny (fail closed) unless set. */
     this.outage = options.outage ?? OutagePolicy.deny();
     if (!(this.outage instanceof OutagePolicy)) throw new TypeError('outage must be an OutagePolicy');
@@ -406,7 +407,7 @@ class LaneClient {
     const metadata = new grpc.Metadata();
     if (this._grant !== null) {
       const grant = typeof this._grant === 'function' ? await this._grant() : this._grant;
-      if (grant) metadata.set('authorization', `Bearer ${grant}`);
+      if (grant) metadata.set('authorization', `Bearer ${checkGrant(grant)}`);
     }
     setTraceHeaders(metadata, trace);
     return metadata;

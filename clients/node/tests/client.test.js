@@ -186,3 +186,38 @@ test('the default deadline is 250 ms', () => {
   assert.equal(client.deadlineMs, 250);
   client.close();
 });
+
+describe('grants', () => {
+  // Shaped like a real grant; what matters is that it never shows up in an error.
+  const GRANT = 'lg1.k3f9a01c2.eyJleHAiOjE4fQ.q0JxSECRETSIGNATURE5Uk';
+  const leaks = (error) => [error.message, String(error), error.stack ?? ''].some((text) => text.includes('SECRETSIGNATURE'));
+
+  test('a grant that no header can carry is refused at construction, without quoting it', () => {
+    for (const grant of [`${GRANT}\n`, ` ${GRANT}`, `${GRANT} x`, `${GRANT}\u00e9`, 'x'.repeat(16 * 1024 + 1) + GRANT]) {
+      assert.throws(
+        () => new LaneClient('127.0.0.1:1', 'lane', { grant }),
+        (error) => error instanceof TypeError && !leaks(error) && /grant/.test(error.message),
+      );
+    }
+  });
+
+  test('a grant function that returns one no header can carry fails the call, without quoting it', async () => {
+    // Read from a file, a grant often ends with a line break: grpc-js would
+    // refuse the header with an error that quotes it, grant and all.
+    const client = new LaneClient('127.0.0.1:1', 'lane', { grant: () => `${GRANT}\n`, deadlineMs: 50 });
+    try {
+      await assert.rejects(client.balance(), (error) => error instanceof TypeError && !leaks(error));
+      await assert.rejects(
+        client.reserve({ reservationId: 'r-1', model: 'm', requestBytes: 10, maxOutputTokens: 1 }),
+        (error) => !leaks(error),
+      );
+    } finally {
+      client.close();
+    }
+  });
+
+  test('a visible ASCII grant is sent as it is', () => {
+    const client = new LaneClient('127.0.0.1:1', 'lane', { grant: GRANT });
+    client.close();
+  });
+});
