@@ -308,6 +308,10 @@ class LedgerServer:
         if not self.settings.auth_enabled:
             log.warning("AUTH IS OFF (--insecure-no-auth): anyone who reaches %s can spend "
                         "every lane's budget", self.settings.listen)  # fmt: skip
+        elif self.server_credentials is None and not is_loopback(self.settings.listen):
+            log.warning("PLAINTEXT beyond loopback on %s: grants and amounts cross the "
+                        "network readable by anyone on the path; serve TLS (--tls-cert, "
+                        "--tls-key)", self.settings.listen)  # fmt: skip
         try:
             if self.server_credentials is None:
                 self.port = self._server.add_insecure_port(self.settings.listen)

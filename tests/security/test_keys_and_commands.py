@@ -259,6 +259,22 @@ def test_insecure_no_auth_lets_anyone_in_and_says_so_at_every_start(
         ledger.server.stop(0)
 
 
+def test_plaintext_off_loopback_is_warned_about_at_every_start(
+    start_secure_ledger: Callable[..., SecureLedger],
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Grants are bearer tokens: served in plaintext beyond loopback, anyone on
+    the path can read one and spend its lanes' budgets until it expires."""
+    for listen, warned in (("0.0.0.0:0", True), ("127.0.0.1:0", False), ("0.0.0.0:0", True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ledger = start_secure_ledger(tmp_path / "data", listen=listen)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("PLAINTEXT" in message for message in warnings) is warned, warnings
+        ledger.server.stop(0)
+
+
 def test_auth_is_on_unless_asked_off() -> None:
     parsed = cli.parser().parse_args(["serve"])
     from ledger_service.cli.operate import settings_from

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import logging
 import pathlib
 from collections.abc import Callable, Iterator
 
@@ -284,3 +285,12 @@ def test_a_tls_file_that_cannot_be_read_is_one_line_naming_its_flag(
     )
     with pytest.raises(ValueError, match=r"^--tls-key .*nope\.pem: No such file"):
         server.server_credentials(settings)
+
+
+def test_tls_beyond_loopback_is_not_warned_about_as_plaintext(
+    start_tls_server: Callable[..., LedgerServer], pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        server = start_tls_server(listen="0.0.0.0:0", **pki.server_files())
+    assert _balance(_secure_channel(server, pki), server) is grpc.StatusCode.OK
+    assert not any("PLAINTEXT" in record.getMessage() for record in caplog.records)
