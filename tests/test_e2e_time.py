@@ -346,6 +346,20 @@ def test_a_restarted_test_clock_resumes_no_earlier_than_the_last_event(
 # for it here: the server does not serve it, the test moves it.
 
 
+def _one_of_one_and_a_half_holds(harness: Any) -> pb.ReserveResponse:
+    """A lane whose limit fits one and a half holds, and its first Reserve."""
+    harness.make_lane(limit_nanos=CAP_10K_500 + CAP_10K_500 // 2)
+    booked = harness.reserve("r1")
+    assert booked.decision == pb.ADMITTED
+    return booked
+
+
+def _second_denied_no_earlier(harness: Any, booked: pb.ReserveResponse) -> None:
+    again = harness.reserve("r2")
+    assert again.decision == pb.DENIED, "the lane was booked past its limit"
+    assert harness.micros_of(again.reserved_at) >= harness.micros_of(booked.reserved_at)
+
+
 def test_a_restart_behind_the_last_event_still_counts_it(
     tmp_path: pathlib.Path, harness_for: Any
 ) -> None:
@@ -357,10 +371,7 @@ def test_a_restart_behind_the_last_event_still_counts_it(
     first = LedgerServer(settings, clock=system)
     first.start()
     try:
-        harness = harness_for(first)
-        harness.make_lane(limit_nanos=CAP_10K_500 + CAP_10K_500 // 2)
-        booked = harness.reserve("r1")
-        assert booked.decision == pb.ADMITTED
+        booked = _one_of_one_and_a_half_holds(harness_for(first))
     finally:
         first.stop(0)
     system.set_us(START_US)  # stepped back ten seconds
@@ -369,9 +380,7 @@ def test_a_restart_behind_the_last_event_still_counts_it(
     try:
         harness = harness_for(second)
         assert harness.balance().held_nanos == CAP_10K_500
-        again = harness.reserve("r2")
-        assert again.decision == pb.DENIED, "the lane was booked past its limit"
-        assert harness.micros_of(again.reserved_at) >= harness.micros_of(booked.reserved_at)
+        _second_denied_no_earlier(harness, booked)
     finally:
         second.stop(0)
 
@@ -387,12 +396,9 @@ def test_a_clock_stepped_back_while_serving_never_dates_a_move_earlier(
     server.start()
     try:
         harness = harness_for(server)
-        harness.make_lane(limit_nanos=CAP_10K_500 + CAP_10K_500 // 2)
-        booked = harness.reserve("r1")
+        booked = _one_of_one_and_a_half_holds(harness)
         system.set_us(START_US)  # stepped back ten seconds
         harness.make_lane(limit_nanos=CAP_10K_500 + CAP_10K_500 // 2 + 1)
-        again = harness.reserve("r2")
-        assert again.decision == pb.DENIED, "the lane was booked past its limit"
-        assert harness.micros_of(again.reserved_at) >= harness.micros_of(booked.reserved_at)
+        _second_denied_no_earlier(harness, booked)
     finally:
         server.stop(0)
