@@ -179,7 +179,7 @@ class LedgerServer:
                 why,
                 then,
             )
-            pending_migration = functools.partial(schema_step, self.store)
+            pending_migration = functools.partial(self._prepare_late, schema_step, resuming)
         self.ledger = Ledger(
             self.store,
             clock,
@@ -498,6 +498,15 @@ class LedgerServer:
                 log.exception("telemetry shutdown failed")  # not the ledger's work: no effect
         log.info("stopped" if clean else "stopped; work cut off is abandoned")
         return clean
+
+    def _prepare_late(
+        self, schema_step: Callable[[SqlStore], None], resuming: ManualClock | SteadyClock | None
+    ) -> None:
+        """What a start did not do while the database did not answer: the
+        schema's step, then the clock resumed at the last recorded event."""
+        schema_step(self.store)
+        if resuming is not None:
+            resuming.resume_at(self.ledger.last_event_at_us())
 
     def wait(self) -> None:
         self._server.wait_for_termination()

@@ -9,6 +9,7 @@ The test clock starts at START_US, an instant with a sub-second part
 from __future__ import annotations
 
 import pathlib
+import sqlite3
 import time
 from typing import Any
 
@@ -402,3 +403,41 @@ def test_a_clock_stepped_back_while_serving_never_dates_a_move_earlier(
         _second_denied_no_earlier(harness, booked)
     finally:
         server.stop(0)
+
+
+def test_a_start_the_database_did_not_answer_resumes_its_clock_once_it_does(
+    tmp_path: pathlib.Path, harness_for: Any
+) -> None:
+    """A server whose database was locked by another process at start could not
+    read its last event then; once the database answers, its clock must still
+    resume there before it takes a move."""
+    settings = ledger_settings(
+        tmp_path, test_clock=False, sweep_interval_seconds=3600,
+        recovery_check_interval_seconds=0.05,
+    )  # fmt: skip
+    system = ManualClock(START_US + 10 * SECOND_US)
+    first = LedgerServer(settings, clock=system)
+    first.start()
+    try:
+        booked = _one_of_one_and_a_half_holds(harness_for(first))
+    finally:
+        first.stop(0)
+    system.set_us(START_US)  # stepped back ten seconds
+    holder = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    # The database does not answer this start: no other connection may even read.
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        second = LedgerServer(settings, clock=system)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    second.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not second.guard.is_ready():
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.02)
+        _second_denied_no_earlier(harness_for(second), booked)
+    finally:
+        second.stop(0)
