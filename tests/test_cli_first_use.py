@@ -22,7 +22,7 @@ from alembic import command
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, text
 
-from ledger_service.cli import exits, reading, render, values
+from ledger_service.cli import exits, moves, reading, render, values
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.storage import migrate
 from tests import test_cli
@@ -260,6 +260,27 @@ def test_a_denial_shows_every_amount_in_dollars(target: LedgerProcess, ledger: R
     # --json keeps the server's own sentence and every amount in nanos.
     as_json = reserve(ledger, "dollars", "d-2", "--json").json()
     assert as_json["hold_nanos"] == 280_000 and "280000 nanos" in as_json["reason"]
+
+
+def test_a_denial_never_says_to_retry_before_the_servers_instant() -> None:
+    """The ledger counts microseconds and the CLI shows milliseconds: cut to
+    .234, a retry_after of .234567 told the lane to retry at an instant when
+    the booking still counted and the same Reserve was denied again."""
+    retry = render.micros_time_text(JAM_DAY_US + 1_234_567)
+    response = pb.ReserveResponse(
+        decision=pb.DENIED,
+        denial_reason=pb.BUDGET_EXHAUSTED,
+        reason="the hold of 5 nanos does not fit the 1 nanos available in budget 'a'",
+        balance=pb.Balance(lane="a"),
+    )
+    response.retry_after.FromMicroseconds(JAM_DAY_US + 1_234_567)
+    first = moves.reserve_lines("d-1", response)[0]
+    assert retry == "2026-09-24T12:00:01.234Z"
+    assert first.endswith("; retry after 2026-09-24T12:00:01.235Z with a new reservation id")
+    whole = pb.ReserveResponse()
+    whole.CopyFrom(response)
+    whole.retry_after.FromMicroseconds(JAM_DAY_US + 1_234_000)  # a whole millisecond: as it is
+    assert "retry after 2026-09-24T12:00:01.234Z " in moves.reserve_lines("d-1", whole)[0]
 
 
 # 7. migrate says what it did -----------------------------------------------

@@ -10,7 +10,14 @@ from typing import Any
 
 from ledger_service.cli.connection import Session, command
 from ledger_service.cli.exits import EXIT_DENIED
-from ledger_service.cli.render import emit, enum_name, money_in_text, time_text, usd
+from ledger_service.cli.render import (
+    emit,
+    enum_name,
+    money_in_text,
+    not_before_text,
+    time_text,
+    usd,
+)
 from ledger_service.cli.values import parse_amount_nanos, parse_count, parse_duration
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -35,7 +42,7 @@ def reserve_lines(reservation_id: str, response: pb.ReserveResponse) -> list[str
         )
     else:
         retry = (
-            f"; retry after {time_text(response.retry_after)} with a new reservation id"
+            f"; retry after {not_before_text(response.retry_after)} with a new reservation id"
             if response.HasField("retry_after")
             else ""
         )

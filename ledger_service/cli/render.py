@@ -47,6 +47,14 @@ def time_text(value: timestamp_pb2.Timestamp) -> str:
     return f"{instant:%Y-%m-%dT%H:%M:%S}.{value.nanos // 1_000_000:03d}Z"
 
 
+def not_before_text(value: timestamp_pb2.Timestamp) -> str:
+    """As time_text, rounded up to the millisecond: an instant the reader may act
+    at (a denial's retry_after), never shown before the server's own."""
+    later = timestamp_pb2.Timestamp()
+    later.FromNanoseconds(-(-value.ToNanoseconds() // 1_000_000) * 1_000_000)
+    return time_text(later)
+
+
 def micros_time_text(at_us: int) -> str:
     """An instant in microseconds since the epoch, as time_text shows it."""
     seconds, rest_us = divmod(at_us, 10**6)
