@@ -202,6 +202,47 @@ def test_the_trace_id_of_the_request_is_stored_on_its_events(harness: Any) -> No
         assert untraced == "" or re.fullmatch(r"[0-9a-f]{32}", untraced)
 
 
+def test_an_expiry_recorded_by_a_move_carries_that_moves_trace_id(
+    start_ledger_server: Any, harness_for: Any
+) -> None:
+    """With no sweep, whichever move finds an overdue booking first records its
+    expiry, in that request's trace: Settle and Refund, and an operator's
+    Correct or Reconcile too (docs/observability.md, "Which trace")."""
+    unswept = harness_for(start_ledger_server(sweep_interval_seconds=3600))
+    unswept.make_lane()
+    for name in ("settled", "refunded", "corrected", "reconciled"):
+        unswept.reserve(name, ttl_us=SECOND_US)
+    unswept.advance_us(2 * SECOND_US)
+    traces = {name: f"{number:032x}" for number, name in enumerate(
+        ("settled", "refunded", "corrected", "reconciled"), start=1
+    )}  # fmt: skip
+
+    def traced(name: str) -> tuple[tuple[str, str], ...]:
+        return (("traceparent", f"00-{traces[name]}-00f067aa0ba902b7-01"),)
+
+    unswept.settle("settled", input_tokens=1, metadata=traced("settled"))
+    unswept.ledger.Refund(
+        pb.RefundRequest(lane="recall", reservation_id="refunded", http_status=403),
+        metadata=traced("refunded"),
+    )
+    unswept.ledger.Correct(
+        pb.CorrectRequest(
+            lane="recall", reservation_id="corrected", charge_nanos=1, reason="bill",
+            correction_id="c-1",
+        ),
+        metadata=traced("corrected"),
+    )  # fmt: skip
+    unswept.ledger.Reconcile(
+        pb.ReconcileRequest(
+            format=pb.ReconcileRequest.CSV,
+            content=b"reservation_id,lane,billed_nanos\nreconciled,recall,1\n",
+        ),
+        metadata=traced("reconciled"),
+    )
+    expired = unswept.events("recall", kinds=["expired"])
+    assert {event.reservation_id: event.trace_id for event in expired} == traces
+
+
 @pytest.mark.parametrize(
     "position", ["9223372036854775808", "99999999999999999999999", "\u0663", "-5"]
 )
