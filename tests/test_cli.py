@@ -1091,6 +1091,10 @@ def test_reconcile_dry_run_then_apply(
     assert response["difference_nanos"] == -90_000
     assert [row["line"] for row in response["rows"]] == [2, 3, 4, 5]
     assert ledger("balance", "bill", "--json").json()["charged_nanos"] == 190_000 + 1000
+    # An operator's move: the audit names the grant that made it, as a correction's does.
+    history = [json.loads(line) for line in ledger("history", "bill", "--json").out.splitlines()]
+    [reconciled] = [event for event in history if event["kind"] == "reconciled"]
+    assert reconciled["grant_id"]
     again = ledger("reconcile", str(export), "--lane", "bill")
     assert again.code == 0
     assert again.out.splitlines()[1].split()[3] == "matched"

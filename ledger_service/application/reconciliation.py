@@ -74,7 +74,7 @@ def reconcile_export(
         return ReconcileReport(False, sorted(rows, key=lambda r: r.line))
 
     def work(tx: StoreTransaction) -> list[RowResult]:
-        results = _apply(ledger, tx, parsed.rows, trace_id, grant_id if bill_wins else None)
+        results = _apply(ledger, tx, parsed.rows, trace_id, grant_id, bill_wins)
         # The report's totals must fit the wire's int64, as every sum does.
         moves.check_window_sums([ReconcileReport(True, results).largest_total_nanos()], "content")
         if dry_run:
@@ -97,9 +97,10 @@ def _apply(
     tx: StoreTransaction,
     rows: Sequence[reconcile.ExportRow],
     trace_id: str,
-    bill_wins_grant: str | None,
+    grant_id: str,
+    bill_wins: bool,
 ) -> list[RowResult]:
-    """`bill_wins_grant`: the grant id when the bill replaces disagreeing real charges."""
+    """`bill_wins`: the bill replaces disagreeing real charges."""
     now_us, chains = _budget_chains(tx, sorted({row.lane for row in rows}), ledger.clock)
     results: list[RowResult] = []
     for row in rows:
@@ -108,12 +109,8 @@ def _apply(
         if windows and booking is not None and booking.is_expired_at(now_us):
             expired = moves.expire(booking, now_us)
             _, booking = record_booking_event(tx, windows, booking, expired, now_us, trace_id)
-        bill_wins = (
-            None
-            if bill_wins_grant is None
-            else reconcile.BillWins(f"bill-{uuid.uuid4().hex}", bill_wins_grant)
-        )
-        result, event = reconcile.decide(booking, row, now_us, bill_wins)
+        replacing = reconcile.BillWins(f"bill-{uuid.uuid4().hex}", grant_id) if bill_wins else None
+        result, event = reconcile.decide(booking, row, now_us, replacing, grant_id)
         if event is not None and windows:
             try:
                 record_booking_event(tx, windows, booking, event, now_us, trace_id, "content")

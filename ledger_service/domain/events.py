@@ -90,7 +90,7 @@ class Event:
     # For denied: the budget that said no (this lane or an ancestor).
     denied_by: str = ""
     # For corrected: the correction's id (unique within the lane) and the id
-    # of the grant that made it.
+    # of the grant that made it; for reconciled, that grant's id too.
     correction_id: str = ""
     grant_id: str = ""
     # Tamper evidence (domain/chain.py), set by the store when it appends the event:

@@ -342,9 +342,14 @@ class BillWins:
 
 
 def decide(
-    booking: Booking | None, row: ExportRow, now_us: int, bill_wins: BillWins | None = None
+    booking: Booking | None,
+    row: ExportRow,
+    now_us: int,
+    bill_wins: BillWins | None = None,
+    grant_id: str = "",
 ) -> tuple[RowResult, Event | None]:
-    """What one export row does to its booking (already expired if past its deadline)."""
+    """What one export row does to its booking (already expired if past its
+    deadline). `grant_id`: the grant that reconciles, recorded on the event."""
     result = RowResult(row.line, row.lane, row.reservation_id, RowStatus.UNMATCHED)
     if booking is None:
         return dataclasses.replace(result, message="no such booking in this lane"), None
@@ -384,6 +389,7 @@ def decide(
         cached_input_tokens=row.cached_input_tokens,
         cache_write_tokens=row.cache_write_tokens,
         reason=f"provider export line {row.line}",
+        grant_id=grant_id,
     )
     return dataclasses.replace(result, status=RowStatus.CORRECTED), event
 
