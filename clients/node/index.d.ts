@@ -582,6 +582,8 @@ export class Journal {
   readonly isOpen: boolean;
   /** Lines not read at start-up (a torn last line counts). */
   readonly skippedLines: number;
+  /** Whether the file ended in a torn line at start-up (counted in skippedLines). */
+  readonly tornLastLine: boolean;
   readonly sizeBytes: number;
   /** Entries the ledger has not acknowledged yet, oldest first. */
   pending(): JournalEntry[];

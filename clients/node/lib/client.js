@@ -336,6 +336,7 @@ class LaneClient {
   _openJournal() {
     if (this.outage.journalPath === null) return;
     this._journal = new Journal(this.outage.journalPath, this.lane, this._journalLimits);
+    this._warnSkipped(this._journal);
     const moves = {
       reserve: (args, traceId, deadlineMs) => this._reserve(args, replayTrace(traceId), deadlineMs),
       end: (reservationId, ending, traceId, deadlineMs) =>
@@ -344,6 +345,26 @@ class LaneClient {
     this._replayer = new Replayer(moves, this._journal, this._replaySettings, this._logger);
     if (this.outage.mode === OutageMode.ALLOWANCE) this._allowance = new Allowance(this.outage, this._journal);
     if (this._replaySettings.replayIntervalMs !== null) this._replayer.start(this._replaySettings.replayIntervalMs);
+  }
+
+  /**
+   * Never silent: a line the journal could not read may be the Reserve of a
+   * call made on the allowance, which is then neither replayed nor counted
+   * against it. Said at every start, as the Python client does.
+   */
+  _warnSkipped(journal) {
+    const torn = journal.tornLastLine;
+    const skipped = journal.skippedLines - (torn ? 1 : 0);
+    if (skipped === 0 && !torn) return;
+    const parts = [];
+    if (skipped > 0) {
+      parts.push(
+        `${skipped} unreadable line${skipped === 1 ? '' : 's'} skipped (a call they record is neither replayed ` +
+          'to the ledger nor counted against the allowance: look at the file)',
+      );
+    }
+    if (torn) parts.push('a torn last line skipped and sealed (a write the lane did not finish)');
+    this._logger?.warn(`ledger journal: journal ${journal.path}: ${parts.join('; ')}`);
   }
 
   /** Where the client's warnings go (the `logger` option; null: nowhere). */

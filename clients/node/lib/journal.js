@@ -672,6 +672,7 @@ class Journal {
     this._closing = false;
     /** Lines that could not be read at start-up (a torn last line counts). */
     this.skippedLines = 0;
+    this.tornLastLine = false;
     this.sizeBytes = 0;
     try {
       makeFolders(path.dirname(this.path));
@@ -720,6 +721,8 @@ class Journal {
     }
     this._entries = entries;
     this.skippedLines = skipped + (torn ? 1 : 0);
+    /** Whether the file ended in a torn line at start-up (counted in skippedLines). */
+    this.tornLastLine = torn;
     this._needsNewline = torn;
     this.sizeBytes = size;
   }

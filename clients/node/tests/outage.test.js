@@ -268,6 +268,27 @@ describe('a bounded allowance', () => {
     assert.equal(result.reason, 'ALLOWANCE_EXHAUSTED');
   });
 
+  test('a lost journal line is logged at every start, never skipped silently', async () => {
+    const first = client(allowance());
+    await succeed(first);
+    await succeed(first);
+    await first.close();
+    // A damaged line in the middle (a disk error, a hand edit): the first call's
+    // Reserve, so that call is neither replayed nor counted against the allowance.
+    const lines = fs.readFileSync(journalPath).toString('ascii').split('\n');
+    lines[0] = `${lines[0].slice(0, 40)}#${lines[0].slice(41)}`;
+    fs.writeFileSync(journalPath, `${lines.join('\n')}{"v": 1, "kind"`); // and a torn tail
+    const warnings = [];
+    const logger = { warn: (message) => warnings.push(message), error: (message) => warnings.push(message) };
+    const second = client(allowance(), { logger });
+    assert.equal(second.allowanceUsed().calls, 1);
+    assert.equal(second.journal.skippedLines, 3);
+    assert.equal(warnings.length, 1, warnings.join('\n'));
+    assert.ok(warnings[0].includes(journalPath));
+    assert.match(warnings[0], /2 unreadable lines/);
+    assert.match(warnings[0], /torn last line/);
+  });
+
   test('journals the call before the model call, and its ending after', async () => {
     const lane = client(allowance());
     let reservationId;

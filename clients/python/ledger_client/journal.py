@@ -20,6 +20,7 @@ import datetime
 import enum
 import fcntl
 import json
+import logging
 import os
 import pathlib
 import threading
@@ -28,6 +29,8 @@ from typing import Any
 from ledger_client.bookings import ReserveArguments
 from ledger_client.errors import InvalidArgument
 from ledger_client.outcomes import Ending, Settlement, Usage
+
+log = logging.getLogger("ledger_client.journal")
 
 FORMAT_VERSION = 1
 # A journal is read whole at start-up; past this multiple of max_bytes it is not
@@ -305,6 +308,8 @@ class Journal:
         self.skipped_lines = skipped + (1 if torn else 0)
         self._needs_newline = torn
         self.size_bytes = size
+        if skipped or torn:
+            _log_skipped(self.path, skipped, torn)
 
     def close(self) -> None:
         with self._lock:
@@ -415,6 +420,21 @@ class Journal:
             self.close()
             self._open()
             return archive
+
+
+def _log_skipped(path: pathlib.Path, skipped: int, torn: bool) -> None:
+    """Never silent: a skipped line may be the Reserve of a call made on the
+    allowance, which is then neither replayed nor counted against it."""
+    parts = []
+    if skipped:
+        parts.append(
+            f"{skipped} unreadable line{'s' if skipped != 1 else ''} skipped (a call they "
+            "record is neither replayed to the ledger nor counted against the allowance: "
+            "look at the file)"
+        )
+    if torn:
+        parts.append("a torn last line skipped and sealed (a write the lane did not finish)")
+    log.warning("journal %s: %s", path, "; ".join(parts))
 
 
 def _sync_directory(directory: pathlib.Path) -> None:

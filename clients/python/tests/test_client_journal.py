@@ -129,6 +129,30 @@ def test_garbage_and_contradicting_lines_are_skipped(tmp_path: pathlib.Path) -> 
         assert journal.skipped_lines == 3
 
 
+def test_a_lost_line_is_logged_never_skipped_silently(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged line in the middle (a disk error, a hand edit) may be the
+    Reserve of a call made on the allowance: that call is then neither replayed
+    nor counted against the allowance. The lane must say so, at every start."""
+    path = tmp_path / "journal.jsonl"
+    lost, kept = entry(), entry()
+    with open_journal(path) as journal:
+        journal.record_reserve(lost)
+        journal.record_end(lost.reservation_id, SUCCESS, 42)
+        journal.record_reserve(kept)
+    lines = path.read_bytes().split(b"\n")
+    lines[0] = lines[0][:40] + b"#" + lines[0][41:]
+    path.write_bytes(b"\n".join(lines) + b'{"v": 1, "kind"')  # and a torn tail
+    with caplog.at_level("WARNING", logger="ledger_client.journal"), open_journal(path) as journal:
+        assert [e.reservation_id for e in journal.pending()] == [kept.reservation_id]
+        assert journal.skipped_lines == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert str(path) in warnings[0]
+    assert "2 unreadable lines" in warnings[0] and "torn last line" in warnings[0]
+
+
 def test_one_process_at_a_time(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "journal.jsonl"
     with open_journal(path), pytest.raises(JournalLocked):
