@@ -15,8 +15,10 @@
 // One journal belongs to one lane and one process at a time: a lock file next
 // to it (`<journal>.lock`, created exclusively, holding the owner's pid and
 // host) enforces it. A lock left by a process that died on this host is taken
-// over; one from another host is not (remove it by hand once that host's lane
-// is gone). Node has no flock(2), so this lock and the Python client's
+// over, and so is one naming this process's own pid that no Journal of this
+// process holds (an earlier process with the same pid: a container
+// restarted); one from another host is not (remove it by hand once that
+// host's lane is gone). Node has no flock(2), so this lock and the Python client's
 // advisory lock do not see each other: never point both clients at one file.
 //
 // Every integer of a line (nanos, tokens, bytes) is written and read exactly,
@@ -532,6 +534,11 @@ function isAlive(pid) {
   }
 }
 
+// The lock files the Journals of this process hold. A lock naming this
+// process's own pid that is not among them was left by an earlier process
+// that had the same pid (a container's lane restarted as pid 1 again).
+const HELD_LOCKS = new Set();
+
 /** Whether the lock's holder is known to be gone. */
 function isStale(text, lockPath) {
   let holder = null;
@@ -547,7 +554,9 @@ function isStale(text, lockPath) {
       return false;
     }
   }
-  return holder.host === os.hostname() && holder.pid !== process.pid && !isAlive(holder.pid);
+  if (holder.host !== os.hostname()) return false;
+  if (holder.pid === process.pid) return !HELD_LOCKS.has(lockPath);
+  return !isAlive(holder.pid);
 }
 
 function readText(file) {
@@ -596,6 +605,7 @@ function acquireLock(lockPath, journalPath) {
       } finally {
         fs.closeSync(descriptor);
       }
+      HELD_LOCKS.add(lockPath);
       return mine;
     }
     const held = readText(lockPath);
@@ -628,6 +638,7 @@ function acquireLock(lockPath, journalPath) {
 }
 
 function releaseLock(lockPath, mine) {
+  HELD_LOCKS.delete(lockPath);
   try {
     if (readText(lockPath) === mine) fs.unlinkSync(lockPath);
   } catch {

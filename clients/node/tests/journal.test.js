@@ -233,6 +233,19 @@ describe('the journal', () => {
     open(); // free again once closed
   });
 
+  test('a lock left by an earlier process with this same pid is taken over', async () => {
+    // A lane in a container restarted after a SIGKILL runs as the same pid (1,
+    // say) on the same host name: the lock file names this very pid, yet no
+    // Journal of this process holds it. Refusing it would refuse every restart.
+    const stale = { pid: process.pid, host: os.hostname(), at: '2020-01-01T00:00:00.000000+00:00' };
+    fs.writeFileSync(`${file}.lock`, `${JSON.stringify(stale)}\n`);
+    const journal = open();
+    assert.equal(JSON.parse(fs.readFileSync(`${file}.lock`, 'utf8')).at === stale.at, false, 'a lock of its own now');
+    assert.throws(() => open(), JournalLocked, 'a second Journal of this process is still refused');
+    await journal.close();
+    assert.equal(fs.existsSync(`${file}.lock`), false);
+  });
+
   test('calls at once journal no more in-doubt Reserves than the limit', async () => {
     const journal = open();
     const refund = { settlement: Settlement.REFUND, httpStatus: 0, usage: null, reason: 'the call was not made' };
