@@ -292,7 +292,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     "refused %s: grant %s lacks %s on the lane asked for",
                     method,
                     grant.grant_id,
-                    rule.scope.value,
+                    " or ".join(sorted(scope.value for scope in rule.scopes)),
                 )
                 refuse_permission(context, refusal(grant, method, rule, lane))
             token = _CURRENT_GRANT.set(grant)

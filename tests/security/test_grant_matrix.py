@@ -257,3 +257,18 @@ def test_health_and_reflection_need_no_grant(shared_ledger: SecureLedger) -> Non
     (response,) = list(reflection.ServerReflectionInfo(iter([request]), timeout=10))
     names = {service.name for service in response.list_services_response.service}
     assert "ledger.v1.Ledger" in names
+
+
+def test_the_log_names_every_scope_that_would_have_let_a_refused_call_in(
+    shared_ledger: SecureLedger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GetBalance takes charge or read: the operator's log said "lacks read"
+    alone, and sent them to issue a scope the lane did not need."""
+    [balance] = [method for method in all_methods() if method.name == "GetBalance"]
+    grant = shared_ledger.forge.grant([OTHER_LANE], [Scope.CHARGE])
+    with caplog.at_level("INFO", logger="ledger_service.api.auth"):
+        outcome = shared_ledger.caller.call(balance, request_for(balance), bearer(grant))
+    assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, outcome
+    assert any("lacks charge or read" in record.getMessage() for record in caplog.records), [
+        record.getMessage() for record in caplog.records
+    ]
