@@ -88,3 +88,19 @@ def test_a_window_made_shorter_than_an_open_hold_s_ttl_takes_it_out_while_open(
     # A window made long again brings it back.
     unswept.make_lane()
     assert unswept.balance().charged_nanos == 404
+
+
+def test_a_put_of_the_policy_in_force_records_nothing(unswept: Any) -> None:
+    first = unswept.admin.GetLane(pb.GetLaneRequest(lane="recall"))
+    unswept.advance_us(5)
+    # The same policy, its defaults spelled out: no new version, no new event.
+    again = unswept.make_lane(
+        window_seconds=86_400,
+        hold_ttl_seconds=120,
+        bytes_per_token=3.5,
+        overhead_tokens=0,
+        max_charge_multiple=100,
+        expire_charge=pb.HOLD,
+    )
+    assert (again.version, again.updated_at) == (first.version, first.updated_at)
+    assert len(unswept.events("recall", kinds=["lane_configured"])) == 1
