@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 from google.protobuf import empty_pb2
 
-from ledger_service.domain.clock import ManualClock
+from ledger_service import cli
+from ledger_service.cli import render
+from ledger_service.domain.clock import ManualClock, SystemClock
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
@@ -441,3 +443,23 @@ def test_a_start_the_database_did_not_answer_resumes_its_clock_once_it_does(
         _second_denied_no_earlier(harness_for(second), booked)
     finally:
         second.stop(0)
+
+
+def test_verify_sums_the_windows_at_the_ledgers_time_not_before_its_last_event(
+    tmp_path: pathlib.Path, harness_for: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ledger ahead of the wall clock (a clock stepped back, a test clock run
+    forward): verify summed the windows at the wall's now, before every
+    booking, where they hold nothing, and so checked nothing."""
+    settings = ledger_settings(tmp_path, test_clock=False, sweep_interval_seconds=3600)
+    ahead_us = SystemClock().now_us() + 86_400 * SECOND_US
+    server = LedgerServer(settings, clock=ManualClock(ahead_us))
+    server.start()
+    try:
+        booked = _one_of_one_and_a_half_holds(harness_for(server))
+    finally:
+        server.stop(0)
+    capsys.readouterr()
+    assert cli.main(["verify", "--database-url", settings.database_url]) == 0
+    shown = render.micros_time_text(booked.reserved_at.ToMicroseconds())
+    assert f"window totals at {shown}: OK" in capsys.readouterr().out

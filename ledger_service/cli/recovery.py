@@ -36,7 +36,8 @@ def register(commands: Any) -> None:
     )
     _database_options(verify)
     verify.add_argument("--at-us", type=int, help="instant of the window totals, in "
-                        "microseconds since the epoch (default: now)")  # fmt: skip
+                        "microseconds since the epoch (default: now, or the last "
+                        "event's instant when that is later)")  # fmt: skip
     verify.set_defaults(run=_interruptible("verify", _verify))
 
     snapshot = commands.add_parser("snapshot", help="snapshot the projections now")
@@ -197,9 +198,12 @@ def _verify(arguments: argparse.Namespace) -> int:
     from ledger_service.recovery.verify import Verifier
 
     with _recovery(arguments, "verify") as (settings, recovery):
-        now_us = arguments.at_us if arguments.at_us is not None else SystemClock().now_us()
         verifier = Verifier(recovery.store, settings.recovery_batch_events)
         try:
+            # The ledger's time, as a server reads it: never before its last event.
+            now_us = arguments.at_us
+            if now_us is None:
+                now_us = max(SystemClock().now_us(), recovery.store.last_event_at_us())
             report = verifier.verify(now_us, ProgressPrinter())
         except StoreUnavailable as error:
             return database_unavailable("verify", error, _where(settings))

@@ -594,6 +594,14 @@ class SqlRecoveryStore:
         with self._reading() as connection:
             return SqlTransaction(connection, self._sqlite).last_seq()
 
+    def last_event_at_us(self) -> int:
+        """When the last recorded event happened (0 with none): a ledger's
+        time never runs back before it (domain.clock.SteadyClock)."""
+        with self._reading() as connection:
+            tx = SqlTransaction(connection, self._sqlite)
+            last = tx.get_event(tx.last_seq())
+            return last.occurred_at_us if last is not None else 0
+
     def stale_latest_events(self, limit: int) -> Sequence[Event]:
         """The latest events (first by seq) of bookings that differ from them."""
         columns = [events.c[name] for name in records.EVENT_COLUMNS]
