@@ -623,6 +623,23 @@ def _transport(settings: Settings) -> str:
     return "TLS" if settings.tls_cert_path is not None else "plaintext"
 
 
+def _announce(line: str) -> None:
+    """The one line on stdout, written to its descriptor. A stdout nobody reads
+    (`ledger serve | true`, a supervisor that read the line and left, a full
+    disk) is logged, and the server serves on: the failed write ended the
+    process, exit 1 and not a word, without its clean stop. Then stdout is
+    /dev/null, so that no later flush fails."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        os.write(1, line.encode())
+    except Exception as error:  # an OSError, or the CLI stdout wrapper's own error
+        log.warning("cannot write the listening line to stdout (%s): serving on", error)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+
+
 def serve_existing(settings: Settings) -> int:
     """Like serve, on a schema that is already migrated."""
     return serve(settings, run_migrations=False)
@@ -650,7 +667,7 @@ def serve(
         print(f"ledger: {error}", file=sys.stderr)
         server.stop(0)
         return 1
-    print(f"ledger listening on {settings.listen.rsplit(':', 1)[0]}:{server.port}", flush=True)
+    _announce(f"ledger listening on {settings.listen.rsplit(':', 1)[0]}:{server.port}\n")
     done = threading.Event()
     # Counts the signals: next() is one step, which a second handler, run
     # inside the first one as Python may do, cannot split.

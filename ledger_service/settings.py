@@ -6,10 +6,12 @@ TigerBeetle's rule: put a limit on everything. Each field names its unit last.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import os
 import pathlib
+from collections.abc import Mapping
 
 DEFAULT_DATA_DIR = pathlib.Path("data")
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -18,6 +20,14 @@ TLS_ENVIRONMENT = {
     "tls_key_path": "LEDGER_TLS_KEY",
     "tls_client_ca_path": "LEDGER_TLS_CLIENT_CA",
 }
+
+
+def data_dir_from_environment() -> pathlib.Path:
+    """LEDGER_DATA_DIR, or ./data when it is unset or empty (an empty one was the
+    current directory to the server and ./data to the commands); a leading `~`
+    is the home directory, as a shell would have made it (a systemd unit or a
+    quoted value makes none, and the server made a directory named '~')."""
+    return pathlib.Path(os.environ.get("LEDGER_DATA_DIR") or str(DEFAULT_DATA_DIR)).expanduser()
 
 
 def default_database_url(data_dir: pathlib.Path) -> str:
@@ -173,7 +183,9 @@ class Settings:
     @classmethod
     def from_environment(cls, **overrides: object) -> Settings:
         """Builds settings from LEDGER_* variables, then explicit overrides."""
-        data_dir = pathlib.Path(os.environ.get("LEDGER_DATA_DIR", str(DEFAULT_DATA_DIR)))
+        data_dir = data_dir_from_environment()
+        if overrides.get("data_dir") is not None:
+            overrides["data_dir"] = pathlib.Path(str(overrides["data_dir"])).expanduser()
         values: dict[str, object] = {
             "data_dir": data_dir,
             "database_url": os.environ.get("LEDGER_DATABASE_URL") or default_database_url(data_dir),
@@ -181,7 +193,7 @@ class Settings:
         }
         for name, variable in TLS_ENVIRONMENT.items():
             if os.environ.get(variable):
-                values[name] = pathlib.Path(os.environ[variable])
+                values[name] = pathlib.Path(os.environ[variable]).expanduser()
         values.update(_numbers_from_environment())
         values.update({key: value for key, value in overrides.items() if value is not None})
         if (
@@ -266,6 +278,54 @@ def _numbers_from_environment() -> dict[str, object]:
         except ValueError as error:
             raise ValueError(f"LEDGER_{field.name.upper()} must be a {kind.__name__}") from error
     return values
+
+
+# LEDGER_* variables read elsewhere than Settings: by the `ledger` commands
+# (README, Configuration), the project's own tests and benchmark, and the
+# Node client's examples; none of them is a mistake in a server's environment.
+_OTHER_VARIABLES = frozenset(
+    {
+        "LEDGER_SERVER",
+        "LEDGER_GRANT",
+        "LEDGER_TLS_CA",
+        "LEDGER_TLS_CLIENT_CERT",
+        "LEDGER_TLS_CLIENT_KEY",
+        "LEDGER_TLS_SERVER_NAME",
+        "LEDGER_VERIFY_WINDOWS",
+        "LEDGER_ADDRESS",
+        "LEDGER_BIN",
+        "LEDGER_TEST_POSTGRES_URL",
+        "LEDGER_BENCH_POSTGRES_URL",
+        "LEDGER_FUZZ_SEED",
+    }
+)
+
+
+def read_variables() -> frozenset[str]:
+    """Every LEDGER_* variable some part of the ledger reads."""
+    numbers = {
+        f"LEDGER_{field.name.upper()}"
+        for field in dataclasses.fields(Settings)
+        if field.default is not dataclasses.MISSING and type(field.default) in (int, float)
+    }
+    own = {"LEDGER_DATA_DIR", "LEDGER_DATABASE_URL", "LEDGER_LISTEN", *TLS_ENVIRONMENT.values()}
+    return frozenset(numbers | own | _OTHER_VARIABLES)
+
+
+def unread_variables(environment: Mapping[str, str]) -> list[str]:
+    """A sentence for each LEDGER_* variable nothing reads (a misspelled name, or a
+    switch only a flag sets), naming the closest one that is read: such a variable
+    was ignored without a word, and the server ran on the default it was meant to
+    change."""
+    known = read_variables()
+    said = []
+    for name in sorted(environment):
+        if not name.startswith("LEDGER_") or name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        meant = f" (did you mean {close[0]}?)" if close else ""
+        said.append(f"{name[:100]} is not a setting the ledger reads{meant}: ignored")
+    return said
 
 
 def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:

@@ -30,9 +30,9 @@ from ledger_service.cli.values import (
 )
 from ledger_service.domain.grants import GrantRejected, decode_unverified
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.settings import data_dir_from_environment
 
 DEFAULT_SERVER = "127.0.0.1:50051"
-DEFAULT_DATA_DIR = "data"
 MAX_GRANT_BYTES = 16 * 1024
 # Paging: every listing stops after MAX_PAGES pages of PAGE_SIZE, whatever the server says.
 PAGE_SIZE = 1000
@@ -136,7 +136,7 @@ def resolve_grant(given: str | None) -> tuple[str, str]:
         return given.strip(), "--grant"
     if os.environ.get("LEDGER_GRANT"):
         return os.environ["LEDGER_GRANT"].strip(), "LEDGER_GRANT"
-    path = pathlib.Path(os.environ.get("LEDGER_DATA_DIR") or DEFAULT_DATA_DIR) / "admin.grant"
+    path = admin_grant_path()
     try:
         with path.open("rb") as grant_file:
             return grant_file.read(MAX_GRANT_BYTES).decode("ascii").strip(), str(path)
@@ -144,6 +144,11 @@ def resolve_grant(given: str | None) -> tuple[str, str]:
         return "", ""
     except (OSError, UnicodeDecodeError) as error:
         raise CliError(f"cannot read the grant in {path}: {error.__class__.__name__}") from None
+
+
+def admin_grant_path() -> pathlib.Path:
+    """<LEDGER_DATA_DIR or ./data>/admin.grant, the data directory read as the server reads it."""
+    return data_dir_from_environment() / "admin.grant"
 
 
 @contextlib.contextmanager

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import pathlib
 import sys
 from typing import Any
 
-from ledger_service.settings import Settings
+from ledger_service.settings import Settings, unread_variables
 
 
 def register(commands: Any) -> None:
@@ -119,6 +121,8 @@ def _serve(arguments: argparse.Namespace) -> int:
 
     try:
         settings = settings_from(arguments)
+        for sentence in unread_variables(os.environ):
+            logging.getLogger("ledger.settings").warning("%s", sentence)
         if arguments.no_migrate:
             return server.serve_existing(settings)
         return server.serve(settings)

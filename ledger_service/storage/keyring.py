@@ -63,17 +63,24 @@ def load_or_create(data_dir: pathlib.Path) -> Keyring:
     """
     if keyring_path(data_dir).exists():
         return load(data_dir)
-    if not data_dir.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            data_dir.chmod(0o700)  # as a new database's (storage/database.py)
     key_id = new_key_id()
     created = Keyring(keys={key_id: new_key()}, signing_key_id=key_id)
     try:
+        if not data_dir.exists():
+            data_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                data_dir.chmod(0o700)  # as a new database's (storage/database.py)
         # O_EXCL: when two servers start on one data directory, one key wins.
         _write_private(keyring_path(data_dir), _render(created), replace=False)
     except FileExistsError:
         return load(data_dir)
+    except OSError as error:
+        # A data directory that is a file, or that this process may not write
+        # (a read-only mount, a full disk): the operator's to fix, in one line.
+        reason = error.strerror or error.__class__.__name__
+        raise KeyringError(
+            f"cannot create the keyring at {keyring_path(data_dir)}: {reason}"
+        ) from error
     log.warning("created a new grant keyring at %s (key id %s)", keyring_path(data_dir), key_id)
     return created
 
