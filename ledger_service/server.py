@@ -686,6 +686,9 @@ def serve(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # A closed terminal stops it as cleanly; under nohup (SIGHUP ignored) it runs on.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, on_signal)
     # Python runs a handler in the main thread, and only when that thread runs:
     # a signal the kernel gives another thread (as after SIGSTOP and SIGCONT)
     # does not wake a wait without a timeout, and would be lost. So the main

@@ -449,3 +449,21 @@ def test_a_call_held_by_a_drain_that_cuts_work_off_is_still_refused_as_shutting_
             assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
         finally:
             blocker.close()
+
+
+def test_a_hangup_drains_as_a_stop_does(tmp_path: pathlib.Path) -> None:
+    """Closing the terminal that runs `make run` sends SIGHUP: it killed the
+    server at once (exit 129), no drain and no clean close of the database."""
+    process, address = serving.spawn(
+        tmp_path, "--insecure-no-auth", env=serving.clean_env(), stderr=subprocess.PIPE
+    )
+    stderr = Stderr(process)
+    stderr.start()
+    try:
+        put_lane(address)
+        process.send_signal(signal.SIGHUP)
+        assert stderr.seen("received SIGHUP: draining"), stderr.lines
+        assert process.wait(timeout=60) == 0, stderr.lines
+    finally:
+        serving.stop(process)
+        stderr.close()
