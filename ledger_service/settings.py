@@ -276,7 +276,10 @@ def _numbers_from_environment() -> dict[str, object]:
         try:
             values[field.name] = kind(raw)
         except ValueError as error:
-            raise ValueError(f"LEDGER_{field.name.upper()} must be a {kind.__name__}") from error
+            what = "a whole number" if kind is int else "a number"
+            raise ValueError(
+                f"LEDGER_{field.name.upper()} must be {what}, not {raw[:40]!r}"
+            ) from error
     return values
 
 

@@ -129,3 +129,21 @@ def test_serve_refuses_a_message_limit_gRPC_cannot_take_in_one_line(
     )  # fmt: skip
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "LEDGER_MAX_MESSAGE_BYTES" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw", "said"),
+    [
+        ("LEDGER_MAX_WORKERS", "4.5", "LEDGER_MAX_WORKERS must be a whole number, not '4.5'"),
+        ("LEDGER_GRACE_PERIOD_SECONDS", "soon", "LEDGER_GRACE_PERIOD_SECONDS must be a number, "
+         "not 'soon'"),
+    ],
+)  # fmt: skip
+def test_a_variable_that_is_no_number_is_named_with_its_value(
+    monkeypatch: pytest.MonkeyPatch, variable: str, raw: str, said: str
+) -> None:
+    """It said "must be a int", and not what it had been given."""
+    monkeypatch.setenv(variable, raw)
+    with pytest.raises(ValueError) as refused:
+        Settings.from_environment()
+    assert str(refused.value) == said
