@@ -215,6 +215,10 @@ function fitToolResults(toolResults, { budget, messages = [], toolSchemas = [] }
   const settings = budget instanceof ContextBudget ? budget : new ContextBudget(budget ?? {});
   if (!Array.isArray(toolResults)) throw new TypeError('toolResults must be an array of strings');
   if (toolResults.length > MAX_TOOL_RESULTS) throw new RangeError(`at most ${MAX_TOOL_RESULTS} tool results`);
+  // One string would be spread as its characters (a token each), one message
+  // object not at all: refused, as the Python client does.
+  if (!Array.isArray(messages)) throw new TypeError('messages must be an array');
+  if (!Array.isArray(toolSchemas)) throw new TypeError('toolSchemas must be an array');
   let fixedTokens = 0;
   for (const text of [...messages, ...toolSchemas]) fixedTokens += settings.tokens(text);
   const results = toolResults.map((text, index) => new ToolResult(text, index));

@@ -187,6 +187,12 @@ def fit_tool_results(
     for index, text in enumerate(tool_results):
         if not isinstance(text, str):
             raise TypeError(f"tool result {index} must be a str, not a {type(text).__name__}")
+    for name, items in (("messages", messages), ("tool_schemas", tool_schemas)):
+        # One message dict would be iterated as its keys (a few tokens for any
+        # length), one str as its characters (a token each): refused, as Node does.
+        if isinstance(items, str | bytes | bytearray | memoryview | Mapping):
+            kind = type(items).__name__
+            raise TypeError(f"{name} must be a list of items, not a {kind}")
     fixed_tokens = sum(budget.tokens(text) for text in (*messages, *tool_schemas))
     results = [_Result(text) for text in tool_results]
     iterations = 0

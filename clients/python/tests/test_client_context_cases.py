@@ -77,15 +77,15 @@ def fit_of(case: dict[str, Any]) -> ContextFit:
     return context.fit_tool_results(
         texts_of(case["tool_results"]),
         ContextBudget(**case.get("budget", {})),
-        messages=texts_of(case.get("messages", [])),
-        tool_schemas=texts_of(case.get("tool_schemas", [])),
+        messages=case.get("messages_given", texts_of(case.get("messages", []))),
+        tool_schemas=case.get("tool_schemas_given", texts_of(case.get("tool_schemas", []))),
     )
 
 
 @cases_of("fits")
 def test_fit(case: dict[str, Any]) -> None:
     if case.get("refused"):
-        with pytest.raises(ValueError):
+        with pytest.raises(TypeError if case["refused"] == "type" else ValueError):
             fit_of(case)
         return
     expected = case["expected"]
