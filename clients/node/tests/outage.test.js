@@ -519,6 +519,9 @@ describe('README', () => {
       assert.equal(example.closed.mode, 'deny');
       assert.equal(example.bounded.maxNanos, 50_000_000n);
       assert.equal(example.bounded.prices.get('model-a').cacheWriteNanosPerMillionTokens, 187_500_000n);
+      // The byte cap is priced by the lane's bytes per token and overhead too: the example copies them.
+      assert.match(code, /bytesPerTokenMilli: /);
+      assert.match(code, /overheadTokens: /);
       const result = await example.ledger.call({ model: 'model-a', requestBytes: 3500, maxOutputTokens: 100 }, async () => OK);
       assert.equal(result.source, 'allowance');
       // 1,000 request tokens at the dearest input rate (cache writes), 100 output tokens.

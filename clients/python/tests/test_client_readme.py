@@ -181,3 +181,15 @@ class FakeContextResponse:
 
     def json(self) -> dict[str, Any]:
         return ANSWER
+
+
+def test_the_readme_allowance_copies_every_setting_the_cap_is_priced_by() -> None:
+    # The ledger's byte cap is priced by the lane's prices AND its bytes_per_token and
+    # overhead_tokens: an allowance left at their defaults under-prices a lane whose
+    # own differ (1.0 bytes a token, or overhead for tool schemas), so the example
+    # must copy them too.
+    text = section("When the ledger cannot be reached")
+    example = re.search(r"```python\n(.*?)```", text, re.DOTALL)
+    assert example is not None
+    assert "bytes_per_token_milli=" in example.group(1)
+    assert "overhead_tokens=" in example.group(1)
