@@ -8,6 +8,7 @@ import grpc
 from google.protobuf import duration_pb2, empty_pb2, timestamp_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ledger_service.generated.ledger.v1 import ledger_pb2
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 
 
@@ -43,3 +44,33 @@ def test_the_test_clock_is_served_with_the_flag(clock_stub: Any) -> None:
     instant = timestamp_pb2.Timestamp(seconds=1_800_000_000, nanos=5_000)
     assert clock_stub.SetTime(instant, timeout=10) == instant
     assert clock_stub.GetTime(empty_pb2.Empty(), timeout=10) == instant
+
+
+def test_health_watches_hold_no_worker_thread(
+    start_ledger_server: Any, open_ledger_channel: Any
+) -> None:
+    """Health.Watch needs no grant and is limited only by max_concurrent_rpcs:
+    served as a blocking generator, each open watch held one of the pool's
+    threads for its life, and max_workers + max_watchers of them (80 by
+    default; here 3) stalled every other call of the server."""
+    server = start_ledger_server(max_workers=2, max_watchers=1)
+    channel = open_ledger_channel(server)
+    health = health_pb2_grpc.HealthStub(channel)
+    watches = []
+    try:
+        for index in range(10):
+            watches.append(
+                health.Watch(
+                    health_pb2.HealthCheckRequest(service="" if index % 2 else "ledger.v1.Ledger"),
+                    timeout=600,
+                )
+            )
+        assert next(watches[0]).status == health_pb2.HealthCheckResponse.SERVING
+        # Every watch is open; a call still finds a thread (it would wait out its deadline).
+        answer = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=20)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        lanes = pb_grpc.LaneAdminStub(channel)
+        assert list(lanes.ListLanes(ledger_pb2.ListLanesRequest(), timeout=20).lanes) == []
+    finally:
+        for watch in watches:
+            watch.cancel()

@@ -167,7 +167,17 @@ def replace_behaviour(
     request_deserializer: Callable[[bytes], Any] | None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """The same handler with its behaviour wrapped: `unary` for handlers that
-    answer with one message, `stream` for those that answer with a stream."""
+    answer with one message, `stream` for those that answer with a stream.
+
+    A handler on gRPC's callback API (`experimental_non_blocking`, which the
+    health service's Watch uses) is returned as it is: wrapped in a plain
+    function, grpcio would run it as a blocking stream holding one of the
+    pool's threads for its whole life, and Health.Watch needs no grant."""
+    behaviours = (handler.unary_unary, handler.unary_stream, handler.stream_unary)
+    if any(
+        getattr(b, "experimental_non_blocking", False) for b in (*behaviours, handler.stream_stream)
+    ):
+        return handler
     serializer = handler.response_serializer
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
