@@ -18,6 +18,8 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -53,6 +55,8 @@ UNAUTHENTICATED_MESSAGE = "a valid grant is required (metadata 'authorization: B
 NAMED_LANES = 5
 # Tokens whose grants one server keeps verified (a few hundred bytes each).
 MAX_VERIFIED_GRANTS = 1024
+# Refusals logged in any one second; the rest are counted in one line after it.
+MAX_REFUSALS_LOGGED_PER_SECOND = 10
 OPEN_SERVICES = (
     "/grpc.health.v1.Health/",
     "/grpc.reflection.v1alpha.ServerReflection/",
@@ -94,6 +98,38 @@ ADMIN_ONLY = Rule(Scope.ADMIN, _every_lane)
 _CURRENT_GRANT: contextvars.ContextVar[Grant | None] = contextvars.ContextVar(
     "ledger_current_grant", default=None
 )
+
+
+class RefusalLog:
+    """The refusals' INFO lines, at most `per_second` a second: a client with a
+    bad grant in a tight loop would otherwise fill the disk with them. Those
+    left out are counted in one line when the next second's first is logged."""
+
+    def __init__(
+        self,
+        per_second: int = MAX_REFUSALS_LOGGED_PER_SECOND,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._per_second = per_second
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._second = -1
+        self._logged = 0
+        self._left_out = 0
+
+    def info(self, message: str, *args: object) -> None:
+        with self._lock:
+            second = int(self._monotonic())
+            if second != self._second:
+                left_out, self._second, self._logged, self._left_out = self._left_out, second, 0, 0
+                if left_out:
+                    log.info("%d more refusals were not logged (at most %d a second)",
+                             left_out, self._per_second)  # fmt: skip
+            if self._logged >= self._per_second:
+                self._left_out += 1
+                return
+            self._logged += 1
+        log.info(message, *args)
 
 
 def refusal(grant: Grant, method: str, rule: Rule, lane: str) -> str:
@@ -187,6 +223,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def __init__(self, keyring: Keyring, clock: Clock) -> None:
         self._clock = clock
+        self._refusals = RefusalLog()
         # The keyring and the grants it verified, swapped together.
         self._keys: tuple[Keyring, dict[str, Grant]] = (keyring, {})
 
@@ -252,7 +289,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         try:
             return self._verify(bearer_token(context.invocation_metadata()))
         except GrantRejected as rejection:
-            log.info("refused %s: %s grant", method, rejection.why.value)
+            self._refusals.info("refused %s: %s grant", method, rejection.why.value)
             refuse_unauthenticated(context, UNAUTHENTICATED_MESSAGE)
             raise  # unreachable: abort raises
 
@@ -288,7 +325,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             # A request stream names no single lane: only a grant for every lane will do.
             lane = rule.lane_of(request) if isinstance(request, Message) else ALL_LANES
             if not any(grant.allows(scope, lane) for scope in rule.scopes):
-                log.info(
+                self._refusals.info(
                     "refused %s: grant %s lacks %s on the lane asked for",
                     method,
                     grant.grant_id,

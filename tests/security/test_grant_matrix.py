@@ -11,6 +11,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from ledger_service.api.auth import RefusalLog
 from ledger_service.domain.grants import Scope
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from tests.security.conftest import (
@@ -266,9 +267,28 @@ def test_the_log_names_every_scope_that_would_have_let_a_refused_call_in(
     alone, and sent them to issue a scope the lane did not need."""
     [balance] = [method for method in all_methods() if method.name == "GetBalance"]
     grant = shared_ledger.forge.grant([OTHER_LANE], [Scope.CHARGE])
+    # A fresh count: the matrix's refusals before this one may have used up this second's.
+    shared_ledger.server._auth._refusals = RefusalLog()
     with caplog.at_level("INFO", logger="ledger_service.api.auth"):
         outcome = shared_ledger.caller.call(balance, request_for(balance), bearer(grant))
     assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, outcome
     assert any("lacks charge or read" in record.getMessage() for record in caplog.records), [
         record.getMessage() for record in caplog.records
     ]
+
+
+def test_refusals_through_the_server_are_logged_within_the_bound(
+    shared_ledger: SecureLedger, caplog: pytest.LogCaptureFixture
+) -> None:
+    [balance] = [method for method in all_methods() if method.name == "GetBalance"]
+    grant = shared_ledger.forge.grant([OTHER_LANE], [Scope.CHARGE])
+    shared_ledger.server._auth._refusals = RefusalLog(per_second=2, monotonic=lambda: 0.0)
+    try:
+        with caplog.at_level("INFO", logger="ledger_service.api.auth"):
+            for _ in range(5):
+                outcome = shared_ledger.caller.call(balance, request_for(balance), bearer(grant))
+                assert outcome.code is grpc.StatusCode.PERMISSION_DENIED, outcome
+        refused = [r for r in caplog.records if r.getMessage().startswith("refused ")]
+        assert len(refused) == 2, [record.getMessage() for record in caplog.records]
+    finally:
+        shared_ledger.server._auth._refusals = RefusalLog()
