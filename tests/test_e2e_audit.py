@@ -186,6 +186,43 @@ def test_watch_from_now_skips_the_past(harness: Any) -> None:
         reader.join(timeout=STREAM_WAIT_SECONDS)
 
 
+def test_watch_from_now_ignores_after_seq_as_the_proto_says(harness: Any) -> None:
+    """WatchEventsRequest.from_now: "after_seq ignored". A client that leaves a
+    sentinel there (-1: "none") still gets its stream, not INVALID_ARGUMENT."""
+    stream = harness.ledger.WatchEvents(
+        pb.WatchEventsRequest(lane="recall", from_now=True, after_seq=-1)
+    )
+    reader, received = start_reader(stream)
+    try:
+        first = None
+        for attempt in range(50):
+            harness.reserve(f"new-{attempt}")
+            try:
+                first = received.get(timeout=0.2)
+                break
+            except queue.Empty:
+                continue
+        assert isinstance(first, pb.Event), first
+        assert first.reservation_id.startswith("new-")
+    finally:
+        stream.cancel()
+        reader.join(timeout=STREAM_WAIT_SECONDS)
+
+
+def test_a_page_token_takes_the_place_of_after_seq(harness: Any) -> None:
+    """ListEventsRequest.page_token: "given, it takes the place of after_seq":
+    whatever after_seq holds then is not read, as with from_now."""
+    for number in range(3):
+        harness.reserve(f"p{number}")
+    first = harness.ledger.ListEvents(pb.ListEventsRequest(lane="recall", page_size=2))
+    assert first.next_page_token
+    rest = harness.ledger.ListEvents(
+        pb.ListEventsRequest(lane="recall", page_token=first.next_page_token, after_seq=-1)
+    )
+    assert [event.seq for event in rest.events]
+    assert rest.events[0].seq > first.events[-1].seq
+
+
 def test_the_trace_id_of_the_request_is_stored_on_its_events(harness: Any) -> None:
     harness.reserve("traced", metadata=TRACEPARENT)
     harness.settle("traced", input_tokens=1, metadata=TRACEPARENT)

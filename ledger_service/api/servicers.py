@@ -147,14 +147,16 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             validate_name("lane", request.lane)
         if request.reservation_id:
             validate_reservation_id(request.reservation_id)
-        if request.after_seq < 0:
-            raise InvalidArgument("after_seq", "must not be negative")
-        after_seq = request.after_seq
+        # A page token takes the place of after_seq (the proto): only one is read.
         if request.page_token:
             position = _decode_token(request.page_token)
             if not (position.isascii() and position.isdigit() and int(position) <= _MAX_SEQ):
                 raise InvalidArgument("page_token", "is not a token this server gave")
             after_seq = int(position)
+        elif request.after_seq < 0:
+            raise InvalidArgument("after_seq", "must not be negative")
+        else:
+            after_seq = request.after_seq
         size = _page_size(request.page_size, self._settings)
         # One more than the page, to know whether another page follows.
         events = self._ledger.list_events(convert.event_query(request, size + 1, after_seq))
@@ -213,7 +215,8 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         if request.lane:
             validate_name("lane", request.lane)
             self._ledger.get_lane(request.lane)
-        if request.after_seq < 0:
+        # from_now: "after_seq ignored" (the proto), whatever it holds.
+        if not request.from_now and request.after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
         after_seq = self._ledger.last_seq() if request.from_now else request.after_seq
         query = EventQuery(
