@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import grpc
 import pytest
@@ -87,3 +88,18 @@ def test_a_long_message_is_cut_to_fit_the_trailers(unit: str) -> None:
     with pytest.raises(Exception):  # noqa: B017
         api_errors.refuse(short, grpc.StatusCode.NOT_FOUND, "lane x not found", "LANE_NOT_FOUND")  # type: ignore[arg-type]
     assert short.message == "lane x not found"
+
+
+def test_the_readme_has_a_row_for_every_status_the_server_sends() -> None:
+    """A team writing its own client reads README's error table: every status
+    the ledger's code answers with, a reason or none, has a row there."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("| status | `ledger-reason` | when |") :].split("\n\n")[0]
+    sent = {code.name for _, code in api_errors.ERROR_TABLE}
+    sent |= {"UNAUTHENTICATED", "PERMISSION_DENIED", "INTERNAL"}
+    for path in (root / "ledger_service" / "api").glob("*.py"):
+        sent |= set(re.findall(r"abort\(\s*grpc\.StatusCode\.([A-Z_]+)", path.read_text()))
+    assert "UNIMPLEMENTED" in sent  # a TestClock method of a server without --test-clock
+    missing = sorted(code for code in sent if f"\n| `{code}` |" not in table)
+    assert not missing, f"README's error table has no row for {missing}"
