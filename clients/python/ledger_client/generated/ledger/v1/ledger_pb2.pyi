@@ -374,7 +374,7 @@ class ReserveRequest(_message.Message):
     TTL_FIELD_NUMBER: _builtins.int
     lane: _builtins.str
     reservation_id: _builtins.str
-    """Client-chosen, unique within the lane; a retry reuses it."""
+    """Required: client-chosen, unique within the lane; a retry reuses it."""
     model: _builtins.str
     request_bytes: _builtins.int
     max_output_tokens: _builtins.int
@@ -1339,7 +1339,7 @@ class CorrectRequest(_message.Message):
     reason: _builtins.str
     """Why, in words: kept in the event. Required, at most 1000 characters."""
     correction_id: _builtins.str
-    """Client-chosen, unique within the lane; a retry reuses it."""
+    """Required: client-chosen, unique within the lane; a retry reuses it."""
     def __init__(
         self,
         *,
