@@ -165,20 +165,24 @@ def test_watch_streams_existing_then_new_events(harness: Any) -> None:
     assert stream.code() is grpc.StatusCode.CANCELLED
 
 
+def _first_new_event(harness: Any, received: Any) -> Any:
+    """Reserves new-0, new-1, ... until the stream shows one (when a stream's
+    server side starts is not observable); the first it showed, or None."""
+    for attempt in range(50):
+        harness.reserve(f"new-{attempt}")
+        try:
+            return received.get(timeout=0.2)
+        except queue.Empty:
+            continue
+    return None
+
+
 def test_watch_from_now_skips_the_past(harness: Any) -> None:
     harness.reserve("old")
     stream = harness.ledger.WatchEvents(pb.WatchEventsRequest(lane="recall", from_now=True))
     reader, received = start_reader(stream)
     try:
-        # When the stream's server side starts is not observable: move until it shows one.
-        first = None
-        for attempt in range(50):
-            harness.reserve(f"new-{attempt}")
-            try:
-                first = received.get(timeout=0.2)
-                break
-            except queue.Empty:
-                continue
+        first = _first_new_event(harness, received)
         assert first is not None
         assert first.reservation_id.startswith("new-")
     finally:
@@ -194,14 +198,7 @@ def test_watch_from_now_ignores_after_seq_as_the_proto_says(harness: Any) -> Non
     )
     reader, received = start_reader(stream)
     try:
-        first = None
-        for attempt in range(50):
-            harness.reserve(f"new-{attempt}")
-            try:
-                first = received.get(timeout=0.2)
-                break
-            except queue.Empty:
-                continue
+        first = _first_new_event(harness, received)
         assert isinstance(first, pb.Event), first
         assert first.reservation_id.startswith("new-")
     finally:

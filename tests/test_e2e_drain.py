@@ -311,20 +311,12 @@ def test_a_second_signal_ends_the_drain_at_once(
 
 def test_a_second_signal_after_a_clean_drain_still_exits_0(tmp_path: pathlib.Path) -> None:
     """The exit status says whether work was cut off, not how many signals came."""
-    process, address = serving.spawn(
-        tmp_path, "--insecure-no-auth", env=serving.clean_env(), stderr=subprocess.PIPE
-    )
-    stderr = Stderr(process)
-    stderr.start()
-    try:
+    with watched(tmp_path, serving.clean_env()) as (process, address, stderr):
         put_lane(address)
         process.send_signal(signal.SIGTERM)
         assert stderr.seen("received SIGTERM: draining"), stderr.lines
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, stderr.lines
-    finally:
-        serving.stop(process)
-        stderr.close()
 
 
 def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_down(
@@ -454,16 +446,8 @@ def test_a_call_held_by_a_drain_that_cuts_work_off_is_still_refused_as_shutting_
 def test_a_hangup_drains_as_a_stop_does(tmp_path: pathlib.Path) -> None:
     """Closing the terminal that runs `make run` sends SIGHUP: it killed the
     server at once (exit 129), no drain and no clean close of the database."""
-    process, address = serving.spawn(
-        tmp_path, "--insecure-no-auth", env=serving.clean_env(), stderr=subprocess.PIPE
-    )
-    stderr = Stderr(process)
-    stderr.start()
-    try:
+    with watched(tmp_path, serving.clean_env()) as (process, address, stderr):
         put_lane(address)
         process.send_signal(signal.SIGHUP)
         assert stderr.seen("received SIGHUP: draining"), stderr.lines
         assert process.wait(timeout=60) == 0, stderr.lines
-    finally:
-        serving.stop(process)
-        stderr.close()

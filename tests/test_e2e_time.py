@@ -363,13 +363,11 @@ def _second_denied_no_earlier(harness: Any, booked: pb.ReserveResponse) -> None:
     assert harness.micros_of(again.reserved_at) >= harness.micros_of(booked.reserved_at)
 
 
-def test_a_restart_behind_the_last_event_still_counts_it(
-    tmp_path: pathlib.Path, harness_for: Any
-) -> None:
-    """Restarted with its clock behind a booking it recorded, a server must
-    not date a Reserve before it: the booking would fall out of the window
-    (reserved_at <= now) and the lane would be booked past its limit."""
-    settings = ledger_settings(tmp_path, test_clock=False, sweep_interval_seconds=3600)
+def _booked_then_stepped_back(
+    settings: Any, harness_for: Any
+) -> tuple[ManualClock, pb.ReserveResponse]:
+    """A server whose clock stands ten seconds ahead books one hold and stops;
+    then its clock steps back ten seconds."""
     system = ManualClock(START_US + 10 * SECOND_US)
     first = LedgerServer(settings, clock=system)
     first.start()
@@ -378,6 +376,17 @@ def test_a_restart_behind_the_last_event_still_counts_it(
     finally:
         first.stop(0)
     system.set_us(START_US)  # stepped back ten seconds
+    return system, booked
+
+
+def test_a_restart_behind_the_last_event_still_counts_it(
+    tmp_path: pathlib.Path, harness_for: Any
+) -> None:
+    """Restarted with its clock behind a booking it recorded, a server must
+    not date a Reserve before it: the booking would fall out of the window
+    (reserved_at <= now) and the lane would be booked past its limit."""
+    settings = ledger_settings(tmp_path, test_clock=False, sweep_interval_seconds=3600)
+    system, booked = _booked_then_stepped_back(settings, harness_for)
     second = LedgerServer(settings, clock=system)
     second.start()
     try:
@@ -417,14 +426,7 @@ def test_a_start_the_database_did_not_answer_resumes_its_clock_once_it_does(
         tmp_path, test_clock=False, sweep_interval_seconds=3600,
         recovery_check_interval_seconds=0.05,
     )  # fmt: skip
-    system = ManualClock(START_US + 10 * SECOND_US)
-    first = LedgerServer(settings, clock=system)
-    first.start()
-    try:
-        booked = _one_of_one_and_a_half_holds(harness_for(first))
-    finally:
-        first.stop(0)
-    system.set_us(START_US)  # stepped back ten seconds
+    system, booked = _booked_then_stepped_back(settings, harness_for)
     holder = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
     # The database does not answer this start: no other connection may even read.
     holder.execute("PRAGMA locking_mode=EXCLUSIVE")
