@@ -12,7 +12,8 @@ events: an operator's Correct, or Reconcile --bill-wins) in a table of their own
 The chart spans the whole rolling window (now - window to now) and is drawn from
 the lane's events inside it (ListEvents): each event carries the lane's spent and
 limit right after it, and what is held is replayed from the events (a reserved
-hold stays held until its booking is settled, refunded or expired). Between two
+hold stays held until its booking is settled, refunded or expired, or its
+deadline passes). Between two
 events the lines are flat; the last point is the audit's own balance. Dotted
 lines mark where bookings of the window before aged out inside the chart, an
 arrow at now the next release; the y axis has 4 to 6 round ticks in dollars.
@@ -131,6 +132,10 @@ def fetch_audit(arguments: argparse.Namespace, session: Session) -> pb.Audit:
     request = pb.GetAuditRequest(lane=arguments.lane, biggest=biggest)
     found: pb.Audit = session.ledger.GetAudit(request, **session.options())
     return found
+
+
+# A reserved event without a deadline (none it could be read from) stays held.
+_NEVER_US = 2**63
 
 
 def micros(value: timestamp_pb2.Timestamp) -> int:
@@ -273,20 +278,25 @@ def chart_points(
     events: Iterable[pb.Event], balance: pb.Balance
 ) -> tuple[list[ChartPoint], list[ChartPoint]]:
     """The lines' points (one per event, then the balance now) and the denials'."""
-    holds: dict[tuple[str, str], int] = {}
+    # Open holds: (amount, the instant it stops being held: its deadline).
+    holds: dict[tuple[str, str], tuple[int, int]] = {}
     held = 0
     points: list[ChartPoint] = []
     denials: list[ChartPoint] = []
     for event in events:
         key = (event.lane, event.reservation_id)
+        at_us = micros(event.occurred_at)
+        # Open past its deadline is expired from then, whether or not an
+        # expired event was written yet (docs/semantics.md, "Expire").
+        for overdue in [k for k, (_, until_us) in holds.items() if until_us <= at_us]:
+            held -= holds.pop(overdue)[0]
         if event.kind == "reserved":
-            holds[key] = event.amount_nanos
+            deadline_us = micros(event.expires_at) if event.HasField("expires_at") else _NEVER_US
+            holds[key] = (event.amount_nanos, deadline_us)
             held += event.amount_nanos
         elif event.kind in {"settled", "refunded", "expired"} and key in holds:
-            held -= holds.pop(key)
-        point = ChartPoint(
-            micros(event.occurred_at), event.spent_after_nanos, held, event.limit_nanos
-        )
+            held -= holds.pop(key)[0]
+        point = ChartPoint(at_us, event.spent_after_nanos, held, event.limit_nanos)
         points.append(point)
         if event.kind == "denied":
             denials.append(point)

@@ -157,3 +157,15 @@ def test_the_page_is_written_0644_whatever_the_umask(tmp_path: pathlib.Path) -> 
     assert path.read_text() == "<p>page</p>"
     # Atomic: a temporary file renamed over the page, none left behind.
     assert [entry.name for entry in tmp_path.iterdir()] == ["report.html"]
+
+
+def test_a_hold_past_its_deadline_is_not_drawn_as_held_before_its_expiry_event() -> None:
+    """Open past its deadline is expired from then, swept or not: the held line
+    kept an overdue hold until its expired event was written."""
+    overdue = an_event("reserved", 600, "r-1", 280_000, 280_000)
+    overdue.expires_at.FromSeconds(NOW_S - 480)
+    later = an_event("reserved", 300, "r-2", 100_000, 380_000)
+    later.expires_at.FromSeconds(NOW_S - 180)
+    balance = an_audit().balance
+    points, _ = observe.chart_points([overdue, later], balance)
+    assert [point.held_nanos for point in points[:2]] == [280_000, 100_000]
