@@ -305,13 +305,6 @@ class LedgerServer:
 
     def start(self) -> int:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if not self.settings.auth_enabled:
-            log.warning("AUTH IS OFF (--insecure-no-auth): anyone who reaches %s can spend "
-                        "every lane's budget", self.settings.listen)  # fmt: skip
-        elif self.server_credentials is None and not is_loopback(self.settings.listen):
-            log.warning("PLAINTEXT beyond loopback on %s: grants and amounts cross the "
-                        "network readable by anyone on the path; serve TLS (--tls-cert, "
-                        "--tls-key)", self.settings.listen)  # fmt: skip
         try:
             if self.server_credentials is None:
                 self.port = self._server.add_insecure_port(self.settings.listen)
@@ -327,6 +320,15 @@ class LedgerServer:
                 f"cannot listen on {self.settings.listen}: the port is taken "
                 f"(is another ledger running?), the address is not this machine's{tls}"
             )
+        # The address bound: port 0 in the settings picks one.
+        bound = f"{self.settings.listen.rsplit(':', 1)[0]}:{self.port}"
+        if not self.settings.auth_enabled:
+            log.warning("AUTH IS OFF (--insecure-no-auth): anyone who reaches %s can spend "
+                        "every lane's budget", bound)  # fmt: skip
+        elif self.server_credentials is None and not is_loopback(self.settings.listen):
+            log.warning("PLAINTEXT beyond loopback on %s: grants and amounts cross the "
+                        "network readable by anyone on the path; serve TLS (--tls-cert, "
+                        "--tls-key)", bound)  # fmt: skip
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
         log.info("telemetry: %s", self.telemetry.description)
         self._server.start()
