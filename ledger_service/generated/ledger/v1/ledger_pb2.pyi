@@ -1185,7 +1185,10 @@ class ReconcileRequest(_message.Message):
     BILL_WINS_FIELD_NUMBER: _builtins.int
     format: Global___ReconcileRequest.Format.ValueType
     content: _builtins.bytes
-    """The export itself; a file applies in full or not at all."""
+    """The export itself; a file applies in full or not at all. At most 10,000
+    rows (more is INVALID_ARGUMENT on content) and the server's message limit
+    (1 MiB by default; RESOURCE_EXHAUSTED past it).
+    """
     default_lane: _builtins.str
     """The lane of rows that name none."""
     dry_run: _builtins.bool
