@@ -31,6 +31,7 @@ from ledger_service.cli.values import (
 from ledger_service.domain.grants import GrantRejected, decode_unverified
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.settings import data_dir_from_environment
+from ledger_service.storage import keyring
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 MAX_GRANT_BYTES = 16 * 1024
@@ -147,8 +148,8 @@ def resolve_grant(given: str | None) -> tuple[str, str]:
 
 
 def admin_grant_path() -> pathlib.Path:
-    """<LEDGER_DATA_DIR or ./data>/admin.grant, the data directory read as the server reads it."""
-    return data_dir_from_environment() / "admin.grant"
+    """The server's admin.grant, in the data directory read as the server reads it."""
+    return keyring.admin_grant_path(data_dir_from_environment())
 
 
 @contextlib.contextmanager
