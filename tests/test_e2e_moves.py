@@ -95,7 +95,13 @@ def test_a_denied_reserve_is_an_answer_and_its_repeat_is_the_same_denial(harness
     assert again == denied, "a denial is final for its id"
     assert harness.reserve("b2", estimate_nanos=200).decision == pb.ADMITTED
     assert [event.kind for event in harness.events("recall", reservation_id="b")] == ["denied"]
-    assert harness.booking("b").state == pb.REJECTED
+    rejected = harness.booking("b")
+    assert rejected.state == pb.REJECTED
+    assert rejected.amount_nanos == 0
+    # It never held and never counts: no deadline, nothing to age out.
+    assert not rejected.HasField("expires_at")
+    assert not rejected.HasField("ages_out_at")
+    assert harness.booking("a").HasField("expires_at")
 
 
 def test_reused_id_with_other_arguments_is_already_exists(harness: Any) -> None:

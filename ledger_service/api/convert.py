@@ -326,7 +326,7 @@ def booking_state(state: BookingState) -> pb.BookingState.ValueType:
 
 def booking(value: Booking, now_us: int, window_us: int) -> pb.Booking:
     state = BookingState.EXPIRED if value.is_expired_at(now_us) else value.state
-    return pb.Booking(
+    message = pb.Booking(
         lane=value.lane,
         reservation_id=value.reservation_id,
         model=value.model,
@@ -337,9 +337,12 @@ def booking(value: Booking, now_us: int, window_us: int) -> pb.Booking:
         cap_nanos=value.cap_nanos,
         amount_nanos=value.amount_at(now_us),
         reserved_at=timestamp(value.reserved_at_us),
-        expires_at=timestamp(value.expires_at_us),
-        ages_out_at=timestamp(value.reserved_at_us + window_us),
     )
+    # A denied booking never held nor counted: it has no deadline and never ages out.
+    if state is not BookingState.REJECTED:
+        message.expires_at.CopyFrom(timestamp(value.expires_at_us))
+        message.ages_out_at.CopyFrom(timestamp(value.reserved_at_us + window_us))
+    return message
 
 
 def event(value: Event) -> pb.Event:

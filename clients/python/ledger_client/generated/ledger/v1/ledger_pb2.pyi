@@ -660,10 +660,14 @@ class Booking(_message.Message):
     @_builtins.property
     def reserved_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
-    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """The hold's deadline. Unset for a denied (REJECTED) booking, which never held."""
+
     @_builtins.property
     def ages_out_at(self) -> _timestamp_pb2.Timestamp:
-        """When it leaves the rolling window: reserved_at + the lane's current window."""
+        """When it leaves the rolling window: reserved_at + the lane's current window.
+        Unset for a denied booking, which never counted.
+        """
 
     def __init__(
         self,
