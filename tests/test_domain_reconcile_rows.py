@@ -96,7 +96,18 @@ def test_a_row_naming_another_model_disagrees_and_changes_nothing() -> None:
     assert result.status is RowStatus.CORRECTED
 
 
-def test_a_row_for_a_denied_reserve_disagrees() -> None:
+def test_a_row_billing_a_denied_reserve_disagrees() -> None:
     denied = dataclasses.replace(opened(), state=BookingState.REJECTED, amount_nanos=0)
     result, event = reconcile.decide(denied, row(120), NOW_US)
     assert (result.status, event) == (RowStatus.DISAGREES, None)
+
+
+def test_a_row_billing_zero_for_a_denied_reserve_matches() -> None:
+    denied = dataclasses.replace(opened(), state=BookingState.REJECTED, amount_nanos=0)
+    result, event = reconcile.decide(denied, row(0), NOW_US)
+    assert (result.status, result.before_nanos, result.after_nanos, event) == (
+        RowStatus.MATCHED,
+        0,
+        0,
+        None,
+    )

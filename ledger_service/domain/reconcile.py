@@ -356,6 +356,9 @@ def decide(
     current = booking.amount_at(now_us)
     unchanged = dataclasses.replace(result, before_nanos=current, after_nanos=current)
     if booking.state is BookingState.REJECTED:
+        # A denied Reserve booked no call: a bill of zero agrees with it.
+        if row.real_cost(booking) == 0:
+            return dataclasses.replace(unchanged, status=RowStatus.MATCHED), None
         message = "the Reserve was denied: no call was booked"
         return dataclasses.replace(unchanged, status=RowStatus.DISAGREES, message=message), None
     if row.model and row.model != booking.model:
