@@ -34,6 +34,7 @@ from ledger_service.api.deadlines import CallDeadlineInterceptor
 from ledger_service.api.drain import Drain
 from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.gate import RecoveryGateInterceptor
+from ledger_service.api.health import HealthServicer
 from ledger_service.api.pipeline import MethodPipeline
 from ledger_service.api.servicers import (
     AbsentTestClockServicer,
@@ -206,7 +207,7 @@ class LedgerServer:
         self.guard = recovery_guard(
             settings, self.store, self._on_recovery_change, prepare=pending_migration
         )
-        self.health = health.HealthServicer()
+        self.health = HealthServicer(SERVICE_NAMES)
         self._stopping = threading.Event()
         # Set by `hurry`: the stop's drain ends now.
         self._hurried = threading.Event()

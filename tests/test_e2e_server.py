@@ -74,3 +74,22 @@ def test_health_watches_hold_no_worker_thread(
     finally:
         for watch in watches:
             watch.cancel()
+
+
+def test_a_watch_of_a_name_not_served_is_unknown_and_leaves_nothing_behind(
+    start_ledger_server: Any, open_ledger_channel: Any
+) -> None:
+    """Each watched name used to stay in the servicer for the process's life:
+    made-up names, each up to a message long, grew the server's memory."""
+    server = start_ledger_server(test_clock=False)
+    health = health_pb2_grpc.HealthStub(open_ledger_channel(server))
+    unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    for index in range(20):
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=f"made.up.{index}"), timeout=20)
+        assert next(watch).status == unknown
+        watch.cancel()
+    served = health.Watch(health_pb2.HealthCheckRequest(service="ledger.v1.Ledger"), timeout=20)
+    assert next(served).status == health_pb2.HealthCheckResponse.SERVING
+    served.cancel()
+    # grpcio's servicer keeps its watchers by name (a private map, read here only).
+    assert not any(name.startswith("made.up") for name in server.health._send_response_callbacks)
