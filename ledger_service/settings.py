@@ -59,6 +59,16 @@ def database_url_problem(url: str) -> str | None:
     return None
 
 
+def home_expanded(url: str) -> str:
+    """A SQLite URL whose path starts with `~` (`sqlite:///~/ledger.db`), with
+    the home directory in its place, as a shell would give a path; anything
+    else unchanged. Left as it was, SQLite made a directory named `~`."""
+    prefix = "sqlite:///~"
+    if not url.startswith(prefix):
+        return url
+    return "sqlite:///" + str(pathlib.Path(url.removeprefix("sqlite:///")).expanduser())
+
+
 # The largest value of any setting: a count (gRPC's channel options and
 # PostgreSQL's statement_timeout are C ints) and a number of seconds (the
 # longest a grant may live, far within what a thread can wait).
@@ -202,6 +212,7 @@ class Settings:
             and not (os.environ.get("LEDGER_DATABASE_URL") or overrides.get("database_url"))
         ):
             values["database_url"] = default_database_url(pathlib.Path(str(overrides["data_dir"])))
+        values["database_url"] = home_expanded(str(values["database_url"]))
         problem = database_url_problem(str(values["database_url"]))
         if problem is not None:
             source = (

@@ -4,6 +4,8 @@ form the ledger takes, rather than opening `file:PATH` as a relative path."""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from ledger_service.settings import Settings
@@ -53,3 +55,15 @@ def test_a_path_form_sqlite_url_and_a_postgresql_url_are_taken(
 ) -> None:
     monkeypatch.setenv("LEDGER_DATABASE_URL", url)
     assert Settings.from_environment().database_url == url
+
+
+def test_a_sqlite_path_under_home_is_expanded_as_a_shell_would(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """It made a directory named `~` in the working directory instead."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LEDGER_DATABASE_URL", "sqlite:///~/ledgers/ledger.db")
+    assert Settings.from_environment().database_url == f"sqlite:///{tmp_path}/ledgers/ledger.db"
+    monkeypatch.delenv("LEDGER_DATABASE_URL")
+    flag = Settings.from_environment(database_url="sqlite:///~/x.db").database_url
+    assert flag == f"sqlite:///{tmp_path}/x.db"
