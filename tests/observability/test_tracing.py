@@ -332,3 +332,51 @@ def test_a_failed_move_claims_no_outcome_it_did_not_book(
     assert code == 0
     assert attributes["ledger.outcome"] == "unknown"
     assert attributes["ledger.booking_state"] == "expired"
+
+
+def test_a_model_call_inside_the_lanes_span_joins_the_lanes_trace(
+    traced_server: LedgerServer, ledger: Any, span_exporter: InMemorySpanExporter
+) -> None:
+    """model_call, the lane's one-block API, sends a traceparent of its own; with
+    no trace id given it must take the current OpenTelemetry context's, as the
+    bare moves do (docs/observability.md, "The lane's side"), not a fresh one."""
+    ledger.put_lane()
+    tracer = trace.get_tracer("recall-step")
+    address = f"127.0.0.1:{traced_server.port}"
+    with (
+        LaneClient(
+            address, "recall", grant=traced_server.admin_grant, settings=CLIENT_SETTINGS
+        ) as client,
+        tracer.start_as_current_span("recall step") as step,
+        client.model_call("jev", 10_000, 500, reservation_id="traced-call") as call,
+    ):
+        call.answered(200, Usage(input_tokens=1_000, output_tokens=10))
+    trace_id = format(step.get_span_context().trace_id, "032x")
+
+    assert call.trace_id == trace_id
+    for name in (RESERVE, SETTLE):
+        client_span = one_span(span_exporter, name, SpanKind.CLIENT)
+        server_span = one_span(span_exporter, name, SpanKind.SERVER)
+        assert hex_trace_id(client_span) == hex_trace_id(server_span) == trace_id
+        assert client_span.parent is not None
+        assert client_span.parent.span_id == step.get_span_context().span_id
+    events = ledger.events(reservation_id="traced-call")
+    assert {event.trace_id for event in events} == {trace_id}
+
+
+def test_a_model_call_given_a_trace_id_keeps_it_inside_another_trace(
+    traced_server: LedgerServer, ledger: Any, span_exporter: InMemorySpanExporter
+) -> None:
+    ledger.put_lane()
+    tracer = trace.get_tracer("recall-step")
+    address = f"127.0.0.1:{traced_server.port}"
+    with (
+        LaneClient(
+            address, "recall", grant=traced_server.admin_grant, settings=CLIENT_SETTINGS
+        ) as client,
+        tracer.start_as_current_span("recall step"),
+        client.model_call("jev", 10_000, 500, trace_id=TRACE_ID, reservation_id="given") as call,
+    ):
+        call.answered(200, Usage(input_tokens=1_000, output_tokens=10))
+    assert {event.trace_id for event in ledger.events(reservation_id="given")} == {TRACE_ID}
+    assert hex_trace_id(one_span(span_exporter, RESERVE, SpanKind.SERVER)) == TRACE_ID

@@ -44,6 +44,16 @@ def new_trace_id() -> str:
     return secrets.token_hex(16)
 
 
+def current_or_new_trace_id() -> str:
+    """The current OpenTelemetry span's trace id when there is one (the lane's
+    span, with `opentelemetry-api` installed), else a fresh one."""
+    try:
+        from ledger_client import tracing
+    except ImportError:  # the optional `tracing` extra is not installed
+        return new_trace_id()
+    return tracing.current_trace_id() or new_trace_id()
+
+
 def _traceparent(trace_id: str) -> str:
     return f"00-{trace_id}-{secrets.token_hex(8)}-01"
 
@@ -326,7 +336,7 @@ class LaneClient:
             estimate_nanos=estimate_nanos,
             ttl_us=_micros_of(ttl),
         )
-        return ModelCall(self._support(), arguments, trace_id or new_trace_id())
+        return ModelCall(self._support(), arguments, trace_id or current_or_new_trace_id())
 
     def _support(self) -> CallSupport:
         return CallSupport(

@@ -114,11 +114,13 @@ class TracingInterceptor(
         return outcome
 
     def _start(self, method: str, metadata: Metadata) -> trace.Span:
-        parent: Context = (
-            _PROPAGATOR.extract(metadata, context=Context(), getter=_GETTER)
-            if any(name == "traceparent" for name, _ in metadata)
-            else otel_context.get_current()
-        )
+        parent: Context = otel_context.get_current()
+        if any(name == "traceparent" for name, _ in metadata):
+            given = _PROPAGATOR.extract(metadata, context=Context(), getter=_GETTER)
+            # The given trace wins; within it, the lane's own current span is the
+            # real parent (a model call's traceparent names a span nobody records).
+            if trace.get_current_span(given).get_span_context().trace_id != _current_trace(parent):
+                parent = given
         service, _, name = method.lstrip("/").partition("/")
         attributes: dict[str, AttributeValue] = {
             "rpc.system": "grpc",
@@ -129,6 +131,19 @@ class TracingInterceptor(
         return self._tracer.start_span(
             f"{service}/{name}", context=parent, kind=trace.SpanKind.CLIENT, attributes=attributes
         )
+
+
+def _current_trace(context: Context | None = None) -> int:
+    """The trace id of the current span (0: none)."""
+    span_context = trace.get_current_span(context).get_span_context()
+    return span_context.trace_id if span_context.is_valid else 0
+
+
+def current_trace_id() -> str:
+    """The current OpenTelemetry span's trace id as 32 hex digits, or "" without one:
+    the trace a model call joins when it is given no trace id of its own."""
+    trace_id = _current_trace()
+    return format(trace_id, "032x") if trace_id else ""
 
 
 def _code_of(call: Any) -> grpc.StatusCode:
