@@ -101,17 +101,24 @@ _CURRENT_GRANT: contextvars.ContextVar[Grant | None] = contextvars.ContextVar(
 
 
 class RefusalLog:
-    """The refusals' INFO lines, at most `per_second` a second: a client with a
-    bad grant in a tight loop would otherwise fill the disk with them. Those
-    left out are counted in one line when the next second's first is logged."""
+    """The refusals' lines (INFO, unless told), at most `per_second` a second: a
+    client with a bad grant, or a lane retrying a refused Settle, in a tight loop
+    would otherwise fill the disk with them. Those left out are counted in one
+    line when the next second's first is logged."""
 
     def __init__(
         self,
         per_second: int = MAX_REFUSALS_LOGGED_PER_SECOND,
         monotonic: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+        level: int = logging.INFO,
+        what: str = "refusals",
     ) -> None:
         self._per_second = per_second
         self._monotonic = monotonic
+        self._log = logger or log
+        self._level = level
+        self._what = what
         self._lock = threading.Lock()
         self._second = -1
         self._logged = 0
@@ -123,13 +130,13 @@ class RefusalLog:
             if second != self._second:
                 left_out, self._second, self._logged, self._left_out = self._left_out, second, 0, 0
                 if left_out:
-                    log.info("%d more refusals were not logged (at most %d a second)",
-                             left_out, self._per_second)  # fmt: skip
+                    self._log.log(self._level, "%d more %s were not logged (at most %d a second)",
+                                  left_out, self._what, self._per_second)  # fmt: skip
             if self._logged >= self._per_second:
                 self._left_out += 1
                 return
             self._logged += 1
-        log.info(message, *args)
+        self._log.log(self._level, message, *args)
 
 
 def refusal(grant: Grant, method: str, rule: Rule, lane: str) -> str:

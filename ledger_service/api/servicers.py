@@ -100,6 +100,11 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         self._settings = settings
         self._feed = feed
         self._auditor = auditor
+        # Each refused Settle is counted (ledger.settle.refused) but logged at most
+        # auth.MAX_REFUSALS_LOGGED_PER_SECOND a second, as refused grants are.
+        self._refused_settles = auth.RefusalLog(
+            logger=log, level=logging.WARNING, what="refused Settles"
+        )
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
@@ -111,7 +116,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         try:
             result = self._ledger.settle(convert.settle_command(request), trace_id_of(context))
         except ImplausibleUsage as refusal:
-            log.warning(
+            self._refused_settles.info(
                 "refused a Settle of booking %r of lane %r (%s): %s",
                 request.reservation_id[:200],
                 request.lane[:200],

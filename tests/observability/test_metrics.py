@@ -4,6 +4,8 @@ limit and open holds, and the time a Reserve takes."""
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import grpc
@@ -18,6 +20,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.trace import SpanKind
 
+from ledger_service.api.auth import MAX_REFUSALS_LOGGED_PER_SECOND
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 BIG_BYTES = 300_000  # caps at 8_772 nanos with 500 output tokens
@@ -164,4 +167,31 @@ def test_a_correction_moves_the_lane_gauges_and_its_span_carries_the_balance(
     assert (span.attributes["ledger.spent_nanos"], span.attributes["ledger.limit_nanos"]) == (
         1_500,
         2_000,
+    )
+
+
+def test_refused_settles_in_a_loop_do_not_flood_the_log(
+    ledger: Any, metric_reader: InMemoryMetricReader, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lane whose usage parser is broken retries a refused Settle in a tight
+    loop: each is counted, but the log takes at most so many lines a second
+    (as refused grants), the rest counted in one line, not one line a call."""
+    ledger.put_lane()
+    ledger.reserve("r1")
+    calls = 200
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="ledger_service.api.servicers"):
+        for _ in range(calls):
+            with pytest.raises(grpc.RpcError):
+                ledger.settle("r1", pb.SUCCEEDED, output_tokens=10)
+    seconds = time.monotonic() - started
+    found = metrics_by_name(metric_reader)
+    assert points(found["ledger.settle.refused"]) == {
+        (("ledger.lane", "recall"), ("ledger.reason", "SETTLE_WITHOUT_USAGE")): calls
+    }
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines[0].startswith("refused a Settle of booking 'r1' of lane 'recall'")
+    assert len(lines) <= MAX_REFUSALS_LOGGED_PER_SECOND * (math.ceil(seconds) + 1), (
+        len(lines),
+        seconds,
     )
