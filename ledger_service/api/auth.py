@@ -124,7 +124,7 @@ class RefusalLog:
         self._logged = 0
         self._left_out = 0
 
-    def info(self, message: str, *args: object) -> None:
+    def write(self, message: str, *args: object) -> None:
         with self._lock:
             second = int(self._monotonic())
             if second != self._second:
@@ -296,7 +296,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         try:
             return self._verify(bearer_token(context.invocation_metadata()))
         except GrantRejected as rejection:
-            self._refusals.info("refused %s: %s grant", method, rejection.why.value)
+            self._refusals.write("refused %s: %s grant", method, rejection.why.value)
             refuse_unauthenticated(context, UNAUTHENTICATED_MESSAGE)
             raise  # unreachable: abort raises
 
@@ -332,7 +332,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             # A request stream names no single lane: only a grant for every lane will do.
             lane = rule.lane_of(request) if isinstance(request, Message) else ALL_LANES
             if not any(grant.allows(scope, lane) for scope in rule.scopes):
-                self._refusals.info(
+                self._refusals.write(
                     "refused %s: grant %s lacks %s on the lane asked for",
                     method,
                     grant.grant_id,

@@ -116,7 +116,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         try:
             result = self._ledger.settle(convert.settle_command(request), trace_id_of(context))
         except ImplausibleUsage as refusal:
-            self._refused_settles.info(
+            self._refused_settles.write(
                 "refused a Settle of booking %r of lane %r (%s): %s",
                 request.reservation_id[:200],
                 request.lane[:200],

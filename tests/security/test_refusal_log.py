@@ -15,7 +15,7 @@ def test_at_most_so_many_refusals_a_second_are_logged_and_the_rest_counted(
     refusals = RefusalLog(per_second=3, monotonic=lambda: now[0])
     with caplog.at_level("INFO", logger="ledger_service.api.auth"):
         for index in range(8):
-            refusals.info("refused call %d", index)
+            refusals.write("refused call %d", index)
         assert [record.getMessage() for record in caplog.records] == [
             "refused call 0",
             "refused call 1",
@@ -23,7 +23,7 @@ def test_at_most_so_many_refusals_a_second_are_logged_and_the_rest_counted(
         ]
         caplog.clear()
         now[0] = 101.5
-        refusals.info("refused call %d", 8)
+        refusals.write("refused call %d", 8)
         assert [record.getMessage() for record in caplog.records] == [
             "5 more refusals were not logged (at most 3 a second)",
             "refused call 8",
