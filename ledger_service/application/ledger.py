@@ -133,13 +133,18 @@ class Ledger:
             if existing is not None and policy_to_dict(existing) == policy_to_dict(policy):
                 return existing
             new_chain = _check_nesting(tx, policy)
-            now_us = lane_time(tx, [policy], self._clock.now_us())
             # Every budget whose window or members may change keeps its sums no more.
-            stale = {policy.lane}
             _lock_apart_from_shared(tx, existing, policy, new_chain)
+            stale = {policy.lane: policy}
             for chain_of in (existing, policy):
                 if chain_of is not None:
-                    stale.update(ancestor.lane for ancestor in locked_ancestors(tx, chain_of))
+                    for ancestor in locked_ancestors(tx, chain_of):
+                        stale.setdefault(ancestor.lane, ancestor)
+            # Dated no earlier than any of those windows was moved to, by this
+            # replica or a faster one, and they are kept again at that instant
+            # below: dropped, a lagging replica's next move would be dated at its
+            # own clock and leave out what the faster one booked ahead of it.
+            now_us = lane_time(tx, list(stale.values()), self._clock.now_us())
             tx.drop_window_states(sorted(stale))
             # A longer window brings older bookings back into the lane's sums.
             totals = _checked_totals(tx, policy.lane, now_us, policy.window_us, "lane.window")
@@ -162,6 +167,8 @@ class Ledger:
             stored = tx.append(event)
             saved = dataclasses.replace(policy, version=stored.seq, updated_at_us=now_us)
             tx.save_lane(saved)
+            budgets = [saved, *(budget for lane, budget in stale.items() if lane != saved.lane)]
+            record_windows(tx, open_windows(tx, budgets, now_us, verify=self._verify_windows))
             return saved
 
         return self._write(work)

@@ -6,6 +6,9 @@ ahead stay in the window and the budget holds (both databases)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+
+import pytest
 
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
@@ -14,6 +17,7 @@ from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.events import EventKind, Outcome
 from ledger_service.domain.moves import ReserveCommand, SettleCommand
 from ledger_service.domain.reconcile import ExportFormat
+from ledger_service.storage import database, migrate
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 
@@ -70,3 +74,60 @@ def test_a_lagging_replicas_reconcile_is_dated_no_earlier_than_the_window(
         EventQuery(lane="recall", kinds=(EventKind.RECONCILED.value,))
     )
     assert reconciled.occurred_at_us >= START_US + LEAD_US
+
+
+@pytest.fixture
+def replicas_store(postgres_schema_url: str) -> Iterator[SqlStore]:
+    """PostgreSQL alone: replicas share it. (One SQLite file has one server,
+    and one server's clock never runs backwards.)"""
+    engine = database.create(postgres_schema_url, database.EngineLimits(pool_size=8))
+    migrate.upgrade(engine)
+    sql_store = SqlStore(engine, request_deadline_seconds=10.0)
+    yield sql_store
+    sql_store.close()
+
+
+@pytest.mark.postgres
+def test_a_lagging_replica_counts_what_a_faster_one_booked_after_a_put(
+    replicas_store: SqlStore,
+) -> None:
+    """A PutLane drops the budget's kept window, and with it the latest instant
+    the window had been moved to: the lagging replica then dated its next
+    Reserve at its own clock, before the faster one's booking, and admitted a
+    hold the budget did not have (and the lane's time ran backwards)."""
+    ahead, behind = _replicas(replicas_store)
+    behind.put_lane(dataclasses.replace(RECALL, limit_nanos=HOLD + HOLD // 2))
+    first = ahead.reserve(_reserve("r1"))
+    assert first.admitted
+    behind.put_lane(dataclasses.replace(RECALL, limit_nanos=HOLD + HOLD // 2 + 1))
+    second = behind.reserve(_reserve("r2"))
+    assert not second.admitted, "the lagging replica overbooked the lane after a put"
+    assert second.event.occurred_at_us >= first.event.occurred_at_us
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("how", ["a parent's limit changed", "a lane moved under a parent"])
+def test_a_lagging_replica_counts_a_parents_bookings_after_a_put(
+    replicas_store: SqlStore, how: str
+) -> None:
+    """The same through parents: a put of the parent, or a lane put under a
+    new parent with the bookings the faster replica dated ahead, must leave
+    the parent's time where the faster replica moved it."""
+    ahead, behind = _replicas(replicas_store)
+    team = dataclasses.replace(RECALL, lane="team", limit_nanos=HOLD + HOLD // 2)
+    behind.put_lane(team)
+    behind.put_lane(dataclasses.replace(RECALL, lane="other"))
+    booked_on = "other" if how == "a lane moved under a parent" else "sibling"
+    if booked_on == "sibling":
+        behind.put_lane(dataclasses.replace(RECALL, lane="sibling", parent="team"))
+    behind.put_lane(dataclasses.replace(RECALL, lane="recall", parent="team"))
+    first = ahead.reserve(_reserve("r1", booked_on))
+    assert first.admitted
+    if how == "a parent's limit changed":
+        behind.put_lane(dataclasses.replace(team, limit_nanos=team.limit_nanos + 1))
+    else:
+        behind.put_lane(dataclasses.replace(RECALL, lane="other", parent="team"))
+    second = behind.reserve(_reserve("r2"))
+    assert not second.admitted, f"the lagging replica overbooked the parent ({how})"
+    assert second.event.denied_by == "team"
+    assert second.event.occurred_at_us >= first.event.occurred_at_us
