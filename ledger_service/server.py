@@ -150,6 +150,10 @@ class LedgerServer:
                 "was there, restore it from a backup; to start a new ledger in it, run "
                 "`ledger migrate` (docs/recovery.md)"
             )
+        # The keyring before the store: a data directory that is a file, or one
+        # this process may not write, is refused here in one line (exit 2),
+        # before the store fails on the same path and logs that it will retry.
+        self._keyring_file = keyring.KeyringFile(settings.data_dir)
         self.store = build_store(settings)
         # The schema brought up to date now, or, when the database cannot be
         # reached (or is damaged), by the recovery guard before its first look:
@@ -215,7 +219,6 @@ class LedgerServer:
         self._database_answers = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
         self._health_probe = threading.Thread(target=self._probe, name="health", daemon=True)
-        self._keyring_file = keyring.KeyringFile(settings.data_dir)
         # For the local CLI and in-process tests: an admin grant, issued afresh every start.
         self.admin_grant = issue_admin_grant(settings, self.keyring)
         self._auth = AuthInterceptor(self.keyring, SystemClock())

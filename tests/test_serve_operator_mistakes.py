@@ -41,6 +41,11 @@ def test_a_data_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: pathlib.Path
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.splitlines()[-1]
     assert last.startswith("ledger serve: ") and str(not_a_directory) in last, done.stderr
+    # One line, as the README says, and nothing before it: the store was opened
+    # first, failed on the same path, and logged that the server would "try again
+    # every 5 s" before the keyring refused the start (and the exit then waited up
+    # to seconds for the threads that retry was to run on).
+    assert done.stderr.strip().splitlines() == [last], done.stderr
 
 
 def test_a_stdout_nobody_reads_does_not_stop_the_server(tmp_path: pathlib.Path) -> None:
