@@ -122,3 +122,27 @@ def test_a_line_the_csv_module_cannot_read_is_named_by_its_number(content: bytes
     with pytest.raises(reconcile.InvalidArgument) as caught:
         reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
     assert "line 4 is not valid CSV" in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize(
+    "export_format", [reconcile.ExportFormat.CSV, reconcile.ExportFormat.JSONL]
+)
+def test_a_row_whose_two_bills_disagree_is_a_bad_row(export_format: reconcile.ExportFormat) -> None:
+    """billed_nanos and billed_usd both given and different: the row says two
+    bills. The billed_nanos was taken and the billed_usd dropped without a word,
+    so a file could be applied at a charge the operator never saw."""
+    if export_format is reconcile.ExportFormat.CSV:
+        content = b"reservation_id,billed_usd,billed_nanos\nr1,0.0001,900000\n"
+    else:
+        content = b'{"reservation_id": "r1", "billed_usd": "0.0001", "billed_nanos": 900000}\n'
+    parsed = reconcile.parse(content, export_format, "recall")
+    assert not parsed.rows
+    [bad] = parsed.bad
+    assert bad.status is reconcile.RowStatus.BAD and bad.field == "billed_usd"
+    assert "900000" in bad.message
+
+
+def test_a_row_whose_two_bills_agree_reads() -> None:
+    content = b"reservation_id,billed_usd,billed_nanos\nr1,0.0001,100000\n"
+    parsed = reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert not parsed.bad and parsed.rows[0].billed_nanos == 100_000

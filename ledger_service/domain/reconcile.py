@@ -288,8 +288,19 @@ def _row(line: int, record: Mapping[str, Any], default_lane: str) -> ExportRow:
 
 
 def _billed_nanos(record: Mapping[str, Any]) -> int | None:
-    if "billed_nanos" in record:
-        return _whole(record["billed_nanos"], "billed_nanos", MAX_AMOUNT_NANOS)
+    nanos = _billed_usd_nanos(record)
+    if "billed_nanos" not in record:
+        return nanos
+    billed = _whole(record["billed_nanos"], "billed_nanos", MAX_AMOUNT_NANOS)
+    if nanos is not None and nanos != billed:
+        # Two bills on one row: neither may be dropped without a word.
+        raise InvalidArgument(
+            "billed_usd", f"is {nanos} nanos, and billed_nanos of the same row says {billed}"
+        )
+    return billed
+
+
+def _billed_usd_nanos(record: Mapping[str, Any]) -> int | None:
     if "billed_usd" in record:
         text = str(record["billed_usd"]).strip()
         try:
