@@ -673,7 +673,6 @@ def serve(
         print(f"ledger: {error}", file=sys.stderr)
         server.stop(0)
         return 1
-    _announce(f"ledger listening on {settings.listen.rsplit(':', 1)[0]}:{server.port}\n")
     done = threading.Event()
     # Counts the signals: next() is one step, which a second handler, run
     # inside the first one as Python may do, cannot split.
@@ -695,6 +694,9 @@ def serve(
     # A closed terminal stops it as cleanly; under nohup (SIGHUP ignored) it runs on.
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, on_signal)
+    # The line only now: whoever waits for it may stop the server at once, and a
+    # SIGTERM before the handlers met the default action (no drain, status -15).
+    _announce(f"ledger listening on {settings.listen.rsplit(':', 1)[0]}:{server.port}\n")
     # Python runs a handler in the main thread, and only when that thread runs:
     # a signal the kernel gives another thread (as after SIGSTOP and SIGCONT)
     # does not wake a wait without a timeout, and would be lost. So the main
