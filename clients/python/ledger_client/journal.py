@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import errno
 import fcntl
 import json
 import logging
@@ -279,7 +280,14 @@ class Journal:
 
     def _open_file(self) -> None:
         created = not self.path.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as error:
+            # A file where a directory of the path should be: mkdir says
+            # "File exists", which names the wrong problem.
+            raise NotADirectoryError(
+                errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.path.parent)
+            ) from error
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -285,6 +285,16 @@ def test_a_journal_path_that_cannot_hold_a_journal_is_refused_naming_the_setting
         open_journal(path)
 
 
+def test_a_journal_path_under_a_file_says_not_a_directory(tmp_path: pathlib.Path) -> None:
+    # It said "(File exists)", pathlib's mkdir on the file, which points the
+    # operator at the wrong problem; the Node client says ENOTDIR.
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(JournalError, match=r"\(Not a directory\)$"):
+        open_journal(tmp_path / "a-file" / "journal.jsonl")
+    with pytest.raises(JournalError, match=r"\(Not a directory\)$"):
+        open_journal(tmp_path / "a-file" / "deeper" / "journal.jsonl")
+
+
 def test_an_empty_journal_path_is_refused_naming_the_setting() -> None:
     # pathlib reads "" as ".", the working directory: never a journal.
     prices = {"model-a": ModelPrice(1, 1)}
