@@ -51,6 +51,7 @@ SLOW_MODULES = (
     "tests/test_e2e_",
     "tests/test_state_machine.py",
     "tests/test_seed_incident.py",
+    "tests/test_serve_operator_mistakes.py",
     "tests/test_append_only.py",
     "tests/test_node_package.py",
     "tests/test_api_overhead_",
