@@ -104,7 +104,8 @@ class RefusalLog:
     """The refusals' lines (INFO, unless told), at most `per_second` a second: a
     client with a bad grant, or a lane retrying a refused Settle, in a tight loop
     would otherwise fill the disk with them. Those left out are counted in one
-    line when the next second's first is logged."""
+    line, written with the next second's first or a second after the first one
+    left out, whichever comes first (a burst that ends is counted too)."""
 
     def __init__(
         self,
@@ -113,9 +114,11 @@ class RefusalLog:
         logger: logging.Logger | None = None,
         level: int = logging.INFO,
         what: str = "refusals",
+        later: Callable[[float, Callable[[], None]], None] | None = None,
     ) -> None:
         self._per_second = per_second
         self._monotonic = monotonic
+        self._later = later or _in_a_thread_later
         self._log = logger or log
         self._level = level
         self._what = what
@@ -128,15 +131,32 @@ class RefusalLog:
         with self._lock:
             second = int(self._monotonic())
             if second != self._second:
-                left_out, self._second, self._logged, self._left_out = self._left_out, second, 0, 0
-                if left_out:
-                    self._log.log(self._level, "%d more %s were not logged (at most %d a second)",
-                                  left_out, self._what, self._per_second)  # fmt: skip
+                self._second, self._logged = second, 0
+                self._count_left_out()
             if self._logged >= self._per_second:
                 self._left_out += 1
+                if self._left_out == 1:
+                    self._later(1.0, self.flush)
                 return
             self._logged += 1
         self._log.log(self._level, message, *args)
+
+    def flush(self) -> None:
+        """Writes the count of those left out so far, if any."""
+        with self._lock:
+            self._count_left_out()
+
+    def _count_left_out(self) -> None:
+        left_out, self._left_out = self._left_out, 0
+        if left_out:
+            self._log.log(self._level, "%d more %s were not logged (at most %d a second)",
+                          left_out, self._what, self._per_second)  # fmt: skip
+
+
+def _in_a_thread_later(delay_seconds: float, action: Callable[[], None]) -> None:
+    timer = threading.Timer(delay_seconds, action)
+    timer.daemon = True
+    timer.start()
 
 
 def refusal(grant: Grant, method: str, rule: Rule, lane: str) -> str:

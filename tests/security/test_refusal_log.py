@@ -3,6 +3,8 @@ a tight loop wrote a line per call (1.2 MB in two and a half minutes)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from ledger_service.api.auth import RefusalLog
@@ -28,3 +30,30 @@ def test_at_most_so_many_refusals_a_second_are_logged_and_the_rest_counted(
             "5 more refusals were not logged (at most 3 a second)",
             "refused call 8",
         ]
+
+
+def test_the_count_left_out_of_a_burst_that_ends_is_written_a_second_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It waited for the next refusal, which may never come: the last busy
+    second's count was lost."""
+    now = [100.0]
+    scheduled: list[tuple[float, Callable[[], None]]] = []
+    refusals = RefusalLog(
+        per_second=2,
+        monotonic=lambda: now[0],
+        later=lambda delay, action: scheduled.append((delay, action)),
+    )
+    with caplog.at_level("INFO", logger="ledger_service.api.auth"):
+        for index in range(6):
+            refusals.write("refused call %d", index)
+        assert [delay for delay, _ in scheduled] == [1.0], "one flush, at the first left out"
+        caplog.clear()
+        scheduled[0][1]()
+        assert [record.getMessage() for record in caplog.records] == [
+            "4 more refusals were not logged (at most 2 a second)"
+        ]
+        caplog.clear()
+        now[0] = 101.5
+        refusals.write("refused call %d", 6)
+        assert [record.getMessage() for record in caplog.records] == ["refused call 6"]
