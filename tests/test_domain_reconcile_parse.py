@@ -146,3 +146,22 @@ def test_a_row_whose_two_bills_agree_reads() -> None:
     content = b"reservation_id,billed_usd,billed_nanos\nr1,0.0001,100000\n"
     parsed = reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
     assert not parsed.bad and parsed.rows[0].billed_nanos == 100_000
+
+
+def test_a_jsonl_null_is_an_absent_value_as_an_empty_csv_cell_is() -> None:
+    """`"billed_nanos": null` was a bad row in JSON lines, while the same row
+    with an empty cell in CSV read as billed by its tokens."""
+    jsonl = reconcile.parse(
+        b'{"reservation_id": "r1", "billed_nanos": null, "lane": null, "input_tokens": 7}\n',
+        reconcile.ExportFormat.JSONL,
+        "recall",
+    )
+    csv_rows = reconcile.parse(
+        b"reservation_id,billed_nanos,lane,input_tokens\nr1,,,7\n",
+        reconcile.ExportFormat.CSV,
+        "recall",
+    )
+    assert not jsonl.bad and not csv_rows.bad, (jsonl.bad, csv_rows.bad)
+    assert jsonl.rows[0].lane == csv_rows.rows[0].lane == "recall"
+    assert jsonl.rows[0].billed_nanos is csv_rows.rows[0].billed_nanos is None
+    assert jsonl.rows[0].input_tokens == csv_rows.rows[0].input_tokens == 7

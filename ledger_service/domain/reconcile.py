@@ -222,7 +222,8 @@ def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
         elif set(value) - COLUMNS:
             records.append((line, f"unknown keys: {_names(set(value) - COLUMNS)}"))
         else:
-            records.append((line, value))
+            # null is an absent value, as an empty CSV cell is.
+            records.append((line, {key: item for key, item in value.items() if item is not None}))
     return records
 
 
