@@ -422,9 +422,25 @@ class ModelCall:
         cannot be known, the lane falls back, whatever its outage mode: a call
         on the allowance under this id could not be settled either."""
         support = self._support
+        reservation_id = self._arguments.reservation_id
+        entry = support.journal.entry(reservation_id) if support.journal is not None else None
+        if (
+            entry is not None
+            and entry.source is Source.IN_DOUBT
+            and entry.replay is ReplayResult.LANDED
+        ):
+            # The journal's in-doubt refund reached the ledger: the booking has
+            # ended, and a Reserve under this id would get its first answer,
+            # admitted, for a call nobody could then settle.
+            raise ReservationConflict(
+                grpc.StatusCode.ALREADY_EXISTS,
+                "RESERVATION_ID_REUSED",
+                f"reservation {reservation_id} was refunded after its Reserve went unanswered; "
+                "the ledger would answer a Reserve under it with its first answer for a booking "
+                "that has ended: send the call under a new reservation_id",
+            )
         if support.refunds is None:
             return
-        reservation_id = self._arguments.reservation_id
         try:
             support.refunds.clear(
                 support.ledger, reservation_id, self._trace_id, support.deadline_seconds

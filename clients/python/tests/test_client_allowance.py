@@ -986,3 +986,24 @@ def test_a_stale_in_doubt_refund_never_ends_the_retry_that_superseded_it(
     ending = fake.bookings["r-1"].ending
     assert ending is not None and ending.settlement is Settlement.SETTLE_SUCCEEDED
     assert client.journal.pending() == []
+
+
+def test_a_retry_after_its_in_doubt_refund_landed_is_refused_before_the_call(tmp_path) -> None:
+    """Once the journal's in-doubt refund of an unanswered Reserve has reached
+    the ledger, a Reserve under that id gets its first answer (admitted) for a
+    booking that has ended: the call would be made and no Settle could book it.
+    The retry is refused before the call, as with a background refund."""
+    fake = LosesTheFirstAnswer()
+    client = client_on(fake, OutagePolicy.deny(tmp_path / "journal.jsonl"))
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied) as denied, call(client):
+            raise AssertionError("the model must not be called")
+        rid = denied.value.reservation_id
+        assert client.replay_journal().landed == 1  # the refund lands first
+        with (
+            pytest.raises(errors.ReservationConflict),
+            client.model_call("model-a", REQUEST_BYTES, MAX_OUTPUT_TOKENS, reservation_id=rid),
+        ):
+            raise AssertionError("the model must not be called")
+    assert fake.event_counts() == {rid: ["reserved", "refunded"]}
