@@ -137,14 +137,17 @@ class BackgroundRefunds {
     }
     // Its answer was lost: ask again (a repeat gets the first answer).
     if (this._ended.get(reservationId) === false) await this._attempt(refund, reservationId);
-    if (this._ended.get(reservationId) === true) {
-      throw new ReservationIdReused(
-        `reservation ${reservationId} was refunded after its Reserve went unanswered; the ledger would ` +
-          'answer a Reserve under it with its first answer for a booking that has ended: send the call under a new reservation id',
-        { code: grpc.status.ALREADY_EXISTS, reason: 'RESERVATION_ID_REUSED' },
-      );
-    }
+    if (this._ended.get(reservationId) === true) throw refundedAfterUnanswered(reservationId);
   }
+}
+
+/** A retry under the id of an unanswered Reserve whose refund has ended its booking. */
+function refundedAfterUnanswered(reservationId) {
+  return new ReservationIdReused(
+    `reservation ${reservationId} was refunded after its Reserve went unanswered; the ledger would ` +
+      'answer a Reserve under it with its first answer for a booking that has ended: send the call under a new reservation id',
+    { code: grpc.status.ALREADY_EXISTS, reason: 'RESERVATION_ID_REUSED' },
+  );
 }
 
 /** A Reserve the ledger denied, or the outage mode did: the call was not made. */
@@ -601,6 +604,7 @@ class LaneClient {
 
   async _call(request, fn, trace) {
     const { reservationId } = request;
+    this._refuseRefundedInDoubt(reservationId);
     const unclear = await this._clearRefund(reservationId, trace);
     if (unclear !== null) return unclear;
     let booking;
@@ -747,6 +751,18 @@ class LaneClient {
       if (!(isJournalTrouble(failure) || failure instanceof TypeError)) throw failure;
       this._logger?.warn(`ledger journal: could not journal an unanswered reserve: ${failure.message}`);
       return false;
+    }
+  }
+
+  /**
+   * The journal's in-doubt refund of this id has reached the ledger: a Reserve
+   * under it would get its first answer, admitted, for a booking that has
+   * ended, and the call could never be settled.
+   */
+  _refuseRefundedInDoubt(reservationId) {
+    const entry = this._journal?.isOpen ? this._journal.entry(reservationId) : null;
+    if (entry?.source === Source.IN_DOUBT && entry.replay === ReplayResult.LANDED) {
+      throw refundedAfterUnanswered(reservationId);
     }
   }
 

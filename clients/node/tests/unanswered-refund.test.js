@@ -4,6 +4,9 @@
 // admit the retry to (its first answer), so the paid call could never be
 // settled. The Python client's cases are in test_client_allowance.py.
 
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
 const { describe, test } = require('node:test');
 const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
@@ -188,5 +191,28 @@ describe('a retry under the id of an unanswered Reserve, without a journal', () 
     await withClient(fake, { outage: OutagePolicy.deny() }, async (client) => {
       await retryIsMadeAndSettled(client, fake);
     });
+  });
+});
+
+describe('a retry under the id of an unanswered Reserve, with a journal', () => {
+  test('after the journal\'s in-doubt refund landed, is refused and never called', async () => {
+    const directory = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-in-doubt-'));
+    const fake = await ledgerLosingTheFirstAnswer();
+    await withClient(fake, { outage: OutagePolicy.deny(path.join(directory, 'journal.jsonl')) }, async (client) => {
+      await unanswered(client);
+      assert.equal((await client.replayJournal()).landed, 1, 'the in-doubt refund lands first');
+      let called = false;
+      await assert.rejects(
+        client.call(REQUEST, async () => {
+          called = true;
+          return USAGE;
+        }),
+        (error) => error instanceof ReservationIdReused && error.reason === 'RESERVATION_ID_REUSED',
+      );
+      assert.equal(called, false, 'the model call was made under a refunded booking');
+      assert.deepEqual(fake.methods(), ['Reserve', 'Refund']);
+      assert.equal(fake.states.get(REQUEST.reservationId), 'refunded');
+    });
+    fs.rmSync(directory, { recursive: true, force: true });
   });
 });
