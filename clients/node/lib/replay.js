@@ -13,6 +13,7 @@ const { status: Status } = require('@grpc/grpc-js');
 const {
   LedgerError,
   InternalError,
+  BookingAlreadyEnded,
   BookingNotFound,
   BookingWasDenied,
   Unauthenticated,
@@ -22,6 +23,17 @@ const {
 const { Source, ReplayResult, Settlement } = require('./journal');
 
 const ORPHAN_REASON = 'the lane stopped before the call\'s outcome was known';
+
+/** A call the ledger admitted whose lane process died before it journaled an ending. */
+function isOrphan(entry) {
+  const { ending } = entry;
+  return (
+    entry.source === Source.LEDGER &&
+    ending !== null &&
+    ending.settlement === Settlement.SETTLE_UNKNOWN &&
+    ending.reason === ORPHAN_REASON
+  );
+}
 const IN_DOUBT_REASON = 'the ledger did not answer the reserve; the call was not made';
 
 // The defaults and bounds of the replay's settings (LaneClientOptions).
@@ -229,7 +241,16 @@ class Replayer {
         }
         return [ReplayResult.LANDED, ''];
       }
-      await this._ledger.end(entry.reservationId, entry.ending, traceId, deadlineMs);
+      try {
+        await this._ledger.end(entry.reservationId, entry.ending, traceId, deadlineMs);
+      } catch (error) {
+        // The lane's own ending reached the ledger before the process died,
+        // unjournaled: the booking has ended as the lane reported.
+        if (error instanceof BookingAlreadyEnded && isOrphan(entry)) {
+          return [ReplayResult.LANDED, "the ledger holds the lane's own ending"];
+        }
+        throw error;
+      }
     } catch (error) {
       if (stopsAttempt(error) || isFailure(error)) throw error;
       if (error instanceof LedgerError) return [ReplayResult.REJECTED, error.reason || STATUS_NAMES.get(error.code) || 'UNKNOWN'];

@@ -225,6 +225,23 @@ describe('the replay', () => {
     assert.equal(journal.entry(orphan).localChargeNanos, 110n, 'charged at its hold');
   });
 
+  test("an orphan whose own ending reached the ledger has landed", async () => {
+    // The lane's Settle reached the ledger and the process died before it
+    // journaled the ending: the replay's UNKNOWN meets that ending.
+    const fake = new FakeLedger();
+    let journal = open();
+    const [orphan] = await journalCalls(journal, 1, { ended: false, source: Source.LEDGER });
+    await fake.reserve(journal.entry(orphan).arguments);
+    await fake.end(orphan, SUCCESS); // its answer never journaled
+    await journal.close();
+    journal = open();
+    const report = await new Replayer(fake, journal, SETTINGS).replayOnce();
+    assert.deepEqual([report.landed, report.rejected, report.remaining], [1, 0, 0]);
+    assert.equal(journal.entry(orphan).replay, ReplayResult.LANDED);
+    assert.deepEqual(fake.eventCounts(), { [orphan]: ['reserved', 'settled'] });
+    assert.equal(fake.bookings.get(orphan).ending.settlement, Settlement.SETTLE_SUCCEEDED);
+  });
+
   test('a call in flight in this process is left alone', async () => {
     const fake = new FakeLedger();
     const journal = open();

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from ledger_client.bookings import Refunded, Reservation, ReserveArguments, Settled
 from ledger_client.errors import (
+    BookingAlreadyEnded,
     BookingNotFound,
     BookingWasDenied,
     LedgerError,
@@ -206,9 +207,16 @@ class Replayer:
                 except (BookingNotFound, BookingWasDenied):
                     return ReplayResult.ABSENT, "the ledger holds nothing for it"
                 return ReplayResult.LANDED, ""
-            self._ledger.end(
-                entry.reservation_id, entry.ending, deadline_seconds=deadline, trace_id=trace_id
-            )
+            try:
+                self._ledger.end(
+                    entry.reservation_id, entry.ending, deadline_seconds=deadline, trace_id=trace_id
+                )
+            except BookingAlreadyEnded:
+                if not _is_orphan(entry):
+                    raise
+                # The lane's own ending reached the ledger before the process
+                # died, unjournaled: the booking has ended as the lane reported.
+                return ReplayResult.LANDED, "the ledger holds the lane's own ending"
         except (*_STOP_ATTEMPT, LedgerInternal):
             raise
         except LedgerError as error:
@@ -248,6 +256,18 @@ class Replayer:
                 # The replayer must outlive any one bad attempt; the journal keeps
                 # everything for the next one.
                 log.exception("journal replay attempt failed")
+
+
+def _is_orphan(entry: JournalEntry) -> bool:
+    """A call the ledger admitted whose lane process died before it journaled an
+    ending: the replay's own UNKNOWN ending, not the lane's report."""
+    ending = entry.ending
+    return (
+        entry.source is Source.LEDGER
+        and ending is not None
+        and ending.settlement is Settlement.SETTLE_UNKNOWN
+        and ending.reason == ORPHAN_REASON
+    )
 
 
 def _log_result(entry: JournalEntry, result: ReplayResult, detail: str) -> None:

@@ -150,3 +150,37 @@ def test_background_replay_runs_and_stops(tmp_path: pathlib.Path) -> None:
         finally:
             replayer.stop()
         assert journal.pending() == []
+
+
+def test_an_orphan_whose_own_ending_reached_the_ledger_has_landed(tmp_path: pathlib.Path) -> None:
+    """The lane's Settle reached the ledger and the process died before it
+    journaled the ending. The replay's UNKNOWN then meets that ending, which
+    was reported as refused for good, for an operator to look at."""
+    path = tmp_path / "journal.jsonl"
+    fake = FakeLedger()
+    arguments = ReserveArguments(new_reservation_id(), "model-a", 100, 10)
+    with open_journal(path) as journal:
+        fake.reserve_arguments(arguments)
+        journal.record_reserve(JournalEntry(LANE, arguments, Source.LEDGER, 110, now_text()))
+        fake.end(arguments.reservation_id, SUCCESS)  # its answer never journaled
+    with open_journal(path) as journal:
+        report = Replayer(fake, journal, SETTINGS).replay_once()
+        assert (report.landed, report.rejected, report.remaining) == (1, 0, 0)
+        entry = journal.entry(arguments.reservation_id)
+        assert entry is not None and entry.replay is ReplayResult.LANDED
+    assert fake.event_counts() == {arguments.reservation_id: ["reserved", "settled"]}
+    ending = fake.bookings[arguments.reservation_id].ending
+    assert ending is not None and ending.settlement is Settlement.SETTLE_SUCCEEDED
+
+
+def test_a_journaled_ending_the_ledger_holds_otherwise_is_still_rejected(
+    journal: Journal,
+) -> None:
+    fake = FakeLedger()
+    arguments = ReserveArguments(new_reservation_id(), "model-a", 100, 10)
+    fake.reserve_arguments(arguments)
+    fake.end(arguments.reservation_id, Ending(Settlement.REFUND, 403, None))
+    journal.record_reserve(JournalEntry(LANE, arguments, Source.LEDGER, 110, now_text()))
+    journal.record_end(arguments.reservation_id, SUCCESS, 30)
+    report = Replayer(fake, journal, SETTINGS).replay_once()
+    assert (report.landed, report.rejected) == (0, 1)
