@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import logging
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
@@ -16,13 +19,14 @@ from google.protobuf.message import Message
 from opentelemetry import trace
 
 from ledger_service.api import auth, convert, tracing
+from ledger_service.application import deadlines
 from ledger_service.application.audit import DEFAULT_BIGGEST, MAX_BIGGEST, Auditor
 from ledger_service.application.feed import EventFeed
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.clock import ManualClock
-from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument
+from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument, StoreUnavailable
 from ledger_service.domain.moves import validate_reservation_id
 from ledger_service.domain.policies import MAX_NAME_LENGTH, validate_name
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -105,6 +109,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         self._refused_settles = auth.RefusalLog(
             logger=log, level=logging.WARNING, what="refused Settles"
         )
+        self._reconciles = threading.BoundedSemaphore(settings.max_concurrent_reconciles)
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
@@ -185,24 +190,43 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         export_format = convert.export_format(request.format)
         if request.default_lane:
             validate_name("default_lane", request.default_lane)
-        report = reconcile_export(
-            self._ledger,
-            request.content,
-            export_format,
-            request.default_lane,
-            dry_run=request.dry_run,
-            trace_id=trace_id_of(context),
-            bill_wins=request.bill_wins,
-            grant_id=auth.current_grant_id(),
-        )
-        lanes = {row.lane for row in report.rows if row.lane}
-        if len(lanes) == 1:
-            tracing.note_lane(lanes.pop())
-        response = convert.reconcile_response(report)
-        shown = len(_fitting(response.rows, self._settings.max_message_bytes))
-        response.rows_omitted += len(response.rows) - shown
-        del response.rows[shown:]
-        return response
+        with self._reconcile_turn():
+            report = reconcile_export(
+                self._ledger,
+                request.content,
+                export_format,
+                request.default_lane,
+                dry_run=request.dry_run,
+                trace_id=trace_id_of(context),
+                bill_wins=request.bill_wins,
+                grant_id=auth.current_grant_id(),
+            )
+            lanes = {row.lane for row in report.rows if row.lane}
+            if len(lanes) == 1:
+                tracing.note_lane(lanes.pop())
+            response = convert.reconcile_response(report)
+            shown = len(_fitting(response.rows, self._settings.max_message_bytes))
+            response.rows_omitted += len(response.rows) - shown
+            del response.rows[shown:]
+            return response
+
+    @contextlib.contextmanager
+    def _reconcile_turn(self) -> Iterator[None]:
+        """One of max_concurrent_reconciles turns, waited for at most the
+        request deadline (or the caller's, when sooner): a file's parsed rows
+        and report stay off the heap, and its parsing off the GIL, until it may
+        run. Without a turn in time it is STORE_UNAVAILABLE, as a move that
+        cannot have the writer in time is; nothing was read or written."""
+        wait = self._settings.request_deadline_seconds
+        call_deadline = deadlines.call_deadline()
+        if call_deadline is not None:
+            wait = min(wait, call_deadline - time.monotonic())
+        if not self._reconciles.acquire(timeout=max(0.0, wait)):
+            raise StoreUnavailable()
+        try:
+            yield
+        finally:
+            self._reconciles.release()
 
     def GetAudit(self, request: pb.GetAuditRequest, context: grpc.ServicerContext) -> pb.Audit:
         validate_name("lane", request.lane)
