@@ -26,6 +26,8 @@ export interface LaneClientOptions {
   deadlineMs?: number;
   /** Attempts at an unconfirmed Settle or Refund in call(); default 3. */
   endAttempts?: number;
+  /** Calls this client has at the ledger at once; one more waits for a slot until its deadline, then rejects with ResourceExhausted (the outage mode). Default 64, 1 to 10,000. */
+  maxCallsInFlight?: number;
   /** Extra @grpc/grpc-js channel options. */
   channelOptions?: ChannelOptions;
   /** What call() does while the ledger cannot be reached; default OutagePolicy.deny() (see README, "When the ledger cannot be reached"). */
@@ -444,6 +446,7 @@ export class LaneClient {
   readonly lane: string;
   readonly deadlineMs: number;
   readonly endAttempts: number;
+  readonly maxCallsInFlight: number;
   readonly outage: OutagePolicy;
   /** The outage journal, or null without one. */
   readonly journal: Journal | null;

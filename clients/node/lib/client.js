@@ -12,6 +12,7 @@ const {
   BookingWasDenied,
   BookingAlreadyEnded,
   ReservationIdReused,
+  ResourceExhausted,
   isLedgerUnavailable,
 } = require('./errors');
 const wire = require('./wire');
@@ -46,7 +47,50 @@ const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
 const MAX_DEADLINE_MS = 60_000;
 const MAX_END_ATTEMPTS = 10;
+// Calls a client has at the ledger at once; one more waits for a slot until its
+// deadline, then fails as an overloaded ledger does (ResourceExhausted, the
+// outage mode). The server's 256 calls at once are shared by every lane first
+// come first served, and a lane looping on its calls would crowd the others
+// out. A quarter of them: the Python client's DEFAULT_MAX_CALLS_IN_FLIGHT.
+const DEFAULT_MAX_CALLS_IN_FLIGHT = 64;
+const MAX_CALLS_IN_FLIGHT = 10_000;
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
+
+/** At most `limit` slots in use; a taker past them waits, in order, until its deadline. */
+class CallSlots {
+  constructor(limit) {
+    this.limit = limit;
+    this.used = 0;
+    this._waiting = [];
+  }
+
+  /** Resolves true with a slot, or false at `deadline` (epoch ms) without one. */
+  take(deadline) {
+    if (this.used < this.limit) {
+      this.used += 1;
+      return Promise.resolve(true);
+    }
+    return new Promise((resolve) => {
+      const waiter = { resolve, timer: null };
+      waiter.timer = setTimeout(() => {
+        this._waiting.splice(this._waiting.indexOf(waiter), 1);
+        resolve(false);
+      }, Math.max(0, deadline - Date.now()));
+      this._waiting.push(waiter);
+    });
+  }
+
+  /** Hands the slot to the first waiter, or frees it. */
+  give() {
+    const next = this._waiting.shift();
+    if (next === undefined) {
+      this.used -= 1;
+      return;
+    }
+    clearTimeout(next.timer);
+    next.resolve(true);
+  }
+}
 
 /**
  * Refunds of unanswered Reserves, sent once in the background (at most `limit`
@@ -308,6 +352,11 @@ class LaneClient {
     if (!(Number.isInteger(this.endAttempts) && this.endAttempts >= 1 && this.endAttempts <= MAX_END_ATTEMPTS)) {
       throw new RangeError(`endAttempts must be an integer from 1 to ${MAX_END_ATTEMPTS}`);
     }
+    this.maxCallsInFlight = options.maxCallsInFlight ?? DEFAULT_MAX_CALLS_IN_FLIGHT;
+    if (!(Number.isInteger(this.maxCallsInFlight) && this.maxCallsInFlight >= 1 && this.maxCallsInFlight <= MAX_CALLS_IN_FLIGHT)) {
+      throw new RangeError(`maxCallsInFlight must be an integer from 1 to ${MAX_CALLS_IN_FLIGHT}`);
+    }
+    this._slots = new CallSlots(this.maxCallsInFlight);
     this._grant = options.grant ?? null;
     if (this._grant !== null && typeof this._grant !== 'function') checkGrant(this._grant);
     /** The lane's outage mode; deny (fail closed) unless set. */
@@ -440,18 +489,28 @@ class LaneClient {
   /** `trace`: the W3C headers to send ({traceparent, tracestate?}), or null for none. */
   async _unary(method, request, trace, deadlineMs = this.deadlineMs) {
     const metadata = await this._metadata(trace);
-    return new Promise((resolve, reject) => {
-      const deadline = Date.now() + deadlineMs;
-      try {
-        this._stub[method](request, metadata, { deadline }, (error, response) => {
-          if (error) reject(ledgerErrorOf(error));
-          else resolve(response);
-        });
-      } catch (error) {
-        // The call did not start (a closed channel): the ledger is not reachable from here.
-        reject(new Unavailable('the ledger call did not start', { code: grpc.status.UNAVAILABLE, cause: error }));
-      }
-    });
+    const deadline = Date.now() + deadlineMs;
+    if (!(await this._slots.take(deadline))) {
+      throw new ResourceExhausted(
+        `this client already has ${this.maxCallsInFlight} calls at the ledger (maxCallsInFlight), none of which ended within the deadline`,
+        { code: grpc.status.RESOURCE_EXHAUSTED },
+      );
+    }
+    try {
+      return await new Promise((resolve, reject) => {
+        try {
+          this._stub[method](request, metadata, { deadline }, (error, response) => {
+            if (error) reject(ledgerErrorOf(error));
+            else resolve(response);
+          });
+        } catch (error) {
+          // The call did not start (a closed channel): the ledger is not reachable from here.
+          reject(new Unavailable('the ledger call did not start', { code: grpc.status.UNAVAILABLE, cause: error }));
+        }
+      });
+    } finally {
+      this._slots.give();
+    }
   }
 
   /**
@@ -857,6 +916,7 @@ module.exports = {
   Completed,
   DEFAULT_DEADLINE_MS,
   DEFAULT_END_ATTEMPTS,
+  DEFAULT_MAX_CALLS_IN_FLIGHT,
   MAX_IN_DOUBT_ENTRIES,
   MAX_BACKGROUND_REFUNDS,
   MAX_ENDED_IDS,

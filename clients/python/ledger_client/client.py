@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
+import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
@@ -25,7 +27,7 @@ from ledger_client.bookings import (
 from ledger_client.calls import BackgroundRefunds, CallSupport, ModelCall
 from ledger_client.channels import TlsSettings, check_grant, open_channel
 from ledger_client.context import payload_bytes
-from ledger_client.errors import from_rpc_error, invalid_argument
+from ledger_client.errors import LedgerOverloaded, from_rpc_error, invalid_argument
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_client.journal import Journal
@@ -109,6 +111,7 @@ class LaneClient:
         self._replayer: Replayer | None = None
         self._allowance: Allowance | None = None
         self._refunds = BackgroundRefunds()
+        self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
         self._channel = _traced(open_channel(address, tls, self.settings), address)
         try:
             self._stub = pb_grpc.LedgerStub(self._channel)
@@ -186,15 +189,27 @@ class LaneClient:
             metadata.append(("authorization", f"Bearer {self._grant}"))
         if trace_id:
             metadata.append(("traceparent", _traceparent(trace_id)))
+        timeout = self._deadline(deadline_seconds)
+        started = time.monotonic()
+        if not self._slots.acquire(timeout=timeout):
+            limit = self.settings.max_calls_in_flight
+            raise LedgerOverloaded(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "",
+                f"this client already has {limit} calls at the ledger (max_calls_in_flight), "
+                "none of which ended within the deadline",
+            )
         try:
             return method(
                 request,
-                timeout=self._deadline(deadline_seconds),
+                timeout=max(timeout - (time.monotonic() - started), 0.001),
                 metadata=tuple(metadata),
                 wait_for_ready=False,
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
+        finally:
+            self._slots.release()
 
     def reserve(
         self,

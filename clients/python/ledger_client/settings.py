@@ -24,6 +24,9 @@ MAX_DEADLINE_SECONDS = 60
 # and END_RETRY_PAUSE_MS (clients/node/lib/client.js).
 DEFAULT_END_ATTEMPTS = 3
 END_RETRY_PAUSE_SECONDS = 0.020
+# A quarter of the server's max_concurrent_rpcs (256): the Node client's
+# DEFAULT_MAX_CALLS_IN_FLIGHT.
+DEFAULT_MAX_CALLS_IN_FLIGHT = 64
 
 
 def require_int(value: object, name: str) -> None:
@@ -69,6 +72,12 @@ class ClientSettings:
     # between them (as the Node client does); then it is journaled, or, without a
     # journal, the booking expires at its hold.
     end_attempts: int = DEFAULT_END_ATTEMPTS
+    # Calls this client has at the ledger at once. One more waits for a slot up
+    # to its deadline, then fails as an overloaded ledger does (LedgerOverloaded,
+    # the outage mode): the server's 256 calls at once are shared by every lane
+    # first come first served, and a lane looping on its calls would crowd the
+    # others out.
+    max_calls_in_flight: int = DEFAULT_MAX_CALLS_IN_FLIGHT
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +97,7 @@ class ClientSettings:
             "max_reconnect_backoff_ms",
             "max_reason_length",
             "end_attempts",
+            "max_calls_in_flight",
         ):
             require_int(getattr(self, name), name)
         if not 0 < self.deadline_seconds <= MAX_DEADLINE_SECONDS:
@@ -108,3 +118,5 @@ class ClientSettings:
             raise ValueError("max_reason_length must be in [1, 1000]")
         if not 1 <= self.end_attempts <= 10:
             raise ValueError("end_attempts must be in [1, 10]")
+        if not 1 <= self.max_calls_in_flight <= 10_000:
+            raise ValueError("max_calls_in_flight must be in [1, 10000]")
