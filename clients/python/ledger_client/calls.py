@@ -133,6 +133,17 @@ class CallLedger(Protocol):
     ) -> Settled | Refunded: ...
 
 
+def refunded_after_unanswered(reservation_id: str) -> ReservationConflict:
+    """A retry under the id of an unanswered Reserve whose refund has ended its booking."""
+    return ReservationConflict(
+        grpc.StatusCode.ALREADY_EXISTS,
+        "RESERVATION_ID_REUSED",
+        f"reservation {reservation_id} was refunded after its Reserve went unanswered; "
+        "the ledger would answer a Reserve under it with its first answer for a booking "
+        "that has ended: send the call under a new reservation_id",
+    )
+
+
 class BackgroundRefunds:
     """Refunds of unanswered Reserves, each sent once in a thread of its own, off
     the call's path, with the client's usual deadline; at most `limit` at a
@@ -238,13 +249,7 @@ class BackgroundRefunds:
             with self._changed:
                 ended = self._ended.get(reservation_id)
         if ended:
-            raise ReservationConflict(
-                grpc.StatusCode.ALREADY_EXISTS,
-                "RESERVATION_ID_REUSED",
-                f"reservation {reservation_id} was refunded after its Reserve went unanswered; "
-                "the ledger would answer a Reserve under it with its first answer for a booking "
-                "that has ended: send the call under a new reservation_id",
-            )
+            raise refunded_after_unanswered(reservation_id)
 
     def _done(self, reservation_id: str) -> None:
         with self._changed:
@@ -432,13 +437,7 @@ class ModelCall:
             # The journal's in-doubt refund reached the ledger: the booking has
             # ended, and a Reserve under this id would get its first answer,
             # admitted, for a call nobody could then settle.
-            raise ReservationConflict(
-                grpc.StatusCode.ALREADY_EXISTS,
-                "RESERVATION_ID_REUSED",
-                f"reservation {reservation_id} was refunded after its Reserve went unanswered; "
-                "the ledger would answer a Reserve under it with its first answer for a booking "
-                "that has ended: send the call under a new reservation_id",
-            )
+            raise refunded_after_unanswered(reservation_id)
         if support.refunds is None:
             return
         try:
