@@ -160,11 +160,12 @@ class LedgerServer:
         # the server comes up NOT_SERVING and tries again, never a traceback.
         pending_migration: Callable[[], None] | None = None
         # Without migrations, the schema's revision is still read: a newer
-        # release's is refused at start (exit 2), never served.
+        # release's, or an older one's not yet migrated, is refused at start
+        # (exit 2), never served.
         schema_step = _upgrade if run_migrations else _check_revision
         try:
             schema_step(self.store)
-        except migrate.UnknownRevision:
+        except migrate.RevisionRefused:
             self.store.close()
             raise
         except StoreUnavailable as error:

@@ -355,6 +355,35 @@ def test_a_schema_of_a_newer_release_is_refused_in_one_line_by_migrate_and_serve
         assert "revision 9999" in said and f"newest is {head}" in said, said
 
 
+@pytest.mark.parametrize("revision", ["0004", "0006"])
+def test_a_server_told_not_to_migrate_refuses_a_schema_behind_its_own(
+    ledger: RunLedger, tmp_path: pathlib.Path, no_database_settings: None, revision: str
+) -> None:
+    # A deploy that starts the new release with --no-migrate before its
+    # migration ran: the server came up, health SERVING, and answered every
+    # call UNAVAILABLE for ever ("recovering its projections" at 0004; at 0006
+    # on PostgreSQL every move failed on the missing ledger_lock_chain).
+    url = f"sqlite:///{tmp_path / 'older.db'}"
+    migrate_to(url, revision)
+    head = head_revision(url)
+    # A process of its own, bounded: the server that serves it never returns.
+    refused = subprocess.run(
+        [
+            str(LEDGER), "serve", "--no-migrate", "--database-url", url,
+            "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0",
+        ],
+        capture_output=True, text=True, timeout=COMMAND_SECONDS, check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LEDGER_")},
+    )  # fmt: skip
+    assert refused.returncode == 2, refused
+    assert "Traceback" not in refused.stderr, refused.stderr
+    said = refused.stderr.strip().splitlines()[-1]
+    assert f"revision {revision}" in said and f"this build's {head}" in said, said
+    assert "ledger migrate" in said, said
+    # The revision was read, not changed; `ledger migrate` then lets it serve.
+    assert ledger("migrate", "--database-url", url).code == 0
+
+
 def test_a_refusal_shows_its_amounts_in_dollars(target: LedgerProcess, ledger: RunLedger) -> None:
     ledger("lane", "put", "refusing", "--limit", "$1", "--price", JEV_PRICE)
     assert reserve(ledger, "refusing", "big-1").code == 0

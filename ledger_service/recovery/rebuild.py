@@ -975,8 +975,9 @@ class RecoveryGuard:
             _log_unavailable(error)
             self._set(self.PENDING)
             return
-        except migrate.UnknownRevision as error:
-            # Read once the database answered: a newer release migrated it.
+        except migrate.RevisionRefused as error:
+            # Read once the database answered: a newer release migrated it, or
+            # (told not to migrate) an older one made it.
             log.error("%s; health stays NOT_SERVING", error)
             self._set(self.PENDING)
             return

@@ -32,9 +32,19 @@ class Upgrade:
     after: str | None
 
 
-class UnknownRevision(ValueError):
+class RevisionRefused(ValueError):
+    """The schema is at a revision this build will not serve as it is. A refused
+    configuration, not an outage."""
+
+
+class UnknownRevision(RevisionRefused):
     """The schema is at a revision this build's migrations do not hold: a newer
-    release migrated the database. A refused configuration, not an outage."""
+    release migrated the database."""
+
+
+class OutdatedRevision(RevisionRefused):
+    """The schema is at an older revision than this build's newest, and the
+    server was told not to migrate it: its moves would fail on what is missing."""
 
 
 def _check_known(config: Config, revision: str | None) -> None:
@@ -66,11 +76,21 @@ def upgrade(engine: Engine) -> Upgrade:
 
 
 def check_revision(engine: Engine) -> None:
-    """Raises UnknownRevision when a newer release has migrated the database
-    (for a server that does not migrate it itself)."""
+    """For a server that does not migrate the database itself: raises
+    UnknownRevision when a newer release has migrated it, OutdatedRevision when
+    an older release made it and `ledger migrate` has not run since. A database
+    with no schema yet passes: the server waits for its migration."""
+    config = alembic_config(engine)
     with engine.connect() as connection:
         revision = MigrationContext.configure(connection).get_current_revision()
-    _check_known(alembic_config(engine), revision)
+    _check_known(config, revision)
+    head = ScriptDirectory.from_config(config).get_current_head()
+    if revision is not None and revision != head:
+        raise OutdatedRevision(
+            f"the database's schema is at revision {revision}, older than this build's "
+            f"{head}, and the server was told not to migrate it (--no-migrate): run "
+            "`ledger migrate` first"
+        )
 
 
 def check(engine: Engine) -> None:
