@@ -384,6 +384,44 @@ def test_a_server_told_not_to_migrate_refuses_a_schema_behind_its_own(
     assert ledger("migrate", "--database-url", url).code == 0
 
 
+@pytest.mark.parametrize("command", [
+    ("verify",), ("snapshot",), ("rebuild",), ("recover", "--budget-seconds", "60"),
+])  # fmt: skip
+def test_the_recovery_commands_refuse_a_schema_of_another_release_in_one_line(
+    ledger: RunLedger, tmp_path: pathlib.Path, no_database_settings: None, command: tuple[str, ...]
+) -> None:
+    # serve and migrate refused a newer release's schema; these four read it
+    # and wrote into it (a snapshot, a rebuild of the projections in this
+    # build's columns) and exited 0. An older release's schema ended in
+    # "the database is unavailable (...): no such column: events.cached_...".
+    head = head_revision(f"sqlite:///{tmp_path / 'probe.db'}")
+    newer = f"sqlite:///{tmp_path / 'newer.db'}"
+    assert ledger("migrate", "--database-url", newer).code == 0
+    engine = create_engine(newer)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    finally:
+        engine.dispose()
+    refused = ledger(*command, "--database-url", newer)
+    assert refused.code == 2, refused
+    said = one_line_error(refused)
+    assert "revision 9999" in said and f"newest is {head}" in said, said
+    engine = create_engine(newer)
+    try:
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT count(*) FROM snapshots")).scalar() == 0
+    finally:
+        engine.dispose()
+    older = f"sqlite:///{tmp_path / 'older.db'}"
+    migrate_to(older, "0004")
+    refused = ledger(*command, "--database-url", older)
+    assert refused.code == 2, refused
+    said = one_line_error(refused)
+    assert f"revision 0004, older than this build's {head}" in said, said
+    assert "ledger migrate" in said and "column" not in said, said
+
+
 def test_a_refusal_shows_its_amounts_in_dollars(target: LedgerProcess, ledger: RunLedger) -> None:
     ledger("lane", "put", "refusing", "--limit", "$1", "--price", JEV_PRICE)
     assert reserve(ledger, "refusing", "big-1").code == 0

@@ -26,6 +26,7 @@ from ledger_service.settings import Settings
 if TYPE_CHECKING:  # the commands import the server lazily, as `serve` does
     from ledger_service.recovery.rebuild import Recovery
     from ledger_service.recovery.verify import VerificationReport
+    from ledger_service.storage.sql import SqlStore
 
 
 def register(commands: Any) -> None:
@@ -152,11 +153,33 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
         print(f"ledger {command}: no database at {missing}", file=sys.stderr)
         raise SystemExit(2)
     store = server.build_store(settings)
+    refused = _refused_revision(store, command, settings)
+    if refused is not None:
+        store.close()
+        raise SystemExit(refused)
     owner = f"ledger {command} {socket.gethostname()}:{os.getpid()}"
     try:
         yield settings, server.build_recovery(settings, store, owner)
     finally:
         store.close()
+
+
+def _refused_revision(store: SqlStore, command: str, settings: Settings) -> int | None:
+    """Exit 2 with one line when the schema is another release's: a newer one's
+    columns a rebuild would drop, an older one's that every read fails on."""
+    from ledger_service.domain.errors import StoreUnavailable
+    from ledger_service.storage import migrate, translate
+
+    try:
+        with translate.translated():
+            migrate.check_revision(store.engine)
+    except migrate.RevisionRefused as error:
+        print(f"ledger {command}: {error} ({_where(settings)})", file=sys.stderr)
+        return 2
+    except StoreUnavailable:
+        # The command's own first read meets it again and says so, as before.
+        return None
+    return None
 
 
 def _missing_database(settings: Settings) -> str:

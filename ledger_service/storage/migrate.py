@@ -43,8 +43,9 @@ class UnknownRevision(RevisionRefused):
 
 
 class OutdatedRevision(RevisionRefused):
-    """The schema is at an older revision than this build's newest, and the
-    server was told not to migrate it: its moves would fail on what is missing."""
+    """The schema is at an older revision than this build's newest, and nothing
+    here may migrate it (a server told not to, a recovery command): its reads
+    and writes would fail on what is missing."""
 
 
 def _check_known(config: Config, revision: str | None) -> None:
@@ -76,10 +77,11 @@ def upgrade(engine: Engine) -> Upgrade:
 
 
 def check_revision(engine: Engine) -> None:
-    """For a server that does not migrate the database itself: raises
-    UnknownRevision when a newer release has migrated it, OutdatedRevision when
-    an older release made it and `ledger migrate` has not run since. A database
-    with no schema yet passes: the server waits for its migration."""
+    """For a server that does not migrate the database itself, and for the
+    recovery commands: raises UnknownRevision when a newer release has migrated
+    it, OutdatedRevision when an older release made it and `ledger migrate` has
+    not run since. A database with no schema yet passes (a server waits for its
+    migration)."""
     config = alembic_config(engine)
     with engine.connect() as connection:
         revision = MigrationContext.configure(connection).get_current_revision()
@@ -88,8 +90,8 @@ def check_revision(engine: Engine) -> None:
     if revision is not None and revision != head:
         raise OutdatedRevision(
             f"the database's schema is at revision {revision}, older than this build's "
-            f"{head}, and the server was told not to migrate it (--no-migrate): run "
-            "`ledger migrate` first"
+            f"{head}: run `ledger migrate` first (or this command of the release that "
+            "made it)"
         )
 
 
