@@ -90,8 +90,7 @@ def check_revision(engine: Engine) -> None:
     if revision is not None and revision != head:
         raise OutdatedRevision(
             f"the database's schema is at revision {revision}, older than this build's "
-            f"{head}: run `ledger migrate` first (or this command of the release that "
-            "made it)"
+            f"{head}: run `ledger migrate` first"
         )
 
 
