@@ -192,24 +192,32 @@ WATCHERS = 64
 
 
 @contextlib.contextmanager
-def watching(address: str, lane: str, count: int) -> Iterator[None]:
-    """`count` WatchEvents streams on `lane`, open (and read) while the block runs."""
+def watching(address: str, lane: str, count: int) -> Iterator[Callable[[], list[str]]]:
+    """`count` WatchEvents streams on `lane`, open (and read) while the block runs.
+    Yields a function that says how each stream that already ended did (a
+    refused or dropped stream ends its reader): the target is about `count`
+    streams held open, so the caller checks that none ended."""
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.LedgerStub(channel)
         calls = [
             stub.WatchEvents(pb.WatchEventsRequest(lane=lane, from_now=True)) for _ in range(count)
         ]
+        ended: list[str] = []
 
         def read(call: Any) -> None:
-            with contextlib.suppress(grpc.RpcError):
+            try:
                 for _event in call:
                     pass
+                ended.append("ended by the server")
+            except grpc.RpcError as error:
+                code = error.code() if isinstance(error, grpc.Call) else None
+                ended.append(code.name if code is not None else type(error).__name__)
 
         readers = [threading.Thread(target=read, args=(call,), daemon=True) for call in calls]
         for reader in readers:
             reader.start()
         try:
-            yield
+            yield lambda: list(ended)
         finally:
             for call in calls:
                 call.cancel()  # type: ignore[no-untyped-call]
@@ -552,11 +560,21 @@ def _watched_phases(
         workload = _single(plan, CallKind.RESERVE, [server.address], lanes=tuple(lanes))
         label = f"sqlite {name.replace('_', ' ')}"
         if name == "reserve_1_watched":
-            with watching(server.address, quiet_lane, WATCHERS):
+            with watching(server.address, quiet_lane, WATCHERS) as ended:
                 phases[name] = _phase(generator, label, workload, watch=(server.pid,))
+                phases[name] = _with_streams_open(phases[name], ended())
         else:
             phases[name] = _phase(generator, label, workload, watch=(server.pid,))
     return phases
+
+
+def _with_streams_open(figures: dict[str, Any], ended: Sequence[str]) -> dict[str, Any]:
+    """The watched phase's figures, failed if any of the WATCHERS streams ended
+    before the phase did: fewer streams open is not what the target measures."""
+    if ended and "failed" not in figures:
+        how = ", ".join(sorted(set(ended)))
+        return {"failed": f"{len(ended)} of {WATCHERS} streams ended during the phase ({how})"}
+    return {**figures, "streams_open": WATCHERS - len(ended)}
 
 
 def storeless_phases(
