@@ -20,9 +20,17 @@ from typing import Any
 # The issue's targets (issue 8).
 SQLITE_THROUGHPUT_MIN_RATIO = 0.6
 RESERVE_P50_MAX_RATIO = 1.5
-HISTORY_P50_MAX_RATIO = 1.2
-REBUILD_MIN_EVENTS_PER_SECOND = 50_000
 HOT_LANE_MIN_RATIO = 0.5
+# Issue 25: "the 1,000,000-booking window within 1.1x of the 100-booking one"
+# (issue 8 had allowed 1.2).
+HISTORY_P50_MAX_RATIO = 1.1
+# Issue 23: "at least 50,000 events/s (2,000,001 events within 40 s)": a
+# rebuild that did not finish, or of a smaller log, does not meet it.
+REBUILD_MIN_EVENTS_PER_SECOND = 50_000
+REBUILD_MIN_EVENTS = 2_000_001
+# The window the history, memory and restart targets name (issue 25): a run
+# with a smaller one (--quick) shows its figures, unjudged.
+TARGET_BOOKINGS = 1_000_000
 # Issue 24: the ledger on PostgreSQL against the bare Reserve-shaped
 # transaction (bench/pg_floor.py) run in the same shape in the same run.
 FLOOR_MOVES_MIN_RATIO = 0.35
@@ -737,7 +745,9 @@ def _history_rows(
     small_sat = phase(scenarios, *path_small, "reserve_saturated")
     large_sat = phase(scenarios, *path_large, "reserve_saturated")
     value = _ratio(_p50(large_1), _p50(small_1))
-    met = value is not None and value <= HISTORY_P50_MAX_RATIO
+    met: bool | None = value is not None and value <= HISTORY_P50_MAX_RATIO
+    if large < TARGET_BOOKINGS:
+        met = None  # not the window the target names
     targets.append(
         Target(
             f"Reserve p50 with {large:,} / with {small:,} bookings, 1 client",
@@ -783,6 +793,17 @@ def _history_rows(
     return rows
 
 
+def rebuild_met(measured: Mapping[str, Any]) -> bool | None:
+    """Issue 23's "2,000,001 events within 40 s", as a rate: met only by a
+    rebuild that finished, of a log at least that long (None for a smaller
+    one: a --quick run's). A rebuild stopped at its time limit has a rate
+    from its progress lines, but did not rebuild anything in time."""
+    rate = measured.get("events_per_second")
+    if rate is None or measured.get("events", 0) < REBUILD_MIN_EVENTS:
+        return None
+    return bool(measured.get("completed")) and rate >= REBUILD_MIN_EVENTS_PER_SECOND
+
+
 def _rebuild_rows(scenarios: Mapping[str, Any], targets: list[Target]) -> list[Row]:
     measured = scenarios.get("history", {}).get("rebuild", {})
     if "failed" in measured or not measured:
@@ -792,13 +813,13 @@ def _rebuild_rows(scenarios: Mapping[str, Any], targets: list[Target]) -> list[R
         )
         return [Row("rebuild from the log (events/s)", notes=_one_line(str(failure)))]
     rate = measured.get("events_per_second")
-    met = rate is not None and rate >= REBUILD_MIN_EVENTS_PER_SECOND
+    met = rebuild_met(measured)
     targets.append(
         Target(
             "rebuild events/s",
             rate,
             f">= {REBUILD_MIN_EVENTS_PER_SECOND:,}",
-            met if rate is not None else None,
+            met,
         )
     )
     if measured.get("completed"):
@@ -808,12 +829,14 @@ def _rebuild_rows(scenarios: Mapping[str, Any], targets: list[Target]) -> list[R
             f"stopped at the {measured['timeout_seconds']:.0f} s limit after "
             f"{measured.get('events_done', 0):,} of {measured['events']:,} events"
         )
+    if measured["events"] < REBUILD_MIN_EVENTS:
+        notes += f"; unjudged: the target's log is {REBUILD_MIN_EVENTS:,} events"
     rows = [
         Row(
             "rebuild from the log (events/s)",
             rate,
             target=f">= {REBUILD_MIN_EVENTS_PER_SECOND:,}/s",
-            met=met if rate is not None else None,
+            met=met,
             notes=notes,
         )
     ]
@@ -843,7 +866,9 @@ def _memory_rows(scenarios: Mapping[str, Any], targets: list[Target]) -> list[Ro
         size = phase(scenarios, "history", "sizes", str(count))
         if size is None:
             continue
-        judged = count == history.get("large_bookings")
+        large = count == history.get("large_bookings")
+        # Shown beside the large window; judged only at the size the issue names.
+        judged = large and count >= TARGET_BOOKINGS
         after = size["server_after_run"]
         rss_mib = after["rss_bytes"] / MEBIBYTE
         met = rss_mib <= MEMORY_MAX_MIB
@@ -868,14 +893,21 @@ def _memory_rows(scenarios: Mapping[str, Any], targets: list[Target]) -> list[Ro
                 notes="" if first is None else f"first start (whole chain walked) {first:.1f} s",
             )
         )
-        if judged:
-            targets.append(Target("server memory MiB, 1M bookings", rss_mib, "<= 400", met))
+        if large:
             targets.append(
                 Target(
-                    "server restart ready s, 1M bookings",
+                    f"server memory MiB, {count:,} bookings",
+                    rss_mib,
+                    f"<= {MEMORY_MAX_MIB}",
+                    met if judged else None,
+                )
+            )
+            targets.append(
+                Target(
+                    f"server restart ready s, {count:,} bookings",
                     ready,
                     f"<= {RESTART_MAX_SECONDS:.0f}",
-                    ready <= RESTART_MAX_SECONDS,
+                    ready <= RESTART_MAX_SECONDS if judged else None,
                 )
             )
     return rows

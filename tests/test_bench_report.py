@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench import report
+from bench import report, scenarios
 
 
 def _phase(per_second: float, p50_ms: float) -> dict[str, Any]:
@@ -83,3 +83,87 @@ def test_the_table_sets_both_floors_beside_their_targets() -> None:
     storeless = _row(rows, "storeless Reserve, 1 client")
     # (0.45 + 0.07) / 0.30: above 1.5x before the move does anything.
     assert storeless.notes == "+ commit: 1.73x echo, a free move's floor"
+
+
+# Targets that name a size or a finish (issues 23 and 25) -------------------------
+
+
+def _rebuild(**fields: Any) -> dict[str, Any]:
+    return {"events": 2_000_001, "timeout_seconds": 180.0, **fields}
+
+
+def test_a_rebuild_stopped_at_its_limit_misses_the_target_whatever_its_rate() -> None:
+    # Its progress lines kept 90,000 events/s, but it never finished.
+    stopped = _rebuild(completed=False, events_done=2_000_001, events_per_second=90_000.0)
+    assert report.rebuild_met(stopped) is False
+    finished = _rebuild(completed=True, seconds=39.9, events_per_second=2_000_001 / 39.9)
+    assert report.rebuild_met(finished) is True
+    slow = _rebuild(completed=True, seconds=40.1, events_per_second=2_000_001 / 40.1)
+    assert report.rebuild_met(slow) is False
+
+
+def test_a_rebuild_of_a_smaller_log_is_not_judged() -> None:
+    quick = {"events": 20_001, "completed": True, "seconds": 0.1, "events_per_second": 200_010.0}
+    assert report.rebuild_met(quick) is None
+    _, targets = report.evaluate({**_results(), "scenarios": {"history": {"rebuild": quick}}})
+    (rebuild,) = [target for target in targets if target.name == "rebuild events/s"]
+    assert rebuild.met is None
+
+
+def _history(large: int, large_p50_ms: float, rss_mib: int, ready_seconds: float) -> dict[str, Any]:
+    def size(p50_ms: float, rss: int, ready: float) -> dict[str, Any]:
+        facts = {"rss_bytes": rss * report.MEBIBYTE, "peak_rss_bytes": rss * report.MEBIBYTE}
+        return {
+            "server_at_start": {**facts, "ready_seconds": ready},
+            "server_after_run": facts,
+            "phases": {"reserve_1": _phase(700, p50_ms), "reserve_saturated": _phase(1200, 11)},
+        }
+
+    return {
+        "small_bookings": 100,
+        "large_bookings": large,
+        "sizes": {
+            "100": size(1.40, 120, 0.6),
+            str(large): size(large_p50_ms, rss_mib, ready_seconds),
+        },
+    }
+
+
+def _history_targets(history: dict[str, Any]) -> dict[str, report.Target]:
+    results = _results()
+    results["scenarios"]["history"] = history
+    _, targets = report.evaluate(results)
+    return {target.name: target for target in targets}
+
+
+def test_the_history_targets_hold_at_the_issues_limits() -> None:
+    # Issue 25: within 1.1x (not issue 8's 1.2x), at most 400 MiB, ready in 3 s.
+    found = _history_targets(_history(1_000_000, 1.40 * 1.15, 400, 3.0))
+    window = found["Reserve p50 with 1,000,000 / with 100 bookings, 1 client"]
+    assert (window.limit, window.met) == ("<= 1.1", False)
+    assert found["server memory MiB, 1,000,000 bookings"].met is True
+    assert found["server restart ready s, 1,000,000 bookings"].met is True
+    found = _history_targets(_history(1_000_000, 1.40 * 1.05, 401, 3.1))
+    assert found["Reserve p50 with 1,000,000 / with 100 bookings, 1 client"].met is True
+    assert found["server memory MiB, 1,000,000 bookings"].met is False
+    assert found["server restart ready s, 1,000,000 bookings"].met is False
+
+
+def test_a_smaller_window_than_the_issues_is_shown_unjudged() -> None:
+    found = _history_targets(_history(10_000, 1.40, 100, 0.5))
+    for name in (
+        "Reserve p50 with 10,000 / with 100 bookings, 1 client",
+        "server memory MiB, 10,000 bookings",
+        "server restart ready s, 10,000 bookings",
+    ):
+        assert found[name].measured is not None, name
+        assert found[name].met is None, name
+
+
+def test_the_watched_phase_fails_when_a_stream_ended() -> None:
+    figures = _phase(600, 1.5)
+    assert scenarios._with_streams_open(figures, [])["streams_open"] == scenarios.WATCHERS
+    failed = scenarios._with_streams_open(figures, ["RESOURCE_EXHAUSTED"] * 56)
+    assert failed == {
+        "failed": f"56 of {scenarios.WATCHERS} streams ended during the phase (RESOURCE_EXHAUSTED)"
+    }
