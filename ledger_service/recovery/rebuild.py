@@ -441,7 +441,9 @@ class Recovery:
             for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
                 chunk.add_to(digest)
         except (ValueError, KeyError, TypeError) as error:
-            return f"unreadable: {type(error).__name__}"
+            # Most often an older release's snapshot (its rows lack a later
+            # column), which FORMAT_VERSION did not tell apart.
+            return f"unreadable: {type(error).__name__} (made by another release, or damaged)"
         if (digest.lanes, digest.bookings) != (snapshot.lanes_count, snapshot.bookings_count):
             return (
                 f"holds {digest.lanes} lanes and {digest.bookings} bookings, not the "
