@@ -62,11 +62,12 @@ def database_url_problem(url: str) -> str | None:
 def home_expanded(url: str) -> str:
     """A SQLite URL whose path starts with `~` (`sqlite:///~/ledger.db`), with
     the home directory in its place, as a shell would give a path; anything
-    else unchanged. Left as it was, SQLite made a directory named `~`."""
+    else unchanged. Left as it was, SQLite made a directory named `~`. A `~name`
+    that is no user's (`~backup.db`) stays as it is, as a shell leaves it."""
     prefix = "sqlite:///~"
     if not url.startswith(prefix):
         return url
-    return "sqlite:///" + str(pathlib.Path(url.removeprefix("sqlite:///")).expanduser())
+    return "sqlite:///" + os.path.expanduser(url.removeprefix("sqlite:///"))
 
 
 # The largest value of any setting: a count (gRPC's channel options and

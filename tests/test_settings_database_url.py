@@ -67,3 +67,13 @@ def test_a_sqlite_path_under_home_is_expanded_as_a_shell_would(
     monkeypatch.delenv("LEDGER_DATABASE_URL")
     flag = Settings.from_environment(database_url="sqlite:///~/x.db").database_url
     assert flag == f"sqlite:///{tmp_path}/x.db"
+
+
+def test_a_sqlite_file_whose_name_starts_with_a_tilde_is_left_as_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`~backup.db` names no user's home, so a shell leaves it as it is: the
+    expansion raised RuntimeError, a traceback at start, where the file in the
+    working directory was opened before."""
+    monkeypatch.setenv("LEDGER_DATABASE_URL", "sqlite:///~no-such-user-backup.db")
+    assert Settings.from_environment().database_url == "sqlite:///~no-such-user-backup.db"
