@@ -27,7 +27,12 @@ from ledger_client.bookings import (
 from ledger_client.calls import BackgroundRefunds, CallSupport, ModelCall
 from ledger_client.channels import TlsSettings, check_grant, open_channel
 from ledger_client.context import payload_bytes
-from ledger_client.errors import LedgerOverloaded, from_rpc_error, invalid_argument
+from ledger_client.errors import (
+    LedgerOverloaded,
+    LedgerUnavailable,
+    from_rpc_error,
+    invalid_argument,
+)
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_client.journal import Journal
@@ -112,6 +117,7 @@ class LaneClient:
         self._allowance: Allowance | None = None
         self._refunds = BackgroundRefunds()
         self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
+        self._closed = False
         self._channel = _traced(open_channel(address, tls, self.settings), address)
         try:
             self._stub = pb_grpc.LedgerStub(self._channel)
@@ -144,6 +150,7 @@ class LaneClient:
         if self._journal is not None:
             self._journal.close()
         self._refunds.wait(self.settings.deadline_seconds)
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> LaneClient:
@@ -208,6 +215,17 @@ class LaneClient:
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
+        except ValueError as error:
+            if not self._closed:
+                raise
+            # grpcio's "Cannot invoke RPC on closed channel!", for a call that
+            # waited for a slot while the client closed: not reachable from here,
+            # as the Node client says.
+            raise LedgerUnavailable(
+                grpc.StatusCode.UNAVAILABLE,
+                "",
+                "the ledger call did not start: the client is closed",
+            ) from error
         finally:
             self._slots.release()
 

@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 from ledger_client import ClientSettings, LaneClient
-from ledger_client.errors import LedgerOverloaded, is_retryable
+from ledger_client.errors import LedgerOverloaded, LedgerUnavailable, is_retryable
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 
@@ -68,6 +68,31 @@ def test_a_call_past_the_limit_waits_its_deadline_then_is_overloaded_without_bei
         assert all(call.result(10).admitted for call in first)
         assert client.reserve("m", 10, 10).admitted, "the slots are given back"
         pool.shutdown()
+
+
+def test_a_call_waiting_for_a_slot_when_the_client_closes_is_unavailable(
+    held: tuple[HeldReserves, int],
+) -> None:
+    """It raised grpcio's ValueError (closed channel), past the outage mode; the
+    call that held the slot got LedgerUnavailable, and the Node client says
+    Unavailable for both."""
+    servicer, port = held
+    settings = ClientSettings(max_calls_in_flight=1, deadline_seconds=5.0)
+    client = LaneClient(f"127.0.0.1:{port}", "recall", settings=settings)
+    pool = futures.ThreadPoolExecutor(max_workers=2)
+    first = pool.submit(client.reserve, "m", 10, 10)
+    for _ in range(500):
+        if servicer.arrived == 1:
+            break
+        threading.Event().wait(0.01)
+    waiting = pool.submit(client.reserve, "m", 10, 10)
+    threading.Event().wait(0.2)
+    client.close()
+    for call in (first, waiting):
+        with pytest.raises(LedgerUnavailable):
+            call.result(10)
+    assert servicer.arrived == 1
+    pool.shutdown()
 
 
 def test_the_limit_is_checked() -> None:
