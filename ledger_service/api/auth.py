@@ -126,6 +126,9 @@ class RefusalLog:
         self._second = -1
         self._logged = 0
         self._left_out = 0
+        # Counts the bursts (a first left out after a count was written): a
+        # flush is for its own burst only, one already counted or a later one's.
+        self._burst = 0
 
     def write(self, message: str, *args: object) -> None:
         with self._lock:
@@ -136,7 +139,9 @@ class RefusalLog:
             if self._logged >= self._per_second:
                 self._left_out += 1
                 if self._left_out == 1:
-                    self._later(1.0, self.flush)
+                    self._burst += 1
+                    burst = self._burst
+                    self._later(1.0, lambda: self._flush_burst(burst))
                 return
             self._logged += 1
         self._log.log(self._level, message, *args)
@@ -145,6 +150,14 @@ class RefusalLog:
         """Writes the count of those left out so far, if any."""
         with self._lock:
             self._count_left_out()
+
+    def _flush_burst(self, burst: int) -> None:
+        """The flush due a second after `burst`'s first left out: nothing when
+        that count was already written with the next second's first (a later
+        second's count is then its own flush's, or the second after's)."""
+        with self._lock:
+            if burst == self._burst:
+                self._count_left_out()
 
     def _count_left_out(self) -> None:
         left_out, self._left_out = self._left_out, 0

@@ -57,3 +57,32 @@ def test_the_count_left_out_of_a_burst_that_ends_is_written_a_second_later(
         now[0] = 101.5
         refusals.write("refused call %d", 6)
         assert [record.getMessage() for record in caplog.records] == ["refused call 6"]
+
+
+def test_a_flush_of_an_earlier_burst_leaves_the_current_second_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A flood that lasts: the first second's flush, due a second after its
+    first left out, came in the next second, wrote that second's count so far
+    and started another flush: two count lines a second, not one."""
+    now = [100.0]
+    scheduled: list[Callable[[], None]] = []
+    refusals = RefusalLog(
+        per_second=2, monotonic=lambda: now[0], later=lambda _, action: scheduled.append(action)
+    )
+    with caplog.at_level("INFO", logger="ledger_service.api.auth"):
+        for index in range(4):
+            refusals.write("refused call %d", index)
+        now[0] = 101.2
+        for index in range(4, 8):
+            refusals.write("refused call %d", index)
+        caplog.clear()
+        scheduled[0]()  # the first second's flush, late
+        for index in range(8, 10):
+            refusals.write("refused call %d", index)
+        assert [record.getMessage() for record in caplog.records] == []
+        assert len(scheduled) == 2, "one flush a second"
+        scheduled[1]()
+        assert [record.getMessage() for record in caplog.records] == [
+            "4 more refusals were not logged (at most 2 a second)"
+        ]
