@@ -453,7 +453,7 @@ export class LaneClient {
   /** Where the client's warnings go (the `logger` option; null: nowhere). */
   readonly logger: { warn(message: string): void; error(message: string): void } | null;
   waitForReady(timeoutMs?: number): Promise<void>;
-  /** Stops the replayer, closes the channel, then the journal (its lock released). Never rejects. */
+  /** Stops the replayer, waits for the call()s under way (callbacks and endings) and the background refunds (at most deadlineMs), closes the channel, then the journal (its lock released). Never rejects. A call() after it is a LEDGER_UNAVAILABLE Denied. */
   close(): Promise<void>;
   /** What is spent of the outage allowance; null without an allowance. */
   allowanceUsed(): { nanos: bigint; calls: number } | null;

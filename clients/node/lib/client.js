@@ -374,6 +374,8 @@ class LaneClient {
     this._refunds = new BackgroundRefunds();
     // The Settles and Refunds of calls whose model call has returned.
     this._endings = new Set();
+    // The call()s under way, from their Reserve to their ending: close() waits for them.
+    this._calls = new Set();
     this._closed = null;
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
@@ -453,8 +455,10 @@ class LaneClient {
   }
 
   /**
-   * Stops the background replayer, lets the Settles and Refunds of calls
-   * already made finish (each within the call deadline), closes the channel,
+   * Stops the background replayer, lets the call()s under way finish (their
+   * callbacks, then their Settles and Refunds, each within the call deadline)
+   * and the background refunds of unanswered Reserves (at most one deadline),
+   * closes the channel,
    * then the journal (once its writes under way are on disk) and releases its
    * lock. Idempotent; the promise it returns never rejects.
    */
@@ -463,11 +467,22 @@ class LaneClient {
     this._replayer?.stop();
     const replayer = this._replayer;
     const journal = this._journal;
-    const endings = [...this._endings];
-    if (endings.length === 0) this._stub.close();
+    const underWay = [...this._calls, ...this._endings];
+    const refunds = this._refunds;
+    const waits = underWay.length > 0 || refunds.running > 0;
+    if (!waits) this._stub.close();
     this._closed = (async () => {
-      if (endings.length > 0) {
-        await Promise.allSettled(endings);
+      if (waits) {
+        await Promise.allSettled(underWay);
+        // The refunds of unanswered Reserves under way, at most one deadline
+        // (the Python client's close() waits for them too): cut off, each
+        // hold would expire under the lane's expire_charge.
+        let timer;
+        const late = new Promise((resolve) => {
+          timer = setTimeout(resolve, this.deadlineMs);
+        });
+        await Promise.race([refunds.idle(), late]);
+        clearTimeout(timer);
         this._stub.close();
       }
       await replayer?.idle().catch(() => undefined);
@@ -652,12 +667,26 @@ class LaneClient {
     const replayer = this._replayer;
     // Before anything is journaled, so the replayer never takes this call for
     // the orphan of a dead process.
+    if (this._closed !== null) {
+      // A closed client sends nothing: the call falls back, as with the ledger away.
+      const error = new Unavailable('the lane client is closed', { code: grpc.status.UNAVAILABLE });
+      return outageDenial(reservationId, DenialReason.LEDGER_UNAVAILABLE, 'the lane client is closed: nothing was sent', error);
+    }
     const held = replayer?.hold(reservationId);
+    const running = (async () => {
+      try {
+        await held;
+        return await this._call({ ...request, reservationId }, fn, trace);
+      } finally {
+        replayer?.release(reservationId);
+      }
+    })();
+    // close() waits for it: a call under way when the lane closes is ended, not cut off.
+    this._calls.add(running);
     try {
-      await held;
-      return await this._call({ ...request, reservationId }, fn, trace);
+      return await running;
     } finally {
-      replayer?.release(reservationId);
+      this._calls.delete(running);
     }
   }
 

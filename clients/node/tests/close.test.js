@@ -1,0 +1,89 @@
+'use strict';
+// A lane that closes its client while calls are under way (a SIGTERM handler,
+// the end of a batch): each call under way is ended by the outcome table, not
+// cut off to expire at its hold, and a call made after close() sends nothing.
+
+const { test } = require('node:test');
+const assert = require('node:assert/strict');
+const grpc = require('@grpc/grpc-js');
+const { startFakeLedger, ledgerStatus } = require('./fake-ledger');
+const { LaneClient, Denied, Completed } = require('..');
+
+const REQUEST = Object.freeze({ model: 'm', requestBytes: 100, maxOutputTokens: 10 });
+const pause = (milliseconds) => new Promise((resolve) => setTimeout(resolve, milliseconds));
+
+async function admittingLedger({ lostReserves = 0, refundMs = 0 } = {}) {
+  let lost = lostReserves;
+  const fake = await startFakeLedger({
+    Reserve: () => {
+      if (lost > 0) {
+        lost -= 1;
+        throw ledgerStatus(grpc.status.UNAVAILABLE, ''); // booked, its answer lost
+      }
+      return { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
+    },
+    Settle: () => ({ charged_nanos: '1234', state: 'SETTLED', balance: null }),
+    Refund: async () => {
+      await pause(refundMs);
+      return { balance: null };
+    },
+  });
+  return fake;
+}
+
+test('close() while model calls run: each call is ended as its outcome says, then the channel closes', { timeout: 10_000 }, async () => {
+  const fake = await admittingLedger();
+  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 2000 });
+  try {
+    let running = 0;
+    const model = (report) => async () => {
+      running += 1;
+      await pause(150);
+      return report;
+    };
+    const calls = [
+      client.call(REQUEST, model({ httpStatus: 403 })),
+      client.call(REQUEST, model({ httpStatus: 200, usage: { inputTokens: 20, outputTokens: 5 } })),
+      client.call(REQUEST, model({ httpStatus: 503 })),
+    ];
+    for (let waited = 0; running < calls.length && waited < 200; waited += 1) await pause(5);
+    assert.equal(running, calls.length, "every model call started");
+    await client.close();
+    const [refused, succeeded, unknown] = await Promise.all(calls);
+    for (const completed of [refused, succeeded, unknown]) {
+      assert.ok(completed instanceof Completed);
+      assert.equal(completed.ledgerError, null);
+    }
+    assert.equal(refused.chargedNanos, 0n);
+    assert.equal(succeeded.chargedNanos, 1234n);
+    assert.deepEqual(fake.calls.map((call) => call.method).sort(), ['Refund', 'Reserve', 'Reserve', 'Reserve', 'Settle', 'Settle']);
+
+    // After close(): nothing is sent, the callback never runs.
+    const sent = fake.calls.length;
+    const late = await client.call(REQUEST, () => assert.fail('a closed client ran a call'));
+    assert.ok(late instanceof Denied);
+    assert.equal(late.reason, 'LEDGER_UNAVAILABLE');
+    assert.equal(fake.calls.length, sent);
+  } finally {
+    await client.close();
+    await fake.stop();
+  }
+});
+
+test('close() lets the background refund of an unanswered Reserve finish, as the Python client does', { timeout: 10_000 }, async () => {
+  const fake = await admittingLedger({ lostReserves: 1, refundMs: 100 });
+  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 1000 });
+  try {
+    const denied = await client.call(REQUEST, () => assert.fail('run without an answer'));
+    assert.equal(denied.reason, 'LEDGER_UNAVAILABLE');
+    await client.close();
+    const refund = fake.calls.find((call) => call.method === 'Refund');
+    assert.ok(refund, 'the refund was sent');
+    // Its answer came back before the channel closed: the refund is not cut off.
+    assert.equal(client._refunds.running, 0);
+    assert.equal(client._refunds._ended.get(denied.reservationId), true);
+  } finally {
+    await client.close();
+    await fake.stop();
+  }
+});
