@@ -161,6 +161,8 @@ export interface Booking {
 
 /** The trace context, when given, is the one of the Reserve and of the Settle or Refund alike. */
 export interface CallRequest extends TraceOptions {
+  /** The booking's id, for a lane that tags its provider request with it first; left out, a fresh one (32 hex digits). */
+  reservationId?: string;
   model: string;
   requestBytes: Int64Input;
   maxOutputTokens: Int64Input;
@@ -333,8 +335,9 @@ export const CONTEXT_OVERFLOW_REPLY: string;
 export interface CallReport {
   /** The provider's HTTP status; 0 or left out when there was none. */
   httpStatus?: number;
-  usage?: Usage;
-  billedNanos?: Int64Input;
+  /** null or left out: no usage (usageOf() gives null for a body without one). */
+  usage?: Usage | null;
+  billedNanos?: Int64Input | null;
   timedOut?: boolean;
   connectionLost?: boolean;
   /** The call was never sent: refunded. */

@@ -1,0 +1,78 @@
+'use strict';
+// index.d.ts as a TypeScript lane meets it: the README's own example and a
+// call() under a reservation id of the lane's, checked with tsc --strict.
+// Skipped when no TypeScript compiler is at hand (none is a dependency):
+// `typescript` installed, TSC_JS naming its lib/tsc.js, or one in npx's cache.
+
+const { test } = require('node:test');
+const assert = require('node:assert/strict');
+const { execFileSync } = require('node:child_process');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+
+function findTsc() {
+  if (process.env.TSC_JS) return process.env.TSC_JS;
+  try {
+    return require.resolve('typescript/lib/tsc.js');
+  } catch {
+    // not installed here
+  }
+  const cache = path.join(os.homedir(), '.npm', '_npx');
+  for (const entry of fs.existsSync(cache) ? fs.readdirSync(cache) : []) {
+    const candidate = path.join(cache, entry, 'node_modules', 'typescript', 'lib', 'tsc.js');
+    if (fs.existsSync(candidate)) return candidate;
+  }
+  return null;
+}
+
+const LANE = `
+import { LaneClient, usageOf, Completed, Denied } from '../..';
+
+const ledger = new LaneClient('127.0.0.1:1', 'recall', { grant: 'g' });
+
+// The README's "One lane's whole call".
+async function judge(prompt: string): Promise<unknown> {
+  const body = JSON.stringify({ model: 'jev-small', max_tokens: 200, messages: [{ role: 'user', content: prompt }] });
+  const booking = { model: 'jev-small', requestBytes: Buffer.byteLength(body), maxOutputTokens: 200 };
+  const result = await ledger.call(booking, async () => {
+    const response = await fetch('http://provider', { method: 'POST', body, signal: AbortSignal.timeout(300) });
+    if (!response.ok) return { httpStatus: response.status };
+    const answer = await response.json();
+    return { httpStatus: 200, usage: usageOf(answer), answer };
+  });
+  if (!result.admitted) return null;
+  return result.value.answer ?? null;
+}
+
+// A lane that tags its provider request with the id first passes one.
+async function tagged(reservationId: string): Promise<bigint | null> {
+  const result: Denied | Completed<{ httpStatus: number }> = await ledger.call(
+    { model: 'jev-small', requestBytes: 10, maxOutputTokens: 20, reservationId },
+    async () => ({ httpStatus: 200 }),
+  );
+  return result.admitted ? result.chargedNanos : null;
+}
+
+void judge;
+void tagged;
+`;
+
+const tsc = findTsc();
+
+test('the README example and a call() with its own reservationId type-check under --strict', { skip: tsc === null && 'no TypeScript compiler' }, () => {
+  const folder = fs.mkdtempSync(path.join(__dirname, '.types-'));
+  try {
+    fs.writeFileSync(path.join(folder, 'lane.ts'), LANE);
+    const args = [tsc, '--noEmit', '--strict', '--skipLibCheck', '--target', 'es2022', '--module', 'commonjs', '--lib', 'es2022,dom', '--types', '', path.join(folder, 'lane.ts')];
+    let output = '';
+    try {
+      execFileSync(process.execPath, args, { encoding: 'utf8', stdio: 'pipe' });
+    } catch (error) {
+      output = `${error.stdout}${error.stderr}`;
+    }
+    assert.equal(output, '');
+  } finally {
+    fs.rmSync(folder, { recursive: true, force: true });
+  }
+});
