@@ -26,7 +26,7 @@ export interface LaneClientOptions {
   deadlineMs?: number;
   /** Attempts at an unconfirmed Settle or Refund in call(); default 3. */
   endAttempts?: number;
-  /** Calls this client has at the ledger at once, and as many Settles and Refunds beside them; one more waits for a slot until its deadline, then rejects with ResourceExhausted (the outage mode). Default 64, 1 to 10,000. */
+  /** Calls this client has at the ledger at once; one more waits for a slot until its deadline, then rejects with ResourceExhausted (the outage mode). Default 64, 1 to 10,000. */
   maxCallsInFlight?: number;
   /** Extra @grpc/grpc-js channel options. */
   channelOptions?: ChannelOptions;

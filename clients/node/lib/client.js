@@ -47,8 +47,8 @@ const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
 const MAX_DEADLINE_MS = 60_000;
 const MAX_END_ATTEMPTS = 10;
-// Calls a client has at the ledger at once (and as many Settles and Refunds
-// beside them); one more waits for a slot until its deadline, then fails as an overloaded ledger does (ResourceExhausted, the
+// Calls a client has at the ledger at once; one more waits for a slot until its
+// deadline, then fails as an overloaded ledger does (ResourceExhausted, the
 // outage mode). The server's 256 calls at once are shared by every lane first
 // come first served, and a lane looping on its calls would crowd the others
 // out. A quarter of them: the Python client's DEFAULT_MAX_CALLS_IN_FLIGHT.
@@ -357,9 +357,6 @@ class LaneClient {
       throw new RangeError(`maxCallsInFlight must be an integer from 1 to ${MAX_CALLS_IN_FLIGHT}`);
     }
     this._slots = new CallSlots(this.maxCallsInFlight);
-    // Settles and Refunds have slots of their own: a lane's new Reserves never
-    // starve the endings of the calls it has made.
-    this._endingSlots = new CallSlots(this.maxCallsInFlight);
     this._grant = options.grant ?? null;
     if (this._grant !== null && typeof this._grant !== 'function') checkGrant(this._grant);
     /** The lane's outage mode; deny (fail closed) unless set. */
@@ -508,8 +505,7 @@ class LaneClient {
   async _unary(method, request, trace, deadlineMs = this.deadlineMs) {
     const metadata = await this._metadata(trace);
     const deadline = Date.now() + deadlineMs;
-    const slots = method === 'Settle' || method === 'Refund' ? this._endingSlots : this._slots;
-    if (!(await slots.take(deadline))) {
+    if (!(await this._slots.take(deadline))) {
       throw new ResourceExhausted(
         `this client already has ${this.maxCallsInFlight} calls at the ledger (maxCallsInFlight), none of which ended within the deadline`,
         { code: grpc.status.RESOURCE_EXHAUSTED },
@@ -528,7 +524,7 @@ class LaneClient {
         }
       });
     } finally {
-      slots.give();
+      this._slots.give();
     }
   }
 

@@ -54,34 +54,6 @@ test('a call past the limit waits its deadline, then is overloaded without being
   }
 });
 
-test('a settle is not starved by reserves holding every slot', async () => {
-  let release;
-  const released = new Promise((resolve) => {
-    release = resolve;
-  });
-  const fake = await startFakeLedger({
-    Reserve: async () => {
-      await released;
-      return ADMITTED;
-    },
-    Settle: () => ({ charged_nanos: '1', state: 'SETTLED', balance: null }),
-  });
-  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'recall', { deadlineMs: 5000, maxCallsInFlight: 2, logger: null });
-  try {
-    await client.waitForReady();
-    const first = [client.reserve({ ...REQUEST, reservationId: 'first-1' }), client.reserve({ ...REQUEST, reservationId: 'first-2' })];
-    for (let waited = 0; fake.calls.length < 2 && waited < 5000; waited += 10) await pause(10);
-    assert.equal(fake.calls.length, 2);
-    const settled = await client.settle({ reservationId: 'r-1', outcome: 'SUCCEEDED', inputTokens: 5, httpStatus: 200 });
-    assert.equal(settled.chargedNanos, 1n);
-    release();
-    await Promise.all(first);
-  } finally {
-    await client.close();
-    await fake.stop();
-  }
-});
-
 test('the limit is checked', () => {
   assert.equal(DEFAULT_MAX_CALLS_IN_FLIGHT, 64);
   for (const maxCallsInFlight of [0, 1.5, 10_001, '8']) {

@@ -116,10 +116,7 @@ class LaneClient:
         self._replayer: Replayer | None = None
         self._allowance: Allowance | None = None
         self._refunds = BackgroundRefunds()
-        # Settles and Refunds have slots of their own: a lane's new Reserves
-        # never starve the endings of the calls it has made.
         self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
-        self._ending_slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
         self._closed = False
         self._channel = _traced(open_channel(address, tls, self.settings), address)
         try:
@@ -193,8 +190,6 @@ class LaneClient:
         request: object,
         deadline_seconds: float | None,
         trace_id: str,
-        *,
-        ending: bool = False,
     ) -> _Response:
         metadata: list[tuple[str, str]] = []
         if self._grant is not None:
@@ -203,8 +198,7 @@ class LaneClient:
             metadata.append(("traceparent", _traceparent(trace_id)))
         timeout = self._deadline(deadline_seconds)
         started = time.monotonic()
-        slots = self._ending_slots if ending else self._slots
-        if not slots.acquire(timeout=timeout):
+        if not self._slots.acquire(timeout=timeout):
             limit = self.settings.max_calls_in_flight
             raise LedgerOverloaded(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -233,7 +227,7 @@ class LaneClient:
                 "the ledger call did not start: the client is closed",
             ) from error
         finally:
-            slots.release()
+            self._slots.release()
 
     def reserve(
         self,
@@ -324,12 +318,12 @@ class LaneClient:
             ending = _printable_reason(ending, self.settings.max_reason_length)
             refund = convert.refund_request(self.lane, reservation_id, ending)
             refunded: pb.RefundResponse = self._invoke(
-                self._stub.Refund, refund, deadline_seconds, trace_id, ending=True
+                self._stub.Refund, refund, deadline_seconds, trace_id
             )
             return convert.refunded(refunded)
         settle = convert.settle_request(self.lane, reservation_id, ending)
         settled: pb.SettleResponse = self._invoke(
-            self._stub.Settle, settle, deadline_seconds, trace_id, ending=True
+            self._stub.Settle, settle, deadline_seconds, trace_id
         )
         return convert.settled(settled)
 

@@ -72,12 +72,11 @@ class ClientSettings:
     # between them (as the Node client does); then it is journaled, or, without a
     # journal, the booking expires at its hold.
     end_attempts: int = DEFAULT_END_ATTEMPTS
-    # Calls this client has at the ledger at once, and as many Settles and
-    # Refunds beside them (so that new Reserves never starve the endings). One
-    # more waits for a slot up to its deadline, then fails as an overloaded
-    # ledger does (LedgerOverloaded, the outage mode): the server's 256 calls at
-    # once are shared by every lane first come first served, and a lane looping
-    # on its calls would crowd the others out.
+    # Calls this client has at the ledger at once. One more waits for a slot up
+    # to its deadline, then fails as an overloaded ledger does (LedgerOverloaded,
+    # the outage mode): the server's 256 calls at once are shared by every lane
+    # first come first served, and a lane looping on its calls would crowd the
+    # others out.
     max_calls_in_flight: int = DEFAULT_MAX_CALLS_IN_FLIGHT
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from ledger_client import ClientSettings, LaneClient, Usage
+from ledger_client import ClientSettings, LaneClient
 from ledger_client.errors import LedgerOverloaded, LedgerUnavailable, is_retryable
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
@@ -24,9 +24,6 @@ class HeldReserves(pb_grpc.LedgerServicer):
         self.arrived = 0
         self.lock = threading.Lock()
         self.release = threading.Event()
-
-    def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
-        return pb.SettleResponse(charged_nanos=1, state=pb.SETTLED)
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
@@ -103,25 +100,3 @@ def test_the_limit_is_checked() -> None:
         ClientSettings(max_calls_in_flight=0)
     with pytest.raises(TypeError, match="max_calls_in_flight"):
         ClientSettings(max_calls_in_flight=1.5)  # type: ignore[arg-type]
-
-
-def test_a_settle_is_not_starved_by_reserves_holding_every_slot(
-    held: tuple[HeldReserves, int],
-) -> None:
-    """Endings have slots of their own: under a lane's own flood of Reserves
-    its Settles failed, and their bookings expired at their holds."""
-    servicer, port = held
-    settings = ClientSettings(max_calls_in_flight=2, deadline_seconds=5.0)
-    with LaneClient(f"127.0.0.1:{port}", "recall", settings=settings) as client:
-        pool = futures.ThreadPoolExecutor(max_workers=2)
-        first = [pool.submit(client.reserve, "m", 10, 10) for _ in range(2)]
-        for _ in range(500):
-            if servicer.arrived == 2:
-                break
-            threading.Event().wait(0.01)
-        assert servicer.arrived == 2
-        settled = client.settle("r-1", Usage(input_tokens=5), deadline_seconds=0.5)
-        assert settled.charged_nanos == 1
-        servicer.release.set()
-        assert all(call.result(10).admitted for call in first)
-        pool.shutdown()
