@@ -14,6 +14,7 @@ reflection need no grant.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -101,11 +102,12 @@ _CURRENT_GRANT: contextvars.ContextVar[Grant | None] = contextvars.ContextVar(
 
 
 class RefusalLog:
-    """The refusals' lines (INFO, unless told), at most `per_second` a second: a
-    client with a bad grant, or a lane retrying a refused Settle, in a tight loop
-    would otherwise fill the disk with them. Those left out are counted in one
-    line, written with the next second's first or a second after the first one
-    left out, whichever comes first (a burst that ends is counted too)."""
+    """The refusals' lines (INFO, unless told), at most `per_second` in any one
+    second: a client with a bad grant, or a lane retrying a refused Settle, in a
+    tight loop would otherwise fill the disk with them. Those left out are
+    counted in one line, written with the next line logged or a second after the
+    first one left out, whichever comes first (a burst that ends is counted
+    too)."""
 
     def __init__(
         self,
@@ -123,8 +125,11 @@ class RefusalLog:
         self._level = level
         self._what = what
         self._lock = threading.Lock()
-        self._second = -1
-        self._logged = 0
+        # When the last `per_second` lines were logged: one more may be logged
+        # once the oldest of them is a second old, so that no second, whatever
+        # instant it starts at, holds more (whole seconds of the monotonic clock
+        # let a burst across one's end log twice as many within milliseconds).
+        self._logged_at: collections.deque[float] = collections.deque(maxlen=per_second)
         self._left_out = 0
         # Counts the bursts (a first left out after a count was written): a
         # flush is for its own burst only, one already counted or a later one's.
@@ -132,18 +137,17 @@ class RefusalLog:
 
     def write(self, message: str, *args: object) -> None:
         with self._lock:
-            second = int(self._monotonic())
-            if second != self._second:
-                self._second, self._logged = second, 0
-                self._count_left_out()
-            if self._logged >= self._per_second:
+            now = self._monotonic()
+            full = len(self._logged_at) >= self._per_second
+            if full and (not self._logged_at or now - self._logged_at[0] < 1.0):
                 self._left_out += 1
                 if self._left_out == 1:
                     self._burst += 1
                     burst = self._burst
                     self._later(1.0, lambda: self._flush_burst(burst))
                 return
-            self._logged += 1
+            self._count_left_out()
+            self._logged_at.append(now)
         self._log.log(self._level, message, *args)
 
     def flush(self) -> None:

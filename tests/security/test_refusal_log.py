@@ -86,3 +86,32 @@ def test_a_flush_of_an_earlier_burst_leaves_the_current_second_alone(
         assert [record.getMessage() for record in caplog.records] == [
             "4 more refusals were not logged (at most 2 a second)"
         ]
+
+
+def test_a_burst_across_a_second_boundary_logs_no_more_within_a_second(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The limit counted whole seconds of the monotonic clock: a refused Settle
+    retried in a loop that crossed one's end logged 10 lines in its last
+    milliseconds and 10 more in the next one's first, 20 within 30 ms against
+    semantics.md's "at most 10 lines a second"."""
+    now = [100.99]
+    refusals = RefusalLog(per_second=3, monotonic=lambda: now[0], later=lambda *_: None)
+    with caplog.at_level("INFO", logger="ledger_service.api.auth"):
+        for index in range(5):
+            refusals.write("refused call %d", index)
+        now[0] = 101.01
+        for index in range(5, 10):
+            refusals.write("refused call %d", index)
+        assert [record.getMessage() for record in caplog.records] == [
+            "refused call 0",
+            "refused call 1",
+            "refused call 2",
+        ]
+        caplog.clear()
+        now[0] = 101.995
+        refusals.write("refused call %d", 10)
+        assert [record.getMessage() for record in caplog.records] == [
+            "7 more refusals were not logged (at most 3 a second)",
+            "refused call 10",
+        ]
