@@ -150,11 +150,6 @@ class RefusalLog:
             self._logged_at.append(now)
         self._log.log(self._level, message, *args)
 
-    def flush(self) -> None:
-        """Writes the count of those left out so far, if any."""
-        with self._lock:
-            self._count_left_out()
-
     def _flush_burst(self, burst: int) -> None:
         """The flush due a second after `burst`'s first left out: nothing when
         that count was already written with the next second's first (a later

@@ -217,10 +217,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         and report stay off the heap, and its parsing off the GIL, until it may
         run. Without a turn in time it is STORE_UNAVAILABLE, as a move that
         cannot have the writer in time is; nothing was read or written."""
-        wait = self._settings.request_deadline_seconds
-        call_deadline = deadlines.call_deadline()
-        if call_deadline is not None:
-            wait = min(wait, call_deadline - time.monotonic())
+        wait = deadlines.work_deadline(self._settings.request_deadline_seconds) - time.monotonic()
         if not self._reconciles.acquire(timeout=max(0.0, wait)):
             raise StoreUnavailable()
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Iterator
 
 _CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
@@ -20,6 +21,14 @@ _CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 def call_deadline() -> float | None:
     """The instant (time.monotonic()) the current call must be answered by; None: no bound."""
     return _CALL_DEADLINE.get()
+
+
+def work_deadline(request_deadline_seconds: float) -> float:
+    """The instant (time.monotonic()) work for the current call must end by: the
+    request deadline from now, or the caller's own if that comes first."""
+    deadline = time.monotonic() + request_deadline_seconds
+    caller = _CALL_DEADLINE.get()
+    return deadline if caller is None else min(deadline, caller)
 
 
 @contextlib.contextmanager

@@ -101,6 +101,13 @@ class EventSignal:
             self._condition.wait_for(lambda: self._generation != generation, timeout_seconds)
 
 
+def last_event_at_us(tx: StoreTransaction) -> int:
+    """When the last recorded event happened (0 with none): a ledger's time
+    never runs back before it (domain.clock.SteadyClock)."""
+    last = tx.get_event(tx.last_seq())
+    return last.occurred_at_us if last is not None else 0
+
+
 class Ledger:
     def __init__(
         self,
@@ -382,12 +389,7 @@ class Ledger:
 
     def last_event_at_us(self) -> int:
         """When the last recorded event happened (0 with none)."""
-
-        def work(tx: StoreTransaction) -> int:
-            last = tx.get_event(tx.last_seq())
-            return last.occurred_at_us if last is not None else 0
-
-        return self._store.run(work, write=False)
+        return self._store.run(last_event_at_us, write=False)
 
     def write(self, work: Callable[[StoreTransaction], _T]) -> _T:
         """Runs `work` in one write transaction and wakes the event tails."""

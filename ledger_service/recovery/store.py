@@ -36,6 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from ledger_service.application.budgets import open_window
+from ledger_service.application.ledger import last_event_at_us
 from ledger_service.application.ports import EventQuery
 from ledger_service.domain import bookings as booking_fold
 from ledger_service.domain.bookings import Booking
@@ -595,12 +596,8 @@ class SqlRecoveryStore:
             return SqlTransaction(connection, self._sqlite).last_seq()
 
     def last_event_at_us(self) -> int:
-        """When the last recorded event happened (0 with none): a ledger's
-        time never runs back before it (domain.clock.SteadyClock)."""
         with self._reading() as connection:
-            tx = SqlTransaction(connection, self._sqlite)
-            last = tx.get_event(tx.last_seq())
-            return last.occurred_at_us if last is not None else 0
+            return last_event_at_us(SqlTransaction(connection, self._sqlite))
 
     def stale_latest_events(self, limit: int) -> Sequence[Event]:
         """The latest events (first by seq) of bookings that differ from them."""

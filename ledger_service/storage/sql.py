@@ -133,11 +133,7 @@ class SqlStore:
     ) -> T:
         if self._damage is not None:  # nothing is served from a damaged database
             raise StoreDamaged(self._damage.what, self._damage.advice)
-        # The request deadline, or the caller's if that comes first.
-        deadline = time.monotonic() + self._deadline_seconds
-        call_deadline = deadlines.call_deadline()
-        if call_deadline is not None:
-            deadline = min(deadline, call_deadline)
+        deadline = deadlines.work_deadline(self._deadline_seconds)
         for attempt in range(self._max_retries + 1):
             if time.monotonic() >= deadline:
                 raise StoreUnavailable()
