@@ -322,3 +322,20 @@ def test_a_window_past_the_largest_sum_is_refused_naming_the_field() -> None:
     assert refused.value.field == "billed_nanos"
     # Two of the largest single amounts do not fit one window.
     assert 2 * MAX_AMOUNT_NANOS > MAX_WINDOW_SUM_NANOS
+
+
+def test_a_charge_priced_past_the_largest_amount_is_refused_naming_its_field() -> None:
+    # A lane with no charge bound, at the dearest price: 10^12 input tokens
+    # cost 10^21 nanos, past int64. Out of every window (aged out, or a window
+    # made shorter) no window sum refuses it: the domain must, as it does a cap.
+    dearest = ModelPrice(10**15, 10**15)
+    booking = booked(lane(prices={"jev": dearest}, max_charge_multiple=0, limit_nanos=2**62))
+    with pytest.raises(InvalidArgument) as refused:
+        settled_event(booking, succeeded(input_tokens=10**12, output_tokens=0), 0)
+    assert refused.value.field == "input_tokens"
+    # The largest amount itself is a charge like any other.
+    tokens = MAX_AMOUNT_NANOS // 10**9
+    largest = settled_event(booking, succeeded(input_tokens=tokens, output_tokens=0), 0)
+    assert largest.amount_nanos == tokens * 10**9 <= MAX_AMOUNT_NANOS
+    with pytest.raises(InvalidArgument):
+        settled_event(booking, succeeded(input_tokens=tokens + 1, output_tokens=0), 0)

@@ -396,6 +396,12 @@ def _settled_event(
                 "max_charge_multiple): no request of its size could cost that; nothing "
                 "was written",
             )
+        if charge > MAX_AMOUNT_NANOS:
+            # A single amount, as a cap or a bill is: a booking out of every
+            # window (aged out, or a window made shorter) meets no sum check.
+            raise InvalidArgument(
+                command.charge_field, "prices this usage above the largest amount"
+            )
     else:
         # Never more than the hold, which is never more than the cap.
         charge = booking.hold_nanos
