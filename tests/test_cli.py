@@ -207,6 +207,9 @@ def test_amounts_parse_to_exact_nanos(text: str, nanos: int) -> None:
     [
         "0.0000000001 USD",
         "$0.0000000005",
+        # Finer than a nano past Decimal's 28 digits: never rounded to a whole nano.
+        "$1.0000000000000000000000000001",
+        "0.1000000000000000000000000000001 USD",
         "1.5n",
         "$5n",
         "0.5 EUR",

@@ -13,7 +13,8 @@ from typing import Any
 from google.protobuf import descriptor, duration_pb2, timestamp_pb2
 from google.protobuf.message import Message
 
-from ledger_service.cli.values import MICROS_PER_UNIT, NANOS_PER_USD
+from ledger_service.cli.values import MICROS_PER_UNIT
+from ledger_service.domain.pricing import NANOS_PER_USD
 
 # "280000 nanos" in a sentence the server wrote (a denial's reason, say).
 _NANOS_IN_TEXT = re.compile(r"(?<![\w.$])(-?\d+) nanos\b")

@@ -14,9 +14,9 @@ import re
 from google.protobuf import duration_pb2
 
 from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
+from ledger_service.domain.pricing import usd_to_nanos
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
-NANOS_PER_USD = 10**9
 MAX_INT64 = 2**63 - 1
 MICROS_PER_UNIT = {"us": 1, "ms": 1000, "s": 10**6, "m": 60 * 10**6, "h": 3600 * 10**6}
 MICROS_PER_UNIT["d"] = 24 * MICROS_PER_UNIT["h"]
@@ -71,12 +71,12 @@ def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> 
             raise CliError(f"{option}: nanos are whole numbers, not {text!r}", EXIT_BAD_VALUE)
         nanos = int(number)
     elif unit in {"", "usd"}:
-        scaled = number * NANOS_PER_USD
-        if scaled != scaled.to_integral_value():
+        exact = usd_to_nanos(number)
+        if exact is None:
             raise CliError(
                 f"{option}: {text!r} is finer than one nano ($0.000000001)", EXIT_BAD_VALUE
             )
-        nanos = int(scaled)
+        nanos = exact
     else:
         raise CliError(f"{option}: unknown unit {match['unit']!r} (use USD or n)", EXIT_BAD_VALUE)
     if nanos > MAX_INT64:

@@ -12,6 +12,7 @@ OpenAI's `prompt_tokens` and `completion_tokens` already count that way.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 
 TOKENS_PER_MILLION = 1_000_000
 # bytes_per_token is kept in thousandths: 3.5 bytes per token is 3500.
@@ -22,6 +23,25 @@ MAX_AMOUNT_NANOS = 2**62
 # window (a lane, a parent, the audit's parts) stays within int64, with room
 # for one more amount before the check refuses it.
 MAX_WINDOW_SUM_NANOS = 2**62
+NANOS_PER_USD = 10**9
+# Dollars to nanos without rounding: any exponent, and Inexact raised where the
+# default context would round (1e-999999999 to 0, 28 digits to fewer).
+_EXACT = decimal.Context(
+    prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[decimal.Inexact]
+)
+
+
+def usd_to_nanos(usd: decimal.Decimal) -> int | None:
+    """A finite amount of dollars as whole nanos, or None when it is finer than
+    one nano (or has more digits than any amount the ledger takes): never
+    rounded to a neighbouring nano."""
+    try:
+        nanos = _EXACT.multiply(usd, NANOS_PER_USD)
+    except decimal.Inexact:
+        return None
+    if nanos != _EXACT.to_integral_value(nanos):
+        return None
+    return int(nanos)
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

@@ -26,15 +26,9 @@ from ledger_service.domain.errors import InvalidArgument
 from ledger_service.domain.events import Event, EventKind, evolve
 from ledger_service.domain.moves import MAX_TOKENS, ending_event, validate_reservation_id
 from ledger_service.domain.policies import validate_name
-from ledger_service.domain.pricing import MAX_AMOUNT_NANOS
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, usd_to_nanos
 
 MAX_ROWS = 10_000
-NANOS_PER_USD = 10**9
-# Dollars to nanos without rounding: any exponent, and Inexact raised where the
-# default context would round (1e-999999999 to 0, 28 digits to fewer).
-_EXACT = decimal.Context(
-    prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[decimal.Inexact]
-)
 COLUMNS = frozenset(
     {"lane", "reservation_id", "billed_nanos", "billed_usd", "input_tokens", "output_tokens",
      "cached_input_tokens", "cache_write_tokens", "model"}
@@ -312,15 +306,12 @@ def _billed_usd_nanos(record: Mapping[str, Any]) -> int | None:
                 raise decimal.InvalidOperation(text)
         except decimal.InvalidOperation as error:
             raise InvalidArgument("billed_usd", "must be a decimal number of dollars") from error
-        try:
-            nanos = _EXACT.multiply(usd, NANOS_PER_USD)
-        except decimal.Inexact as error:
-            raise InvalidArgument("billed_usd", "must be exact to the nano-dollar") from error
-        if nanos != _EXACT.to_integral_value(nanos):
+        nanos = usd_to_nanos(usd)
+        if nanos is None:
             raise InvalidArgument("billed_usd", "must be exact to the nano-dollar")
         if not 0 <= nanos <= MAX_AMOUNT_NANOS:
             raise InvalidArgument("billed_usd", f"must be between 0 and {MAX_AMOUNT_NANOS} nanos")
-        return int(nanos)
+        return nanos
     return None
 
 
