@@ -129,7 +129,10 @@ def parse_duration(option: str, text: str) -> duration_pb2.Duration:
             f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not a duration (write 90s, 2m, 24h or 1d)",
             EXIT_BAD_VALUE,
         )
-    micros = decimal.Decimal(match["number"]) * MICROS_PER_UNIT[match["unit"] or "s"]
+    # Exact: the default 28 digits would round '1.0000000000000000000000000001s' to 1 s.
+    # A value of at most 64 characters times a day's microseconds fits 100 digits.
+    exact = decimal.Context(prec=100)
+    micros = exact.multiply(decimal.Decimal(match["number"]), MICROS_PER_UNIT[match["unit"] or "s"])
     if micros != micros.to_integral_value() or micros > MAX_DURATION_MICROS:
         raise CliError(
             f"{option}: {text!r} is finer than a microsecond or longer than 3,660 days",
