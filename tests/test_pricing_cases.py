@@ -72,7 +72,16 @@ def test_the_server_refuses_cache_parts_above_the_input(case: dict[str, Any]) ->
 def test_the_cases_cover_the_edges() -> None:
     caps, charges = CASES["caps"], CASES["charges"]
     milli = {case["bytes_per_token_milli"] for case in caps}
-    assert {"1000", "3500"} <= milli
+    # bytes_per_token at both ends of its range, and the largest request the
+    # ledger takes priced past int64 (the server refuses it; nobody may wrap).
+    assert {"100", "1000", "3500", "64000"} <= milli
+    assert any(
+        int(case["request_bytes"]) == 2**40
+        and int(case["max_output_tokens"]) == 10**12
+        and int(case["overhead_tokens"]) == 10**7
+        and int(case["cap_nanos"]) >= 2**63
+        for case in caps
+    )
     assert any(int(case["overhead_tokens"]) > 0 for case in caps)
     # The dearest-rate cap: a cache rate above the input rate decides it.
     assert any(
