@@ -163,7 +163,8 @@ function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
   }
   const json = { ...plan.json };
   const { maxOutputTokens: bound, changed: bounded } = ensureMaxTokens(json, plan, defaultMaxOutputTokens);
-  const maxOutputTokens = bound * choicesOf(json, plan);
+  // In BigInt: a bound times n past 2^53 reaches the range check exact, as in Python.
+  const maxOutputTokens = BigInt(bound) * BigInt(choicesOf(json, plan));
   const tagged = tagMetadata(json, reservationId);
   let asked = false;
   if (plan.chat && plan.stream) {

@@ -10,7 +10,7 @@ const net = require('node:net');
 const path = require('node:path');
 const { OpenAI } = require('openai');
 const { startLedger } = require('./ledger-server');
-const { LaneClient, ledgerFetch, isContextOverflow, UnknownModel } = require('..');
+const { LaneClient, ledgerFetch, isContextOverflow, UnknownModel, InvalidArgument } = require('..');
 const { neverSent, RESERVATION_HEADER } = require('../lib/providers');
 
 // 1,000 nanos an input token, 100 a cached one, 4,000 an output token.
@@ -267,6 +267,26 @@ test('a chat asking for n choices reserves the bound n times and is settled from
   assert.equal(booking.maxOutputTokens, 300n);
   assert.equal(booking.state, 'SETTLED');
   assert.equal(booking.amountNanos, 600n * 1000n + 400n * 100n + 300n * 4000n);
+});
+
+test('a bound times n past 2^53 is refused as max_output_tokens, as the Python client is, and sends nothing', async () => {
+  // 1,000,000,007 x 100,000,003 is about 1e17: a Number would round it before the range check.
+  const before = seen.length;
+  const errors = [];
+  const openai = new OpenAI({ apiKey: 'test', baseURL: `http://127.0.0.1:${provider.address().port}/v1`, fetch: async (...args) => {
+    try {
+      return await ledgerFetch(client)(...args);
+    } catch (error) {
+      errors.push(error);
+      throw error;
+    }
+  }, maxRetries: 0 });
+  await assert.rejects(openai.chat.completions.create({ model: 'm', max_tokens: 1_000_000_007, n: 100_000_003, messages: [{ role: 'user', content: 'ok' }] }));
+  assert.equal(errors.length, 1);
+  assert.ok(errors[0] instanceof InvalidArgument, `${errors[0]}`);
+  // The product is a whole number: refused for its size, not called no integer.
+  assert.match(errors[0].message, /max_output_tokens: must be between/);
+  assert.equal(seen.length, before, 'nothing reached the provider');
 });
 
 test('a Responses stream is settled from response.completed', async () => {
