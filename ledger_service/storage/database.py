@@ -68,9 +68,12 @@ def write_gate(engine: Engine) -> threading.Lock | None:
         return gate
 
 
-def write_problem(engine: Engine) -> str | None:
+def write_problem(engine: Engine, *, grow: bool = False) -> str | None:
     """Why this process cannot write the SQLite database, naming the file; None
     when it can (and always on PostgreSQL, whose server owns its files).
+    `grow`: commit a write too (the database's user_version, set to what it
+    is: one frame more in the write-ahead log), for a full disk or a file-size
+    limit, which fail only a write that makes a file longer.
 
     SQLite opens a file it may not write read-only without a word, and only a
     write fails, so the files' permissions are checked first and then a write
@@ -96,7 +99,12 @@ def write_problem(engine: Engine) -> str | None:
         try:
             connection.isolation_level = None
             connection.execute("BEGIN IMMEDIATE")
-            connection.execute("ROLLBACK")
+            if grow:
+                version = connection.execute("PRAGMA user_version").fetchone()[0]
+                connection.execute(f"PRAGMA user_version={int(version)}")
+                connection.execute("COMMIT")
+            else:
+                connection.execute("ROLLBACK")
         except sqlite3.Error as error:
             if translate.driver_code(error) in translate.CANNOT_WRITE:
                 return f"SQLite cannot write {database}: {error}"

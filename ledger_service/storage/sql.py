@@ -93,6 +93,9 @@ class SqlStore:
         self._damage_lock = threading.Lock()
         # SQLite: why this process cannot write the database, while it cannot.
         self._write_problem: str | None = None
+        # SQLite: a write failed, so the probe commits one (a full disk, say,
+        # passes a write transaction rolled back), until one commits.
+        self._write_failed = False
         # SQLite: the file was deleted or replaced under the server (for good).
         self._replaced: str | None = None
         # PostgreSQL: where readers stop (storage/horizon.py).
@@ -214,6 +217,7 @@ class SqlStore:
         code = translate.driver_code(foreign)
         if self._sqlite and code in translate.CANNOT_WRITE and self._write_problem is None:
             self._write_problem = f"a write failed ({code})"
+            self._write_failed = True
 
     def _begin_batch(self, connection: Connection) -> None:
         self._check_file(writing=True)
@@ -246,13 +250,15 @@ class SqlStore:
             # Connections SQLite opened read-only keep the process's hold on the
             # files read-only, the probe's too: only fresh ones can tell.
             self._engine.dispose()
-        problem = database.write_problem(self._engine)
+        problem = database.write_problem(self._engine, grow=self._write_failed)
+        self._write_failed = self._write_failed and problem is not None
         before, self._write_problem = self._write_problem, problem
         if problem is not None and (before is None or before.startswith("a write failed")):
             log.error(
                 "THE DATABASE CANNOT BE WRITTEN: %s. Health is NOT_SERVING and every move is "
                 "refused (STORE_UNAVAILABLE) until it can; give this process write access to "
-                "the file and its directory, and the server serves again by itself",
+                "the file and its directory, and room to make them longer (free disk space, "
+                "raise its file-size limit), and the server serves again by itself",
                 problem,
             )
         elif problem is None and before is not None:

@@ -99,9 +99,12 @@ MISSING_TABLE_ADVICE = (
 
 # SQLite's codes for a file this process may not write (a read-only file or
 # mount, a WAL file it cannot open, a file made immutable while open, whose
-# writes fail with an I/O error, as on a failing disk): not damage, and not
+# writes fail with an I/O error, as on a failing disk or past the process's
+# file-size limit, EFBIG; a full disk, SQLITE_FULL): not damage, and not
 # healed by a retry, but by an operator (SqlStore.check_writable looks again).
-CANNOT_WRITE = frozenset({"SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_IOERR"})
+CANNOT_WRITE = frozenset(
+    {"SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_IOERR", "SQLITE_FULL"}
+)
 
 # Python's sqlite3 names the error code (sqlite_errorname) when SQLite raised it;
 # an exception made elsewhere carries only SQLite's message.

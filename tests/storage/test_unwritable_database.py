@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import resource
 import subprocess
 import tempfile
 import time
@@ -216,3 +217,39 @@ def test_files_made_unwritable_while_serving_are_not_serving_until_they_can_be(
                 _writable(path)
         assert _health_becomes(channel, SERVING)
         assert _put_lane(channel, 2_000_000) is grpc.StatusCode.OK
+
+
+def test_a_file_that_cannot_grow_is_not_serving_until_it_can(data_dir: pathlib.Path) -> None:
+    """A full disk or a file-size limit (EFBIG: SQLITE_IOERR; ENOSPC:
+    SQLITE_FULL) fails only a write that grows a file: a write transaction
+    begun and rolled back still passes. The server used to stay SERVING while
+    every move failed, log 'the database can be written again' at every
+    probe, and one line per failed group commit that said neither what was
+    wrong nor what to do."""
+    log_path = data_dir / "server.log"
+    env = serving.clean_env(LEDGER_HEALTH_CHECK_INTERVAL_SECONDS="0.2")
+    with log_path.open("w") as log:
+        process, address = serving.spawn(
+            data_dir, "--insecure-no-auth", "--no-migrate", env=env, stderr=log
+        )
+    try:
+        with grpc.insecure_channel(address) as channel:
+            assert _health_becomes(channel, SERVING)
+            assert _put_lane(channel) is grpc.StatusCode.OK
+            wal = data_dir / "ledger.db-wal"
+            # The soft limit at the log's size: no write may make it longer.
+            resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (wal.stat().st_size, -1))
+            refused = [_put_lane(channel, 2_000_000 + n) for n in range(30)]
+            assert set(refused) == {grpc.StatusCode.UNAVAILABLE}
+            assert _health_becomes(channel, NOT_SERVING)
+            time.sleep(1.0)  # probes come and go: still not serving, nothing said again
+            assert _health_becomes(channel, NOT_SERVING)
+            logged = log_path.read_text()
+            assert logged.count("THE DATABASE CANNOT BE WRITTEN") == 1, logged
+            assert "the database can be written again" not in logged, logged
+            resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (-1, -1))
+            assert _health_becomes(channel, SERVING)
+            assert _put_lane(channel, 3_000_000) is grpc.StatusCode.OK
+            assert log_path.read_text().count("the database can be written again") == 1
+    finally:
+        serving.stop(process)
