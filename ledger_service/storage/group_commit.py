@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 # caller retries with the same id, and idempotency answers it).
 COMMIT_GRACE_SECONDS = 1.0
 
+# A database that fails every batch (a full disk) fails hundreds a second: one
+# line for the first, then at most one in this many seconds, counting the rest.
+FAILURE_LOG_SECONDS = 10.0
+
 
 class _Move(Generic[T]):
     """One caller's move. Its caller waits on `_signal`, a bare lock taken at
@@ -118,6 +122,9 @@ class GroupCommitter:
         self._queue: collections.deque[_Move[Any]] = collections.deque()
         self._leading = False
         self._stopped = False
+        # Failed batches not logged yet, and when the last line was (_log_failure).
+        self._failures_unlogged = 0
+        self._failure_logged_at: float | None = None
         self._idle = threading.Condition(self._mutex)
 
     def submit(self, work: Callable[[Connection], T], deadline: float) -> T:
@@ -228,7 +235,7 @@ class GroupCommitter:
             with translate.translated():
                 undone = self._run_batch(batch, outcomes)
         except LedgerError as error:
-            log.warning("group commit of %d moves failed: %s", len(batch), type(error).__name__)
+            self._log_failure(len(batch), error)
             self._on_error(error)
             # Damage is told as such; any other failure of the batch as unavailable.
             self._fail(batch, error if isinstance(error, StoreDamaged) else StoreUnavailable())
@@ -281,6 +288,26 @@ class GroupCommitter:
             else:
                 self._on_end(connection)
         return undone
+
+    def _log_failure(self, moves: int, error: LedgerError) -> None:
+        """One line for a failed batch, with the database's code and words, at
+        most one in FAILURE_LOG_SECONDS (leaders follow one another: no lock)."""
+        now = time.monotonic()
+        self._failures_unlogged += 1
+        last = self._failure_logged_at
+        if last is not None and now - last < FAILURE_LOG_SECONDS:
+            return
+        more, self._failures_unlogged = self._failures_unlogged - 1, 0
+        self._failure_logged_at = now
+        code = translate.driver_code(error.__cause__) if error.__cause__ else ""
+        log.warning(
+            "group commit of %d moves failed: %s (%s: %s)%s",
+            moves,
+            type(error).__name__,
+            code or "no code",
+            translate.driver_message(error) or "no message",
+            f"; {more} more failed since the last line" if more else "",
+        )
 
     def _fail(self, batch: list[_Move[Any]], error: BaseException) -> None:
         self._on_failure()
