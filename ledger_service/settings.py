@@ -143,6 +143,11 @@ class Settings:
     # and how long a stream whose reader takes nothing may stay blocked.
     watch_buffer_events: int = 10_000
     watch_stall_seconds: float = 30.0
+    # gRPC keepalive: the server pings a connection this long idle and drops
+    # it when the ping goes unanswered as long again. A stream whose reader
+    # froze (a paused VM, a silent partition) on a quiet lane has no event
+    # waiting, so only this gives its slot back; clients may ping this often.
+    keepalive_seconds: float = 20.0
     # Recovery (docs/recovery.md). A snapshot of the projections every this many
     # events (0: none), the newest snapshot_keep kept.
     snapshot_every_events: int = 10_000
@@ -259,6 +264,7 @@ _POSITIVE = frozenset(
         "max_concurrent_reconciles",
         "watch_buffer_events",
         "watch_stall_seconds",
+        "keepalive_seconds",
         "snapshot_keep",
         "recovery_batch_events",
         "recovery_sample_events",
@@ -354,10 +360,20 @@ def unread_variables(environment: Mapping[str, str]) -> list[str]:
 def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
     """The channel options of the ledger's grpc.server; the benchmark's echo
     baseline uses the same ones (without importing the server)."""
+    keepalive_ms = max(1, round(settings.keepalive_seconds * 1000))
     return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # Pings find a peer that stopped answering; gRPC's default is none
+        # (2 hours), and two pings without data, which a quiet stream is.
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_ms),
+        ("grpc.http2.ping_timeout_ms", keepalive_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+        # A client's own pings (`ledger history --follow`) are welcome as often.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms),
     ]
 
 

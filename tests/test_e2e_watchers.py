@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -169,3 +173,45 @@ def test_a_stop_ends_every_stream_as_unavailable(
     stopping.join(WAIT_SECONDS)
     assert not stopping.is_alive()
     channel.close()
+
+
+_FROZEN_READER = """
+import sys, time, grpc
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+channel = grpc.insecure_channel(sys.argv[1])
+stream = pb_grpc.LedgerStub(channel).WatchEvents(
+    pb.WatchEventsRequest(from_now=True), metadata=(("authorization", "Bearer " + sys.argv[2]),)
+)
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stream_whose_client_froze_on_a_quiet_log_gives_its_slot_back(
+    start_ledger_server: Callable[..., LedgerServer],
+) -> None:
+    """A reader that stopped answering (a paused VM, a silent network
+    partition, a SIGSTOP) on a quiet log has no event waiting, so the stall
+    limit never sees it: without keepalive pings its stream held a slot, and
+    one of its grant's 16, for as long as the TCP connection looked open."""
+    server = start_ledger_server(keepalive_seconds=0.5)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FROZEN_READER, f"127.0.0.1:{server.port}", server.admin_grant],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "open\n"
+        give_up = time.monotonic() + WAIT_SECONDS
+        while server.feed.open_streams() != 1:
+            assert time.monotonic() < give_up, "the stream never opened"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGSTOP)
+        give_up = time.monotonic() + WAIT_SECONDS
+        while server.feed.open_streams():
+            assert time.monotonic() < give_up, "the frozen reader's stream still holds its slot"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.communicate()
