@@ -190,6 +190,18 @@ function isJournalTrouble(error) {
   return error instanceof JournalError || error instanceof RangeError || typeof error?.code === 'string';
 }
 
+/**
+ * Whether nothing says what the call cost: still open, or ended UNKNOWN (timed
+ * out, cut off, the lane died) without a billed amount. The ledger will charge
+ * its hold, the estimate when one lowered it, but the provider may bill up to
+ * the cap: the allowance bounds what may have been spent.
+ */
+function costUnknown(entry) {
+  const ending = entry.ending;
+  if (ending === null) return true;
+  return ending.settlement === Settlement.SETTLE_UNKNOWN && (ending.usage === null || ending.usage.billedNanos === null);
+}
+
 function exhausted(message) {
   return { admitted: false, denialReason: DenialReason.ALLOWANCE_EXHAUSTED, message: `the ledger is unreachable and ${message}` };
 }
@@ -213,12 +225,12 @@ class Allowance {
     for (const entry of this._journal.pending()) {
       if (entry.source !== Source.ALLOWANCE) continue;
       calls += 1;
-      nanos += entry.ending === null ? this._openCost(entry) : entry.localChargeNanos;
+      nanos += costUnknown(entry) ? this._openCost(entry) : entry.localChargeNanos;
     }
     return { nanos, calls };
   }
 
-  /** An open call may cost its cap, whatever estimate lowered its hold. */
+  /** An open call, or one ended UNKNOWN without a bill, may cost its cap, whatever estimate lowered its hold. */
   _openCost(entry) {
     const priced = this._policy.localHold(entry.arguments);
     if (priced === null || priced.capNanos < entry.localHoldNanos) return entry.localHoldNanos;

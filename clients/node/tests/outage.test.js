@@ -235,7 +235,27 @@ describe('a bounded allowance', () => {
       return { connectionLost: true };
     });
     assert.equal(estimated.holdNanos, 700n);
-    assert.deepEqual(lane.allowanceUsed(), { calls: 2, nanos: 1_100n + 700n });
+    // The ledger will charge the lost call its hold, 700; it may have cost its cap.
+    assert.deepEqual(lane.allowanceUsed(), { calls: 2, nanos: 1_100n + HOLD_NANOS });
+  });
+
+  test('an unknown ending does not stretch the allowance: it counts at its cap, not its estimate', async () => {
+    // Counted at the estimate, ten calls capped at 2,000 nanos went through an allowance of 5,000.
+    const lane = client(allowance({ maxNanos: 5_000n }));
+    let admitted = 0;
+    for (let index = 0; index < 10; index += 1) {
+      const result = await lane.call({ ...REQUEST, estimateNanos: 10n }, async () => ({ timedOut: true }));
+      if (!result.admitted) {
+        assert.equal(result.reason, 'ALLOWANCE_EXHAUSTED');
+        break;
+      }
+      admitted += 1;
+    }
+    assert.equal(admitted, 2);
+    assert.equal(lane.allowanceUsed().nanos, 2n * HOLD_NANOS);
+    // The journal still says what the ledger will charge: the hold.
+    const charges = lane.journal.pending().filter((entry) => entry.source === 'allowance').map((entry) => entry.localChargeNanos);
+    assert.deepEqual(charges, [10n, 10n]);
   });
 
   test('a thrown error is journaled as its ending and rethrown', async () => {

@@ -173,12 +173,13 @@ class Allowance:
             if entry.source is Source.ALLOWANCE:
                 calls += 1
                 nanos += (
-                    self._open_cost(entry) if entry.ending is None else entry.local_charge_nanos
+                    self._open_cost(entry) if _cost_unknown(entry) else entry.local_charge_nanos
                 )
         return AllowanceUse(nanos, calls)
 
     def _open_cost(self, entry: JournalEntry) -> int:
-        """An open call may cost its cap, whatever estimate lowered its hold."""
+        """An open call, or one ended UNKNOWN without a bill, may cost its cap,
+        whatever estimate lowered its hold."""
         cap = self._policy.local_cap_nanos(entry.arguments)
         return entry.local_hold_nanos if cap is None else max(cap, entry.local_hold_nanos)
 
@@ -220,6 +221,20 @@ class Allowance:
         self._journal.record_end(
             reservation_id, ending, self._policy.local_charge_nanos(entry, ending)
         )
+
+
+def _cost_unknown(entry: JournalEntry) -> bool:
+    """Whether nothing says what the call cost: still open, or ended UNKNOWN
+    (timed out, cut off, the lane died) without a billed amount. The ledger
+    will charge its hold, the estimate when one lowered it, but the provider
+    may bill up to the cap: the allowance bounds what may have been spent."""
+    ending = entry.ending
+    if ending is None:
+        return True
+    usage = ending.usage
+    return ending.settlement is Settlement.SETTLE_UNKNOWN and (
+        usage is None or usage.billed_nanos is None
+    )
 
 
 def _exhausted(message: str) -> AllowanceVerdict:

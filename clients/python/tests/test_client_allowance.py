@@ -378,6 +378,33 @@ def test_an_estimate_does_not_stretch_the_allowance(fake, make_client, tmp_path)
     assert client._allowance.used().nanos == spent
 
 
+def test_an_unknown_ending_does_not_stretch_the_allowance(fake, make_client, tmp_path) -> None:
+    # A call that timed out may have cost its cap as much as an open one: the
+    # ledger will charge its estimate, but the allowance bounds what the lane
+    # may have spent unbooked. Counted at the estimate, ten calls capped at
+    # 2,000 nanos went through an allowance of 5,000.
+    client = make_client(allowance(tmp_path, max_nanos=5_000))
+    fake.reachable = False
+    admitted = 0
+    for _ in range(10):
+        try:
+            with client.model_call(
+                "model-a", REQUEST_BYTES, MAX_OUTPUT_TOKENS, estimate_nanos=10
+            ) as handle:
+                handle.failed(CallFailure.TIMEOUT)
+        except Denied as denied:
+            assert denied.denial_reason is DenialReason.ALLOWANCE_EXHAUSTED
+            break
+        admitted += 1
+    assert admitted == 2
+    assert client._allowance.used().nanos == 2 * HOLD_NANOS
+    # The journal still says what the ledger will charge: the hold.
+    charges = [
+        e.local_charge_nanos for e in client.journal.pending() if e.source is Source.ALLOWANCE
+    ]
+    assert charges == [10, 10]
+
+
 def test_an_open_call_counts_at_its_cap_not_its_estimate(fake, make_client, tmp_path) -> None:
     client = make_client(allowance(tmp_path, max_nanos=3_000))
     fake.reachable = False
