@@ -12,7 +12,7 @@ from ledger_client.settings import ClientSettings
 
 MAX_GRANT_LENGTH = 16 * 1024
 # A grant travels in an HTTP/2 header: visible ASCII, no spaces.
-_GRANT = re.compile(r"^[\x21-\x7e]+$")
+_GRANT = re.compile(r"[\x21-\x7e]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TlsSettings:
 
 
 def check_grant(grant: str) -> None:
-    if not 0 < len(grant) <= MAX_GRANT_LENGTH or not _GRANT.match(grant):
+    if not 0 < len(grant) <= MAX_GRANT_LENGTH or not _GRANT.fullmatch(grant):
         raise ValueError(
             f"a grant must be 1 to {MAX_GRANT_LENGTH} visible ASCII characters without spaces"
         )
