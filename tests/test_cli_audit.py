@@ -17,6 +17,7 @@ import subprocess
 import pytest
 
 from ledger_service.cli import exits, values
+from ledger_service.domain.grants import MAX_GRANT_LENGTH
 from ledger_service.storage import keyring
 from tests.test_cli import LEDGER, server_environment
 
@@ -147,6 +148,17 @@ def test_a_grant_with_a_character_no_grant_has_is_refused_naming_its_source(gran
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("ledger: --grant: not a grant"), done.stderr
+    assert done.returncode == exits.EXIT_BAD_VALUE
+
+
+def test_a_grant_longer_than_any_grant_is_refused_before_it_is_sent() -> None:
+    """Past 8 KiB of headers gRPC refuses some calls at random with RESOURCE_EXHAUSTED
+    (soft metadata limit), so the same bad grant was sometimes UNAUTHENTICATED."""
+    grant = "lg1.k1." + "a" * MAX_GRANT_LENGTH + ".b"
+    done = run_ledger("balance", "recall", "--server", "127.0.0.1:1", "--grant", grant)
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("ledger: --grant: not a grant"), done.stderr
+    assert grant not in done.stderr
     assert done.returncode == exits.EXIT_BAD_VALUE
 
 

@@ -18,7 +18,7 @@ export interface TlsOptions {
 }
 
 export interface LaneClientOptions {
-  /** Sent as `authorization: Bearer <grant>` on every call; a function is called per call. 1 to 16,384 visible ASCII characters without spaces, or a TypeError that never quotes it. */
+  /** Sent as `authorization: Bearer <grant>` on every call; a function is called per call. 1 to 4,096 visible ASCII characters without spaces (the longest grant the ledger takes), or a TypeError that never quotes it. */
   grant?: string | (() => string | Promise<string>);
   /** true: TLS with the system's roots. Left out: plaintext. */
   tls?: boolean | TlsOptions;

@@ -28,7 +28,7 @@ from ledger_service.cli.values import (
     MAX_VALUE_LENGTH,
     parse_timeout_seconds,
 )
-from ledger_service.domain.grants import GrantRejected, decode_unverified
+from ledger_service.domain.grants import MAX_GRANT_LENGTH, GrantRejected, decode_unverified
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.settings import data_dir_from_environment
 from ledger_service.storage import keyring
@@ -157,6 +157,13 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
     server = resolve_server(arguments.server)
     timeout_seconds = parse_timeout_seconds(arguments.timeout)
     grant, grant_source = resolve_grant(arguments.grant)
+    if len(grant) > MAX_GRANT_LENGTH:
+        # Longer than any grant: past 8 KiB of headers gRPC refuses some calls at
+        # random with RESOURCE_EXHAUSTED, the others would be UNAUTHENTICATED.
+        raise CliError(
+            f"{grant_source}: not a grant (longer than {MAX_GRANT_LENGTH} characters)",
+            EXIT_BAD_VALUE,
+        )
     if not _GRANT_CHARACTERS.fullmatch(grant):
         # gRPC would refuse the header itself, with a C-core log line and "Invalid
         # metadata (INTERNAL)": a grant pasted with a line break, a space or a quote.

@@ -50,7 +50,10 @@ function checkLane(lane) {
 
 // A grant travels in an HTTP/2 header: visible ASCII, no spaces (as the Python
 // client's channels.check_grant).
-const MAX_GRANT_LENGTH = 16 * 1024;
+// The longest grant the ledger takes (ledger_service/domain/grants.py): a longer
+// one could only be refused, and past 8 KiB of headers gRPC refuses some calls at
+// random with RESOURCE_EXHAUSTED, taken for an overloaded ledger.
+const MAX_GRANT_LENGTH = 4096;
 const GRANT = /^[\x21-\x7e]+$/;
 
 /**

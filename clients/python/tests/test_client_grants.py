@@ -21,6 +21,10 @@ GRANT = "lg1.k3f9a01c2.eyJleHAiOjE4fQ.q0JxSECRETSIGNATURE5Uk"
         f"{GRANT} x",
         f"{GRANT}\u00e9",
         "",
+        # Longer than the ledger takes (4096): past 8 KiB of headers gRPC refused
+        # some calls at random with RESOURCE_EXHAUSTED, which the client raised
+        # as LedgerOverloaded (an outage), the others UNAUTHENTICATED.
+        "x" * 4097,
         "x" * (16 * 1024 + 1),
     ],
 )
