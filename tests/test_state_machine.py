@@ -282,7 +282,13 @@ class LedgerMachine(RuleBasedStateMachine):
     def fresh_lane(self) -> None:
         number = next(_lane_numbers)
         self.lane = f"walk-{number}"
-        self.now_us = self.harness.set_time_us(self.harness.START_US + number * EXAMPLE_SPACING_US)
+        # Past the clock too: a long walk may have moved it beyond its own stretch,
+        # and a ledger's time never runs back before its last event.
+        start_us = max(
+            self.harness.START_US + number * EXAMPLE_SPACING_US,
+            self.harness.now_us() + EXAMPLE_SPACING_US,
+        )
+        self.now_us = self.harness.set_time_us(start_us)
         self.put_lane_policy(self.limit_nanos, True)
 
     def put_lane_policy(self, limit_nanos: int, expire_charge_hold: bool) -> None:
