@@ -320,6 +320,7 @@ _OTHER_VARIABLES = frozenset(
         "LEDGER_TLS_CLIENT_CERT",
         "LEDGER_TLS_CLIENT_KEY",
         "LEDGER_TLS_SERVER_NAME",
+        "LEDGER_CLIENT_KEEPALIVE_SECONDS",
         "LEDGER_VERIFY_WINDOWS",
         "LEDGER_ADDRESS",
         "LEDGER_BIN",
@@ -372,8 +373,10 @@ def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.http2.ping_timeout_ms", keepalive_ms),
         ("grpc.http2.max_pings_without_data", 0),
         # A client's own pings (`ledger history --follow`) are welcome as often.
+        # The C core's name for GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS:
+        # "min_recv_ping_..." is read by nothing, and left the 5-minute default.
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms),
     ]
 
 
