@@ -33,6 +33,7 @@ from ledger_service.cli import connection, exits, reconcile, render, values
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
+from tests.freezing_proxy import FreezingProxy
 from tests.security.test_tls import Issued, issue, make_ca
 
 LEDGER = pathlib.Path(sys.executable).parent / "ledger"
@@ -76,8 +77,11 @@ def server_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
 
 
-def start_ledger_process(data_dir: pathlib.Path) -> LedgerProcess:
-    """Starts `ledger serve` on port 0 and waits for its one 'listening' line."""
+def start_ledger_process(
+    data_dir: pathlib.Path, settings: dict[str, str] | None = None
+) -> LedgerProcess:
+    """Starts `ledger serve` on port 0 and waits for its one 'listening' line;
+    `settings` are LEDGER_* variables for the server."""
     command = [
         str(LEDGER),
         "serve",
@@ -89,7 +93,11 @@ def start_ledger_process(data_dir: pathlib.Path) -> LedgerProcess:
     ]
     with (data_dir / "server.log").open("w") as log:
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=log, text=True, env=server_environment()
+            command,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env={**server_environment(), **(settings or {})},
         )
     started = LedgerProcess(process, "", data_dir)
     assert process.stdout is not None
@@ -732,6 +740,67 @@ def test_history_follow_tails_until_ctrl_c(target: LedgerProcess, ledger: RunLed
             follower.communicate()
     assert follower.returncode == 0, err
     assert "Traceback" not in err
+
+
+def test_history_follow_ends_when_the_server_freezes(tmp_path: pathlib.Path) -> None:
+    """A server that stops answering (frozen, or behind a network that drops every
+    packet) ends a follow with one line and exit 3, found by the CLI's keepalive
+    pings: the stream has no deadline, so nothing else would end it."""
+    # The server accepts client pings as often as every keepalive_seconds.
+    served = start_ledger_process(tmp_path, {"LEDGER_KEEPALIVE_SECONDS": "1"})
+    host, port = served.address.rsplit(":", 1)
+    proxy = FreezingProxy(host, int(port))
+    environment = {
+        **server_environment(),
+        "LEDGER_SERVER": f"127.0.0.1:{proxy.port}",
+        "LEDGER_DATA_DIR": str(tmp_path),
+        "LEDGER_CLIENT_KEEPALIVE_SECONDS": "2",
+    }
+    follower = subprocess.Popen(
+        [str(LEDGER), "history", "--follow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        preexec_fn=_default_sigint,
+    )
+    try:
+        assert follower.stdout is not None
+        assert follower.stdout.readline().startswith("SEQ")
+        proxy.freeze()
+        started = time.monotonic()
+        _, err = follower.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+        proxy.close()
+        served.stop()
+    assert follower.returncode == exits.EXIT_UNREACHABLE, err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1, err
+    assert f"the ledger at 127.0.0.1:{proxy.port} " in err, err
+    assert took < 15, took
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "ten", "1e9"])
+def test_a_bad_client_keepalive_is_refused_before_any_call(
+    target: LedgerProcess, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    monkeypatch.setenv("LEDGER_CLIENT_KEEPALIVE_SECONDS", text)
+    run = ledger("history")
+    assert one_line_error(run).startswith("ledger: LEDGER_CLIENT_KEEPALIVE_SECONDS: ")
+    assert run.code == exits.EXIT_BAD_VALUE
+
+
+def test_the_client_keepalive_pings_no_faster_than_the_server_accepts() -> None:
+    """The default interval keeps a margin over the server's default keepalive_seconds,
+    the fastest it takes a client's pings without GOAWAY too_many_pings."""
+    options = dict(connection.keepalive_options(connection.DEFAULT_KEEPALIVE_SECONDS))
+    server_default = Settings.__dataclass_fields__["keepalive_seconds"].default
+    assert options["grpc.keepalive_time_ms"] >= 1.25 * server_default * 1000
+    assert options["grpc.http2.max_pings_without_data"] == 0
 
 
 # Errors --------------------------------------------------------------------

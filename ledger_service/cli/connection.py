@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import pathlib
 import re
@@ -34,6 +35,16 @@ from ledger_service.settings import data_dir_from_environment
 from ledger_service.storage import keyring
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+# Keepalive pings, so that a call that waits (`history --follow`, a long
+# reconcile) on a server that froze, or behind a network that silently drops
+# packets, ends instead of hanging for ever. The server accepts a client's
+# pings no more often than its `keepalive_seconds` (20 by default) and sends
+# GOAWAY too_many_pings past that: 30 s keeps a margin. A ping unanswered for
+# the interval (at most KEEPALIVE_TIMEOUT_SECONDS) ends the call UNAVAILABLE.
+KEEPALIVE_VARIABLE = "LEDGER_CLIENT_KEEPALIVE_SECONDS"
+DEFAULT_KEEPALIVE_SECONDS = 30.0
+KEEPALIVE_TIMEOUT_SECONDS = 20.0
+MAX_KEEPALIVE_SECONDS = 3600.0
 MAX_GRANT_BYTES = 16 * 1024
 # Paging: every listing stops after MAX_PAGES pages of PAGE_SIZE, whatever the server says.
 PAGE_SIZE = 1000
@@ -89,6 +100,8 @@ class Session:
     tls: Tls | None = None
     # The grant sent, to say why the server refused it ("" when none).
     grant: str = ""
+    # How often a call's silent connection is pinged (LEDGER_CLIENT_KEEPALIVE_SECONDS).
+    keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
 
     def options(self) -> dict[str, Any]:
         return {"timeout": self.timeout_seconds, "metadata": self.metadata}
@@ -147,6 +160,43 @@ def resolve_grant(given: str | None) -> tuple[str, str]:
         raise CliError(f"cannot read the grant in {path}: {error.__class__.__name__}") from None
 
 
+def resolve_keepalive_seconds() -> float:
+    """LEDGER_CLIENT_KEEPALIVE_SECONDS, else 30: how long a call's connection may stay
+    silent before the CLI pings the server (and how long it waits for the answer, at
+    most 20 s). Below the server's `keepalive_seconds` the server ends the connection."""
+    text = os.environ.get(KEEPALIVE_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_KEEPALIVE_SECONDS
+    try:
+        seconds = float(text) if text.isascii() else math.nan
+    except ValueError:
+        seconds = math.nan
+    if not 0.1 <= seconds <= MAX_KEEPALIVE_SECONDS:  # NaN included
+        raise CliError(
+            f"{KEEPALIVE_VARIABLE}: {text[:MAX_VALUE_LENGTH]!r} is not a number of seconds "
+            f"between 0.1 and {MAX_KEEPALIVE_SECONDS:g}",
+            EXIT_BAD_VALUE,
+        )
+    return seconds
+
+
+def keepalive_options(seconds: float) -> list[tuple[str, int]]:
+    """The channel options of a CLI channel that pings every `seconds` while a call runs."""
+    interval_ms = round(seconds * 1000)
+    timeout_ms = round(min(seconds, KEEPALIVE_TIMEOUT_SECONDS) * 1000)
+    return [
+        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # What this gRPC reads as the keepalive ping's timeout (default 1 minute).
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        # Only while a call runs: an idle channel has nothing to lose.
+        ("grpc.keepalive_permit_without_calls", 0),
+        # gRPC's default stops after two pings with no data sent, which a quiet
+        # follow never sends: it would then hang again after a minute.
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 def admin_grant_path() -> pathlib.Path:
     """The server's admin.grant, in the data directory read as the server reads it."""
     return keyring.admin_grant_path(data_dir_from_environment())
@@ -174,10 +224,12 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
         )
     metadata = (("authorization", f"Bearer {grant}"),) if grant else ()
     tls = resolve_tls(arguments)
+    keepalive_seconds = resolve_keepalive_seconds()
+    options = keepalive_options(keepalive_seconds)
     channel = (
-        grpc.insecure_channel(server)
+        grpc.insecure_channel(server, options=options)
         if tls is None
-        else grpc.secure_channel(server, tls.credentials(), options=tls.options())
+        else grpc.secure_channel(server, tls.credentials(), options=[*options, *tls.options()])
     )
     with channel:
         yield Session(
@@ -189,6 +241,7 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
             grant_source=grant_source if grant else "",
             tls=tls,
             grant=grant,
+            keepalive_seconds=keepalive_seconds,
         )
 
 
@@ -225,6 +278,19 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
 def _unreachable(session: Session, details: str) -> str:
     """Why no call got through: nobody listening, or a TLS handshake that failed, and why."""
     server, tls = session.server, session.tls
+    if "ping timeout" in details or "keepalive" in details.lower():
+        # The connection was up: the server (or the network to it) went silent.
+        waited = min(session.keepalive_seconds, KEEPALIVE_TIMEOUT_SECONDS)
+        return (
+            f"the ledger at {server} stopped answering: no reply to a keepalive ping "
+            f"within {waited:g} s (is it frozen, or the network to it down?)"
+        )
+    if "too_many_pings" in details:
+        return (
+            f"the ledger at {server} ended the connection: pinged too often (GOAWAY "
+            f"too_many_pings); set {KEEPALIVE_VARIABLE} at or above the server's "
+            "keepalive_seconds (20 by default)"
+        )
     closed = "Socket closed" in details or "Connection reset" in details
     if tls is None:
         if closed:
