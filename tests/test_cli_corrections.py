@@ -288,7 +288,8 @@ def test_lane_put_takes_a_max_charge_multiple_and_cache_prices(
     ("value", "code", "start"),
     [
         ("ten", exits.EXIT_BAD_VALUE, "ledger: --max-charge-multiple: "),
-        ("-1", exits.EXIT_FAILED, "ledger: bad value for --max-charge-multiple (field "),
+        # Negative: refused by the CLI itself, as a negative amount is, not by the server.
+        ("-1", exits.EXIT_BAD_VALUE, "ledger: --max-charge-multiple: '-1' is negative"),
     ],
 )
 def test_a_bad_max_charge_multiple_names_the_option(
@@ -334,20 +335,29 @@ def test_settle_prices_cached_and_cache_write_tokens(
 
 
 @pytest.mark.parametrize(
-    ("extra", "option"),
+    ("extra", "start", "code"),
     [
-        (["--cached-input-tokens", "1801"], "--cached-input-tokens"),
-        (["--cache-write-tokens", "-1"], "--cache-write-tokens"),
+        (
+            ["--cached-input-tokens", "1801"],
+            "ledger: bad value for --cached-input-tokens (field ",
+            exits.EXIT_FAILED,
+        ),
+        # Negative: refused by the CLI itself, exit 2, not sent for the server to refuse.
+        (
+            ["--cache-write-tokens", "-1"],
+            "ledger: --cache-write-tokens: '-1' is negative",
+            exits.EXIT_BAD_VALUE,
+        ),
     ],
 )
 def test_bad_cache_token_counts_name_their_option(
-    target: LedgerProcess, ledger: RunLedger, extra: list[str], option: str
+    target: LedgerProcess, ledger: RunLedger, extra: list[str], start: str, code: int
 ) -> None:
     ledger("lane", "put", "cached-bad", "--limit", "$0.50", "--price", JEV_CACHE_PRICE)
     reserve(ledger, "cached-bad", "k-1")
     run = settle_real(ledger, "cached-bad", "k-1", *extra)
-    assert one_line_error(run).startswith(f"ledger: bad value for {option} (field "), run
-    assert run.code == exits.EXIT_FAILED
+    assert one_line_error(run).startswith(start), run
+    assert run.code == code
     words = settle_real(ledger, "cached-bad", "k-1", "--cache-write-tokens", "many")
     assert one_line_error(words).startswith("ledger: --cache-write-tokens: "), words
     assert words.code == exits.EXIT_BAD_VALUE

@@ -143,10 +143,16 @@ def parse_duration(option: str, text: str) -> duration_pb2.Duration:
 
 
 def parse_count(option: str, text: str) -> int:
-    """A whole number. A negative one goes to the server, which refuses it naming the field."""
+    """A whole number, 0 or more. Every count the CLI sends (bytes, tokens, an HTTP
+    status, a seq, a multiple) is: a negative one is refused here, exit 2, as a
+    negative amount is, not sent for the server to refuse with exit 1."""
     if not _COUNT.match(text.strip()) or not -MAX_INT64 <= int(text) <= MAX_INT64:
         raise CliError(
             f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not a whole number", EXIT_BAD_VALUE
+        )
+    if int(text) < 0:
+        raise CliError(
+            f"{option}: {text.strip()!r} is negative: a count is 0 or more", EXIT_BAD_VALUE
         )
     return int(text)
 
