@@ -19,6 +19,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 
+from ledger_service.application.budgets import lane_time
 from ledger_service.application.ports import StateTally, Store, StoreTransaction
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.clock import Clock
@@ -254,7 +255,9 @@ class Auditor:
             policy = tx.get_lane(lane)
             if policy is None:
                 raise LaneNotFound(lane)
-            now_us = self._clock.now_us()
+            # The lane's time, as a balance reads it: a lagging replica's bare
+            # clock would leave out what a faster one booked ahead.
+            now_us = lane_time(tx, [policy], self._clock.now_us())
             window_us = policy.window_us
             budget = [name for level in tx.subtree(lane, MAX_BUDGET_DEPTH) for name in level]
             tallies = tx.window_tally(budget, now_us, window_us)

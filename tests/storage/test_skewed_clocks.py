@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from ledger_service.application.audit import Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
@@ -131,3 +132,18 @@ def test_a_lagging_replica_counts_a_parents_bookings_after_a_put(
     assert not second.admitted, f"the lagging replica overbooked the parent ({how})"
     assert second.event.denied_by == "team"
     assert second.event.occurred_at_us >= first.event.occurred_at_us
+
+
+@pytest.mark.postgres
+def test_a_lagging_replicas_audit_counts_what_a_faster_one_booked(
+    replicas_store: SqlStore,
+) -> None:
+    """An audit reads at the lane's time, as a balance does: at the lagging
+    replica's bare clock it left out the booking the faster one dated ahead,
+    and said the lane had a hold's room its balance did not have."""
+    ahead, behind = _replicas(replicas_store)
+    behind.put_lane(RECALL)
+    ahead.reserve(_reserve("r1"))
+    audit = Auditor(replicas_store, behind.clock).audit("recall")
+    assert audit.open.count == 1, "the lagging replica's audit missed a hold"
+    assert audit.balance == behind.balance("recall")
