@@ -370,7 +370,8 @@ class Ledger:
             booking = tx.get_booking(lane, reservation_id)
             if booking is None:
                 raise BookingNotFound(lane, reservation_id)
-            return booking, self._clock.now_us(), policy.window_us
+            # The lane's time, as a balance reads it, so both agree on its deadline.
+            return booking, lane_time(tx, [policy], self._clock.now_us()), policy.window_us
 
         return self._store.run(work, write=False)
 

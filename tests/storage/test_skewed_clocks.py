@@ -147,3 +147,19 @@ def test_a_lagging_replicas_audit_counts_what_a_faster_one_booked(
     audit = Auditor(replicas_store, behind.clock).audit("recall")
     assert audit.open.count == 1, "the lagging replica's audit missed a hold"
     assert audit.balance == behind.balance("recall")
+
+
+@pytest.mark.postgres
+def test_a_lagging_replica_reads_a_booking_at_the_lanes_time(replicas_store: SqlStore) -> None:
+    """A booking read answers at the lane's time, as a balance does: at the
+    lagging replica's bare clock a hold the lane had expired (its window moved
+    past the deadline by a faster replica) read back open, while the balance
+    on the same replica no longer counted it held."""
+    ahead, behind = _replicas(replicas_store)
+    behind.put_lane(RECALL)
+    behind.reserve(_reserve("r0"))  # at START_US, due 120 s later
+    ahead.reserve(_reserve("r1"))  # ten minutes later: r0 is past its deadline
+    booking, now_us, _ = behind.booking("recall", "r0")
+    balance = behind.balance("recall")
+    assert now_us == balance.as_of_us
+    assert booking.is_expired_at(now_us), "read back open after the lane expired it"
