@@ -11,6 +11,9 @@ sum of the window: the pair assertion.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
+import time
 from collections.abc import Sequence
 
 from ledger_service.application.ports import EdgeQuery, StoreTransaction
@@ -47,13 +50,52 @@ class BudgetWindow:
         self.state = self.state.changed(before, after)
 
 
+log = logging.getLogger(__name__)
+
+# A clock this far behind a lane's time is told in the log, at most once a
+# minute: another replica's clock runs ahead, or this one stepped back, and the
+# skew is the error of every deadline and window edge (docs/postgresql.md).
+CLOCK_BEHIND_WARNING_US = 1_000_000
+CLOCK_BEHIND_LOG_SECONDS = 60.0
+
+
+class _BehindLog:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logged_at: float | None = None
+
+    def note(self, lane: str, behind_us: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._logged_at is not None and now - self._logged_at < CLOCK_BEHIND_LOG_SECONDS:
+                return
+            self._logged_at = now
+        log.warning(
+            "this server's clock is %.3f s behind the time of lane %r, which another replica "
+            "(or this one, before its clock stepped back) moved it to: moves are dated at the "
+            "lane's time, and holds expire and bookings age out by the fastest clock; keep the "
+            "replicas' clocks within a small part of the shortest hold ttl (docs/postgresql.md)",
+            behind_us / 1_000_000,
+            lane,
+        )
+
+
+_behind = _BehindLog()
+
+
 def lane_time(tx: StoreTransaction, budgets: Sequence[LanePolicy], clock_us: int) -> int:
     """The clock's instant, or, if later, the latest any budget's kept window was
     moved to. Replicas' clocks disagree: one that lags must not date a move
     before what a faster one recorded, or the bookings dated ahead would leave
     the window it reads and the budget would be spent twice."""
-    kept = (tx.window_state(budget.lane) for budget in budgets)
-    return max([clock_us, *(state.as_of_us for state in kept if state is not None)])
+    now_us, ahead = clock_us, ""
+    for budget in budgets:
+        state = tx.window_state(budget.lane)
+        if state is not None and state.as_of_us > now_us:
+            now_us, ahead = state.as_of_us, budget.lane
+    if now_us - clock_us > CLOCK_BEHIND_WARNING_US:
+        _behind.note(ahead, now_us - clock_us)
+    return now_us
 
 
 def open_windows(

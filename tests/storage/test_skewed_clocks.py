@@ -6,10 +6,12 @@ ahead stay in the window and the budget holds (both databases)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 
 import pytest
 
+from ledger_service.application import budgets
 from ledger_service.application.audit import Auditor
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
@@ -163,3 +165,20 @@ def test_a_lagging_replica_reads_a_booking_at_the_lanes_time(replicas_store: Sql
     balance = behind.balance("recall")
     assert now_us == balance.as_of_us
     assert booking.is_expired_at(now_us), "read back open after the lane expired it"
+
+
+def test_a_replica_whose_clock_lags_the_lanes_time_says_so_once(
+    store: SqlStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing else measures a skew: the replica that lags sees it, as the
+    lane's time ahead of its own clock, and tells it, once a minute at most."""
+    monkeypatch.setattr(budgets, "_behind", budgets._BehindLog())
+    ahead, behind = _replicas(store)
+    behind.put_lane(RECALL)
+    with caplog.at_level(logging.WARNING, logger=budgets.__name__):
+        ahead.reserve(_reserve("r1"))
+        assert not caplog.records, "the replica ahead has nothing to say"
+        behind.reserve(_reserve("r2"))
+        behind.reserve(_reserve("r3"))
+    [line] = [record.getMessage() for record in caplog.records]
+    assert "clock is 600.000 s behind the time of lane 'recall'" in line
