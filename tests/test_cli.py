@@ -709,11 +709,10 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_history_follow_tails_until_ctrl_c(target: LedgerProcess, ledger: RunLedger) -> None:
-    put_recall(ledger, "tail")
-    environment = {**os.environ, "LEDGER_SERVER": target.address}
-    follower = subprocess.Popen(
-        [str(LEDGER), "history", "tail", "--follow"],
+def _follower(arguments: list[str], environment: dict[str, str]) -> subprocess.Popen[str]:
+    """`ledger history ... --follow`, which ends on Ctrl-C, as a process of its own."""
+    return subprocess.Popen(
+        [str(LEDGER), "history", *arguments, "--follow"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -723,6 +722,12 @@ def test_history_follow_tails_until_ctrl_c(target: LedgerProcess, ledger: RunLed
         # the follower would inherit.
         preexec_fn=_default_sigint,
     )
+
+
+def test_history_follow_tails_until_ctrl_c(target: LedgerProcess, ledger: RunLedger) -> None:
+    put_recall(ledger, "tail")
+    environment = {**os.environ, "LEDGER_SERVER": target.address}
+    follower = _follower(["tail"], environment)
     try:
         assert follower.stdout is not None
         lines = [follower.stdout.readline() for _ in range(2)]
@@ -756,14 +761,7 @@ def test_history_follow_ends_when_the_server_freezes(tmp_path: pathlib.Path) -> 
         "LEDGER_DATA_DIR": str(tmp_path),
         "LEDGER_CLIENT_KEEPALIVE_SECONDS": "2",
     }
-    follower = subprocess.Popen(
-        [str(LEDGER), "history", "--follow"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment,
-        preexec_fn=_default_sigint,
-    )
+    follower = _follower([], environment)
     try:
         assert follower.stdout is not None
         assert follower.stdout.readline().startswith("SEQ")
