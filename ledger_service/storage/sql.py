@@ -38,6 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ledger_service.application import deadlines
@@ -166,6 +167,7 @@ class SqlStore:
             if isinstance(cause, PoolTimeoutError):
                 log.warning("no database connection free within the pool timeout")
             elif cause is not None and not translate.is_retryable(error):
+                self._note_cannot_write(cause)
                 driver = translate.driver_error(cause)
                 code = translate.driver_code(cause) or "no code"
                 said = translate.driver_message(cause)
@@ -218,6 +220,30 @@ class SqlStore:
         if self._sqlite and code in translate.CANNOT_WRITE and self._write_problem is None:
             self._write_problem = f"a write failed ({code})"
             self._write_failed = True
+        self._note_cannot_write(foreign)
+
+    def _note_cannot_write(self, foreign: BaseException) -> None:
+        """A PostgreSQL write refused (translate.CANNOT_WRITE_POSTGRES): said
+        once; health is NOT_SERVING until `ping` finds it may write again."""
+        code = translate.driver_code(foreign)
+        if not self._sqlite and code in translate.CANNOT_WRITE_POSTGRES:
+            with self._damage_lock:
+                first, self._write_problem = (
+                    self._write_problem is None,
+                    (f"{code}: {translate.driver_message(foreign)}"),
+                )
+            if first:
+                self._log_cannot_write(self._write_problem)
+
+    def _log_cannot_write(self, problem: str) -> None:
+        log.error(
+            "THE DATABASE CANNOT BE WRITTEN (%s): %s. Health is NOT_SERVING and every "
+            "move is refused (STORE_UNAVAILABLE) until it can; grant the ledger's role "
+            "INSERT and UPDATE on its tables, or make the database writable (a read-only "
+            "database or a standby), and the server serves again by itself",
+            database.redacted(database.source_url(self._engine)),
+            problem,
+        )
 
     def _begin_batch(self, connection: Connection) -> None:
         self._check_file(writing=True)
@@ -344,6 +370,27 @@ class SqlStore:
         bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds
         with self._translated(), self._watched(time.monotonic() + bound) as connection:
             connection.execute(select(literal(1))).scalar_one()
+            if self._write_problem is not None and not self._may_write(connection):
+                raise StoreUnavailable()
+
+    def _may_write(self, connection: Connection) -> bool:
+        """After a move was refused a write (translate.CANNOT_WRITE_POSTGRES):
+        whether the role may now write what a move writes, asked by statements
+        that change no row (PostgreSQL checks privileges and read-only-ness
+        before it looks for rows), in the ping's transaction, rolled back."""
+        try:
+            for statement in _WRITE_PROBES:
+                connection.exec_driver_sql(statement)
+        except DBAPIError as error:
+            if translate.driver_code(error) not in translate.CANNOT_WRITE_POSTGRES:
+                raise
+            return False
+        finally:
+            connection.rollback()
+        with self._damage_lock:
+            self._write_problem = None
+        log.info("the database can be written again")
+        return True
 
     def close(self, timeout_seconds: float = 10.0) -> bool:
         """Waits up to `timeout_seconds` for the commit under way; whether
@@ -354,6 +401,16 @@ class SqlStore:
         self._engine.dispose()
         return idle
 
+
+# What a move writes: the event, the booking's and the windows' upserts, and
+# a PutLane's lane. Each statement matches no row.
+_WRITE_PROBES = tuple(
+    f"INSERT INTO {table} SELECT * FROM {table} WHERE false"
+    for table in ("events", "bookings", "window_states", "lanes")
+) + tuple(
+    f"UPDATE {table} SET {column} = {column} WHERE false"
+    for table, column in (("bookings", "lane"), ("window_states", "lane"), ("lanes", "lane"))
+)
 
 _OF_MEMBERS = bookings.c.lane.in_(bindparam("members", expanding=True))
 _OF_LANE = bookings.c.lane == bindparam("lane")

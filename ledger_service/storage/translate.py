@@ -106,6 +106,13 @@ CANNOT_WRITE = frozenset(
     {"SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_IOERR", "SQLITE_FULL"}
 )
 
+# PostgreSQL's codes for a database the ledger's role may read but not write:
+# a privilege revoked (42501 insufficient_privilege) or a read-only database
+# (25006 read_only_sql_transaction: default_transaction_read_only, a standby
+# after a failover). Not healed by a retry, but by an operator: health is
+# NOT_SERVING until SqlStore's probe may write again.
+CANNOT_WRITE_POSTGRES = frozenset({"42501", "25006"})
+
 # Python's sqlite3 names the error code (sqlite_errorname) when SQLite raised it;
 # an exception made elsewhere carries only SQLite's message.
 _SQLITE_MESSAGES = {

@@ -1,0 +1,70 @@
+"""A PostgreSQL database the ledger's role may read but not write: its INSERT
+on a table revoked, the database made read-only (default_transaction_read_only,
+a standby after a failover). Every move fails and only an operator can fix it,
+so health must turn NOT_SERVING, with one log line saying what to do, and turn
+SERVING again by itself once the writes are allowed. The probe used to be a
+bare SELECT 1, which such a database answers: health stayed SERVING while
+every move was refused.
+
+The tests connect as a superuser, whom privileges do not stop, so a statement
+trigger refuses the INSERT with the code PostgreSQL gives a revoked privilege
+(42501 insufficient_privilege); a statement trigger fires for an INSERT of no
+rows too, as a revoked privilege stops one."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from sqlalchemy import text
+
+from ledger_service.application.ledger import Ledger
+from ledger_service.domain.clock import ManualClock
+from ledger_service.domain.errors import StoreUnavailable
+from ledger_service.domain.moves import ReserveCommand
+from ledger_service.storage.sql import SqlStore
+from tests.storage.conftest import RECALL, START_US
+
+pytestmark = pytest.mark.postgres
+
+REFUSE = """
+CREATE FUNCTION refuse_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'permission denied for table events'
+  USING ERRCODE = '42501'; END $$;
+CREATE TRIGGER refuse_insert BEFORE INSERT ON events
+  FOR EACH STATEMENT EXECUTE FUNCTION refuse_insert();
+"""
+ALLOW = "DROP TRIGGER refuse_insert ON events; DROP FUNCTION refuse_insert();"
+
+
+def _execute(store: SqlStore, sql: str) -> None:
+    with store.engine.begin() as connection:
+        connection.exec_driver_sql(sql)
+
+
+def _reserve(rid: str) -> ReserveCommand:
+    return ReserveCommand(RECALL.lane, rid, "jev", 7_000, 200)
+
+
+def test_a_database_it_may_not_write_is_not_serving_until_it_may(
+    postgres_store: SqlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    assert ledger.reserve(_reserve("r-1")).admitted
+    postgres_store.ping()
+    _execute(postgres_store, REFUSE)
+    with caplog.at_level(logging.ERROR):
+        for rid in ("r-2", "r-3"):
+            with pytest.raises(StoreUnavailable):
+                ledger.reserve(_reserve(rid))
+    with pytest.raises(StoreUnavailable):
+        postgres_store.ping()
+    told = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(told) == 1, told
+    assert "THE DATABASE CANNOT BE WRITTEN" in told[0] and "42501" in told[0], told
+    _execute(postgres_store, ALLOW)
+    postgres_store.ping()
+    assert ledger.reserve(_reserve("r-4")).admitted
+    with postgres_store.engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM events")).scalar_one() == 3
