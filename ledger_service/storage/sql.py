@@ -92,6 +92,8 @@ class SqlStore:
         self._writer = WriterState()
         self._damage: StoreDamaged | None = None
         self._damage_lock = threading.Lock()
+        # A database refusing every call is said once an interval, not once a call.
+        self._error_log = Throttle(ERROR_LOG_INTERVAL_SECONDS)
         # SQLite: why this process cannot write the database, while it cannot.
         self._write_problem: str | None = None
         # SQLite: a write failed, so the probe commits one (a full disk, say,
@@ -165,13 +167,28 @@ class SqlStore:
         except StoreUnavailable as error:
             cause = error.__cause__
             if isinstance(cause, PoolTimeoutError):
-                log.warning("no database connection free within the pool timeout")
+                unsaid = self._error_log("pool")
+                if unsaid is not None:
+                    log.warning(
+                        "no database connection free within the pool timeout%s", _more(unsaid)
+                    )
             elif cause is not None and not translate.is_retryable(error):
                 self._note_cannot_write(cause)
                 driver = translate.driver_error(cause)
                 code = translate.driver_code(cause) or "no code"
                 said = translate.driver_message(cause)
-                log.warning("database error (%s): %s: %s", code, type(driver).__name__, said)
+                # libpq gives a failed connection no code: its words tell the
+                # kinds apart ("too many connections", "Connection refused").
+                kind = said[:120] if code == "no code" else code
+                unsaid = self._error_log(f"{type(driver).__name__} {kind}")
+                if unsaid is not None:
+                    log.warning(
+                        "database error (%s): %s: %s%s",
+                        code,
+                        type(driver).__name__,
+                        said,
+                        _more(unsaid),
+                    )
             raise
 
     @property
@@ -400,6 +417,38 @@ class SqlStore:
             self._watchdog.close()
         self._engine.dispose()
         return idle
+
+
+# A failure of one kind (its code and class) is logged at most once this often.
+ERROR_LOG_INTERVAL_SECONDS = 10.0
+
+
+class Throttle:
+    """Says whether a line of a kind may be logged now: the first at once, then
+    at most one an interval, with how many were held back since the last."""
+
+    def __init__(self, interval_seconds: float, clock: Callable[[], float] = time.monotonic):
+        self._interval = interval_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._said: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, kind: str) -> int | None:
+        """None: hold this one back; else how many of its kind were held back."""
+        now = self.clock()
+        with self._lock:
+            said_at, unsaid = self._said.get(kind, (float("-inf"), 0))
+            if now - said_at < self._interval:
+                self._said[kind] = (said_at, unsaid + 1)
+                return None
+            if len(self._said) > 64:  # kinds are few; never grow without bound
+                self._said.clear()
+            self._said[kind] = (now, 0)
+            return unsaid
+
+
+def _more(unsaid: int) -> str:
+    return f" (and {unsaid} more like it, not logged)" if unsaid else ""
 
 
 # What a move writes: the event, the booking's and the windows' upserts, and
