@@ -49,6 +49,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
 from ledger_service.storage import translate
+from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -57,10 +58,6 @@ log = logging.getLogger(__name__)
 # for that batch's commit before it gives up (the move may still commit: the
 # caller retries with the same id, and idempotency answers it).
 COMMIT_GRACE_SECONDS = 1.0
-
-# A database that fails every batch (a full disk) fails hundreds a second: one
-# line for the first, then at most one in this many seconds, counting the rest.
-FAILURE_LOG_SECONDS = 10.0
 
 
 class _Move(Generic[T]):
@@ -122,9 +119,8 @@ class GroupCommitter:
         self._queue: collections.deque[_Move[Any]] = collections.deque()
         self._leading = False
         self._stopped = False
-        # Failed batches not logged yet, and when the last line was (_log_failure).
-        self._failures_unlogged = 0
-        self._failure_logged_at: float | None = None
+        # A database that fails every batch (a full disk) fails hundreds a second.
+        self._failure_log = Throttle(ERROR_LOG_INTERVAL_SECONDS)
         self._idle = threading.Condition(self._mutex)
 
     def submit(self, work: Callable[[Connection], T], deadline: float) -> T:
@@ -291,14 +287,10 @@ class GroupCommitter:
 
     def _log_failure(self, moves: int, error: LedgerError) -> None:
         """One line for a failed batch, with the database's code and words, at
-        most one in FAILURE_LOG_SECONDS (leaders follow one another: no lock)."""
-        now = time.monotonic()
-        self._failures_unlogged += 1
-        last = self._failure_logged_at
-        if last is not None and now - last < FAILURE_LOG_SECONDS:
+        most one an interval."""
+        unsaid = self._failure_log("batch")
+        if unsaid is None:
             return
-        more, self._failures_unlogged = self._failures_unlogged - 1, 0
-        self._failure_logged_at = now
         code = translate.driver_code(error.__cause__) if error.__cause__ else ""
         log.warning(
             "group commit of %d moves failed: %s (%s: %s)%s",
@@ -306,7 +298,7 @@ class GroupCommitter:
             type(error).__name__,
             code or "no code",
             translate.driver_message(error) or "no message",
-            f"; {more} more failed since the last line" if more else "",
+            more(unsaid),
         )
 
     def _fail(self, batch: list[_Move[Any]], error: BaseException) -> None:

@@ -59,6 +59,7 @@ from ledger_service.storage import chaining, database, prepared, records, transl
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.horizon import CommitHorizon
 from ledger_service.storage.schema import bookings, events, lanes, window_states
+from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 from ledger_service.storage.writer import WriterState
 
 T = TypeVar("T")
@@ -94,7 +95,8 @@ class SqlStore:
         self._damage_lock = threading.Lock()
         # A database refusing every call is said once an interval, not once a call.
         self._error_log = Throttle(ERROR_LOG_INTERVAL_SECONDS)
-        # SQLite: why this process cannot write the database, while it cannot.
+        # Why this process cannot write the database, while it cannot (SQLite:
+        # the file; PostgreSQL: the role's privileges or a read-only database).
         self._write_problem: str | None = None
         # SQLite: a write failed, so the probe commits one (a full disk, say,
         # passes a write transaction rolled back), until one commits.
@@ -170,7 +172,7 @@ class SqlStore:
                 unsaid = self._error_log("pool")
                 if unsaid is not None:
                     log.warning(
-                        "no database connection free within the pool timeout%s", _more(unsaid)
+                        "no database connection free within the pool timeout%s", more(unsaid)
                     )
             elif cause is not None and not translate.is_retryable(error):
                 self._note_cannot_write(cause)
@@ -187,7 +189,7 @@ class SqlStore:
                         code,
                         type(driver).__name__,
                         said,
-                        _more(unsaid),
+                        more(unsaid),
                     )
             raise
 
@@ -417,38 +419,6 @@ class SqlStore:
             self._watchdog.close()
         self._engine.dispose()
         return idle
-
-
-# A failure of one kind (its code and class) is logged at most once this often.
-ERROR_LOG_INTERVAL_SECONDS = 10.0
-
-
-class Throttle:
-    """Says whether a line of a kind may be logged now: the first at once, then
-    at most one an interval, with how many were held back since the last."""
-
-    def __init__(self, interval_seconds: float, clock: Callable[[], float] = time.monotonic):
-        self._interval = interval_seconds
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._said: dict[str, tuple[float, int]] = {}
-
-    def __call__(self, kind: str) -> int | None:
-        """None: hold this one back; else how many of its kind were held back."""
-        now = self.clock()
-        with self._lock:
-            said_at, unsaid = self._said.get(kind, (float("-inf"), 0))
-            if now - said_at < self._interval:
-                self._said[kind] = (said_at, unsaid + 1)
-                return None
-            if len(self._said) > 64:  # kinds are few; never grow without bound
-                self._said.clear()
-            self._said[kind] = (now, 0)
-            return unsaid
-
-
-def _more(unsaid: int) -> str:
-    return f" (and {unsaid} more like it, not logged)" if unsaid else ""
 
 
 # What a move writes: the event, the booking's and the windows' upserts, and

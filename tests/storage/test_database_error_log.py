@@ -1,6 +1,6 @@
 """A database that refuses every move (connections all taken, the server
 down, a disk full) is told once, and then at most once every
-sql.ERROR_LOG_INTERVAL_SECONDS with a count, not once a call: two replicas
+throttle.ERROR_LOG_INTERVAL_SECONDS with a count, not once a call: two replicas
 under a 12-thread load wrote 570 identical warnings each in the 20 s that
 PostgreSQL's connection slots were all taken, and 600 in a 20 s stop.
 
@@ -17,7 +17,7 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.moves import ReserveCommand
-from ledger_service.storage import sql
+from ledger_service.storage import sql, throttle
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 
@@ -52,7 +52,7 @@ def test_a_failing_database_is_logged_once_an_interval_with_a_count(
 
     first = refused(40)
     assert len(first) == 1 and "53100" in first[0], first
-    now[0] += sql.ERROR_LOG_INTERVAL_SECONDS
+    now[0] += throttle.ERROR_LOG_INTERVAL_SECONDS
     later = refused(5)
     assert len(later) == 1 and "53100" in later[0], later
     assert "39 more like it" in later[0], later
