@@ -382,7 +382,12 @@ class LedgerServer:
             self.store.ping(timeout_seconds=self.settings.health_check_timeout_seconds)
         except (StoreDamaged, StoreUnavailable) as error:
             if self._database_answers.is_set():
-                what = "is damaged" if isinstance(error, StoreDamaged) else "does not answer"
+                what = (
+                    "is damaged"
+                    if isinstance(error, StoreDamaged)
+                    else "does not answer, or refuses a connection or a write (the lines "
+                    "before this one say which)"
+                )
                 log.warning("health: the database %s; NOT_SERVING", what)
             self._database_answers.clear()
             if not self._stopping.is_set():
