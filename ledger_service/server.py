@@ -222,7 +222,8 @@ class LedgerServer:
         self._health_probe = threading.Thread(target=self._probe, name="health", daemon=True)
         # For the local CLI and in-process tests: an admin grant, issued afresh every start.
         self.admin_grant = issue_admin_grant(settings, self.keyring)
-        self._auth = AuthInterceptor(self.keyring, SystemClock())
+        # Never read back: a system clock stepped back must not revive an expired grant.
+        self._auth = AuthInterceptor(self.keyring, SteadyClock(SystemClock()))
         self._tracing, self._messages = tracing.interceptors(
             self.telemetry.tracer, self.telemetry.meter
         )
