@@ -85,6 +85,9 @@ def load_or_create(data_dir: pathlib.Path) -> Keyring:
     return created
 
 
+_NOT_FAILED = object()
+
+
 class KeyringFile:
     """The keyring file of a running server, read again when it changes, so that
     a rotated or retired key takes effect without a restart (on every replica
@@ -94,7 +97,9 @@ class KeyringFile:
         self._path = keyring_path(data_dir)
         self.keyring = load_or_create(data_dir)
         self._seen = self._stamp()
-        self._unreadable: tuple[int, int, int] | None = None  # a changed file that failed
+        # The stamp of a changed file that failed (None: a missing file), or
+        # _NOT_FAILED; a missing file must be told, not taken for one told.
+        self._unreadable: object = _NOT_FAILED
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -115,10 +120,16 @@ class KeyringFile:
             # Read again at every check: a file made readable by `chown` or
             # `chmod` (no write, the same stamp) must still take effect.
             if stamp != self._unreadable:
-                log.error("%s; the keys read before stay in force", error)
+                restart = (
+                    "; a restart would create a new keyring and refuse every grant"
+                    " issued before: restore the file"
+                    if stamp is None
+                    else ""
+                )
+                log.error("%s; the keys read before stay in force%s", error, restart)
                 self._unreadable = stamp
             return None
-        self._seen, self._unreadable = stamp, None
+        self._seen, self._unreadable = stamp, _NOT_FAILED
         if keyring == self.keyring:
             return None
         self.keyring = keyring

@@ -342,3 +342,27 @@ def test_a_new_data_directory_and_database_are_their_owners_alone(tmp_path: path
         if (data_dir / name).exists():
             assert mode_of(data_dir / name) == 0o600, name
     assert (data_dir / "ledger.db").exists()
+
+
+def test_a_keyring_deleted_under_a_running_server_is_said_once(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A keyring deleted while serving keeps its keys in force, but a restart
+    would make a new one and refuse every grant: the log must say so then, not
+    only when the operator restarts."""
+    watched = keyring.KeyringFile(tmp_path)
+    kept = watched.keyring
+    path = tmp_path / "grant-keys.json"
+    saved = path.read_bytes()
+    path.unlink()
+    with caplog.at_level(logging.ERROR, logger="ledger_service.storage.keyring"):
+        assert watched.changed() is None, "the keys in force stay"
+        assert watched.changed() is None
+    lines = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(lines) == 1, lines
+    assert str(path) in lines[0] and "restore" in lines[0], lines[0]
+    assert watched.keyring == kept
+    path.write_bytes(saved)
+    path.chmod(0o600)
+    assert watched.changed() is None, "the same keys: nothing changed"
+    assert watched.keyring == kept
