@@ -115,6 +115,29 @@ def _resume_after_last_event(clock: ManualClock | SteadyClock, ledger: Ledger) -
     clock.resume_at(last_us)
 
 
+def _warn_new_keyring_beside_a_ledger(settings: Settings, ledger: Ledger) -> None:
+    """A keyring made at this start beside a database that already holds a
+    ledger: the data directory moved (LEDGER_DATA_DIR changed, the database
+    URL kept) or its keyring was lost, and every grant issued before is
+    refused. Said at start, with what to do, not first by the lanes."""
+    try:
+        events = ledger.last_seq()
+    except StoreUnavailable:
+        return
+    if events == 0:
+        return
+    log.warning(
+        "the database %s holds a ledger (%d events), but its grant keyring is new (%s): "
+        "every grant issued before this start is refused (UNAUTHENTICATED). If the data "
+        "directory moved, copy its grant-keys.json over this one (taken within a health "
+        "check), or restart with LEDGER_DATA_DIR (--data-dir) naming it; otherwise issue "
+        "the lanes new grants (docs/security.md)",
+        database.redacted(settings.database_url),
+        events,
+        keyring.keyring_path(settings.data_dir),
+    )
+
+
 class LedgerServer:
     def __init__(
         self,
@@ -194,6 +217,8 @@ class LedgerServer:
         )
         if resuming is not None and pending_migration is None:
             _resume_after_last_event(resuming, self.ledger)
+        if self._keyring_file.created and pending_migration is None:
+            _warn_new_keyring_beside_a_ledger(settings, self.ledger)
         # One reader of the log's tail for every WatchEvents stream.
         self.feed = EventFeed(
             self.ledger.read_events,

@@ -95,6 +95,9 @@ class KeyringFile:
 
     def __init__(self, data_dir: pathlib.Path) -> None:
         self._path = keyring_path(data_dir)
+        # Whether this start made the keyring (the server warns when the
+        # database it opens already holds a ledger: its grants are refused).
+        self.created = not self._path.exists()
         self.keyring = load_or_create(data_dir)
         self._seen = self._stamp()
         # The stamp of a changed file that failed (None: a missing file), or

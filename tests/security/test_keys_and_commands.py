@@ -366,3 +366,36 @@ def test_a_keyring_deleted_under_a_running_server_is_said_once(
     path.chmod(0o600)
     assert watched.changed() is None, "the same keys: nothing changed"
     assert watched.keyring == kept
+
+
+def test_a_new_keyring_beside_a_ledger_that_has_events_is_warned_about(
+    start_secure_ledger: Callable[..., SecureLedger],
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Restarted with another data directory (LEDGER_DATA_DIR changed, the
+    database URL kept), the server makes a new keyring and every lane's grant
+    is refused: the log must say why and what to do, not only that a keyring
+    was made."""
+    first = start_secure_ledger(tmp_path / "old")
+    issued = first.forge.grant([HOME_LANE], [Scope.READ])
+    first.server.stop(0)
+    url = f"sqlite:///{tmp_path / 'old' / 'ledger.db'}"
+    with caplog.at_level(logging.WARNING):
+        server = LedgerServer(security_settings(tmp_path / "new", database_url=url))
+    try:
+        said = " ".join(record.getMessage() for record in caplog.records)
+        assert "holds a ledger" in said and str(tmp_path / "new" / "grant-keys.json") in said, said
+        assert "grant-keys.json" in said and "UNAUTHENTICATED" in said, said
+        assert decode_unverified(issued).key_id not in server.keyring.keys
+    finally:
+        server.stop(0)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        fresh = LedgerServer(security_settings(tmp_path / "fresh"))
+    try:
+        said = " ".join(record.getMessage() for record in caplog.records)
+        assert "holds a ledger" not in said, "a first start is not warned about"
+    finally:
+        fresh.stop(0)
