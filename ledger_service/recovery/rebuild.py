@@ -139,6 +139,9 @@ class Outcome:
     ready: bool
     manifest: Manifest | None = None
     detail: str = ""
+    # The owner of another process's rebuild that holds the marker, which
+    # this one waits for ("" when none).
+    waiting_for: str = ""
 
 
 class ChainBroken(Exception):
@@ -688,7 +691,8 @@ class Recovery:
         if assessment.consistent:
             return Outcome(True, detail="the projections are consistent with the log")
         if assessment.rebuilding_elsewhere:
-            return Outcome(False, detail=assessment.findings[0])
+            owner = assessment.facts.position.owner if assessment.facts.position else ""
+            return Outcome(False, detail=assessment.findings[0], waiting_for=owner or "?")
         log.warning("projections need recovery: %s", "; ".join(assessment.findings))
         known: list[ChainBreak] = []
         # The marker a claim expects: the assessment's, then the one our own
@@ -915,6 +919,7 @@ class RecoveryGuard:
         self._last_check = time.monotonic()
         self._last_consistency = time.monotonic()
         self.manifest: Manifest | None = None
+        self._waiting_for = ""  # the owner of the other rebuild last logged
 
     @property
     def state(self) -> str:
@@ -989,6 +994,17 @@ class RecoveryGuard:
             self._set(self.PENDING)
             return
         self.manifest = outcome.manifest or self.manifest
+        if outcome.waiting_for and outcome.waiting_for != self._waiting_for:
+            # The state stays PENDING, which _set does not log again.
+            log.warning(
+                "projections pending: %s; moves are refused (RECOVERY_REQUIRED) until it "
+                "ends, or, if that process is gone (killed), until its claim lapses "
+                "%g s after its last heartbeat (rebuild_lease_seconds); checked every %g s",
+                outcome.detail,
+                self.recovery.settings.lease_seconds,
+                self._check_interval,
+            )
+        self._waiting_for = outcome.waiting_for
         if outcome.ready:
             self._set(self.READY)
         elif outcome.manifest is not None and not outcome.manifest.admissible:

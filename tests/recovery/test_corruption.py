@@ -6,6 +6,8 @@ what does not depend on the dialect (the suite must stay fast).
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from ledger_service.domain.errors import RecoveryRequired
@@ -15,6 +17,7 @@ from ledger_service.recovery.rebuild import (
     FULL_LOG_SOURCE,
     SNAPSHOT_ROWS_PER_EVENT,
     Recovery,
+    RecoveryGuard,
     Route,
 )
 from ledger_service.recovery.store import SqlRecoveryStore
@@ -411,3 +414,30 @@ def test_verify_reports_progress_within_a_lane(sqlite_history: History) -> None:
     assert len(seen) > report.lanes + 2, seen
     assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
     assert seen[-1] == ("verify", report.events, report.events)
+
+
+def test_a_server_waiting_for_another_rebuild_says_so_once(
+    sqlite_history: History, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server restarted after a kill -9 in its own start-up rebuild waits
+    out the dead process's lease (30 s), NOT_SERVING: the log must say what
+    it waits for and till when, not stay silent all that time."""
+    history = sqlite_history
+    dead = history.recovery(owner="server host:1")
+    dead.rebuild_uncommitted(dead.plan(dead.assess(), DEFAULT).routes["log"])
+    guard = RecoveryGuard(
+        history.recovery(owner="server host:2"),
+        DEFAULT,
+        actor="server host:2",
+        check_interval_seconds=5,
+        consistency_check_seconds=60,
+        snapshot_every_events=0,
+    )
+    with caplog.at_level(logging.WARNING, logger="ledger.recovery"):
+        guard.start()
+        guard.start()
+    said = [r.getMessage() for r in caplog.records if "server host:1" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "a rebuild by server host:1 is in progress" in said[0]
+    assert "rebuild_lease_seconds" in said[0] and "RECOVERY_REQUIRED" in said[0], said[0]
+    assert guard.state == RecoveryGuard.PENDING
