@@ -26,6 +26,7 @@ dropped and read again. It is dropped too when a batch fails. What it holds
 grows with the open holds and the bookings inside the windows of the budgets
 in use (about 200 MiB for a lane of 1,000,000: docs/benchmarks.md); a
 budget's queue is read from the bookings table when a move first needs it.
+A lane's deadline heap is forgotten once it has no open hold.
 """
 
 from __future__ import annotations
@@ -437,7 +438,7 @@ class WriterState:
         self, key: tuple[str, str], booking: Booking, saved: dict[str, WindowState]
     ) -> None:
         lane, reservation_id = key
-        open_here = self.open.setdefault(lane, {})
+        open_here = self.open.get(lane, {})
         entry = open_here.get(reservation_id)
         budgets = self.budgets_of(lane)
         if entry is not None:
@@ -447,6 +448,10 @@ class WriterState:
             else:
                 entry.booking = None
                 del open_here[reservation_id]
+                if not open_here:
+                    # Every entry of its deadline heap is an ended hold's.
+                    del self.open[lane]
+                    self.deadlines.pop(lane, None)
             return
         if booking.state is not BookingState.OPEN:
             # A denial counts in no window; an ended booking that changed (a

@@ -284,3 +284,56 @@ def test_a_settled_booking_ages_out_of_memory_at_its_settled_amount(tmp_path: Pa
         assert ledger.balance(PARENT.lane) == ledger.balance(PARENT.lane)
     finally:
         store.close()
+
+
+def _writer_entries(store: SqlStore) -> dict[str, int]:
+    """How much the writer holds (a count of entries, not bytes)."""
+    writer = store._writer
+    return {
+        "open": sum(len(found) for found in writer.open.values()),
+        "open lanes": len(writer.open),
+        "deadlines": sum(len(heap) for heap in writer.deadlines.values()),
+        "queues": len(writer.queues),
+        "queue entries": sum(len(queue.entries) for queue in writer.queues.values()),
+    }
+
+
+def _churn_then_idle(ledger: Ledger, clock: ManualClock) -> None:
+    """Forty lanes used for a while, each with holds settled, refunded and
+    left to expire, then left idle past every window while another lane's
+    moves go on, a second apart."""
+    ledger.put_lane(PARENT)
+    for index in range(40):
+        lane = f"idle-{index}"
+        ledger.put_lane(dataclasses.replace(CHILD, lane=lane))
+        for number in range(10):
+            rid = f"r{number}"
+            ledger.reserve(moves.ReserveCommand(lane, rid, "m", 100, 1))
+            if number % 3 == 0:
+                ledger.settle(moves.SettleCommand(lane, rid, Outcome.SUCCEEDED, 10, 1))
+            elif number % 3 == 1:
+                ledger.refund(moves.RefundCommand(lane, rid, http_status=429))
+            # else left open: expired by the sweep below
+            clock.advance_us(1_000)
+    # Every hold's deadline and every window (the parent's too) passes.
+    clock.advance_us(PARENT.window_us + SECOND_US)
+    while ledger.sweep(100):
+        pass
+    ledger.put_lane(OTHER)
+    for number in range(3):
+        clock.advance_us(SECOND_US)
+        ledger.reserve(moves.ReserveCommand(OTHER.lane, f"o{number}", "m", 100, 1))
+        ledger.settle(moves.SettleCommand(OTHER.lane, f"o{number}", Outcome.SUCCEEDED, 1, 1))
+
+
+def test_holds_that_ended_leave_the_writers_memory(tmp_path: Path) -> None:
+    """A server that runs for months: a lane left idle must not keep, for
+    ever, the deadlines of its holds that ended (nor an empty table of them)."""
+    clock = ManualClock(START_US)
+    ledger, store = _open(f"sqlite:///{tmp_path}/holds.db", clock, verify=False)
+    try:
+        _churn_then_idle(ledger, clock)
+        held = _writer_entries(store)
+        assert (held["open"], held["open lanes"], held["deadlines"]) == (0, 0, 0), held
+    finally:
+        store.close()
