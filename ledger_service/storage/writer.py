@@ -26,7 +26,9 @@ dropped and read again. It is dropped too when a batch fails. What it holds
 grows with the open holds and the bookings inside the windows of the budgets
 in use (about 200 MiB for a lane of 1,000,000: docs/benchmarks.md); a
 budget's queue is read from the bookings table when a move first needs it.
-A lane's deadline heap is forgotten once it has no open hold.
+A budget whose every booking has left its window is forgotten (checked once
+a second of the moves' time), as is a lane's deadline heap once it has no open
+hold: a lane left idle keeps only its policy and chain head.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ from ledger_service.storage.schema import (
 )
 
 T = TypeVar("T")
+# How often, in the moves' time, the writer forgets the budgets whose every
+# booking has left the window (a scan of every budget it holds).
+FORGET_EVERY_US = 1_000_000
 _EVENT_COLUMNS = tuple(column.name for column in events.c)
 
 _STATEMENTS = prepared.Statements(
@@ -193,6 +198,9 @@ class WriterState:
         self._data_version: int | None = None
         self._known: tuple[Any, ...] | None = None
         self._appended = False  # this batch wrote events
+        # The latest time a move kept a window at, and when budgets were last forgotten.
+        self._latest_us = 0
+        self._forgotten_at_us = 0
         self.clear()
 
     def clear(self) -> None:
@@ -238,6 +246,23 @@ class WriterState:
             if marker is not None:  # the marker row as the advance left it
                 marker = (self.last_seq, *marker[1:])
             self._known = (self.last_seq, marker)
+        if self._latest_us - self._forgotten_at_us >= FORGET_EVERY_US:
+            self._forgotten_at_us = self._latest_us
+            self.forget_aged_out(self._latest_us)
+
+    def forget_aged_out(self, now_us: int) -> None:
+        """Drops the queues whose every booking has left the budget's window at
+        `now_us` (a lane left idle would keep them for ever): read again, with
+        nothing in them, when a move next needs one."""
+        for lane, queue in list(self.queues.items()):
+            policy = self.lanes.get(lane)
+            windows = [found.window_us for found in (queue.state, policy) if found is not None]
+            if not windows:
+                continue
+            window_us = max(windows)  # a put may have widened it since the sums were kept
+            entries = queue.entries
+            if len(entries) == queue.start or entries[-1].reserved_at_us <= now_us - window_us:
+                del self.queues[lane]
 
     def failed(self) -> None:
         self.clear()
@@ -427,6 +452,7 @@ class WriterState:
             self.heads[event.lane] = event.hash
             self.last_seq = seq
         for state in move.saved_windows.values():
+            self._latest_us = max(self._latest_us, state.as_of_us)
             queue = self.queues.get(state.lane)
             if queue is not None:
                 queue.keep(state)

@@ -337,3 +337,21 @@ def test_holds_that_ended_leave_the_writers_memory(tmp_path: Path) -> None:
         assert (held["open"], held["open lanes"], held["deadlines"]) == (0, 0, 0), held
     finally:
         store.close()
+
+
+def test_bookings_that_aged_out_leave_the_writers_memory(tmp_path: Path) -> None:
+    """Nor the bookings that left its windows: once every window has passed,
+    the writer holds nothing of them, however many there were."""
+    clock = ManualClock(START_US)
+    ledger, store = _open(f"sqlite:///{tmp_path}/aged.db", clock, verify=False)
+    try:
+        _churn_then_idle(ledger, clock)
+        held = _writer_entries(store)
+        # OTHER's own queue, with its window's three bookings; nothing else.
+        assert (held["queues"], held["queue entries"]) == (1, 3), held
+        # What was dropped is read again when a lane is used again.
+        clock.advance_us(SECOND_US)
+        again = ledger.reserve(moves.ReserveCommand("idle-0", "again", "m", 100, 1))
+        assert again.balance.totals == ledger.balance("idle-0").totals
+    finally:
+        store.close()
