@@ -341,9 +341,11 @@ def test_holds_that_ended_leave_the_writers_memory(tmp_path: Path) -> None:
 
 def test_bookings_that_aged_out_leave_the_writers_memory(tmp_path: Path) -> None:
     """Nor the bookings that left its windows: once every window has passed,
-    the writer holds nothing of them, however many there were."""
+    the writer holds nothing of them, however many there were. Every window
+    a move reads is checked against a full sum (verify_windows), so a budget
+    forgotten and read again must give the same sums."""
     clock = ManualClock(START_US)
-    ledger, store = _open(f"sqlite:///{tmp_path}/aged.db", clock, verify=False)
+    ledger, store = _open(f"sqlite:///{tmp_path}/aged.db", clock)
     try:
         _churn_then_idle(ledger, clock)
         held = _writer_entries(store)
