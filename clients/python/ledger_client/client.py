@@ -7,9 +7,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -118,6 +117,11 @@ class LaneClient:
         self._refunds = BackgroundRefunds()
         self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
         self._closed = False
+        # Held while a call starts and while close() closes the channel: no call
+        # ever starts on a closed channel (with the tracing interceptor grpcio
+        # builds each call's handle on the channel anew, and on a closed one
+        # that is a segmentation fault, not an error).
+        self._starting = threading.Lock()
         self._channel = _traced(open_channel(address, tls, self.settings), address)
         try:
             self._stub = pb_grpc.LedgerStub(self._channel)
@@ -150,8 +154,10 @@ class LaneClient:
         if self._journal is not None:
             self._journal.close()
         self._refunds.wait(self.settings.deadline_seconds)
-        self._closed = True
-        self._channel.close()
+        with self._starting:
+            self._closed = True
+            # Calls under way are cut off (LedgerUnavailable); later ones never start.
+            self._channel.close()
 
     def __enter__(self) -> LaneClient:
         return self
@@ -186,7 +192,7 @@ class LaneClient:
 
     def _invoke(
         self,
-        method: Callable[..., _Response],
+        method: grpc.UnaryUnaryMultiCallable[Any, _Response],
         request: object,
         deadline_seconds: float | None,
         trace_id: str,
@@ -207,25 +213,24 @@ class LaneClient:
                 "none of which ended within the deadline",
             )
         try:
-            return method(
-                request,
-                timeout=max(timeout - (time.monotonic() - started), 0.001),
-                metadata=tuple(metadata),
-                wait_for_ready=False,
-            )
+            with self._starting:
+                if self._closed:
+                    # For a call that waited for a slot while the client closed,
+                    # or came after: not reachable from here, as the Node client says.
+                    raise LedgerUnavailable(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "",
+                        "the ledger call did not start: the client is closed",
+                    )
+                call = method.future(
+                    request,
+                    timeout=max(timeout - (time.monotonic() - started), 0.001),
+                    metadata=tuple(metadata),
+                    wait_for_ready=False,
+                )
+            return call.result()
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error
-        except ValueError as error:
-            if not self._closed:
-                raise
-            # grpcio's "Cannot invoke RPC on closed channel!", for a call that
-            # waited for a slot while the client closed: not reachable from here,
-            # as the Node client says.
-            raise LedgerUnavailable(
-                grpc.StatusCode.UNAVAILABLE,
-                "",
-                "the ledger call did not start: the client is closed",
-            ) from error
         finally:
             self._slots.release()
 

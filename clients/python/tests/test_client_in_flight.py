@@ -5,6 +5,7 @@ lane lost 94 of 108 calls while another sent 500 at once)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -100,3 +101,29 @@ def test_the_limit_is_checked() -> None:
         ClientSettings(max_calls_in_flight=0)
     with pytest.raises(TypeError, match="max_calls_in_flight"):
         ClientSettings(max_calls_in_flight=1.5)  # type: ignore[arg-type]
+
+
+def _call_after_close_in_a_child(port: int) -> None:
+    client = LaneClient(f"127.0.0.1:{port}", "recall", settings=ClientSettings())
+    client.close()
+    try:
+        client.settle("abc")  # a method this client had not called yet
+    except LedgerUnavailable:
+        raise SystemExit(0) from None
+    raise SystemExit(1)
+
+
+def test_a_call_after_close_is_unavailable_and_never_touches_the_closed_channel(
+    held: tuple[HeldReserves, int],
+) -> None:
+    """With the tracing extra the channel is intercepted, and grpcio's interceptor
+    builds each call's handle on the channel anew: on a closed one that was a
+    segmentation fault of the whole lane (a Settle retried, a background refund
+    or the replayer after close()). Run in a child process, which a crash kills."""
+    _, port = held
+    child = multiprocessing.get_context("spawn").Process(
+        target=_call_after_close_in_a_child, args=(port,)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0, f"the lane process ended with {child.exitcode}"
