@@ -193,3 +193,36 @@ def test_the_readme_allowance_copies_every_setting_the_cap_is_priced_by() -> Non
     assert example is not None
     assert "bytes_per_token_milli=" in example.group(1)
     assert "overhead_tokens=" in example.group(1)
+
+
+SDK_EXAMPLE_PREAMBLE = """import datetime
+
+from ledger_client import DenialReason, LaneClient
+
+ledger = LaneClient("127.0.0.1:1", "recall")
+OPENAI_KEY = ANTHROPIC_KEY = "key"
+
+
+def fallback(reason: DenialReason, retry_after: datetime.datetime | None) -> str:
+    return ""
+"""
+
+
+@pytest.mark.slow  # mypy reads the openai and anthropic SDKs: a minute or two without a cache
+def test_the_readme_sdk_example_type_checks_strictly(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane copies it into code its own `mypy --strict` checks: its types must
+    be the SDK's, and every name it uses exported and typed."""
+    from mypy import api
+
+    match = re.search(r"```python\n(.*?)```", section("The openai and anthropic SDKs"), re.DOTALL)
+    assert match is not None
+    example = tmp_path / "lane.py"
+    example.write_text(SDK_EXAMPLE_PREAMBLE + match.group(1))
+    monkeypatch.setenv("MYPYPATH", str(README.parent))
+    cache = README.parents[2] / ".mypy_cache"
+    out, err, status = api.run(
+        ["--strict", "--follow-imports=silent", "--cache-dir", str(cache), str(example)]
+    )
+    assert status == 0, out + err
