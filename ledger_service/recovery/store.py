@@ -73,6 +73,11 @@ from ledger_service.storage.translate import translated
 WRITE_GATE_TIMEOUT_SECONDS = 5.0
 # PostgreSQL: how long a snapshot waits for the appends in flight (settled_view).
 SETTLE_WAIT_MS = 1000
+# PostgreSQL: how long a planner's dry run (fold_events, dry_run) waits for a
+# row another transaction holds: a replica's rebuild, whose rows the dry run
+# would otherwise hold up (a deadlock, or the rebuild's lock_timeout) while it
+# waits. It gives up instead (StoreUnavailable) and plans at the next check.
+DRY_RUN_LOCK_WAIT_MS = 100
 
 STATE_CURRENT = "current"
 STATE_REBUILDING = "rebuilding"
@@ -964,6 +969,8 @@ class SqlRecoveryStore:
             refused = False
             error: IntegrityError | None = None
             try:
+                if dry_run and not self._sqlite:
+                    connection.exec_driver_sql(f"SET LOCAL lock_timeout = {DRY_RUN_LOCK_WAIT_MS}")
                 unknown = connection.exec_driver_sql(self._fold.unknown_kind, range_parameters)
                 refused = unknown.first() is not None
                 if not refused:

@@ -17,16 +17,19 @@ first has rebuilt them since, not rebuild them again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
+from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.moves import ReserveCommand
 from ledger_service.recovery.plan import RecoveryPolicy, Verdict
 from ledger_service.recovery.rebuild import Recovery
 from ledger_service.recovery.store import SqlRecoveryStore
-from tests.recovery.conftest import History
+from tests.recovery.conftest import History, open_history
 
 
 def _reserve(history: History, rid: str) -> None:
@@ -107,3 +110,29 @@ def test_a_recovery_after_another_replicas_rebuild_does_not_rebuild_again(
     # One rebuild, not a second one that refuses every move for nothing.
     assert outcomes.count("rebuilt") == 1, outcomes
     assert ours.assess().consistent
+
+
+@pytest.mark.postgres
+def test_a_planners_dry_run_gives_up_at_once_on_a_row_a_rebuild_holds(
+    postgres_schema_url: str,
+) -> None:
+    # Three replicas see the same damage; one claims and rebuilds while the
+    # others still plan, and each plan measures its rate by folding the log's
+    # first events into the live bookings in a transaction it rolls back. A
+    # dry run that met a row the rebuild had written waited for it (up to
+    # lock_timeout, 5 s) while it held the rows it had folded already, which
+    # the rebuild wanted next: the rebuild died of a deadlock or of its own
+    # lock_timeout, again and again (5 rebuilds and 47 s of refused moves for
+    # 4,910 events, three replicas under load). A dry run is only a
+    # measurement: it gives up at once, and plans again at the next check,
+    # when the rebuild's claim tells it to wait.
+    for history in open_history(postgres_schema_url, bookings=20):
+        history.sql("DELETE FROM bookings WHERE reservation_id = 'r3'")
+        planner = history.recovery("replica-b", sample_events=10_000)
+        with history.engine.connect() as rebuild, rebuild.begin():
+            rebuild.execute(sa.text("SELECT 1 FROM bookings FOR UPDATE"))
+            started = time.perf_counter()
+            with pytest.raises(StoreUnavailable):
+                planner.measure_rate()
+            waited = time.perf_counter() - started
+        assert waited < 1.0, f"the dry run waited {waited:.1f} s for the rebuild's rows"
