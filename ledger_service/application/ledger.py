@@ -29,6 +29,7 @@ from ledger_service.domain.errors import (
     BookingNotFound,
     InvalidArgument,
     LaneNotFound,
+    RecoveryRequired,
     SumOutOfRange,
 )
 from ledger_service.domain.events import Event, EventKind, Outcome, evolve
@@ -303,6 +304,8 @@ class Ledger:
         policy = _locked_lane(tx, command.lane, command.reservation_id)
         booking = tx.get_booking(command.lane, command.reservation_id)
         if booking is None:
+            if _in_the_log(tx, command.lane, command.reservation_id):
+                raise RecoveryRequired()  # its row was lost: the projections are not whole
             raise BookingNotFound(command.lane, command.reservation_id)
         now_us, windows = self._budget_windows(tx, policy)
         if booking.is_expired_at(now_us):
@@ -405,8 +408,19 @@ class Ledger:
 def _locked_lane(tx: StoreTransaction, lane: str, reservation_id: str = "") -> LanePolicy:
     policy = tx.lock_lane(lane, reservation_id)
     if policy is None:
+        if _in_the_log(tx, lane):
+            raise RecoveryRequired()  # its row was lost: the projections are not whole
         raise LaneNotFound(lane)
     return policy
+
+
+def _in_the_log(tx: StoreTransaction, lane: str, reservation_id: str = "") -> bool:
+    """Whether the log has an event of the lane (of the booking): asked only
+    where a move found no row for it. A row deleted by hand must not be
+    answered LANE_NOT_FOUND or BOOKING_NOT_FOUND, final answers, until the
+    next consistency check sees it (docs/recovery.md)."""
+    query = EventQuery(lane=lane, reservation_id=reservation_id, limit=1, lane_locked=True)
+    return bool(tx.list_events(query))
 
 
 def locked_ancestors(tx: StoreTransaction, policy: LanePolicy) -> list[LanePolicy]:

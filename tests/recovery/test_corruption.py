@@ -10,8 +10,9 @@ import logging
 
 import pytest
 
-from ledger_service.domain.errors import RecoveryRequired
-from ledger_service.domain.moves import ReserveCommand
+from ledger_service.domain.errors import BookingNotFound, LaneNotFound, RecoveryRequired
+from ledger_service.domain.events import Outcome
+from ledger_service.domain.moves import RefundCommand, ReserveCommand, SettleCommand
 from ledger_service.recovery.plan import RecoveryPolicy, Verdict
 from ledger_service.recovery.rebuild import (
     FULL_LOG_SOURCE,
@@ -441,3 +442,33 @@ def test_a_server_waiting_for_another_rebuild_says_so_once(
     assert "a rebuild by server host:1 is in progress" in said[0]
     assert "rebuild_lease_seconds" in said[0] and "RECOVERY_REQUIRED" in said[0], said[0]
     assert guard.state == RecoveryGuard.PENDING
+
+
+def test_a_move_on_a_lane_row_deleted_by_hand_is_refused_for_recovery_not_answered(
+    history: History,
+) -> None:
+    # A lanes row deleted under serving replicas: until a consistency check
+    # (every 60 s) saw it, every Reserve on the lane was answered
+    # LANE_NOT_FOUND, a final answer the client does not retry (all 8 threads
+    # of a load stopped on it within 0.3 s). The log says the lane exists.
+    history.sql("DELETE FROM lanes WHERE lane = 'recall'")
+    with pytest.raises(RecoveryRequired):
+        history.ledger.reserve(ReserveCommand("recall", "after-the-delete", "jev", 1_000, 10))
+    with pytest.raises(RecoveryRequired):
+        history.ledger.settle(SettleCommand("recall", "r1", Outcome.UNKNOWN))
+    # A lane the log never configured is still not found.
+    with pytest.raises(LaneNotFound):
+        history.ledger.reserve(ReserveCommand("nowhere", "r1", "jev", 1_000, 10))
+
+
+def test_a_settle_of_a_booking_row_deleted_by_hand_is_refused_for_recovery_not_answered(
+    history: History,
+) -> None:
+    # Likewise a booking's row: its Settle was answered BOOKING_NOT_FOUND.
+    history.sql("DELETE FROM bookings WHERE reservation_id = 'r1'")
+    with pytest.raises(RecoveryRequired):
+        history.ledger.settle(SettleCommand("recall", "r1", Outcome.UNKNOWN))
+    with pytest.raises(RecoveryRequired):
+        history.ledger.refund(RefundCommand("recall", "r1", 429))
+    with pytest.raises(BookingNotFound):
+        history.ledger.settle(SettleCommand("recall", "never-reserved", Outcome.UNKNOWN))
