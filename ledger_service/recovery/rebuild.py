@@ -221,9 +221,8 @@ class Recovery:
                     f"snapshot {snapshot.snapshot_id} is at event {snapshot.position_seq}, "
                     f"beyond the log's last event {facts.head_seq}: events are missing"
                 )
-        anchor = self._start_of_walk(snapshots, facts.head_seq)
         final = self._store.final_seq()
-        walk = self._walk(anchor, (final,))
+        anchor, walk = self._walk_from_trusted(snapshots, facts.head_seq, final, None)
         if walk.break_count:
             findings.append(
                 f"the hash chain is broken at {walk.break_count} event(s); first: "
@@ -265,6 +264,32 @@ class Recovery:
             points.append(checkpoint)
         # A verified point before a snapshot at the same event: it needs no trust.
         return max(points, key=lambda p: (p.position_seq, isinstance(p, ChainPoint)), default=None)
+
+    def _walk_from_trusted(
+        self,
+        snapshots: Sequence[SnapshotInfo],
+        head_seq: int,
+        position: int,
+        through_seq: int | None,
+    ) -> tuple[SnapshotInfo | ChainPoint | None, Walk]:
+        """`_walk` from the start `_start_of_walk` gives, noting the heads at
+        `position`.
+        A snapshot's heads are taken on its word, unchecked (its digest is
+        costly to read); where the walk from them finds a broken link, the
+        digest is checked, and a snapshot that does not give it (a row made
+        or copied by hand) is passed over for the next start, instead of
+        reporting links broken that are not."""
+        candidates = list(snapshots)
+        while True:
+            anchor = self._start_of_walk(candidates, head_seq)
+            walk = self._walk(anchor, (position,), through_seq)
+            if not walk.break_count or not isinstance(anchor, SnapshotInfo):
+                return anchor, walk
+            problem = self.check_snapshot(anchor)
+            if not problem:
+                return anchor, walk
+            log.warning("snapshot %d is not walked from: %s", anchor.snapshot_id, problem)
+            candidates = [s for s in candidates if s.snapshot_id != anchor.snapshot_id]
 
     def _lease_us(self) -> int:
         return int(self.settings.lease_seconds * MICROS_PER_SECOND)
@@ -615,7 +640,7 @@ class Recovery:
     def take_snapshot(self) -> SnapshotInfo | None:
         """Snapshots the projections if they are consistent with the log, then
         keeps the newest `snapshot_keep`. None (and a warning) when they are not."""
-        previous = next(iter(self._store.snapshots()), None)
+        snapshots = self._store.snapshots()
         with self._store.settled_view() as view:
             problems = projection_findings(view.facts)
             if problems:
@@ -628,11 +653,9 @@ class Recovery:
             snapshot_id = self._store.begin_snapshot(position, heads, taken_at_us)
             digest = ProjectionDigest(position, heads)
             self._write_chunks(snapshot_id, view, digest)
-        if previous is not None and previous.position_seq > position:
-            previous = None
-        walk = self._walk(previous, [position], position)
+        previous, walk = self._walk_from_trusted(snapshots, position, position, position)
         verified = (
-            (previous is None or previous.chain_verified)
+            _verified_from(previous)
             and walk.break_count == 0
             and walk.heads_at.get(position) == dict(heads)
         )

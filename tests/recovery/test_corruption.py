@@ -472,3 +472,35 @@ def test_a_settle_of_a_booking_row_deleted_by_hand_is_refused_for_recovery_not_a
         history.ledger.refund(RefundCommand("recall", "r1", 429))
     with pytest.raises(BookingNotFound):
         history.ledger.settle(SettleCommand("recall", "never-reserved", Outcome.UNKNOWN))
+
+
+def test_a_bogus_snapshot_inserted_by_hand_is_no_anchor_for_the_chain_walk(
+    sqlite_history: History,
+) -> None:
+    # A snapshot row copied by hand to a later position, its digest made up:
+    # the assessment walked the chain from its heads (the older snapshot's),
+    # found links "broken" that were not, and three replicas refused every
+    # move for a rebuild of whole projections; the snapshot taken after it
+    # then said "the chain before it did NOT check out", and every later one
+    # inherited that.
+    history = sqlite_history
+    recovery = history.recovery()
+    real = recovery.take_snapshot()
+    assert real is not None
+    for index in range(6):
+        history.ledger.reserve(ReserveCommand("recall", f"after-{index}", "jev", 1_000, 10))
+    later = int(history.scalar("SELECT MAX(seq) FROM events")) - 1  # type: ignore[call-overload]
+    history.sql(
+        "INSERT INTO snapshots (id, state, position_seq, taken_at_us, format_version, "
+        "lanes_count, bookings_count, digest, chain_heads_json, chain_verified) "
+        f"SELECT 100, state, {later}, taken_at_us, format_version, lanes_count, "
+        f"bookings_count, '{'ab' * 32}', chain_heads_json, chain_verified FROM snapshots "
+        f"WHERE id = {real.snapshot_id}",
+        "INSERT INTO snapshot_chunks (snapshot_id, chunk_no, kind, payload) "
+        "SELECT 100, chunk_no, kind, payload FROM snapshot_chunks "
+        f"WHERE snapshot_id = {real.snapshot_id}",
+    )
+    assessment = recovery.assess()
+    assert assessment.consistent, assessment.findings
+    taken = recovery.take_snapshot()
+    assert taken is not None and taken.chain_verified
