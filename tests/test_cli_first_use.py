@@ -325,13 +325,8 @@ def test_migrate_says_whether_it_created_upgraded_or_found_the_schema_current(
     assert upgraded.err == f"upgraded the schema from revision 0003 to {head} in {older}\n"
 
 
-def test_a_schema_of_a_newer_release_is_refused_in_one_line_by_migrate_and_serve(
-    ledger: RunLedger, tmp_path: pathlib.Path, no_database_settings: None
-) -> None:
-    # An older build pointed at a database a newer release has migrated (a
-    # rollback, a replica left behind): Alembic cannot find the revision, and
-    # both commands ended in its traceback, `serve` with exit 1 ("cannot listen").
-    url = f"sqlite:///{tmp_path / 'newer.db'}"
+def _migrated_by_a_newer_release(ledger: RunLedger, url: str) -> None:
+    """A database migrated here, then stamped with a revision this build has never heard of."""
     assert ledger("migrate", "--database-url", url).code == 0
     engine = create_engine(url)
     try:
@@ -339,6 +334,16 @@ def test_a_schema_of_a_newer_release_is_refused_in_one_line_by_migrate_and_serve
             connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
     finally:
         engine.dispose()
+
+
+def test_a_schema_of_a_newer_release_is_refused_in_one_line_by_migrate_and_serve(
+    ledger: RunLedger, tmp_path: pathlib.Path, no_database_settings: None
+) -> None:
+    # An older build pointed at a database a newer release has migrated (a
+    # rollback, a replica left behind): Alembic cannot find the revision, and
+    # both commands ended in its traceback, `serve` with exit 1 ("cannot listen").
+    url = f"sqlite:///{tmp_path / 'newer.db'}"
+    _migrated_by_a_newer_release(ledger, url)
     head = head_revision(url)
     for command_line in (
         ("migrate", "--database-url", url),
@@ -396,13 +401,7 @@ def test_the_recovery_commands_refuse_a_schema_of_another_release_in_one_line(
     # "the database is unavailable (...): no such column: events.cached_...".
     head = head_revision(f"sqlite:///{tmp_path / 'probe.db'}")
     newer = f"sqlite:///{tmp_path / 'newer.db'}"
-    assert ledger("migrate", "--database-url", newer).code == 0
-    engine = create_engine(newer)
-    try:
-        with engine.begin() as connection:
-            connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
-    finally:
-        engine.dispose()
+    _migrated_by_a_newer_release(ledger, newer)
     refused = ledger(*command, "--database-url", newer)
     assert refused.code == 2, refused
     said = one_line_error(refused)

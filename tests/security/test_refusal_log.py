@@ -10,15 +10,23 @@ import pytest
 from ledger_service.api.auth import RefusalLog
 
 
+def _refuse(refusals: RefusalLog, calls: range) -> None:
+    for index in calls:
+        refusals.write("refused call %d", index)
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records]
+
+
 def test_at_most_so_many_refusals_a_second_are_logged_and_the_rest_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     now = [100.0]
     refusals = RefusalLog(per_second=3, monotonic=lambda: now[0])
     with caplog.at_level("INFO", logger="ledger_service.api.auth"):
-        for index in range(8):
-            refusals.write("refused call %d", index)
-        assert [record.getMessage() for record in caplog.records] == [
+        _refuse(refusals, range(8))
+        assert _said(caplog) == [
             "refused call 0",
             "refused call 1",
             "refused call 2",
@@ -26,7 +34,7 @@ def test_at_most_so_many_refusals_a_second_are_logged_and_the_rest_counted(
         caplog.clear()
         now[0] = 101.5
         refusals.write("refused call %d", 8)
-        assert [record.getMessage() for record in caplog.records] == [
+        assert _said(caplog) == [
             "5 more refusals were not logged (at most 3 a second)",
             "refused call 8",
         ]
@@ -45,18 +53,15 @@ def test_the_count_left_out_of_a_burst_that_ends_is_written_a_second_later(
         later=lambda delay, action: scheduled.append((delay, action)),
     )
     with caplog.at_level("INFO", logger="ledger_service.api.auth"):
-        for index in range(6):
-            refusals.write("refused call %d", index)
+        _refuse(refusals, range(6))
         assert [delay for delay, _ in scheduled] == [1.0], "one flush, at the first left out"
         caplog.clear()
         scheduled[0][1]()
-        assert [record.getMessage() for record in caplog.records] == [
-            "4 more refusals were not logged (at most 2 a second)"
-        ]
+        assert _said(caplog) == ["4 more refusals were not logged (at most 2 a second)"]
         caplog.clear()
         now[0] = 101.5
         refusals.write("refused call %d", 6)
-        assert [record.getMessage() for record in caplog.records] == ["refused call 6"]
+        assert _said(caplog) == ["refused call 6"]
 
 
 def test_a_flush_of_an_earlier_burst_leaves_the_current_second_alone(
@@ -71,21 +76,16 @@ def test_a_flush_of_an_earlier_burst_leaves_the_current_second_alone(
         per_second=2, monotonic=lambda: now[0], later=lambda _, action: scheduled.append(action)
     )
     with caplog.at_level("INFO", logger="ledger_service.api.auth"):
-        for index in range(4):
-            refusals.write("refused call %d", index)
+        _refuse(refusals, range(4))
         now[0] = 101.2
-        for index in range(4, 8):
-            refusals.write("refused call %d", index)
+        _refuse(refusals, range(4, 8))
         caplog.clear()
         scheduled[0]()  # the first second's flush, late
-        for index in range(8, 10):
-            refusals.write("refused call %d", index)
-        assert [record.getMessage() for record in caplog.records] == []
+        _refuse(refusals, range(8, 10))
+        assert _said(caplog) == []
         assert len(scheduled) == 2, "one flush a second"
         scheduled[1]()
-        assert [record.getMessage() for record in caplog.records] == [
-            "4 more refusals were not logged (at most 2 a second)"
-        ]
+        assert _said(caplog) == ["4 more refusals were not logged (at most 2 a second)"]
 
 
 def test_a_burst_across_a_second_boundary_logs_no_more_within_a_second(
@@ -98,12 +98,10 @@ def test_a_burst_across_a_second_boundary_logs_no_more_within_a_second(
     now = [100.99]
     refusals = RefusalLog(per_second=3, monotonic=lambda: now[0], later=lambda *_: None)
     with caplog.at_level("INFO", logger="ledger_service.api.auth"):
-        for index in range(5):
-            refusals.write("refused call %d", index)
+        _refuse(refusals, range(5))
         now[0] = 101.01
-        for index in range(5, 10):
-            refusals.write("refused call %d", index)
-        assert [record.getMessage() for record in caplog.records] == [
+        _refuse(refusals, range(5, 10))
+        assert _said(caplog) == [
             "refused call 0",
             "refused call 1",
             "refused call 2",
@@ -111,7 +109,7 @@ def test_a_burst_across_a_second_boundary_logs_no_more_within_a_second(
         caplog.clear()
         now[0] = 101.995
         refusals.write("refused call %d", 10)
-        assert [record.getMessage() for record in caplog.records] == [
+        assert _said(caplog) == [
             "7 more refusals were not logged (at most 3 a second)",
             "refused call 10",
         ]
