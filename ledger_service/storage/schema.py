@@ -102,6 +102,13 @@ class EventRow(Base):
             sqlite_where=text("kind = 'corrected'"),
             postgresql_where=text("kind = 'corrected'"),
         ),
+        # The lanes the log configures, counted at every start (recovery/store.py).
+        Index(
+            "ix_events_lane_configured",
+            "lane",
+            sqlite_where=text("kind = 'lane_configured'"),
+            postgresql_where=text("kind = 'lane_configured'"),
+        ),
     )
 
 

@@ -1,0 +1,39 @@
+"""A partial index of the events that configure a lane.
+
+The start-up assessment counts the lanes the log configures, to compare with
+the lanes projected. Without this index that count reads every event (0.3 s
+of a restart with 2,000,001 events); with it, one entry a configuration.
+Moves append no lane_configured event, so they write nothing to it.
+
+Revision ID: 0008
+Revises: 0007
+Create Date: 2026-12-06 13:40:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0008"
+down_revision: str | None = "0007"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+_WHERE = sa.text("kind = 'lane_configured'")
+
+
+def upgrade() -> None:
+    op.create_index(
+        "ix_events_lane_configured",
+        "events",
+        ["lane"],
+        sqlite_where=_WHERE,
+        postgresql_where=_WHERE,
+    )
+
+
+def downgrade() -> None:
+    op.drop_index("ix_events_lane_configured", table_name="events")
