@@ -22,6 +22,7 @@ from ledger_client.errors import (
     BookingStillOpen,
     BookingWasDenied,
     ChargeExceedsCapMultiple,
+    ClientClosed,
     CorrectionConflict,
     InvalidArgument,
     LaneNotFound,
@@ -46,13 +47,18 @@ from ledger_client.outage import OutageMode, OutagePolicy
 from ledger_client.outcomes import CallFailure, CallNotSent, Ending, Settlement, Usage, classify
 from ledger_client.pricing import ModelPrice
 from ledger_client.replay import ReplayReport
-from ledger_client.settings import DEFAULT_DEADLINE_SECONDS, ClientSettings
+from ledger_client.settings import (
+    DEFAULT_CLOSE_GRACE_SECONDS,
+    DEFAULT_DEADLINE_SECONDS,
+    ClientSettings,
+)
 from ledger_client.usage import usage_of
 
 # The SDK integrations (the optional `openai` and `anthropic` extras) are in
 # ledger_client.providers, which this package does not import.
 __all__ = [
     "CONTEXT_OVERFLOW_REPLY",
+    "DEFAULT_CLOSE_GRACE_SECONDS",
     "DEFAULT_DEADLINE_SECONDS",
     "Balance",
     "BookingAlreadyEnded",
@@ -65,6 +71,7 @@ __all__ = [
     "CallNotSent",
     "CallSource",
     "ChargeExceedsCapMultiple",
+    "ClientClosed",
     "ClientSettings",
     "CorrectionConflict",
     "DenialReason",

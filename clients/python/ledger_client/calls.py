@@ -44,6 +44,7 @@ from ledger_client.errors import (
     BookingAlreadyEnded,
     BookingNotFound,
     BookingWasDenied,
+    ClientClosed,
     LedgerError,
     LedgerUnavailable,
     ReservationConflict,
@@ -268,6 +269,56 @@ class BackgroundRefunds:
             return self._changed.wait_for(lambda: self._running == 0, timeout_seconds)
 
 
+CLOSED_MESSAGE = (
+    "the lane client is closed: nothing was sent (a client is used until close(), "
+    "not after; make a new one)"
+)
+
+
+class CallGate:
+    """What close() waits for: the calls under way, each RPC and each
+    model_call block from its Reserve to its ending. Once closing, a new call
+    is refused (ClientClosed) while those already admitted, and the RPCs they
+    make, go on. One per LaneClient."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._under_way = 0
+        self._closing = False
+
+    def admit(self) -> None:
+        """Counts a new call in; ClientClosed once the client is closing."""
+        with self._changed:
+            if self._closing:
+                raise ClientClosed(CLOSED_MESSAGE)
+            self._under_way += 1
+
+    def join(self) -> None:
+        """Counts in a call made for one already admitted: never refused."""
+        with self._changed:
+            self._under_way += 1
+
+    def done(self) -> None:
+        with self._changed:
+            self._under_way -= 1
+            self._changed.notify_all()
+
+    def check(self) -> None:
+        """ClientClosed once the client is closing."""
+        with self._changed:
+            if self._closing:
+                raise ClientClosed(CLOSED_MESSAGE)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closing = True
+
+    def wait(self, timeout_seconds: float) -> bool:
+        """Waits until none is under way, at most this long; True if none is."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._under_way == 0, timeout_seconds)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallSupport:
     ledger: CallLedger
@@ -280,6 +331,8 @@ class CallSupport:
     end_attempts: int = DEFAULT_END_ATTEMPTS
     # The client's deadline, also the longest a Reserve waits for a refund of its id.
     deadline_seconds: float = DEFAULT_DEADLINE_SECONDS
+    # Refuses a block once the client is closing; counts it while under way.
+    gate: CallGate | None = None
 
 
 class CallSource(enum.Enum):
@@ -307,7 +360,7 @@ class CallHandle:
         self.ending: Ending | None = None
         # After the block: the ledger's answer, or why it is not there.
         self.result: Settled | Refunded | None = None
-        self.end_error: LedgerError | None = None
+        self.end_error: LedgerError | ClientClosed | None = None
         self.journaled = False
 
     def _report(self, ending: Ending) -> Settlement:
@@ -356,6 +409,17 @@ class ModelCall:
     def __enter__(self) -> CallHandle:
         if self._handle is not None:
             raise RuntimeError("a ModelCall is entered once; make a new one per call")
+        gate = self._support.gate
+        if gate is not None:
+            gate.admit()  # ClientClosed after close(): not an outage, nothing booked
+        try:
+            return self._enter()
+        except BaseException:
+            if gate is not None:
+                gate.done()
+            raise
+
+    def _enter(self) -> CallHandle:
         replayer = self._support.replayer
         if replayer is not None:
             # Before anything is journaled, so the replayer never takes this
@@ -387,6 +451,8 @@ class ModelCall:
         finally:
             if self._support.replayer is not None:
                 self._support.replayer.release(handle.reservation_id)
+            if self._support.gate is not None:
+                self._support.gate.done()
 
     # Entering --------------------------------------------------------------------
 
@@ -541,6 +607,12 @@ class ModelCall:
             handle.result = self._end(handle.reservation_id, ending)
         except LedgerUnavailable as error:
             handle.end_error = error
+            self._journal_ending(handle, ending)
+        except ClientClosed as error:
+            # close() cut the ending off once its grace was over: journaled if
+            # the journal is still open, else the hold expires.
+            handle.end_error = error
+            log.warning("the client closed before booking %s was ended", handle.reservation_id)
             self._journal_ending(handle, ending)
         except LedgerError as error:
             handle.end_error = error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import logging
 import secrets
@@ -23,12 +24,12 @@ from ledger_client.bookings import (
     check_reservation_id,
     new_reservation_id,
 )
-from ledger_client.calls import BackgroundRefunds, CallSupport, ModelCall
+from ledger_client.calls import BackgroundRefunds, CallGate, CallSupport, ModelCall
 from ledger_client.channels import TlsSettings, check_grant, open_channel
 from ledger_client.context import payload_bytes
 from ledger_client.errors import (
+    ClientClosed,
     LedgerOverloaded,
-    LedgerUnavailable,
     from_rpc_error,
     invalid_argument,
 )
@@ -38,7 +39,12 @@ from ledger_client.journal import Journal
 from ledger_client.outage import Allowance, OutageMode, OutagePolicy
 from ledger_client.outcomes import Ending, Settlement, Usage
 from ledger_client.replay import Replayer, ReplayReport
-from ledger_client.settings import MAX_DEADLINE_SECONDS, ClientSettings
+from ledger_client.settings import (
+    DEFAULT_CLOSE_GRACE_SECONDS,
+    MAX_DEADLINE_SECONDS,
+    ClientSettings,
+    require_number,
+)
 
 log = logging.getLogger("ledger_client")
 
@@ -116,6 +122,10 @@ class LaneClient:
         self._allowance: Allowance | None = None
         self._refunds = BackgroundRefunds()
         self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
+        self._gate = CallGate()
+        # The client as the calls it already admitted reach it (a block's
+        # Settle, a background refund, a replay): never refused while closing.
+        self._admitted = _Admitted(self)
         self._closed = False
         # Held while a call starts and while close() closes the channel: no call
         # ever starts on a closed channel (with the tracing interceptor grpcio
@@ -139,25 +149,33 @@ class LaneClient:
             max_bytes=self.settings.max_journal_bytes,
             rotate_bytes=self.settings.rotate_journal_bytes,
         )
-        self._replayer = Replayer(self, self._journal, self.settings)
+        self._replayer = Replayer(self._admitted, self._journal, self.settings)
         if self.outage.mode is OutageMode.ALLOWANCE:
             self._allowance = Allowance(self.outage, self._journal)
         if self.settings.replay_interval_seconds is not None:
             self._replayer.start(self.settings.replay_interval_seconds)
 
-    def close(self) -> None:
-        """Stops the replayer, closes the journal and the channel (after giving
-        the refunds of unanswered Reserves under way up to one deadline to
-        finish). Idempotent."""
+    def close(self, grace_seconds: float = DEFAULT_CLOSE_GRACE_SECONDS) -> None:
+        """Refuses new calls at once (ClientClosed), stops the replayer, waits
+        up to `grace_seconds` for the calls under way (model_call blocks with
+        their Settles and Refunds, other RPCs, refunds of unanswered Reserves)
+        to finish, then closes the channel, cancelling what is left
+        (ClientClosed), and the journal. Idempotent."""
+        require_number(grace_seconds, "grace_seconds")
+        if grace_seconds < 0:
+            raise ValueError("grace_seconds must be at least 0")
+        self._gate.close()
         if self._replayer is not None:
             self._replayer.stop()
-        if self._journal is not None:
-            self._journal.close()
-        self._refunds.wait(self.settings.deadline_seconds)
+        end = time.monotonic() + grace_seconds
+        self._gate.wait(grace_seconds)
+        self._refunds.wait(max(end - time.monotonic(), 0.0))
         with self._starting:
             self._closed = True
-            # Calls under way are cut off (LedgerUnavailable); later ones never start.
+            # Calls still under way are cut off; later ones never start.
             self._channel.close()
+        if self._journal is not None:
+            self._journal.close()
 
     def __enter__(self) -> LaneClient:
         return self
@@ -197,6 +215,25 @@ class LaneClient:
         deadline_seconds: float | None,
         trace_id: str,
     ) -> _Response:
+        """One RPC, counted for close(). One made for a call already under way
+        (through `_Admitted`: a block's Settle, a refund, a replay) goes on
+        while the client closes; any other is refused then."""
+        if _ADMITTED.get():
+            self._gate.join()
+        else:
+            self._gate.admit()  # ClientClosed once closing
+        try:
+            return self._invoke_counted(method, request, deadline_seconds, trace_id)
+        finally:
+            self._gate.done()
+
+    def _invoke_counted(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[Any, _Response],
+        request: object,
+        deadline_seconds: float | None,
+        trace_id: str,
+    ) -> _Response:
         metadata: list[tuple[str, str]] = []
         if self._grant is not None:
             metadata.append(("authorization", f"Bearer {self._grant}"))
@@ -215,13 +252,9 @@ class LaneClient:
         try:
             with self._starting:
                 if self._closed:
-                    # For a call that waited for a slot while the client closed,
-                    # or came after: not reachable from here, as the Node client says.
-                    raise LedgerUnavailable(
-                        grpc.StatusCode.UNAVAILABLE,
-                        "",
-                        "the ledger call did not start: the client is closed",
-                    )
+                    # A call that waited for a slot past close()'s grace: the
+                    # lane's own doing, not an outage.
+                    raise ClientClosed("the lane client closed: the call was not sent")
                 call = method.future(
                     request,
                     timeout=max(timeout - (time.monotonic() - started), 0.001),
@@ -230,6 +263,13 @@ class LaneClient:
                 )
             return call.result()
         except grpc.RpcError as error:
+            if self._closed and isinstance(error, grpc.Call):
+                # close() cancelled it once its grace was over.
+                raise ClientClosed(
+                    "the lane client closed while the call was under way: "
+                    "the ledger may have applied it",
+                    may_have_applied=True,
+                ) from error
             raise from_rpc_error(error) from error
         finally:
             self._slots.release()
@@ -254,9 +294,12 @@ class LaneClient:
             estimate_nanos=estimate_nanos,
             ttl_us=_micros_of(ttl),
         )
+        self._gate.check()
         # A refund of an unanswered Reserve of this id may have ended the booking
         # this Reserve would be admitted to (calls.BackgroundRefunds).
-        self._refunds.clear(self, arguments.reservation_id, "", self._deadline(deadline_seconds))
+        self._refunds.clear(
+            self._admitted, arguments.reservation_id, "", self._deadline(deadline_seconds)
+        )
         return self.reserve_arguments(arguments, deadline_seconds=deadline_seconds)
 
     def reserve_arguments(
@@ -362,7 +405,8 @@ class LaneClient:
         the request's size in bytes (an int) or the payload itself, measured
         by `payload_bytes` (a dict or a list as its compact JSON). The booking
         takes `reservation_id` when given (e.g. already tagged on the request),
-        else a fresh one."""
+        else a fresh one. ClientClosed after close()."""
+        self._gate.check()
         if isinstance(request, bool):
             raise TypeError("request must be a payload or its size in bytes, not a bool")
         request_bytes = request if isinstance(request, int) else len(payload_bytes(request))
@@ -378,7 +422,7 @@ class LaneClient:
 
     def _support(self) -> CallSupport:
         return CallSupport(
-            self,
+            self._admitted,
             self.lane,
             self._journal,
             self._allowance,
@@ -386,15 +430,60 @@ class LaneClient:
             self._refunds,
             self.settings.end_attempts,
             self.settings.deadline_seconds,
+            self._gate,
         )
 
     # The journal -----------------------------------------------------------------
 
     def replay_journal(self, max_entries: int | None = None) -> ReplayReport:
         """One bounded replay attempt, now, in this thread."""
+        self._gate.check()
         if self._replayer is None:
             return ReplayReport()
         return self._replayer.replay_once(max_entries)
+
+
+# Set while `_Admitted` makes a move, in the thread that makes it.
+_ADMITTED: contextvars.ContextVar[bool] = contextvars.ContextVar("ledger_admitted", default=False)
+
+
+class _Admitted:
+    """The client's moves for calls it already admitted (calls.CallLedger),
+    through its own reserve_arguments and end."""
+
+    def __init__(self, client: LaneClient) -> None:
+        self._client = client
+
+    def reserve_arguments(
+        self,
+        arguments: ReserveArguments,
+        *,
+        deadline_seconds: float | None = None,
+        trace_id: str = "",
+    ) -> Reservation:
+        token = _ADMITTED.set(True)
+        try:
+            return self._client.reserve_arguments(
+                arguments, deadline_seconds=deadline_seconds, trace_id=trace_id
+            )
+        finally:
+            _ADMITTED.reset(token)
+
+    def end(
+        self,
+        reservation_id: str,
+        ending: Ending,
+        *,
+        deadline_seconds: float | None = None,
+        trace_id: str = "",
+    ) -> Settled | Refunded:
+        token = _ADMITTED.set(True)
+        try:
+            return self._client.end(
+                reservation_id, ending, deadline_seconds=deadline_seconds, trace_id=trace_id
+            )
+        finally:
+            _ADMITTED.reset(token)
 
 
 def _traced(channel: grpc.Channel, address: str) -> grpc.Channel:

@@ -31,6 +31,19 @@ class LedgerError(Exception):
         self.message = message
 
 
+class ClientClosed(RuntimeError):
+    """The lane's own code used this client after `close()`: a programming
+    error, not an outage, so no outage mode (allowance or journal) answers it
+    and nothing is sent. Also for a call `close()` cut off once its grace was
+    over (`may_have_applied`: the ledger may have booked it). Not a
+    LedgerError: the ledger never sends it, so it has no row in the error table."""
+
+    def __init__(self, message: str, *, may_have_applied: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.may_have_applied = may_have_applied
+
+
 class LedgerUnavailable(LedgerError):
     """The ledger could not be reached or did not answer in time. Safe to retry
     with the same reservation_id; this is what switches a lane to its outage mode."""

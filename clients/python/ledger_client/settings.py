@@ -16,6 +16,11 @@ import dataclasses
 # covers a cold connection and a slow commit, and past it the lane is better
 # served by its outage mode than by waiting.
 DEFAULT_DEADLINE_SECONDS = 0.25
+# How long close() lets the calls under way (model_call blocks, their Settles
+# and Refunds, refunds of unanswered Reserves) finish before it cancels them:
+# one cut off may leave a hold booked until it expires. The Node client's
+# DEFAULT_CLOSE_GRACE_MS.
+DEFAULT_CLOSE_GRACE_SECONDS = 5.0
 # The longest deadline a call may have, in the settings or given to one call.
 MAX_DEADLINE_SECONDS = 60
 # Settle and Refund are idempotent, so an unconfirmed one is sent again with the

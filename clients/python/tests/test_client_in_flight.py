@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 import pytest
 from ledger_client import ClientSettings, LaneClient
-from ledger_client.errors import LedgerOverloaded, LedgerUnavailable, is_retryable
+from ledger_client.errors import ClientClosed, LedgerOverloaded, is_retryable
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 
@@ -71,12 +71,13 @@ def test_a_call_past_the_limit_waits_its_deadline_then_is_overloaded_without_bei
         pool.shutdown()
 
 
-def test_a_call_waiting_for_a_slot_when_the_client_closes_is_unavailable(
+def test_a_call_waiting_for_a_slot_when_the_client_closes_is_client_closed(
     held: tuple[HeldReserves, int],
 ) -> None:
-    """It raised grpcio's ValueError (closed channel), past the outage mode; the
-    call that held the slot got LedgerUnavailable, and the Node client says
-    Unavailable for both."""
+    """It raised grpcio's ValueError (closed channel), past the outage mode. Now
+    close() lets both go on for its grace, then cancels them: the lane's own
+    doing, ClientClosed, never LedgerUnavailable (which would engage the
+    outage mode)."""
     servicer, port = held
     settings = ClientSettings(max_calls_in_flight=1, deadline_seconds=5.0)
     client = LaneClient(f"127.0.0.1:{port}", "recall", settings=settings)
@@ -88,10 +89,13 @@ def test_a_call_waiting_for_a_slot_when_the_client_closes_is_unavailable(
         threading.Event().wait(0.01)
     waiting = pool.submit(client.reserve, "m", 10, 10)
     threading.Event().wait(0.2)
-    client.close()
-    for call in (first, waiting):
-        with pytest.raises(LedgerUnavailable):
-            call.result(10)
+    client.close(grace_seconds=0.2)
+    with pytest.raises(ClientClosed) as cut_off:
+        first.result(10)
+    assert cut_off.value.may_have_applied, "it reached the ledger"
+    with pytest.raises(ClientClosed) as never_sent:
+        waiting.result(10)
+    assert not never_sent.value.may_have_applied
     assert servicer.arrived == 1
     pool.shutdown()
 
@@ -108,12 +112,12 @@ def _call_after_close_in_a_child(port: int) -> None:
     client.close()
     try:
         client.settle("abc")  # a method this client had not called yet
-    except LedgerUnavailable:
+    except ClientClosed:
         raise SystemExit(0) from None
     raise SystemExit(1)
 
 
-def test_a_call_after_close_is_unavailable_and_never_touches_the_closed_channel(
+def test_a_call_after_close_is_client_closed_and_never_touches_the_closed_channel(
     held: tuple[HeldReserves, int],
 ) -> None:
     """With the tracing extra the channel is intercepted, and grpcio's interceptor

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import pathlib
 import re
 import tomllib
 from typing import Any
 
+import grpc
 import pytest
 from client_ledger import Admin, LedgerProcess
-from ledger_client import ClientSettings, DenialReason, errors
+from ledger_client import (
+    DEFAULT_CLOSE_GRACE_SECONDS,
+    ClientSettings,
+    DenialReason,
+    LaneClient,
+    errors,
+)
 from ledger_client.context import CONTEXT_OVERFLOW_REPLY
 from ledger_client.settings import DEFAULT_END_ATTEMPTS, END_RETRY_PAUSE_SECONDS
 
@@ -226,3 +234,24 @@ def test_the_readme_sdk_example_type_checks_strictly(
         ["--strict", "--follow-imports=silent", "--cache-dir", str(cache), str(example)]
     )
     assert status == 0, out + err
+
+
+def test_the_readme_says_what_an_error_carries() -> None:
+    """`.code` is a grpc.StatusCode, which the README did not say."""
+    text = " ".join(section("Errors: one table").split())
+    assert "`.code`: the call's gRPC status, a `grpc.StatusCode`" in text
+    error = errors.invalid_argument("lane", "is required")
+    assert isinstance(error.code, grpc.StatusCode)
+    for name in ("code", "reason", "message", "field"):
+        assert f"`.{name}`" in text and hasattr(error, name), name
+    assert "`.error_id`" in text and hasattr(errors.LedgerInternal, "error_id")
+    for function in ("is_retryable", "may_have_applied"):
+        assert f"`{function}(error)`" in text and callable(getattr(errors, function))
+    assert not issubclass(errors.ClientClosed, errors.LedgerError)
+
+
+def test_the_readme_says_how_close_behaves() -> None:
+    text = " ".join(section("Closing the client").split())
+    grace = inspect.signature(LaneClient.close).parameters["grace_seconds"].default
+    assert grace == DEFAULT_CLOSE_GRACE_SECONDS == 5.0
+    assert "`close(grace_seconds=5.0)`" in text and "`ClientClosed`" in text

@@ -1,0 +1,156 @@
+"""close(): new calls are refused at once with ClientClosed (the lane's own
+mistake, never an outage), calls under way finish within the grace, and what
+is left after it is cancelled (README, "Closing the client")."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from ledger_client import ClientClosed, ClientSettings, LaneClient, ModelPrice, OutagePolicy
+from ledger_client.errors import LedgerUnavailable
+from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+
+
+class SlowLedger(pb_grpc.LedgerServicer):
+    """Admits every Reserve after `reserve_seconds`; settles every Settle."""
+
+    def __init__(self) -> None:
+        self.reserve_seconds = 0.0
+        self.methods: list[str] = []
+        self.lock = threading.Lock()
+        self.reserve_arrived = threading.Event()
+
+    def _note(self, method: str) -> None:
+        with self.lock:
+            self.methods.append(method)
+
+    def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse:
+        self._note("Reserve")
+        self.reserve_arrived.set()
+        threading.Event().wait(self.reserve_seconds)
+        return pb.ReserveResponse(decision=pb.ADMITTED, hold_nanos=1, cap_nanos=1)
+
+    def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
+        self._note("Settle")
+        return pb.SettleResponse(charged_nanos=1, state=pb.SETTLED)
+
+
+@pytest.fixture
+def ledger() -> Iterator[tuple[SlowLedger, str]]:
+    servicer = SlowLedger()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_LedgerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_every_call_after_close_is_client_closed_and_spends_no_allowance(
+    ledger: tuple[SlowLedger, str], tmp_path: pathlib.Path
+) -> None:
+    """It said "the ledger is unreachable" (LedgerUnavailable), which sent a
+    model_call to the lane's outage mode: a closed client took its allowance."""
+    servicer, address = ledger
+    outage = OutagePolicy.allowance(
+        max_nanos=10**9,
+        max_calls=10,
+        journal_path=tmp_path / "journal",
+        prices={"m": ModelPrice(1_000_000, 1_000_000)},
+    )
+    client = LaneClient(address, "recall", outage=outage)
+    made_before = client.model_call("m", 10, 10)
+    client.close()
+    with pytest.raises(ClientClosed, match="closed"), client.model_call("m", 10, 10):
+        raise AssertionError("a closed client ran a model call")
+    with pytest.raises(ClientClosed, match="closed"), made_before:
+        raise AssertionError("a closed client ran a model call")
+    for use in (
+        lambda: client.reserve("m", 10, 10),
+        lambda: client.settle("abc"),
+        lambda: client.refund("abc", reason="not sent"),
+        client.balance,
+        lambda: client.booking_state("abc"),
+        client.replay_journal,
+    ):
+        with pytest.raises(ClientClosed) as closed:
+            use()
+        assert not isinstance(closed.value, LedgerUnavailable)
+    assert servicer.methods == [], "nothing was sent"
+    journal = client.journal
+    assert journal is not None and journal.pending() == [], "no call on the allowance"
+
+
+def test_close_lets_a_model_call_under_way_end_and_refuses_new_ones(
+    ledger: tuple[SlowLedger, str],
+) -> None:
+    """close() cut a Reserve under way off (its hold booked, its answer lost,
+    left to expire) and refused the Settle of a block already running."""
+    servicer, address = ledger
+    servicer.reserve_seconds = 0.3
+    client = LaneClient(address, "recall", settings=ClientSettings(deadline_seconds=2.0))
+    entered = threading.Event()
+    release = threading.Event()
+    outcome: list[object] = []
+
+    def lane() -> None:
+        with client.model_call("m", 10, 10) as call:
+            entered.set()
+            release.wait(5)
+            call.succeeded(10, 10)
+        outcome.append(call.result)
+        outcome.append(call.end_error)
+
+    worker = threading.Thread(target=lane)
+    worker.start()
+    assert servicer.reserve_arrived.wait(5)
+    closing = threading.Thread(target=client.close)
+    closing.start()
+    # Refused at once, while the call under way goes on.
+    for _ in range(100):
+        try:
+            client.balance()
+        except ClientClosed:
+            break
+        threading.Event().wait(0.01)
+    else:
+        raise AssertionError("close() did not refuse new calls")
+    assert entered.wait(5), "the Reserve under way got its answer"
+    release.set()
+    worker.join(5)
+    closing.join(5)
+    assert not closing.is_alive()
+    assert outcome[1] is None, f"the ending was refused: {outcome[1]}"
+    assert outcome[0] is not None
+    assert servicer.methods == ["Reserve", "Settle"]
+
+
+def test_close_cancels_what_is_left_after_its_grace(ledger: tuple[SlowLedger, str]) -> None:
+    servicer, address = ledger
+    servicer.reserve_seconds = 2.0
+    client = LaneClient(address, "recall")
+    pool = futures.ThreadPoolExecutor(max_workers=1)
+    reserve = pool.submit(client.reserve, "m", 10, 10, deadline_seconds=5.0)
+    assert servicer.reserve_arrived.wait(5)
+    client.close(grace_seconds=0.1)
+    with pytest.raises(ClientClosed) as cut_off:
+        reserve.result(5)
+    assert cut_off.value.may_have_applied
+    pool.shutdown()
+
+
+def test_the_grace_is_checked() -> None:
+    client = LaneClient("127.0.0.1:1", "recall")
+    with pytest.raises(ValueError, match="grace_seconds"):
+        client.close(grace_seconds=-1)
+    with pytest.raises(TypeError, match="grace_seconds"):
+        client.close(grace_seconds="5")  # type: ignore[arg-type]
+    client.close()
