@@ -439,6 +439,8 @@ export class Completed<R = CallReport> {
   journaled: boolean;
 }
 
+/** How long close() waits for the calls under way by default: 5000 ms. */
+export const DEFAULT_CLOSE_GRACE_MS: number;
 export const DEFAULT_DEADLINE_MS: number;
 export const DEFAULT_END_ATTEMPTS: number;
 
@@ -456,8 +458,8 @@ export class LaneClient {
   /** Where the client's warnings go (the `logger` option; null: nowhere). */
   readonly logger: { warn(message: string): void; error(message: string): void } | null;
   waitForReady(timeoutMs?: number): Promise<void>;
-  /** Stops the replayer, waits for the call()s under way (callbacks and endings) and the background refunds (at most deadlineMs), closes the channel, then the journal (its lock released). Never rejects. A call() after it is a LEDGER_UNAVAILABLE Denied. */
-  close(): Promise<void>;
+  /** Refuses new calls at once (every method then rejects with ClientClosed), stops the replayer, waits up to graceMs (DEFAULT_CLOSE_GRACE_MS) for the calls under way (call()s with their endings, other ledger calls, background refunds), then closes the channel, cancelling what is left (ClientClosed, mayHaveApplied true), then the journal (its lock released). Never rejects; throws RangeError for a graceMs outside [0, 60000]. */
+  close(options?: { graceMs?: number }): Promise<void>;
   /** What is spent of the outage allowance; null without an allowance. */
   allowanceUsed(): { nanos: bigint; calls: number } | null;
   /** One bounded replay attempt of the journal, now. */
@@ -626,11 +628,16 @@ export function ledgerPackage(): {
   definition: PackageDefinition;
 };
 
+/** A call on a client after close(), or one close() cancelled after its grace: the lane's own doing, not an outage. Not a LedgerError. */
+export class ClientClosed extends Error {
+  readonly mayHaveApplied: boolean;
+}
 export class LedgerError extends Error {
   static readonly retryable: boolean;
   static readonly mayHaveApplied: boolean;
   readonly retryable: boolean;
   readonly mayHaveApplied: boolean;
+  /** The gRPC status code, a number (compare with `status` of @grpc/grpc-js). */
   code: status | number;
   reason: string;
   field: string;

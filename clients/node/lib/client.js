@@ -5,6 +5,7 @@ const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
 const {
   ledgerErrorOf,
+  ClientClosed,
   LedgerError,
   Unavailable,
   DeadlineExceeded,
@@ -54,6 +55,13 @@ const MAX_END_ATTEMPTS = 10;
 // out. A quarter of them: the Python client's DEFAULT_MAX_CALLS_IN_FLIGHT.
 const DEFAULT_MAX_CALLS_IN_FLIGHT = 64;
 const MAX_CALLS_IN_FLIGHT = 10_000;
+// How long close() lets the calls under way (call()s with their Settles and
+// Refunds, other ledger calls, refunds of unanswered Reserves) finish before it
+// cancels them: one cut off may leave a hold booked until it expires. The
+// Python client's DEFAULT_CLOSE_GRACE_SECONDS.
+const DEFAULT_CLOSE_GRACE_MS = 5000;
+const CLOSED_MESSAGE =
+  'the lane client is closed: nothing was sent (a client is used until close(), not after; make a new one)';
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
 /** At most `limit` slots in use; a taker past them waits, in order, until its deadline. */
@@ -377,6 +385,10 @@ class LaneClient {
     // The call()s under way, from their Reserve to their ending: close() waits for them.
     this._calls = new Set();
     this._closed = null;
+    // Every ledger call under way: its promise, and its grpc-js call to cancel.
+    this._rpcs = new Map();
+    // Set once close()'s grace is over: the channel is closed, what was left cancelled.
+    this._channelClosed = false;
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
     try {
@@ -443,6 +455,7 @@ class LaneClient {
    * @returns {Promise<import('../index').ReplayReport>}
    */
   async replayJournal({ maxEntries } = {}) {
+    this._refuseClosed();
     if (this._replayer === null) return emptyReport();
     return this._replayer.replayOnce(maxEntries);
   }
@@ -455,40 +468,49 @@ class LaneClient {
   }
 
   /**
-   * Stops the background replayer, lets the call()s under way finish (their
-   * callbacks, then their Settles and Refunds, each within the call deadline)
-   * and the background refunds of unanswered Reserves (at most one deadline),
-   * closes the channel,
-   * then the journal (once its writes under way are on disk) and releases its
-   * lock. Idempotent; the promise it returns never rejects.
+   * Refuses new calls at once (ClientClosed), stops the background replayer,
+   * waits up to `graceMs` (5 s by default) for the calls under way to finish
+   * (call()s: their callbacks, Settles and Refunds; other ledger calls; the
+   * background refunds of unanswered Reserves), then closes the channel,
+   * cancelling what is left (ClientClosed), then the journal (once its writes
+   * under way are on disk) and releases its lock. Idempotent; the promise it
+   * returns never rejects.
+   * @param {{graceMs?: number}} [options]
    */
-  close() {
+  close({ graceMs = DEFAULT_CLOSE_GRACE_MS } = {}) {
     if (this._closed !== null) return this._closed;
+    if (typeof graceMs !== 'number' || !(graceMs >= 0 && graceMs <= MAX_DEADLINE_MS)) {
+      throw new RangeError(`graceMs must be a number of milliseconds in [0, ${MAX_DEADLINE_MS}]`);
+    }
     this._replayer?.stop();
     const replayer = this._replayer;
     const journal = this._journal;
-    const underWay = [...this._calls, ...this._endings];
     const refunds = this._refunds;
-    const waits = underWay.length > 0 || refunds.running > 0;
-    if (!waits) this._stub.close();
     this._closed = (async () => {
-      if (waits) {
-        await Promise.allSettled(underWay);
-        // The refunds of unanswered Reserves under way, at most one deadline
-        // (the Python client's close() waits for them too): cut off, each
-        // hold would expire under the lane's expire_charge.
-        let timer;
-        const late = new Promise((resolve) => {
-          timer = setTimeout(resolve, this.deadlineMs);
-        });
-        await Promise.race([refunds.idle(), late]);
-        clearTimeout(timer);
-        this._stub.close();
-      }
+      let timer;
+      const late = new Promise((resolve) => {
+        timer = setTimeout(resolve, graceMs);
+      });
+      const settled = async () => {
+        // A call under way may start more (its Settle, a refund): until none is left.
+        while (this._calls.size + this._endings.size + this._rpcs.size + refunds.running > 0) {
+          await Promise.allSettled([...this._calls, ...this._endings, ...this._rpcs.keys(), refunds.idle()]);
+        }
+      };
+      await Promise.race([settled(), late]);
+      clearTimeout(timer);
+      this._channelClosed = true;
+      for (const call of this._rpcs.values()) call?.cancel();
+      this._stub.close();
       await replayer?.idle().catch(() => undefined);
       await journal?.close().catch(() => undefined);
     })();
     return this._closed;
+  }
+
+  /** ClientClosed once close() was called: for the lane's own calls, not those under way. */
+  _refuseClosed() {
+    if (this._closed !== null) throw new ClientClosed(CLOSED_MESSAGE);
   }
 
   async _metadata(trace) {
@@ -511,19 +533,34 @@ class LaneClient {
         { code: grpc.status.RESOURCE_EXHAUSTED },
       );
     }
+    let sent;
+    let started = null;
     try {
-      return await new Promise((resolve, reject) => {
+      sent = new Promise((resolve, reject) => {
+        if (this._channelClosed) {
+          // It waited for a slot past close()'s grace: the lane's own doing, not an outage.
+          reject(new ClientClosed('the lane client closed: the call was not sent'));
+          return;
+        }
         try {
-          this._stub[method](request, metadata, { deadline }, (error, response) => {
-            if (error) reject(ledgerErrorOf(error));
+          started = this._stub[method](request, metadata, { deadline }, (error, response) => {
+            if (error && this._channelClosed) {
+              // close() cancelled it once its grace was over.
+              const message = 'the lane client closed while the call was under way: the ledger may have applied it';
+              reject(new ClientClosed(message, { mayHaveApplied: true, cause: error }));
+            } else if (error) reject(ledgerErrorOf(error));
             else resolve(response);
           });
         } catch (error) {
-          // The call did not start (a closed channel): the ledger is not reachable from here.
+          // The call did not start: the ledger is not reachable from here.
           reject(new Unavailable('the ledger call did not start', { code: grpc.status.UNAVAILABLE, cause: error }));
         }
       });
+      // close() waits for it, and cancels it once its grace is over.
+      this._rpcs.set(sent, started);
+      return await sent;
     } finally {
+      this._rpcs.delete(sent);
       this._slots.give();
     }
   }
@@ -535,6 +572,7 @@ class LaneClient {
    * @returns {Promise<import('../index').ReserveResult>}
    */
   async reserve(request) {
+    this._refuseClosed();
     const trace = traceHeaders(request);
     // A refund of an unanswered Reserve of this id may have ended the booking
     // this Reserve would be admitted to (BackgroundRefunds).
@@ -570,6 +608,7 @@ class LaneClient {
    * @returns {Promise<import('../index').SettleResult>}
    */
   async settle(request) {
+    this._refuseClosed();
     return this._settle(request, traceHeaders(request));
   }
 
@@ -599,6 +638,7 @@ class LaneClient {
    * @returns {Promise<{balance: import('../index').Balance}>}
    */
   async refund(request) {
+    this._refuseClosed();
     return this._refund(request, traceHeaders(request));
   }
 
@@ -620,6 +660,7 @@ class LaneClient {
    * @returns {Promise<import('../index').Balance>}
    */
   async balance(options) {
+    this._refuseClosed();
     return wire.balanceOf(await this._unary('GetBalance', { lane: this.lane }, traceHeaders(options)));
   }
 
@@ -629,6 +670,7 @@ class LaneClient {
    * @returns {Promise<import('../index').Booking>}
    */
   async booking(reservationId, options) {
+    this._refuseClosed();
     checkReservationId(reservationId);
     const message = { lane: this.lane, reservation_id: reservationId };
     return wire.bookingOf(await this._unary('GetBooking', message, traceHeaders(options)));
@@ -667,11 +709,9 @@ class LaneClient {
     const replayer = this._replayer;
     // Before anything is journaled, so the replayer never takes this call for
     // the orphan of a dead process.
-    if (this._closed !== null) {
-      // A closed client sends nothing: the call falls back, as with the ledger away.
-      const error = new Unavailable('the lane client is closed', { code: grpc.status.UNAVAILABLE });
-      return outageDenial(reservationId, DenialReason.LEDGER_UNAVAILABLE, 'the lane client is closed: nothing was sent', error);
-    }
+    // A closed client sends nothing, and it is the lane's mistake, not an
+    // outage: no outage mode answers it.
+    this._refuseClosed();
     const held = replayer?.hold(reservationId);
     const running = (async () => {
       try {
@@ -741,6 +781,11 @@ class LaneClient {
       } catch (error) {
         ledgerError = error;
         if (isLedgerUnavailable(error)) journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
+        else if (error instanceof ClientClosed) {
+          // close() cut the ending off once its grace was over: journaled while the journal is open.
+          this._logger?.warn(`ledger: the client closed before booking ${reservationId} was ended`);
+          if (this._journal?.isOpen) journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
+        }
         // A refusal leaves the booking open to expire at its hold: say so, as the Python client does.
         else this._logger?.error(`ledger: the ledger refused to end booking ${reservationId} (${error.reason || error.message})`);
       }
@@ -946,6 +991,7 @@ module.exports = {
   DEFAULT_DEADLINE_MS,
   DEFAULT_END_ATTEMPTS,
   DEFAULT_MAX_CALLS_IN_FLIGHT,
+  DEFAULT_CLOSE_GRACE_MS,
   MAX_IN_DOUBT_ENTRIES,
   MAX_BACKGROUND_REFUNDS,
   MAX_ENDED_IDS,

@@ -100,6 +100,21 @@ class Cancelled extends LedgerError {
 class InternalError extends LedgerError {}
 
 /**
+ * The lane's own code used the client after close(): a programming error, not
+ * an outage, so no outage mode answers it (no allowance spent, nothing
+ * journaled) and nothing is sent. Also for a call close() cancelled once its
+ * grace was over (`mayHaveApplied`: the ledger may have booked it). Not a
+ * LedgerError: the ledger never sends it, so it has no row in the error table.
+ */
+class ClientClosed extends Error {
+  constructor(message, { mayHaveApplied = false, cause } = {}) {
+    super(message, cause === undefined ? undefined : { cause });
+    this.name = 'ClientClosed';
+    this.mayHaveApplied = mayHaveApplied;
+  }
+}
+
+/**
  * Whether the ledger could not be reached or could not answer now: the Python
  * client's LedgerUnavailable family. UNAVAILABLE (any reason: a refused or
  * dropped connection, a GOAWAY from a server shutting down, STORE_UNAVAILABLE,
@@ -277,6 +292,7 @@ module.exports = {
   ledgerErrorOf,
   richErrorInfo,
   isLedgerUnavailable,
+  ClientClosed,
   LedgerError,
   Refusal,
   InvalidArgument,

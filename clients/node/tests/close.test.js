@@ -7,7 +7,7 @@ const { test } = require('node:test');
 const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const { startFakeLedger, ledgerStatus } = require('./fake-ledger');
-const { LaneClient, Denied, Completed } = require('..');
+const { LaneClient, ClientClosed, Completed, DEFAULT_CLOSE_GRACE_MS } = require('..');
 
 const REQUEST = Object.freeze({ model: 'm', requestBytes: 100, maxOutputTokens: 10 });
 const pause = (milliseconds) => new Promise((resolve) => setTimeout(resolve, milliseconds));
@@ -58,11 +58,13 @@ test('close() while model calls run: each call is ended as its outcome says, the
     assert.equal(succeeded.chargedNanos, 1234n);
     assert.deepEqual(fake.calls.map((call) => call.method).sort(), ['Refund', 'Reserve', 'Reserve', 'Reserve', 'Settle', 'Settle']);
 
-    // After close(): nothing is sent, the callback never runs.
+    // After close(): nothing is sent, the callback never runs, and the error
+    // says the client is closed (not that the ledger is unreachable).
     const sent = fake.calls.length;
-    const late = await client.call(REQUEST, () => assert.fail('a closed client ran a call'));
-    assert.ok(late instanceof Denied);
-    assert.equal(late.reason, 'LEDGER_UNAVAILABLE');
+    await assert.rejects(
+      client.call(REQUEST, () => assert.fail('a closed client ran a call')),
+      (error) => error instanceof ClientClosed && /client is closed/.test(error.message),
+    );
     assert.equal(fake.calls.length, sent);
   } finally {
     await client.close();
@@ -82,6 +84,53 @@ test('close() lets the background refund of an unanswered Reserve finish, as the
     // Its answer came back before the channel closed: the refund is not cut off.
     assert.equal(client._refunds.running, 0);
     assert.equal(client._refunds._ended.get(denied.reservationId), true);
+  } finally {
+    await client.close();
+    await fake.stop();
+  }
+});
+
+test('close() refuses new calls at once and lets a Reserve under way get its answer', { timeout: 10_000 }, async () => {
+  let reserves = 0;
+  const fake = await startFakeLedger({
+    Reserve: async () => {
+      reserves += 1;
+      await pause(200);
+      return { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
+    },
+  });
+  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 2000 });
+  try {
+    assert.equal(DEFAULT_CLOSE_GRACE_MS, 5000);
+    const underWay = client.reserve({ ...REQUEST, reservationId: 'r1' });
+    for (let waited = 0; reserves === 0 && waited < 200; waited += 1) await pause(5);
+    const closing = client.close();
+    await assert.rejects(client.balance(), ClientClosed);
+    const answer = await underWay;
+    assert.equal(answer.admitted, true, 'not cut off: its hold is known to the lane');
+    await closing;
+  } finally {
+    await client.close();
+    await fake.stop();
+  }
+});
+
+test('close() cancels what is left once its grace is over: ClientClosed, may have applied', { timeout: 10_000 }, async () => {
+  const fake = await startFakeLedger({
+    Reserve: async () => {
+      await pause(2000);
+      return { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
+    },
+  });
+  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 5000 });
+  try {
+    const underWay = client.reserve({ ...REQUEST, reservationId: 'r1' });
+    for (let waited = 0; fake.calls.length === 0 && waited < 200; waited += 1) await pause(5);
+    await client.close({ graceMs: 100 });
+    await assert.rejects(underWay, (error) => error instanceof ClientClosed && error.mayHaveApplied === true);
+    const other = new LaneClient('127.0.0.1:1', 'lane', { logger: null });
+    assert.throws(() => other.close({ graceMs: -1 }), RangeError);
+    await other.close();
   } finally {
     await client.close();
     await fake.stop();

@@ -15,6 +15,8 @@ const grpc = require('@grpc/grpc-js');
 const { startFakeLedger, ledgerStatus } = require('./fake-ledger');
 const {
   LaneClient,
+  ClientClosed,
+  LedgerError,
   OutagePolicy,
   Denied,
   Completed,
@@ -518,11 +520,19 @@ describe('a server that shuts down under a call', () => {
     }
   });
 
-  test('a closed client is an outage too, not a crash', async () => {
-    const lane = client(undefined);
+  test('a closed client is the lane\'s mistake, not an outage: ClientClosed, the allowance untouched', async () => {
+    // It was a LEDGER_UNAVAILABLE Denied ("the ledger is unreachable"), and
+    // with an allowance the call ran on it.
+    const lane = client(allowance());
     await lane.close();
-    const result = await denied(lane);
-    assert.equal(result.reason, 'LEDGER_UNAVAILABLE');
+    await assert.rejects(
+      lane.call(REQUEST, () => assert.fail('a closed client ran a call')),
+      (error) => error instanceof ClientClosed && /closed/.test(error.message) && !(error instanceof LedgerError),
+    );
+    for (const use of [() => lane.reserve({ ...REQUEST, reservationId: 'r1' }), () => lane.balance(), () => lane.settle({ reservationId: 'r1', outcome: 'UNKNOWN' })]) {
+      await assert.rejects(use(), ClientClosed);
+    }
+    assert.deepEqual(lane.allowanceUsed(), { nanos: 0n, calls: 0 });
   });
 });
 

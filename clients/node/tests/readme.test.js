@@ -11,6 +11,7 @@ const http = require('node:http');
 const os = require('node:os');
 const path = require('node:path');
 const vm = require('node:vm');
+const grpc = require('@grpc/grpc-js');
 const { CONTEXT_OVERFLOW_REPLY } = require('..');
 
 const README = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
@@ -126,5 +127,28 @@ describe('the context budgeting example', () => {
     assert.equal(received.length, before, 'nothing sent');
     reply = 'broken';
     assert.equal(await answer(asked(1), ['result'], SCHEMAS), null);
+  });
+});
+
+describe('the README says what a lane can rely on', () => {
+  const readme = () => fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8').replace(/\s+/g, ' ');
+
+  test("an error's code is the gRPC status as a number", () => {
+    const { InvalidArgument, ClientClosed, LedgerError } = require('..');
+    assert.match(readme(), /`\.code`, the gRPC status as a number/);
+    const error = new InvalidArgument('lane: is required', { code: grpc.status.INVALID_ARGUMENT, reason: 'INVALID_ARGUMENT', field: 'lane' });
+    assert.equal(typeof error.code, 'number');
+    for (const name of ['code', 'reason', 'message', 'field', 'errorId', 'retryable', 'mayHaveApplied', 'metadata']) {
+      assert.ok(readme().includes(`\`.${name}\``), name);
+      assert.ok(name in error, name);
+    }
+    assert.ok(!(new ClientClosed('x') instanceof LedgerError));
+  });
+
+  test('close() refuses new calls with ClientClosed and waits up to graceMs', () => {
+    const { DEFAULT_CLOSE_GRACE_MS } = require('..');
+    assert.equal(DEFAULT_CLOSE_GRACE_MS, 5000);
+    assert.match(readme(), /`await ledger\.close\(\{ graceMs \}\)` refuses every new call at once/);
+    assert.match(readme(), /`graceMs` \(5000 by default, `DEFAULT_CLOSE_GRACE_MS`/);
   });
 });
