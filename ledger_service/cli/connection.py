@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import ipaddress
 import math
 import os
 import pathlib
@@ -139,6 +140,37 @@ def resolve_server(given: str | None) -> str:
     return server
 
 
+def is_local_server(server: str) -> bool:
+    """Whether a gRPC target is this machine: a unix socket, localhost,
+    127.0.0.0/8 or ::1, as the clients decide it (clients/cases/plaintext.json).
+    A grant sent anywhere else without TLS travels unencrypted."""
+    if server.startswith(("unix:", "unix-abstract:")):
+        return True
+    target = server
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme) :]
+            if target.startswith("//"):  # dns://[authority]/host:port
+                target = target[2:].partition("/")[2]
+            break
+    return all(_is_local_host(part) for part in target.split(","))
+
+
+def _is_local_host(host_port: str) -> bool:
+    if host_port.startswith("["):
+        host = host_port[1:].partition("]")[0]
+    elif host_port.count(":") == 1:
+        host = host_port.partition(":")[0]
+    else:
+        host = host_port  # no port, or a bare IPv6 address
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def resolve_grant(given: str | None) -> tuple[str, str]:
     """The grant and where it came from: --grant, else LEDGER_GRANT, else the
     admin grant the server wrote to <LEDGER_DATA_DIR or ./data>/admin.grant."""
@@ -224,6 +256,13 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
         )
     metadata = (("authorization", f"Bearer {grant}"),) if grant else ()
     tls = resolve_tls(arguments)
+    if grant and tls is None and not is_local_server(server):
+        # A grant is a bearer credential: on the wire in plaintext anyone on the path can use it.
+        print(
+            f"ledger: warning: the grant from {grant_source} goes to {server} without TLS: "
+            "it travels unencrypted (pass --tls-ca)",
+            file=sys.stderr,
+        )
     keepalive_seconds = resolve_keepalive_seconds()
     options = keepalive_options(keepalive_seconds)
     channel = (

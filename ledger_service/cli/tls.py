@@ -1,6 +1,7 @@
 """TLS for the commands: root certificates (`--tls-ca`) and a client certificate
 (`--tls-cert` and `--tls-key`, for mutual TLS), from options or the environment.
-Without either the channel is plaintext."""
+Without either the channel is plaintext, and a grant sent on it to a server
+that is not this machine draws a warning on stderr (connection.connect)."""
 
 from __future__ import annotations
 

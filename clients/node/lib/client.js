@@ -1,6 +1,7 @@
 'use strict';
 
 const { randomBytes } = require('node:crypto');
+const net = require('node:net');
 const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
 const {
@@ -313,6 +314,39 @@ function pause(milliseconds) {
   return new Promise((resolve) => setTimeout(resolve, milliseconds));
 }
 
+const LOOPBACK = new net.BlockList();
+LOOPBACK.addSubnet('127.0.0.0', 8, 'ipv4');
+LOOPBACK.addAddress('::1', 'ipv6');
+
+function isLocalHost(hostPort) {
+  let host;
+  if (hostPort.startsWith('[')) host = hostPort.slice(1).split(']')[0];
+  else if (hostPort.split(':').length === 2) host = hostPort.split(':')[0];
+  else host = hostPort; // no port, or a bare IPv6 address
+  if (host.toLowerCase() === 'localhost') return true;
+  const family = net.isIP(host);
+  return family !== 0 && LOOPBACK.check(host, family === 4 ? 'ipv4' : 'ipv6');
+}
+
+/**
+ * Whether a gRPC target is this machine: a unix socket, localhost,
+ * 127.0.0.0/8 or ::1 (the cases are clients/cases/plaintext.json). A grant
+ * sent anywhere else without TLS travels unencrypted.
+ */
+function isLocalAddress(address) {
+  if (address.startsWith('unix:') || address.startsWith('unix-abstract:')) return true;
+  let target = address;
+  for (const scheme of ['dns:', 'ipv4:', 'ipv6:']) {
+    if (target.startsWith(scheme)) {
+      target = target.slice(scheme.length);
+      // dns://[authority]/host:port
+      if (target.startsWith('//')) target = target.slice(2).split('/').slice(1).join('/');
+      break;
+    }
+  }
+  return target.split(',').every(isLocalHost);
+}
+
 function channelCredentials(tls) {
   if (!tls) return grpc.credentials.createInsecure();
   const options = tls === true ? {} : tls;
@@ -367,6 +401,13 @@ class LaneClient {
     this._slots = new CallSlots(this.maxCallsInFlight);
     this._grant = options.grant ?? null;
     if (this._grant !== null && typeof this._grant !== 'function') checkGrant(this._grant);
+    if (this._grant !== null && !options.tls && !isLocalAddress(address)) {
+      // Once per client: a grant is a bearer credential, readable on the wire.
+      process.emitWarning(
+        `the grant for lane ${lane} goes to ${address} without TLS: it travels unencrypted (pass the tls option)`,
+        { type: 'LedgerPlaintextWarning', code: 'LEDGER_PLAINTEXT_GRANT' },
+      );
+    }
     /** The lane's outage mode; deny (fail closed) unless set. */
     this.outage = options.outage ?? OutagePolicy.deny();
     if (!(this.outage instanceof OutagePolicy)) throw new TypeError('outage must be an OutagePolicy');
@@ -992,6 +1033,7 @@ module.exports = {
   DEFAULT_END_ATTEMPTS,
   DEFAULT_MAX_CALLS_IN_FLIGHT,
   DEFAULT_CLOSE_GRACE_MS,
+  isLocalAddress,
   MAX_IN_DOUBT_ENTRIES,
   MAX_BACKGROUND_REFUNDS,
   MAX_ENDED_IDS,

@@ -4,6 +4,7 @@ sent as `authorization: Bearer <grant>` on every call."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 
 import grpc
@@ -40,6 +41,37 @@ class TlsSettings:
             private_key=self.private_key,
             certificate_chain=self.certificate_chain,
         )
+
+
+def is_local_address(address: str) -> bool:
+    """Whether a gRPC target is this machine: a unix socket, localhost,
+    127.0.0.0/8 or ::1 (the cases are clients/cases/plaintext.json). A grant
+    sent anywhere else without TLS travels unencrypted."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    target = address
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme) :]
+            if target.startswith("//"):  # dns://[authority]/host:port
+                target = target[2:].partition("/")[2]
+            break
+    return all(_is_local_host(part) for part in target.split(","))
+
+
+def _is_local_host(host_port: str) -> bool:
+    if host_port.startswith("["):
+        host = host_port[1:].partition("]")[0]
+    elif host_port.count(":") == 1:
+        host = host_port.partition(":")[0]
+    else:
+        host = host_port  # no port, or a bare IPv6 address
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_grant(grant: str) -> None:

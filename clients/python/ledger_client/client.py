@@ -25,7 +25,7 @@ from ledger_client.bookings import (
     new_reservation_id,
 )
 from ledger_client.calls import BackgroundRefunds, CallGate, CallSupport, ModelCall
-from ledger_client.channels import TlsSettings, check_grant, open_channel
+from ledger_client.channels import TlsSettings, check_grant, is_local_address, open_channel
 from ledger_client.context import payload_bytes
 from ledger_client.errors import (
     ClientClosed,
@@ -132,6 +132,14 @@ class LaneClient:
         # builds each call's handle on the channel anew, and on a closed one
         # that is a segmentation fault, not an error).
         self._starting = threading.Lock()
+        if grant is not None and tls is None and not is_local_address(address):
+            # Once per client: a grant is a bearer credential, readable on the wire.
+            log.warning(
+                "ledger_client: the grant for lane %s goes to %s without TLS: it travels "
+                "unencrypted (pass tls=TlsSettings(...))",
+                lane,
+                address,
+            )
         self._channel = _traced(open_channel(address, tls, self.settings), address)
         try:
             self._stub = pb_grpc.LedgerStub(self._channel)

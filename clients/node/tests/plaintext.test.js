@@ -1,0 +1,57 @@
+'use strict';
+// A grant sent to another machine without TLS travels unencrypted: the client
+// warns once (process.emitWarning), naming the address (docs/security.md; the
+// cases are clients/cases/plaintext.json, shared with the Python client and the CLI).
+
+const { test } = require('node:test');
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const path = require('node:path');
+const { LaneClient } = require('..');
+const { isLocalAddress } = require('../lib/client');
+
+const CASES = JSON.parse(fs.readFileSync(path.resolve(__dirname, '..', '..', 'cases', 'plaintext.json'), 'utf8'));
+const GRANT = 'lg1.key.payload.signature';
+
+for (const { address, local } of CASES.addresses) {
+  test(`${address} is ${local ? '' : 'not '}this machine`, () => {
+    assert.equal(isLocalAddress(address), local);
+  });
+}
+
+/** The plaintext warnings emitted while `make` runs. */
+async function warningsOf(make) {
+  const seen = [];
+  const listen = (warning) => {
+    if (warning.code === 'LEDGER_PLAINTEXT_GRANT') seen.push(warning);
+  };
+  process.on('warning', listen);
+  try {
+    const client = make();
+    await client.close({ graceMs: 0 });
+    // emitWarning reports on the next tick.
+    await new Promise((resolve) => setImmediate(resolve));
+  } finally {
+    process.off('warning', listen);
+  }
+  return seen;
+}
+
+test('a grant to another machine without TLS warns once, naming the address', async () => {
+  const seen = await warningsOf(() => new LaneClient('10.0.0.5:50051', 'recall', { grant: GRANT, logger: null }));
+  assert.equal(seen.length, 1);
+  assert.match(seen[0].message, /10\.0\.0\.5:50051/);
+  assert.match(seen[0].message, /unencrypted/);
+  assert.ok(!seen[0].message.includes(GRANT), 'the warning never quotes the grant');
+});
+
+test('no warning on this machine, without a grant, or with TLS', async () => {
+  for (const [address, options] of [
+    ['127.0.0.1:50051', { grant: GRANT }],
+    ['unix:/run/ledger.sock', { grant: GRANT }],
+    ['10.0.0.5:50051', {}],
+    ['10.0.0.5:50051', { grant: GRANT, tls: true }],
+  ]) {
+    assert.deepEqual(await warningsOf(() => new LaneClient(address, 'recall', { logger: null, ...options })), [], address);
+  }
+});
