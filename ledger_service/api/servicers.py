@@ -240,7 +240,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
     ) -> Iterator[pb.Event]:
         if request.lane:
             validate_name("lane", request.lane)
-            self._ledger.get_lane(request.lane)
+            self._ledger.check_lane(request.lane)
         # from_now: "after_seq ignored" (the proto), whatever it holds.
         if not request.from_now and request.after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")

@@ -182,10 +182,22 @@ class Ledger:
         return self._write(work)
 
     def get_lane(self, lane: str) -> LanePolicy:
-        policy = self._store.run(lambda tx: tx.get_lane(lane), write=False)
-        if policy is None:
-            raise LaneNotFound(lane)
-        return policy
+        # One snapshot for the row and the log, so a PutLane committing
+        # between the two reads is not taken for a lost row.
+        return self._store.run(
+            lambda tx: _lane_row(tx, tx.get_lane(lane), lane), write=False, snapshot=True
+        )
+
+    def check_lane(self, lane: str) -> None:
+        """LaneNotFound unless the lane has a row or the log has it: the log
+        reads (ListEvents, WatchEvents) serve a lane whose row was lost, the
+        log being the authority."""
+
+        def work(tx: StoreTransaction) -> None:
+            if tx.get_lane(lane) is None and not _in_the_log(tx, lane, locked=False):
+                raise LaneNotFound(lane)
+
+        self._store.run(work, write=False, snapshot=True)
 
     def list_lanes(self, after_lane: str, limit: int) -> Sequence[LanePolicy]:
         # One more than a page, so a caller can tell whether another page follows.
@@ -302,11 +314,8 @@ class Ledger:
         """Locks the lane and its budgets, finds the booking and expires it first
         if its deadline passed."""
         policy = _locked_lane(tx, command.lane, command.reservation_id)
-        booking = tx.get_booking(command.lane, command.reservation_id)
-        if booking is None:
-            if _in_the_log(tx, command.lane, command.reservation_id):
-                raise RecoveryRequired()  # its row was lost: the projections are not whole
-            raise BookingNotFound(command.lane, command.reservation_id)
+        found = tx.get_booking(command.lane, command.reservation_id)
+        booking = _booking_row(tx, found, command.lane, command.reservation_id, locked=True)
         now_us, windows = self._budget_windows(tx, policy)
         if booking.is_expired_at(now_us):
             event = moves.expire(booking, now_us)
@@ -354,9 +363,7 @@ class Ledger:
 
     def balance(self, lane: str) -> Balance:
         def work(tx: StoreTransaction) -> Balance:
-            policy = tx.get_lane(lane)
-            if policy is None:
-                raise LaneNotFound(lane)
+            policy = _lane_row(tx, tx.get_lane(lane), lane)
             now_us = lane_time(tx, [policy], self._clock.now_us())
             window = open_window(tx, policy, now_us, verify=self._verify_windows)
             return Balance(lane, policy.limit_nanos, policy.window_us, now_us, window.totals)
@@ -367,21 +374,17 @@ class Ledger:
         """The booking, the instant it was read at, and the lane's window."""
 
         def work(tx: StoreTransaction) -> tuple[Booking, int, int]:
-            policy = tx.get_lane(lane)
-            if policy is None:
-                raise LaneNotFound(lane)
-            booking = tx.get_booking(lane, reservation_id)
-            if booking is None:
-                raise BookingNotFound(lane, reservation_id)
+            policy = _lane_row(tx, tx.get_lane(lane), lane)
+            booking = _booking_row(tx, tx.get_booking(lane, reservation_id), lane, reservation_id)
             # The lane's time, as a balance reads it, so both agree on its deadline.
             return booking, lane_time(tx, [policy], self._clock.now_us()), policy.window_us
 
-        return self._store.run(work, write=False)
+        return self._store.run(work, write=False, snapshot=True)
 
     def list_events(self, query: EventQuery) -> Sequence[Event]:
         query = dataclasses.replace(query, limit=max(1, min(query.limit, self._max_page_size + 1)))
         if query.lane:
-            self.get_lane(query.lane)
+            self.check_lane(query.lane)
         return self.read_events(query)
 
     def read_events(self, query: EventQuery) -> Sequence[Event]:
@@ -406,20 +409,43 @@ class Ledger:
 
 
 def _locked_lane(tx: StoreTransaction, lane: str, reservation_id: str = "") -> LanePolicy:
-    policy = tx.lock_lane(lane, reservation_id)
+    return _lane_row(tx, tx.lock_lane(lane, reservation_id), lane, locked=True)
+
+
+def _lane_row(
+    tx: StoreTransaction, policy: LanePolicy | None, lane: str, *, locked: bool = False
+) -> LanePolicy:
+    """The lane's row a move or a read found, or its refusal when it found none."""
     if policy is None:
-        if _in_the_log(tx, lane):
+        if _in_the_log(tx, lane, locked=locked):
             raise RecoveryRequired()  # its row was lost: the projections are not whole
         raise LaneNotFound(lane)
     return policy
 
 
-def _in_the_log(tx: StoreTransaction, lane: str, reservation_id: str = "") -> bool:
+def _booking_row(
+    tx: StoreTransaction,
+    booking: Booking | None,
+    lane: str,
+    reservation_id: str,
+    *,
+    locked: bool = False,
+) -> Booking:
+    """The booking's row a move or a read found, or its refusal when it found none."""
+    if booking is None:
+        if _in_the_log(tx, lane, reservation_id, locked=locked):
+            raise RecoveryRequired()  # its row was lost: the projections are not whole
+        raise BookingNotFound(lane, reservation_id)
+    return booking
+
+
+def _in_the_log(tx: StoreTransaction, lane: str, reservation_id: str = "", *, locked: bool) -> bool:
     """Whether the log has an event of the lane (of the booking): asked only
-    where a move found no row for it. A row deleted by hand must not be
-    answered LANE_NOT_FOUND or BOOKING_NOT_FOUND, final answers, until the
-    next consistency check sees it (docs/recovery.md)."""
-    query = EventQuery(lane=lane, reservation_id=reservation_id, limit=1, lane_locked=True)
+    where a move or a read found no row for it. A row deleted by hand must
+    not be answered LANE_NOT_FOUND or BOOKING_NOT_FOUND, final answers, until
+    the next consistency check sees it (docs/recovery.md). `locked`: the
+    caller holds the lane's lock, so the read need not stop at the horizon."""
+    query = EventQuery(lane=lane, reservation_id=reservation_id, limit=1, lane_locked=locked)
     return bool(tx.list_events(query))
 
 

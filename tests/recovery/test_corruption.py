@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from ledger_service.application.ports import EventQuery
 from ledger_service.domain.errors import BookingNotFound, LaneNotFound, RecoveryRequired
 from ledger_service.domain.events import Outcome
 from ledger_service.domain.moves import RefundCommand, ReserveCommand, SettleCommand
@@ -504,3 +505,40 @@ def test_a_bogus_snapshot_inserted_by_hand_is_no_anchor_for_the_chain_walk(
     assert assessment.consistent, assessment.findings
     taken = recovery.take_snapshot()
     assert taken is not None and taken.chain_verified
+
+
+def test_a_read_of_a_row_deleted_by_hand_is_refused_for_recovery_as_a_move_is(
+    history: History,
+) -> None:
+    # GetBalance, GetLane and GetBooking of a lane whose row was deleted were
+    # answered LANE_NOT_FOUND, final, while a move on it was already refused
+    # for recovery. The log reads still serve the lane: the log has it.
+    history.sql("DELETE FROM lanes WHERE lane = 'recall'")
+    for read in (
+        lambda: history.ledger.balance("recall"),
+        lambda: history.ledger.get_lane("recall"),
+        lambda: history.ledger.booking("recall", "r1"),
+    ):
+        with pytest.raises(RecoveryRequired):
+            read()
+    assert history.ledger.list_events(EventQuery(lane="recall", limit=1))
+    history.ledger.check_lane("recall")
+    # A lane the log never configured is still not found, by every read.
+    for read in (
+        lambda: history.ledger.balance("nowhere"),
+        lambda: history.ledger.get_lane("nowhere"),
+        lambda: history.ledger.booking("nowhere", "r1"),
+        lambda: history.ledger.list_events(EventQuery(lane="nowhere")),
+    ):
+        with pytest.raises(LaneNotFound):
+            read()
+
+
+def test_a_read_of_a_booking_row_deleted_by_hand_is_refused_for_recovery(
+    history: History,
+) -> None:
+    history.sql("DELETE FROM bookings WHERE reservation_id = 'r1'")
+    with pytest.raises(RecoveryRequired):
+        history.ledger.booking("recall", "r1")
+    with pytest.raises(BookingNotFound):
+        history.ledger.booking("recall", "never-reserved")

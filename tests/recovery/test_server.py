@@ -341,3 +341,27 @@ def test_the_gate_sits_behind_authentication(
         running.reserve("anonymous")
     error = caught.value
     assert isinstance(error, grpc.Call) and error.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_read_of_a_lane_row_deleted_by_hand_closes_the_gate_as_a_move_does(
+    sqlite_history: History, start: Callable[..., Running]
+) -> None:
+    """GetBalance and GetLane of a lane whose row was deleted under a serving
+    server were answered LANE_NOT_FOUND, final. Now RECOVERY_REQUIRED, which
+    closes the gate: the server rebuilds the row from the log and serves
+    again by itself."""
+    history = sqlite_history
+    running = start(history)
+    admin = pb_grpc.LaneAdminStub(running.channel)
+    assert running.status() == SERVING
+    history.sql("DELETE FROM lanes WHERE lane = 'recall'")
+    balance = pb.GetBalanceRequest(lane="recall")
+    refused = running.refused(lambda: running.ledger.GetBalance(balance, timeout=5))
+    assert refused == "RECOVERY_REQUIRED"
+    running.wait_for(SERVING)
+    assert running.ledger.GetBalance(balance, timeout=5).lane == "recall"
+    assert admin.GetLane(pb.GetLaneRequest(lane="recall"), timeout=5).lane == "recall"
+    with pytest.raises(grpc.RpcError) as caught:
+        admin.GetLane(pb.GetLaneRequest(lane="nowhere"), timeout=5)
+    assert isinstance(caught.value, grpc.Call)
+    assert caught.value.code() is grpc.StatusCode.NOT_FOUND
