@@ -215,3 +215,23 @@ def test_a_stream_whose_client_froze_on_a_quiet_log_gives_its_slot_back(
     finally:
         child.kill()
         child.communicate()
+
+
+def test_a_stream_on_a_quiet_lane_answers_its_headers_before_any_event(
+    ledger_harness: Any, server: LedgerServer, raw_stub: pb_grpc.LedgerStub
+) -> None:
+    """A watcher of a quiet lane got no headers until the lane's first event:
+    it could not tell an accepted stream from a hung connection."""
+    ledger_harness.make_lane()
+    [grant] = _grants(server, 1)
+    call = raw_stub.WatchEvents(
+        pb.WatchEventsRequest(lane="recall", from_now=True),
+        metadata=(("authorization", f"Bearer {grant}"),),
+    )
+    headers: queue.Queue[object] = queue.Queue()
+    threading.Thread(target=lambda: headers.put(call.initial_metadata()), daemon=True).start()
+    try:
+        assert headers.get(timeout=WAIT_SECONDS) is not None
+        assert call.is_active() and server.feed.open_streams() == 1  # accepted, no event sent
+    finally:
+        call.cancel()

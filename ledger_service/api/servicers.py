@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -250,7 +251,9 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         )
         # Not a generator itself: the call's grant is known only while this runs.
         owner = auth.current_grant_id()
-        streamed = self._feed.events(query, context.is_active, context.cancel, owner)
+        # The headers go out once the feed admits the stream, not with its first event.
+        accepted = functools.partial(context.send_initial_metadata, ())
+        streamed = self._feed.events(query, context.is_active, context.cancel, owner, accepted)
         return (convert.event(event) for event in streamed)
 
 

@@ -261,15 +261,20 @@ class EventFeed:
         keep_going: Callable[[], bool],
         cancel: Callable[[], None],
         owner: str = "",
+        accepted: Callable[[], None] = lambda: None,
     ) -> Iterator[Event]:
         """Every event after query.after_seq (of query.lane, when given), then
         each new one as it commits, while keep_going(). Refused with
         TooManyWatchers past the limits (an empty `owner`, a server without
         grants, has only the overall one); `cancel` ends a stalled stream.
+        `accepted` is called once the stream is admitted, before any event:
+        the server answers its headers then, so a quiet lane's watcher can
+        tell an accepted stream from a hung connection.
         Ends with ShuttingDown when the feed stops."""
         stream = _Stream(owner, query.lane, cancel)
         cursor = query.after_seq
         with self._joined(stream, query.lane):
+            accepted()
             while keep_going() and not self._stopping.is_set():
                 taken = self._take(cursor, query.lane)
                 if taken is None:  # behind the buffer: a page of the store's own
