@@ -22,6 +22,17 @@ refusal, and the batch's other moves run again in a new transaction. Whether
 a move wrote is counted, not guessed: SQLite's total_changes for the
 connection; a savepoint per move would add two statements to each.
 
+No caller waits past its own deadline. A leader waits for the write lock
+(this process's write gate, then another process's lock in SQLite's busy
+handler) until its own deadline only; when it gives up, its batch's moves
+whose deadlines have not passed go back to the head of the queue, nothing
+of them written, and the oldest leads on. A follower whose deadline passes
+withdraws its move: one still queued, or taken into a batch but not begun,
+is never written. One whose move had already run in a batch that is
+committing is answered unavailable too, and that batch may still commit it
+(a few milliseconds: the batch holds the lock); the caller's retry with the
+same id is answered as the first call (docs/semantics.md).
+
 All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
 A batch's transaction is held inside `write_gate` (storage/database.py), the
@@ -54,11 +65,6 @@ from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# A caller whose move was taken into a batch waits this much past its deadline
-# for that batch's commit before it gives up (the move may still commit: the
-# caller retries with the same id, and idempotency answers it).
-COMMIT_GRACE_SECONDS = 1.0
-
 
 class _Move(Generic[T]):
     """One caller's move. Its caller waits on `_signal`, a bare lock taken at
@@ -67,7 +73,17 @@ class _Move(Generic[T]):
     through a Python Condition, and near saturation (16 calls in flight) the
     Events' set and creation were 12% of the server's GIL time (py-spy --gil)."""
 
-    __slots__ = ("_signal", "deadline", "error", "finished", "lead", "result", "work")
+    __slots__ = (
+        "_signal",
+        "deadline",
+        "error",
+        "finished",
+        "lead",
+        "result",
+        "started",
+        "withdrawn",
+        "work",
+    )
 
     def __init__(self, work: Callable[[Connection], T], deadline: float) -> None:
         self.work = work
@@ -76,6 +92,9 @@ class _Move(Generic[T]):
         self._signal.acquire()
         self.lead = False
         self.finished = False
+        # Under the committer's mutex: its work began in a batch; its caller gave up.
+        self.started = False
+        self.withdrawn = False
         self.result: T | None = None
         self.error: BaseException | None = None
 
@@ -122,6 +141,8 @@ class GroupCommitter:
         # A database that fails every batch (a full disk) fails hundreds a second.
         self._failure_log = Throttle(ERROR_LOG_INTERVAL_SECONDS)
         self._idle = threading.Condition(self._mutex)
+        # The batch under way got its transaction (the write lock): its leader's alone.
+        self._begun = False
 
     def submit(self, work: Callable[[Connection], T], deadline: float) -> T:
         """Runs `work` in the next batch and returns once that batch is durable."""
@@ -135,36 +156,46 @@ class GroupCommitter:
         if not move.lead:
             self._follow(move)
         if move.lead:
-            self._lead()
+            self._lead(move)
         if move.error is not None:
             raise move.error
         return move.result  # type: ignore[return-value]
 
     def _follow(self, move: _Move[Any]) -> None:
-        """Waits until the move is committed or this caller is handed the lead."""
+        """Waits until the move is committed, or this caller is handed the
+        lead, or its deadline: then the move is withdrawn. Not begun (queued,
+        or in a batch still waiting for the lock), it is never written; begun,
+        its batch may still commit it (the module's docstring)."""
         if move.wait(move.deadline - time.monotonic()):
             return
         with self._mutex:
             if move.lead or move.finished:
                 return
             if move in self._queue:
-                # Not taken yet: withdraw it, nothing was written.
                 self._queue.remove(move)
-                raise StoreUnavailable()
-        # Taken into a batch that is committing: wait for it a little longer.
-        move.wait(COMMIT_GRACE_SECONDS)
-        if not move.finished:
-            raise StoreUnavailable()
+            move.withdrawn = True
+        raise StoreUnavailable()
 
-    def _lead(self) -> None:
+    def _lead(self, leader: _Move[Any]) -> None:
         """Commits one batch (the leader's own move is its first), then hands
-        the lead to the oldest move still queued."""
+        the lead to the oldest move still queued. The leader waits for the
+        write lock until its own deadline; the moves of a batch that never
+        began are queued again, at the head, but for those out of time."""
         with self._mutex:
             batch = [self._queue.popleft() for _ in range(min(self._max_batch, len(self._queue)))]
+        unbegun: list[_Move[Any]] = []
         try:
-            self._commit(batch)
+            unbegun = self._commit(batch, leader.deadline)
         finally:
             with self._mutex:
+                now = time.monotonic()
+                for move in reversed(unbegun):
+                    if move.withdrawn or move.finished:
+                        continue
+                    if move is leader or now >= move.deadline:
+                        move.finish(error=StoreUnavailable())
+                    else:
+                        self._queue.appendleft(move)
                 if self._queue:
                     successor = self._queue[0]
                     successor.lead = True
@@ -201,45 +232,52 @@ class GroupCommitter:
             except DBAPIError:
                 log.warning("closing the writer's connection failed", exc_info=True)
 
-    def _commit(self, batch: list[_Move[Any]]) -> None:
-        # The gate is waited for as long as the batch's latest caller waits: a
-        # move whose own deadline passes meanwhile is refused alone (_one), so a
-        # lane's short deadline never fails another lane's move.
+    def _commit(self, batch: list[_Move[Any]], until: float) -> list[_Move[Any]]:
+        """Commits the batch, waiting for the write lock until `until` (the
+        leader's deadline); returns its moves when it never began. So a lane's
+        short deadline never fails another lane's move, and no caller waits
+        past its own."""
         gate = self._write_gate
-        latest = max(move.deadline for move in batch)
-        if gate is not None and not gate.acquire(timeout=max(0.0, latest - time.monotonic())):
-            for move in batch:
-                move.finish(error=StoreUnavailable())
-            return
+        if gate is not None and not gate.acquire(timeout=max(0.0, until - time.monotonic())):
+            return batch
         try:
-            self._commit_in_gate(batch)
+            return self._commit_in_gate(batch, until)
         finally:
             if gate is not None:
                 gate.release()
 
-    def _commit_in_gate(self, batch: list[_Move[Any]]) -> None:
+    def _commit_in_gate(self, batch: list[_Move[Any]], until: float) -> list[_Move[Any]]:
         # Each pass answers at least one move, so at most len(batch) passes.
         while batch:
-            batch = self._attempt(batch)
+            batch, begun = self._attempt(batch, until)
+            if not begun:
+                return batch
+        return []
 
-    def _attempt(self, batch: list[_Move[Any]]) -> list[_Move[Any]]:
+    def _attempt(self, batch: list[_Move[Any]], until: float) -> tuple[list[_Move[Any]], bool]:
         """Commits the batch in one transaction and answers its moves; returns
-        the moves to run again (a move refused after writing: see above)."""
+        the moves to run again (a move refused after writing: see above), and
+        False with the batch when it gave up waiting for the write lock."""
         outcomes: list[tuple[_Move[Any], Any, BaseException | None]] = []
         undone: tuple[int, BaseException] | None = None
+        self._begun = False
         try:
             with translate.translated():
-                undone = self._run_batch(batch, outcomes)
+                undone = self._run_batch(batch, outcomes, until)
         except LedgerError as error:
             self._log_failure(len(batch), error)
             self._on_error(error)
+            if not self._begun and translate.lock_wait_gave_up(error):
+                self._on_failure()
+                self._disconnect()
+                return batch, False  # nothing written: its moves may wait on
             # Damage is told as such; any other failure of the batch as unavailable.
             self._fail(batch, error if isinstance(error, StoreDamaged) else StoreUnavailable())
-            return []
+            return [], True
         except BaseException as error:  # a bug: never leave a caller waiting
             log.exception("group commit failed")
             self._fail(batch, error)
-            return []
+            return [], True
         if undone is not None:
             self._on_failure()
             index, refusal = undone
@@ -250,25 +288,28 @@ class GroupCommitter:
                 if isinstance(refusal, LedgerError):
                     self._on_error(refusal)
             batch[index].finish(error=refusal)
-            return batch[:index] + batch[index + 1 :]
+            return batch[:index] + batch[index + 1 :], True
         for move, result, failure in outcomes:
             move.finish(result, failure)
-        return []
+        return [], True
 
     def _run_batch(
-        self, batch: list[_Move[Any]], outcomes: list[tuple[_Move[Any], Any, BaseException | None]]
+        self,
+        batch: list[_Move[Any]],
+        outcomes: list[tuple[_Move[Any], Any, BaseException | None]],
+        until: float,
     ) -> tuple[int, BaseException] | None:
         """Runs the batch's moves in one transaction, appending to `outcomes`;
         returns the first move that cannot be undone alone, and its failure."""
         undone: tuple[int, BaseException] | None = None
         connection = self._connect()
         # Another process's write lock is waited for in SQLite's busy handler:
-        # no longer than the batch's callers wait (one statement a batch).
-        latest = max(move.deadline for move in batch)
-        busy_ms = max(1, int((latest - time.monotonic()) * 1000))
+        # no longer than the leader waits (one statement a batch).
+        busy_ms = max(1, int((until - time.monotonic()) * 1000))
         driver: Any = connection.connection.driver_connection
         driver.execute(f"PRAGMA busy_timeout={busy_ms}")
         with connection.begin() as transaction:
+            self._begun = True
             self._on_begin(connection)
             for index, move in enumerate(batch):
                 before = driver.total_changes
@@ -307,11 +348,14 @@ class GroupCommitter:
         for move in batch:
             move.finish(error=error)
 
-    @staticmethod
-    def _one(connection: Connection, move: _Move[Any]) -> tuple[Any, BaseException | None, bool]:
+    def _one(
+        self, connection: Connection, move: _Move[Any]
+    ) -> tuple[Any, BaseException | None, bool]:
         """The move's result or refusal, and whether it failed in the database."""
-        if time.monotonic() > move.deadline:
-            return None, StoreUnavailable(), False  # its caller has given up: do not book it
+        with self._mutex:
+            if move.withdrawn or time.monotonic() > move.deadline:
+                return None, StoreUnavailable(), False  # its caller has given up: do not book it
+            move.started = True
         try:
             with translate.translated():
                 return move.work(connection), None, False

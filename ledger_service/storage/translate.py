@@ -106,6 +106,9 @@ CANNOT_WRITE = frozenset(
     {"SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM", "SQLITE_IOERR", "SQLITE_FULL"}
 )
 
+# SQLite's code for a write lock another connection held past the busy timeout.
+SQLITE_BUSY = "SQLITE_BUSY"
+
 # PostgreSQL's codes for a database the ledger's role may read but not write:
 # a privilege revoked (42501 insufficient_privilege) or a read-only database
 # (25006 read_only_sql_transaction: default_transaction_read_only, a standby
@@ -253,6 +256,14 @@ def foreign_cause(error: BaseException) -> BaseException | None:
     domain error the code raised itself."""
     cause = error.__cause__ if isinstance(error, LedgerError) else None
     return cause if cause is not None and row_of(cause) is not None else None
+
+
+def lock_wait_gave_up(error: BaseException) -> bool:
+    """Whether the foreign error behind a translated one is SQLite's
+    SQLITE_BUSY: another connection held the write lock for as long as the
+    busy handler waited (a `sqlite3` shell or script with BEGIN IMMEDIATE open)."""
+    cause = error.__cause__ if isinstance(error, LedgerError) else error
+    return cause is not None and driver_code(cause) == SQLITE_BUSY
 
 
 def is_retryable(error: BaseException) -> bool:

@@ -11,6 +11,7 @@ is seen by the next move, never a remembered policy, chain head or window.
 from __future__ import annotations
 
 import dataclasses
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +22,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
+from ledger_service.application import deadlines
 from ledger_service.application.ledger import Ledger
-from ledger_service.application.ports import StoreTransaction
+from ledger_service.application.ports import EventQuery, StoreTransaction
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import InvalidArgument, RecoveryRequired, StoreUnavailable
@@ -425,8 +427,9 @@ class _ContestedGate:
 
 
 def test_a_short_deadline_first_in_a_batch_fails_only_its_own_move(engine: sa.Engine) -> None:
-    """Lanes are independent: a batch waits for the write gate as long as its
-    latest caller waits, and only a move whose own deadline has passed fails."""
+    """Lanes are independent: a batch's leader waits for the write gate until
+    its own deadline, then the batch's other moves lead on; only a move whose
+    own deadline has passed fails."""
     committer = GroupCommitter(engine, write_gate=_ContestedGate(0.5))  # type: ignore[arg-type]
     leader_inside = threading.Event()
     release = threading.Event()
@@ -457,3 +460,165 @@ def test_a_short_deadline_first_in_a_batch_fails_only_its_own_move(engine: sa.En
     assert isinstance(answers["hurried"], StoreUnavailable)
     assert answers["patient"] == "patient"
     assert _names(engine) == ["patient"]
+
+
+class _LockedByAnotherProcess:
+    """The process's write gate, free; once the first batch releases it,
+    another process (here a second connection) takes SQLite's write lock on
+    the file and holds it until `let_go`."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._path = str(engine.url.database)
+        self._holder: sqlite3.Connection | None = None
+
+    def acquire(self, timeout: float) -> bool:
+        return True
+
+    def release(self) -> None:
+        if self._holder is None:
+            self._holder = sqlite3.connect(
+                self._path, isolation_level=None, check_same_thread=False
+            )
+            self._holder.execute("BEGIN IMMEDIATE")
+
+    def let_go(self) -> None:
+        if self._holder is not None:
+            self._holder.execute("ROLLBACK")
+            self._holder.close()
+
+
+# Far below the second the followers of a batch used to wait past their deadline.
+ANSWER_SLACK_SECONDS = 0.25
+
+
+def _behind_another_process(
+    engine: sa.Engine, first: tuple[str, float], second: tuple[str, float]
+) -> dict[str, tuple[object, float, float]]:
+    """A batch of `first` (its leader) and `second` (name, seconds to its
+    deadline) waiting for another process's write lock, let go once the
+    hurried one was answered (or 3 s on): each answer, when it came, and
+    its deadline."""
+    gate = _LockedByAnotherProcess(engine)
+    committer = GroupCommitter(engine, write_gate=gate)  # type: ignore[arg-type]
+    leader_inside, release = threading.Event(), threading.Event()
+
+    def slow(connection: Connection) -> str:
+        leader_inside.set()
+        release.wait(timeout=10)
+        connection.execute(sa.insert(NOTES).values(name="slow"))
+        return "slow"
+
+    leader = threading.Thread(target=committer.submit, args=(slow, _soon()))
+    leader.start()
+    assert leader_inside.wait(timeout=10)
+    answers: dict[str, tuple[object, float, float]] = {}
+
+    def submit(name: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        try:
+            answer: object = committer.submit(_note(name), deadline)  # type: ignore[arg-type]
+        except StoreUnavailable as error:
+            answer = error
+        answers[name] = (answer, time.monotonic(), deadline)
+
+    threads = _queue_in_order([lambda: submit(*first), lambda: submit(*second)], committer.queued)
+    release.set()  # the slow batch commits; then the other process takes the lock
+    threads[0 if first[1] < second[1] else 1].join(timeout=3)  # the hurried one
+    gate.let_go()
+    for thread in (leader, *threads):
+        thread.join(timeout=10)
+    committer.close()
+    return answers
+
+
+def test_a_leader_behind_another_process_lock_gives_up_at_its_own_deadline(
+    engine: sa.Engine,
+) -> None:
+    """The batch's leader waited for the lock as long as its latest caller
+    (here 5 s), so its own caller got DEADLINE_EXCEEDED from gRPC. Now it
+    gives up at its deadline, and the batch's other move leads on."""
+    answers = _behind_another_process(engine, ("hurried", 0.3), ("patient", 5.0))
+    answer, answered_at, deadline = answers["hurried"]
+    assert isinstance(answer, StoreUnavailable)
+    assert answered_at <= deadline + ANSWER_SLACK_SECONDS
+    assert answers["patient"][0] == "patient"
+    assert _names(engine) == ["patient", "slow"]
+
+
+def test_a_follower_behind_another_process_lock_is_answered_by_its_deadline(
+    engine: sa.Engine,
+) -> None:
+    """A follower taken into a batch waited a grace second past its deadline;
+    its move, not begun, is withdrawn at its deadline and never written."""
+    answers = _behind_another_process(engine, ("patient", 5.0), ("hurried", 0.3))
+    answer, answered_at, deadline = answers["hurried"]
+    assert isinstance(answer, StoreUnavailable)
+    assert answered_at <= deadline + ANSWER_SLACK_SECONDS
+    assert answers["patient"][0] == "patient"
+    assert _names(engine) == ["patient", "slow"]
+
+
+class _HeldClock(ManualClock):
+    """A clock whose reads wait, each in turn, on the events in `holds` (None:
+    no wait): a move's work stays under way in its batch until let go."""
+
+    def __init__(self, start_us: int) -> None:
+        super().__init__(start_us)
+        self.holds: list[threading.Event | None] = []
+        self.entered = threading.Semaphore(0)
+
+    def now_us(self) -> int:
+        hold = self.holds.pop(0) if self.holds else None
+        if hold is not None:
+            self.entered.release()
+            hold.wait(timeout=10)
+        return super().now_us()
+
+
+def test_a_move_answered_unavailable_while_its_batch_commits_is_repeated_by_a_retry(
+    tmp_path: Path,
+) -> None:
+    """A follower's move under way in a batch when its caller's deadline
+    passes is answered STORE_UNAVAILABLE at the deadline, and the batch may
+    still commit it (docs/semantics.md): a retry with the same id is answered
+    as the first call, and the move is booked once."""
+    clock = _HeldClock(START_US)
+    ledger, store = _ledger(f"sqlite:///{tmp_path}/held.db", clock)
+    first_batch, own_move = threading.Event(), threading.Event()
+    try:
+        ledger.put_lane(RECALL)
+        clock.holds = [first_batch, None, own_move]  # "a" alone, then "c" and "b"
+        answers: dict[str, object] = {}
+
+        def reserve(rid: str, seconds: float) -> None:
+            command = moves.ReserveCommand(RECALL.lane, rid, "jev", 35_000, 1000)
+            try:
+                with deadlines.answering_by(time.monotonic() + seconds):
+                    answers[rid] = ledger.reserve(command)
+            except StoreUnavailable as error:
+                answers[rid] = error
+
+        first = threading.Thread(target=reserve, args=("a", 10.0))
+        first.start()
+        assert clock.entered.acquire(timeout=10)
+        threads = _queue_in_order(
+            [lambda: reserve("c", 10.0), lambda: reserve("b", 0.3)], store.queued_moves
+        )
+        first_batch.set()
+        assert clock.entered.acquire(timeout=10)  # "b" is under way in the batch of "c"
+        threads[1].join(timeout=10)
+        assert isinstance(answers["b"], StoreUnavailable)
+        own_move.set()
+        for thread in (first, *threads):
+            thread.join(timeout=10)
+        repeated = ledger.reserve(moves.ReserveCommand(RECALL.lane, "b", "jev", 35_000, 1000))
+        booked = [
+            event
+            for event in ledger.list_events(EventQuery(lane=RECALL.lane, reservation_id="b"))
+            if event.kind is EventKind.RESERVED
+        ]
+        assert len(booked) == 1 and repeated.event == booked[0]
+    finally:
+        first_batch.set()
+        own_move.set()
+        store.close()
