@@ -75,7 +75,11 @@ def write_gate(engine: Engine) -> threading.Lock | None:
         return gate
 
 
-def write_problem(engine: Engine, *, grow: bool = False) -> str | None:
+# What write_problem says while another process holds the write lock.
+LOCK_HELD = "another process has held the write lock"
+
+
+def write_problem(engine: Engine, *, grow: bool = False, lock_held: bool = False) -> str | None:
     """Why this process cannot write the SQLite database, naming the file; None
     when it can (and always on PostgreSQL, whose server owns its files).
     `grow`: commit a write too (the database's user_version, set to what it
@@ -86,7 +90,9 @@ def write_problem(engine: Engine, *, grow: bool = False) -> str | None:
     write fails, so the files' permissions are checked first and then a write
     transaction is begun and rolled back: an immutable file, a read-only mount
     or a root-owned WAL file show only there. Takes the write gate, so that the
-    probe never waits in SQLite's busy handler behind this process's writers."""
+    probe never waits in SQLite's busy handler behind this process's writers.
+    `lock_held`: a move gave up waiting for another process's write lock; the
+    probe waits the busy timeout for it, and still busy, says so."""
     path = engine.url.database
     if engine.dialect.name != "sqlite" or not path:
         return None
@@ -102,7 +108,8 @@ def write_problem(engine: Engine, *, grow: bool = False) -> str | None:
     gate = write_gate(engine)
     assert gate is not None
     with gate:
-        connection = sqlite3.connect(path, timeout=_PROBE_TIMEOUT_SECONDS)
+        wait = _BUSY_SECONDS.get(engine, _PROBE_TIMEOUT_SECONDS) if lock_held else None
+        connection = sqlite3.connect(path, timeout=wait or _PROBE_TIMEOUT_SECONDS)
         try:
             connection.isolation_level = None
             connection.execute("BEGIN IMMEDIATE")
@@ -115,7 +122,9 @@ def write_problem(engine: Engine, *, grow: bool = False) -> str | None:
         except sqlite3.Error as error:
             if translate.driver_code(error) in translate.CANNOT_WRITE:
                 return f"SQLite cannot write {database}: {error}"
-            return None  # busy (another process writes it), or damage: not this question
+            if wait is not None and translate.lock_wait_gave_up(error):
+                return f"{LOCK_HELD} on {database} for longer than the busy timeout ({wait:g} s)"
+            return None  # busy a moment (another process writes it), or damage: not this question
         finally:
             connection.close()
     return None
@@ -123,6 +132,8 @@ def write_problem(engine: Engine, *, grow: bool = False) -> str | None:
 
 # How long the write probe waits for another process's write transaction.
 _PROBE_TIMEOUT_SECONDS = 1.0
+# Each SQLite engine's busy timeout (EngineLimits.sqlite_busy_timeout_ms), in seconds.
+_BUSY_SECONDS: weakref.WeakKeyDictionary[Engine, float] = weakref.WeakKeyDictionary()
 
 
 def _ownership(path: pathlib.Path) -> str:
@@ -272,6 +283,8 @@ def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
             "check_same_thread": False,
         },
     )
+
+    _BUSY_SECONDS[engine] = limits.sqlite_busy_timeout_ms / 1000
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:

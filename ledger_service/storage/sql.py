@@ -101,6 +101,9 @@ class SqlStore:
         # SQLite: a write failed, so the probe commits one (a full disk, say,
         # passes a write transaction rolled back), until one commits.
         self._write_failed = False
+        # SQLite: a move gave up waiting for another process's write lock, so
+        # the probe waits the busy timeout for it, until it gets it.
+        self._lock_held = False
         # SQLite: the file was deleted or replaced under the server (for good).
         self._replaced: str | None = None
         # PostgreSQL: where readers stop (storage/horizon.py).
@@ -239,6 +242,8 @@ class SqlStore:
         if self._sqlite and code in translate.CANNOT_WRITE and self._write_problem is None:
             self._write_problem = f"a write failed ({code})"
             self._write_failed = True
+        if self._sqlite and translate.lock_wait_gave_up(foreign):
+            self._lock_held = True  # health asks the probe (`ping`)
         self._note_cannot_write(foreign)
 
     def _note_cannot_write(self, foreign: BaseException) -> None:
@@ -295,10 +300,21 @@ class SqlStore:
             # Connections SQLite opened read-only keep the process's hold on the
             # files read-only, the probe's too: only fresh ones can tell.
             self._engine.dispose()
-        problem = database.write_problem(self._engine, grow=self._write_failed)
+        problem = database.write_problem(
+            self._engine, grow=self._write_failed, lock_held=self._lock_held
+        )
         self._write_failed = self._write_failed and problem is not None
+        self._lock_held = self._lock_held and problem is not None
         before, self._write_problem = self._write_problem, problem
-        if problem is not None and (before is None or before.startswith("a write failed")):
+        if problem is not None and problem.startswith(database.LOCK_HELD):
+            if before != problem:
+                log.error(
+                    "THE DATABASE IS LOCKED: %s. Health is NOT_SERVING and moves are refused "
+                    "(STORE_UNAVAILABLE) at their deadline; end that process's write "
+                    "transaction and the server serves again by itself",
+                    problem,
+                )
+        elif problem is not None and (before is None or before.startswith("a write failed")):
             log.error(
                 "THE DATABASE CANNOT BE WRITTEN: %s. Health is NOT_SERVING and every move is "
                 "refused (STORE_UNAVAILABLE) until it can; give this process write access to "
@@ -383,7 +399,8 @@ class SqlStore:
             self._check_file()
             with self._translated(), self._engine.connect() as connection:
                 connection.execute(text("SELECT count(*) FROM sqlite_master")).scalar_one()
-            if self._write_problem is not None and self.check_writable() is not None:
+            wanted = self._write_problem is not None or self._lock_held
+            if wanted and self.check_writable() is not None:
                 raise StoreUnavailable()
             return
         bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds

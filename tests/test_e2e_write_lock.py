@@ -1,0 +1,86 @@
+"""SQLite's write lock held by another process (a `sqlite3` shell, a script
+with BEGIN IMMEDIATE open on the ledger's file): every blocked move is
+answered by the server before its caller's deadline, UNAVAILABLE with the
+reason STORE_UNAVAILABLE (safe to retry), and health is NOT_SERVING while the
+lock is held past the busy timeout, SERVING again by itself once it is let go.
+A retry with the same id is then answered as a first call would be."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.server import LedgerServer
+
+CALLS = 48
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _reserve(rid: str) -> pb.ReserveRequest:
+    return pb.ReserveRequest(
+        lane="recall", reservation_id=rid, model="jev", request_bytes=35_000,
+        max_output_tokens=1000,
+    )  # fmt: skip
+
+
+def _status(channel: grpc.Channel) -> int:
+    health = health_pb2_grpc.HealthStub(channel)
+    return int(health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status)
+
+
+def _wait_for(channel: grpc.Channel, status: int, seconds: float) -> None:
+    give_up = time.monotonic() + seconds
+    while _status(channel) != status:
+        assert time.monotonic() < give_up, f"health never became {status}"
+        time.sleep(0.1)
+
+
+def test_moves_behind_another_process_write_lock_are_answered_before_their_deadline(
+    server: LedgerServer,
+    ledger_harness: Any,
+    open_ledger_channel: Callable[[LedgerServer], grpc.Channel],
+) -> None:
+    ledger_harness.make_lane()
+    channel = open_ledger_channel(server)
+    assert _status(channel) == SERVING
+    blocker = sqlite3.connect(server.settings.data_dir / "ledger.db", isolation_level=None)
+    codes: dict[str, tuple[grpc.StatusCode, str]] = {}
+    try:
+        blocker.execute("BEGIN IMMEDIATE")  # another process's write lock
+
+        def call(index: int) -> None:
+            rid = f"blocked-{index}"
+            try:
+                ledger_harness.ledger.Reserve(_reserve(rid), timeout=1.0 + (index % 8) / 8)
+                codes[rid] = (grpc.StatusCode.OK, "")
+            except grpc.RpcError as error:
+                assert isinstance(error, grpc.Call)
+                reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
+                codes[rid] = (error.code(), str(reason))
+
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(CALLS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        answered = sorted(set(codes.values()), key=str)
+        assert answered == [(grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")], answered
+        _wait_for(channel, NOT_SERVING, seconds=15)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    _wait_for(channel, SERVING, seconds=15)
+    # Safe to retry: the same ids are booked once each, as first calls.
+    for index in range(CALLS):
+        answer = ledger_harness.ledger.Reserve(_reserve(f"blocked-{index}"), timeout=10)
+        assert answer.decision == pb.ADMITTED
+    reserved = ledger_harness.events("recall", kinds=["reserved"])
+    assert len(reserved) == CALLS
