@@ -20,10 +20,10 @@ import enum
 from collections.abc import Iterable, Sequence
 
 from ledger_service.application.budgets import lane_time
+from ledger_service.application.ledger import lane_row
 from ledger_service.application.ports import StateTally, Store, StoreTransaction
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.clock import Clock
-from ledger_service.domain.errors import LaneNotFound
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH
 from ledger_service.domain.window import Balance, WindowTotals
 
@@ -252,9 +252,7 @@ class Auditor:
         biggest = max(0, min(biggest, MAX_BIGGEST))
 
         def work(tx: StoreTransaction) -> Audit:
-            policy = tx.get_lane(lane)
-            if policy is None:
-                raise LaneNotFound(lane)
+            policy = lane_row(tx, tx.get_lane(lane), lane)
             # The lane's time, as a balance reads it: a lagging replica's bare
             # clock would leave out what a faster one booked ahead.
             now_us = lane_time(tx, [policy], self._clock.now_us())

@@ -185,7 +185,7 @@ class Ledger:
         # One snapshot for the row and the log, so a PutLane committing
         # between the two reads is not taken for a lost row.
         return self._store.run(
-            lambda tx: _lane_row(tx, tx.get_lane(lane), lane), write=False, snapshot=True
+            lambda tx: lane_row(tx, tx.get_lane(lane), lane), write=False, snapshot=True
         )
 
     def check_lane(self, lane: str) -> None:
@@ -363,7 +363,7 @@ class Ledger:
 
     def balance(self, lane: str) -> Balance:
         def work(tx: StoreTransaction) -> Balance:
-            policy = _lane_row(tx, tx.get_lane(lane), lane)
+            policy = lane_row(tx, tx.get_lane(lane), lane)
             now_us = lane_time(tx, [policy], self._clock.now_us())
             window = open_window(tx, policy, now_us, verify=self._verify_windows)
             return Balance(lane, policy.limit_nanos, policy.window_us, now_us, window.totals)
@@ -374,7 +374,7 @@ class Ledger:
         """The booking, the instant it was read at, and the lane's window."""
 
         def work(tx: StoreTransaction) -> tuple[Booking, int, int]:
-            policy = _lane_row(tx, tx.get_lane(lane), lane)
+            policy = lane_row(tx, tx.get_lane(lane), lane)
             booking = _booking_row(tx, tx.get_booking(lane, reservation_id), lane, reservation_id)
             # The lane's time, as a balance reads it, so both agree on its deadline.
             return booking, lane_time(tx, [policy], self._clock.now_us()), policy.window_us
@@ -409,10 +409,10 @@ class Ledger:
 
 
 def _locked_lane(tx: StoreTransaction, lane: str, reservation_id: str = "") -> LanePolicy:
-    return _lane_row(tx, tx.lock_lane(lane, reservation_id), lane, locked=True)
+    return lane_row(tx, tx.lock_lane(lane, reservation_id), lane, locked=True)
 
 
-def _lane_row(
+def lane_row(
     tx: StoreTransaction, policy: LanePolicy | None, lane: str, *, locked: bool = False
 ) -> LanePolicy:
     """The lane's row a move or a read found, or its refusal when it found none."""

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from ledger_service.application.audit import Auditor
 from ledger_service.application.ports import EventQuery
 from ledger_service.domain.errors import BookingNotFound, LaneNotFound, RecoveryRequired
 from ledger_service.domain.events import Outcome
@@ -518,6 +519,7 @@ def test_a_read_of_a_row_deleted_by_hand_is_refused_for_recovery_as_a_move_is(
         lambda: history.ledger.balance("recall"),
         lambda: history.ledger.get_lane("recall"),
         lambda: history.ledger.booking("recall", "r1"),
+        lambda: Auditor(history.store, history.clock).audit("recall"),
     ):
         with pytest.raises(RecoveryRequired):
             read()
@@ -528,6 +530,7 @@ def test_a_read_of_a_row_deleted_by_hand_is_refused_for_recovery_as_a_move_is(
         lambda: history.ledger.balance("nowhere"),
         lambda: history.ledger.get_lane("nowhere"),
         lambda: history.ledger.booking("nowhere", "r1"),
+        lambda: Auditor(history.store, history.clock).audit("nowhere"),
         lambda: history.ledger.list_events(EventQuery(lane="nowhere")),
     ):
         with pytest.raises(LaneNotFound):
