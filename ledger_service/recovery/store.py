@@ -178,6 +178,24 @@ class RebuildFailed(Exception):
     pass
 
 
+class EventRefused(RebuildFailed):
+    """The rebuild's fold cannot apply an event of the log (an event it needs
+    was deleted by hand, say): which one, whose, and why."""
+
+    def __init__(self, seq: int, kind: str, lane: str, reservation_id: str) -> None:
+        if kind in {ending.value for ending in booking_fold.ENDING_STATES}:
+            why = "has no reserve before it in the log"
+        elif kind in {opening.value for opening in booking_fold.OPENING_STATES}:
+            why = "has no expiry charge"
+        else:
+            why = "is of a kind this release does not know"
+        super().__init__(
+            f"event {seq} cannot be applied: the {kind} event of booking {reservation_id!r} "
+            f"in lane {lane!r} {why}"
+        )
+        self.seq = seq
+
+
 def _position(connection: Connection, head_seq: int | None = None) -> Position | None:
     """The marker's row: the one place recovery reads it (`head_seq`: the
     log's last seq, when the caller has read it already)."""
@@ -403,7 +421,7 @@ class _FoldSql:
             f"AND kind NOT IN ({known}) LIMIT 1"
         )
         self.problem = (
-            f"SELECT seq, kind, reservation_id FROM {events.name} AS e "
+            f"SELECT seq, kind, lane, reservation_id FROM {events.name} AS e "
             f"WHERE seq > {p} AND seq <= {p} AND ("
             f"(kind IN ({endings}) AND NOT EXISTS (SELECT 1 FROM {events.name} AS o "
             "WHERE o.lane = e.lane AND o.reservation_id = e.reservation_id "
@@ -998,11 +1016,8 @@ class SqlRecoveryStore:
                 if found is None:
                     # Refused by the database for a reason the fold does not know.
                     raise error or RebuildFailed(f"events after {after_seq} cannot be applied")
-                seq, kind, reservation_id = found
-                raise RebuildFailed(
-                    f"event {seq} cannot be applied: {kind} of {reservation_id!r} "
-                    "has no reserve before it, no expiry charge, or no known kind"
-                )
+                seq, kind, lane, reservation_id = found
+                raise EventRefused(int(seq), str(kind), str(lane), str(reservation_id))
             if dry_run:
                 transaction.rollback()
             else:
