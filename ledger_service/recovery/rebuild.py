@@ -49,6 +49,7 @@ from ledger_service.recovery.store import (
     STATE_CURRENT,
     STATE_REBUILDING,
     BookingKey,
+    EventRefused,
     LogFacts,
     MarkerMoved,
     RebuildClaimLost,
@@ -340,7 +341,10 @@ class Recovery:
         assessment: Assessment,
         policy: RecoveryPolicy,
         known_breaks: Sequence[ChainBreak] = (),
+        known_refusals: Mapping[int, EventRefused] | None = None,
     ) -> Plan:
+        """`known_breaks`, `known_refusals`: what a rebuild of an earlier plan
+        stopped at (refusals by the seq its source's replay starts after)."""
         facts = assessment.facts
         snapshots = list(self._store.snapshots())
         # The log's end read after the snapshots, not the assessment's: other
@@ -360,7 +364,15 @@ class Recovery:
         for found in (*assessment.altered, *known_breaks):
             if found not in walk.breaks:
                 walk.note(found)
-        rate = self.measure_rate()
+        replays = _Replays(self._store, self.owner, head, self._wall.now_us())
+        for after_seq, refused in (known_refusals or {}).items():
+            replays.known(after_seq, refused)
+        try:
+            rate = self.measure_rate()
+        except EventRefused as refused:
+            # The sample is the log's first events: this is the first the log refuses.
+            replays.known(0, refused)
+            rate = self.measure_rate(before_seq=refused.seq)
         findings = list(assessment.findings)
         if lost:
             findings.append(
@@ -370,12 +382,18 @@ class Recovery:
         while True:
             sources: list[Source] = []
             routes: dict[str, Route] = {}
-            log_source, log_route = self._log_source(facts, anchor, walk, rate, lost)
+            log_source, log_route = self._log_source(facts, anchor, walk, rate, lost, replays)
             sources.append(log_source)
             routes[log_source.source_id] = log_route
             for snapshot in usable:
                 source, route = self._snapshot_source(
-                    snapshot, digests[snapshot.snapshot_id], walk, rate, lost, assessment.altered
+                    snapshot,
+                    digests[snapshot.snapshot_id],
+                    walk,
+                    rate,
+                    lost,
+                    assessment.altered,
+                    replays,
                 )
                 sources.append(source)
                 routes[source.source_id] = route
@@ -397,7 +415,13 @@ class Recovery:
             anchor = None
 
     def _log_source(
-        self, facts: LogFacts, anchor: SnapshotInfo | None, walk: Walk, rate: float, lost: bool
+        self,
+        facts: LogFacts,
+        anchor: SnapshotInfo | None,
+        walk: Walk,
+        rate: float,
+        lost: bool,
+        replays: _Replays,
     ) -> tuple[Source, Route]:
         risk = planner.RISK_VERIFIED
         detail = f"replay all {facts.event_count} events at {rate:.0f} events/s"
@@ -410,12 +434,17 @@ class Recovery:
         elif walk.unsealed:
             risk = planner.RISK_UNSEALED
             detail += f"; {walk.unsealed} events predate the hash chain"
+        # Only past a broken link can an event the fold needs be missing, or
+        # where a tail's replay refused one (the whole log's then refuses too).
+        refused = replays.refusal(0) if walk.break_count or replays.refused else None
+        if refused is not None:
+            detail += f"; its replay cannot succeed: {refused}"
         source = Source(
             FULL_LOG_SOURCE,
             planner.replay_cost_seconds(facts.event_count, rate),
             risk,
             detail,
-            possible=not lost,
+            possible=not lost and refused is None,
         )
         return source, Route(FULL_LOG_SOURCE, None, tuple(walk.breaks))
 
@@ -427,6 +456,7 @@ class Recovery:
         rate: float,
         lost: bool,
         altered_latest: Sequence[ChainBreak],
+        replays: _Replays,
     ) -> tuple[Source, Route]:
         tail = self._store.count_events_after(snapshot.position_seq)
         source_id = f"snapshot-{snapshot.snapshot_id}"
@@ -453,12 +483,19 @@ class Recovery:
             # Its bookings hold what the event said before it was altered: the
             # projections it gives can never agree with the log.
             detail += f"; the log was altered before it, first {covered[0].describe()}"
+        refused = (
+            replays.refusal(snapshot.position_seq)
+            if breaks
+            else replays.known_refusal(snapshot.position_seq)
+        )
+        if refused is not None:
+            detail += f"; the tail's replay cannot succeed: {refused}"
         source = Source(
             source_id,
             planner.replay_cost_seconds(snapshot.rows + tail, rate),
             risk,
             detail,
-            possible=not lost and not covered,
+            possible=not lost and not covered and refused is None,
         )
         return source, Route(source_id, snapshot, tuple(breaks))
 
@@ -481,13 +518,16 @@ class Recovery:
             return "its rows do not give its recorded digest: changed or damaged"
         return ""
 
-    def measure_rate(self) -> float:
+    def measure_rate(self, before_seq: int | None = None) -> float:
         """Events per second of the rebuild's path (read, check the chain,
-        fold and write), measured on a sample of the log's first events folded
-        in a transaction that is rolled back. The rebuild checks in a helper
-        process while it folds; the sample does not, so it errs slow."""
+        fold and write), measured on a sample of the log's first events
+        (those before `before_seq`, when given) folded in a transaction that
+        is rolled back. The rebuild checks in a helper process while it
+        folds; the sample does not, so it errs slow."""
         started = time.perf_counter()
         sample = self._store.events_after(0, self.settings.sample_events)
+        if before_seq is not None:
+            sample = [event for event in sample if event.seq < before_seq]
         if not sample:
             return 1_000_000.0
         walker = ChainWalker()
@@ -718,22 +758,24 @@ class Recovery:
             return Outcome(False, detail=assessment.findings[0], waiting_for=owner or "?")
         log.warning("projections need recovery: %s", "; ".join(assessment.findings))
         known: list[ChainBreak] = []
+        refusals: dict[int, EventRefused] = {}
         # The marker a claim expects: the assessment's, then the one our own
         # rebuild left (a plan made again after it finished).
         claim_on = marker_key(assessment.facts.position)
-        # A second plan only when the rebuild met a broken link the first did not know.
+        # A second plan only when the rebuild met a broken link, or an event
+        # its fold refuses, that the first did not know.
         for _attempt in range(2):
             try:
-                plan = self.plan(assessment, policy, known)
+                plan = self.plan(assessment, policy, known, refusals)
             except RebuildFailed as error:
-                # Measuring the rate folds the log's first events: one of them
-                # cannot be applied (an event it needs was removed).
+                # The log's events cannot be read as the rebuild reads them
+                # (a lane configured without a policy).
                 detail = (
                     f"cannot plan a rebuild: {error}; `ledger verify` names the damage; "
                     "restore the database from a backup (docs/recovery.md)"
                 )
                 log.error("%s", detail)
-                if known:
+                if known or refusals:
                     self.release()
                 return Outcome(False, None, detail)
             manifest = plan.manifest
@@ -743,7 +785,7 @@ class Recovery:
                 "recovery manifest %d: %s", manifest_id, manifest.to_json()
             )
             if not manifest.admissible:
-                if known:  # a rebuild of ours stopped at a break: our claim goes
+                if known or refusals:  # a rebuild of ours stopped: our claim goes
                     self.release()
                 return Outcome(False, manifest, manifest.directive)
             started = time.perf_counter()
@@ -758,6 +800,13 @@ class Recovery:
                 self._record(manifest_id, "failed", started)
                 log.error("rebuild stopped: %s; planning again", error)
                 known.append(error.chain_break)
+                continue
+            except _SourceRefused as error:
+                # An event the fold needs is missing where no broken link told
+                # (before a snapshot, say): planned again, that source is not possible.
+                self._record(manifest_id, "failed", started)
+                log.error("rebuild stopped: %s; planning again", error.refused)
+                refusals[error.after_seq] = error.refused
                 continue
             except (RebuildFailed, RebuildClaimLost) as error:
                 self._record(manifest_id, "failed", started)
@@ -811,9 +860,12 @@ class Recovery:
         for index, source_id in enumerate(plan.manifest.chosen):
             # The first source claims under the marker assessed; the next ones
             # (min_viable_sources) rebuild again under our own claim.
-            built = self.rebuild_uncommitted(
-                plan.routes[source_id], progress, assessed if index == 0 else "any"
-            )
+            route = plan.routes[source_id]
+            try:
+                built = self.rebuild_uncommitted(route, progress, assessed if index == 0 else "any")
+            except EventRefused as refused:
+                start = route.snapshot.position_seq if route.snapshot else 0
+                raise _SourceRefused(start, refused) from refused
             if digests and built != digests[0][1]:
                 raise RebuildFailed(
                     f"{source_id} rebuilt other projections than {digests[0][0]} "
@@ -846,6 +898,54 @@ class Recovery:
         except StoreUnavailable:
             log.warning("no snapshot after the rebuild: database unavailable")
             return None
+
+
+class _SourceRefused(Exception):
+    """A rebuild's fold refused an event of the source whose replay starts after `after_seq`."""
+
+    def __init__(self, after_seq: int, refused: EventRefused) -> None:
+        super().__init__(str(refused))
+        self.after_seq = after_seq
+        self.refused = refused
+
+
+class _Replays:
+    """Whether the replay of the log after a seq would succeed, found by the
+    rebuild's own fold run over it in a transaction that is rolled back (a
+    dry run, as the rate's), at most once per seq for one plan."""
+
+    def __init__(self, store: SqlRecoveryStore, owner: str, head_seq: int, now_us: int) -> None:
+        self._store = store
+        self._owner = owner
+        self._head = head_seq
+        self._now_us = now_us
+        self._found: dict[int, EventRefused | None] = {}
+
+    def known(self, after_seq: int, refused: EventRefused) -> None:
+        self._found[after_seq] = refused
+
+    def known_refusal(self, after_seq: int) -> EventRefused | None:
+        return self._found.get(after_seq)
+
+    @property
+    def refused(self) -> bool:
+        """Whether some replay is known to refuse an event."""
+        return any(found is not None for found in self._found.values())
+
+    def refusal(self, after_seq: int) -> EventRefused | None:
+        """The first event after `after_seq` the fold refuses; None: none."""
+        if after_seq not in self._found:
+            if 0 in self._found and self._found[0] is None:
+                # The whole log folds: so does every tail of it.
+                return None
+            try:
+                self._store.fold_events(
+                    self._owner, [], after_seq, self._head, self._now_us, dry_run=True
+                )
+                self._found[after_seq] = None
+            except EventRefused as refused:
+                self._found[after_seq] = refused
+        return self._found[after_seq]
 
 
 def _verified_from(anchor: SnapshotInfo | ChainPoint | None) -> bool:
@@ -1086,7 +1186,8 @@ _OPERATOR_STEPS = {
     "RISK_TOO_HIGH": "no source is safe enough to rebuild from: `ledger verify` names the "
     "damage; restore the database from a backup, or accept the log as it is with "
     "`ledger recover --budget-seconds N --max-risk 1`",
-    "HARD_ABORT": "events acknowledged are missing from the log: `ledger verify` names the "
-    "damage; restore the database from a backup, or, if the log is known to be right, "
-    "`ledger recover --budget-seconds N --accept-log-head`",
+    "HARD_ABORT": "events acknowledged are missing from the log's end, or its replay would "
+    "refuse an event (the manifest's sources say which): `ledger verify` names the damage; "
+    "restore the database from a backup, or, only for events missing from the end and if "
+    "the log is known to be right, `ledger recover --budget-seconds N --accept-log-head`",
 }

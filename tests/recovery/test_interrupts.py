@@ -88,7 +88,8 @@ def test_recover_on_a_log_that_cannot_be_folded_says_so_without_a_traceback(
     """A reserve deleted from the log by hand, its settle left: measuring the
     rebuild's rate on the log's first events fails on it. That was a
     RebuildFailed traceback from `ledger recover` (exit 1), and one in the
-    server's log at every retry."""
+    server's log at every retry; then a failure without a manifest (exit 2);
+    now the plan refuses the log, naming the event (exit 1)."""
     reserve = sqlite_history.scalar(
         "SELECT MIN(r.seq) FROM events r JOIN events s ON s.lane = r.lane "
         "AND s.reservation_id = r.reservation_id AND s.kind = 'settled' WHERE r.kind = 'reserved'"
@@ -99,8 +100,9 @@ def test_recover_on_a_log_that_cannot_be_folded_says_so_without_a_traceback(
         "DELETE FROM bookings",
     )
     code = cli.main(["recover", "--budget-seconds", "60", "--database-url", sqlite_history.url])
-    said = capsys.readouterr().err
-    assert code == 2, said
+    manifest, said = capsys.readouterr()
+    assert code == 1, said
     assert "Traceback" not in said, said
     [line] = [text for text in said.splitlines() if text.startswith("ledger recover:")]
-    assert "cannot be applied" in line and "ledger verify" in line, line
+    assert "restore the database" in line and "backup" in line, line
+    assert "cannot be applied" in manifest, manifest
