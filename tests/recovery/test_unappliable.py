@@ -13,6 +13,7 @@ import pytest
 from ledger_service import cli
 from ledger_service.domain.events import Outcome
 from ledger_service.domain.moves import ReserveCommand, SettleCommand
+from ledger_service.recovery.plan import RecoveryPolicy, Verdict
 from ledger_service.recovery.rebuild import FULL_LOG_SOURCE, Route
 from ledger_service.recovery.store import RebuildFailed
 from tests.recovery.conftest import History, open_history
@@ -167,3 +168,21 @@ def test_a_reserve_deleted_before_a_snapshot_whose_settle_follows_it_is_refused_
     refused = f"event {settle} cannot be applied: the settled event of booking 'x'"
     assert all(refused in source["detail"] for source in manifest["sources"]), manifest
     assert f"rebuild stopped: {refused}" in caplog.text, caplog.text
+
+
+def test_the_plan_refuses_it_on_both_databases(history: History) -> None:
+    """The dry run of the fold is the rebuild's, on SQLite and on PostgreSQL."""
+    reserve, settle, lane, booking = _first_settled_reserve(history, 20)
+    if history.engine.dialect.name == "sqlite":
+        history.sql("DROP TRIGGER events_refuse_delete")
+    else:
+        history.sql("ALTER TABLE events DISABLE TRIGGER events_refuse_update_delete")
+    history.sql(f"DELETE FROM events WHERE seq = {reserve}")
+    recovery = history.recovery(sample_events=10)
+    outcome = recovery.recover(RecoveryPolicy(600.0, 1.0), "test")
+    assert outcome.manifest is not None and not outcome.ready
+    assert outcome.manifest.verdict is Verdict.HARD_ABORT, outcome.manifest.to_json()
+    [log] = outcome.manifest.sources
+    refused = f"event {settle} cannot be applied: the settled event of booking {booking!r}"
+    assert f"{refused} in lane {lane!r}" in log.detail, log.detail
+    assert history.scalar("SELECT state FROM projection_position") == "current"
