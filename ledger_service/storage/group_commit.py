@@ -80,7 +80,6 @@ class _Move(Generic[T]):
         "finished",
         "lead",
         "result",
-        "started",
         "withdrawn",
         "work",
     )
@@ -92,8 +91,8 @@ class _Move(Generic[T]):
         self._signal.acquire()
         self.lead = False
         self.finished = False
-        # Under the committer's mutex: its work began in a batch; its caller gave up.
-        self.started = False
+        # Its caller gave up waiting (set under the committer's mutex). A move
+        # begins once `_one` finds it unset: one withdrawn later may commit.
         self.withdrawn = False
         self.result: T | None = None
         self.error: BaseException | None = None
@@ -352,10 +351,8 @@ class GroupCommitter:
         self, connection: Connection, move: _Move[Any]
     ) -> tuple[Any, BaseException | None, bool]:
         """The move's result or refusal, and whether it failed in the database."""
-        with self._mutex:
-            if move.withdrawn or time.monotonic() > move.deadline:
-                return None, StoreUnavailable(), False  # its caller has given up: do not book it
-            move.started = True
+        if move.withdrawn or time.monotonic() > move.deadline:
+            return None, StoreUnavailable(), False  # its caller has given up: do not book it
         try:
             with translate.translated():
                 return move.work(connection), None, False
