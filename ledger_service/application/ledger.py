@@ -179,7 +179,7 @@ class Ledger:
             record_windows(tx, open_windows(tx, budgets, now_us, verify=self._verify_windows))
             return saved
 
-        return self._write(work)
+        return self._write(work, replayable=True)
 
     def get_lane(self, lane: str) -> LanePolicy:
         # One snapshot for the row and the log, so a PutLane committing
@@ -231,7 +231,7 @@ class Ledger:
             stored, _ = record_booking_event(tx, windows, None, event, now_us, trace_id)
             return ReserveResult(stored, balance_after(stored))
 
-        return self._write(work)
+        return self._write(work, replayable=True)
 
     def settle(self, command: moves.SettleCommand, trace_id: str = "") -> SettleResult:
         command.validate()
@@ -264,7 +264,7 @@ class Ledger:
             )
             return SettleResult(booking.amount_at(now_us), booking.state, balance)
 
-        return self._write(work)
+        return self._write(work, replayable=True)
 
     def refund(self, command: moves.RefundCommand, trace_id: str = "") -> RefundResult:
         command.validate()
@@ -281,7 +281,7 @@ class Ledger:
                 return RefundResult(balance_after(stored))
             return RefundResult(balance_after(_event(tx, verdict.repeat_seq)))
 
-        return self._write(work)
+        return self._write(work, replayable=True)
 
     def correct(
         self, command: moves.CorrectCommand, grant_id: str, trace_id: str = ""
@@ -303,7 +303,7 @@ class Ledger:
             )
             return CorrectResult(stored, balance_after(stored))
 
-        return self._write(work)
+        return self._write(work, replayable=True)
 
     def _open_booking(
         self,
@@ -402,8 +402,11 @@ class Ledger:
         """Runs `work` in one write transaction and wakes the event tails."""
         return self._write(work)
 
-    def _write(self, work: Callable[[StoreTransaction], _T]) -> _T:
-        result = self._store.run(work)
+    def _write(self, work: Callable[[StoreTransaction], _T], *, replayable: bool = False) -> _T:
+        """`replayable`: a move or a PutLane, whose repeat is answered as the
+        first was (docs/semantics.md, Idempotency), so the store may run it
+        again when it cannot tell whether its commit was kept."""
+        result = self._store.run(work, replayable=replayable)
         self.signal.notify()
         return result
 

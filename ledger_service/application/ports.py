@@ -168,15 +168,20 @@ class Store(Protocol):
         write: bool = True,
         in_turn: bool = False,
         snapshot: bool = False,
+        replayable: bool = False,
     ) -> T:
         """Runs `work` in one transaction and commits it durably, retrying a
-        bounded number of times on serialization failures; raises
+        bounded number of times on serialization failures, and once on a new
+        connection when the database ended the one it ran on; raises
         StoreUnavailable when the database cannot answer in time. A read
         `in_turn` sees the kept windows as the moves left them, at one instant:
         on SQLite it takes its turn among the moves and is answered from the
         one writer's memory; on PostgreSQL it reads one snapshot. A read with
         `snapshot` sees one instant in all its statements (SQLite's read
-        transactions always do)."""
+        transactions always do). A write is `replayable` when running it
+        again after it was kept is answered as the first run was (a move, by
+        its request id): then it is run again even when its connection died
+        after its COMMIT was sent."""
         ...
 
     def ping(self) -> None:

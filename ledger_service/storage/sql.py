@@ -10,6 +10,7 @@ Reads, on both, are SqlTransaction's statements.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import threading
@@ -141,6 +142,7 @@ class SqlStore:
         write: bool = True,
         in_turn: bool = False,
         snapshot: bool = False,
+        replayable: bool = False,
     ) -> T:
         if self._damage is not None:  # nothing is served from a damaged database
             raise StoreDamaged(self._damage.what, self._damage.advice)
@@ -150,7 +152,7 @@ class SqlStore:
                 raise StoreUnavailable()
             try:
                 with self._translated():
-                    return self._run_once(work, write, in_turn, snapshot, deadline)
+                    return self._run_once(work, write, in_turn, snapshot, replayable, deadline)
             except StoreUnavailable as error:
                 if not translate.is_retryable(error) or attempt == self._max_retries:
                     raise
@@ -334,6 +336,7 @@ class SqlStore:
         write: bool,
         in_turn: bool,
         snapshot: bool,
+        replayable: bool,
         deadline: float,
     ) -> T:
         # A read in turn needs the writer, which cannot begin on a file it may
@@ -349,11 +352,60 @@ class SqlStore:
                 ),
                 deadline,
             )
-        return self._transact(work, write, in_turn or snapshot, deadline)
+        transact = functools.partial(self._transact, work, write, in_turn or snapshot, deadline)
+        if self._watchdog is None:
+            return transact([])
+        return self._reconnecting(transact, write and not replayable, deadline)
+
+    def _reconnecting(
+        self,
+        transact: Callable[[list[SqlTransaction]], T],
+        ambiguous_commit_fails: bool,
+        deadline: float,
+    ) -> T:
+        """PostgreSQL: runs `transact` once more, on a new connection, when its
+        connection died (translate.lost_connection: a failover, a backend
+        terminated) with time left. A pooled connection killed while idle
+        is only found dead by its next statement: without this, every call
+        that met one failed with UNAVAILABLE. Nothing of a transaction whose
+        COMMIT was not sent was kept. One whose COMMIT was sent may have been
+        kept: a move's repeat is answered as the first was (its request id),
+        any other write (`ambiguous_commit_fails`) fails. A connection that
+        could not be made is not tried again, nor one with less time left than
+        a handshake may take: the call ends UNAVAILABLE by its deadline."""
+        started: list[SqlTransaction] = []
+        try:
+            return transact(started)
+        except (DBAPIError, StoreUnavailable) as error:  # translated by a statement, or not yet
+            committing = bool(started) and started[-1].commit_sent
+            if (
+                not started  # no connection: refused or timed out, not lost
+                or not translate.lost_connection(error)
+                or (committing and ambiguous_commit_fails)
+                # The new connection's handshake must fit (watchdog.connect_timeout_for).
+                or deadline - time.monotonic() < watchdog.MIN_CONNECT_TIMEOUT_SECONDS
+            ):
+                raise
+            unsaid = self._error_log("lost connection")
+            if unsaid is not None:
+                log.warning(
+                    "a database connection was lost (%s: %s); the call runs again on a "
+                    "new connection%s",
+                    translate.driver_code(error.__cause__ or error) or "no code",
+                    translate.driver_message(error),
+                    more(unsaid),
+                )
+        return transact([])
 
     def _transact(
-        self, work: Callable[[StoreTransaction], T], write: bool, snapshot: bool, deadline: float
+        self,
+        work: Callable[[StoreTransaction], T],
+        write: bool,
+        snapshot: bool,
+        deadline: float,
+        started: list[SqlTransaction],
     ) -> T:
+        """Runs `work` in one transaction; `started` gets its SqlTransaction."""
         if self._watchdog is None:  # SQLite: local, bounded by its busy timeout and the gate
             with self._engine.connect() as connection:
                 connection = connection.execution_options(ledger_write=write)
@@ -370,6 +422,7 @@ class SqlStore:
             connection = connection.execution_options(**options)
             with connection.begin():
                 tx = SqlTransaction(connection, False, horizon=self._horizon)
+                started.append(tx)
                 result = work(tx)
                 tx.commit()
             return result
@@ -677,6 +730,9 @@ class SqlTransaction:
         self._taken_seq: tuple[frozenset[str], int] | None = None
         # Whether the transaction's first lock found its lane (None: no lock yet).
         self._seq_useful: bool | None = None
+        # PostgreSQL: the COMMIT has been sent; if the connection dies now, the
+        # transaction may have been kept or not.
+        self.commit_sent = False
 
     @property
     def _connection(self) -> Connection:
@@ -690,6 +746,7 @@ class SqlTransaction:
         """PostgreSQL: the deferred writes and the COMMIT, in one round trip.
         (The transaction's own commit then finds nothing left to do.)"""
         calls, self._deferred = self._deferred, []
+        self.commit_sent = True
         prepared.pipelined(self._raw, [*calls, (_HOT("commit", self._raw), {})])
 
     def _defer(self, name: str, values: dict[str, Any]) -> None:

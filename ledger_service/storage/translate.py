@@ -116,6 +116,13 @@ SQLITE_BUSY = "SQLITE_BUSY"
 # NOT_SERVING until SqlStore's probe may write again.
 CANNOT_WRITE_POSTGRES = frozenset({"42501", "25006"})
 
+# PostgreSQL's codes for a connection the server ended: 57P01 admin_shutdown
+# (pg_terminate_backend, a fast shutdown, a failover) and 57P02
+# crash_shutdown; class 08 is connection_exception. libpq's own "the
+# connection is lost" and "server closed the connection unexpectedly" carry
+# no code. SqlStore runs such a call once more, on a new connection.
+LOST_CONNECTION_CODES = frozenset({"57P01", "57P02"})
+
 # Python's sqlite3 names the error code (sqlite_errorname) when SQLite raised it;
 # an exception made elsewhere carries only SQLite's message.
 _SQLITE_MESSAGES = {
@@ -274,6 +281,18 @@ def is_retryable(error: BaseException) -> bool:
         return False
     row = row_of(cause)
     return row is not None and row[3]
+
+
+def lost_connection(error: BaseException) -> bool:
+    """Whether foreign `error` (or the one behind a translated error) says the
+    PostgreSQL connection died: its session, and any transaction it had open,
+    are gone."""
+    cause = error.__cause__ if isinstance(error, LedgerError) else error
+    driver = driver_error(cause) if cause is not None else None
+    if not isinstance(driver, psycopg.OperationalError):
+        return False
+    code = driver_code(driver)
+    return not code or code in LOST_CONNECTION_CODES or code.startswith("08")
 
 
 @contextmanager

@@ -147,3 +147,25 @@ def test_integrity_check_damage_names_sqlites_first_finding_not_its_heading() ->
     assert "(PRAGMA integrity_check: Multiple uses for byte 3279 of page 32 and 1 more)" in (
         damage.message
     ), damage.message
+
+
+@pytest.mark.parametrize(
+    ("foreign", "lost"),
+    [
+        (psycopg.errors.AdminShutdown("terminating connection"), True),  # 57P01
+        (psycopg.errors.CrashShutdown("crash"), True),  # 57P02
+        (psycopg.errors.ConnectionFailure("failure"), True),  # 08006
+        (psycopg.OperationalError("the connection is lost"), True),  # libpq's, no code
+        (psycopg.errors.QueryCanceled("canceling statement"), False),  # 57014
+        (psycopg.errors.LockNotAvailable("lock timeout"), False),  # 55P03
+        (psycopg.errors.InsufficientPrivilege("permission denied"), False),
+        (sqlite3.OperationalError("disk I/O error"), False),
+    ],
+)
+def test_a_connection_the_server_ended_is_told_as_lost(foreign: BaseException, lost: bool) -> None:
+    wrapped = DBAPIError("SELECT 1", None, foreign)
+    assert translate.lost_connection(foreign) is lost
+    assert translate.lost_connection(wrapped) is lost
+    with pytest.raises(StoreUnavailable) as raised, translate.translated():
+        raise wrapped
+    assert translate.lost_connection(raised.value) is lost
