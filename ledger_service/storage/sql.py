@@ -99,6 +99,9 @@ class SqlStore:
         # Why this process cannot write the database, while it cannot (SQLite:
         # the file; PostgreSQL: the role's privileges or a read-only database).
         self._write_problem: str | None = None
+        # PostgreSQL: a move was stopped while it waited (translate.WAITED_CODES),
+        # so the write probe looks for a lock another session holds.
+        self._probe_writes = False
         # SQLite: a write failed, so the probe commits one (a full disk, say,
         # passes a write transaction rolled back), until one commits.
         self._write_failed = False
@@ -173,6 +176,9 @@ class SqlStore:
             raise
         except StoreUnavailable as error:
             cause = error.__cause__
+            waited = cause is not None and translate.driver_code(cause) in translate.WAITED_CODES
+            if waited and not self._sqlite:
+                self._probe_writes = True
             if isinstance(cause, PoolTimeoutError):
                 unsaid = self._error_log("pool")
                 if unsaid is not None:
@@ -190,10 +196,11 @@ class SqlStore:
                 unsaid = self._error_log(f"{type(driver).__name__} {kind}")
                 if unsaid is not None:
                     log.warning(
-                        "database error (%s): %s: %s%s",
+                        "database error (%s): %s: %s%s%s",
                         code,
                         type(driver).__name__,
                         said,
+                        _WAITED if waited else "",
                         more(unsaid),
                     )
             raise
@@ -459,27 +466,69 @@ class SqlStore:
         bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds
         with self._translated(), self._watched(time.monotonic() + bound) as connection:
             connection.execute(select(literal(1))).scalar_one()
-            if self._write_problem is not None and not self._may_write(connection):
+            probe = self._write_problem is not None or self._probe_writes
+            if probe and not self._may_write(connection, bound):
                 raise StoreUnavailable()
 
-    def _may_write(self, connection: Connection) -> bool:
-        """After a move was refused a write (translate.CANNOT_WRITE_POSTGRES):
-        whether the role may now write what a move writes, asked by statements
-        that change no row (PostgreSQL checks privileges and read-only-ness
-        before it looks for rows), in the ping's transaction, rolled back."""
+    def _may_write(self, connection: Connection, bound_seconds: float) -> bool:
+        """After a move was refused a write (translate.CANNOT_WRITE_POSTGRES)
+        or stopped while it waited (translate.WAITED_CODES): whether the role
+        may now write what a move writes, and take the table locks it takes,
+        asked by statements that change no row (PostgreSQL checks privileges
+        and read-only-ness, and takes the table's lock, before it looks for
+        rows), in the ping's transaction, rolled back. A lock is waited for a
+        quarter of the probe's time at most."""
+        lock_timeout_ms = max(1, int(bound_seconds * 1000 / 4))
+        table = ""
         try:
-            for statement in _WRITE_PROBES:
+            connection.exec_driver_sql(f"SET LOCAL lock_timeout = {lock_timeout_ms}")
+            for probed, statement in _WRITE_PROBES:
+                table = probed  # the one a failure names
                 connection.exec_driver_sql(statement)
         except DBAPIError as error:
-            if translate.driver_code(error) not in translate.CANNOT_WRITE_POSTGRES:
+            code = translate.driver_code(error)
+            if code == "55P03":  # lock_not_available: another session holds the table
+                connection.rollback()
+                self._note_locked(connection, table)
+                return False
+            if code not in translate.CANNOT_WRITE_POSTGRES:
                 raise
             return False
         finally:
             connection.rollback()
         with self._damage_lock:
-            self._write_problem = None
-        log.info("the database can be written again")
+            before, self._write_problem = self._write_problem, None
+            self._probe_writes = False
+        if before is not None:
+            log.info("the database can be written again")
         return True
+
+    def _note_locked(self, connection: Connection, table: str) -> None:
+        """Health is NOT_SERVING while `table` is locked against moves; said
+        once an interval, naming the sessions that hold it."""
+        holders = connection.execute(_LOCK_HOLDERS, {"table": table}).all()
+        lock_timeout = connection.execute(text("SHOW lock_timeout")).scalar_one()
+        connection.rollback()
+        held = "; ".join(
+            f"pid {pid} holds {mode}, its transaction open {int(age or 0)} s"
+            for pid, mode, age in holders
+        )
+        with self._damage_lock:
+            self._write_problem = f"the table {table!r} is locked by another session"
+        unsaid = self._error_log(f"locked {table}")
+        if unsaid is not None:
+            log.error(
+                "THE DATABASE CANNOT BE WRITTEN (%s): the table %r is locked by another "
+                "session (%s): every move waits for the lock until lock_timeout (%s) or "
+                "its deadline, and fails. Health is NOT_SERVING until it is released; end "
+                "that session's transaction (or pg_terminate_backend(pid)), and the server "
+                "serves again by itself%s",
+                database.redacted(database.source_url(self._engine)),
+                table,
+                held or "it let go before it could be named",
+                lock_timeout,
+                more(unsaid),
+            )
 
     def close(self, timeout_seconds: float = 10.0) -> bool:
         """Waits up to `timeout_seconds` for the commit under way; whether
@@ -494,11 +543,23 @@ class SqlStore:
 # What a move writes: the event, the booking's and the windows' upserts, and
 # a PutLane's lane. Each statement matches no row.
 _WRITE_PROBES = tuple(
-    f"INSERT INTO {table} SELECT * FROM {table} WHERE false"
+    (table, f"INSERT INTO {table} SELECT * FROM {table} WHERE false")
     for table in ("events", "bookings", "window_states", "lanes")
 ) + tuple(
-    f"UPDATE {table} SET {column} = {column} WHERE false"
+    (table, f"UPDATE {table} SET {column} = {column} WHERE false")
     for table, column in (("bookings", "lane"), ("window_states", "lane"), ("lanes", "lane"))
+)
+# The sessions that hold a lock on a table, for the log line.
+_LOCK_HOLDERS = text(
+    "SELECT l.pid, l.mode, extract(epoch FROM now() - a.xact_start)::bigint"
+    " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+    " WHERE l.relation = to_regclass(:table) AND l.granted AND l.pid <> pg_backend_pid()"
+    " ORDER BY l.pid"
+)
+# What a move's log line adds when it was stopped while it waited.
+_WAITED = (
+    " (stopped while it waited: for a lock another session holds, most often; health's "
+    "write probe looks for one)"
 )
 
 _OF_MEMBERS = bookings.c.lane.in_(bindparam("members", expanding=True))

@@ -116,6 +116,13 @@ SQLITE_BUSY = "SQLITE_BUSY"
 # NOT_SERVING until SqlStore's probe may write again.
 CANNOT_WRITE_POSTGRES = frozenset({"42501", "25006"})
 
+# PostgreSQL's codes for a statement stopped while it waited: lock_timeout
+# (55P03 lock_not_available), or a cancel at statement_timeout or at the
+# call's deadline (57014 query_canceled, "canceling statement due to user
+# request" when the watchdog sent it). Most often it waited for a lock another
+# session holds; SqlStore's write probe then asks whether one blocks moves.
+WAITED_CODES = frozenset({"55P03", "57014"})
+
 # PostgreSQL's codes for a connection the server ended: 57P01 admin_shutdown
 # (pg_terminate_backend, a fast shutdown, a failover) and 57P02
 # crash_shutdown; class 08 is connection_exception. libpq's own "the
