@@ -185,8 +185,11 @@ class SqlStore:
                     log.warning(
                         "no database connection free within the pool timeout%s", more(unsaid)
                     )
-            elif cause is not None and not translate.is_retryable(error):
-                self._note_cannot_write(cause)
+            elif (
+                cause is not None
+                and not translate.is_retryable(error)
+                and not self._note_cannot_write(cause)  # said there, in words
+            ):
                 driver = translate.driver_error(cause)
                 code = translate.driver_code(cause) or "no code"
                 said = translate.driver_message(cause)
@@ -255,28 +258,29 @@ class SqlStore:
             self._lock_held = True  # health asks the probe (`ping`)
         self._note_cannot_write(foreign)
 
-    def _note_cannot_write(self, foreign: BaseException) -> None:
-        """A PostgreSQL write refused (translate.CANNOT_WRITE_POSTGRES): said
-        once; health is NOT_SERVING until `ping` finds it may write again."""
-        code = translate.driver_code(foreign)
-        if not self._sqlite and code in translate.CANNOT_WRITE_POSTGRES:
-            with self._damage_lock:
-                first, self._write_problem = (
-                    self._write_problem is None,
-                    (f"{code}: {translate.driver_message(foreign)}"),
-                )
-            if first:
-                self._log_cannot_write(self._write_problem)
-
-    def _log_cannot_write(self, problem: str) -> None:
-        log.error(
-            "THE DATABASE CANNOT BE WRITTEN (%s): %s. Health is NOT_SERVING and every "
-            "move is refused (STORE_UNAVAILABLE) until it can; grant the ledger's role "
-            "INSERT and UPDATE on its tables, or make the database writable (a read-only "
-            "database or a standby), and the server serves again by itself",
-            database.redacted(database.source_url(self._engine)),
-            problem,
-        )
+    def _note_cannot_write(self, foreign: BaseException) -> bool:
+        """Whether `foreign` is a PostgreSQL write refused (translate.cannot_write:
+        a privilege, a read-only database, a server out of disk, memory or
+        connections): then said in words, at most once an interval, and health
+        is NOT_SERVING until `ping` finds it may write again."""
+        condition = None if self._sqlite else translate.cannot_write(foreign)
+        if condition is None:
+            return False
+        what, advice = condition
+        with self._damage_lock:
+            self._write_problem = f"{what}: {translate.driver_message(foreign)}"
+        unsaid = self._error_log(f"cannot write {translate.driver_code(foreign)}")
+        if unsaid is not None:
+            log.error(
+                "THE DATABASE CANNOT BE WRITTEN (%s): %s. Health is NOT_SERVING and every "
+                "move is refused (STORE_UNAVAILABLE) until it can; %s, and the server "
+                "serves again by itself%s",
+                database.redacted(database.source_url(self._engine)),
+                self._write_problem,
+                advice,
+                more(unsaid),
+            )
+        return True
 
     def _begin_batch(self, connection: Connection) -> None:
         self._check_file(writing=True)
@@ -471,7 +475,7 @@ class SqlStore:
                 raise StoreUnavailable()
 
     def _may_write(self, connection: Connection, bound_seconds: float) -> bool:
-        """After a move was refused a write (translate.CANNOT_WRITE_POSTGRES)
+        """After a move was refused a write (translate.cannot_write)
         or stopped while it waited (translate.WAITED_CODES): whether the role
         may now write what a move writes, and take the table locks it takes,
         asked by statements that change no row (PostgreSQL checks privileges
@@ -491,8 +495,9 @@ class SqlStore:
                 connection.rollback()
                 self._note_locked(connection, table)
                 return False
-            if code not in translate.CANNOT_WRITE_POSTGRES:
+            if translate.cannot_write(error) is None:
                 raise
+            self._note_cannot_write(error)
             return False
         finally:
             connection.rollback()

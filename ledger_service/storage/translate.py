@@ -25,7 +25,10 @@ What a caller is told, from the most to the least specific:
   field is named where the request is known (application/ledger.py).
 - StoreUnavailable, retryable: a transaction lost a race (serialization
   failure, deadlock, lock timeout) and may be run again at once.
-- StoreUnavailable: anything else the database or the pool raised.
+- StoreUnavailable: anything else the database or the pool raised. Among
+  those, a PostgreSQL that refuses every write (a privilege, a read-only
+  database, SQLSTATE class 53: no disk, memory or connections) is named in
+  words by `cannot_write`, and turns health NOT_SERVING (SqlStore).
 
 The driver's message and code go to the log only: SQL, URLs and paths never
 reach a caller.
@@ -112,9 +115,52 @@ SQLITE_BUSY = "SQLITE_BUSY"
 # PostgreSQL's codes for a database the ledger's role may read but not write:
 # a privilege revoked (42501 insufficient_privilege) or a read-only database
 # (25006 read_only_sql_transaction: default_transaction_read_only, a standby
-# after a failover). Not healed by a retry, but by an operator: health is
-# NOT_SERVING until SqlStore's probe may write again.
-CANNOT_WRITE_POSTGRES = frozenset({"42501", "25006"})
+# after a failover); and class 53, insufficient_resources, a server out of
+# disk, memory or connections. Not healed by a retry, but by an operator:
+# health is NOT_SERVING until SqlStore's probe may write again. Each says what
+# is wrong and what to do, for the log line.
+CANNOT_WRITE_CONDITIONS: dict[str, tuple[str, str]] = {
+    "42501": (
+        "the ledger's role may not write a table (42501 insufficient_privilege)",
+        "grant the ledger's role INSERT and UPDATE on its tables",
+    ),
+    "25006": (
+        "the database is read-only (25006 read_only_sql_transaction)",
+        "make the database writable (a read-only database, or a standby)",
+    ),
+    "53100": (
+        "the database server's disk is full (53100 disk_full)",
+        "free disk space where PostgreSQL keeps its data and write-ahead log",
+    ),
+    "53200": (
+        "the database server is out of memory (53200 out_of_memory)",
+        "give PostgreSQL memory (fewer connections, a smaller work_mem)",
+    ),
+    "53300": (
+        "the database server has too many connections (53300 too_many_connections)",
+        "raise max_connections, or lower the replicas' pool_size",
+    ),
+}
+# Class 53's other codes (53400 configuration_limit_exceeded, ...).
+INSUFFICIENT_RESOURCES = (
+    "the database server lacks a resource ({code}, class 53 insufficient_resources)",
+    "see PostgreSQL's log for which, and give it more",
+)
+
+
+def cannot_write(error: BaseException) -> tuple[str, str] | None:
+    """What a PostgreSQL error that refuses every write says is wrong and
+    what to do about it, in words (CANNOT_WRITE_CONDITIONS); None for another."""
+    if not isinstance(driver_error(error), psycopg.Error):
+        return None
+    code = driver_code(error)
+    if code in CANNOT_WRITE_CONDITIONS:
+        return CANNOT_WRITE_CONDITIONS[code]
+    if len(code) == 5 and code.startswith("53"):
+        what, advice = INSUFFICIENT_RESOURCES
+        return what.format(code=code), advice
+    return None
+
 
 # PostgreSQL's codes for a statement stopped while it waited: lock_timeout
 # (55P03 lock_not_available), or a cancel at statement_timeout or at the

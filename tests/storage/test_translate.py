@@ -169,3 +169,29 @@ def test_a_connection_the_server_ended_is_told_as_lost(foreign: BaseException, l
     with pytest.raises(StoreUnavailable) as raised, translate.translated():
         raise wrapped
     assert translate.lost_connection(raised.value) is lost
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "words"),
+    [
+        ("53100", "disk is full"),
+        ("53200", "out of memory"),
+        ("53300", "too many connections"),
+        ("53400", "lacks a resource (53400"),
+        ("42501", "may not write"),
+        ("25006", "read-only"),
+    ],
+)
+def test_a_server_that_refuses_every_write_is_told_so_in_words(sqlstate: str, words: str) -> None:
+    """Class 53 (a full disk, no memory, no connection left) refuses every
+    move as a revoked privilege does: the store turns health NOT_SERVING."""
+    foreign = DBAPIError.instance(
+        "INSERT", None, psycopg.errors.lookup(sqlstate)("could not extend file"), psycopg.Error
+    )
+    with pytest.raises(StoreUnavailable) as caught, translate.translated():
+        raise foreign
+    assert not translate.is_retryable(caught.value)
+    condition = translate.cannot_write(caught.value.__cause__ or foreign)
+    assert condition is not None and words in condition[0], condition
+    assert translate.cannot_write(psycopg.errors.QueryCanceled("x")) is None
+    assert translate.cannot_write(sqlite3.OperationalError("database or disk is full")) is None

@@ -9,7 +9,9 @@ every move was refused.
 The tests connect as a superuser, whom privileges do not stop, so a statement
 trigger refuses the INSERT with the code PostgreSQL gives a revoked privilege
 (42501 insufficient_privilege); a statement trigger fires for an INSERT of no
-rows too, as a revoked privilege stops one."""
+rows too, as a revoked privilege stops one. A server out of disk, memory or
+connections (SQLSTATE class 53) refuses every move too; no test can fill the
+disk here, so the same trigger raises its codes."""
 
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ pytestmark = pytest.mark.postgres
 
 REFUSE = """
 CREATE FUNCTION refuse_insert() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN RAISE EXCEPTION 'permission denied for table events'
-  USING ERRCODE = '42501'; END $$;
+BEGIN RAISE EXCEPTION '{message}'
+  USING ERRCODE = '{code}'; END $$;
 CREATE TRIGGER refuse_insert BEFORE INSERT ON events
   FOR EACH STATEMENT EXECUTE FUNCTION refuse_insert();
 """
@@ -46,14 +48,24 @@ def _reserve(rid: str) -> ReserveCommand:
     return ReserveCommand(RECALL.lane, rid, "jev", 7_000, 200)
 
 
+@pytest.mark.parametrize(
+    ("code", "message", "words"),
+    [
+        ("42501", "permission denied for table events", "may not write a table"),
+        # Class 53: a full disk, as no test can make one; memory and connections.
+        ("53100", "could not extend file: No space left on device", "disk is full"),
+        ("53200", "out of memory", "out of memory"),
+        ("53300", "too many connections", "too many connections"),
+    ],
+)
 def test_a_database_it_may_not_write_is_not_serving_until_it_may(
-    postgres_store: SqlStore, caplog: pytest.LogCaptureFixture
+    postgres_store: SqlStore, caplog: pytest.LogCaptureFixture, code: str, message: str, words: str
 ) -> None:
     ledger = Ledger(postgres_store, ManualClock(START_US))
     ledger.put_lane(RECALL)
     assert ledger.reserve(_reserve("r-1")).admitted
     postgres_store.ping()
-    _execute(postgres_store, REFUSE)
+    _execute(postgres_store, REFUSE.format(code=code, message=message))
     with caplog.at_level(logging.ERROR):
         for rid in ("r-2", "r-3"):
             with pytest.raises(StoreUnavailable):
@@ -62,7 +74,8 @@ def test_a_database_it_may_not_write_is_not_serving_until_it_may(
         postgres_store.ping()
     told = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
     assert len(told) == 1, told
-    assert "THE DATABASE CANNOT BE WRITTEN" in told[0] and "42501" in told[0], told
+    assert "THE DATABASE CANNOT BE WRITTEN" in told[0] and code in told[0], told
+    assert words in told[0], told
     _execute(postgres_store, ALLOW)
     postgres_store.ping()
     assert ledger.reserve(_reserve("r-4")).admitted
