@@ -28,10 +28,11 @@ handler) until its own deadline only; when it gives up, its batch's moves
 whose deadlines have not passed go back to the head of the queue, nothing
 of them written, and the oldest leads on. A follower whose deadline passes
 withdraws its move: one still queued, or taken into a batch but not begun,
-is never written. One whose move had already run in a batch that is
-committing is answered unavailable too, and that batch may still commit it
-(a few milliseconds: the batch holds the lock); the caller's retry with the
-same id is answered as the first call (docs/semantics.md).
+is never written. One whose move has begun is in a batch that holds the
+write lock (BEGIN IMMEDIATE) and commits within milliseconds: its caller
+waits for that commit up to BEGUN_WAIT_SECONDS more, then is answered
+unavailable, and the batch may still commit the move; the caller's retry
+with the same id is answered as the first call (docs/semantics.md).
 
 All batches run on one connection, kept for the committer's life (and
 replaced after a database error): leaders follow one another, never overlap.
@@ -65,6 +66,10 @@ from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+# How long past its deadline a caller whose move has begun waits for its
+# batch's commit: well within the answer's margin (api/deadlines.py).
+BEGUN_WAIT_SECONDS = 0.05
+
 
 class _Move(Generic[T]):
     """One caller's move. Its caller waits on `_signal`, a bare lock taken at
@@ -80,6 +85,7 @@ class _Move(Generic[T]):
         "finished",
         "lead",
         "result",
+        "started",
         "withdrawn",
         "work",
     )
@@ -91,8 +97,8 @@ class _Move(Generic[T]):
         self._signal.acquire()
         self.lead = False
         self.finished = False
-        # Its caller gave up waiting (set under the committer's mutex). A move
-        # begins once `_one` finds it unset: one withdrawn later may commit.
+        # Under the committer's mutex: its batch began it; its caller gave up.
+        self.started = False
         self.withdrawn = False
         self.result: T | None = None
         self.error: BaseException | None = None
@@ -162,9 +168,10 @@ class GroupCommitter:
 
     def _follow(self, move: _Move[Any]) -> None:
         """Waits until the move is committed, or this caller is handed the
-        lead, or its deadline: then the move is withdrawn. Not begun (queued,
-        or in a batch still waiting for the lock), it is never written; begun,
-        its batch may still commit it (the module's docstring)."""
+        lead, or its deadline. Not begun then (queued, or in a batch still
+        waiting for the lock), the move is withdrawn and never written; begun,
+        it is waited for a little longer, and its batch may still commit it
+        after the caller is answered (the module's docstring)."""
         if move.wait(move.deadline - time.monotonic()):
             return
         with self._mutex:
@@ -172,8 +179,9 @@ class GroupCommitter:
                 return
             if move in self._queue:
                 self._queue.remove(move)
-            move.withdrawn = True
-        raise StoreUnavailable()
+            move.withdrawn = not move.started
+        if move.withdrawn or not move.wait(BEGUN_WAIT_SECONDS):
+            raise StoreUnavailable()
 
     def _lead(self, leader: _Move[Any]) -> None:
         """Commits one batch (the leader's own move is its first), then hands
@@ -351,8 +359,10 @@ class GroupCommitter:
         self, connection: Connection, move: _Move[Any]
     ) -> tuple[Any, BaseException | None, bool]:
         """The move's result or refusal, and whether it failed in the database."""
-        if move.withdrawn or time.monotonic() > move.deadline:
-            return None, StoreUnavailable(), False  # its caller has given up: do not book it
+        with self._mutex:
+            if move.withdrawn or time.monotonic() > move.deadline:
+                return None, StoreUnavailable(), False  # its caller has given up: do not book it
+            move.started = True
         try:
             with translate.translated():
                 return move.work(connection), None, False

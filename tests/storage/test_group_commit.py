@@ -32,7 +32,7 @@ from ledger_service.domain.events import Event, EventKind, Outcome
 from ledger_service.domain.policies import policy_to_dict
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.recovery.verify import Verifier
-from ledger_service.storage import database, migrate
+from ledger_service.storage import database, group_commit, migrate
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
@@ -575,13 +575,13 @@ class _HeldClock(ManualClock):
         return super().now_us()
 
 
-def test_a_move_answered_unavailable_while_its_batch_commits_is_repeated_by_a_retry(
-    tmp_path: Path,
-) -> None:
-    """A follower's move under way in a batch when its caller's deadline
-    passes is answered STORE_UNAVAILABLE at the deadline, and the batch may
-    still commit it (docs/semantics.md): a retry with the same id is answered
-    as the first call, and the move is booked once."""
+def _follower_under_way(
+    tmp_path: Path, let_go_after_seconds: float | None
+) -> tuple[object, object, list[Event]]:
+    """A batch of "c" (its leader) and "b" (deadline 0.3 s), whose move is
+    held under way, its clock read waiting, until `let_go_after_seconds`
+    (None: until "b" was answered). "b"'s answer, a retry's, and the events
+    booked for "b"."""
     clock = _HeldClock(START_US)
     ledger, store = _ledger(f"sqlite:///{tmp_path}/held.db", clock)
     first_batch, own_move = threading.Event(), threading.Event()
@@ -606,8 +606,10 @@ def test_a_move_answered_unavailable_while_its_batch_commits_is_repeated_by_a_re
         )
         first_batch.set()
         assert clock.entered.acquire(timeout=10)  # "b" is under way in the batch of "c"
-        threads[1].join(timeout=10)
-        assert isinstance(answers["b"], StoreUnavailable)
+        if let_go_after_seconds is None:
+            threads[1].join(timeout=10)
+        else:
+            time.sleep(let_go_after_seconds)
         own_move.set()
         for thread in (first, *threads):
             thread.join(timeout=10)
@@ -617,8 +619,32 @@ def test_a_move_answered_unavailable_while_its_batch_commits_is_repeated_by_a_re
             for event in ledger.list_events(EventQuery(lane=RECALL.lane, reservation_id="b"))
             if event.kind is EventKind.RESERVED
         ]
-        assert len(booked) == 1 and repeated.event == booked[0]
+        return answers["b"], repeated, booked
     finally:
         first_batch.set()
         own_move.set()
         store.close()
+
+
+def test_a_move_answered_unavailable_while_its_batch_commits_is_repeated_by_a_retry(
+    tmp_path: Path,
+) -> None:
+    """A follower's move under way in a batch past its caller's deadline and
+    the short wait after it is answered STORE_UNAVAILABLE, and the batch may
+    still commit it (docs/semantics.md): a retry with the same id is answered
+    as the first call, and the move is booked once."""
+    answer, repeated, booked = _follower_under_way(tmp_path, None)
+    assert isinstance(answer, StoreUnavailable)
+    assert len(booked) == 1 and repeated.event == booked[0]  # type: ignore[attr-defined]
+
+
+def test_a_move_under_way_at_its_deadline_waits_for_its_batch_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Begun, a follower's move is in a batch that holds the write lock: its
+    caller waits for that commit (BEGUN_WAIT_SECONDS, here widened) and gets
+    the move's own answer, not STORE_UNAVAILABLE for a move then booked."""
+    monkeypatch.setattr(group_commit, "BEGUN_WAIT_SECONDS", 10.0)
+    answer, repeated, booked = _follower_under_way(tmp_path, 0.6)
+    assert not isinstance(answer, StoreUnavailable)
+    assert len(booked) == 1 and answer == repeated
