@@ -380,10 +380,15 @@ def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-def is_loopback(listen: str) -> bool:
-    """Whether HOST:PORT listens on loopback only (127.0.0.0/8, ::1, localhost)."""
-    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
-    host = host.removeprefix("[").removesuffix("]")
+def is_loopback(address: str) -> bool:
+    """Whether HOST:PORT (or a bare host) is loopback only: 127.0.0.0/8, ::1
+    (bracketed with a port, or bare) or localhost."""
+    if address.startswith("["):
+        host = address[1:].partition("]")[0]
+    elif address.count(":") == 1:
+        host = address.partition(":")[0]
+    else:
+        host = address  # no port, or a bare IPv6 address
     if host.lower() == "localhost":
         return True
     try:

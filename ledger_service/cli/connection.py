@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import ipaddress
 import math
 import os
 import pathlib
@@ -32,7 +31,7 @@ from ledger_service.cli.values import (
 )
 from ledger_service.domain.grants import MAX_GRANT_LENGTH, GrantRejected, decode_unverified
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from ledger_service.settings import data_dir_from_environment
+from ledger_service.settings import data_dir_from_environment, is_loopback
 from ledger_service.storage import keyring
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -153,22 +152,7 @@ def is_local_server(server: str) -> bool:
             if target.startswith("//"):  # dns://[authority]/host:port
                 target = target[2:].partition("/")[2]
             break
-    return all(_is_local_host(part) for part in target.split(","))
-
-
-def _is_local_host(host_port: str) -> bool:
-    if host_port.startswith("["):
-        host = host_port[1:].partition("]")[0]
-    elif host_port.count(":") == 1:
-        host = host_port.partition(":")[0]
-    else:
-        host = host_port  # no port, or a bare IPv6 address
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return all(is_loopback(part) for part in target.split(","))
 
 
 def resolve_grant(given: str | None) -> tuple[str, str]:
