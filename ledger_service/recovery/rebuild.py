@@ -655,6 +655,11 @@ class Recovery:
 
     # Snapshots ---------------------------------------------------------------
 
+    def marker_current(self) -> bool:
+        """Whether the marker says the projections are current."""
+        position = self._store.position()
+        return position is not None and position.state == STATE_CURRENT
+
     def snapshot_due(self, every_events: int) -> bool:
         """Whether the server should snapshot now: `every_events` events after
         the newest snapshot, or more when the projections are large.
@@ -1167,6 +1172,11 @@ class RecoveryGuard:
                 return
         if now - self._last_check >= self._check_interval:
             self._last_check = now
+            if not self.recovery.marker_current():
+                # A rebuild began elsewhere (`ledger rebuild`, another replica)
+                # or the row was deleted: seen on an idle server too.
+                self.required()
+                return
             if self.recovery.snapshot_due(self._snapshot_every):
                 self.recovery.take_snapshot()
 

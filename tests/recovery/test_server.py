@@ -365,3 +365,24 @@ def test_a_read_of_a_lane_row_deleted_by_hand_closes_the_gate_as_a_move_does(
         admin.GetLane(pb.GetLaneRequest(lane="nowhere"), timeout=5)
     assert isinstance(caught.value, grpc.Call)
     assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_an_idle_server_sees_a_rebuild_begun_elsewhere(
+    sqlite_history: History, start: Callable[..., Running]
+) -> None:
+    """A `ledger rebuild` run beside an idle server (or another replica's)
+    claims the marker: the server turns NOT_SERVING at its next check, not
+    at the next move or consistency check, and serves again once the
+    claim's lease has run out and it has rebuilt."""
+    history = sqlite_history
+    running = start(history, consistency_check_interval_seconds=0.0)
+    running.wait_for(SERVING)
+    now_us = int(time.time() * 1_000_000)
+    history.sql(
+        "UPDATE projection_position SET state = 'rebuilding', owner = 'elsewhere:1', "
+        f"updated_at_us = {now_us}"
+    )
+    running.wait_for(NOT_SERVING, seconds=5)
+    history.sql("UPDATE projection_position SET updated_at_us = 0")  # its lease ran out
+    running.wait_for(SERVING, seconds=10)
+    assert running.reserve("after").decision == pb.ADMITTED
