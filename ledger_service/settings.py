@@ -94,6 +94,11 @@ class Settings:
     # gRPC server.
     max_workers: int = 16
     max_concurrent_rpcs: int = 256
+    # One client connection's calls and streams at once (HTTP/2's concurrent
+    # streams); its others wait in the connection, so one flooding client
+    # takes at most half of max_concurrent_rpcs. Above max_watchers, so that
+    # one connection's stream past that limit is refused, not kept waiting.
+    max_calls_per_connection: int = 128
     max_message_bytes: int = 1 * 1024 * 1024
     grace_period_seconds: float = 5.0
     # Longest a request may wait for the database before it gets UNAVAILABLE.
@@ -246,6 +251,7 @@ _POSITIVE = frozenset(
         "admin_grant_lifetime_seconds",
         "max_workers",
         "max_concurrent_rpcs",
+        "max_calls_per_connection",
         "max_message_bytes",
         "request_deadline_seconds",
         "pool_size",
@@ -366,6 +372,7 @@ def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", settings.max_calls_per_connection),
         # Pings find a peer that stopped answering; gRPC's default is none
         # (2 hours), and two pings without data, which a quiet stream is.
         ("grpc.keepalive_time_ms", keepalive_ms),

@@ -1,0 +1,63 @@
+"""One connection cannot take every call slot of the server: a client's
+calls past `max_calls_per_connection` at once wait in its own connection
+(HTTP/2's concurrent-stream limit), so another lane's connection still gets
+in (docs/semantics.md, limits)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+
+import grpc
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.server import LedgerServer
+from tests.conftest import GrantInterceptor, lane_message
+
+
+def _stub(server: LedgerServer) -> tuple[grpc.Channel, pb_grpc.LedgerStub]:
+    # A connection of its own: channels with the same arguments share one.
+    raw = grpc.insecure_channel(
+        f"127.0.0.1:{server.port}", options=[("grpc.use_local_subchannel_pool", 1)]
+    )
+    channel = grpc.intercept_channel(raw, GrantInterceptor(server.admin_grant))
+    return raw, pb_grpc.LedgerStub(channel)
+
+
+def _reserve(rid: str) -> pb.ReserveRequest:
+    return pb.ReserveRequest(
+        lane="recall", reservation_id=rid, model="jev", request_bytes=4_000, max_output_tokens=100
+    )
+
+
+def test_one_connection_cannot_take_every_call_slot(
+    start_ledger_server: Callable[..., LedgerServer],
+) -> None:
+    server = start_ledger_server(max_concurrent_rpcs=4, max_calls_per_connection=2)
+    flood_channel, flood = _stub(server)
+    calm_channel, calm = _stub(server)
+    pb_grpc.LaneAdminStub(
+        grpc.intercept_channel(calm_channel, GrantInterceptor(server.admin_grant))
+    ).PutLane(pb.PutLaneRequest(lane=lane_message("recall")), timeout=10)
+    # Another process's write lock holds every Reserve in the server until its deadline.
+    holder = sqlite3.connect(str(server.settings.data_dir / "ledger.db"), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        flooding = [flood.Reserve.future(_reserve(f"f{n}"), timeout=4) for n in range(4)]
+        time.sleep(0.5)  # the flood's calls are at the server, or waiting in its connection
+        try:
+            calm.Reserve(_reserve("c"), timeout=1.5)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            code = error.code()  # type: ignore[attr-defined]
+        # Let in: held by the lock like the others, not refused for want of a slot.
+        assert code is grpc.StatusCode.UNAVAILABLE
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        for call in flooding:
+            call.exception()
+        flood_channel.close()
+        calm_channel.close()
