@@ -363,3 +363,46 @@ def test_lanes_with_the_longest_names_page_through_their_own_tokens(harness: Any
         if not token:
             break
     assert names == sorted([*longest, "recall"])
+
+
+def test_a_page_token_names_its_ledger(
+    start_ledger_server: Callable[..., Any], harness_for: Callable[[Any], Any]
+) -> None:
+    """A token is a position in one ledger's log: another ledger (another
+    database) refuses it naming page_token, rather than answer a page of its
+    own log from a position that means nothing there; a second server on the
+    same database takes it."""
+    first_server = start_ledger_server()
+    first = harness_for(first_server)
+    first.make_lane()
+    for number in range(3):
+        first.reserve(f"p{number}")
+    token = first.ledger.ListEvents(pb.ListEventsRequest(page_size=2)).next_page_token
+    first.make_lane("filter")
+    lanes_token = first.admin.ListLanes(pb.ListLanesRequest(page_size=1)).next_page_token
+    assert token and lanes_token
+
+    empty = harness_for(start_ledger_server())
+    other = harness_for(start_ledger_server())
+    other.make_lane()
+    for number in range(3):
+        other.reserve(f"p{number}")
+    for foreign in (empty, other):
+        failure = foreign.fails(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            lambda ledger=foreign.ledger: ledger.ListEvents(pb.ListEventsRequest(page_token=token)),
+        )
+        assert (failure.reason, failure.field) == ("INVALID_ARGUMENT", "page_token")
+        lanes_failure = foreign.fails(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            lambda admin=foreign.admin: admin.ListLanes(
+                pb.ListLanesRequest(page_token=lanes_token)
+            ),
+        )
+        assert lanes_failure.field == "page_token"
+
+    same = harness_for(start_ledger_server(database_url=first_server.settings.database_url))
+    rest = same.ledger.ListEvents(pb.ListEventsRequest(page_token=token))
+    assert [event.seq for event in rest.events] == [3, 4, 5]
+    lanes = same.admin.ListLanes(pb.ListLanesRequest(page_token=lanes_token))
+    assert [lane.lane for lane in lanes.lanes] == ["recall"]

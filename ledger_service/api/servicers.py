@@ -26,6 +26,7 @@ from ledger_service.application.feed import EventFeed
 from ledger_service.application.ledger import Ledger
 from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
+from ledger_service.domain.chain import GENESIS_HASH, event_hash
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument, StoreUnavailable
 from ledger_service.domain.moves import validate_reservation_id
@@ -76,21 +77,52 @@ def _encode_token(position: str) -> str:
     return base64.urlsafe_b64encode(position.encode()).decode()
 
 
-# A token is the base64 of a seq or of a lane name (ASCII, at most MAX_NAME_LENGTH).
-MAX_PAGE_TOKEN_LENGTH = len(_encode_token("x" * MAX_NAME_LENGTH))
+_NOT_OURS = "is not a token this ledger gave"
+# A ledger is named by the first hex digits of its first event's hash (64 bits).
+_LEDGER_TAG_LENGTH = 16
+# A token is the base64 of "<ledger tag>.<position>", the position a seq or a
+# lane name (ASCII, at most MAX_NAME_LENGTH).
+MAX_PAGE_TOKEN_LENGTH = len(_encode_token("x" * (_LEDGER_TAG_LENGTH + 1 + MAX_NAME_LENGTH)))
 
 
-def _decode_token(token: str) -> str:
-    if len(token) > MAX_PAGE_TOKEN_LENGTH:
-        raise InvalidArgument("page_token", "is not a token this server gave")
-    try:
-        position = base64.urlsafe_b64decode(token.encode("ascii")).decode()
-    except (binascii.Error, UnicodeError, ValueError) as error:
-        raise InvalidArgument("page_token", "is not a token this server gave") from error
-    # Only what _encode_token wrote decodes: lenient base64 would accept junk.
-    if _encode_token(position) != token or not position.isprintable():
-        raise InvalidArgument("page_token", "is not a token this server gave")
-    return position
+class PageTokens:
+    """Page tokens that name their ledger. A position means something in one log
+    only: a token from another ledger (another database) is refused naming
+    page_token, rather than answered with a page of this log from a position
+    it never gave. A ledger's name is the start of its first event's hash
+    (computed, so that a log older than the hash chain has one too), which
+    never changes (events are append-only): read once, then kept. A ledger
+    with no event yet has handed out no token and takes none."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._tag = ""
+
+    def _ledger_tag(self) -> str:
+        if not self._tag:
+            first = self._ledger.read_events(EventQuery(limit=1))
+            if first:
+                self._tag = event_hash(GENESIS_HASH, first[0])[:_LEDGER_TAG_LENGTH]
+        return self._tag
+
+    def encode(self, position: str) -> str:
+        return _encode_token(f"{self._ledger_tag()}.{position}")
+
+    def decode(self, token: str) -> str:
+        """The position a token holds; INVALID_ARGUMENT unless this ledger gave it."""
+        if len(token) > MAX_PAGE_TOKEN_LENGTH:
+            raise InvalidArgument("page_token", _NOT_OURS)
+        try:
+            text = base64.urlsafe_b64decode(token.encode("ascii")).decode()
+        except (binascii.Error, UnicodeError, ValueError) as error:
+            raise InvalidArgument("page_token", _NOT_OURS) from error
+        # Only what _encode_token wrote decodes: lenient base64 would accept junk.
+        if _encode_token(text) != token or not text.isprintable():
+            raise InvalidArgument("page_token", _NOT_OURS)
+        tag, dot, position = text.partition(".")
+        if not dot or not position or tag != self._ledger_tag():
+            raise InvalidArgument("page_token", _NOT_OURS)
+        return position
 
 
 class LedgerServicer(pb_grpc.LedgerServicer):
@@ -111,6 +143,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             logger=log, level=logging.WARNING, what="refused Settles"
         )
         self._reconciles = threading.BoundedSemaphore(settings.max_concurrent_reconciles)
+        self._tokens = PageTokens(ledger)
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
@@ -160,9 +193,9 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             validate_reservation_id(request.reservation_id)
         # A page token takes the place of after_seq (the proto): only one is read.
         if request.page_token:
-            position = _decode_token(request.page_token)
+            position = self._tokens.decode(request.page_token)
             if not (position.isascii() and position.isdigit() and int(position) <= _MAX_SEQ):
-                raise InvalidArgument("page_token", "is not a token this server gave")
+                raise InvalidArgument("page_token", _NOT_OURS)
             after_seq = int(position)
         elif request.after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
@@ -175,7 +208,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         page = _fitting(converted, self._settings.max_message_bytes)
         response = pb.ListEventsResponse(events=page)
         if len(events) > len(page):
-            response.next_page_token = _encode_token(str(page[-1].seq))
+            response.next_page_token = self._tokens.encode(str(page[-1].seq))
         return response
 
     def Correct(
@@ -261,6 +294,7 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
     def __init__(self, ledger: Ledger, settings: Settings) -> None:
         self._ledger = ledger
         self._settings = settings
+        self._tokens = PageTokens(ledger)
 
     def PutLane(self, request: pb.PutLaneRequest, context: grpc.ServicerContext) -> pb.Lane:
         if not request.HasField("lane"):
@@ -276,18 +310,18 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
         self, request: pb.ListLanesRequest, context: grpc.ServicerContext
     ) -> pb.ListLanesResponse:
         size = _page_size(request.page_size, self._settings)
-        after_lane = _decode_token(request.page_token) if request.page_token else ""
+        after_lane = self._tokens.decode(request.page_token) if request.page_token else ""
         if after_lane:
             try:
                 validate_name("page_token", after_lane)
             except InvalidArgument as error:
-                raise InvalidArgument("page_token", "is not a token this server gave") from error
+                raise InvalidArgument("page_token", _NOT_OURS) from error
         lanes = self._ledger.list_lanes(after_lane, size + 1)
         converted = [convert.lane(policy) for policy in lanes[:size]]
         page = _fitting(converted, self._settings.max_message_bytes)
         response = pb.ListLanesResponse(lanes=page)
         if len(lanes) > len(page):
-            response.next_page_token = _encode_token(page[-1].lane)
+            response.next_page_token = self._tokens.encode(page[-1].lane)
         return response
 
 
