@@ -89,6 +89,23 @@ def test_input_tokens_or_a_bill_of_zero_is_evidence() -> None:
     assert settled_event(booked(), unknown, 100).amount_nanos == CAP_7K_200
 
 
+def test_an_unknown_settle_s_tokens_price_nothing() -> None:
+    """docs/semantics.md, Settle UNKNOWN: the charge is the hold, or a lower
+    billed figure; tokens it carries are recorded, not priced, above or below
+    the hold (partial counts of a cut-off call are no bill). Output above the
+    booking's max_output_tokens is refused as for SUCCEEDED."""
+    booking = booked()
+    above = moves.SettleCommand(
+        "recall", "r1", Outcome.UNKNOWN, input_tokens=2_000, output_tokens=200
+    )
+    event = settled_event(booking, above, 100)
+    assert (event.amount_nanos, event.input_tokens) == (CAP_7K_200, 2_000)
+    below = dataclasses.replace(above, input_tokens=1, output_tokens=0)
+    assert settled_event(booking, below, 100).amount_nanos == CAP_7K_200
+    with pytest.raises(OutputExceedsMaxTokens):
+        moves.decide_settle(booking, dataclasses.replace(above, output_tokens=201), START_US)
+
+
 def test_cached_tokens_are_parts_of_the_input() -> None:
     with pytest.raises(InvalidArgument) as refused:
         succeeded(input_tokens=10, cached_input_tokens=6, cache_write_tokens=5).validate()
