@@ -111,3 +111,18 @@ def test_a_row_billing_zero_for_a_denied_reserve_matches() -> None:
         0,
         None,
     )
+
+
+def test_a_bill_is_taken_past_the_charge_multiple_and_the_output_bound() -> None:
+    """docs/semantics.md, Reconcile: the bill is the provider's word and the
+    remedy a refused Settle points to, so the guards against a lane's misread
+    report do not apply to it: a bill 1,000 times the cap, or output tokens
+    past the booking's max_output_tokens, correct the charge as they stand."""
+    unknown = settled(Outcome.UNKNOWN)
+    result, event = reconcile.decide(unknown, row(1_000 * CAP), NOW_US)
+    assert result.status is RowStatus.CORRECTED
+    assert event is not None and event.amount_nanos == 1_000 * CAP
+    tokens = ExportRow(7, "recall", "r1", None, 1_000, 500, "")
+    result, event = reconcile.decide(unknown, tokens, NOW_US)
+    assert result.status is RowStatus.CORRECTED
+    assert event is not None and event.amount_nanos == 100 + 200
