@@ -265,7 +265,6 @@ def test_amounts_print_as_usd_with_nine_decimals() -> None:
         ("1d", 86_400_000_000, "1d"),
         ("250ms", 250_000, "250ms"),
         ("1.5s", 1_500_000, "1500ms"),
-        ("30", 30_000_000, "30s"),
     ],
 )
 def test_durations_parse_and_print(text: str, micros: int, shown: str) -> None:
@@ -280,6 +279,18 @@ def test_durations_parse_and_print(text: str, micros: int, shown: str) -> None:
 def test_bad_durations_are_refused(text: str) -> None:
     with pytest.raises(exits.CliError, match=r"^--window: "):
         values.parse_duration("--window", text)
+
+
+@pytest.mark.parametrize("text", ["24", "1.5", " 30 "])
+def test_a_duration_without_a_unit_is_refused_showing_each_unit(text: str) -> None:
+    # '--window 24' meant as hours was a 24-second window: a unit is never guessed.
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_duration("--window", text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+    number = text.strip()
+    assert refused.value.message == (
+        f"--window: {number!r} has no unit (write {number}s, {number}m, {number}h or {number}d)"
+    )
 
 
 def test_prices_are_usd_per_million_tokens_or_nanos() -> None:

@@ -4,6 +4,7 @@ durations, counts, --timeout. A bad value gets one line naming its option.
 Money is integer nanos throughout: "$0.50" and "0.50 USD" are parsed with
 Decimal, and anything finer than a nano is refused rather than rounded. An
 amount must name its unit ($, USD or n); only a --price may leave it out.
+A duration must name its unit too (us, ms, s, m, h or d).
 """
 
 from __future__ import annotations
@@ -122,17 +123,24 @@ def parse_price(text: str) -> tuple[str, pb.ModelPrice]:
 
 
 def parse_duration(option: str, text: str) -> duration_pb2.Duration:
-    """'90s', '2m', '24h', '1d', '250ms' (a bare number is seconds)."""
+    """'90s', '2m', '24h', '1d', '250ms'. A bare number is refused, as a bare
+    amount is: '--window 24' meant as hours made a 24-second window."""
     match = _DURATION.match(text.strip()) if len(text) <= MAX_VALUE_LENGTH else None
     if match is None:
         raise CliError(
             f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not a duration (write 90s, 2m, 24h or 1d)",
             EXIT_BAD_VALUE,
         )
+    if not match["unit"]:
+        number = match["number"]
+        raise CliError(
+            f"{option}: {number!r} has no unit (write {number}s, {number}m, {number}h or {number}d)",
+            EXIT_BAD_VALUE,
+        )
     # Exact: the default 28 digits would round '1.0000000000000000000000000001s' to 1 s.
     # A value of at most 64 characters times a day's microseconds fits 100 digits.
     exact = decimal.Context(prec=100)
-    micros = exact.multiply(decimal.Decimal(match["number"]), MICROS_PER_UNIT[match["unit"] or "s"])
+    micros = exact.multiply(decimal.Decimal(match["number"]), MICROS_PER_UNIT[match["unit"]])
     if micros != micros.to_integral_value() or micros > MAX_DURATION_MICROS:
         raise CliError(
             f"{option}: {text!r} is finer than a microsecond or longer than 3,660 days",
