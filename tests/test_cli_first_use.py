@@ -155,7 +155,8 @@ def test_a_real_head_gets_its_line_and_the_command_ends_quietly(
     ("text", "forms"),
     [
         ("100", "$100, 100 USD or 100n"),
-        ("0.50", "$0.50, 0.50 USD or 0.50n"),
+        # Not '0.50n': nanos are whole, so that form would be refused in turn.
+        ("0.50", "$0.50 or 0.50 USD"),
         ("0", "$0, 0 USD or 0n"),
         # '-1' is negative first of all (test_cli.py: no amount is negative).
     ],

@@ -86,8 +86,11 @@ def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> 
 
 
 def _no_unit_message(text: str, match: re.Match[str]) -> str:
-    """Says the unit is missing and shows the number in each accepted form."""
+    """Says the unit is missing and shows the number in each form it could take:
+    nanos only when it is whole, since '0.50n' would be refused in turn."""
     number = match["number"]
+    if not number.isdigit():
+        return f"{text.strip()!r} has no unit (write ${number} or {number} USD)"
     return f"{text.strip()!r} has no unit (write ${number}, {number} USD or {number}n)"
 
 
