@@ -108,6 +108,16 @@ def test_the_configuration_section_names_every_flag_of_ledger_serve() -> None:
         assert f"`{flag}" in documented, f"document `ledger serve {flag}` in README.md"
 
 
+def test_the_migrate_messages_name_the_newest_revision() -> None:
+    # The README quotes `ledger migrate`'s lines; a new migration must move them with it.
+    versions = README.parent / "migrations" / "versions"
+    newest = max(path.name[:4] for path in versions.glob("[0-9][0-9][0-9][0-9]_*.py"))
+    documented = "\n".join(section(README.read_text(), "## Configuration"))
+    named = set(re.findall(r"revision (\d{4})(?: in|\s+\(up to date\))", documented))
+    named |= set(re.findall(r"to\s+(\d{4}) in URL", documented))
+    assert named == {newest}, f"README's `ledger migrate` lines name {sorted(named)}, not {newest}"
+
+
 @pytest.fixture
 def walk_through_server(tmp_path: pathlib.Path) -> Iterator[LedgerProcess]:
     started = start_ledger_process(tmp_path)
