@@ -430,3 +430,29 @@ def test_a_refusal_shows_its_amounts_in_dollars(target: LedgerProcess, ledger: R
     assert refused.code != 0
     assert "more than 100 times the booking's cap of $0.000280000" in refused.err, refused.err
     assert "$" in refused.err and not BARE_NANOS.search(refused.err), refused.err
+
+
+def test_an_amount_out_of_range_shows_its_bounds_in_dollars(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    # '--limit $5000000000' was told 'must be between 1 and 4611686018427387904': nanos,
+    # for an option written in dollars.
+    refused = ledger("lane", "put", "huge", "--limit", "$5000000000", "--price", JEV_PRICE)
+    assert refused.code == exits.EXIT_FAILED, refused.err
+    assert refused.err == (
+        "ledger: bad value for --limit (field lane.limit_nanos): "
+        "must be between $0.000000001 and $4611686018.427387904\n"
+    )
+    # A count keeps its bounds as numbers.
+    refused = ledger(
+        "reserve",
+        "huge",
+        "h-1",
+        "--model",
+        "jev",
+        "--request-bytes",
+        str(2**41),
+        "--max-output-tokens",
+        "1",
+    )
+    assert "must be between 0 and 1099511627776" in refused.err, refused.err

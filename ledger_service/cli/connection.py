@@ -22,7 +22,7 @@ import grpc
 
 from ledger_service.api.errors import FIELD_KEY, REASON_KEY
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
-from ledger_service.cli.render import money_in_text
+from ledger_service.cli.render import money_in_text, usd
 from ledger_service.cli.tls import Tls, resolve_tls
 from ledger_service.cli.values import (
     DEFAULT_TIMEOUT_SECONDS,
@@ -109,6 +109,8 @@ class Session:
 
 # Every character a grant (lg1.KEY.PAYLOAD.SIGNATURE, base64url) can hold.
 _GRANT_CHARACTERS = re.compile(r"[A-Za-z0-9._=-]*")
+# A range refusal's bounds ("must be between 1 and 4611686018427387904").
+_BOUNDS = re.compile(r"\bbetween (\d+) and (\d+)\b")
 
 
 # gRPC's own target schemes, passed on as they are (`unix:/run/ledger.sock`).
@@ -292,6 +294,11 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
         field = trailers.get(FIELD_KEY, "")
         option = OPTION_OF_FIELD.get(field) or OPTION_OF_FIELD.get(field.split("[")[0]) or field
         message = details.removeprefix(f"{field}: ")
+        if "nanos" in field:
+            # An amount's field: its bounds are nanos, shown in dollars as the option takes them.
+            message = _BOUNDS.sub(
+                lambda found: f"between {usd(int(found[1]))} and {usd(int(found[2]))}", message
+            )
         return CliError(f"bad value for {option} (field {field}): {message}")
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return CliError(_unauthenticated(session, reason or code.name))
