@@ -37,6 +37,8 @@ NEGATIVE_AMOUNT = re.compile(r"^-\s*\$?\s*(?:\d|\.\d)", re.ASCII)
 
 _DURATION = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>us|ms|s|m|h|d|)$", re.ASCII)
 _COUNT = re.compile(r"^-?\d{1,19}$", re.ASCII)
+# A whole number of any length: one past int64 is too large, not "not a number".
+_DIGITS = re.compile(r"^\d+$", re.ASCII)
 _DECIMAL = re.compile(r"^\d{1,6}(?:\.\d{1,6})?$", re.ASCII)
 # --timeout: ASCII digits only (Decimal() also takes other scripts' digits, NaN and Infinity).
 _SECONDS = re.compile(r"^\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*$", re.ASCII)
@@ -157,6 +159,11 @@ def parse_count(option: str, text: str) -> int:
     """A whole number, 0 or more. Every count the CLI sends (bytes, tokens, an HTTP
     status, a seq, a multiple) is: a negative one is refused here, exit 2, as a
     negative amount is, not sent for the server to refuse with exit 1."""
+    if _DIGITS.match(text.strip()) and len(text.strip()) <= MAX_VALUE_LENGTH:
+        if int(text) > MAX_INT64:
+            raise CliError(
+                f"{option}: {text.strip()!r} is too large (at most {MAX_INT64})", EXIT_BAD_VALUE
+            )
     if not _COUNT.match(text.strip()) or not -MAX_INT64 <= int(text) <= MAX_INT64:
         raise CliError(
             f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not a whole number", EXIT_BAD_VALUE
