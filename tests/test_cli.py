@@ -840,7 +840,11 @@ def test_an_unknown_lane_is_one_line(
     target: LedgerProcess, ledger: RunLedger, command: list[str]
 ) -> None:
     run = ledger(*command)
-    assert one_line_error(run) == "ledger: lane 'nowhere' does not exist (LANE_NOT_FOUND)\n"
+    # And what to do about it: a misspelled name is the usual cause.
+    assert one_line_error(run) == (
+        "ledger: lane 'nowhere' does not exist (LANE_NOT_FOUND): "
+        "`ledger lane list` shows the lanes, `ledger lane put` creates one\n"
+    )
     assert run.code == exits.EXIT_FAILED
 
 

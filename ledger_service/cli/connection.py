@@ -302,7 +302,14 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
         return CliError(f"bad value for {option} (field {field}): {message}")
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return CliError(_unauthenticated(session, reason or code.name))
-    return CliError(f"{details} ({reason or code.name})")
+    hint = _WHAT_TO_DO.get(reason, "")
+    return CliError(f"{details} ({reason or code.name}){hint}")
+
+
+# What a person can do about a refusal whose usual cause is a typo.
+_WHAT_TO_DO = {
+    "LANE_NOT_FOUND": ": `ledger lane list` shows the lanes, `ledger lane put` creates one",
+}
 
 
 def _unreachable(session: Session, details: str) -> str:
