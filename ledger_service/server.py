@@ -349,7 +349,9 @@ class LedgerServer:
             tls = " or its TLS certificate and key do not match" if self.server_credentials else ""
             raise ListenFailed(
                 f"cannot listen on {self.settings.listen}: the port is taken "
-                f"(is another ledger running?), the address is not this machine's{tls}"
+                f"(is another ledger running?), the address is not this machine's{tls}; "
+                "choose another with --listen HOST:PORT or LEDGER_LISTEN (and point the "
+                "ledger commands at it with LEDGER_SERVER)"
             )
         # The address bound: port 0 in the settings picks one.
         bound = f"{self.settings.listen.rsplit(':', 1)[0]}:{self.port}"

@@ -1497,5 +1497,8 @@ def test_a_taken_port_is_one_clear_line_and_exit_status_1(
     assert f"ledger: cannot listen on {ledger_process.address}: the port is taken" in (
         finished.stderr
     )
+    # And what to do: pick another address, and tell the commands about it.
+    assert "choose another with --listen HOST:PORT or LEDGER_LISTEN" in finished.stderr
+    assert "LEDGER_SERVER" in finished.stderr
     assert "Traceback" not in finished.stderr
     assert "ledger listening" not in finished.stdout
