@@ -1273,6 +1273,22 @@ def test_reconcile_bad_rows_exit_1_with_their_lines_and_fields(
     assert ledger("reconcile", str(export), "--dry-run", "--json").code == exits.EXIT_FAILED
 
 
+def test_reconcile_rows_without_a_lane_say_to_pass_lane(
+    target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    # An export with no lane column, without --lane: each row said only 'lane: is required'.
+    booked_for_reconciling(ledger, "no-lane")
+    export = tmp_path / "usage.csv"
+    export.write_text("reservation_id,billed_nanos\nu-1,100\n")
+    run = ledger("reconcile", str(export))
+    assert run.code == exits.EXIT_FAILED
+    assert run.err == (
+        "ledger: not applied: 1 bad row (line 2); nothing changed; "
+        "rows that name no lane need --lane LANE\n"
+    )
+    assert ledger("reconcile", str(export), "--lane", "no-lane", "--dry-run").code == 0
+
+
 def test_reconcile_refuses_what_it_cannot_send(
     target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
 ) -> None:

@@ -164,9 +164,15 @@ def reconcile(arguments: argparse.Namespace, session: Session) -> int:
     if response.bad_count:
         bad = [str(row.line) for row in response.rows if row.status == "bad"]
         shown = ", ".join(bad[:MAX_LINES_NAMED]) + (", ..." if len(bad) > MAX_LINES_NAMED else "")
+        # A row with no lane of its own takes --lane's: without it, say so.
+        unnamed = not arguments.lane and any(
+            row.status == "bad" and row.field == "lane" and row.message.endswith("is required")
+            for row in response.rows
+        )
         print(
             f"ledger: not applied: {response.bad_count} bad "
-            f"{'row (line' if len(bad) == 1 else 'rows (lines'} {shown}); nothing changed",
+            f"{'row (line' if len(bad) == 1 else 'rows (lines'} {shown}); nothing changed"
+            + ("; rows that name no lane need --lane LANE" if unnamed else ""),
             file=sys.stderr,
         )
         return EXIT_FAILED
