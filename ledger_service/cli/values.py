@@ -138,10 +138,8 @@ def parse_duration(option: str, text: str) -> duration_pb2.Duration:
         )
     if not match["unit"]:
         number = match["number"]
-        raise CliError(
-            f"{option}: {number!r} has no unit (write {number}s, {number}m, {number}h or {number}d)",
-            EXIT_BAD_VALUE,
-        )
+        forms = f"{number}s, {number}m, {number}h or {number}d"
+        raise CliError(f"{option}: {number!r} has no unit (write {forms})", EXIT_BAD_VALUE)
     # Exact: the default 28 digits would round '1.0000000000000000000000000001s' to 1 s.
     # A value of at most 64 characters times a day's microseconds fits 100 digits.
     exact = decimal.Context(prec=100)
@@ -159,11 +157,13 @@ def parse_count(option: str, text: str) -> int:
     """A whole number, 0 or more. Every count the CLI sends (bytes, tokens, an HTTP
     status, a seq, a multiple) is: a negative one is refused here, exit 2, as a
     negative amount is, not sent for the server to refuse with exit 1."""
-    if _DIGITS.match(text.strip()) and len(text.strip()) <= MAX_VALUE_LENGTH:
-        if int(text) > MAX_INT64:
-            raise CliError(
-                f"{option}: {text.strip()!r} is too large (at most {MAX_INT64})", EXIT_BAD_VALUE
-            )
+    significant = text.strip().lstrip("0")
+    # Its length first: int() of thousands of digits is slow, then refused.
+    if _DIGITS.match(text.strip()) and (len(significant) > 19 or int(significant or 0) > MAX_INT64):
+        raise CliError(
+            f"{option}: {text.strip()[:MAX_VALUE_LENGTH]!r} is too large (at most {MAX_INT64})",
+            EXIT_BAD_VALUE,
+        )
     if not _COUNT.match(text.strip()) or not -MAX_INT64 <= int(text) <= MAX_INT64:
         raise CliError(
             f"{option}: {text[:MAX_VALUE_LENGTH]!r} is not a whole number", EXIT_BAD_VALUE
