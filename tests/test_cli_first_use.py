@@ -458,14 +458,14 @@ def test_an_amount_out_of_range_shows_its_bounds_in_dollars(
     assert "must be between 0 and 1099511627776" in refused.err, refused.err
 
 
-@pytest.mark.parametrize("text", ["99999999999999999999999", str(2**63)])
+@pytest.mark.parametrize("text", ["99999999999999999999999", str(2**63), "9" * 5_000])
 def test_a_count_past_int64_is_too_large_not_a_non_number(text: str) -> None:
     # It said "is not a whole number" of a whole number with too many digits.
     with pytest.raises(exits.CliError) as refused:
         values.parse_count("--request-bytes", text)
     assert refused.value.exit_code == exits.EXIT_BAD_VALUE
     assert refused.value.message == (
-        f"--request-bytes: {text!r} is too large (at most 9223372036854775807)"
+        f"--request-bytes: {text[:64]!r} is too large (at most 9223372036854775807)"
     )
 
 
