@@ -380,6 +380,11 @@ class LaneClient {
    * @param {import('../index').LaneClientOptions} [options]
    */
   constructor(address, lane, options = {}) {
+    // An unset variable (process.env.LEDGER_ADDRESS) failed inside the address check, naming nothing.
+    if (typeof address !== 'string') {
+      throw new TypeError(`address: must be the ledger's HOST:PORT as a string, not ${address === null ? 'null' : typeof address}`);
+    }
+    if (!address.trim()) throw new TypeError("address: is empty; give the ledger's HOST:PORT");
     checkLane(lane);
     this.address = address;
     this.lane = lane;

@@ -55,3 +55,14 @@ test('no warning on this machine, without a grant, or with TLS', async () => {
     assert.deepEqual(await warningsOf(() => new LaneClient(address, 'recall', { logger: null, ...options })), [], address);
   }
 });
+
+test('a missing address is refused naming it', () => {
+  // An unset environment variable (process.env.LEDGER_ADDRESS) failed with
+  // "Cannot read properties of undefined (reading 'startsWith')".
+  for (const address of [undefined, null, '', '   ', 50051]) {
+    assert.throws(() => new LaneClient(address, 'recall', { grant: GRANT }), {
+      name: 'TypeError',
+      message: /^address: .*HOST:PORT/,
+    });
+  }
+});

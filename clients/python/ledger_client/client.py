@@ -70,6 +70,17 @@ def _traceparent(trace_id: str) -> str:
     return f"00-{trace_id}-{secrets.token_hex(8)}-01"
 
 
+def check_address(address: object) -> None:
+    """The ledger's HOST:PORT, before a channel is made: an unset variable
+    (os.environ.get gives None) failed inside the channel code, naming nothing."""
+    if not isinstance(address, str):
+        raise TypeError(
+            f"address: must be the ledger's HOST:PORT as a string, not {type(address).__name__}"
+        )
+    if not address.strip():
+        raise ValueError("address: is empty; give the ledger's HOST:PORT")
+
+
 def check_lane(lane: object) -> None:
     """The lane's name as the ledger would check its length: InvalidArgument
     (field `lane`) before any call, as for a Reserve's arguments."""
@@ -110,6 +121,7 @@ class LaneClient:
         outage: OutagePolicy | None = None,
         settings: ClientSettings | None = None,
     ) -> None:
+        check_address(address)
         check_lane(lane)
         if grant is not None:
             check_grant(grant)

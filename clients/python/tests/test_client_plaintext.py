@@ -57,3 +57,11 @@ def test_no_warning_on_this_machine_without_a_grant_or_with_tls(
     caplog.set_level(logging.WARNING, logger="ledger_client")
     LaneClient(address, "recall", grant=grant, tls=tls).close(grace_seconds=0)
     assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("address", [None, "", "   ", 50051])
+def test_a_missing_address_is_refused_naming_it(address: object) -> None:
+    # An unset environment variable (os.environ.get("LEDGER_ADDRESS")) failed with
+    # "'NoneType' object has no attribute 'startswith'".
+    with pytest.raises((TypeError, ValueError), match=r"^address: .*HOST:PORT"):
+        LaneClient(address, "recall", grant=GRANT)  # type: ignore[arg-type]
