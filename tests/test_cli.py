@@ -815,6 +815,18 @@ def test_the_client_keepalive_pings_no_faster_than_the_server_accepts() -> None:
 # Errors --------------------------------------------------------------------
 
 
+def test_a_missing_parent_says_to_create_it_first(target: LedgerProcess, ledger: RunLedger) -> None:
+    # The README's '--parent judge' on a fresh ledger said only that there is no such lane.
+    run = ledger(
+        "lane", "put", "child-1", "--limit", "$1", "--price", JEV_PRICE, "--parent", "judge"
+    )
+    assert one_line_error(run) == (
+        "ledger: bad value for --parent (field lane.parent): there is no lane named 'judge': "
+        "create the parent first, as a lane with its own limit\n"
+    )
+    assert run.code == exits.EXIT_FAILED
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -566,7 +566,11 @@ def _check_nesting(tx: StoreTransaction, policy: LanePolicy) -> list[str]:
             raise InvalidArgument("lane.parent", f"{policy.parent!r} would make a cycle")
         ancestor = tx.get_lane(parent)
         if ancestor is None:
-            raise InvalidArgument("lane.parent", f"there is no lane named {parent!r}")
+            raise InvalidArgument(
+                "lane.parent",
+                f"there is no lane named {parent!r}: "
+                "create the parent first, as a lane with its own limit",
+            )
         above.append(parent)
         if len(above) >= MAX_BUDGET_DEPTH:
             break
