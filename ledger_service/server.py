@@ -407,7 +407,10 @@ class LedgerServer:
         do, once) stays NOT_SERVING, and the maintenance thread stops its
         recovery checks and sweeps."""
         try:
-            self.store.ping(timeout_seconds=self.settings.health_check_timeout_seconds)
+            # A stop ends the probe's wait for another process's write lock.
+            self.store.ping(
+                timeout_seconds=self.settings.health_check_timeout_seconds, stop=self._stopping
+            )
         except (StoreDamaged, StoreUnavailable) as error:
             if self._database_answers.is_set():
                 what = (

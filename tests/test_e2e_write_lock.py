@@ -14,10 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
+from ledger_service.storage import database
+from tests.conftest import lane_message
 
 CALLS = 48
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -84,3 +88,33 @@ def test_moves_behind_another_process_write_lock_are_answered_before_their_deadl
         assert answer.decision == pb.ADMITTED
     reserved = ledger_harness.events("recall", kinds=["reserved"])
     assert len(reserved) == CALLS
+
+
+def test_a_stop_while_the_health_probe_waits_for_the_lock_is_clean(
+    start_ledger_server: Callable[..., LedgerServer],
+    open_ledger_channel: Callable[[LedgerServer], grpc.Channel],
+) -> None:
+    """The probe waits the busy timeout (5 s) for another process's lock; a stop
+    whose grace is shorter than that waited on it and ended unclean (exit 3)."""
+    server = start_ledger_server(grace_period_seconds=1.0, health_check_interval_seconds=0.1)
+    channel = open_ledger_channel(server)
+    pb_grpc.LaneAdminStub(channel).PutLane(
+        pb.PutLaneRequest(lane=lane_message("recall")), timeout=10
+    )
+    blocker = sqlite3.connect(server.settings.data_dir / "ledger.db", isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.LedgerStub(channel).Reserve(_reserve("blocked"), timeout=0.5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The probe waits for the lock holding this process's write gate.
+        gate = database.write_gate(server.store.engine)
+        assert gate is not None
+        give_up = time.monotonic() + 10
+        while not gate.locked():
+            assert time.monotonic() < give_up, "the probe never waited for the lock"
+            time.sleep(0.01)
+        assert server.stop() is True
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()

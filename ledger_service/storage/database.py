@@ -79,7 +79,13 @@ def write_gate(engine: Engine) -> threading.Lock | None:
 LOCK_HELD = "another process has held the write lock"
 
 
-def write_problem(engine: Engine, *, grow: bool = False, lock_held: bool = False) -> str | None:
+def write_problem(
+    engine: Engine,
+    *,
+    grow: bool = False,
+    lock_held: bool = False,
+    stop: threading.Event | None = None,
+) -> str | None:
     """Why this process cannot write the SQLite database, naming the file; None
     when it can (and always on PostgreSQL, whose server owns its files).
     `grow`: commit a write too (the database's user_version, set to what it
@@ -92,7 +98,9 @@ def write_problem(engine: Engine, *, grow: bool = False, lock_held: bool = False
     or a root-owned WAL file show only there. Takes the write gate, so that the
     probe never waits in SQLite's busy handler behind this process's writers.
     `lock_held`: a move gave up waiting for another process's write lock; the
-    probe waits the busy timeout for it, and still busy, says so."""
+    probe waits the busy timeout for it, and still busy, says so. It waits in
+    short tries and gives up once `stop` is set (the server stops): a stop
+    never waits the busy timeout for the probe."""
     path = engine.url.database
     if engine.dialect.name != "sqlite" or not path:
         return None
@@ -109,29 +117,42 @@ def write_problem(engine: Engine, *, grow: bool = False, lock_held: bool = False
     assert gate is not None
     with gate:
         wait = _BUSY_SECONDS.get(engine, _PROBE_TIMEOUT_SECONDS) if lock_held else None
-        connection = sqlite3.connect(path, timeout=wait or _PROBE_TIMEOUT_SECONDS)
-        try:
-            connection.isolation_level = None
-            connection.execute("BEGIN IMMEDIATE")
-            if grow:
-                version = connection.execute("PRAGMA user_version").fetchone()[0]
-                connection.execute(f"PRAGMA user_version={int(version)}")
-                connection.execute("COMMIT")
-            else:
-                connection.execute("ROLLBACK")
-        except sqlite3.Error as error:
-            if translate.driver_code(error) in translate.CANNOT_WRITE:
-                return f"SQLite cannot write {database}: {error}"
-            if wait is not None and translate.lock_wait_gave_up(error):
+        give_up = time.monotonic() + (wait or _PROBE_TIMEOUT_SECONDS)
+        while True:
+            left = give_up - time.monotonic()
+            connection = sqlite3.connect(path, timeout=max(0.0, min(_PROBE_TRY_SECONDS, left)))
+            try:
+                connection.isolation_level = None
+                connection.execute("BEGIN IMMEDIATE")
+                if grow:
+                    version = connection.execute("PRAGMA user_version").fetchone()[0]
+                    connection.execute(f"PRAGMA user_version={int(version)}")
+                    connection.execute("COMMIT")
+                else:
+                    connection.execute("ROLLBACK")
+                return None
+            except sqlite3.Error as error:
+                if translate.driver_code(error) in translate.CANNOT_WRITE:
+                    return f"SQLite cannot write {database}: {error}"
+                if not translate.lock_wait_gave_up(error):
+                    return None  # damage: not this question
+                stopped = stop is not None and stop.is_set()
+                if not stopped and time.monotonic() < give_up:
+                    continue  # busy still: the next try
+                if wait is None:
+                    return None  # busy a moment (another process writes it)
+                if stopped:
+                    return f"{LOCK_HELD} on {database} (the probe stopped waiting: a stop)"
                 return f"{LOCK_HELD} on {database} for longer than the busy timeout ({wait:g} s)"
-            return None  # busy a moment (another process writes it), or damage: not this question
-        finally:
-            connection.close()
-    return None
+            finally:
+                connection.close()
 
 
 # How long the write probe waits for another process's write transaction.
 _PROBE_TIMEOUT_SECONDS = 1.0
+# How long one try of the probe waits in SQLite's busy handler: a stop is
+# looked for between tries.
+_PROBE_TRY_SECONDS = 0.1
 # Each SQLite engine's busy timeout (EngineLimits.sqlite_busy_timeout_ms), in seconds.
 _BUSY_SECONDS: weakref.WeakKeyDictionary[Engine, float] = weakref.WeakKeyDictionary()
 

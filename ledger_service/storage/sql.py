@@ -306,15 +306,16 @@ class SqlStore:
             )
         raise StoreUnavailable()
 
-    def check_writable(self) -> str | None:
+    def check_writable(self, stop: threading.Event | None = None) -> str | None:
         """Why the database cannot be written now (None: it can), logged when
-        that changes. Health is NOT_SERVING while it cannot (`ping`)."""
+        that changes. Health is NOT_SERVING while it cannot (`ping`). A wait
+        for another process's write lock ends once `stop` is set."""
         if self._write_problem is not None:
             # Connections SQLite opened read-only keep the process's hold on the
             # files read-only, the probe's too: only fresh ones can tell.
             self._engine.dispose()
         problem = database.write_problem(
-            self._engine, grow=self._write_failed, lock_held=self._lock_held
+            self._engine, grow=self._write_failed, lock_held=self._lock_held, stop=stop
         )
         self._write_failed = self._write_failed and problem is not None
         self._lock_held = self._lock_held and problem is not None
@@ -451,12 +452,14 @@ class SqlStore:
                 if watch.disarm():
                     connection.invalidate()
 
-    def ping(self, timeout_seconds: float | None = None) -> None:
+    def ping(
+        self, timeout_seconds: float | None = None, stop: threading.Event | None = None
+    ) -> None:
         """Raises StoreUnavailable unless the database answers (on PostgreSQL
         within `timeout_seconds`, default the request deadline), StoreDamaged
         once it reported damage. On SQLite it reads the schema, which a
         damaged header or a truncated file fails, and while a file could not be
-        written, checks whether it can be now."""
+        written, checks whether it can be now (no longer once `stop` is set)."""
         if self._damage is not None:
             raise self._damage
         if self._sqlite:
@@ -464,7 +467,7 @@ class SqlStore:
             with self._translated(), self._engine.connect() as connection:
                 connection.execute(text("SELECT count(*) FROM sqlite_master")).scalar_one()
             wanted = self._write_problem is not None or self._lock_held
-            if wanted and self.check_writable() is not None:
+            if wanted and self.check_writable(stop) is not None:
                 raise StoreUnavailable()
             return
         bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds
