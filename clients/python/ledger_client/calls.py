@@ -28,6 +28,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Protocol
 
@@ -279,12 +280,18 @@ class CallGate:
     """What close() waits for: the calls under way, each RPC and each
     model_call block from its Reserve to its ending. Once closing, a new call
     is refused (ClientClosed) while those already admitted, and the RPCs they
-    make, go on. One per LaneClient."""
+    make, go on. One per LaneClient.
+
+    Each thread's calls under way are counted too: close() called inside a
+    model_call block cannot wait for that block, which ends only after it, so
+    it waits for the others and leaves the rest of the close to the moment
+    this thread's last call ends (`defer`)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._under_way = 0
         self._closing = False
+        self._thread = threading.local()
 
     def admit(self) -> None:
         """Counts a new call in; ClientClosed once the client is closing."""
@@ -292,16 +299,33 @@ class CallGate:
             if self._closing:
                 raise ClientClosed(CLOSED_MESSAGE)
             self._under_way += 1
+        self._thread.count = self.own() + 1
 
     def join(self) -> None:
         """Counts in a call made for one already admitted: never refused."""
         with self._changed:
             self._under_way += 1
+        self._thread.count = self.own() + 1
+
+    def own(self) -> int:
+        """This thread's calls under way (close() inside a block: 1)."""
+        count: int = getattr(self._thread, "count", 0)
+        return count
+
+    def defer(self, action: Callable[[], None]) -> None:
+        """Runs `action` once this thread's calls under way have ended."""
+        self._thread.deferred = action
 
     def done(self) -> None:
         with self._changed:
             self._under_way -= 1
             self._changed.notify_all()
+        left = max(self.own() - 1, 0)
+        self._thread.count = left
+        action = getattr(self._thread, "deferred", None)
+        if left == 0 and action is not None:
+            self._thread.deferred = None
+            action()
 
     def check(self) -> None:
         """ClientClosed once the client is closing."""
@@ -313,10 +337,11 @@ class CallGate:
         with self._changed:
             self._closing = True
 
-    def wait(self, timeout_seconds: float) -> bool:
-        """Waits until none is under way, at most this long; True if none is."""
+    def wait(self, timeout_seconds: float, keep: int = 0) -> bool:
+        """Waits until no more than `keep` are under way, at most this long;
+        True if so."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._under_way == 0, timeout_seconds)
+            return self._changed.wait_for(lambda: self._under_way <= keep, timeout_seconds)
 
 
 @dataclasses.dataclass(frozen=True)

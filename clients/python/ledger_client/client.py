@@ -180,7 +180,9 @@ class LaneClient:
         up to `grace_seconds` for the calls under way (model_call blocks with
         their Settles and Refunds, other RPCs, refunds of unanswered Reserves)
         to finish, then closes the channel, cancelling what is left
-        (ClientClosed), and the journal. Idempotent."""
+        (ClientClosed), and the journal. Idempotent. Called inside a
+        model_call block, it does not wait for that block, which ends its
+        booking as usual: the channel and journal close as it leaves."""
         require_number(grace_seconds, "grace_seconds")
         if grace_seconds < 0:
             raise ValueError("grace_seconds must be at least 0")
@@ -188,8 +190,16 @@ class LaneClient:
         if self._replayer is not None:
             self._replayer.stop()
         end = time.monotonic() + grace_seconds
-        self._gate.wait(grace_seconds)
+        own = self._gate.own()
+        self._gate.wait(grace_seconds, keep=own)
         self._refunds.wait(max(end - time.monotonic(), 0.0))
+        if own:
+            self._gate.defer(self._close_channel)
+            return
+        self._close_channel()
+
+    def _close_channel(self) -> None:
+        """The end of close(): calls still under way are cut off."""
         with self._starting:
             self._closed = True
             # Calls still under way are cut off; later ones never start.

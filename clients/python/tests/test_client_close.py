@@ -154,3 +154,24 @@ def test_the_grace_is_checked() -> None:
     with pytest.raises(TypeError, match="grace_seconds"):
         client.close(grace_seconds="5")  # type: ignore[arg-type]
     client.close()
+
+
+def test_close_inside_a_model_call_block_lets_that_block_end_its_booking(
+    ledger: tuple[SlowLedger, str], tmp_path: pathlib.Path
+) -> None:
+    """close() waited its whole grace for the very block it was called in, then
+    cut that block's Settle off: the booking was left to expire at its hold,
+    and nothing was journaled (the journal closed first)."""
+    servicer, address = ledger
+    client = LaneClient(address, "recall", outage=OutagePolicy.deny(tmp_path / "journal"))
+    with client.model_call("m", 10, 10) as call:
+        client.close(grace_seconds=1.0)
+        with pytest.raises(ClientClosed, match="closed"):
+            client.balance()  # new calls are refused at once, as ever
+        call.succeeded(5, 5)
+    assert call.end_error is None
+    assert call.result is not None
+    assert servicer.methods == ["Reserve", "Settle"]
+    with pytest.raises(ClientClosed, match="closed"), client.model_call("m", 10, 10):
+        raise AssertionError("a closed client ran a model call")
+    client.close()  # idempotent
