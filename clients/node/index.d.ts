@@ -458,7 +458,7 @@ export class LaneClient {
   /** Where the client's warnings go (the `logger` option; null: nowhere). */
   readonly logger: { warn(message: string): void; error(message: string): void } | null;
   waitForReady(timeoutMs?: number): Promise<void>;
-  /** Refuses new calls at once (every method then rejects with ClientClosed), stops the replayer, waits up to graceMs (DEFAULT_CLOSE_GRACE_MS) for the calls under way (call()s with their endings, other ledger calls, background refunds), then closes the channel, cancelling what is left (ClientClosed, mayHaveApplied true), then the journal (its lock released). Never rejects; throws RangeError for a graceMs outside [0, 60000]. */
+  /** Refuses new calls at once (every method then rejects with ClientClosed), stops the replayer, waits up to graceMs (DEFAULT_CLOSE_GRACE_MS) for the calls under way (call()s with their endings, other ledger calls, background refunds), then closes the channel, cancelling what is left (ClientClosed, mayHaveApplied true), then the journal (its lock released). Awaited inside a call() callback, it does not wait for that call: the channel closes once that call has ended its booking. Never rejects; throws RangeError for a graceMs outside [0, 60000]. */
   close(options?: { graceMs?: number }): Promise<void>;
   /** What is spent of the outage allowance; null without an allowance. */
   allowanceUsed(): { nanos: bigint; calls: number } | null;

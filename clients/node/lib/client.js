@@ -2,6 +2,7 @@
 
 const { randomBytes } = require('node:crypto');
 const net = require('node:net');
+const { AsyncLocalStorage } = require('node:async_hooks');
 const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
 const {
@@ -63,6 +64,10 @@ const MAX_CALLS_IN_FLIGHT = 10_000;
 const DEFAULT_CLOSE_GRACE_MS = 5000;
 const CLOSED_MESSAGE =
   'the lane client is closed: nothing was sent (a client is used until close(), not after; make a new one)';
+// The call()s whose callbacks this code runs in (each {client, running}): a
+// close() awaited inside a callback cannot wait for that call, which ends only
+// after the callback returns.
+const enclosingCalls = new AsyncLocalStorage();
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
 /** At most `limit` slots in use; a taker past them waits, in order, until its deadline. */
@@ -532,6 +537,10 @@ class LaneClient {
     const replayer = this._replayer;
     const journal = this._journal;
     const refunds = this._refunds;
+    // Called inside call()s of this client: those are not waited for; the
+    // channel and the journal close once they have ended their bookings.
+    const own = (enclosingCalls.getStore() ?? []).filter((call) => call.client === this).map((call) => call.running);
+    const others = () => [...this._calls].filter((running) => !own.includes(running));
     this._closed = (async () => {
       let timer;
       const late = new Promise((resolve) => {
@@ -539,17 +548,24 @@ class LaneClient {
       });
       const settled = async () => {
         // A call under way may start more (its Settle, a refund): until none is left.
-        while (this._calls.size + this._endings.size + this._rpcs.size + refunds.running > 0) {
-          await Promise.allSettled([...this._calls, ...this._endings, ...this._rpcs.keys(), refunds.idle()]);
+        while (others().length + this._endings.size + this._rpcs.size + refunds.running > 0) {
+          await Promise.allSettled([...others(), ...this._endings, ...this._rpcs.keys(), refunds.idle()]);
         }
       };
       await Promise.race([settled(), late]);
       clearTimeout(timer);
-      this._channelClosed = true;
-      for (const call of this._rpcs.values()) call?.cancel();
-      this._stub.close();
-      await replayer?.idle().catch(() => undefined);
-      await journal?.close().catch(() => undefined);
+      const shut = async () => {
+        this._channelClosed = true;
+        for (const call of this._rpcs.values()) call?.cancel();
+        this._stub.close();
+        await replayer?.idle().catch(() => undefined);
+        await journal?.close().catch(() => undefined);
+      };
+      if (own.length > 0) {
+        Promise.allSettled(own).then(shut);
+        return;
+      }
+      await shut();
     })();
     return this._closed;
   }
@@ -759,14 +775,16 @@ class LaneClient {
     // outage: no outage mode answers it.
     this._refuseClosed();
     const held = replayer?.hold(reservationId);
-    const running = (async () => {
+    const enclosing = { client: this, running: null };
+    const running = enclosingCalls.run([...(enclosingCalls.getStore() ?? []), enclosing], async () => {
       try {
         await held;
         return await this._call({ ...request, reservationId }, fn, trace);
       } finally {
         replayer?.release(reservationId);
       }
-    })();
+    });
+    enclosing.running = running;
     // close() waits for it: a call under way when the lane closes is ended, not cut off.
     this._calls.add(running);
     try {

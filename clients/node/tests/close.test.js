@@ -136,3 +136,28 @@ test('close() cancels what is left once its grace is over: ClientClosed, may hav
     await fake.stop();
   }
 });
+
+test('close() awaited inside a call() callback does not wait for that call, which ends its booking as usual', { timeout: 10_000 }, async () => {
+  // It waited its whole grace for the very call it was awaited in, then cut
+  // that call's Settle off: the booking was left to expire at its hold.
+  const fake = await admittingLedger();
+  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 2000 });
+  try {
+    const completed = await client.call(REQUEST, async () => {
+      await client.close({ graceMs: 1000 });
+      await assert.rejects(client.balance(), ClientClosed); // new calls are refused at once
+      return { httpStatus: 200, usage: { inputTokens: 20, outputTokens: 5 } };
+    });
+    assert.ok(completed instanceof Completed);
+    assert.equal(completed.ledgerError, null);
+    assert.equal(completed.chargedNanos, 1234n);
+    assert.deepEqual(fake.calls.map((call) => call.method), ['Reserve', 'Settle']);
+    await assert.rejects(
+      client.call(REQUEST, () => assert.fail('a closed client ran a call')),
+      (error) => error instanceof ClientClosed,
+    );
+  } finally {
+    await client.close();
+    await fake.stop();
+  }
+});
