@@ -22,6 +22,7 @@ client does.
 from __future__ import annotations
 
 import collections
+import contextvars
 import dataclasses
 import datetime
 import enum
@@ -276,22 +277,32 @@ CLOSED_MESSAGE = (
 )
 
 
+# The model_call blocks the running code is inside: (gate, block) pairs.
+_ENCLOSING: contextvars.ContextVar[tuple[tuple[CallGate, object], ...]] = contextvars.ContextVar(
+    "ledger_enclosing_blocks", default=()
+)
+
+
 class CallGate:
     """What close() waits for: the calls under way, each RPC and each
     model_call block from its Reserve to its ending. Once closing, a new call
     is refused (ClientClosed) while those already admitted, and the RPCs they
     make, go on. One per LaneClient.
 
-    Each thread's calls under way are counted too: close() called inside a
-    model_call block cannot wait for that block, which ends only after it, so
-    it waits for the others and leaves the rest of the close to the moment
-    this thread's last call ends (`defer`)."""
+    close() called inside a model_call block cannot wait for that block, which
+    ends only after it: the blocks the caller is inside (`enclosing`, by the
+    context, which a thread or asyncio.to_thread keeps apart) are left out of
+    its wait, and the rest of the close is left to their ending (`defer`)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._under_way = 0
         self._closing = False
-        self._thread = threading.local()
+        # The blocks close() was called inside, and what to run once they end.
+        self._awaited: set[object] = set()
+        self._deferred: Callable[[], None] | None = None
+        # The blocks under way (a context may keep one left on another thread).
+        self._blocks: set[object] = set()
 
     def admit(self) -> None:
         """Counts a new call in; ClientClosed once the client is closing."""
@@ -299,33 +310,48 @@ class CallGate:
             if self._closing:
                 raise ClientClosed(CLOSED_MESSAGE)
             self._under_way += 1
-        self._thread.count = self.own() + 1
 
     def join(self) -> None:
         """Counts in a call made for one already admitted: never refused."""
         with self._changed:
             self._under_way += 1
-        self._thread.count = self.own() + 1
-
-    def own(self) -> int:
-        """This thread's calls under way (close() inside a block: 1)."""
-        count: int = getattr(self._thread, "count", 0)
-        return count
-
-    def defer(self, action: Callable[[], None]) -> None:
-        """Runs `action` once this thread's calls under way have ended."""
-        self._thread.deferred = action
 
     def done(self) -> None:
         with self._changed:
             self._under_way -= 1
             self._changed.notify_all()
-        left = max(self.own() - 1, 0)
-        self._thread.count = left
-        action = getattr(self._thread, "deferred", None)
-        if left == 0 and action is not None:
-            self._thread.deferred = None
+
+    def enter_block(self, block: object) -> None:
+        """Counts a model_call block in, as the caller's context's."""
+        self.admit()
+        with self._changed:
+            self._blocks.add(block)
+        _ENCLOSING.set((*_ENCLOSING.get(), (self, block)))
+
+    def leave_block(self, block: object) -> None:
+        _ENCLOSING.set(tuple(entry for entry in _ENCLOSING.get() if entry[1] is not block))
+        self.done()
+        with self._changed:
+            self._blocks.discard(block)
+            self._awaited.discard(block)
+            action = self._deferred if not self._awaited else None
+            if action is not None:
+                self._deferred = None
+        if action is not None:
             action()
+
+    def enclosing(self) -> list[object]:
+        """The blocks of this gate the caller's code runs inside."""
+        with self._changed:
+            return [
+                block for gate, block in _ENCLOSING.get() if gate is self and block in self._blocks
+            ]
+
+    def defer(self, blocks: list[object], action: Callable[[], None]) -> None:
+        """Runs `action` once `blocks` have ended."""
+        with self._changed:
+            self._awaited.update(blocks)
+            self._deferred = action
 
     def check(self) -> None:
         """ClientClosed once the client is closing."""
@@ -436,12 +462,12 @@ class ModelCall:
             raise RuntimeError("a ModelCall is entered once; make a new one per call")
         gate = self._support.gate
         if gate is not None:
-            gate.admit()  # ClientClosed after close(): not an outage, nothing booked
+            gate.enter_block(self)  # ClientClosed after close(): not an outage, nothing booked
         try:
             return self._enter()
         except BaseException:
             if gate is not None:
-                gate.done()
+                gate.leave_block(self)
             raise
 
     def _enter(self) -> CallHandle:
@@ -477,7 +503,7 @@ class ModelCall:
             if self._support.replayer is not None:
                 self._support.replayer.release(handle.reservation_id)
             if self._support.gate is not None:
-                self._support.gate.done()
+                self._support.gate.leave_block(self)
 
     # Entering --------------------------------------------------------------------
 

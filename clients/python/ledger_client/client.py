@@ -190,11 +190,11 @@ class LaneClient:
         if self._replayer is not None:
             self._replayer.stop()
         end = time.monotonic() + grace_seconds
-        own = self._gate.own()
-        self._gate.wait(grace_seconds, keep=own)
+        own = self._gate.enclosing()
+        self._gate.wait(grace_seconds, keep=len(own))
         self._refunds.wait(max(end - time.monotonic(), 0.0))
         if own:
-            self._gate.defer(self._close_channel)
+            self._gate.defer(own, self._close_channel)
             return
         self._close_channel()
 

@@ -175,3 +175,22 @@ def test_close_inside_a_model_call_block_lets_that_block_end_its_booking(
     with pytest.raises(ClientClosed, match="closed"), client.model_call("m", 10, 10):
         raise AssertionError("a closed client ran a model call")
     client.close()  # idempotent
+
+
+def test_close_on_a_thread_that_entered_a_block_another_thread_left_closes_the_journal(
+    ledger: tuple[SlowLedger, str], tmp_path: pathlib.Path
+) -> None:
+    """A block entered on one thread and left on another (as asyncio.to_thread
+    does) is not one close() is called inside: close() on the first thread
+    closes the channel and the journal, whose lock a new client then takes."""
+    _servicer, address = ledger
+    journal = tmp_path / "journal"
+    client = LaneClient(address, "recall", outage=OutagePolicy.deny(journal))
+    block = client.model_call("m", 10, 10)
+    with futures.ThreadPoolExecutor(max_workers=1) as worker:
+        call = worker.submit(block.__enter__).result()
+        call.succeeded(5, 5)
+        block.__exit__(None, None, None)  # left here, on another thread
+        worker.submit(client.close, 1.0).result()  # closed there
+    assert call.end_error is None
+    LaneClient(address, "recall", outage=OutagePolicy.deny(journal)).close()
