@@ -86,6 +86,30 @@ def _queue_in_order(targets: list[Any], queued: Any) -> list[threading.Thread]:
     return threads
 
 
+def _held_leader(
+    committer: GroupCommitter, run: Any = None, *args: object
+) -> tuple[threading.Thread, threading.Event]:
+    """Starts a move that leads a batch and stays inside it, its transaction
+    open, until the returned event is set; then it writes 'slow'. `run`
+    (committer.submit by default) is called with `args` and the move."""
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(connection: Connection) -> str:
+        inside.set()
+        release.wait(timeout=10)
+        connection.execute(sa.insert(NOTES).values(name="slow"))
+        return "slow"
+
+    if run is None:
+        leader = threading.Thread(target=committer.submit, args=(slow, _soon()))
+    else:
+        leader = threading.Thread(target=run, args=(*args, slow))
+    leader.start()
+    assert inside.wait(timeout=10)
+    return leader, release
+
+
 def test_a_lone_refused_move_leaves_nothing(engine: sa.Engine) -> None:
     committer = GroupCommitter(engine)
     try:
@@ -131,18 +155,7 @@ def test_a_move_whose_caller_gave_up_before_it_was_taken_is_never_written(
     engine: sa.Engine,
 ) -> None:
     committer = GroupCommitter(engine)
-    leader_inside = threading.Event()
-    release = threading.Event()
-
-    def slow(connection: Connection) -> str:
-        leader_inside.set()
-        release.wait(timeout=10)
-        connection.execute(sa.insert(NOTES).values(name="slow"))
-        return "slow"
-
-    leader = threading.Thread(target=committer.submit, args=(slow, _soon()))
-    leader.start()
-    assert leader_inside.wait(timeout=10)
+    leader, release = _held_leader(committer)
     with pytest.raises(StoreUnavailable):
         committer.submit(_note("late"), time.monotonic() + 0.05)  # type: ignore[arg-type]
     release.set()
@@ -160,13 +173,6 @@ def test_a_database_error_in_one_move_leaves_the_others_of_its_batch_written(
     written, and nothing of the failed one is."""
     batches: list[int] = []
     committer = GroupCommitter(engine, on_begin=lambda connection: batches.append(len(batches)))
-    leader_inside, release = threading.Event(), threading.Event()
-
-    def slow(connection: Connection) -> str:
-        leader_inside.set()
-        release.wait(timeout=10)
-        connection.execute(sa.insert(NOTES).values(name="slow"))
-        return "slow"
 
     def broken(connection: Connection) -> str:
         # As SQLite does on some errors (a full disk, an I/O error): the
@@ -183,9 +189,7 @@ def test_a_database_error_in_one_move_leaves_the_others_of_its_batch_written(
         except StoreUnavailable as error:
             outcomes[name] = error
 
-    leader = threading.Thread(target=submit, args=("slow", slow))
-    leader.start()
-    assert leader_inside.wait(timeout=10)
+    leader, release = _held_leader(committer, submit, "slow")
     queued = [("a", _note("a")), ("broken", broken), ("b", _note("b"))]
     threads = _queue_in_order(
         [lambda name=name, work=work: submit(name, work) for name, work in queued],
@@ -431,17 +435,7 @@ def test_a_short_deadline_first_in_a_batch_fails_only_its_own_move(engine: sa.En
     its own deadline, then the batch's other moves lead on; only a move whose
     own deadline has passed fails."""
     committer = GroupCommitter(engine, write_gate=_ContestedGate(0.5))  # type: ignore[arg-type]
-    leader_inside = threading.Event()
-    release = threading.Event()
-
-    def slow(connection: Connection) -> str:
-        leader_inside.set()
-        release.wait(timeout=10)
-        return "slow"
-
-    leader = threading.Thread(target=committer.submit, args=(slow, _soon()))
-    leader.start()
-    assert leader_inside.wait(timeout=10)
+    leader, release = _held_leader(committer)
     answers: dict[str, object] = {}
 
     def submit(name: str, seconds: float) -> None:
@@ -459,7 +453,7 @@ def test_a_short_deadline_first_in_a_batch_fails_only_its_own_move(engine: sa.En
     committer.close()
     assert isinstance(answers["hurried"], StoreUnavailable)
     assert answers["patient"] == "patient"
-    assert _names(engine) == ["patient"]
+    assert _names(engine) == ["patient", "slow"]
 
 
 class _LockedByAnotherProcess:
@@ -500,17 +494,7 @@ def _behind_another_process(
     its deadline."""
     gate = _LockedByAnotherProcess(engine)
     committer = GroupCommitter(engine, write_gate=gate)  # type: ignore[arg-type]
-    leader_inside, release = threading.Event(), threading.Event()
-
-    def slow(connection: Connection) -> str:
-        leader_inside.set()
-        release.wait(timeout=10)
-        connection.execute(sa.insert(NOTES).values(name="slow"))
-        return "slow"
-
-    leader = threading.Thread(target=committer.submit, args=(slow, _soon()))
-    leader.start()
-    assert leader_inside.wait(timeout=10)
+    leader, release = _held_leader(committer)
     answers: dict[str, tuple[object, float, float]] = {}
 
     def submit(name: str, seconds: float) -> None:
