@@ -52,6 +52,7 @@ from ledger_service.recovery.store import (
     EventRefused,
     LogFacts,
     MarkerMoved,
+    Position,
     RebuildClaimLost,
     RebuildFailed,
     SnapshotChunk,
@@ -655,12 +656,12 @@ class Recovery:
 
     # Snapshots ---------------------------------------------------------------
 
-    def marker_current(self) -> bool:
-        """Whether the marker says the projections are current."""
+    def current_position(self) -> Position | None:
+        """The marker's position when it says the projections are current."""
         position = self._store.position()
-        return position is not None and position.state == STATE_CURRENT
+        return position if position is not None and position.state == STATE_CURRENT else None
 
-    def snapshot_due(self, every_events: int) -> bool:
+    def snapshot_due(self, every_events: int, position: Position | None = None) -> bool:
         """Whether the server should snapshot now: `every_events` events after
         the newest snapshot, or more when the projections are large.
 
@@ -669,11 +670,12 @@ class Recovery:
         time, so the interval grows with the newest snapshot's size: each event
         pays for at most SNAPSHOT_ROWS_PER_EVENT copied rows. The tail a
         recovery replays after the snapshot grows with it, in proportion to
-        the rows it restores."""
+        the rows it restores. `position`: the current one, when the caller
+        has read it."""
         if every_events <= 0:
             return False
-        position = self._store.position()
-        if position is None or position.state != STATE_CURRENT:
+        position = position or self.current_position()
+        if position is None:
             return False
         newest = next(iter(self._store.snapshots()), None)
         since = newest.position_seq if newest else 0
@@ -1172,12 +1174,13 @@ class RecoveryGuard:
                 return
         if now - self._last_check >= self._check_interval:
             self._last_check = now
-            if not self.recovery.marker_current():
+            position = self.recovery.current_position()
+            if position is None:
                 # A rebuild began elsewhere (`ledger rebuild`, another replica)
                 # or the row was deleted: seen on an idle server too.
                 self.required()
                 return
-            if self.recovery.snapshot_due(self._snapshot_every):
+            if self.recovery.snapshot_due(self._snapshot_every, position):
                 self.recovery.take_snapshot()
 
 

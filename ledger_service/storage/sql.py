@@ -267,20 +267,28 @@ class SqlStore:
         if condition is None:
             return False
         what, advice = condition
+        problem = f"{what}: {translate.driver_message(foreign)}"
+        self._cannot_write(
+            problem,
+            f"cannot write {translate.driver_code(foreign)}",
+            f"{problem}. Health is NOT_SERVING and every move is refused "
+            f"(STORE_UNAVAILABLE) until it can; {advice}, and the server serves again by itself",
+        )
+        return True
+
+    def _cannot_write(self, problem: str, key: str, said: str) -> None:
+        """Health is NOT_SERVING until `ping` finds the database may be written
+        again; `said` at most once an interval for each `key`."""
         with self._damage_lock:
-            self._write_problem = f"{what}: {translate.driver_message(foreign)}"
-        unsaid = self._error_log(f"cannot write {translate.driver_code(foreign)}")
+            self._write_problem = problem
+        unsaid = self._error_log(key)
         if unsaid is not None:
             log.error(
-                "THE DATABASE CANNOT BE WRITTEN (%s): %s. Health is NOT_SERVING and every "
-                "move is refused (STORE_UNAVAILABLE) until it can; %s, and the server "
-                "serves again by itself%s",
+                "THE DATABASE CANNOT BE WRITTEN (%s): %s%s",
                 database.redacted(database.source_url(self._engine)),
-                self._write_problem,
-                advice,
+                said,
                 more(unsaid),
             )
-        return True
 
     def _begin_batch(self, connection: Connection) -> None:
         self._check_file(writing=True)
@@ -521,22 +529,15 @@ class SqlStore:
             f"pid {pid} holds {mode}, its transaction open {int(age or 0)} s"
             for pid, mode, age in holders
         )
-        with self._damage_lock:
-            self._write_problem = f"the table {table!r} is locked by another session"
-        unsaid = self._error_log(f"locked {table}")
-        if unsaid is not None:
-            log.error(
-                "THE DATABASE CANNOT BE WRITTEN (%s): the table %r is locked by another "
-                "session (%s): every move waits for the lock until lock_timeout (%s) or "
-                "its deadline, and fails. Health is NOT_SERVING until it is released; end "
-                "that session's transaction (or pg_terminate_backend(pid)), and the server "
-                "serves again by itself%s",
-                database.redacted(database.source_url(self._engine)),
-                table,
-                held or "it let go before it could be named",
-                lock_timeout,
-                more(unsaid),
-            )
+        problem = f"the table {table!r} is locked by another session"
+        self._cannot_write(
+            problem,
+            f"locked {table}",
+            f"{problem} ({held or 'it let go before it could be named'}): every move waits "
+            f"for the lock until lock_timeout ({lock_timeout}) or its deadline, and fails. "
+            "Health is NOT_SERVING until it is released; end that session's transaction (or "
+            "pg_terminate_backend(pid)), and the server serves again by itself",
+        )
 
     def close(self, timeout_seconds: float = 10.0) -> bool:
         """Waits up to `timeout_seconds` for the commit under way; whether
