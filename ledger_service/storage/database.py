@@ -61,11 +61,10 @@ def write_gate(engine: Engine) -> threading.Lock | None:
 
     SQLite has one writer at a time. Without this lock a writer that finds
     another one's transaction open waits in SQLite's busy handler, which
-    sleeps 1, 2, 5, 10, 15, 20, 25 ... 100 ms between tries: near saturation
-    the group commit's BEGIN once waited 0.43 s behind a snapshot's chunk
-    writes, taken back to back. On the lock it is woken as soon as the other
-    commits (at most 12.9 ms measured). Writers in other processes still meet
-    in the busy handler."""
+    sleeps 1, 2, 5, 10, 15, 20, 25 ... 100 ms between tries, so a BEGIN behind
+    a snapshot's chunk writes, taken back to back, could wait a long time. On
+    the lock it is woken as soon as the other commits (docs/benchmarks.md has
+    both figures). Writers in other processes still meet in the busy handler."""
     if engine.dialect.name != "sqlite":
         return None
     with _WRITE_GATES_LOCK:
