@@ -83,6 +83,50 @@ OPTION_OF_FIELD = {
     "charge_nanos": "--charge",
     "correction_id": "--correction-id",
 }
+# A server's sentence names other fields, moves and outcomes in the wire's words
+# ("use Refund", "or billed_nanos", "the lane's hold_ttl"): each is shown as the
+# CLI's own name, a field by the last part of its name ("lane.hold_ttl" as
+# --hold-ttl). Only names with an underscore are fields here: "lane" or
+# "reason" in a sentence are plain words.
+CLI_WORD_OF_WIRE_WORD = {
+    **{
+        field.rpartition(".")[2]: option
+        for field, option in OPTION_OF_FIELD.items()
+        if "_" in field.rpartition(".")[2]
+    },
+    "Reserve": "`ledger reserve`",
+    "Settle": "`ledger settle`",
+    "Refund": "`ledger refund`",
+    "Correct": "`ledger correct`",
+    "SUCCEEDED": "succeeded",
+    "UNKNOWN": "unknown",
+}
+# Which of those are moves: the only words a reconcile row's message translates,
+# since its fields are the columns of the user's own export.
+_MOVE_WORDS = frozenset({"Reserve", "Settle", "Refund", "Correct"})
+# A quoted value (a lane, an id: Python's repr) is the user's, never translated;
+# an apostrophe inside a word ("the lane's") starts none.
+_QUOTED = re.compile(r"""((?<!\w)(?:'(?:\\.|[^'\\])*'|"(?:\\.|[^"\\])*")(?!\w))""")
+_WIRE_WORD = re.compile(
+    r"(?<![\w.`-])("
+    + "|".join(sorted(map(re.escape, CLI_WORD_OF_WIRE_WORD), key=len, reverse=True))
+    + r")(?![\w`-])"
+)
+
+
+def in_cli_words(text: str, *, fields: bool = True) -> str:
+    """A server's sentence with each wire word in it (outside quoted values) as
+    CLI_WORD_OF_WIRE_WORD names it; with `fields` false, only the moves."""
+
+    def word(found: re.Match[str]) -> str:
+        wire = found[1]
+        return CLI_WORD_OF_WIRE_WORD[wire] if fields or wire in _MOVE_WORDS else wire
+
+    parts = _QUOTED.split(text)
+    # split() with one group: the quoted values are the odd parts.
+    return "".join(
+        part if index % 2 else _WIRE_WORD.sub(word, part) for index, part in enumerate(parts)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,11 +343,13 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
             message = _BOUNDS.sub(
                 lambda found: f"between {usd(int(found[1]))} and {usd(int(found[2]))}", message
             )
+        # A refusal of the export file speaks of its columns, which are wire names.
+        message = in_cli_words(message, fields=field != "content")
         return CliError(f"bad value for {option} (field {field}): {message}")
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return CliError(_unauthenticated(session, reason or code.name))
     hint = _WHAT_TO_DO.get(reason, "")
-    return CliError(f"{details} ({reason or code.name}){hint}")
+    return CliError(f"{in_cli_words(details)} ({reason or code.name}){hint}")
 
 
 # What a person can do about a refusal whose usual cause is a typo.

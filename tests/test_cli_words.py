@@ -1,0 +1,157 @@
+"""The CLI speaks its own words: a refusal the server words with wire fields
+("billed_nanos"), moves ("use Refund") or outcomes ("SUCCEEDED") is printed with
+the options and commands a person typed (--billed, `ledger refund`, succeeded).
+
+The server's own messages stay as they are (the clients rely on them); the
+translation is the CLI's, in `connection.in_cli_words`. The tests run against a
+real server as tests/test_cli.py does (its fixtures, by name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+
+import pytest
+
+from ledger_service import cli
+from ledger_service.cli import connection, exits
+from tests import test_cli
+from tests.test_cli import LedgerProcess, RunLedger, one_line_error, put_recall, reserve
+
+ledger_process = test_cli.ledger_process
+target = test_cli.target
+ledger = test_cli.ledger
+
+SETTLE = ("settle", "words", "w-1", "--outcome", "succeeded")
+# One lane a case, since the server lives for the module: "words" in a command is it.
+_LANES = itertools.count()
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (
+            SETTLE,
+            "bad value for --input-tokens (field input_tokens): a succeeded settle needs "
+            "its usage: --input-tokens above 0, or --billed",
+        ),
+        (
+            (*SETTLE, "--input-tokens", "10", "--output-tokens", "500"),
+            "bad value for --output-tokens (field output_tokens): 500 is more than the 200 "
+            "--max-output-tokens the booking was reserved for",
+        ),
+        (
+            (*SETTLE, "--input-tokens", "10", "--cached-input-tokens", "20"),
+            "bad value for --cached-input-tokens (field cached_input_tokens): cached and "
+            "cache-write tokens are parts of --input-tokens: together at most --input-tokens",
+        ),
+        (
+            (*SETTLE, "--input-tokens", "10", "--http-status", "404"),
+            "bad value for --http-status (field http_status): a 4xx answer is a refused "
+            "call: use `ledger refund`, it costs zero",
+        ),
+        (
+            (*SETTLE, "--billed", "$1"),
+            "bad value for --billed (field billed_nanos): a charge of $1.000000000 is more "
+            "than 100 times the booking's cap of $0.000280000 (the lane's "
+            "--max-charge-multiple): no request of its size could cost that; nothing was written",
+        ),
+        (
+            ("refund", "words", "w-1"),
+            "bad value for --reason (field reason): is required when --http-status is 0 "
+            "(a call that was never sent)",
+        ),
+        (
+            (
+                "reserve", "words", "w-2", "--model", "jev", "--request-bytes", "7000",
+                "--max-output-tokens", "200", "--ttl", "1h",
+            ),
+            "bad value for --ttl (field ttl): must not exceed the lane's --hold-ttl of 120 s",
+        ),
+        (
+            (
+                "reserve", "words", "w-1", "--model", "jev", "--request-bytes", "7000",
+                "--max-output-tokens", "201",
+            ),
+            "RESERVATION_ID 'w-1' was already used with different arguments "
+            "(RESERVATION_ID_REUSED)",
+        ),
+    ],
+)  # fmt: skip
+def test_a_refusal_names_the_options_and_commands_typed(
+    target: LedgerProcess, ledger: RunLedger, command: tuple[str, ...], said: str
+) -> None:
+    lane = f"words-{next(_LANES)}"
+    put_recall(ledger, lane)
+    assert reserve(ledger, lane, "w-1").code == 0
+    run = ledger(*(lane if word == "words" else word for word in command))
+    assert one_line_error(run) == f"ledger: {said}\n"
+    assert run.code == exits.EXIT_FAILED
+    # Refused, so nothing changed: the booking still settles as it was reserved.
+    assert ledger("settle", lane, "w-1", "--outcome", "unknown").code == 0
+
+
+def test_a_reused_correction_id_names_the_option(target: LedgerProcess, ledger: RunLedger) -> None:
+    put_recall(ledger, "words-fix")
+    assert reserve(ledger, "words-fix", "f-1").code == 0
+    assert ledger("refund", "words-fix", "f-1", "--http-status", "403").code == 0
+    fix = ("correct", "words-fix", "f-1", "--reason", "the bill", "--correction-id", "c-1")
+    assert ledger(*fix, "--charge", "$0.01").code == 0
+    run = ledger(*fix, "--charge", "$0.02")
+    assert one_line_error(run) == (
+        "ledger: --correction-id 'c-1' was already used with other content (CORRECTION_ID_REUSED)\n"
+    )
+
+
+def test_an_id_that_looks_like_a_wire_word_is_shown_as_given(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    put_recall(ledger, "words-id")
+    assert reserve(ledger, "words-id", "billed_nanos").code == 0
+    run = reserve(ledger, "words-id", "billed_nanos", "--estimate", "1n")
+    assert one_line_error(run) == (
+        "ledger: RESERVATION_ID 'billed_nanos' was already used with different arguments "
+        "(RESERVATION_ID_REUSED)\n"
+    )
+
+
+def test_a_reconcile_row_names_the_move_and_keeps_the_export_columns(
+    target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    """A row's fields are the columns of the user's own file: they stay as written."""
+    ledger("lane", "put", "words-tiny", "--limit", "1n", "--price", test_cli.JEV_PRICE)
+    assert reserve(ledger, "words-tiny", "d-1").code == exits.EXIT_DENIED
+    export = tmp_path / "usage.csv"
+    export.write_text("reservation_id,billed_nanos\nd-1,5\n")
+    denied = ledger("reconcile", str(export), "--lane", "words-tiny", "--dry-run")
+    assert denied.out.splitlines()[1].endswith(
+        "the `ledger reserve` was denied: no call was booked"
+    ), denied
+    export.write_text("reservation_id,input_tokens,cached_input_tokens\nd-2,1,5\n")
+    bad = ledger("reconcile", str(export), "--lane", "words-tiny", "--dry-run")
+    assert bad.out.splitlines()[1].endswith(
+        "cached_input_tokens: cached and cache-write tokens are parts of input_tokens"
+    ), bad
+    export.write_text("billed_nanos\n5\n")
+    header = ledger("reconcile", str(export), "--lane", "words-tiny")
+    assert one_line_error(header) == (
+        "ledger: bad value for FILE (field content): the CSV header must name a "
+        "reservation_id column\n"
+    )
+
+
+def test_every_option_the_translation_names_is_one_the_cli_has() -> None:
+    """A renamed option must not leave the table naming one that is gone."""
+    options: set[str] = set()
+    pending = [cli.parser()]
+    while pending:
+        parser = pending.pop()
+        for action in parser._actions:
+            options.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+    named = {*connection.OPTION_OF_FIELD.values(), *connection.CLI_WORD_OF_WIRE_WORD.values()}
+    flags = {name for name in named if name.startswith("--")}
+    assert flags <= options, flags - options
