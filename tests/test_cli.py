@@ -533,7 +533,7 @@ def test_lane_put_takes_every_option(target: LedgerProcess, ledger: RunLedger) -
 def test_a_parent_budget_is_set_shown_and_listed(target: LedgerProcess, ledger: RunLedger) -> None:
     ledger("lane", "put", "team", "--limit", "300000n", "--price", JEV_PRICE)
     child = put_recall(ledger, "team-recall", "--parent", "team")
-    assert "parent           team (a Reserve must fit its budget too)" in child.out.splitlines()
+    assert "parent           team (a reserve must fit its budget too)" in child.out.splitlines()
     assert ledger("lane", "show", "team-recall").out == child.out
     assert ledger("lane", "show", "team-recall", "--json").json()["parent"] == "team"
     assert "parent" not in ledger("lane", "show", "team").out

@@ -155,3 +155,28 @@ def test_every_option_the_translation_names_is_one_the_cli_has() -> None:
     named = {*connection.OPTION_OF_FIELD.values(), *connection.CLI_WORD_OF_WIRE_WORD.values()}
     flags = {name for name in named if name.startswith("--")}
     assert flags <= options, flags - options
+
+
+def _options() -> list[tuple[str, argparse.Action]]:
+    """Every option of every command, with the command's name."""
+    found: list[tuple[str, argparse.Action]] = []
+    pending = [("ledger", cli.parser())]
+    while pending:
+        name, parser = pending.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend((f"{name} {word}", sub) for word, sub in action.choices.items())
+            elif action.option_strings:
+                found.append((name, action))
+    return found
+
+
+def test_every_option_says_what_its_value_is_in_the_cli_words() -> None:
+    """`--help` describes each option's value, never by a wire field or RPC name
+    (`--max-output-tokens N` with no text, `Reserve/Settle/Refund`)."""
+    wrong = [
+        f"{name} {action.option_strings[0]}: {action.help}"
+        for name, action in _options()
+        if not action.help or connection.in_cli_words(action.help) != action.help
+    ]
+    assert wrong == []

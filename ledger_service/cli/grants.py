@@ -52,7 +52,7 @@ def register(commands: Any) -> None:
         required=True,
         dest="scopes",
         choices=[scope.value for scope in Scope],
-        help="charge: Reserve/Settle/Refund (and the lane's balance and bookings); "
+        help="charge: reserve, settle and refund (and the lane's balance and bookings); "
         "read: balance, bookings, events, audit; "
         "admin: everything (needs --lane '*'). Repeat for more",
     )

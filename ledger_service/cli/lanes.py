@@ -32,7 +32,7 @@ from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 def lane_lines(lane: pb.Lane) -> list[str]:
     rows = [("lane", lane.lane)]
     if lane.parent:
-        rows.append(("parent", f"{lane.parent} (a Reserve must fit its budget too)"))
+        rows.append(("parent", f"{lane.parent} (a reserve must fit its budget too)"))
     rows += [
         ("limit", f"{usd(lane.limit_nanos)} per {duration_text(lane.window)} (rolling)"),
         ("hold ttl", duration_text(lane.hold_ttl)),
@@ -164,9 +164,23 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         "read from and written to the prompt cache (default: IN); repeat for each model",
     )
     put.add_argument("--window", metavar="DURATION", help="rolling window (default 24h)")
-    put.add_argument("--hold-ttl", metavar="DURATION", help="hold lifetime (default 120s)")
-    put.add_argument("--bytes-per-token", metavar="NUMBER", help="default 3.5")
-    put.add_argument("--overhead-tokens", metavar="N", help="default 0")
+    put.add_argument(
+        "--hold-ttl",
+        metavar="DURATION",
+        help="how long a reserve's hold lasts unsettled (default 120s)",
+    )
+    put.add_argument(
+        "--bytes-per-token",
+        metavar="NUMBER",
+        help="request bytes per input token when a reserve prices its request, "
+        "at most three decimals (default 3.5)",
+    )
+    put.add_argument(
+        "--overhead-tokens",
+        metavar="N",
+        help="input tokens added to every reserve's request for templates and tool schemas "
+        "(default 0)",
+    )
     put.add_argument(
         "--expire-charge",
         choices=("hold", "zero"),
@@ -176,13 +190,14 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
     put.add_argument(
         "--parent",
         metavar="LANE",
-        help="a parent budget (another lane) that every Reserve must fit too; "
+        help="a parent budget (another lane) that every reserve must fit too; "
         "a put replaces the whole policy, so leave it out to have none",
     )
     put.add_argument(
         "--max-charge-multiple",
         metavar="N",
-        help="refuse a SUCCEEDED charge above N times the booking's cap (default 100; 0: no bound)",
+        help="refuse a succeeded settle's charge above N times the booking's cap "
+        "(default 100; 0: no bound)",
     )
     put.set_defaults(run=command(lane_put))
     show = actions.add_parser("show", parents=[common], help="show a lane's policy")

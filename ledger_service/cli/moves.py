@@ -161,15 +161,32 @@ def _register_reserve(commands: Any, common: argparse.ArgumentParser) -> None:
     )
     book.add_argument("lane", metavar="LANE")
     book.add_argument("reservation_id", metavar="RESERVATION_ID")
-    book.add_argument("--model", required=True)
-    book.add_argument("--request-bytes", required=True, metavar="N")
-    book.add_argument("--max-output-tokens", required=True, metavar="N")
+    book.add_argument(
+        "--model", required=True, help="the model the call goes to, one the lane has a price for"
+    )
+    book.add_argument(
+        "--request-bytes",
+        required=True,
+        metavar="N",
+        help="the size of the request in bytes; the lane's --bytes-per-token turns it "
+        "into input tokens for the cap",
+    )
+    book.add_argument(
+        "--max-output-tokens",
+        required=True,
+        metavar="N",
+        help="the most output tokens the call asks the provider for; settle refuses more",
+    )
     book.add_argument(
         "--estimate",
         metavar="AMOUNT",
         help="hold min(estimate, cap): $0.50, 0.50 USD or 500000000n",
     )
-    book.add_argument("--ttl", metavar="DURATION", help="at most the lane's hold ttl")
+    book.add_argument(
+        "--ttl",
+        metavar="DURATION",
+        help="how long the hold lasts unsettled (default and at most the lane's --hold-ttl)",
+    )
     book.set_defaults(run=command(reserve))
 
 
@@ -177,15 +194,38 @@ def _register_settle(commands: Any, common: argparse.ArgumentParser) -> None:
     end = commands.add_parser("settle", parents=[common], help="end a booking with its outcome")
     end.add_argument("lane", metavar="LANE")
     end.add_argument("reservation_id", metavar="RESERVATION_ID")
-    end.add_argument("--outcome", required=True, choices=("succeeded", "unknown"))
-    end.add_argument("--input-tokens", default="0", metavar="N")
-    end.add_argument("--output-tokens", default="0", metavar="N")
+    end.add_argument(
+        "--outcome",
+        required=True,
+        choices=("succeeded", "unknown"),
+        help="succeeded: the provider answered, with usage (--input-tokens) or --billed; "
+        "unknown: no usage known, the hold (or less) is charged",
+    )
+    end.add_argument(
+        "--input-tokens",
+        default="0",
+        metavar="N",
+        help="every input token the provider counted, cached ones included (default 0)",
+    )
+    end.add_argument(
+        "--output-tokens",
+        default="0",
+        metavar="N",
+        help="every output token, reasoning ones included; at most the booking's "
+        "--max-output-tokens (default 0)",
+    )
     end.add_argument(
         "--billed",
         metavar="AMOUNT",
         help="the provider's billed amount: $0.50, 0.50 USD or 500000000n",
     )
-    end.add_argument("--http-status", default="0", metavar="N")
+    end.add_argument(
+        "--http-status",
+        default="0",
+        metavar="N",
+        help="the provider's HTTP status, kept for the audit (default 0: none); "
+        "a 4xx is a refused call: `ledger refund` it",
+    )
     end.add_argument(
         "--cached-input-tokens",
         default="0",
