@@ -105,6 +105,53 @@ def test_a_reused_correction_id_names_the_option(target: LedgerProcess, ledger: 
     )
 
 
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (("reserve", "other", "p-1", "--model", "jev", "--request-bytes", "1",
+          "--max-output-tokens", "1"),
+         "`ledger reserve` on lane 'other' needs the charge scope there"),
+        (("settle", "other", "p-1", "--outcome", "unknown"),
+         "`ledger settle` on lane 'other' needs the charge scope there"),
+        (("refund", "other", "p-1", "--reason", "never sent"),
+         "`ledger refund` on lane 'other' needs the charge scope there"),
+        (("correct", "other", "p-1", "--charge", "1n", "--reason", "the bill"),
+         "`ledger correct` on every lane needs the admin scope there"),
+        (("lane", "put", "other", "--limit", "$1", "--price", test_cli.JEV_PRICE),
+         "`ledger lane put` on every lane needs the admin scope there"),
+        (("lane", "show", "other"), "`ledger lane show` on every lane needs the admin scope there"),
+        (("lane", "list"), "`ledger lane list` on every lane needs the admin scope there"),
+        (("balance", "other"),
+         "`ledger balance` on lane 'other' needs the charge or read scope there"),
+        (("history", "other"), "`ledger history` on lane 'other' needs the read scope there"),
+        # --follow reads the history first: a refusal comes from that.
+        (("history", "other", "--follow"),
+         "`ledger history` on lane 'other' needs the read scope there"),
+        (("audit", "other"), "`ledger audit` on lane 'other' needs the read scope there"),
+        (("reconcile", "FILE", "--lane", "other"),
+         "`ledger reconcile` on every lane needs the admin scope there"),
+    ],
+)  # fmt: skip
+def test_a_grant_refusal_names_the_command_not_the_method(
+    target: LedgerProcess,
+    ledger: RunLedger,
+    tmp_path: pathlib.Path,
+    command: tuple[str, ...],
+    said: str,
+) -> None:
+    issued = ledger(
+        "grant", "issue", "--lane", "mine", "--scope", "read", "--data-dir", str(target.data_dir)
+    )  # fmt: skip
+    assert issued.code == 0, issued
+    export = tmp_path / "usage.csv"
+    export.write_text("reservation_id,billed_nanos\np-1,5\n")
+    typed = (str(export) if word == "FILE" else word for word in command)
+    run = ledger(*typed, "--grant", issued.out.strip())
+    assert one_line_error(run) == (
+        f"ledger: {said}; this grant has read on mine (PERMISSION_DENIED)\n"
+    )
+
+
 def test_an_id_that_looks_like_a_wire_word_is_shown_as_given(
     target: LedgerProcess, ledger: RunLedger
 ) -> None:

@@ -83,7 +83,7 @@ OPTION_OF_FIELD = {
     "charge_nanos": "--charge",
     "correction_id": "--correction-id",
 }
-# A server's sentence names other fields, moves and outcomes in the wire's words
+# A server's sentence names other fields, methods and outcomes in the wire's words
 # ("use Refund", "or billed_nanos", "the lane's hold_ttl"): each is shown as the
 # CLI's own name, a field by the last part of its name ("lane.hold_ttl" as
 # --hold-ttl). Only names with an underscore are fields here: "lane" or
@@ -94,16 +94,25 @@ CLI_WORD_OF_WIRE_WORD = {
         for field, option in OPTION_OF_FIELD.items()
         if "_" in field.rpartition(".")[2]
     },
+    # The methods the CLI calls, as the command that calls them (a grant's refusal
+    # names its method: "PutLane on every lane needs the admin scope there").
     "Reserve": "`ledger reserve`",
     "Settle": "`ledger settle`",
     "Refund": "`ledger refund`",
     "Correct": "`ledger correct`",
+    "Reconcile": "`ledger reconcile`",
+    "PutLane": "`ledger lane put`",
+    "GetLane": "`ledger lane show`",
+    "ListLanes": "`ledger lane list`",
+    "GetBalance": "`ledger balance`",
+    "ListEvents": "`ledger history`",
+    "GetAudit": "`ledger audit`",
     "SUCCEEDED": "succeeded",
     "UNKNOWN": "unknown",
 }
-# Which of those are moves: the only words a reconcile row's message translates,
+# Which of those are methods: the only words a reconcile row's message translates,
 # since its fields are the columns of the user's own export.
-_MOVE_WORDS = frozenset({"Reserve", "Settle", "Refund", "Correct"})
+_METHOD_WORDS = frozenset(word for word, said in CLI_WORD_OF_WIRE_WORD.items() if "`" in said)
 # A quoted value (a lane, an id: Python's repr) is the user's, never translated;
 # an apostrophe inside a word ("the lane's") starts none.
 _QUOTED = re.compile(r"""((?<!\w)(?:'(?:\\.|[^'\\])*'|"(?:\\.|[^"\\])*")(?!\w))""")
@@ -116,11 +125,11 @@ _WIRE_WORD = re.compile(
 
 def in_cli_words(text: str, *, fields: bool = True) -> str:
     """A server's sentence with each wire word in it (outside quoted values) as
-    CLI_WORD_OF_WIRE_WORD names it; with `fields` false, only the moves."""
+    CLI_WORD_OF_WIRE_WORD names it; with `fields` false, only the methods."""
 
     def word(found: re.Match[str]) -> str:
         wire = found[1]
-        return CLI_WORD_OF_WIRE_WORD[wire] if fields or wire in _MOVE_WORDS else wire
+        return CLI_WORD_OF_WIRE_WORD[wire] if fields or wire in _METHOD_WORDS else wire
 
     parts = _QUOTED.split(text)
     # split() with one group: the quoted values are the odd parts.
