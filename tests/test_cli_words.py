@@ -227,3 +227,15 @@ def test_every_option_says_what_its_value_is_in_the_cli_words() -> None:
         if not action.help or connection.in_cli_words(action.help) != action.help
     ]
     assert wrong == []
+
+
+def test_every_option_value_is_named_for_what_it_is() -> None:
+    """`--sweep-interval SECONDS`, not argparse's default from the setting's name
+    (`SWEEP_INTERVAL_SECONDS`, `AT_US`, `DATABASE_URL`)."""
+    wrong = [
+        f"{name} {action.option_strings[0]} {action.dest.upper()}"
+        for name, action in _options()
+        if action.nargs != 0 and action.choices is None and action.metavar is None
+        and "_" in action.dest
+    ]  # fmt: skip
+    assert wrong == []

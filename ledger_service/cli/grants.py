@@ -57,7 +57,10 @@ def register(commands: Any) -> None:
         "admin: everything (needs --lane '*'). Repeat for more",
     )
     issue.add_argument(
-        "--expires", default="30d", help="lifetime: a number and s, m, h or d (default 30d)"
+        "--expires",
+        default="30d",
+        metavar="DURATION",
+        help="lifetime: a number and s, m, h or d (default 30d)",
     )
     _data_dir_option(issue)
     issue.set_defaults(run=_issue)
@@ -85,6 +88,7 @@ def _data_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
         type=pathlib.Path,
+        metavar="DIR",
         help="the server's data directory (default LEDGER_DATA_DIR or ./data)",
     )
 

@@ -15,18 +15,27 @@ from ledger_service.settings import Settings, unread_variables
 def register(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run the ledger's gRPC server")
     _database_options(serve)
-    serve.add_argument("--listen", help="HOST:PORT to listen on (port 0 picks one); "
-                       "default LEDGER_LISTEN or 127.0.0.1:50051")  # fmt: skip
+    serve.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="where to listen (port 0 picks one); default LEDGER_LISTEN or 127.0.0.1:50051",
+    )
     serve.add_argument(
         "--test-clock",
         action="store_true",
         help="serve the TestClock service so clients can set time (tests only)",
     )
-    serve.add_argument("--sweep-interval", type=float, dest="sweep_interval_seconds",
-                       help="seconds between expiry sweeps (default 1)")  # fmt: skip
+    serve.add_argument(
+        "--sweep-interval",
+        type=float,
+        dest="sweep_interval_seconds",
+        metavar="SECONDS",
+        help="seconds between expiry sweeps (default 1)",
+    )
     serve.add_argument(
         "--max-workers",
         type=int,
+        metavar="N",
         help="gRPC worker threads for calls (default 16); streams get one more each (64)",
     )
     # Recovery (docs/recovery.md).
@@ -34,21 +43,25 @@ def register(commands: Any) -> None:
         "--snapshot-every",
         type=int,
         dest="snapshot_every_events",
+        metavar="N",
         help="snapshot the projections every N events (0: never; default 10000)",
     )
     serve.add_argument(
         "--recovery-budget-seconds",
         type=float,
+        metavar="SECONDS",
         help="longest rebuild the server may start on its own (default 300)",
     )
     serve.add_argument(
         "--recovery-max-risk",
         type=float,
+        metavar="RISK",
         help="largest risk score of a source it may rebuild from (default 0.3)",
     )
     serve.add_argument(
         "--recovery-min-viable-sources",
         type=int,
+        metavar="N",
         help="independent sources whose rebuilds must agree (default 1)",
     )
     serve.add_argument("--no-migrate", action="store_true",
@@ -63,18 +76,21 @@ def register(commands: Any) -> None:
         "--tls-cert",
         type=pathlib.Path,
         dest="tls_cert_path",
+        metavar="FILE",
         help="PEM certificate chain: serve TLS (default LEDGER_TLS_CERT)",
     )
     serve.add_argument(
         "--tls-key",
         type=pathlib.Path,
         dest="tls_key_path",
+        metavar="FILE",
         help="PEM private key of --tls-cert (default LEDGER_TLS_KEY)",
     )
     serve.add_argument(
         "--tls-client-ca",
         type=pathlib.Path,
         dest="tls_client_ca_path",
+        metavar="FILE",
         help="PEM CA certificates: demand client certificates they signed, i.e. mutual TLS "
         "(default LEDGER_TLS_CLIENT_CA)",
     )
@@ -86,10 +102,14 @@ def register(commands: Any) -> None:
 
 
 def _database_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--database-url", help="default LEDGER_DATABASE_URL or a SQLite file "
-                        "in the data directory")  # fmt: skip
-    parser.add_argument("--data-dir", type=pathlib.Path,
-                        help="default LEDGER_DATA_DIR or ./data")  # fmt: skip
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="default LEDGER_DATABASE_URL or a SQLite file in the data directory",
+    )
+    parser.add_argument(
+        "--data-dir", type=pathlib.Path, metavar="DIR", help="default LEDGER_DATA_DIR or ./data"
+    )
 
 
 def settings_from(arguments: argparse.Namespace) -> Settings:

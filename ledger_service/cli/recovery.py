@@ -36,9 +36,13 @@ def register(commands: Any) -> None:
         "total against a replay of the log",
     )
     _database_options(verify)
-    verify.add_argument("--at-us", type=int, help="instant of the window totals, in "
-                        "microseconds since the epoch (default: now, or the last "
-                        "event's instant when that is later)")  # fmt: skip
+    verify.add_argument(
+        "--at-us",
+        type=int,
+        metavar="MICROSECONDS",
+        help="instant of the window totals, in microseconds since the epoch "
+        "(default: now, or the last event's instant when that is later)",
+    )
     verify.set_defaults(run=_interruptible("verify", _verify))
 
     snapshot = commands.add_parser("snapshot", help="snapshot the projections now")
@@ -61,12 +65,25 @@ def register(commands: Any) -> None:
         "rebuild them (a running server serves again within its check interval)",
     )
     _database_options(recover)
-    recover.add_argument("--budget-seconds", type=float, required=True,
-                         help="the longest the reconstruction may take")  # fmt: skip
-    recover.add_argument("--max-risk", type=float, help="largest acceptable risk score, "
-                         "0..1 (default: the server's, 0.3)")  # fmt: skip
-    recover.add_argument("--min-viable-sources", type=int, help="independent sources that "
-                         "must agree (default 1)")  # fmt: skip
+    recover.add_argument(
+        "--budget-seconds",
+        type=float,
+        required=True,
+        metavar="SECONDS",
+        help="the longest the reconstruction may take",
+    )
+    recover.add_argument(
+        "--max-risk",
+        type=float,
+        metavar="RISK",
+        help="largest acceptable risk score, 0..1 (default: the server's, 0.3)",
+    )
+    recover.add_argument(
+        "--min-viable-sources",
+        type=int,
+        metavar="N",
+        help="independent sources that must agree (default 1)",
+    )
     recover.add_argument(
         "--accept-log-head",
         action="store_true",
@@ -105,10 +122,14 @@ def _interruptible(
 
 
 def _database_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--database-url", help="default LEDGER_DATABASE_URL or a SQLite file "
-                        "in the data directory")  # fmt: skip
-    parser.add_argument("--data-dir", type=pathlib.Path,
-                        help="default LEDGER_DATA_DIR or ./data")  # fmt: skip
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="default LEDGER_DATABASE_URL or a SQLite file in the data directory",
+    )
+    parser.add_argument(
+        "--data-dir", type=pathlib.Path, metavar="DIR", help="default LEDGER_DATA_DIR or ./data"
+    )
 
 
 class ProgressPrinter:
