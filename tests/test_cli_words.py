@@ -164,18 +164,17 @@ def test_an_id_that_looks_like_a_wire_word_is_shown_as_given(
     )
 
 
-def test_a_reconcile_row_names_the_move_and_keeps_the_export_columns(
+def test_a_reconcile_row_keeps_the_export_columns_and_the_domain_words(
     target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
 ) -> None:
-    """A row's fields are the columns of the user's own file: they stay as written."""
+    """A row's fields are the columns of the user's own file, and its sentence
+    speaks of the bill's calls, not of the CLI's commands: it stays as written."""
     ledger("lane", "put", "words-tiny", "--limit", "1n", "--price", test_cli.JEV_PRICE)
     assert reserve(ledger, "words-tiny", "d-1").code == exits.EXIT_DENIED
     export = tmp_path / "usage.csv"
     export.write_text("reservation_id,billed_nanos\nd-1,5\n")
     denied = ledger("reconcile", str(export), "--lane", "words-tiny", "--dry-run")
-    assert denied.out.splitlines()[1].endswith(
-        "the `ledger reserve` was denied: no call was booked"
-    ), denied
+    assert denied.out.splitlines()[1].endswith("the Reserve was denied: no call was booked"), denied
     export.write_text("reservation_id,input_tokens,cached_input_tokens\nd-2,1,5\n")
     bad = ledger("reconcile", str(export), "--lane", "words-tiny", "--dry-run")
     assert bad.out.splitlines()[1].endswith(

@@ -110,8 +110,8 @@ CLI_WORD_OF_WIRE_WORD = {
     "SUCCEEDED": "succeeded",
     "UNKNOWN": "unknown",
 }
-# Which of those are methods: the only words a reconcile row's message translates,
-# since its fields are the columns of the user's own export.
+# Which of those are methods: the only words a refusal of an export file translates,
+# since its fields are the columns of the user's own file.
 _METHOD_WORDS = frozenset(word for word, said in CLI_WORD_OF_WIRE_WORD.items() if "`" in said)
 # A quoted value (a lane, an id: Python's repr) is the user's, never translated;
 # an apostrophe inside a word ("the lane's") starts none.

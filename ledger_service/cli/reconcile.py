@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from ledger_service.cli.connection import Session, command, explain, in_cli_words
+from ledger_service.cli.connection import Session, command, explain
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_FAILED, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import emit, pairs, table, usd
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -66,8 +66,6 @@ def reconcile_row(row: pb.ReconcileRow) -> tuple[str, ...]:
     # The server's message may already start with its field.
     message = row.message.removeprefix(f"{row.field}: ")
     message = f"{row.field}: {message}" if row.field else message
-    # Its fields are the export's own columns; only the moves it names are translated.
-    message = in_cli_words(message, fields=False)
     return (
         str(row.line),
         row.lane or "-",
