@@ -48,6 +48,7 @@ from ledger_client.outcomes import CallFailure, CallNotSent, Ending, Settlement,
 from ledger_client.pricing import ModelPrice
 from ledger_client.replay import ReplayReport
 from ledger_client.settings import (
+    CLOSE_JOURNAL_WAIT_SECONDS,
     DEFAULT_CLOSE_GRACE_SECONDS,
     DEFAULT_DEADLINE_SECONDS,
     ClientSettings,
@@ -57,6 +58,7 @@ from ledger_client.usage import usage_of
 # The SDK integrations (the optional `openai` and `anthropic` extras) are in
 # ledger_client.providers, which this package does not import.
 __all__ = [
+    "CLOSE_JOURNAL_WAIT_SECONDS",
     "CONTEXT_OVERFLOW_REPLY",
     "DEFAULT_CLOSE_GRACE_SECONDS",
     "DEFAULT_DEADLINE_SECONDS",

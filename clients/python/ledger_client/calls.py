@@ -334,6 +334,7 @@ class CallGate:
         with self._changed:
             self._blocks.discard(block)
             self._awaited.discard(block)
+            self._changed.notify_all()
             action = self._deferred if not self._awaited else None
             if action is not None:
                 self._deferred = None
@@ -352,6 +353,12 @@ class CallGate:
         with self._changed:
             self._awaited.update(blocks)
             self._deferred = action
+
+    def wait_blocks(self, timeout_seconds: float) -> bool:
+        """Waits until no model_call block is under way, at most this long;
+        True if none is."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._blocks, timeout_seconds)
 
     def check(self) -> None:
         """ClientClosed once the client is closing."""
@@ -515,6 +522,13 @@ class ModelCall:
             reservation = support.ledger.reserve_arguments(arguments, trace_id=self._trace_id)
         except LedgerUnavailable as error:
             return self._reserve_in_outage(error)
+        except ClientClosed as error:
+            # close() cut the Reserve off: the ledger may have booked it, and
+            # the call will not be made. Its refund is journaled in doubt (the
+            # channel is closed, so nothing can be sent now) for the next start.
+            if error.may_have_applied:
+                self._journal_in_doubt()
+            raise
         except LedgerError as error:
             # Not an outage, but the ledger may have booked it (INTERNAL) and
             # the call will not be made.

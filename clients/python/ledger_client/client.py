@@ -40,6 +40,7 @@ from ledger_client.outage import Allowance, OutageMode, OutagePolicy
 from ledger_client.outcomes import Ending, Settlement, Usage
 from ledger_client.replay import Replayer, ReplayReport
 from ledger_client.settings import (
+    CLOSE_JOURNAL_WAIT_SECONDS,
     DEFAULT_CLOSE_GRACE_SECONDS,
     MAX_DEADLINE_SECONDS,
     ClientSettings,
@@ -199,12 +200,15 @@ class LaneClient:
         self._close_channel()
 
     def _close_channel(self) -> None:
-        """The end of close(): calls still under way are cut off."""
+        """The end of close(): calls still under way are cut off. The journal
+        stays open for the blocks cut off to journal their endings (a cut-off
+        Reserve, its refund in doubt), at most CLOSE_JOURNAL_WAIT_SECONDS."""
         with self._starting:
             self._closed = True
             # Calls still under way are cut off; later ones never start.
             self._channel.close()
         if self._journal is not None:
+            self._gate.wait_blocks(CLOSE_JOURNAL_WAIT_SECONDS)
             self._journal.close()
 
     def __enter__(self) -> LaneClient:

@@ -21,6 +21,13 @@ DEFAULT_DEADLINE_SECONDS = 0.25
 # one cut off may leave a hold booked until it expires. The Node client's
 # DEFAULT_CLOSE_GRACE_MS.
 DEFAULT_CLOSE_GRACE_SECONDS = 5.0
+# After the grace, close() keeps the journal open this long at most for the
+# model_call blocks it cut off to journal their endings: with the channel closed
+# a cut-off Settle or Reserve fails and is journaled within milliseconds, but a
+# block still in its model call may never return, and close() must. A block
+# ending later finds the journal closed; its hold expires. The Node client's
+# CLOSE_JOURNAL_WAIT_MS.
+CLOSE_JOURNAL_WAIT_SECONDS = 1.0
 # The longest deadline a call may have, in the settings or given to one call.
 MAX_DEADLINE_SECONDS = 60
 # Settle and Refund are idempotent, so an unconfirmed one is sent again with the

@@ -194,3 +194,134 @@ def test_close_on_a_thread_that_entered_a_block_another_thread_left_closes_the_j
         worker.submit(client.close, 1.0).result()  # closed there
     assert call.end_error is None
     LaneClient(address, "recall", outage=OutagePolicy.deny(journal)).close()
+
+
+class StallingLedger(pb_grpc.LedgerServicer):
+    """Stalls the Reserves and Settles of ids starting with `stall-reserve` and
+    `stall-settle` until `unstall` is set; answers the rest at once. Notes
+    every move it receives as (method, reservation_id)."""
+
+    def __init__(self) -> None:
+        self.moves: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+        self.unstall = threading.Event()
+        self.stalled = threading.Semaphore(0)
+
+    def _note(self, method: str, reservation_id: str, stall: bool) -> None:
+        with self.lock:
+            self.moves.append((method, reservation_id))
+        if stall:
+            self.stalled.release()
+            self.unstall.wait(10)
+
+    def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse:
+        self._note("Reserve", request.reservation_id, request.reservation_id.startswith("stall-r"))
+        return pb.ReserveResponse(decision=pb.ADMITTED, hold_nanos=1, cap_nanos=1)
+
+    def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
+        self._note("Settle", request.reservation_id, request.reservation_id.startswith("stall-s"))
+        return pb.SettleResponse(charged_nanos=1, state=pb.SETTLED)
+
+    def Refund(self, request: pb.RefundRequest, context: grpc.ServicerContext) -> pb.RefundResponse:
+        self._note("Refund", request.reservation_id, False)
+        return pb.RefundResponse()
+
+    def ended(self) -> set[str]:
+        with self.lock:
+            return {rid for method, rid in self.moves if method in ("Settle", "Refund")}
+
+
+def test_every_block_cut_off_by_close_has_its_ending_journaled_and_replayed(
+    tmp_path: pathlib.Path,
+) -> None:
+    """close() closed the journal right after the channel: blocks cut off at the
+    end of its grace (11 to 13 of about 40) could not journal their endings, and
+    a cut-off Reserve was not journaled in doubt at all, so their holds stayed
+    open until they expired. Every one is now journaled, and a new client on
+    the same journal ends them all."""
+    servicer = StallingLedger()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    pb_grpc.add_LedgerServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    journal = tmp_path / "journal"
+    settings = ClientSettings(deadline_seconds=10.0, replay_interval_seconds=None)
+    client = LaneClient(address, "recall", outage=OutagePolicy.deny(journal), settings=settings)
+    # Groups: stalled in the Reserve, stalled in the Settle, still in the body.
+    ids = [f"stall-reserve-{n}" for n in range(8)] + [f"stall-settle-{n}" for n in range(8)]
+    ids += [f"body-{n}" for n in range(8)]
+    in_body = threading.Semaphore(0)
+    leave_body = threading.Event()
+    calls: dict[str, object] = {}
+
+    def lane(reservation_id: str) -> None:
+        try:
+            with client.model_call("m", 10, 10, reservation_id=reservation_id) as call:
+                calls[reservation_id] = call
+                if reservation_id.startswith("body"):
+                    in_body.release()
+                    leave_body.wait(10)
+                call.succeeded(5, 5)
+        except ClientClosed:
+            calls[reservation_id] = "cut off in its Reserve"
+
+    workers = [threading.Thread(target=lane, args=(rid,)) for rid in ids]
+    for worker in workers:
+        worker.start()
+    for _ in range(16):  # the stalled Reserves and Settles have arrived
+        assert servicer.stalled.acquire(timeout=10)
+    for _ in range(8):
+        assert in_body.acquire(timeout=10)
+    # The body blocks leave just after the grace, once the channel is closed.
+    threading.Timer(0.3, leave_body.set).start()
+    client.close(grace_seconds=0.1)
+    for worker in workers:
+        worker.join(10)
+    servicer.unstall.set()
+    assert len(calls) == len(ids)
+    with servicer.lock:
+        servicer.moves.clear()
+    replaying = LaneClient(address, "recall", outage=OutagePolicy.deny(journal), settings=settings)
+    replaying.replay_journal()
+    replaying.close()
+    server.stop(0)
+    assert sorted(set(ids) - servicer.ended()) == [], "holds left to expire"
+
+
+def test_a_block_that_does_not_return_holds_close_only_a_bounded_time(
+    ledger: tuple[SlowLedger, str], tmp_path: pathlib.Path
+) -> None:
+    """The journal waits for cut-off blocks at most CLOSE_JOURNAL_WAIT_SECONDS:
+    close() returns while a block is still in its model call, and the journal
+    is closed (a new client takes its lock); that block's ending is not
+    journaled, as the README says."""
+    _servicer, address = ledger
+    journal = tmp_path / "journal"
+    client = LaneClient(address, "recall", outage=OutagePolicy.deny(journal))
+    entered = threading.Event()
+    release = threading.Event()
+    outcome: list[object] = []
+
+    def lane() -> None:
+        with client.model_call("m", 10, 10) as call:
+            entered.set()
+            release.wait(30)
+            call.succeeded(5, 5)
+        outcome.append(call)
+
+    worker = threading.Thread(target=lane)
+    worker.start()
+    assert entered.wait(5)
+    closing = threading.Thread(target=client.close, args=(0.0,))
+    closing.start()
+    closing.join(20)
+    assert not closing.is_alive(), "close() waited for a block that had not returned"
+    assert worker.is_alive()
+    LaneClient(address, "recall", outage=OutagePolicy.deny(journal)).close()
+    release.set()
+    worker.join(5)
+    (call,) = outcome
+    assert isinstance(call.end_error, ClientClosed)  # type: ignore[attr-defined]
+    assert not call.journaled  # type: ignore[attr-defined]
