@@ -440,6 +440,8 @@ export class Completed<R = CallReport> {
 }
 
 /** How long close() waits for the calls under way by default: 5000 ms. */
+/** After close()'s grace, the journal stays open this long at most for the call()s cut off to journal their endings. */
+export const CLOSE_JOURNAL_WAIT_MS: number;
 export const DEFAULT_CLOSE_GRACE_MS: number;
 export const DEFAULT_DEADLINE_MS: number;
 export const DEFAULT_END_ATTEMPTS: number;
@@ -458,7 +460,7 @@ export class LaneClient {
   /** Where the client's warnings go (the `logger` option; null: nowhere). */
   readonly logger: { warn(message: string): void; error(message: string): void } | null;
   waitForReady(timeoutMs?: number): Promise<void>;
-  /** Refuses new calls at once (every method then rejects with ClientClosed), stops the replayer, waits up to graceMs (DEFAULT_CLOSE_GRACE_MS) for the calls under way (call()s with their endings, other ledger calls, background refunds), then closes the channel, cancelling what is left (ClientClosed, mayHaveApplied true), then the journal (its lock released). Awaited inside a call() callback, it does not wait for that call: the channel closes once that call has ended its booking. Never rejects; throws RangeError for a graceMs outside [0, 60000]. */
+  /** Refuses new calls at once (every method then rejects with ClientClosed), stops the replayer, waits up to graceMs (DEFAULT_CLOSE_GRACE_MS) for the calls under way (call()s with their endings, other ledger calls, background refunds), then closes the channel, cancelling what is left (ClientClosed, mayHaveApplied true), then the journal (its lock released) once the calls cut off have journaled their endings, at most CLOSE_JOURNAL_WAIT_MS later. Awaited inside a call() callback, it does not wait for that call: the channel closes once that call has ended its booking. Never rejects; throws RangeError for a graceMs outside [0, 60000]. */
   close(options?: { graceMs?: number }): Promise<void>;
   /** What is spent of the outage allowance; null without an allowance. */
   allowanceUsed(): { nanos: bigint; calls: number } | null;

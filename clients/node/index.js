@@ -1,7 +1,7 @@
 'use strict';
 // The lane ledger's Node client. See README.md.
 
-const { LaneClient, Denied, Completed, DEFAULT_CLOSE_GRACE_MS, DEFAULT_DEADLINE_MS, DEFAULT_END_ATTEMPTS } = require('./lib/client');
+const { LaneClient, Denied, Completed, CLOSE_JOURNAL_WAIT_MS, DEFAULT_CLOSE_GRACE_MS, DEFAULT_DEADLINE_MS, DEFAULT_END_ATTEMPTS } = require('./lib/client');
 const { Ending, OUTCOME_TABLE, endingOf, CallNotSent, markNotSent } = require('./lib/outcomes');
 const { ledgerPackage } = require('./lib/proto');
 const { capNanos, realCostNanos, requestTokens, DEFAULT_BYTES_PER_TOKEN_MILLI } = require('./lib/pricing');
@@ -42,6 +42,7 @@ module.exports = {
   requestTokens,
   DEFAULT_BYTES_PER_TOKEN_MILLI,
   ledgerPackage,
+  CLOSE_JOURNAL_WAIT_MS,
   DEFAULT_CLOSE_GRACE_MS,
   DEFAULT_DEADLINE_MS,
   DEFAULT_END_ATTEMPTS,

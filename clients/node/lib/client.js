@@ -62,6 +62,13 @@ const MAX_CALLS_IN_FLIGHT = 10_000;
 // cancels them: one cut off may leave a hold booked until it expires. The
 // Python client's DEFAULT_CLOSE_GRACE_SECONDS.
 const DEFAULT_CLOSE_GRACE_MS = 5000;
+// After the grace, close() keeps the journal open this long at most for the
+// call()s it cut off to journal their endings: with the channel closed a
+// cut-off Settle or Reserve fails and is journaled within milliseconds, but a
+// callback still in its model call may never return, and close() must. A call
+// ending later finds the journal closed; its hold expires. The Python client's
+// CLOSE_JOURNAL_WAIT_SECONDS.
+const CLOSE_JOURNAL_WAIT_MS = 1000;
 const CLOSED_MESSAGE =
   'the lane client is closed: nothing was sent (a client is used until close(), not after; make a new one)';
 // The call()s whose callbacks this code runs in (each {client, running}): a
@@ -69,6 +76,16 @@ const CLOSED_MESSAGE =
 // after the callback returns.
 const enclosingCalls = new AsyncLocalStorage();
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
+
+/** Resolves once every promise has settled, or after `milliseconds`, whichever is first. */
+async function settledWithin(promises, milliseconds) {
+  let timer;
+  const late = new Promise((resolve) => {
+    timer = setTimeout(resolve, milliseconds);
+  });
+  await Promise.race([Promise.allSettled(promises), late]);
+  clearTimeout(timer);
+}
 
 /** At most `limit` slots in use; a taker past them waits, in order, until its deadline. */
 class CallSlots {
@@ -558,6 +575,9 @@ class LaneClient {
         this._channelClosed = true;
         for (const call of this._rpcs.values()) call?.cancel();
         this._stub.close();
+        // The calls cut off journal what ends their bookings (an ending, a
+        // Reserve in doubt) before the journal closes: at most CLOSE_JOURNAL_WAIT_MS.
+        if (journal !== null) await settledWithin([...others(), ...this._endings], CLOSE_JOURNAL_WAIT_MS);
         await replayer?.idle().catch(() => undefined);
         await journal?.close().catch(() => undefined);
       };
@@ -931,6 +951,12 @@ class LaneClient {
    * call's path.
    */
   async _forgetUnanswered(request, trace, error) {
+    if (error instanceof ClientClosed && error.mayHaveApplied) {
+      // close() cut the Reserve off: the channel is closed, so its refund can
+      // only be journaled in doubt, for the next start.
+      await this._journalInDoubt(request, trace);
+      return;
+    }
     if (!(error instanceof LedgerError && error.mayHaveApplied)) return;
     if (await this._journalInDoubt(request, trace)) return;
     const { reservationId } = request;
@@ -1055,6 +1081,7 @@ module.exports = {
   DEFAULT_DEADLINE_MS,
   DEFAULT_END_ATTEMPTS,
   DEFAULT_MAX_CALLS_IN_FLIGHT,
+  CLOSE_JOURNAL_WAIT_MS,
   DEFAULT_CLOSE_GRACE_MS,
   isLocalAddress,
   MAX_IN_DOUBT_ENTRIES,

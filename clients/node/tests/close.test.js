@@ -7,7 +7,10 @@ const { test } = require('node:test');
 const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const { startFakeLedger, ledgerStatus } = require('./fake-ledger');
-const { LaneClient, ClientClosed, Completed, DEFAULT_CLOSE_GRACE_MS } = require('..');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+const { LaneClient, ClientClosed, Completed, OutagePolicy, DEFAULT_CLOSE_GRACE_MS } = require('..');
 
 const REQUEST = Object.freeze({ model: 'm', requestBytes: 100, maxOutputTokens: 10 });
 const pause = (milliseconds) => new Promise((resolve) => setTimeout(resolve, milliseconds));
@@ -159,5 +162,74 @@ test('close() awaited inside a call() callback does not wait for that call, whic
   } finally {
     await client.close();
     await fake.stop();
+  }
+});
+
+test('every call() cut off by close() has its ending journaled, and a new client on the journal ends them all', { timeout: 20_000 }, async () => {
+  // close() closed the journal right after the channel: calls cut off at the
+  // end of its grace could not journal their endings, and a cut-off Reserve
+  // was not journaled in doubt at all; their holds stayed open until they expired.
+  let unstall;
+  const released = new Promise((resolve) => {
+    unstall = resolve;
+  });
+  let stalled = 0;
+  const stall = async (reservationId, prefix) => {
+    if (!reservationId.startsWith(prefix)) return;
+    stalled += 1;
+    await released;
+  };
+  const fake = await startFakeLedger({
+    Reserve: async (request) => {
+      await stall(request.reservation_id, 'stall-reserve');
+      return { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
+    },
+    Settle: async (request) => {
+      await stall(request.reservation_id, 'stall-settle');
+      return { charged_nanos: '1234', state: 'SETTLED', balance: null };
+    },
+    Refund: () => ({ balance: null }),
+  });
+  const directory = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-close-'));
+  const options = { logger: null, deadlineMs: 10_000, replayIntervalMs: null, outage: OutagePolicy.deny(path.join(directory, 'journal.jsonl')) };
+  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', options);
+  const ids = [];
+  for (const group of ['stall-reserve', 'stall-settle', 'body']) for (let n = 0; n < 8; n += 1) ids.push(`${group}-${n}`);
+  let inBody = 0;
+  let leaveBody;
+  const bodyLeaves = new Promise((resolve) => {
+    leaveBody = resolve;
+  });
+  const calls = ids.map((reservationId) =>
+    client.call({ ...REQUEST, reservationId }, async () => {
+      if (reservationId.startsWith('body')) {
+        inBody += 1;
+        await bodyLeaves;
+      }
+      return { httpStatus: 200, usage: { inputTokens: 20, outputTokens: 5 } };
+    }),
+  );
+  const outcomes = Promise.allSettled(calls); // a cut-off Reserve rejects while close() runs
+  try {
+    for (let waited = 0; (stalled < 16 || inBody < 8) && waited < 1000; waited += 1) await pause(5);
+    assert.equal(stalled, 16, 'the stalled Reserves and Settles arrived');
+    assert.equal(inBody, 8);
+    // The callbacks return just after the grace, once the channel is closed.
+    setTimeout(leaveBody, 300);
+    await client.close({ graceMs: 100 });
+    const cutOff = (await outcomes).filter((outcome) => outcome.status === 'rejected');
+    assert.ok(cutOff.every((outcome) => outcome.reason instanceof ClientClosed));
+    unstall();
+    fake.calls.length = 0;
+    const replaying = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', options);
+    await replaying.replayJournal();
+    await replaying.close();
+    const ended = new Set(fake.calls.filter((call) => call.method !== 'Reserve').map((call) => call.request.reservation_id));
+    assert.deepEqual(ids.filter((id) => !ended.has(id)), [], 'holds left to expire');
+  } finally {
+    unstall();
+    await client.close();
+    await fake.stop();
+    fs.rmSync(directory, { recursive: true, force: true });
   }
 });

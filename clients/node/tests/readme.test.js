@@ -150,5 +150,8 @@ describe('the README says what a lane can rely on', () => {
     assert.equal(DEFAULT_CLOSE_GRACE_MS, 5000);
     assert.match(readme(), /`await ledger\.close\(\{ graceMs \}\)` refuses every new call at once/);
     assert.match(readme(), /`graceMs` \(5000 by default, `DEFAULT_CLOSE_GRACE_MS`/);
+    const { CLOSE_JOURNAL_WAIT_MS } = require('..');
+    assert.equal(CLOSE_JOURNAL_WAIT_MS, 1000);
+    assert.match(readme().replace(/\s+/g, ' '), /at most 1000 ms after the cut-off \(`CLOSE_JOURNAL_WAIT_MS`/);
   });
 });

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from client_ledger import Admin, LedgerProcess
 from ledger_client import (
+    CLOSE_JOURNAL_WAIT_SECONDS,
     DEFAULT_CLOSE_GRACE_SECONDS,
     ClientSettings,
     DenialReason,
@@ -255,3 +256,5 @@ def test_the_readme_says_how_close_behaves() -> None:
     grace = inspect.signature(LaneClient.close).parameters["grace_seconds"].default
     assert grace == DEFAULT_CLOSE_GRACE_SECONDS == 5.0
     assert "`close(grace_seconds=5.0)`" in text and "`ClientClosed`" in text
+    assert CLOSE_JOURNAL_WAIT_SECONDS == 1.0
+    assert "at most 1 s after the cut-off (`CLOSE_JOURNAL_WAIT_SECONDS`)" in text
