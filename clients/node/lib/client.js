@@ -37,14 +37,25 @@ const DEFAULT_DEADLINE_MS = 250;
 const DEFAULT_END_ATTEMPTS = 3;
 const END_RETRY_PAUSE_MS = 20;
 // In-doubt Reserves journaled for a later refund, at most (beyond: refunded
-// once in the background, as without a journal).
+// in the background, as without a journal).
 const MAX_IN_DOUBT_ENTRIES = 1000;
 // Refunds of unanswered Reserves sent in the background without a journal, at
 // most this many at a time (beyond: the hold expires under expire_charge).
 const MAX_BACKGROUND_REFUNDS = 100;
+// More of them wait for a turn, at most this many (beyond: the hold expires):
+// the flood that costs many Reserves their answers at once is when they come.
+const MAX_PENDING_REFUNDS = 1000;
 // Ids whose background refund ended (or may have ended) their booking, kept so
 // that a Reserve under one is refused rather than admitted: the latest this many.
 const MAX_ENDED_IDS = 1000;
+// A background refund that got no answer (its deadline passed, the ledger
+// overloaded by the very flood that cost the Reserve its answer) is sent again
+// under the same id (idempotent), each time with a fresh deadline, up to this
+// many attempts in all, pausing UNANSWERED_REFUND_PAUSE_MS times the attempt
+// number between them, so the flood can pass; then the hold expires. The
+// Python client's UNANSWERED_REFUND_ATTEMPTS and UNANSWERED_REFUND_PAUSE_SECONDS.
+const UNANSWERED_REFUND_ATTEMPTS = 4;
+const UNANSWERED_REFUND_PAUSE_MS = 250;
 const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
 // A reservation id's and a model name's most characters, as the ledger takes them.
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
@@ -124,8 +135,9 @@ class CallSlots {
 }
 
 /**
- * Refunds of unanswered Reserves, sent once in the background (at most `limit`
- * at a time; beyond that, and when one fails, the hold expires), and what
+ * Refunds of unanswered Reserves, sent in the background (at most `limit` at a
+ * time, `pendingLimit` more waiting; each sent again while its answer is lost,
+ * up to UNANSWERED_REFUND_ATTEMPTS; beyond that, the hold expires), and what
  * their answers mean for a later Reserve of the same id: the ledger would
  * answer it with its first answer (admitted) even for a booking the refund
  * has ended, and the paid call could then never be settled. So clear() stands
@@ -136,9 +148,13 @@ class CallSlots {
  * client's BackgroundRefunds).
  */
 class BackgroundRefunds {
-  constructor(limit = MAX_BACKGROUND_REFUNDS, remember = MAX_ENDED_IDS) {
+  constructor(limit = MAX_BACKGROUND_REFUNDS, remember = MAX_ENDED_IDS, pendingLimit = MAX_PENDING_REFUNDS) {
     this._limit = limit;
     this._remember = remember;
+    this._pendingLimit = pendingLimit;
+    // Refunds being sent (at most `limit`), and the turns of those waiting, in order.
+    this._sending = 0;
+    this._waiting = [];
     /** reservation id -> the promise of its refund under way */
     this._inFlight = new Map();
     /** reservation id -> true: its refund ended the booking; false: it may have (its answer was lost) */
@@ -149,11 +165,15 @@ class BackgroundRefunds {
     return this._inFlight.size;
   }
 
-  /** Starts `refund()` (a promise) for this id; false when `limit` are already under way. */
+  /**
+   * Starts `refund()` (a promise) for this id, at once or once one of the
+   * `limit` being sent ends; false when `limit` are sent and `pendingLimit` wait.
+   */
   send(refund, reservationId) {
     if (this._inFlight.has(reservationId)) return true;
-    if (this._inFlight.size >= this._limit) return false;
-    const sent = this._attempt(refund, reservationId)
+    if (this._inFlight.size >= this._limit + this._pendingLimit) return false;
+    const sent = this._turn()
+      .then(() => this._attemptRepeatedly(refund, reservationId).finally(() => this._endTurn()))
       .catch(() => undefined) // best effort: at worst the hold expires
       .finally(() => this._inFlight.delete(reservationId));
     this._inFlight.set(reservationId, sent);
@@ -163,6 +183,33 @@ class BackgroundRefunds {
   /** Resolves once none is under way. */
   async idle() {
     while (this._inFlight.size > 0) await Promise.allSettled([...this._inFlight.values()]);
+  }
+
+  async _turn() {
+    if (this._sending < this._limit) {
+      this._sending += 1;
+      return;
+    }
+    await new Promise((resolve) => this._waiting.push(resolve)); // handed the turn of one that ended
+  }
+
+  _endTurn() {
+    const next = this._waiting.shift();
+    if (next === undefined) this._sending -= 1;
+    else next();
+  }
+
+  /** The refund, sent again while its answer is lost and may come (a retryable error). */
+  async _attemptRepeatedly(refund, reservationId) {
+    for (let attempt = 1; ; attempt += 1) {
+      try {
+        return await this._attempt(refund, reservationId);
+      } catch (error) {
+        // ClientClosed (not a LedgerError) stops it: the channel is closed.
+        if (!(error instanceof LedgerError && error.retryable) || attempt >= UNANSWERED_REFUND_ATTEMPTS) throw error;
+        await pause(UNANSWERED_REFUND_PAUSE_MS * attempt);
+      }
+    }
   }
 
   /** Sends the refund once and remembers what its answer means; rejects when it is not known. */
@@ -947,7 +994,7 @@ class LaneClient {
    * The Reserve got no answer and the call will not be made, but the ledger
    * may hold a booking for it: refund it, so that it costs nothing instead of
    * expiring at its hold. With a journal the refund is journaled (in doubt)
-   * and replayed; without one it is sent once, in the background, off the
+   * and replayed; without one it is sent in the background, off the
    * call's path.
    */
   async _forgetUnanswered(request, trace, error) {
@@ -1086,5 +1133,8 @@ module.exports = {
   isLocalAddress,
   MAX_IN_DOUBT_ENTRIES,
   MAX_BACKGROUND_REFUNDS,
+  MAX_PENDING_REFUNDS,
   MAX_ENDED_IDS,
+  UNANSWERED_REFUND_ATTEMPTS,
+  UNANSWERED_REFUND_PAUSE_MS,
 };

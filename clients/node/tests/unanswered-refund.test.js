@@ -12,7 +12,7 @@ const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const { startFakeLedger, ledgerStatus } = require('./fake-ledger');
 const { LaneClient, Denied, Completed, ReservationIdReused, OutagePolicy } = require('..');
-const { MAX_ENDED_IDS } = require('../lib/client');
+const { MAX_ENDED_IDS, UNANSWERED_REFUND_ATTEMPTS } = require('../lib/client');
 
 const REQUEST = Object.freeze({ model: 'm', requestBytes: 100, maxOutputTokens: 10, reservationId: 'retried-call-1' });
 const USAGE = Object.freeze({ httpStatus: 200, usage: { inputTokens: 90, outputTokens: 5 } });
@@ -166,7 +166,8 @@ describe('a retry under the id of an unanswered Reserve, without a journal', () 
 
   test('a refund whose answer was lost is asked again first', async () => {
     const refundError = ledgerStatus(grpc.status.DEADLINE_EXCEEDED, '');
-    const fake = await ledgerLosingTheFirstAnswer({ refundFailures: 2, refundError });
+    // Every attempt of the background refund, then the first asking again, lose their answers.
+    const fake = await ledgerLosingTheFirstAnswer({ refundFailures: UNANSWERED_REFUND_ATTEMPTS + 1, refundError });
     await withClient(fake, {}, async (client) => {
       await unanswered(client);
       await client._refunds.idle();
@@ -174,7 +175,8 @@ describe('a retry under the id of an unanswered Reserve, without a journal', () 
       assert.ok(still instanceof Denied);
       assert.equal(still.reason, 'LEDGER_UNAVAILABLE');
       await assert.rejects(client.call(REQUEST, async () => assert.fail('the model must not be called')), ReservationIdReused);
-      assert.deepEqual(fake.methods(), ['Reserve', 'Refund', 'Refund', 'Refund']);
+      const refunds = Array(UNANSWERED_REFUND_ATTEMPTS + 2).fill('Refund');
+      assert.deepEqual(fake.methods(), ['Reserve', ...refunds]);
     });
   });
 
@@ -187,7 +189,8 @@ describe('a retry under the id of an unanswered Reserve, without a journal', () 
 
   test('after a refund the ledger definitely refused, the retry owns the open booking', async () => {
     const refundError = ledgerStatus(grpc.status.RESOURCE_EXHAUSTED, '');
-    const fake = await ledgerLosingTheFirstAnswer({ refundFailures: 1, refundError, refundApplied: false });
+    // Refused at every attempt of the background refund.
+    const fake = await ledgerLosingTheFirstAnswer({ refundFailures: UNANSWERED_REFUND_ATTEMPTS, refundError, refundApplied: false });
     await withClient(fake, { outage: OutagePolicy.deny() }, async (client) => {
       await retryIsMadeAndSettled(client, fake);
     });
