@@ -15,8 +15,8 @@ replay, or is logged and kept on the handle.
 
 A Reserve that got no answer (the ledger may have booked it) for a call that
 will not be made is refunded: journaled in doubt and replayed when there is a
-journal, else sent once in the background (BackgroundRefunds), as the Node
-client does.
+journal, else sent in the background (BackgroundRefunds), as the Node client
+does.
 """
 
 from __future__ import annotations
@@ -82,11 +82,22 @@ from ledger_client.settings import (
 log = logging.getLogger("ledger_client.calls")
 
 # In-doubt Reserves journaled for a later refund, at most (beyond: refunded
-# once in the background, as without a journal).
+# in the background, as without a journal).
 MAX_IN_DOUBT_ENTRIES = 1000
 # Refunds of unanswered Reserves sent in the background without a journal, at
 # most this many at a time (beyond: the hold expires under expire_charge).
 MAX_BACKGROUND_REFUNDS = 100
+# More of them wait for a turn, at most this many (beyond: the hold expires):
+# the flood that costs many Reserves their answers at once is when they come.
+MAX_PENDING_REFUNDS = 1000
+# A background refund that got no answer (its deadline passed, the ledger
+# overloaded by the very flood that cost the Reserve its answer) is sent again
+# under the same id (idempotent), each time with a fresh deadline, up to this
+# many attempts in all, pausing UNANSWERED_REFUND_PAUSE_SECONDS times the
+# attempt number between them, so the flood can pass; then the hold expires.
+# The Node client's UNANSWERED_REFUND_ATTEMPTS and UNANSWERED_REFUND_PAUSE_MS.
+UNANSWERED_REFUND_ATTEMPTS = 4
+UNANSWERED_REFUND_PAUSE_SECONDS = 0.250
 # Ids whose background refund ended (or may have ended) their booking, kept so
 # that a Reserve under one is refused rather than admitted: the latest this many.
 MAX_ENDED_IDS = 1000
@@ -148,10 +159,11 @@ def refunded_after_unanswered(reservation_id: str) -> ReservationConflict:
 
 
 class BackgroundRefunds:
-    """Refunds of unanswered Reserves, each sent once in a thread of its own, off
-    the call's path, with the client's usual deadline; at most `limit` at a
-    time (beyond that, and when one fails, the hold expires). Best effort:
-    nothing they meet is raised or retried. One per LaneClient.
+    """Refunds of unanswered Reserves, sent in threads of their own, off the
+    call's path, with the client's usual deadline: at most `limit` at a time,
+    `pending_limit` more waiting their turn; one whose answer is lost is sent
+    again, up to UNANSWERED_REFUND_ATTEMPTS (beyond that, the hold expires).
+    Best effort: nothing they meet is raised. One per LaneClient.
 
     A Reserve sent again under such an id would get the ledger's first answer
     (admitted) even for a booking the refund has ended, and its paid call could
@@ -161,9 +173,17 @@ class BackgroundRefunds:
     again first. It remembers the `remember` latest ids whose refund did or may
     have ended a booking."""
 
-    def __init__(self, limit: int = MAX_BACKGROUND_REFUNDS, remember: int = MAX_ENDED_IDS) -> None:
+    def __init__(
+        self,
+        limit: int = MAX_BACKGROUND_REFUNDS,
+        remember: int = MAX_ENDED_IDS,
+        pending_limit: int = MAX_PENDING_REFUNDS,
+    ) -> None:
         self._limit = limit
         self._remember = remember
+        self._pending_limit = pending_limit
+        # Refunds waiting for one of the `limit` threads, oldest first.
+        self._pending: collections.deque[tuple[CallLedger, str, str]] = collections.deque()
         self._running = 0
         self._in_flight: set[str] = set()
         # Ids whose refund ended the booking (True) or may have (False: its answer was lost).
@@ -171,16 +191,21 @@ class BackgroundRefunds:
         self._changed = threading.Condition()
 
     def send(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> bool:
-        """Starts the refund; False when `limit` are already under way."""
+        """Starts the refund, at once or once one of the `limit` under way ends;
+        False when `limit` are under way and `pending_limit` wait."""
         with self._changed:
             if reservation_id in self._in_flight:
                 return True
             if self._running >= self._limit:
-                return False
+                if len(self._pending) >= self._pending_limit:
+                    return False
+                self._pending.append((ledger, reservation_id, trace_id))
+                self._in_flight.add(reservation_id)
+                return True
             self._running += 1
             self._in_flight.add(reservation_id)
         thread = threading.Thread(
-            target=self._refund,
+            target=self._work,
             args=(ledger, reservation_id, trace_id),
             name="ledger-unanswered-refund",
             daemon=True,
@@ -189,15 +214,34 @@ class BackgroundRefunds:
             thread.start()
         except RuntimeError:  # no thread to be had (the interpreter is exiting)
             self._done(reservation_id)
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
             return False
         return True
 
+    def _work(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> None:
+        """Sends this refund, then those waiting, until none is left."""
+        job: tuple[CallLedger, str, str] | None = (ledger, reservation_id, trace_id)
+        while job is not None:
+            self._refund(*job)
+            with self._changed:
+                job = self._pending.popleft() if self._pending else None
+                if job is None:
+                    self._running -= 1
+                    self._changed.notify_all()
+
     def _refund(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> None:
         try:
-            error = self._attempt(ledger, reservation_id, trace_id)
+            for attempt in range(1, UNANSWERED_REFUND_ATTEMPTS + 1):
+                error = self._attempt(ledger, reservation_id, trace_id)
+                if error is None or not is_retryable(error):
+                    break
+                if attempt < UNANSWERED_REFUND_ATTEMPTS:
+                    time.sleep(UNANSWERED_REFUND_PAUSE_SECONDS * attempt)
             if error is not None:  # best effort: at worst the hold expires
                 log.debug("could not refund the unanswered reserve %s: %s", reservation_id, error)
-        except Exception as error:
+        except Exception as error:  # ClientClosed among them: the channel is closed
             log.debug("could not refund the unanswered reserve %s: %s", reservation_id, error)
         finally:
             self._done(reservation_id)
@@ -256,7 +300,6 @@ class BackgroundRefunds:
 
     def _done(self, reservation_id: str) -> None:
         with self._changed:
-            self._running -= 1
             self._in_flight.discard(reservation_id)
             self._changed.notify_all()
 
@@ -607,7 +650,7 @@ class ModelCall:
         ledger may hold a booking for it: refund it, so that it costs nothing
         instead of expiring at its hold. With a journal the refund is journaled
         (in doubt) and replayed; without one (or with the journal full of them,
-        or failing) it is sent once, in the background, off the call's path."""
+        or failing) it is sent in the background, off the call's path."""
         if not may_have_applied(error):
             return
         if self._journal_in_doubt():

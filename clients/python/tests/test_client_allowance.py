@@ -630,16 +630,61 @@ class BlockedEnds:
 
 
 def test_background_refunds_are_bounded_and_never_raise() -> None:
+    """Past `limit` under way, a refund waits its turn (it was dropped, and
+    under a flood of unanswered Reserves its hold expired); past
+    `pending_limit` waiting, it is dropped."""
     assert calls.MAX_BACKGROUND_REFUNDS == 100  # as the Node client
+    assert calls.MAX_PENDING_REFUNDS == 1000
     ledger = BlockedEnds()
-    refunds = calls.BackgroundRefunds(limit=2)
-    sent = [refunds.send(ledger, f"id-{n}", "") for n in range(3)]
-    assert sent == [True, True, False] and refunds.running == 2
+    refunds = calls.BackgroundRefunds(limit=2, pending_limit=1)
+    sent = [refunds.send(ledger, f"id-{n}", "") for n in range(4)]
+    assert sent == [True, True, True, False] and refunds.running == 2
     assert not refunds.wait(0.05)
     ledger.release.set()
     assert refunds.wait(5.0) and refunds.running == 0
-    assert sorted(ledger.refunded) == ["id-0", "id-1"]
-    assert refunds.send(ledger, "id-3", "") and refunds.wait(5.0)
+    assert sorted(ledger.refunded) == ["id-0", "id-1", "id-2"]
+    assert refunds.send(ledger, "id-4", "") and refunds.wait(5.0)
+
+
+class LostRefunds(FakeLedger):
+    """Books every Reserve and loses its answer; the first `lost_refunds`
+    Refunds are lost before they reach it."""
+
+    def __init__(self, lost_refunds: int) -> None:
+        super().__init__()
+        self.lost_refunds = lost_refunds
+        self.refunds = 0
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        super().reserve_arguments(arguments, **options)
+        raise lost(grpc.StatusCode.DEADLINE_EXCEEDED)()
+
+    def end(self, reservation_id, ending, **options):  # type: ignore[no-untyped-def]
+        self.refunds += 1
+        if self.refunds <= self.lost_refunds:
+            raise lost(grpc.StatusCode.DEADLINE_EXCEEDED)()
+        return super().end(reservation_id, ending, **options)
+
+
+@pytest.mark.parametrize(("lost_refunds", "sent", "refunded"), [(2, 3, True), (10, 4, False)])
+def test_a_background_refund_whose_answer_is_lost_is_sent_again_a_bounded_number_of_times(
+    lost_refunds: int, sent: int, refunded: bool
+) -> None:
+    """It was sent once: under a flood it failed as the Reserve had, and the
+    hold the ledger booked expired at its hold."""
+    assert calls.UNANSWERED_REFUND_ATTEMPTS == 4  # as the Node client
+    assert calls.UNANSWERED_REFUND_PAUSE_SECONDS == 0.25
+    fake = LostRefunds(lost_refunds)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied) as denied, call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    reservation_id = denied.value.reservation_id
+    assert fake.refunds == sent
+    kinds = fake.event_counts()[reservation_id]
+    assert kinds == (["reserved", "refunded"] if refunded else ["reserved"])
 
 
 # A retry under the id of an unanswered Reserve, without a journal -------------------------
@@ -784,7 +829,8 @@ def test_a_retry_whose_refund_is_still_unanswered_falls_back_even_on_an_allowanc
 ) -> None:
     monkeypatch.setattr(calls, "MAX_IN_DOUBT_ENTRIES", 0)  # the refund goes in the background
     fake = AwayForTheRefund(lost(grpc.StatusCode.DEADLINE_EXCEEDED), applied=True)
-    fake.failures = 2
+    # Every attempt of the background refund, then the first asking again, lose their answers.
+    fake.failures = calls.UNANSWERED_REFUND_ATTEMPTS + 1
     client = client_on(fake, allowance(tmp_path))
     assert isinstance(client, LaneClient)
     fake.error = lambda: errors.from_rpc_error(
@@ -801,7 +847,8 @@ def test_a_retry_whose_refund_is_still_unanswered_falls_back_even_on_an_allowanc
         # Once the ledger answers the refund again, the id is refused for good.
         with pytest.raises(errors.ReservationConflict), retried(client):
             raise AssertionError("the model must not be called")
-    assert [method for method, _ in fake.rpcs] == ["reserve", "end", "end", "end"]
+    ends = ["end"] * (calls.UNANSWERED_REFUND_ATTEMPTS + 2)
+    assert [method for method, _ in fake.rpcs] == ["reserve", *ends]
 
 
 def test_background_refunds_remember_the_latest_ended_ids_only() -> None:
@@ -839,6 +886,7 @@ def test_a_retry_after_a_refund_the_ledger_definitely_refused_is_made() -> None:
     # The ledger booked it, but the refund was refused for lack of capacity
     # (it did nothing): the retry owns the open booking and settles it.
     fake = AwayForTheRefund(lost(grpc.StatusCode.RESOURCE_EXHAUSTED), applied=False)
+    fake.failures = calls.UNANSWERED_REFUND_ATTEMPTS  # refused at every attempt
     client = client_on(fake, OutagePolicy.deny())
     assert isinstance(client, LaneClient)
     with client:
