@@ -406,16 +406,20 @@ class SqlStore:
                 or deadline - time.monotonic() < watchdog.MIN_CONNECT_TIMEOUT_SECONDS
             ):
                 raise
-            unsaid = self._error_log("lost connection")
-            if unsaid is not None:
-                log.warning(
-                    "a database connection was lost (%s: %s); the call runs again on a "
-                    "new connection%s",
-                    translate.driver_code(error.__cause__ or error) or "no code",
-                    translate.driver_message(error),
-                    more(unsaid),
-                )
+            self._say_lost(error, "the call")
         return transact([])
+
+    def _say_lost(self, error: BaseException, what: str) -> None:
+        """Logs a lost connection that `what` runs again past, once an interval."""
+        unsaid = self._error_log("lost connection")
+        if unsaid is not None:
+            log.warning(
+                "a database connection was lost (%s: %s); %s runs again on a new connection%s",
+                translate.driver_code(error.__cause__ or error) or "no code",
+                translate.driver_message(error),
+                what,
+                more(unsaid),
+            )
 
     def _transact(
         self,
@@ -479,10 +483,30 @@ class SqlStore:
                 raise StoreUnavailable()
             return
         bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds
-        with self._translated(), self._watched(time.monotonic() + bound) as connection:
+        deadline = time.monotonic() + bound
+        with self._translated():
+            connected: list[bool] = []
+            try:
+                self._ping_once(deadline, bound, connected)
+            except DBAPIError as error:
+                # A connection that died since its last use (a failover, every
+                # backend terminated) says nothing of the database: once more on
+                # a new one, as a call does (`_reconnecting`). Its handshake may
+                # outlast the bound by libpq's 2 s floor (watchdog.connect_timeout_for).
+                if not connected or not translate.lost_connection(error):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise
+                self._say_lost(error, "the health probe")
+                self._ping_once(deadline, bound, [])
+
+    def _ping_once(self, deadline: float, bound_seconds: float, connected: list[bool]) -> None:
+        """One PostgreSQL probe; `connected` gets an item once it has a connection."""
+        with self._watched(deadline) as connection:
+            connected.append(True)
             connection.execute(select(literal(1))).scalar_one()
             probe = self._write_problem is not None or self._probe_writes
-            if probe and not self._may_write(connection, bound):
+            if probe and not self._may_write(connection, bound_seconds):
                 raise StoreUnavailable()
 
     def _may_write(self, connection: Connection, bound_seconds: float) -> bool:

@@ -21,7 +21,7 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.moves import ReserveCommand
-from ledger_service.storage import sql
+from ledger_service.storage import database, sql
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 
@@ -156,3 +156,16 @@ def test_another_write_whose_commit_may_have_been_kept_is_not_run_again(
     with pytest.raises(StoreUnavailable):
         postgres_store.run(work)
     assert len(runs) == 1
+
+
+def test_the_health_probe_after_the_servers_backends_are_terminated_answers(
+    postgres_store: SqlStore, backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Health's probe on a connection that died since its last use (a mass
+    pg_terminate_backend, a failover, under traffic: the checkout pings only
+    a connection idle for a while) tries once more on a new connection: the
+    database answers, so health must not be NOT_SERVING for a whole interval."""
+    monkeypatch.setattr(database, "PING_AFTER_IDLE_SECONDS", 3600.0)  # no checkout ping
+    postgres_store.ping(timeout_seconds=2.0)
+    assert backends.terminate() >= 1
+    postgres_store.ping(timeout_seconds=2.0)
