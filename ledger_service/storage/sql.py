@@ -75,6 +75,12 @@ EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
 # does not lock. Moves never take it.
 CONFIGURATION_LOCK_KEY = 0x4C414E45  # "LANE"
 
+# PostgreSQL: how long after the last move refused for a reason the write
+# probe cannot see (translate.UNSEEN_BY_PROBE: a full disk) health stays
+# NOT_SERVING. Every such refusal starts it again, so health holds steady
+# while moves fail, and turns SERVING this long after the last one.
+DISK_FULL_HOLD_SECONDS = 10.0
+
 
 class SqlStore:
     def __init__(
@@ -102,6 +108,9 @@ class SqlStore:
         # PostgreSQL: a move was stopped while it waited (translate.WAITED_CODES),
         # so the write probe looks for a lock another session holds.
         self._probe_writes = False
+        # PostgreSQL: when a move was last refused for a reason the probe
+        # cannot see (DISK_FULL_HOLD_SECONDS), by time.monotonic().
+        self._unseen_refusal_at: float | None = None
         # SQLite: a write failed, so the probe commits one (a full disk, say,
         # passes a write transaction rolled back), until one commits.
         self._write_failed = False
@@ -267,6 +276,8 @@ class SqlStore:
         if condition is None:
             return False
         what, advice = condition
+        if translate.driver_code(foreign) in translate.UNSEEN_BY_PROBE:
+            self._unseen_refusal_at = time.monotonic()
         problem = f"{what}: {translate.driver_message(foreign)}"
         self._cannot_write(
             problem,
@@ -536,6 +547,9 @@ class SqlStore:
             return False
         finally:
             connection.rollback()
+        refused_at = self._unseen_refusal_at
+        if refused_at is not None and time.monotonic() - refused_at < DISK_FULL_HOLD_SECONDS:
+            return False  # passed, as it does on a full disk: moves say more
         with self._damage_lock:
             before, self._write_problem = self._write_problem, None
             self._probe_writes = False

@@ -141,6 +141,9 @@ CANNOT_WRITE_CONDITIONS: dict[str, tuple[str, str]] = {
         "raise max_connections, or lower the replicas' pool_size",
     ),
 }
+# Of those, the ones the write probe cannot see: its statements write no row,
+# and a row needs no room until a move writes one (53100 disk_full).
+UNSEEN_BY_PROBE = frozenset({"53100"})
 # Class 53's other codes (53400 configuration_limit_exceeded, ...).
 INSUFFICIENT_RESOURCES = (
     "the database server lacks a resource ({code}, class 53 insufficient_resources)",

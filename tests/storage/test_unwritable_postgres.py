@@ -24,6 +24,7 @@ from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.moves import ReserveCommand
+from ledger_service.storage import sql
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 
@@ -59,7 +60,12 @@ def _reserve(rid: str) -> ReserveCommand:
     ],
 )
 def test_a_database_it_may_not_write_is_not_serving_until_it_may(
-    postgres_store: SqlStore, caplog: pytest.LogCaptureFixture, code: str, message: str, words: str
+    postgres_store: SqlStore,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    code: str,
+    message: str,
+    words: str,
 ) -> None:
     ledger = Ledger(postgres_store, ManualClock(START_US))
     ledger.put_lane(RECALL)
@@ -77,7 +83,42 @@ def test_a_database_it_may_not_write_is_not_serving_until_it_may(
     assert "THE DATABASE CANNOT BE WRITTEN" in told[0] and code in told[0], told
     assert words in told[0], told
     _execute(postgres_store, ALLOW)
+    monkeypatch.setattr(sql, "DISK_FULL_HOLD_SECONDS", 0.0)  # a full disk's hold: below
     postgres_store.ping()
     assert ledger.reserve(_reserve("r-4")).admitted
     with postgres_store.engine.connect() as connection:
         assert connection.execute(text("SELECT count(*) FROM events")).scalar_one() == 3
+
+
+# A full disk refuses only the rows a move writes: its trigger fires for each
+# row, so the probe's INSERT of no row passes, as it does on a real full disk.
+REFUSE_ROWS = """
+CREATE FUNCTION refuse_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'could not extend file: No space left on device'
+  USING ERRCODE = '53100'; END $$;
+CREATE TRIGGER refuse_insert BEFORE INSERT ON events
+  FOR EACH ROW EXECUTE FUNCTION refuse_insert();
+"""
+
+
+def test_a_full_disk_the_probe_cannot_see_is_not_serving_while_moves_meet_it(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write probe's INSERT of no row needs no room: it passed on a full
+    disk, and health said SERVING while every move failed. A move refused for
+    lack of disk now holds health NOT_SERVING, probe after probe, until no
+    move has met it for sql.DISK_FULL_HOLD_SECONDS."""
+    monkeypatch.setattr(sql, "DISK_FULL_HOLD_SECONDS", 3600.0)
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    assert ledger.reserve(_reserve("r-1")).admitted
+    _execute(postgres_store, REFUSE_ROWS)
+    with pytest.raises(StoreUnavailable):
+        ledger.reserve(_reserve("r-2"))
+    for _probe in range(3):  # every probe, not every other one
+        with pytest.raises(StoreUnavailable):
+            postgres_store.ping()
+    _execute(postgres_store, ALLOW)
+    monkeypatch.setattr(sql, "DISK_FULL_HOLD_SECONDS", 0.0)  # the hold has passed
+    postgres_store.ping()
+    assert ledger.reserve(_reserve("r-3")).admitted
