@@ -383,10 +383,11 @@ def _postgres_engine(url: URL, limits: EngineLimits) -> Engine:
 
     @event.listens_for(engine, "do_connect")
     def _on_connect(dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
-        # A new connection's handshake ends by the watch's deadline (libpq
-        # counts whole seconds, at least 2). cparams is shared: copied, not changed.
+        # A new connection's handshake ends by the watch's deadline
+        # (DeadlineConnection; libpq's own timeout counts whole seconds, at
+        # least 2). cparams is shared: copied, not changed.
         bounded = {**cparams, "connect_timeout": watchdog.connect_timeout_for(connect_timeout)}
-        return dialect.connect(*cargs, **bounded)
+        return watchdog.DeadlineConnection.connect(*cargs, **bounded)
 
     @event.listens_for(engine, "checkin")
     def _on_checkin(_dbapi_connection: Any, record: ConnectionPoolEntry) -> None:

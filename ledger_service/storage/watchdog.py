@@ -22,7 +22,7 @@ invalidation) instead of returning it to the pool. Pool checkout runs under
 the watch too: `DeadlinePool` bounds the wait for a free connection by the
 deadline, `on_checkout` attaches the connection and pings it there (the
 pool's own pre-ping would run before the watch knows the connection), and
-`connect_timeout_for` bounds a new connection's handshake.
+`DeadlineConnection` ends a new connection's handshake at the deadline too.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
+import psycopg
 from sqlalchemy.pool import QueuePool
 
 # libpq's connect_timeout is whole seconds, and it takes anything below 2 as 2.
@@ -196,6 +197,38 @@ def connect_timeout_for(configured_seconds: int) -> int:
         return configured_seconds
     left = math.floor(watch.remaining_seconds())
     return max(MIN_CONNECT_TIMEOUT_SECONDS, min(configured_seconds, left))
+
+
+class DeadlineConnection(psycopg.Connection[Any]):
+    """A psycopg connection whose handshake ends by the deadline of the
+    calling thread's watch: libpq's connect_timeout is whole seconds, at least
+    2, longer than a lane's 0.25 s call. psycopg drives the handshake from
+    Python, waking at least every 0.1 s (its wait interval), and gives up
+    when the step it wakes for raises: a step past the deadline does."""
+
+    @classmethod
+    def _connect_gen(cls, conninfo: str = "") -> Generator[tuple[int, Any], Any, Any]:
+        steps = super()._connect_gen(conninfo)
+        watch = current()
+        return steps if watch is None else _by_deadline(steps, watch.deadline)
+
+
+def _by_deadline(
+    steps: Generator[tuple[int, Any], Any, Any], deadline: float
+) -> Generator[tuple[int, Any], Any, Any]:
+    """`steps` (a handshake) until `deadline`; then a ConnectionTimeout."""
+    ready: Any = None
+    try:
+        while True:
+            if time.monotonic() >= deadline:
+                raise psycopg.errors.ConnectionTimeout("connection timeout expired (deadline)")
+            try:
+                waiting_for = steps.send(ready)
+            except StopIteration as done:
+                return done.value
+            ready = yield waiting_for
+    finally:
+        steps.close()  # a handshake cut short: its libpq connection is finished
 
 
 class DeadlinePool(QueuePool):

@@ -31,10 +31,12 @@ import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy.engine import make_url
 
+from ledger_service.application import deadlines
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from ledger_service.storage import watchdog
+from ledger_service.storage import database, watchdog
+from ledger_service.storage.sql import SqlStore
 from tests import serving
 from tests.freezing_proxy import FreezingProxy
 from tests.storage.conftest import POSTGRES_URL, require_postgres
@@ -261,6 +263,28 @@ def test_a_statement_under_a_short_watch_returns_by_its_deadline(
         proxy.thaw()
         dog.close()
         connection.close()
+
+
+def test_a_new_connections_handshake_ends_by_a_short_calls_deadline(
+    proxy: FreezingProxy, frozen_database_url: str
+) -> None:
+    """libpq's connect_timeout is whole seconds, at least 2: a handshake with
+    a frozen server under a lane's 0.25 s call ended 1.75 s past its deadline.
+    watchdog.DeadlineConnection ends it at the deadline (psycopg wakes every
+    0.1 s to look)."""
+    url = make_url(frozen_database_url).set(host="127.0.0.1", port=proxy.port)
+    engine = database.create(url.render_as_string(hide_password=False), database.EngineLimits())
+    store = SqlStore(engine)
+    try:
+        proxy.freeze()
+        deadline = time.monotonic() + 0.25
+        with deadlines.answering_by(deadline), pytest.raises(StoreUnavailable):
+            store.run(lambda tx: tx.execute_text("SELECT 1"), write=False)
+        late = time.monotonic() - deadline
+        assert late < LATE_SECONDS, late
+    finally:
+        proxy.thaw()
+        store.close()
 
 
 def test_the_wait_for_a_free_connection_ends_at_the_watch_deadline() -> None:
