@@ -402,8 +402,8 @@ class SqlStore:
         COMMIT was not sent was kept. One whose COMMIT was sent may have been
         kept: a move's repeat is answered as the first was (its request id),
         any other write (`ambiguous_commit_fails`) fails. A connection that
-        could not be made is not tried again, nor one with less time left than
-        a handshake may take: the call ends UNAVAILABLE by its deadline."""
+        could not be made is not tried again: the call ends UNAVAILABLE by its
+        deadline."""
         started: list[SqlTransaction] = []
         try:
             return transact(started)
@@ -413,8 +413,8 @@ class SqlStore:
                 not started  # no connection: refused or timed out, not lost
                 or not translate.lost_connection(error)
                 or (committing and ambiguous_commit_fails)
-                # The new connection's handshake must fit (watchdog.connect_timeout_for).
-                or deadline - time.monotonic() < watchdog.MIN_CONNECT_TIMEOUT_SECONDS
+                # The new connection's handshake ends by it (watchdog.DeadlineConnection).
+                or time.monotonic() >= deadline
             ):
                 raise
             self._say_lost(error, "the call")
@@ -502,8 +502,7 @@ class SqlStore:
             except DBAPIError as error:
                 # A connection that died since its last use (a failover, every
                 # backend terminated) says nothing of the database: once more on
-                # a new one, as a call does (`_reconnecting`). Its handshake may
-                # outlast the bound by libpq's 2 s floor (watchdog.connect_timeout_for).
+                # a new one, as a call does (`_reconnecting`), by the same deadline.
                 if not connected or not translate.lost_connection(error):
                     raise
                 if time.monotonic() >= deadline:

@@ -9,6 +9,7 @@ COMMIT was sent before its connection died is answered as its first run was
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import OperationalError
 
+from ledger_service.application import deadlines
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import StoreUnavailable
@@ -169,3 +171,17 @@ def test_the_health_probe_after_the_servers_backends_are_terminated_answers(
     postgres_store.ping(timeout_seconds=2.0)
     assert backends.terminate() >= 1
     postgres_store.ping(timeout_seconds=2.0)
+
+
+def test_a_short_call_whose_connection_was_lost_runs_again(
+    postgres_store: SqlStore, backends: Backends
+) -> None:
+    """A lane's call has 0.25 s: the run again waited for 2 s to be left (a
+    handshake libpq could not cut shorter), so it never ran for one. A
+    handshake now ends by the call's deadline (watchdog.DeadlineConnection)."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    _fill_pool(ledger, 4)
+    assert backends.terminate() == 4
+    with deadlines.answering_by(time.monotonic() + 0.5):
+        assert ledger.reserve(_reserve("r-1")).admitted
