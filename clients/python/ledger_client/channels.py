@@ -88,6 +88,10 @@ def open_channel(address: str, tls: TlsSettings | None, settings: ClientSettings
         ("grpc.initial_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
         ("grpc.min_reconnect_backoff_ms", settings.initial_reconnect_backoff_ms),
         ("grpc.max_reconnect_backoff_ms", settings.max_reconnect_backoff_ms),
+        # An address of several replicas (`ipv4:A,B`, a DNS name with one record
+        # each): calls go to each ready one in turn. gRPC's default, pick_first,
+        # sent every call to the first, and a drain there met all of them.
+        ("grpc.lb_policy_name", "round_robin"),
     ]
     if tls is None:
         return grpc.insecure_channel(address, options=options)

@@ -30,6 +30,7 @@ from ledger_client.context import payload_bytes
 from ledger_client.errors import (
     ClientClosed,
     LedgerOverloaded,
+    LedgerUnavailable,
     from_rpc_error,
     invalid_argument,
 )
@@ -51,6 +52,8 @@ log = logging.getLogger("ledger_client")
 
 _Response = TypeVar("_Response")
 MAX_LANE_LENGTH = 200
+# The reason a draining server refuses a call with before doing any work.
+SHUTTING_DOWN = "SHUTTING_DOWN"
 
 
 def new_trace_id() -> str:
@@ -284,6 +287,25 @@ class LaneClient:
                 "none of which ended within the deadline",
             )
         try:
+            try:
+                return self._send(method, request, tuple(metadata), started + timeout)
+            except LedgerUnavailable as refused:
+                # A draining replica did no work (SHUTTING_DOWN): once more, in
+                # the time left, where the channel reaches another replica.
+                if refused.reason != SHUTTING_DOWN or time.monotonic() >= started + timeout:
+                    raise
+                return self._send(method, request, tuple(metadata), started + timeout)
+        finally:
+            self._slots.release()
+
+    def _send(
+        self,
+        method: grpc.UnaryUnaryMultiCallable[Any, _Response],
+        request: object,
+        metadata: tuple[tuple[str, str], ...],
+        deadline: float,
+    ) -> _Response:
+        try:
             with self._starting:
                 if self._closed:
                     # A call that waited for a slot past close()'s grace: the
@@ -291,8 +313,8 @@ class LaneClient:
                     raise ClientClosed("the lane client closed: the call was not sent")
                 call = method.future(
                     request,
-                    timeout=max(timeout - (time.monotonic() - started), 0.001),
-                    metadata=tuple(metadata),
+                    timeout=max(deadline - time.monotonic(), 0.001),
+                    metadata=metadata,
                     wait_for_ready=False,
                 )
             return call.result()
@@ -305,8 +327,6 @@ class LaneClient:
                     may_have_applied=True,
                 ) from error
             raise from_rpc_error(error) from error
-        finally:
-            self._slots.release()
 
     def reserve(
         self,
