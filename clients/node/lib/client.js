@@ -429,7 +429,13 @@ function channelCredentials(tls) {
 const RECONNECT_OPTIONS = Object.freeze({
   'grpc.initial_reconnect_backoff_ms': 100,
   'grpc.max_reconnect_backoff_ms': 2000,
+  // An address of several replicas (`ipv4:A,B`, a DNS name with one record
+  // each): calls go to each ready one in turn. gRPC's default, pick_first,
+  // sent every call to the first, and a drain there met all of them.
+  'grpc.service_config': JSON.stringify({ loadBalancingConfig: [{ round_robin: {} }] }),
 });
+// The reason a draining server refuses a call with before doing any work.
+const SHUTTING_DOWN = 'SHUTTING_DOWN';
 
 function channelOptions(options) {
   const serverName = options.tls && options.tls !== true ? options.tls.serverName : undefined;
@@ -662,6 +668,21 @@ class LaneClient {
         { code: grpc.status.RESOURCE_EXHAUSTED },
       );
     }
+    try {
+      try {
+        return await this._send(method, request, metadata, deadline);
+      } catch (error) {
+        // A draining replica did no work (SHUTTING_DOWN): once more, in the
+        // time left, where the channel reaches another replica.
+        if (error.reason !== SHUTTING_DOWN || Date.now() >= deadline) throw error;
+        return await this._send(method, request, metadata, deadline);
+      }
+    } finally {
+      this._slots.give();
+    }
+  }
+
+  async _send(method, request, metadata, deadline) {
     let sent;
     let started = null;
     try {
@@ -690,7 +711,6 @@ class LaneClient {
       return await sent;
     } finally {
       this._rpcs.delete(sent);
-      this._slots.give();
     }
   }
 
