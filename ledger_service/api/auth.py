@@ -328,7 +328,18 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         try:
             return self._verify(bearer_token(context.invocation_metadata()))
         except GrantRejected as rejection:
-            self._refusals.write("refused %s: %s grant", method, rejection.why.value)
+            if rejection.why is Rejection.UNKNOWN_KEY:
+                # Most often a key rotated on another replica and not copied here.
+                self._refusals.write(
+                    "refused %s: its grant is signed by key %s, which this server's keyring "
+                    "does not hold (retired here, or added on another replica: copy that "
+                    "replica's grant-keys.json into this one's data directory, taken within "
+                    "a health check; docs/security.md)",
+                    method,
+                    rejection.key_id,
+                )
+            else:
+                self._refusals.write("refused %s: %s grant", method, rejection.why.value)
             refuse_unauthenticated(context, UNAUTHENTICATED_MESSAGE)
             raise  # unreachable: abort raises
 

@@ -70,9 +70,11 @@ class Rejection(enum.Enum):
 
 
 class GrantRejected(Exception):
-    def __init__(self, why: Rejection) -> None:
+    def __init__(self, why: Rejection, key_id: str = "") -> None:
         super().__init__(why.value)
         self.why = why
+        # The key id the grant names (UNKNOWN_KEY only): well-formed, so loggable.
+        self.key_id = key_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +135,7 @@ class Keyring:
         key_id, signed, signature = _split(token)
         key = self.keys.get(key_id)
         if key is None:
-            raise GrantRejected(Rejection.UNKNOWN_KEY)
+            raise GrantRejected(Rejection.UNKNOWN_KEY, key_id)
         if not hmac.compare_digest(_sign(key, signed), signature):
             raise GrantRejected(Rejection.BAD_SIGNATURE)
         grant = _parse(key_id, signed)

@@ -277,6 +277,22 @@ def test_the_log_names_every_scope_that_would_have_let_a_refused_call_in(
     ]
 
 
+def test_a_grant_of_a_key_this_server_lacks_is_logged_naming_the_key_and_the_fix(
+    shared_ledger: SecureLedger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key rotated on one replica and not yet copied to another: the other
+    logged only "unknown key id grant", naming neither the key nor what to do."""
+    [reserve] = [method for method in all_methods() if method.name == "Reserve"]
+    grant = shared_ledger.forge.with_key_id(_charge_read(shared_ledger.forge), "k0badc0de")
+    shared_ledger.server._auth._refusals = RefusalLog()
+    with caplog.at_level("INFO", logger="ledger_service.api.auth"):
+        outcome = shared_ledger.caller.call(reserve, request_for(reserve), bearer(grant))
+    assert outcome.code is grpc.StatusCode.UNAUTHENTICATED, outcome
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+    assert "key k0badc0de" in line, line
+    assert "copy that replica's grant-keys.json" in line, line
+
+
 def test_refusals_through_the_server_are_logged_within_the_bound(
     shared_ledger: SecureLedger, caplog: pytest.LogCaptureFixture
 ) -> None:
