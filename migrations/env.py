@@ -50,6 +50,9 @@ def _run(connection: object) -> None:
         target_metadata=target_metadata,
         render_as_batch=True,
         compare_type=True,
+        # A migration may build an index CONCURRENTLY (0008), outside any
+        # transaction; each migration commits on its own.
+        transaction_per_migration=True,
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import time
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 import migrations
+
+# How often a replica tries the migration lock while another one migrates.
+MIGRATION_LOCK_POLL_SECONDS = 0.1
 
 
 def alembic_config(engine: Engine) -> Config:
@@ -62,17 +66,48 @@ def _check_known(config: Config, revision: str | None) -> None:
 
 def upgrade(engine: Engine) -> Upgrade:
     config = alembic_config(engine)
-    with engine.begin() as connection:
-        if connection.dialect.name == "postgresql":
-            # Replicas starting together migrate one at a time.
-            connection.execute(text("SELECT pg_advisory_xact_lock(4998)"))
-        # Read under the lock, so `before` is what this upgrade started from.
-        before = MigrationContext.configure(connection).get_current_revision()
-        # Alembic's own answer to an unknown revision is a traceback.
-        _check_known(config, before)
-        config.attributes["connection"] = connection
-        command.upgrade(config, "head")
-        after = MigrationContext.configure(connection).get_current_revision()
+    if engine.dialect.name != "postgresql":
+        with engine.begin() as connection:
+            return _upgrade(config, connection)
+    with engine.connect() as connection:
+        # Replicas starting together migrate one at a time. A session's lock,
+        # not a transaction's: a step that builds an index CONCURRENTLY (so that
+        # replicas serving meanwhile keep appending) commits on its way.
+        _lock_migrations(connection)
+        try:
+            done = _upgrade(config, connection)
+            connection.commit()
+            return done
+        finally:
+            connection.rollback()
+            connection.execute(text("SELECT pg_advisory_unlock(4998)"))
+            connection.commit()
+
+
+def _lock_migrations(connection: Connection) -> None:
+    """Takes the migration lock by trying, not by waiting inside PostgreSQL:
+    CREATE INDEX CONCURRENTLY waits for every transaction older than its own,
+    and a replica waiting in pg_advisory_lock is one, so that wait was a
+    deadlock (40P01) that failed one of three replicas started together. It
+    waits as long as the migration holding the lock runs, as a start must."""
+    while True:
+        taken = connection.execute(text("SELECT pg_try_advisory_lock(4998)")).scalar()
+        connection.commit()
+        if taken:
+            return
+        time.sleep(MIGRATION_LOCK_POLL_SECONDS)
+
+
+def _upgrade(config: Config, connection: Connection) -> Upgrade:
+    # Read under the lock, so `before` is what this upgrade started from.
+    before = MigrationContext.configure(connection).get_current_revision()
+    # Alembic's own answer to an unknown revision is a traceback.
+    _check_known(config, before)
+    if connection.dialect.name == "postgresql":
+        connection.commit()  # Alembic begins each migration's transaction itself
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+    after = MigrationContext.configure(connection).get_current_revision()
     return Upgrade(before, after)
 
 

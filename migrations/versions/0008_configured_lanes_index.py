@@ -26,13 +26,26 @@ _WHERE = sa.text("kind = 'lane_configured'")
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_events_lane_configured",
-        "events",
-        ["lane"],
-        sqlite_where=_WHERE,
-        postgresql_where=_WHERE,
-    )
+    if op.get_context().dialect.name != "postgresql":
+        op.create_index("ix_events_lane_configured", "events", ["lane"], sqlite_where=_WHERE)
+        return
+    # CONCURRENTLY: a plain CREATE INDEX holds events' SHARE lock for the whole
+    # build, and every replica's appends queue behind it (`ledger migrate` run
+    # while replicas serve). A build that failed left an invalid index: dropped.
+    with op.get_context().autocommit_block():
+        op.drop_index(
+            "ix_events_lane_configured",
+            table_name="events",
+            if_exists=True,
+            postgresql_concurrently=True,
+        )
+        op.create_index(
+            "ix_events_lane_configured",
+            "events",
+            ["lane"],
+            postgresql_where=_WHERE,
+            postgresql_concurrently=True,
+        )
 
 
 def downgrade() -> None:
