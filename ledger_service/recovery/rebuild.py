@@ -1,18 +1,5 @@
-"""Recovery with a bounded cost: assess, plan, rebuild, snapshot.
-
-The event log is the authority; lanes and bookings are projections of it,
-written in the same transaction as each event. When a look at the database
-(`assess`) finds the projections missing, behind or inconsistent with the log,
-`plan` lists the sources that could rebuild them (each recent snapshot plus the
-tail of the log after it, or the whole log), verifies each one (snapshot
-digests, hash-chain links), estimates each one's cost from a replay rate
-measured on a sample, scores its risk, and lets the planner (`plan.py`)
-decide. An admissible plan is carried out by `rebuild` in ranges of the log;
-anything else is a clean refusal that leaves the projections untouched and
-the server closed to moves.
-
-`RecoveryGuard` is the server's side of it (see docs/recovery.md).
-"""
+"""Assess, plan, rebuild and snapshot the projections; `RecoveryGuard`, the
+server's side of it (docs/recovery.md)."""
 
 from __future__ import annotations
 
@@ -124,10 +111,6 @@ class Route:
     # Breaks the plan knew of and the policy accepted: the rebuild goes on past them.
     tolerated: tuple[ChainBreak, ...] = ()
 
-    @property
-    def tolerated_breaks(self) -> frozenset[int]:
-        return frozenset(found.seq for found in self.tolerated)
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -165,11 +148,8 @@ def lanes_of(batch: Sequence[Event]) -> list[LanePolicy]:
 
 
 def _digest_of_lanes(view: SqlProjectionView, heads: Mapping[str, str] | None) -> ProjectionDigest:
-    """A projection's digest with its position, the lanes' chain heads there
-    (`heads`, or read from the log when None) and its lanes, its bookings to
-    come: what a snapshot taken at that position gives, so that the digest
-    `ledger rebuild` prints is the one `ledger snapshot` printed while the
-    log stood where it stands."""
+    """The digest a snapshot at the view's position would start with: its
+    heads (`heads`, or read from the log) and lanes, its bookings to come."""
     position = view.position
     seq = position.last_seq if position else 0
     if heads is None:
@@ -196,13 +176,10 @@ class Recovery:
     # Assessment -------------------------------------------------------------
 
     def assess(self) -> Assessment:
-        """A cheap look: the marker, counts, each booking against its latest
-        event, and the chain from the last verified point (or a newer snapshot)
-        to the log's end, which then becomes the verified point."""
-        # The snapshots before the facts: other replicas append and snapshot
-        # between the two reads, and a snapshot completed before the facts
-        # were read is at or below the log's end they see. Read after, a new
-        # one could be past it: the log grown, not events missing.
+        """The marker, counts, each booking against its latest event, and the
+        chain from the last verified point to the log's end (the new point)."""
+        # The snapshots before the facts: read after, a replica's new snapshot
+        # could be past the log's end seen (the log grown, not events missing).
         snapshots = self._store.snapshots()
         facts = self._store.facts()
         position = facts.position
@@ -235,16 +212,13 @@ class Recovery:
             point = ChainPoint(final, walk.heads_at[final])
             try:
                 self._store.save_checkpoint(point, self._wall.now_us())
-            except StoreUnavailable:
-                # Only a shortcut for the next walk: a file this process may
-                # not write (reads are still served) must not fail the look.
+            except StoreUnavailable:  # only a shortcut: a read-only file must not fail the look
                 log.warning("the verified point of the chain was not saved: database unavailable")
         return Assessment(facts, tuple(findings), altered=altered)
 
     def _altered_latest_events(self, facts: LogFacts) -> tuple[ChainBreak, ...]:
-        """A booking that differs from its latest event is a damaged projection,
-        unless the event itself was altered (even before the verified point or
-        a snapshot): then no rebuild from a snapshot would make them agree."""
+        """Latest events of differing bookings altered after append: no rebuild
+        from a snapshot would make those bookings agree with the log."""
         if not facts.stale_bookings:
             return ()
         return tuple(
@@ -274,13 +248,9 @@ class Recovery:
         position: int,
         through_seq: int | None,
     ) -> tuple[SnapshotInfo | ChainPoint | None, Walk]:
-        """`_walk` from the start `_start_of_walk` gives, noting the heads at
-        `position`.
-        A snapshot's heads are taken on its word, unchecked (its digest is
-        costly to read); where the walk from them finds a broken link, the
-        digest is checked, and a snapshot that does not give it (a row made
-        or copied by hand) is passed over for the next start, instead of
-        reporting links broken that are not."""
+        """`_walk` from `_start_of_walk`, noting the heads at `position`. A
+        snapshot's heads are trusted until the walk breaks; then its digest is
+        checked, and a snapshot that fails it is passed over for the next start."""
         candidates = list(snapshots)
         while True:
             anchor = self._start_of_walk(candidates, head_seq)
@@ -302,10 +272,8 @@ class Recovery:
         positions: Sequence[int],
         through_seq: int | None = None,
     ) -> Walk:
-        """Checks every link and content after `anchor` (or from genesis) up to
-        `through_seq` (or the log's last event when the walk starts), in the
-        rebuild's ranges (the contents by helper processes when they are
-        many), cut at each of `positions` to note the heads there."""
+        """Checks every event after `anchor` through `through_seq` (default: the
+        log's end), noting the heads at each of `positions`."""
         walk = Walk()
         heads = dict(anchor.chain_heads) if anchor else {}
         after = anchor.position_seq if anchor else 0
@@ -328,8 +296,7 @@ class Recovery:
         return walk
 
     def _processes(self, events: int) -> int:
-        """Helper processes for work over `events` events: none for fewer
-        than parallel_min_events (starting them costs about a second)."""
+        """Helper processes for `events` events (starting them costs about a second)."""
         return self.settings.check_processes if events >= self.settings.parallel_min_events else 0
 
     def _replay_range(self) -> int:
@@ -520,11 +487,8 @@ class Recovery:
         return ""
 
     def measure_rate(self, before_seq: int | None = None) -> float:
-        """Events per second of the rebuild's path (read, check the chain,
-        fold and write), measured on a sample of the log's first events
-        (those before `before_seq`, when given) folded in a transaction that
-        is rolled back. The rebuild checks in a helper process while it
-        folds; the sample does not, so it errs slow."""
+        """Events per second of the rebuild's path over the log's first events
+        (before `before_seq`), folded in a transaction rolled back; errs slow."""
         started = time.perf_counter()
         sample = self._store.events_after(0, self.settings.sample_events)
         if before_seq is not None:
@@ -542,9 +506,8 @@ class Recovery:
     # Rebuilding ----------------------------------------------------------------
 
     def rebuild(self, route: Route, progress: ProgressFn = no_progress) -> str:
-        """Rebuilds the projections along `route` and marks them current.
-        Returns the digest of what was built. A rebuild that stops releases its
-        claim, so that a recovery can follow at once."""
+        """Rebuilds along `route`, marks the projections current and returns
+        their digest; a rebuild that stops releases its claim."""
         try:
             digest = self.rebuild_uncommitted(route, progress)
             if not self.finish():
@@ -557,9 +520,7 @@ class Recovery:
         return digest
 
     def release(self) -> None:
-        """Gives up our claim on the projections, if we hold one (see
-        SqlRecoveryStore.release_rebuild); a store that does not answer keeps
-        it until its lease runs out."""
+        """Gives up our claim, if any (unanswered: it lapses with its lease)."""
         with contextlib.suppress(StoreUnavailable):
             self._store.release_rebuild(self.owner)
 
@@ -573,15 +534,9 @@ class Recovery:
         progress: ProgressFn = no_progress,
         assessed: tuple[str, str, int] | Literal["any"] | None = "any",
     ) -> str:
-        """Rebuilds, leaving the marker "rebuilding" (no move is taken meanwhile);
-        returns the digest of the projections built, for a cross-check.
-        `assessed`: the marker_key the plan was made under (MarkerMoved when
-        another process has recovered since), or "any".
-
-        The log is folded in ranges of `replay_range_events` seqs, each once
-        the chain walk (in a helper process, for a long log) has checked every
-        event in it, in log order; the helper starts before the old
-        projections are deleted, which it does not need."""
+        """Rebuilds, leaving the marker "rebuilding", and returns the digest.
+        `assessed`: the marker_key the plan was made under, or "any". Each
+        range is folded once the walk checked it; the helpers start first."""
         started = time.perf_counter()
         if not self._store.claim_rebuild(
             self.owner, self._wall.now_us(), self._lease_us(), assessed
@@ -591,6 +546,7 @@ class Recovery:
         position = snapshot.position_seq if snapshot else 0
         heads = dict(snapshot.chain_heads) if snapshot else {}
         total = self._store.count_events_after(position)
+        tolerated = {found.seq for found in route.tolerated}
         ends = ranges(position, self._store.last_seq(), self._replay_range())
         processes = self._processes(total)
         with (
@@ -604,7 +560,7 @@ class Recovery:
             done, folding = 0, None
             for taken in walked:
                 for broken in taken.breaks:
-                    if broken.seq not in route.tolerated_breaks:
+                    if broken.seq not in tolerated:
                         raise ChainBroken(broken)
                 # The database folds a range (without the GIL) while the next is walked.
                 if folding is not None:
@@ -623,11 +579,8 @@ class Recovery:
             return self._digest(lines, heads)
 
     def _digest(self, lines: BookingLines, heads: Mapping[str, str]) -> str:
-        """projection_digest, the bookings' lines made in parts of
-        DIGEST_RANGE_BOOKINGS by `lines` (in other processes, when it has
-        any) and hashed here in order. Only while nothing writes the
-        projections (a rebuild's marker keeps moves out): the parts are read
-        in transactions of their own."""
+        """projection_digest, its bookings' lines made in parts by `lines`; only
+        while nothing writes (each part is read in its own transaction)."""
         with self._store.view() as view:
             digest = _digest_of_lanes(view, heads)
         keys: list[BookingKey | None] = [*self._store.booking_keys(DIGEST_RANGE_BOOKINGS)]
@@ -662,16 +615,8 @@ class Recovery:
         return position if position is not None and position.state == STATE_CURRENT else None
 
     def snapshot_due(self, every_events: int, position: Position | None = None) -> bool:
-        """Whether the server should snapshot now: `every_events` events after
-        the newest snapshot, or more when the projections are large.
-
-        A snapshot copies every lane and booking. With a million bookings, one
-        every 10,000 events would have the server copying rows much of the
-        time, so the interval grows with the newest snapshot's size: each event
-        pays for at most SNAPSHOT_ROWS_PER_EVENT copied rows. The tail a
-        recovery replays after the snapshot grows with it, in proportion to
-        the rows it restores. `position`: the current one, when the caller
-        has read it."""
+        """Whether `every_events` events (or the newest snapshot's rows over
+        SNAPSHOT_ROWS_PER_EVENT, if more) passed since the newest snapshot."""
         if every_events <= 0:
             return False
         position = position or self.current_position()
@@ -685,8 +630,7 @@ class Recovery:
         return position.last_seq - since >= interval
 
     def take_snapshot(self) -> SnapshotInfo | None:
-        """Snapshots the projections if they are consistent with the log, then
-        keeps the newest `snapshot_keep`. None (and a warning) when they are not."""
+        """Snapshots consistent projections (else None), keeping `snapshot_keep`."""
         snapshots = self._store.snapshots()
         with self._store.settled_view() as view:
             problems = projection_findings(view.facts)
@@ -917,9 +861,8 @@ class _SourceRefused(Exception):
 
 
 class _Replays:
-    """Whether the replay of the log after a seq would succeed, found by the
-    rebuild's own fold run over it in a transaction that is rolled back (a
-    dry run, as the rate's), at most once per seq for one plan."""
+    """Whether the replay after a seq would succeed: the rebuild's fold run
+    dry (rolled back), at most once per seq for one plan."""
 
     def __init__(self, store: SqlRecoveryStore, owner: str, head_seq: int, now_us: int) -> None:
         self._store = store
@@ -970,14 +913,10 @@ def projection_findings(facts: LogFacts) -> list[str]:
         findings.append(
             f"a rebuild by {position.owner or 'unknown'} stopped at event {position.last_seq}"
         )
-    elif position.last_seq < facts.head_seq:
+    elif position.last_seq != facts.head_seq:
+        side = "behind" if position.last_seq < facts.head_seq else "ahead of"
         findings.append(
-            f"the projections are behind the log: applied through event {position.last_seq}, "
-            f"the log ends at {facts.head_seq}"
-        )
-    elif position.last_seq > facts.head_seq:
-        findings.append(
-            f"the projections are ahead of the log: applied through event {position.last_seq}, "
+            f"the projections are {side} the log: applied through event {position.last_seq}, "
             f"the log ends at {facts.head_seq}"
         )
     if facts.bookings != facts.answer_events:
@@ -1004,15 +943,11 @@ def projection_findings(facts: LogFacts) -> list[str]:
 
 
 class RecoveryGuard:
-    """Decides whether the server may take moves, and keeps it so.
-
-    READY: serving; every `consistency_check_seconds` a cheap assessment runs,
-    and when it fails, a recovery. REFUSED: the planner refused; only the cheap
-    assessment runs, every `check_interval_seconds`, and the server serves again
-    as soon as it passes (after `ledger recover`, say). PENDING: not assessed
-    yet (the database was down), a rebuild failed, or another process is
-    rebuilding; the whole recovery runs again every `check_interval_seconds`.
-    """
+    """Decides whether the server may take moves (docs/recovery.md). READY:
+    serving, assessed every `consistency_check_seconds`. REFUSED: the planner
+    refused; assessed every `check_interval_seconds`, serving once it passes.
+    PENDING: not assessed yet, a rebuild failed, or another process rebuilds;
+    the whole recovery runs every `check_interval_seconds`."""
 
     READY = "ready"
     REFUSED = "refused"
@@ -1031,10 +966,8 @@ class RecoveryGuard:
         prepare: Callable[[], None] | None = None,
         on_damage: Callable[[StoreDamaged], None] = lambda damage: None,
     ) -> None:
-        """`prepare` runs before each recovery until it once succeeds (the
-        schema's migration, when the database could not be reached at start);
-        `on_damage` hears of damage the recovery met (a row that does not
-        decode), which the server's store then refuses to serve from."""
+        """`prepare` (the migration) runs before each recovery until it once
+        succeeds; `on_damage` hears of damage the recovery met."""
         self.recovery = recovery
         self._on_damage = on_damage
         self._prepare = prepare
@@ -1068,14 +1001,9 @@ class RecoveryGuard:
                 "taking moves" if state == self.READY else "moves are refused (RECOVERY_REQUIRED)"
             )
             if state == self.REFUSED and self.manifest is not None:
-                said += (
-                    "; "
-                    + _OPERATOR_STEPS.get(self.manifest.verdict.value, "")
-                    + (
-                        "; this server serves again by itself once the projections are whole "
-                        "(docs/recovery.md)"
-                    )
-                )
+                steps = _OPERATOR_STEPS.get(self.manifest.verdict.value, "")
+                said += f"; {steps}; this server serves again by itself once the projections "
+                said += "are whole (docs/recovery.md)"
             log.log(
                 logging.INFO if state == self.READY else logging.WARNING,
                 "projections %s: %s",
@@ -1102,9 +1030,7 @@ class RecoveryGuard:
                 self._prepare()
                 self._prepare = None
             outcome = self.recovery.recover(self.policy, self._actor)
-        except StoreDamaged as damage:
-            # The store logs what is damaged and what to do, once; the server's
-            # maintenance stops these checks.
+        except StoreDamaged as damage:  # the store logs it; maintenance stops these checks
             self._on_damage(damage)
             self._set(self.PENDING)
             return
@@ -1112,9 +1038,7 @@ class RecoveryGuard:
             _log_unavailable(error)
             self._set(self.PENDING)
             return
-        except migrate.RevisionRefused as error:
-            # Read once the database answered: a newer release migrated it, or
-            # (told not to migrate) an older one made it.
+        except migrate.RevisionRefused as error:  # a newer (or older) release's schema
             log.error("%s; health stays NOT_SERVING", error)
             self._set(self.PENDING)
             return
@@ -1185,8 +1109,7 @@ class RecoveryGuard:
 
 
 def _log_unavailable(error: StoreUnavailable) -> None:
-    """The database's own words go with it (a table missing, a file it may
-    not open): the server may answer health while every check fails."""
+    """With the database's own words: health may answer while every check fails."""
     said = translate.driver_message(error)
     log.warning("recovery check: database unavailable%s; will retry", f" ({said})" if said else "")
 
