@@ -1,11 +1,8 @@
 """The SQL of recovery: facts, snapshots, rebuild ranges, manifests.
 
-Reads that must agree with each other (the facts, a snapshot's rows) run in one
-snapshot transaction: REPEATABLE READ on PostgreSQL, a read transaction in WAL
-mode on SQLite. Writes that change the position marker take the append lock
-(`_writing(marker=True)`, the one place that takes it), so that a claim, a
-finish and an append are never interleaved. `_position` is the one reader of
-the marker.
+Reads run in one snapshot transaction each (`_reading`); writes that change the
+position marker take the append lock (`_writing(marker=True)`, the one place
+that does), so a claim, a finish and an append never interleave.
 """
 
 from __future__ import annotations
@@ -73,10 +70,8 @@ from ledger_service.storage.translate import translated
 WRITE_GATE_TIMEOUT_SECONDS = 5.0
 # PostgreSQL: how long a snapshot waits for the appends in flight (settled_view).
 SETTLE_WAIT_MS = 1000
-# PostgreSQL: how long a planner's dry run (fold_events, dry_run) waits for a
-# row another transaction holds: a replica's rebuild, whose rows the dry run
-# would otherwise hold up (a deadlock, or the rebuild's lock_timeout) while it
-# waits. It gives up instead (StoreUnavailable) and plans at the next check.
+# PostgreSQL: how long a planner's dry run waits for a row a replica's rebuild
+# holds before it gives up (StoreUnavailable) instead of holding that rebuild up.
 DRY_RUN_LOCK_WAIT_MS = 100
 
 STATE_CURRENT = "current"
@@ -197,8 +192,7 @@ class EventRefused(RebuildFailed):
 
 
 def _position(connection: Connection, head_seq: int | None = None) -> Position | None:
-    """The marker's row: the one place recovery reads it (`head_seq`: the
-    log's last seq, when the caller has read it already)."""
+    """The marker's row, the one place it is read (`head_seq`: the log's end, if read)."""
     row = connection.execute(
         select(projection_position).where(projection_position.c.id == POSITION_ROW_ID)
     ).first()
@@ -234,11 +228,8 @@ def _stale_bookings(statement: Select[Any]) -> Select[Any]:
 
 
 def _stale_lanes(connection: Connection) -> int:
-    """How many lanes rows are not the policy of the event that set them (the
-    lane_configured event at their version): a damaged row still decodes (a
-    flipped byte of a model's name). One read by primary key a lane, not a
-    scan of the log; a row left behind a later configuration is for `ledger
-    verify`, which replays every lane."""
+    """How many lanes rows are not the policy of the event at their version (a
+    damaged row still decodes); by primary key, not a scan of the log."""
     projected = [records.lane_from_row(row) for row in connection.execute(select(lanes)).mappings()]
     columns = [events.c[name] for name in records.EVENT_COLUMNS]
     setting: dict[int, Event] = {}
@@ -294,7 +285,7 @@ class _RebuildSql:
     per row, SQLAlchemy's own parameter handling costs more than the database."""
 
     def __init__(self, placeholder: str) -> None:
-        p = placeholder
+        p = self._placeholder = placeholder
         self.events_after = (
             f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
             f"WHERE seq > {p} ORDER BY seq LIMIT {p}"
@@ -311,10 +302,6 @@ class _RebuildSql:
             f"INSERT INTO {bookings.name} ({', '.join(records.BOOKING_COLUMNS)}) "
             f"VALUES ({', '.join(p for _ in records.BOOKING_COLUMNS)})"
         )
-        self.bookings_in_order = (
-            f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
-            "ORDER BY lane, reservation_id"
-        )
         columns = records.LANE_COLUMNS
         assert set(columns) == set(lanes.c.keys()), columns
         updates = ", ".join(f"{name} = excluded.{name}" for name in columns if name != "lane")
@@ -322,12 +309,26 @@ class _RebuildSql:
             f"INSERT INTO {lanes.name} ({', '.join(columns)}) "
             f"VALUES ({', '.join(p for _ in columns)}) ON CONFLICT (lane) DO UPDATE SET {updates}"
         )
-        # The key `count` bookings on: the index steps over the others in C.
-        keys = "ORDER BY lane, reservation_id LIMIT 1 OFFSET"
-        self.first_booking_key_at = f"SELECT lane, reservation_id FROM {bookings.name} {keys} {p}"
+        # The key `count` bookings on (from ("", ""): before every key); the
+        # index steps over the others in C.
         self.booking_key_at = (
             f"SELECT lane, reservation_id FROM {bookings.name} "
-            f"WHERE (lane, reservation_id) > ({p}, {p}) {keys} {p}"
+            f"WHERE (lane, reservation_id) > ({p}, {p}) "
+            f"ORDER BY lane, reservation_id LIMIT 1 OFFSET {p}"
+        )
+
+    def bookings_between(self, after: bool, through: bool) -> str:
+        """The bookings in key order, with keys after and through two bound keys, if asked."""
+        p = self._placeholder
+        bounds = [
+            f"(lane, reservation_id) {op} ({p}, {p})"
+            for op, on in ((">", after), ("<=", through))
+            if on
+        ]
+        where = f" WHERE {' AND '.join(bounds)}" if bounds else ""
+        return (
+            f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name}{where} "
+            "ORDER BY lane, reservation_id"
         )
 
 
@@ -337,21 +338,11 @@ def _quoted(values: Sequence[str]) -> str:
 
 
 class _FoldSql:
-    """The booking fold (domain/bookings.py: `apply`) over a range of the log,
-    run by the database: every booking an event of the range touches is
-    written as its opening event's fields with its latest ending's (up to the
-    range's end) and the state the fold gives them. One INSERT ... SELECT ...
-    ON CONFLICT DO UPDATE, in the syntax SQLite and PostgreSQL share, built
-    from the domain's rule as data (OPENING_STATES, ENDING_STATES). A copy
-    kept because the rebuild's target needs it (docs/recovery.md);
-    tests/storage/test_sql_fold.py holds it to `bookings.apply` over random
-    event logs on both databases.
-
-    `problem` finds, first by seq, an event of the range the fold refuses: an
-    ending with no opening before it, an opening without its expiry charge,
-    or a kind the fold does not know. It runs only when the fold refused (it
-    writes NULL into NOT NULL columns for a booking it cannot fold; an
-    unknown kind is looked for first)."""
+    """`bookings.apply` over a range of the log, run by the database in one
+    INSERT ... SELECT ... ON CONFLICT built from OPENING_STATES and ENDING_STATES;
+    kept for the rebuild's target (docs/recovery.md), held to the domain's fold
+    by tests/storage/test_sql_fold.py. `problem`: the first event the fold
+    refused (it writes NULL into a NOT NULL column for a booking it cannot fold)."""
 
     def __init__(self, placeholder: str) -> None:
         p = placeholder
@@ -476,7 +467,7 @@ class SqlProjectionView:
     def _booking_rows(self, size: int) -> Iterator[list[tuple[Any, ...]]]:
         """Every booking's row, by (lane, reservation_id), `size` at a time."""
         result = self._connection.execution_options(stream_results=True).exec_driver_sql(
-            self._sql.bookings_in_order
+            self._sql.bookings_between(after=False, through=False)
         )
         while rows := result.fetchmany(size):
             yield [tuple(row) for row in rows]
@@ -506,7 +497,6 @@ class SqlRecoveryStore:
         self._sqlite = engine.dialect.name == "sqlite"
         self._batch = batch_rows
         placeholder = "?" if engine.dialect.paramstyle == "qmark" else "%s"
-        self._placeholder = placeholder
         self._sql = _RebuildSql(placeholder)
         self._fold = _FoldSql(placeholder)
         # PostgreSQL: where a verified point may be set (storage/horizon.py): the
@@ -584,14 +574,9 @@ class SqlRecoveryStore:
 
     @contextlib.contextmanager
     def settled_view(self) -> Iterator[SqlProjectionView]:
-        """A view of an instant when no append was in flight: every seq below
-        its last event is in it or never will be, so "the projections at that
-        event" is a point a rebuild can go on from. On PostgreSQL lanes commit
-        independently, and a plain snapshot may hold seq 11 while seq 10 still
-        runs (storage/horizon.py). There the maintenance lock, taken alone on
-        a second connection, waits for the appends in flight and holds new
-        ones back while the view takes its snapshot (one statement); it waits
-        at most SETTLE_WAIT_MS (then StoreUnavailable: try again later)."""
+        """A view of an instant when no append was in flight (docs/recovery.md,
+        Snapshots): on PostgreSQL, taken under the maintenance lock held on a
+        second connection for at most SETTLE_WAIT_MS (then StoreUnavailable)."""
         if self._sqlite:  # one writer: a read transaction sees whole commits
             with self.view() as view:
                 yield view
@@ -634,9 +619,8 @@ class SqlRecoveryStore:
         return records.events_from_rows(rows)
 
     def final_seq(self) -> int:
-        """The last event below which none is still in flight (on SQLite, the
-        last). Read committed, not in a snapshot: the horizon moves as
-        transactions end (storage/horizon.py)."""
+        """The last event below which none is in flight (storage/horizon.py);
+        read committed, as the horizon moves when transactions end."""
         with translated(self._engine), self._engine.connect() as connection, connection.begin():
             return SqlTransaction(connection, self._sqlite, horizon=self._horizon).last_seq()
 
@@ -679,10 +663,8 @@ class SqlRecoveryStore:
                     pass  # a point at or past this one is recorded already
 
     def check_integrity(self) -> None:
-        """Raises StoreDamaged when SQLite's integrity_check finds the file
-        damaged: pages, and indexes whose entries no longer match their rows,
-        which no query of a verification reads (docs/recovery.md). Nothing on
-        PostgreSQL, whose own checks (amcheck) are the operator's."""
+        """StoreDamaged when SQLite's integrity_check finds the file damaged
+        (docs/recovery.md); on PostgreSQL amcheck is the operator's."""
         if not self._sqlite:
             return
         with self._reading() as connection:
@@ -724,10 +706,8 @@ class SqlRecoveryStore:
             return SqlTransaction(connection, self._sqlite).window_totals(lane, now_us, window_us)
 
     def kept_window(self, policy: LanePolicy, now_us: int) -> tuple[int, WindowTotals] | None:
-        """The instant the budget's kept sums were last moved to, and what a move
-        would read of its window now from them (window_states: PostgreSQL's;
-        SQLite keeps them in the writer's memory, built from the bookings), or
-        None where none is kept."""
+        """When the budget's kept sums (PostgreSQL's window_states) were last
+        moved, and the window a move would read from them now; None on SQLite."""
         if self._sqlite:
             return None
         with self._reading() as connection:
@@ -859,10 +839,8 @@ class SqlRecoveryStore:
         lease_us: int,
         assessed: tuple[str, str, int] | Literal["any"] | None = "any",
     ) -> bool:
-        """Marks the projections ours to rebuild; False while another process's
-        lease runs. `assessed`: the marker_key the assessment saw, else
-        MarkerMoved (a plan made from it is stale; our own claim, from a plan
-        made again, is not); "any": claim regardless."""
+        """Marks the projections ours to rebuild; False while another's lease
+        runs. `assessed`: the marker_key seen (else MarkerMoved), or "any"."""
         with self._writing(marker=True) as connection:
             row = _position(connection)
             ours = row is not None and row.state == STATE_REBUILDING and row.owner == owner
@@ -923,13 +901,10 @@ class SqlRecoveryStore:
         found: list[BookingKey] = []
         with self._reading() as connection:
             while True:
-                if not found:
-                    row = connection.exec_driver_sql(self._sql.first_booking_key_at, (every - 1,))
-                else:
-                    row = connection.exec_driver_sql(
-                        self._sql.booking_key_at, (*found[-1], every - 1)
-                    )
-                key = row.first()
+                last = found[-1] if found else ("", "")
+                key = connection.exec_driver_sql(
+                    self._sql.booking_key_at, (*last, every - 1)
+                ).first()
                 if key is None:
                     return found
                 found.append((str(key[0]), str(key[1])))
@@ -940,20 +915,8 @@ class SqlRecoveryStore:
         """How many bookings have keys in (after, through] (None: from the
         first, to the last), and snapshots.booking_lines of their texts, in
         key order."""
-        p = self._placeholder
-        conditions: list[str] = []
-        parameters: list[str] = []
-        if after is not None:
-            conditions.append(f"(lane, reservation_id) > ({p}, {p})")
-            parameters += after
-        if through is not None:
-            conditions.append(f"(lane, reservation_id) <= ({p}, {p})")
-            parameters += through
-        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
-        sql = (
-            f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name}{where} "
-            "ORDER BY lane, reservation_id"
-        )
+        sql = self._sql.bookings_between(after is not None, through is not None)
+        parameters = (*(after or ()), *(through or ()))
         with self._reading() as connection:
             rows = [tuple(row) for row in connection.exec_driver_sql(sql, tuple(parameters))]
         texts = records.booking_texts_from_rows(rows)
@@ -1024,9 +987,8 @@ class SqlRecoveryStore:
                 transaction.commit()
 
     def release_rebuild(self, owner: str) -> None:
-        """Ends our claim's lease at once. The marker stays "rebuilding" (the
-        projections are not whole), and the next assessment, by any process,
-        plans a rebuild again instead of waiting for the lease to run out."""
+        """Ends our lease at once; the marker stays "rebuilding", and the next
+        assessment plans again instead of waiting for the lease."""
         with self._writing(marker=True) as connection:
             connection.execute(_our_rebuild(owner).values(updated_at_us=0))
 
@@ -1073,10 +1035,8 @@ class SqlRecoveryStore:
             )
 
     def accepted_breaks(self) -> Mapping[str, AcceptedBreak]:
-        """The broken links an operator's recovery accepted (`ledger recover
-        --max-risk 1`), by their description: the `accepted_breaks` of the
-        manifests whose rebuild was done, the first to accept each. Read from
-        the newest MAX_ACCEPTING_MANIFESTS such manifests."""
+        """The broken links accepted by carried-out recoveries, by description,
+        each with the first manifest (of the newest MAX_ACCEPTING_MANIFESTS)."""
         with self._reading() as connection:
             rows = connection.execute(
                 select(
@@ -1140,9 +1100,7 @@ def _snapshot_info(row: Any) -> SnapshotInfo:
     )
 
 
-# A chunk's kinds. "booking_rows" holds {"columns": [...], "rows": [[...]]}:
-# bookings as arrays of their columns, named once; "bookings" (a dict per
-# booking) is an older format, still read.
+# A chunk's kinds (docs/recovery.md, Snapshots); "bookings" is older, still read.
 CHUNK_LANES = "lanes"
 CHUNK_BOOKINGS = "bookings"
 CHUNK_BOOKING_ROWS = "booking_rows"
@@ -1162,8 +1120,7 @@ _booking_columns_of = operator.itemgetter(*records.BOOKING_COLUMNS)
 
 
 def _chunk_of(kind: str, payload: Any) -> SnapshotChunk:
-    """A chunk read back: bookings as rows of BOOKING_COLUMNS (a missing
-    column is a KeyError, a value no enum has a ValueError, as from Bookings)."""
+    """A chunk read back (a missing column: KeyError; a bad enum: ValueError)."""
     if kind == CHUNK_LANES:
         return SnapshotChunk(lanes=[records.lane_from_row(row) for row in payload])
     if kind == CHUNK_BOOKINGS:
