@@ -68,15 +68,9 @@ def _default_of(field: dataclasses.Field[Any]) -> Any:
 
 # The fast encoding --------------------------------------------------------------
 #
-# Every append hashes an event and every rebuild checks them all, so an event's
-# text must cost little. It is the same text as `canonical_json` of its fields
-# (tests/domain/test_chain_canonical.py keeps that reference and compares), made
-# without building a dict: the event's field values are read in sorted-key order
-# in one call, and the values' types and which are falsy (at their default) pick
-# a cached template for str.format, e.g. '{{"amount_nanos":{0},"kind":"{7._value_}",...}}'.
-# Integers and enums of plain string values are written by str.format itself;
-# strings (escaped) and anything else (through the reference) by a converter
-# each, into slots after the values.
+# Every append and every rebuild hashes events: an event's text is `canonical_json`
+# of its fields (tests/domain/test_chain_canonical.py compares) made without a
+# dict, by a str.format template cached per the values' types and truths.
 
 
 def canonical_json(value: Any) -> str:
@@ -242,16 +236,9 @@ class ChainBreak:
 
 
 class ChainWalker:
-    """Checks events in seq order against each lane's chain.
-
-    Start it from genesis (no heads) or from the heads a snapshot recorded.
-    After a break the walker follows the stored hash, so each altered event is
-    reported on its own and the links after it are still checked.
-
-    Events appended before the chain existed (schema 0002 and older) have no
-    hash. They are tolerated as a lane's first events only and counted in
-    `unsealed`: nothing proves they were not changed.
-    """
+    """Checks events in seq order against each lane's chain, from genesis or
+    given heads; after a break it follows the stored hash. Events appended
+    before the chain existed pass as a lane's first only, counted in `unsealed`."""
 
     def __init__(self, heads: Mapping[str, str] | None = None) -> None:
         self.heads: dict[str, str] = dict(heads or {})
@@ -264,8 +251,7 @@ class ChainWalker:
         return found
 
     def check_link(self, seq: int, lane: str, previous_hash: str, hash_: str) -> ChainBreak | None:
-        """The link alone: what `check` finds except an altered content, which
-        the caller checks apart (`content_matches`), for events with a hash."""
+        """`check` without the content (the caller checks it: `content_matches`)."""
         expected = self.heads.get(lane, GENESIS_HASH)
         if not hash_:
             if expected or previous_hash:

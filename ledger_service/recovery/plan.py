@@ -1,25 +1,9 @@
-"""The recovery planner: reconstruct the projections with a bounded cost, or refuse.
+"""The recovery planner: rebuild the projections with a bounded cost, or refuse.
 
-When the projections (lanes, bookings) are missing, behind or inconsistent with
-the log, they can be rebuilt from several sources: a snapshot plus the tail of
-the log after it, or the whole log. Each source has a cost (seconds, estimated
-from how much it must replay and a measured replay rate) and a risk score (the
-chance that it yields a state that differs from the one the log implies). The
-decision follows this boundary (docs/recovery.md):
-
-1. Is reconstruction technically possible? No source can reach the position the
-   ledger must be restored to: HARD_ABORT.
-2. Sources riskier than `max_risk_score` are excluded. Fewer than
-   `min_viable_sources` left: RISK_TOO_HIGH.
-3. The plan uses the `min_viable_sources` cheapest safe sources (with two, both
-   are rebuilt and must agree). Their total cost above `max_budget_seconds`:
-   EXCEEDS_BUDGET.
-4. Otherwise ADMISSIBLE.
-
-Here the sources are alternatives, not parts of one reconstruction (a reconstruction
-would sum every safe source), so the cost is that of the sources the plan uses. The
-manifest's digest covers every field that made the decision (not a constant per
-verdict), so two manifests with one digest are the same decision.
+Pure: sources (each with a cost and a risk) and a policy in, a manifest out,
+its verdict HARD_ABORT, RISK_TOO_HIGH, EXCEEDS_BUDGET or ADMISSIBLE, in that
+order of checks (docs/recovery.md, The planner). Its digest covers every field
+that made the decision.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Snapshots of the projections: what they hold and how their digest is made.
 
-A snapshot is the lanes and bookings as they stood right after event
-`position_seq`, plus each lane's chain head (the hash of its last event at that
-position), so that the tail of the log after it can be checked link by link
-without reading the log before it.
+    digest = sha256 over lines: "ledger-snapshot <FORMAT_VERSION> <position_seq>",
+             "heads <json>", "lane <json>" per lane, "booking <json>" per booking
 
-    digest = sha256 over, one line each:
-        "ledger-snapshot <FORMAT_VERSION> <position_seq>"
-        "heads " + canonical JSON of {lane: hash}
-        "lane " + canonical JSON of each lane's policy        (in the order stored)
-        "booking " + canonical JSON of each booking            (in the order stored)
-
-A snapshot whose rows no longer give its recorded digest was changed or damaged
-after it was taken and is never restored from. A snapshot of another format
-version was made by another fold: it is stale.
+(docs/recovery.md, Snapshots.)
 """
 
 from __future__ import annotations
@@ -80,8 +70,7 @@ class ProjectionDigest:
         self._line("booking " + text)
 
     def add_booking_lines(self, count: int, lines: bytes) -> None:
-        """add_booking_text of `count` bookings at once, given as booking_lines
-        of their texts (made elsewhere: in another process, say)."""
+        """add_booking_text of `count` bookings given as booking_lines of their texts."""
         self.bookings += count
         self._hash.update(lines)
 

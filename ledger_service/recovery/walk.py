@@ -1,17 +1,7 @@
-"""Walking the hash chain over ranges of the log, and the work a rebuild
-gives to helper processes.
-
-ChainWalker.check has two halves: the link (an event's previous_hash is its
-lane's previous hash) needs the events in order but only four short columns;
-the content (sha256 of chain.canonical_event is the event's hash) needs the
-whole row and most of the work, but no other event. In a long rebuild,
-helper processes (spawned, never forked: the server's threads and
-connections are not copied) take every n-th range, check the contents and
-send back the seqs that fail, while the calling process walks every link in
-order and folds (`ChainWalk`). At the end a pool makes the digest's lines in
-parts (`BookingLines`). Where processes cannot start (a daemonic parent, an
-unguarded main module) or one dies, the work is done in the calling process
-instead: slower, never skipped.
+"""The hash chain walked over ranges of the log, the contents checked by
+helper processes (spawned, never forked) while this process walks the links
+in order (`ChainWalk`), and the digest's lines made in parts (`BookingLines`);
+where a helper cannot start or dies, the work is done here (docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -117,10 +107,8 @@ def ranges(after_seq: int, through_seq: int, size: int, cuts: Sequence[int] = ()
 
 
 def _text(row: Sequence[Any]) -> str:
-    """chain.canonical_event of the row's event, made from the row's values
-    (chain.canonical_values) unless it has a policy (whose stored JSON is not
-    its canonical text) or a value no enum has: then from its Event, which
-    fails as building it does."""
+    """chain.canonical_event of the row's event; from its Event (which fails as
+    building it does) when it has a policy or a value no enum has."""
     if (
         row[_POLICY] is None
         and row[_KIND] in _KINDS
@@ -133,9 +121,7 @@ def _text(row: Sequence[Any]) -> str:
 
 
 def altered_seqs(rows: Sequence[Sequence[Any]]) -> list[int]:
-    """The seqs of the sealed events among `rows` (of EVENT_COLUMNS) that no
-    longer give their hash: the content half of ChainWalker.check, which
-    needs no other event."""
+    """The seqs of sealed events among `rows` that no longer give their hash."""
     matches = chain.content_matches
     return [
         row[_SEQ]
@@ -147,8 +133,8 @@ def altered_seqs(rows: Sequence[Sequence[Any]]) -> list[int]:
 def walk_links(
     walker: ChainWalker, links: Sequence[Sequence[Any]], altered: Collection[int]
 ) -> list[ChainBreak]:
-    """What walker.check finds over events given as (seq, lane, previous_hash,
-    hash), in seq order, given the seqs whose content does not give their hash."""
+    """What walker.check finds over (seq, lane, previous_hash, hash) links,
+    given the seqs whose content does not give their hash."""
     found: list[ChainBreak] = []
     for seq, lane, previous, hash_ in links:
         broken = walker.check_link(seq, lane, previous, hash_)
@@ -160,8 +146,7 @@ def walk_links(
 
 
 def walk_rows(walker: ChainWalker, rows: Sequence[Sequence[Any]]) -> list[ChainBreak]:
-    """What walker.check finds over the rows' events (rows of EVENT_COLUMNS,
-    in seq order)."""
+    """What walker.check finds over rows of EVENT_COLUMNS, in seq order."""
     return walk_links(walker, [_link(row) for row in rows], set(altered_seqs(rows)))
 
 
@@ -175,14 +160,9 @@ Content = tuple[list[int], list[Event]]
 
 @contextmanager
 def deaf_to_ctrl_c() -> Iterator[None]:
-    """Processes started inside ignore Ctrl-C from birth (an ignored signal
-    stays ignored across the spawn's exec; a blocked one does not stay
-    blocked): it reaches every process of the terminal's group, and it is
-    the command's to handle, which stops its helpers as it stops; a helper
-    killed by it printed a traceback of its own. Here it is only held back
-    (blocked, so Linux keeps it pending), and arrives once they have
-    started. Only the main thread can set a handler: elsewhere each helper
-    ignores it once it runs (ignore_interrupts)."""
+    """Processes started inside ignore Ctrl-C from birth (the command stops
+    them); here it is only held back (blocked) until they have started. Off
+    the main thread each helper ignores it once it runs (ignore_interrupts)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -205,8 +185,7 @@ HELPER_UNAVAILABLE = "the database is unavailable"
 
 
 def received(message: object) -> Content:
-    """A helper's message as the Content it holds; StoreUnavailable for
-    HELPER_UNAVAILABLE."""
+    """A helper's Content; StoreUnavailable for HELPER_UNAVAILABLE."""
     if message == HELPER_UNAVAILABLE:
         raise StoreUnavailable()
     content: Content = message  # type: ignore[assignment]
@@ -216,9 +195,8 @@ def received(message: object) -> Content:
 def _helper(
     sender: multiprocessing.connection.Connection, url: str, ranges: Sequence[tuple[int, int]]
 ) -> None:
-    """A helper process: checks the contents of its ranges and sends each
-    one's Content, in order; or the StoreUnavailable it met. Sending to a
-    caller that is gone ends it."""
+    """A helper process: each of its ranges' Content, in order (or
+    HELPER_UNAVAILABLE); a caller gone ends it."""
     ignore_interrupts()
     engine = database.create(url, database.EngineLimits(pool_size=1, pool_max_overflow=0))
     store = SqlRecoveryStore(engine)
@@ -235,12 +213,9 @@ def _helper(
 
 
 class ChainWalk:
-    """The walk of the ranges of the log ending at `ends`, from `heads` after
-    `after_seq`: each range's WalkedRange, in order. With `processes`, the
-    contents (most of the work) are checked by that many helper processes,
-    started at once, each taking every n-th range; this process walks the
-    links, from four columns of each row. A context manager: its end stops
-    the helpers."""
+    """Each WalkedRange of the ranges ending at `ends`, from `heads` after
+    `after_seq`; `processes` helpers, started at once, check every n-th
+    range's contents. Its end stops them."""
 
     def __init__(
         self,
@@ -332,8 +307,7 @@ _part_stores: dict[str, SqlRecoveryStore] = {}
 def _part_lines(
     url: str, part: tuple[BookingKey | None, BookingKey | None]
 ) -> tuple[int, bytes] | None:
-    """store.booking_lines of one part, in a pool's process; None when the
-    database failed (domain errors do not cross a process boundary)."""
+    """store.booking_lines of one part, in a pool's process; None: the database failed."""
     store = _part_stores.get(url)
     if store is None:
         limits = database.EngineLimits(pool_size=1, pool_max_overflow=0)
@@ -345,9 +319,8 @@ def _part_lines(
 
 
 class BookingLines:
-    """store.booking_lines of parts of the bookings, in order: made by a pool
-    of `processes` processes (started at once, so that they are ready when
-    asked), or here when there are none or they fail."""
+    """store.booking_lines of parts, in order, by a pool of `processes`
+    (started at once), or here when there are none or they fail."""
 
     def __init__(self, store: SqlRecoveryStore, processes: int) -> None:
         self._store = store
