@@ -202,12 +202,18 @@ def _position(connection: Connection, head_seq: int | None = None) -> Position |
     if row.state == STATE_CURRENT and connection.dialect.name != "sqlite":
         # PostgreSQL's appends leave the marker alone (storage/chaining.py):
         # while current, the projections cover the whole log.
-        if head_seq is None:
-            head_seq = int(
-                connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
-            )
-        last_seq = head_seq
+        last_seq = _head_seq(connection) if head_seq is None else head_seq
     return Position(last_seq, str(row.state), str(row.owner), int(row.updated_at_us))
+
+
+def _head_seq(connection: Connection) -> int:
+    return int(connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one())
+
+
+def _inserted_id(connection: Connection, table: Any, **values: Any) -> int:
+    return int(
+        connection.execute(insert(table).values(**values).returning(table.c.id)).scalar_one()
+    )
 
 
 def _stale_bookings(statement: Select[Any]) -> Select[Any]:
@@ -752,22 +758,18 @@ class SqlRecoveryStore:
         self, position_seq: int, chain_heads: Mapping[str, str], taken_at_us: int
     ) -> int:
         with self._writing() as connection:
-            return int(
-                connection.execute(
-                    insert(snapshots)
-                    .values(
-                        state=SNAPSHOT_TAKING,
-                        position_seq=position_seq,
-                        taken_at_us=taken_at_us,
-                        format_version=FORMAT_VERSION,
-                        lanes_count=0,
-                        bookings_count=0,
-                        digest="",
-                        chain_heads_json=_heads_json(chain_heads),
-                        chain_verified=0,
-                    )
-                    .returning(snapshots.c.id)
-                ).scalar_one()
+            return _inserted_id(
+                connection,
+                snapshots,
+                state=SNAPSHOT_TAKING,
+                position_seq=position_seq,
+                taken_at_us=taken_at_us,
+                format_version=FORMAT_VERSION,
+                lanes_count=0,
+                bookings_count=0,
+                digest="",
+                chain_heads_json=_heads_json(chain_heads),
+                chain_verified=0,
             )
 
     def write_snapshot_chunk(self, snapshot_id: int, chunk_no: int, chunk: SnapshotChunk) -> None:
@@ -994,8 +996,7 @@ class SqlRecoveryStore:
 
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
         with self._writing(marker=True) as connection:
-            head = connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
-            if int(head) != applied_seq:
+            if _head_seq(connection) != applied_seq:
                 return False
             result = connection.execute(
                 _our_rebuild(owner).values(state=STATE_CURRENT, owner="", last_seq=applied_seq)
@@ -1010,20 +1011,16 @@ class SqlRecoveryStore:
         self, manifest: Manifest, actor: str, created_at_us: int, outcome: str
     ) -> int:
         with self._writing() as connection:
-            return int(
-                connection.execute(
-                    insert(recovery_manifests)
-                    .values(
-                        created_at_us=created_at_us,
-                        actor=actor[:200],
-                        verdict=manifest.verdict.value,
-                        outcome=outcome,
-                        digest=manifest.digest,
-                        body_json=manifest.to_json(),
-                        elapsed_ms=0,
-                    )
-                    .returning(recovery_manifests.c.id)
-                ).scalar_one()
+            return _inserted_id(
+                connection,
+                recovery_manifests,
+                created_at_us=created_at_us,
+                actor=actor[:200],
+                verdict=manifest.verdict.value,
+                outcome=outcome,
+                digest=manifest.digest,
+                body_json=manifest.to_json(),
+                elapsed_ms=0,
             )
 
     def update_manifest(self, manifest_id: int, outcome: str, elapsed_ms: int) -> None:
