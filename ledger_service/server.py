@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ledger_service.api import tracing
+from ledger_service.api.arrival import ArrivalWatch, RequestArrivalInterceptor
 from ledger_service.api.auth import AuthInterceptor
 from ledger_service.api.deadlines import CallDeadlineInterceptor
 from ledger_service.api.drain import Drain
@@ -253,14 +254,19 @@ class LedgerServer:
             self.telemetry.tracer, self.telemetry.meter
         )
         self._drain = Drain()
+        self._arrivals = ArrivalWatch(settings.request_arrival_seconds, settings.max_workers)
         self._server = self._build_grpc_server()
         self.port = 0
 
     def _build_grpc_server(self) -> grpc.Server:
         settings = self.settings
-        # Tracing outermost, so a call refused by auth or the error table is
-        # traced with its status; the message observer innermost, on decoded messages.
+        # Tracing outermost but for the arrival bound, so a call refused by auth
+        # or the error table is traced with its status; the message observer
+        # innermost, on decoded messages.
         chain = [
+            # Outermost: grpcio must see each one-message method as a request
+            # stream, so that a request that never arrives holds no thread.
+            RequestArrivalInterceptor(self._arrivals),
             self._tracing,
             ErrorInterceptor(),
             # Inside the error table (SHUTTING_DOWN is its row), before any work.
@@ -524,6 +530,7 @@ class LedgerServer:
         # answered SHUTTING_DOWN in it rather than cut off with the running ones.
         stopped = self._server.stop(max(until(deadline), ANSWER_HELD_SECONDS))
         self._drain.release()  # grpcio takes no more calls: the held ones are answered
+        self._arrivals.close()
         clean = stopped.wait(until(last)) and running == 0
         for thread in (self._maintenance, self._health_probe):
             if thread.is_alive():

@@ -100,6 +100,10 @@ class Settings:
     # one connection's stream past that limit is refused, not kept waiting.
     max_calls_per_connection: int = 128
     max_message_bytes: int = 1 * 1024 * 1024
+    # Longest a call may take, from its headers, to deliver its whole request
+    # message before it is cancelled (api/arrival.py): a call waiting holds one
+    # of the pool's threads. 2 s is 1 MiB at 4 Mbit/s.
+    request_arrival_seconds: float = 2.0
     grace_period_seconds: float = 5.0
     # Longest a request may wait for the database before it gets UNAVAILABLE.
     request_deadline_seconds: float = 5.0
@@ -254,6 +258,7 @@ _POSITIVE = frozenset(
         "max_calls_per_connection",
         "max_message_bytes",
         "request_deadline_seconds",
+        "request_arrival_seconds",
         "pool_size",
         "pool_timeout_seconds",
         "statement_timeout_ms",

@@ -1,0 +1,146 @@
+"""A bound on how long a call may take to deliver its request message.
+
+grpcio's synchronous server gives a call one of the pool's threads as soon as
+its headers arrive, and for a method with one request message that thread
+waits, without end, for the message. A peer that sends headers and part of a
+message, then nothing (a slow loris), held a thread per stream: 100 such
+streams on one connection held every thread, and every other client waited
+until its deadline. So every method with one request message is served here
+as a request stream whose first message is awaited at most
+`request_arrival_seconds`; a call still waiting then is cancelled, and its
+thread is free. While more than `max_waiting` calls wait at once (a peer
+opening such streams faster than the bound ends them), the oldest past
+PRESSED_ARRIVAL_SECONDS are cancelled too, so that the threads go to calls
+whose messages have come. A call whose request ended without a whole message gets
+INVALID_ARGUMENT (UNDECODABLE_REQUEST), as bytes that do not decode do,
+rather than grpcio's UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from ledger_service.api.errors import UNDECODABLE_MESSAGE, UNDECODABLE_REASON, refuse
+
+# How often, at most, the watchman looks for calls that waited too long: a
+# call is cancelled between request_arrival_seconds and this much later.
+LOOK_EVERY_SECONDS = 0.1
+# While more calls wait than the watch's max_waiting, a call waiting this long
+# is cancelled: a message on its way over a working link is read in far less.
+PRESSED_ARRIVAL_SECONDS = 0.2
+
+
+class ArrivalWatch:
+    """The calls waiting for their request message, and one thread that
+    cancels those waiting past the bound. It holds at most one entry per
+    call waiting (bounded by max_concurrent_rpcs) and sleeps while none waits."""
+
+    def __init__(self, arrival_seconds: float, max_waiting: int) -> None:
+        self._arrival_seconds = arrival_seconds
+        self._max_waiting = max_waiting
+        # By arrival (the numbers increase): when each started, and its context.
+        self._waiting: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._numbers = itertools.count()
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def first_request(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The first message of `requests`, or None when the call was
+        cancelled (here, or by its caller) before it came."""
+        number = next(self._numbers)
+        with self._changed:
+            self._waiting[number] = (time.monotonic(), context)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(
+                    target=self._watch, name="request-arrival", daemon=True
+                )
+                self._thread.start()
+            self._changed.notify()
+        try:
+            return next(requests)
+        except StopIteration:
+            refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE, UNDECODABLE_REASON
+            )
+        except grpc.RpcError:
+            return None  # cancelled: no status can be sent any more
+        finally:
+            with self._changed:
+                del self._waiting[number]
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        with self._changed:
+            while not self._closed:
+                if not self._waiting:
+                    self._changed.wait()
+                    continue
+                for number in self._late(time.monotonic()):
+                    self._waiting.pop(number)[1].cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leave it untyped
+                self._changed.wait(LOOK_EVERY_SECONDS)
+
+    def _late(self, now: float) -> list[int]:
+        """The calls to cancel: those past the bound, and while too many
+        wait, the oldest past PRESSED_ARRIVAL_SECONDS."""
+        over = len(self._waiting) - self._max_waiting
+        late = []
+        for number, (started, _) in self._waiting.items():
+            waited = now - started
+            if waited >= self._arrival_seconds or (over > 0 and waited >= PRESSED_ARRIVAL_SECONDS):
+                late.append(number)
+                over -= 1
+            elif over <= 0:
+                break  # the rest came later still
+        return late
+
+
+class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Serves each method with one request message as a request stream whose
+    message is awaited under the watch's bound. Outermost: grpcio must see the
+    streaming shape. It only passes the request's bytes on, and never raises."""
+
+    def __init__(self, watch: ArrivalWatch) -> None:
+        self._watch = watch
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        if getattr(handler.unary_unary or handler.unary_stream, "experimental_non_blocking", False):
+            return handler
+        first = self._watch.first_request
+        decode, encode = handler.request_deserializer, handler.response_serializer
+        if handler.unary_unary is not None:
+            answer = handler.unary_unary
+
+            def unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                request = first(requests, context)
+                return None if request is None else answer(request, context)
+
+            return grpc.stream_unary_rpc_method_handler(unary, decode, encode)
+        stream = handler.unary_stream
+        assert stream is not None, "a handler with one request message is unary or streams"
+
+        def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            request = first(requests, context)
+            if request is not None:
+                yield from stream(request, context)
+
+        return grpc.stream_stream_rpc_method_handler(streaming, decode, encode)

@@ -1,0 +1,94 @@
+"""Peers that open calls and never finish sending the request (a slow loris).
+
+A grpcio client calling a one-message method as a request stream sends the
+call's headers, then whatever its request iterator yields: an iterator that
+blocks sends nothing more, one that is empty ends the request with no message.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from tests.security.conftest import HOME_LANE, SecureLedger
+
+BALANCE = "/ledger.v1.Ledger/GetBalance"
+WATCH = "/ledger.v1.Ledger/WatchEvents"
+# More stalled calls than the pool has threads (max_workers + max_watchers).
+STALLED_CALLS = 12
+CALL_SECONDS = 10.0
+
+
+def _never(release: threading.Event) -> Iterator[bytes]:
+    release.wait()
+    yield from ()
+
+
+def test_stalled_requests_do_not_starve_other_callers(
+    start_secure_ledger: Callable[..., SecureLedger],
+) -> None:
+    # A pool of 3 threads, and a bound on a request's arrival far beyond the
+    # calls' deadlines: only the pressure of calls waiting frees the threads.
+    ledger = start_secure_ledger(max_workers=2, max_watchers=1, request_arrival_seconds=600.0)
+    address = f"127.0.0.1:{ledger.server.port}"
+    release = threading.Event()
+    with grpc.insecure_channel(address) as flooding, grpc.insecure_channel(address) as other:
+        stalled = [
+            flooding.stream_unary(BALANCE).future(
+                _never(release), metadata=ledger.admin, timeout=CALL_SECONDS * 3
+            )
+            for _ in range(STALLED_CALLS)
+        ]
+        balance = other.unary_unary(
+            BALANCE,
+            request_serializer=pb.GetBalanceRequest.SerializeToString,
+            response_deserializer=pb.Balance.FromString,
+        )
+        # Before the bound on waiting calls, this waited for a thread until its deadline.
+        answer = balance(
+            pb.GetBalanceRequest(lane=HOME_LANE), metadata=ledger.admin, timeout=CALL_SECONDS
+        )
+        assert answer.lane == HOME_LANE
+        release.set()
+        codes = {call.exception().code() for call in stalled if call.exception() is not None}
+        assert grpc.StatusCode.CANCELLED in codes, codes
+
+
+def test_stalled_request_is_cancelled_at_the_arrival_bound(
+    start_secure_ledger: Callable[..., SecureLedger],
+) -> None:
+    ledger = start_secure_ledger(request_arrival_seconds=0.5)
+    release = threading.Event()
+    with grpc.insecure_channel(f"127.0.0.1:{ledger.server.port}") as channel:
+        call = channel.stream_unary(BALANCE).future(
+            _never(release), metadata=ledger.admin, timeout=CALL_SECONDS
+        )
+        error = call.exception(timeout=CALL_SECONDS)
+        release.set()
+    assert error is not None
+    assert error.code() is grpc.StatusCode.CANCELLED, error
+
+
+def test_request_without_a_message_is_invalid_argument(
+    start_secure_ledger: Callable[..., SecureLedger],
+) -> None:
+    """grpcio answered UNIMPLEMENTED ('requires exactly one request message')."""
+    ledger = start_secure_ledger()
+    with grpc.insecure_channel(f"127.0.0.1:{ledger.server.port}") as channel:
+        for path, call in (
+            (BALANCE, channel.stream_unary(BALANCE)),
+            (WATCH, channel.stream_stream(WATCH)),
+        ):
+            try:
+                answer = call(iter(()), metadata=ledger.admin, timeout=CALL_SECONDS)
+                list(answer) if path == WATCH else None
+            except grpc.RpcError as error:
+                assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, (path, error)
+                reasons = dict(error.trailing_metadata() or ())
+                assert reasons.get("ledger-reason") == "UNDECODABLE_REQUEST", (path, reasons)
+            else:
+                raise AssertionError(f"{path}: a call with no request message was answered")
+    assert ledger.event_count() == 2  # the two lanes put at start, nothing more
