@@ -34,6 +34,7 @@ LOOK_EVERY_SECONDS = 0.1
 # While more calls wait than the watch's max_waiting, a call waiting this long
 # is cancelled: a message on its way over a working link is read in far less.
 PRESSED_ARRIVAL_SECONDS = 0.2
+ARRIVAL_MESSAGE = "the request did not arrive in time"
 
 
 class ArrivalWatch:
@@ -52,8 +53,8 @@ class ArrivalWatch:
         self._thread: threading.Thread | None = None
 
     def first_request(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-        """The first message of `requests`, or None when the call was
-        cancelled (here, or by its caller) before it came."""
+        """The first message of `requests`. Ends the call (raises) when it was
+        cancelled before the message came, or the request ended without one."""
         number = next(self._numbers)
         with self._changed:
             self._waiting[number] = (time.monotonic(), context)
@@ -70,7 +71,10 @@ class ArrivalWatch:
                 context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE, UNDECODABLE_REASON
             )
         except grpc.RpcError:
-            return None  # cancelled: no status can be sent any more
+            # Cancelled, here or by its caller's deadline: no status reaches the
+            # caller any more, but aborting keeps grpcio from serializing an
+            # answer of None (an ERROR and a traceback in the log).
+            context.abort(grpc.StatusCode.CANCELLED, ARRIVAL_MESSAGE)
         finally:
             with self._changed:
                 del self._waiting[number]
@@ -131,16 +135,13 @@ class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-ar
             answer = handler.unary_unary
 
             def unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                request = first(requests, context)
-                return None if request is None else answer(request, context)
+                return answer(first(requests, context), context)
 
             return grpc.stream_unary_rpc_method_handler(unary, decode, encode)
         stream = handler.unary_stream
         assert stream is not None, "a handler with one request message is unary or streams"
 
         def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            request = first(requests, context)
-            if request is not None:
-                yield from stream(request, context)
+            yield from stream(first(requests, context), context)
 
         return grpc.stream_stream_rpc_method_handler(streaming, decode, encode)

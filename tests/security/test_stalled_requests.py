@@ -7,10 +7,12 @@ blocks sends nothing more, one that is empty ends the request with no message.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 
 import grpc
+import pytest
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from tests.security.conftest import HOME_LANE, SecureLedger
@@ -92,3 +94,22 @@ def test_request_without_a_message_is_invalid_argument(
             else:
                 raise AssertionError(f"{path}: a call with no request message was answered")
     assert ledger.event_count() == 2  # the two lanes put at start, nothing more
+
+
+def test_request_cut_off_by_its_deadline_logs_no_error(
+    start_secure_ledger: Callable[..., SecureLedger], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call cancelled while its request was awaited answered None, which
+    grpcio logged as 'Exception serializing message!' with a traceback."""
+    ledger = start_secure_ledger()
+    release = threading.Event()
+    with grpc.insecure_channel(f"127.0.0.1:{ledger.server.port}") as channel:
+        call = channel.stream_unary(BALANCE).future(
+            _never(release), metadata=ledger.admin, timeout=0.2
+        )
+        error = call.exception(timeout=CALL_SECONDS)
+        release.set()
+    assert error is not None and error.code() is grpc.StatusCode.DEADLINE_EXCEEDED, error
+    assert ledger.server.stop(CALL_SECONDS)  # every call's handler has ended
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert errors == [], [record.getMessage() for record in errors]
