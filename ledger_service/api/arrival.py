@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from ledger_service.api.errors import UNDECODABLE_MESSAGE, UNDECODABLE_REASON, refuse
+from ledger_service.api.errors import refuse_undecodable
 
 # How often, at most, the watchman looks for calls that waited too long: a
 # call is cancelled between request_arrival_seconds and this much later.
@@ -67,9 +67,7 @@ class ArrivalWatch:
         try:
             return next(requests)
         except StopIteration:
-            refuse(
-                context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE, UNDECODABLE_REASON
-            )
+            refuse_undecodable(context)
         except grpc.RpcError:
             # Cancelled, here or by its caller's deadline: no status reaches the
             # caller any more, but aborting keeps grpcio from serializing an

@@ -222,8 +222,13 @@ def _decode(raw: bytes, decode: Callable[[bytes], Any], context: grpc.ServicerCo
     try:
         return decode(raw)
     except Exception:
-        refuse(context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE, UNDECODABLE_REASON)
+        refuse_undecodable(context)
         raise  # unreachable: abort raises
+
+
+def refuse_undecodable(context: grpc.ServicerContext) -> None:
+    """Ends the call: its request is not a whole message of the method's type. Raises."""
+    refuse(context, grpc.StatusCode.INVALID_ARGUMENT, UNDECODABLE_MESSAGE, UNDECODABLE_REASON)
 
 
 def _failing(error: Exception) -> Behaviour:
