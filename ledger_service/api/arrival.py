@@ -51,6 +51,10 @@ class ArrivalWatch:
         self._changed = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        # The watchman sleeps without a timeout while no call waits: only then
+        # does a new call wake it (waking it for every call would cost a thread
+        # switch a call).
+        self._idle = False
 
     def first_request(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The first message of `requests`. Ends the call (raises) when it was
@@ -63,7 +67,9 @@ class ArrivalWatch:
                     target=self._watch, name="request-arrival", daemon=True
                 )
                 self._thread.start()
-            self._changed.notify()
+            elif self._idle:
+                self._idle = False
+                self._changed.notify()
         try:
             return next(requests)
         except StopIteration:
@@ -88,7 +94,9 @@ class ArrivalWatch:
         with self._changed:
             while not self._closed:
                 if not self._waiting:
+                    self._idle = True
                     self._changed.wait()
+                    self._idle = False
                     continue
                 for number in self._late(time.monotonic()):
                     self._waiting.pop(number)[1].cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leave it untyped
