@@ -14,7 +14,7 @@ from ledger_service.settings import Settings, unread_variables
 
 def register(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run the ledger's gRPC server")
-    _database_options(serve)
+    database_options(serve)
     serve.add_argument(
         "--listen",
         metavar="HOST:PORT",
@@ -97,11 +97,11 @@ def register(commands: Any) -> None:
     serve.set_defaults(run=_serve)
 
     migrate = commands.add_parser("migrate", help="create or upgrade the database schema")
-    _database_options(migrate)
+    database_options(migrate)
     migrate.set_defaults(run=_migrate)
 
 
-def _database_options(parser: argparse.ArgumentParser) -> None:
+def database_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--database-url",
         metavar="URL",

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ledger_service.cli.exits import EXIT_INTERRUPTED
-from ledger_service.cli.operate import settings_from
+from ledger_service.cli.operate import database_options, settings_from
 from ledger_service.cli.render import micros_time_text
 from ledger_service.settings import Settings
 
@@ -35,7 +35,7 @@ def register(commands: Any) -> None:
         help="check every hash-chain link and every projected lane, booking and window "
         "total against a replay of the log",
     )
-    _database_options(verify)
+    database_options(verify)
     verify.add_argument(
         "--at-us",
         type=int,
@@ -46,7 +46,7 @@ def register(commands: Any) -> None:
     verify.set_defaults(run=_interruptible("verify", _verify))
 
     snapshot = commands.add_parser("snapshot", help="snapshot the projections now")
-    _database_options(snapshot)
+    database_options(snapshot)
     snapshot.set_defaults(run=_interruptible("snapshot", _snapshot))
 
     rebuild = commands.add_parser(
@@ -54,7 +54,7 @@ def register(commands: Any) -> None:
         help="rebuild lanes and bookings from the newest verified snapshot and the log's "
         "tail (or the whole log), in batches, with progress on stderr",
     )
-    _database_options(rebuild)
+    database_options(rebuild)
     rebuild.add_argument("--from-scratch", action="store_true",
                          help="replay the whole log; ignore snapshots")  # fmt: skip
     rebuild.set_defaults(run=_interruptible("rebuild", _rebuild))
@@ -64,7 +64,7 @@ def register(commands: Any) -> None:
         help="assess the projections and, if the planner admits it within your budget, "
         "rebuild them (a running server serves again within its check interval)",
     )
-    _database_options(recover)
+    database_options(recover)
     recover.add_argument(
         "--budget-seconds",
         type=float,
@@ -119,17 +119,6 @@ def _interruptible(
             return EXIT_INTERRUPTED
 
     return interruptible
-
-
-def _database_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--database-url",
-        metavar="URL",
-        help="default LEDGER_DATABASE_URL or a SQLite file in the data directory",
-    )
-    parser.add_argument(
-        "--data-dir", type=pathlib.Path, metavar="DIR", help="default LEDGER_DATA_DIR or ./data"
-    )
 
 
 class ProgressPrinter:
