@@ -13,8 +13,13 @@ is sent again (`ClientSettings.end_attempts`, 3 by default). Ledger trouble
 while ending never raises out of the block: the ending goes to the journal for
 replay, or is logged and kept on the handle.
 
-A Reserve that got no answer (the ledger may have booked it) for a call that
-will not be made is refunded: journaled in doubt and replayed when there is a
+A Reserve that got no answer to a retryable error (UNAVAILABLE, a reset
+connection, a replica gone) is sent again, the same request under the same id,
+while its deadline (`ClientSettings.deadline_seconds`, from the first send)
+has time left, up to `end_attempts` in all: the ledger answers a repeat with
+its first answer, admitted or denied, and that is the call's answer.
+A Reserve still without an answer (the ledger may have booked it) for a call
+that will not be made is refunded: journaled in doubt and replayed when there is a
 journal, else sent in the background (BackgroundRefunds), as the Node client
 does.
 """
@@ -105,6 +110,9 @@ MAX_ENDED_IDS = 1000
 UNANSWERED_REASON = "not sent: the Reserve went unanswered"
 SUPERSEDED_DETAIL = "reserved again under its id and admitted: the call that followed ends it"
 NO_OUTCOME_REASON = "the block ended without reporting an outcome"
+# A Reserve is sent again only with at least this much of its deadline left:
+# less could not carry an answer back (the Node client's MIN_RESEND_MS).
+MIN_RESEND_SECONDS = 0.005
 
 
 class Denied(Exception):
@@ -506,6 +514,8 @@ class ModelCall:
         self._arguments = arguments
         self._trace_id = trace_id
         self._handle: CallHandle | None = None
+        # Whether one of the Reserve's attempts may have booked it (its answer lost).
+        self._reserve_in_doubt = False
 
     def __enter__(self) -> CallHandle:
         if self._handle is not None:
@@ -560,16 +570,16 @@ class ModelCall:
     def _reserve(self) -> CallHandle:
         arguments = self._arguments
         support = self._support
-        self._clear_refund()
+        self._clear_refund(support.deadline_seconds)
         try:
-            reservation = support.ledger.reserve_arguments(arguments, trace_id=self._trace_id)
+            reservation = self._send_reserve()
         except LedgerUnavailable as error:
             return self._reserve_in_outage(error)
         except ClientClosed as error:
             # close() cut the Reserve off: the ledger may have booked it, and
             # the call will not be made. Its refund is journaled in doubt (the
             # channel is closed, so nothing can be sent now) for the next start.
-            if error.may_have_applied:
+            if error.may_have_applied or self._reserve_in_doubt:
                 self._journal_in_doubt()
             raise
         except LedgerError as error:
@@ -595,7 +605,44 @@ class ModelCall:
             self._trace_id,
         )
 
-    def _clear_refund(self) -> None:
+    def _send_reserve(self) -> Reservation:
+        """The Reserve, sent again (the same request: the ledger answers a repeat
+        with its first answer) after a retryable error, as an ending is, but all
+        within one deadline_seconds from the first send, so a lost answer costs
+        no refund when the ledger answers in time. DEADLINE_EXCEEDED means that
+        time is spent. Before each resend the id is cleared again: a refund of
+        it (another call's, under the same id) may have ended its booking since."""
+        support = self._support
+        deadline = time.monotonic() + support.deadline_seconds
+        attempt = 1
+        while True:
+            try:
+                return support.ledger.reserve_arguments(
+                    self._arguments,
+                    deadline_seconds=max(deadline - time.monotonic(), MIN_RESEND_SECONDS),
+                    trace_id=self._trace_id,
+                )
+            except LedgerError as error:
+                # Any attempt may have booked it: one later refusal does not undo that.
+                self._reserve_in_doubt = self._reserve_in_doubt or may_have_applied(error)
+                pause = END_RETRY_PAUSE_SECONDS * attempt
+                if (
+                    not is_retryable(error)
+                    or error.code is grpc.StatusCode.DEADLINE_EXCEEDED
+                    or attempt >= support.end_attempts
+                    or deadline - time.monotonic() - pause < MIN_RESEND_SECONDS
+                ):
+                    raise
+            time.sleep(pause)
+            attempt += 1
+            try:
+                self._clear_refund(max(deadline - time.monotonic(), MIN_RESEND_SECONDS))
+            except BaseException:
+                # That refund (under way, or done) ends what the Reserves booked.
+                self._reserve_in_doubt = False
+                raise
+
+    def _clear_refund(self, deadline_seconds: float) -> None:
         """A refund of an unanswered Reserve of this id may have ended the booking
         a Reserve would now be admitted to (BackgroundRefunds.clear). When that
         cannot be known, the lane falls back, whatever its outage mode: a call
@@ -615,9 +662,7 @@ class ModelCall:
         if support.refunds is None:
             return
         try:
-            support.refunds.clear(
-                support.ledger, reservation_id, self._trace_id, support.deadline_seconds
-            )
+            support.refunds.clear(support.ledger, reservation_id, self._trace_id, deadline_seconds)
         except LedgerUnavailable as error:
             raise Denied(
                 DenialReason.LEDGER_UNAVAILABLE,
@@ -651,7 +696,7 @@ class ModelCall:
         instead of expiring at its hold. With a journal the refund is journaled
         (in doubt) and replayed; without one (or with the journal full of them,
         or failing) it is sent in the background, off the call's path."""
-        if not may_have_applied(error):
+        if not (may_have_applied(error) or self._reserve_in_doubt):
             return
         if self._journal_in_doubt():
             return

@@ -557,7 +557,8 @@ def test_a_definite_refusal_is_not_refunded(error: Callable[[], errors.LedgerErr
         with pytest.raises((Denied, errors.LedgerError)), call(client):
             raise AssertionError("the model must not be called")
         refunds_of(client)
-    assert [method for method, _ in fake.rpcs] == ["reserve"]
+    # RESOURCE_EXHAUSTED is retryable: its Reserve is sent again, never refunded.
+    assert {method for method, _ in fake.rpcs} == {"reserve"}
 
 
 def test_with_a_journal_full_of_doubts_the_refund_goes_in_the_background(
@@ -978,7 +979,8 @@ def test_the_attempts_are_a_setting(pauses: list[float]) -> None:
 
 
 class LosesTheFirstAnswer(FakeLedger):
-    """Books every Reserve; the first one's answer is lost on the way back."""
+    """Books every Reserve; the first one's answer is lost on the way back
+    as its deadline passes (so it is not sent again within the call)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -988,7 +990,7 @@ class LosesTheFirstAnswer(FakeLedger):
         answer = super().reserve_arguments(arguments, **options)
         if not self.lost:
             self.lost = True
-            raise lost(grpc.StatusCode.UNAVAILABLE)()
+            raise lost(grpc.StatusCode.DEADLINE_EXCEEDED)()
         return answer
 
 
@@ -1082,3 +1084,182 @@ def test_a_retry_after_its_in_doubt_refund_landed_is_refused_before_the_call(tmp
         ):
             raise AssertionError("the model must not be called")
     assert fake.event_counts() == {rid: ["reserved", "refunded"]}
+
+
+# A Reserve whose answer was lost is sent again within its deadline ----------------------
+
+
+class ScriptedReserves(FakeLedger):
+    """Books every Reserve (a repeat gets the first answer, as the ledger's);
+    the answers of the first ones are lost with `errors_in_turn`, one each."""
+
+    def __init__(self, *errors_in_turn: Callable[[], errors.LedgerError], limit_nanos: int = 10**9):
+        super().__init__(limit_nanos)
+        self.errors_in_turn = list(errors_in_turn)
+        self.deadlines: list[float | None] = []
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        self.deadlines.append(options.get("deadline_seconds"))
+        answer = super().reserve_arguments(arguments, **options)
+        if self.errors_in_turn:
+            raise self.errors_in_turn.pop(0)()
+        return answer
+
+
+def reset() -> errors.LedgerError:
+    """A connection reset under the call: a bare INTERNAL, the transport's."""
+    return errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, ()))
+
+
+@pytest.mark.parametrize(
+    "error", [lost(grpc.StatusCode.UNAVAILABLE), lost(grpc.StatusCode.CANCELLED), reset]
+)
+def test_a_reserve_whose_answer_was_lost_is_sent_again_and_admitted(
+    error: Callable[[], errors.LedgerError], pauses: list[float]
+) -> None:
+    fake = ScriptedReserves(error)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with call(client) as handle:
+            handle.succeeded(input_tokens=900, output_tokens=100)
+        assert refunds_of(client).running == 0
+    rid = handle.reservation_id
+    assert handle.source is CallSource.LEDGER and handle.result is not None
+    assert fake.rpcs == [("reserve", rid), ("reserve", rid), ("end", rid)]  # no refund
+    assert fake.event_counts() == {rid: ["reserved", "settled"]}
+    assert pauses == [0.02]  # END_RETRY_PAUSE_SECONDS, as an ending's resend
+
+
+def test_a_resent_reserve_that_is_denied_is_the_calls_denial(pauses: list[float]) -> None:
+    fake = ScriptedReserves(lost(grpc.StatusCode.UNAVAILABLE), limit_nanos=HOLD_NANOS - 1)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied) as denied, call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    assert denied.value.denial_reason is DenialReason.BUDGET_EXHAUSTED
+    assert [method for method, _ in fake.rpcs] == ["reserve", "reserve"]  # no refund
+
+
+def test_a_reserve_that_never_gets_an_answer_is_refunded_after_its_attempts(
+    pauses: list[float],
+) -> None:
+    fake = ScriptedReserves(*[lost(grpc.StatusCode.UNAVAILABLE)] * 5)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied) as denied, call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    assert denied.value.denial_reason is DenialReason.LEDGER_UNAVAILABLE
+    assert [method for method, _ in fake.rpcs] == ["reserve"] * 3 + ["end"]
+    assert pauses[:2] == [0.02, 0.04]  # then the background refund's own pauses, if any
+    assert fake.event_counts() == {denied.value.reservation_id: ["reserved", "refunded"]}
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lost(grpc.StatusCode.DEADLINE_EXCEEDED),  # the call's deadline is spent
+        lambda: errors.from_rpc_error(
+            FakeRpcError(grpc.StatusCode.INTERNAL, (("ledger-reason", "INTERNAL"),))
+        ),  # the ledger failed: final
+    ],
+)
+def test_a_reserve_is_not_sent_again_after_its_deadline_or_a_final_error(
+    error: Callable[[], errors.LedgerError], pauses: list[float]
+) -> None:
+    fake = ScriptedReserves(error)
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises((Denied, errors.LedgerInternal)), call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    assert [method for method, _ in fake.rpcs] == ["reserve", "end"]  # refunded, as before
+
+
+class Clock:
+    """calls.time for one test: each Reserve takes `reserve_seconds`, each pause its length."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_the_resends_stay_within_the_calls_deadline(monkeypatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(calls, "time", clock)
+    fake = ScriptedReserves(*[lost(grpc.StatusCode.UNAVAILABLE)] * 5)
+    real_reserve = fake.reserve_arguments
+
+    def slow_reserve(arguments, **options):  # type: ignore[no-untyped-def]
+        clock.now += 0.1
+        return real_reserve(arguments, **options)
+
+    fake.reserve_arguments = slow_reserve  # type: ignore[method-assign]
+    client = client_on(fake, OutagePolicy.deny(), deadline_seconds=0.25)
+    assert isinstance(client, LaneClient)
+    client.reserve_arguments = slow_reserve  # type: ignore[method-assign]
+    with client:
+        with pytest.raises(Denied), call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    # 0.1 s, a 0.02 s pause, 0.1 s: 0.03 s are left, less than the next 0.04 s pause.
+    assert fake.deadlines == [pytest.approx(0.25), pytest.approx(0.13)]
+    assert clock.slept[:1] == [0.02]
+
+
+def test_a_reserve_booked_then_refused_on_its_resend_is_still_refunded(
+    pauses: list[float],
+) -> None:
+    # The first attempt may have booked it; the overloaded ledger then refuses
+    # the resends (booking nothing): the first booking still needs its refund.
+    fake = ScriptedReserves(
+        lost(grpc.StatusCode.UNAVAILABLE), *[lost(grpc.StatusCode.RESOURCE_EXHAUSTED)] * 2
+    )
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    with client:
+        with pytest.raises(Denied), call(client):
+            raise AssertionError("the model must not be called")
+        refunds_of(client)
+    assert [method for method, _ in fake.rpcs] == ["reserve"] * 3 + ["end"]
+    assert [kinds for kinds in fake.event_counts().values()] == [["reserved", "refunded"]]
+
+
+def test_a_resend_under_an_id_a_refund_has_since_ended_is_refused(pauses: list[float]) -> None:
+    """While the first Reserve's answer is lost, another call under the same id
+    (its own Reserve unanswered) has its refund end the booking: the ledger would
+    answer the resend with its first answer, admitted, for a booking that has
+    ended, and the paid call could never be settled."""
+    fake = ScriptedReserves(lost(grpc.StatusCode.UNAVAILABLE))
+    client = client_on(fake, OutagePolicy.deny())
+    assert isinstance(client, LaneClient)
+    real_reserve = fake.reserve_arguments
+
+    def reserve_then_refund(arguments, **options):  # type: ignore[no-untyped-def]
+        try:
+            return real_reserve(arguments, **options)
+        finally:
+            if len(fake.deadlines) == 1:  # the other call's refund ends it meanwhile
+                assert client._refunds.send(fake, arguments.reservation_id, "")
+                assert client._refunds.wait(5.0)
+
+    client.reserve_arguments = reserve_then_refund  # type: ignore[method-assign]
+    made: list[object] = []
+    with client:
+        with pytest.raises(errors.ReservationConflict), retried(client) as handle:
+            made.append(handle)
+    assert made == [], "the model call was made under a refunded booking"
+    assert fake.rpcs == [("reserve", RETRIED_ID), ("end", RETRIED_ID)]  # no resend, one refund
+    assert fake.event_counts() == {RETRIED_ID: ["reserved", "refunded"]}
