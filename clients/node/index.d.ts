@@ -24,7 +24,7 @@ export interface LaneClientOptions {
   tls?: boolean | TlsOptions;
   /** Deadline of each ledger call; default 250 ms (see README, "Deadlines"). */
   deadlineMs?: number;
-  /** Attempts at an unconfirmed Settle or Refund in call(); default 3. */
+  /** Attempts at an unconfirmed Settle or Refund in call(), and at its unanswered Reserve (all within one deadlineMs); default 3. */
   endAttempts?: number;
   /** Calls this client has at the ledger at once; one more waits for a slot until its deadline, then rejects with ResourceExhausted (the outage mode). Default 64, 1 to 10,000. */
   maxCallsInFlight?: number;

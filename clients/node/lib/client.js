@@ -36,6 +36,10 @@ const DEFAULT_DEADLINE_MS = 250;
 // the same content; without this an ended call would expire at its hold.
 const DEFAULT_END_ATTEMPTS = 3;
 const END_RETRY_PAUSE_MS = 20;
+// A call()'s Reserve whose answer was lost (a retryable error) is sent again by
+// the same rule, but only with at least this much of its deadline left: less
+// could not carry an answer back. The Python client's MIN_RESEND_SECONDS.
+const MIN_RESEND_MS = 5;
 // In-doubt Reserves journaled for a later refund, at most (beyond: refunded
 // in the background, as without a journal).
 const MAX_IN_DOUBT_ENTRIES = 1000;
@@ -888,18 +892,20 @@ class LaneClient {
     if (unclear !== null) return unclear;
     let booking;
     let outageError = null;
+    const sent = { inDoubt: false };
     try {
-      const answer = await this._reserve(request, trace);
+      const answer = await this._reserveResending(request, trace, sent);
+      if (answer instanceof Denied) return answer; // the id's refund has no answer yet
       if (!answer.admitted) return new Denied(answer);
       await this._supersedeInDoubt(reservationId);
       this._wakeReplayer();
       booking = { ...answer, source: CallSource.LEDGER };
     } catch (error) {
       if (!isLedgerUnavailable(error)) {
-        await this._forgetUnanswered(request, trace, error);
+        await this._forgetUnanswered(request, trace, error, sent.inDoubt);
         throw error;
       }
-      const admitted = await this._reserveInOutage(request, trace, error);
+      const admitted = await this._reserveInOutage(request, trace, error, sent.inDoubt);
       if (admitted instanceof Denied) return admitted;
       booking = admitted;
       outageError = error;
@@ -969,15 +975,56 @@ class LaneClient {
   }
 
   /**
+   * The call's Reserve, sent again (the same request: the ledger answers a
+   * repeat with its first answer) after a retryable error, as an ending is,
+   * but all within one deadlineMs from the first send, so a lost answer costs
+   * no refund when the ledger answers in time. DEADLINE_EXCEEDED means that
+   * time is spent. Before each resend the id is cleared again: a refund of it
+   * (another call's, under the same id) may have ended its booking since; its
+   * outage Denied is then the answer. `sent.inDoubt` says whether an attempt
+   * may have booked it (a later refusal does not undo that).
+   */
+  async _reserveResending(request, trace, sent) {
+    const deadline = Date.now() + this.deadlineMs;
+    for (let attempt = 1; ; attempt += 1) {
+      try {
+        return await this._reserve(request, trace, Math.max(deadline - Date.now(), MIN_RESEND_MS));
+      } catch (error) {
+        if (!(error instanceof LedgerError)) throw error;
+        sent.inDoubt = sent.inDoubt || error.mayHaveApplied;
+        const pauseMs = END_RETRY_PAUSE_MS * attempt;
+        if (
+          !error.retryable ||
+          error.code === grpc.status.DEADLINE_EXCEEDED ||
+          attempt >= this.endAttempts ||
+          deadline - Date.now() - pauseMs < MIN_RESEND_MS
+        ) {
+          throw error;
+        }
+        await pause(pauseMs);
+      }
+      try {
+        this._refuseRefundedInDoubt(request.reservationId);
+        const unclear = await this._clearRefund(request.reservationId, trace, Math.max(deadline - Date.now(), MIN_RESEND_MS));
+        if (unclear !== null) return unclear;
+      } catch (error) {
+        // That refund (under way, or done) ends what the Reserves booked.
+        sent.inDoubt = false;
+        throw error;
+      }
+    }
+  }
+
+  /**
    * A refund of an unanswered Reserve of this id may have ended the booking a
    * Reserve would now be admitted to (BackgroundRefunds.clear): rejects with
    * ReservationIdReused when it did. When that cannot be known, the lane falls
    * back (a LEDGER_UNAVAILABLE Denied), whatever its outage mode: a call on
    * the allowance under this id could not be settled either. Else null.
    */
-  async _clearRefund(reservationId, trace) {
+  async _clearRefund(reservationId, trace, deadlineMs = this.deadlineMs) {
     try {
-      await this._refunds.clear(() => this._refundUnanswered(reservationId, trace), reservationId, this.deadlineMs);
+      await this._refunds.clear(() => this._refundUnanswered(reservationId, trace), reservationId, deadlineMs);
       return null;
     } catch (error) {
       if (!isLedgerUnavailable(error)) throw error;
@@ -995,7 +1042,7 @@ class LaneClient {
   // The outage mode ------------------------------------------------------------
 
   /** The allowance's booking for this call, or the Denied of the outage mode. */
-  async _reserveInOutage(request, trace, error) {
+  async _reserveInOutage(request, trace, error, inDoubt = false) {
     const { reservationId } = request;
     let reason = DenialReason.LEDGER_UNAVAILABLE;
     let message = 'the ledger is unreachable and this lane fails closed';
@@ -1006,7 +1053,7 @@ class LaneClient {
       message = verdict.message;
     }
     // The Reserve may have reached the ledger without its answer reaching us.
-    await this._forgetUnanswered(request, trace, error);
+    await this._forgetUnanswered(request, trace, error, inDoubt);
     return outageDenial(reservationId, reason, message, error);
   }
 
@@ -1015,16 +1062,16 @@ class LaneClient {
    * may hold a booking for it: refund it, so that it costs nothing instead of
    * expiring at its hold. With a journal the refund is journaled (in doubt)
    * and replayed; without one it is sent in the background, off the
-   * call's path.
+   * call's path. `inDoubt`: an earlier attempt of the Reserve may have booked it.
    */
-  async _forgetUnanswered(request, trace, error) {
-    if (error instanceof ClientClosed && error.mayHaveApplied) {
+  async _forgetUnanswered(request, trace, error, inDoubt = false) {
+    if (error instanceof ClientClosed && (error.mayHaveApplied || inDoubt)) {
       // close() cut the Reserve off: the channel is closed, so its refund can
       // only be journaled in doubt, for the next start.
       await this._journalInDoubt(request, trace);
       return;
     }
-    if (!(error instanceof LedgerError && error.mayHaveApplied)) return;
+    if (!((error instanceof LedgerError && error.mayHaveApplied) || inDoubt)) return;
     if (await this._journalInDoubt(request, trace)) return;
     const { reservationId } = request;
     this._refunds.send(() => this._refundUnanswered(reservationId, trace), reservationId);

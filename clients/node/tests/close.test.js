@@ -76,7 +76,8 @@ test('close() while model calls run: each call is ended as its outcome says, the
 });
 
 test('close() lets the background refund of an unanswered Reserve finish, as the Python client does', { timeout: 10_000 }, async () => {
-  const fake = await admittingLedger({ lostReserves: 1, refundMs: 100 });
+  // Every attempt's answer is lost: the call's Reserve is sent again, then refunded.
+  const fake = await admittingLedger({ lostReserves: Infinity, refundMs: 100 });
   const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 1000 });
   try {
     const denied = await client.call(REQUEST, () => assert.fail('run without an answer'));

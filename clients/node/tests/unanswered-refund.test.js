@@ -21,7 +21,8 @@ const pause = (milliseconds) => new Promise((resolve) => setTimeout(resolve, mil
 /**
  * A ledger with the contract's idempotency: a repeated Reserve gets the first
  * answer (admitted), whatever became of the booking. The first Reserve's
- * answer is lost after it was booked (or, `booked: false`, before). Each
+ * answer is lost after it was booked (or, `booked: false`, before), as its
+ * deadline passes (so the call does not send it again in its own time). Each
  * Refund waits `refundMs`; the first `refundFailures` fail with `refundError`
  * (after ending the booking when `refundApplied`).
  */
@@ -32,9 +33,9 @@ async function ledgerLosingTheFirstAnswer({ booked = true, refundMs = 0, refundF
   const fake = await startFakeLedger({
     Reserve: (request) => {
       answers += 1;
-      if (answers === 1 && !booked) throw ledgerStatus(grpc.status.UNAVAILABLE, '');
+      if (answers === 1 && !booked) throw ledgerStatus(grpc.status.DEADLINE_EXCEEDED, '');
       if (!states.has(request.reservation_id)) states.set(request.reservation_id, 'open');
-      if (answers === 1) throw ledgerStatus(grpc.status.UNAVAILABLE, ''); // the answer is lost
+      if (answers === 1) throw ledgerStatus(grpc.status.DEADLINE_EXCEEDED, ''); // the answer is lost
       return { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
     },
     Refund: async (request) => {

@@ -82,7 +82,9 @@ class ClientSettings:
     # deadline passed) is sent again, with the same content, up to this many
     # attempts in all, pausing END_RETRY_PAUSE_SECONDS times the attempt number
     # between them (as the Node client does); then it is journaled, or, without a
-    # journal, the booking expires at its hold.
+    # journal, the booking expires at its hold. A model call's unanswered
+    # Reserve is sent again by the same count, all its attempts within one
+    # deadline_seconds (calls.ModelCall._send_reserve).
     end_attempts: int = DEFAULT_END_ATTEMPTS
     # Calls this client has at the ledger at once. One more waits for a slot up
     # to its deadline, then fails as an overloaded ledger does (LedgerOverloaded,
