@@ -198,6 +198,11 @@ def test_retry_is_safe_exactly_on_a_passing_condition() -> None:
         if row["status"] not in ("CANCELLED", "INTERNAL"):
             assert _per_client(row["retry"]) == [row["status"] in RETRY_STATUSES], row
     for row in [*cases["reasons"], *cases["by_status"]]:
+        # A model call's Reserve is sent again on a retry whose time is not spent.
+        resend = [
+            retry and row["status"] != "DEADLINE_EXCEEDED" for retry in _per_client(row["retry"])
+        ]
+        assert _per_client(row["resend_reserve"]) == resend, row
         for retry, outage in zip(
             _per_client(row["retry"]), _per_client(row["outage"]), strict=True
         ):

@@ -623,6 +623,12 @@ export class JournalLocked extends JournalError {}
  */
 export function isLedgerUnavailable(error: unknown): boolean;
 
+/**
+ * Whether call() sends its Reserve again after this error while its deadline
+ * has time left: a retryable error but DEADLINE_EXCEEDED, whose time is spent.
+ */
+export function resendsReserve(error: unknown): boolean;
+
 export function ledgerPackage(): {
   Ledger: ServiceClientConstructor;
   LaneAdmin: ServiceClientConstructor;

@@ -17,6 +17,7 @@ const {
   ReservationIdReused,
   ResourceExhausted,
   isLedgerUnavailable,
+  resendsReserve,
 } = require('./errors');
 const wire = require('./wire');
 const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, newReservationId } = require('./arguments');
@@ -994,8 +995,7 @@ class LaneClient {
         sent.inDoubt = sent.inDoubt || error.mayHaveApplied;
         const pauseMs = END_RETRY_PAUSE_MS * attempt;
         if (
-          !error.retryable ||
-          error.code === grpc.status.DEADLINE_EXCEEDED ||
+          !resendsReserve(error) ||
           attempt >= this.endAttempts ||
           deadline - Date.now() - pauseMs < MIN_RESEND_MS
         ) {

@@ -286,8 +286,18 @@ function ledgerErrorOf(serviceError) {
   });
 }
 
+/**
+ * Whether a call()'s Reserve that failed this way is sent again while the
+ * call's deadline has time left: a retryable error whose time is not spent
+ * (not DEADLINE_EXCEEDED), as `resend_reserve` in clients/cases/errors.json says.
+ */
+function resendsReserve(error) {
+  return error instanceof LedgerError && error.retryable && error.code !== Status.DEADLINE_EXCEEDED;
+}
+
 module.exports = {
   ERROR_TABLE,
+  resendsReserve,
   errorClassOf,
   ledgerErrorOf,
   richErrorInfo,

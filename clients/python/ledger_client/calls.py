@@ -57,6 +57,7 @@ from ledger_client.errors import (
     ReservationConflict,
     is_retryable,
     may_have_applied,
+    resends_reserve,
 )
 from ledger_client.journal import (
     Journal,
@@ -627,8 +628,7 @@ class ModelCall:
                 self._reserve_in_doubt = self._reserve_in_doubt or may_have_applied(error)
                 pause = END_RETRY_PAUSE_SECONDS * attempt
                 if (
-                    not is_retryable(error)
-                    or error.code is grpc.StatusCode.DEADLINE_EXCEEDED
+                    not resends_reserve(error)
                     or attempt >= support.end_attempts
                     or deadline - time.monotonic() - pause < MIN_RESEND_SECONDS
                 ):

@@ -172,6 +172,13 @@ def is_retryable(error: LedgerError) -> bool:
     return isinstance(error, (LedgerUnavailable, TooManyWatchers))
 
 
+def resends_reserve(error: LedgerError) -> bool:
+    """Whether a model call's Reserve that failed this way is sent again while
+    the call's deadline has time left: a retry whose time is not spent (not
+    DEADLINE_EXCEEDED), as `resend_reserve` in clients/cases/errors.json says."""
+    return is_retryable(error) and error.code is not grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 # The inverse of the server's table (ledger_service/api/errors.py and the grant
 # interceptor in api/auth.py): one row per `ledger-reason`. Keep it in step with
 # the server's domain errors.

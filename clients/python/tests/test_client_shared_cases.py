@@ -119,6 +119,8 @@ def _check_retry_and_outage(error: errors.LedgerError, row: dict[str, Any]) -> N
     assert outage is _python(row["outage"])
     if outage:
         assert _python(row["retry"]) is True
+    assert errors.is_retryable(error) is _python(row["retry"])
+    assert errors.resends_reserve(error) is _python(row["resend_reserve"])
 
 
 @pytest.mark.parametrize("row", ERRORS["reasons"], ids=lambda row: row["reason"])
