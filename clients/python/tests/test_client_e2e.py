@@ -39,6 +39,7 @@ from ledger_client import (
 )
 from ledger_client.convert import duration_of_micros
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
+from test_client_outcomes import FakeRpcError
 from ledger_client.pricing import DEFAULT_BYTES_PER_TOKEN_MILLI, cap_nanos
 
 # The lane's price in conftest: 1 nano per input token, 2 per output token.
@@ -471,3 +472,41 @@ def test_a_denial_names_the_budget_that_said_no(
     with LaneClient(ledger_server.address, small, grant=lane_grant, settings=TEST_SETTINGS) as c:
         by_itself = c.reserve("model-a", len(REQUEST), 500)
         assert not by_itself.admitted and by_itself.denied_by == small
+
+
+class _LostAnswer:
+    """A Reserve whose answer was lost on the way back (a replica restarted, a
+    connection reset): the ledger booked it, the lane saw UNAVAILABLE."""
+
+    def result(self) -> object:
+        raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, ())
+
+
+class _LosesTheFirstAnswer:
+    """The channel's Reserve, whose first answer is lost after the ledger applied it."""
+
+    def __init__(self, method: object) -> None:
+        self.method = method
+        self.sent = 0
+
+    def future(self, request: object, **options: object) -> object:
+        self.sent += 1
+        call = self.method.future(request, **options)  # type: ignore[attr-defined]
+        if self.sent > 1:
+            return call
+        call.result()  # booked on the ledger
+        return _LostAnswer()
+
+
+def test_a_reserve_whose_answer_was_lost_is_sent_again_and_booked_once(
+    client: LaneClient, reader: LaneClient, admin: Admin
+) -> None:
+    reserve = _LosesTheFirstAnswer(client._stub.Reserve)
+    client._stub.Reserve = reserve  # type: ignore[method-assign]
+    with client.model_call("model-a", REQUEST, 500) as handle:
+        handle.succeeded(input_tokens=900, output_tokens=100)
+    assert reserve.sent == 2 and handle.result is not None
+    assert client._refunds.wait(5.0)
+    booked = admin.booking_events(client.lane)
+    assert booked == {handle.reservation_id: ["reserved", "settled"]}, "one booking, no refund"
+    assert reader.balance().spent_nanos == 1_100
