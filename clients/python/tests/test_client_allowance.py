@@ -1257,9 +1257,8 @@ def test_a_resend_under_an_id_a_refund_has_since_ended_is_refused(pauses: list[f
 
     client.reserve_arguments = reserve_then_refund  # type: ignore[method-assign]
     made: list[object] = []
-    with client:
-        with pytest.raises(errors.ReservationConflict), retried(client) as handle:
-            made.append(handle)
+    with client, pytest.raises(errors.ReservationConflict), retried(client) as handle:
+        made.append(handle)
     assert made == [], "the model call was made under a refunded booking"
     assert fake.rpcs == [("reserve", RETRIED_ID), ("end", RETRIED_ID)]  # no resend, one refund
     assert fake.event_counts() == {RETRIED_ID: ["reserved", "refunded"]}

@@ -39,8 +39,8 @@ from ledger_client import (
 )
 from ledger_client.convert import duration_of_micros
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
-from test_client_outcomes import FakeRpcError
 from ledger_client.pricing import DEFAULT_BYTES_PER_TOKEN_MILLI, cap_nanos
+from test_client_outcomes import FakeRpcError
 
 # The lane's price in conftest: 1 nano per input token, 2 per output token.
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
