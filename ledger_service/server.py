@@ -254,7 +254,11 @@ class LedgerServer:
             self.telemetry.tracer, self.telemetry.meter
         )
         self._drain = Drain()
-        self._arrivals = ArrivalWatch(settings.request_arrival_seconds, settings.max_workers)
+        self._arrivals = ArrivalWatch(
+            settings.request_arrival_seconds,
+            settings.max_workers,
+            threads=settings.max_workers + settings.max_watchers,
+        )
         self._server = self._build_grpc_server()
         self.port = 0
 
