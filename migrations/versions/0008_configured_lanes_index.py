@@ -32,20 +32,30 @@ def upgrade() -> None:
     # CONCURRENTLY: a plain CREATE INDEX holds events' SHARE lock for the whole
     # build, and every replica's appends queue behind it (`ledger migrate` run
     # while replicas serve). A build that failed left an invalid index: dropped.
+    # Such a build waits for every transaction with an older snapshot (a
+    # pg_dump, a long export): the store's statement and lock timeouts (5 s)
+    # would fail the migration, so this session waits them out, blocking no
+    # append meanwhile. Reset after, for the connection goes back to a pool.
     with op.get_context().autocommit_block():
-        op.drop_index(
-            "ix_events_lane_configured",
-            table_name="events",
-            if_exists=True,
-            postgresql_concurrently=True,
-        )
-        op.create_index(
-            "ix_events_lane_configured",
-            "events",
-            ["lane"],
-            postgresql_where=_WHERE,
-            postgresql_concurrently=True,
-        )
+        op.execute("SET statement_timeout = 0")
+        op.execute("SET lock_timeout = 0")
+        try:
+            op.drop_index(
+                "ix_events_lane_configured",
+                table_name="events",
+                if_exists=True,
+                postgresql_concurrently=True,
+            )
+            op.create_index(
+                "ix_events_lane_configured",
+                "events",
+                ["lane"],
+                postgresql_where=_WHERE,
+                postgresql_concurrently=True,
+            )
+        finally:
+            op.execute("RESET statement_timeout")
+            op.execute("RESET lock_timeout")
 
 
 def downgrade() -> None:

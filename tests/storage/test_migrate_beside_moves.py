@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from ledger_service.storage import migrate
+from ledger_service.storage import database, migrate
 
 pytestmark = pytest.mark.postgres
 
@@ -97,3 +97,46 @@ def test_replicas_migrating_together_take_turns_without_a_deadlock(
     assert sorted(map(repr, results)) == sorted(
         [repr(migrate.Upgrade(None, "0008"))] + [repr(migrate.Upgrade("0008", "0008"))] * 2
     )
+
+
+def test_migration_0008_waits_out_an_old_snapshot_past_the_statement_timeout(
+    postgres_schema_url: str,
+) -> None:
+    """A CONCURRENTLY build waits for every transaction with an older snapshot
+    (a pg_dump, a long export). Under the store's statement and lock timeouts
+    (5 s) `ledger migrate` failed after 5 s ('the database is unavailable ...
+    statement timeout') and left an invalid index behind, again each run while
+    the snapshot lived."""
+    engine = database.create(postgres_schema_url, database.EngineLimits(statement_timeout_ms=300))
+    admin = sa.create_engine(postgres_schema_url, isolation_level="AUTOCOMMIT")
+    try:
+        config = migrate.alembic_config(engine)
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0007")
+        with admin.connect() as snapshot, admin.connect() as watcher:
+            snapshot.execute(sa.text("BEGIN ISOLATION LEVEL REPEATABLE READ"))
+            snapshot.execute(sa.text("SELECT count(*) FROM events"))
+            upgraded: list[migrate.Upgrade | BaseException] = []
+
+            def run() -> None:
+                try:
+                    upgraded.append(migrate.upgrade(engine))
+                except BaseException as error:
+                    upgraded.append(error)
+
+            upgrading = threading.Thread(target=run)
+            upgrading.start()
+            for _ in range(500):
+                if _waiting_for_a_lock(watcher, "ix_events_lane_configured") or upgraded:
+                    break
+                time.sleep(0.02)
+            # Several statement timeouts long: the build outlives them.
+            upgrading.join(1.5)
+            snapshot.execute(sa.text("COMMIT"))
+            upgrading.join(30)
+            assert not upgrading.is_alive()
+        assert upgraded == [migrate.Upgrade("0007", "0008")]
+    finally:
+        engine.dispose()
+        admin.dispose()
