@@ -264,14 +264,14 @@ class LedgerServer:
 
     def _build_grpc_server(self) -> grpc.Server:
         settings = self.settings
-        # Tracing outermost but for the arrival bound, so a call refused by auth
-        # or the error table is traced with its status; the message observer
+        # Tracing outermost, so a call refused by the arrival bound, auth or the
+        # error table is traced with its status; the message observer
         # innermost, on decoded messages.
         chain = [
-            # Outermost: grpcio must see each one-message method as a request
-            # stream, so that a request that never arrives holds no thread.
-            RequestArrivalInterceptor(self._arrivals),
             self._tracing,
+            # grpcio must see each one-message method as a request stream (tracing
+            # keeps the shape), so that a request that never arrives holds no thread.
+            RequestArrivalInterceptor(self._arrivals),
             ErrorInterceptor(),
             # Inside the error table (SHUTTING_DOWN is its row), before any work.
             self._drain,

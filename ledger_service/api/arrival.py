@@ -139,7 +139,8 @@ class ArrivalWatch:
 
 class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """Serves each method with one request message as a request stream whose
-    message is awaited under the watch's bound. Outermost: grpcio must see the
+    message is awaited under the watch's bound. Only the tracing interceptor,
+    which keeps a handler's shape, may be outside it: grpcio must see the
     streaming shape. It only passes the request's bytes on, and never raises."""
 
     def __init__(self, watch: ArrivalWatch) -> None:

@@ -380,3 +380,21 @@ def test_a_model_call_given_a_trace_id_keeps_it_inside_another_trace(
         call.answered(200, Usage(input_tokens=1_000, output_tokens=10))
     assert {event.trace_id for event in ledger.events(reservation_id="given")} == {TRACE_ID}
     assert hex_trace_id(one_span(span_exporter, RESERVE, SpanKind.SERVER)) == TRACE_ID
+
+
+def test_a_call_whose_request_never_came_is_traced_with_its_status(
+    traced_server: LedgerServer, span_exporter: InMemorySpanExporter
+) -> None:
+    """The request-arrival bound ends such calls outside the tracing interceptor
+    (CANCELLED, or INVALID_ARGUMENT with no whole message): they had no span and
+    no rpc.server.duration, so a slow-loris flood showed in no telemetry."""
+    method = "/ledger.v1.Ledger/GetBalance"
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{traced_server.port}") as channel,
+        pytest.raises(grpc.RpcError) as empty,
+    ):
+        channel.stream_unary(method)(iter(()), timeout=10)
+    assert empty.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    span = one_span(span_exporter, method.lstrip("/"), SpanKind.SERVER)
+    assert span.attributes is not None
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
