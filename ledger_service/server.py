@@ -534,8 +534,10 @@ class LedgerServer:
         # answered SHUTTING_DOWN in it rather than cut off with the running ones.
         stopped = self._server.stop(max(until(deadline), ANSWER_HELD_SECONDS))
         self._drain.release()  # grpcio takes no more calls: the held ones are answered
-        self._arrivals.close()
+        # Closed once grpcio has stopped: until then it still ends the calls
+        # waiting for their request at the arrival bound, not at the grace limit.
         clean = stopped.wait(until(last)) and running == 0
+        self._arrivals.close()
         for thread in (self._maintenance, self._health_probe):
             if thread.is_alive():
                 thread.join(timeout=until(last))

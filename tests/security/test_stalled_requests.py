@@ -142,3 +142,28 @@ def test_request_cut_off_by_its_deadline_logs_no_error(
     assert ledger.server.stop(CALL_SECONDS)  # every call's handler has ended
     errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
     assert errors == [], [record.getMessage() for record in errors]
+
+
+def test_a_stop_keeps_the_arrival_bound_for_calls_still_waiting(
+    start_secure_ledger: Callable[..., SecureLedger],
+) -> None:
+    """The watch was closed as the stop began, so a call still waiting for its
+    request held the stop for the whole grace period (5 s after a SIGTERM,
+    not the 2 s bound). Here the grace (60 s) is far past the wait for the
+    call's end (10 s), and the bound (0.5 s) far inside it."""
+    ledger = start_secure_ledger(request_arrival_seconds=0.5)
+    release = threading.Event()
+    with grpc.insecure_channel(f"127.0.0.1:{ledger.server.port}") as channel:
+        call = channel.stream_unary(BALANCE).future(
+            _never(release), metadata=ledger.admin, timeout=CALL_SECONDS * 9
+        )
+        stopping = threading.Thread(target=ledger.server.stop, args=(CALL_SECONDS * 6,))
+        stopping.start()
+        try:
+            error = call.exception(timeout=CALL_SECONDS)
+        finally:
+            release.set()
+            stopping.join()
+    # Ended by the bound: cancelled, or cut off as the stop closed its connection.
+    assert error is not None
+    assert error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), error
