@@ -6,6 +6,7 @@ in (docs/semantics.md, limits)."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 
@@ -61,3 +62,31 @@ def test_one_connection_cannot_take_every_call_slot(
             call.exception()
         flood_channel.close()
         calm_channel.close()
+
+
+def test_refusals_free_their_streams_at_once(
+    start_ledger_server: Callable[..., LedgerServer],
+) -> None:
+    """A refused call's stream is free when its answer is sent: refusals held
+    their calls until the garbage collector ran (a reference cycle through
+    the refusal's traceback), so one connection's refusals under the stream
+    limit came back RST_STREAM (REFUSED_STREAM), which clients take for an
+    outage (docs/benchmarks.md has the figures)."""
+    server = start_ledger_server(max_calls_per_connection=16)
+    channel, ledger = _stub(server)
+    codes: list[grpc.StatusCode] = []
+
+    def read() -> None:
+        for _ in range(40):
+            try:
+                ledger.GetBalance(pb.GetBalanceRequest(lane="no-such-lane"), timeout=10)
+            except grpc.RpcError as error:
+                codes.append(error.code())
+
+    with channel:
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert codes == [grpc.StatusCode.NOT_FOUND] * 160

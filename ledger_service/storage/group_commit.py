@@ -163,7 +163,14 @@ class GroupCommitter:
         if move.lead:
             self._lead(move)
         if move.error is not None:
-            raise move.error
+            try:
+                raise move.error
+            finally:
+                # The error's traceback holds this frame: without this, the
+                # cycle kept every frame of the call (its gRPC call among them,
+                # and with it an HTTP/2 stream of the connection) until the
+                # collector ran.
+                move = None  # type: ignore[assignment]
         return move.result  # type: ignore[return-value]
 
     def _follow(self, move: _Move[Any]) -> None:
@@ -366,5 +373,18 @@ class GroupCommitter:
         try:
             with translate.translated():
                 return move.work(connection), None, False
+        except LedgerError as error:
+            # A refusal is an answer: it leaves its frames (and their caller's,
+            # this batch's) behind, so that it and the batch hold no cycle.
+            return None, _without_frames(error), translate.foreign_cause(error) is not None
         except Exception as error:
             return None, error, translate.foreign_cause(error) is not None
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """`error`, and the errors it was raised from, without their tracebacks."""
+    seen: BaseException | None = error
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return error
