@@ -406,3 +406,27 @@ def test_a_page_token_names_its_ledger(
     assert [event.seq for event in rest.events] == [3, 4, 5]
     lanes = same.admin.ListLanes(pb.ListLanesRequest(page_token=lanes_token))
     assert [lane.lane for lane in lanes.lanes] == ["recall"]
+
+
+def test_a_page_token_names_its_list(harness: Any) -> None:
+    """A token is a position in one list: ListEvents' (a seq) and ListLanes'
+    (a lane name) refuse each other's, naming page_token, rather than answer
+    a page from a position the list never gave. Lane names may be digits, so
+    a lane token could read as a seq."""
+    for lane in ("2", "3", "4"):
+        harness.make_lane(lane)
+    for number in range(3):
+        harness.reserve(f"p{number}")
+    events_token = harness.ledger.ListEvents(pb.ListEventsRequest(page_size=2)).next_page_token
+    lanes_token = harness.admin.ListLanes(pb.ListLanesRequest(page_size=1)).next_page_token
+    assert events_token and lanes_token
+
+    lanes_failure = harness.fails(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: harness.admin.ListLanes(pb.ListLanesRequest(page_token=events_token)),
+    )
+    events_failure = harness.fails(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: harness.ledger.ListEvents(pb.ListEventsRequest(page_token=lanes_token)),
+    )
+    assert (lanes_failure.field, events_failure.field) == ("page_token", "page_token")

@@ -80,9 +80,14 @@ def _encode_token(position: str) -> str:
 _NOT_OURS = "is not a token this ledger gave"
 # A ledger is named by the first hex digits of its first event's hash (64 bits).
 _LEDGER_TAG_LENGTH = 16
-# A token is the base64 of "<ledger tag>.<position>", the position a seq or a
-# lane name (ASCII, at most MAX_NAME_LENGTH).
-MAX_PAGE_TOKEN_LENGTH = len(_encode_token("x" * (_LEDGER_TAG_LENGTH + 1 + MAX_NAME_LENGTH)))
+# A token is the base64 of "<ledger tag>.<list><position>": ListEvents' list
+# is "" and its position a seq; ListLanes' is "lanes." and its position a lane
+# name (ASCII, at most MAX_NAME_LENGTH), so neither list takes the other's.
+EVENTS_LIST = ""
+LANES_LIST = "lanes."
+MAX_PAGE_TOKEN_LENGTH = len(
+    _encode_token("x" * (_LEDGER_TAG_LENGTH + 1 + len(LANES_LIST) + MAX_NAME_LENGTH))
+)
 
 
 class PageTokens:
@@ -92,10 +97,12 @@ class PageTokens:
     it never gave. A ledger's name is the start of its first event's hash
     (computed, so that a log older than the hash chain has one too), which
     never changes (events are append-only): read once, then kept. A ledger
-    with no event yet has handed out no token and takes none."""
+    with no event yet has handed out no token and takes none. A token names
+    its list too: a lane named "2" is no seq 2."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, list_name: str) -> None:
         self._ledger = ledger
+        self._list = list_name
         self._tag = ""
 
     def _ledger_tag(self) -> str:
@@ -106,7 +113,7 @@ class PageTokens:
         return self._tag
 
     def encode(self, position: str) -> str:
-        return _encode_token(f"{self._ledger_tag()}.{position}")
+        return _encode_token(f"{self._ledger_tag()}.{self._list}{position}")
 
     def decode(self, token: str) -> str:
         """The position a token holds; INVALID_ARGUMENT unless this ledger gave it."""
@@ -119,8 +126,11 @@ class PageTokens:
         # Only what _encode_token wrote decodes: lenient base64 would accept junk.
         if _encode_token(text) != token or not text.isprintable():
             raise InvalidArgument("page_token", _NOT_OURS)
-        tag, dot, position = text.partition(".")
-        if not dot or not position or tag != self._ledger_tag():
+        tag, dot, listed = text.partition(".")
+        if not dot or tag != self._ledger_tag() or not listed.startswith(self._list):
+            raise InvalidArgument("page_token", _NOT_OURS)
+        position = listed[len(self._list) :]
+        if not position:
             raise InvalidArgument("page_token", _NOT_OURS)
         return position
 
@@ -143,7 +153,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             logger=log, level=logging.WARNING, what="refused Settles"
         )
         self._reconciles = threading.BoundedSemaphore(settings.max_concurrent_reconciles)
-        self._tokens = PageTokens(ledger)
+        self._tokens = PageTokens(ledger, EVENTS_LIST)
 
     def Reserve(
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
@@ -294,7 +304,7 @@ class LaneAdminServicer(pb_grpc.LaneAdminServicer):
     def __init__(self, ledger: Ledger, settings: Settings) -> None:
         self._ledger = ledger
         self._settings = settings
-        self._tokens = PageTokens(ledger)
+        self._tokens = PageTokens(ledger, LANES_LIST)
 
     def PutLane(self, request: pb.PutLaneRequest, context: grpc.ServicerContext) -> pb.Lane:
         if not request.HasField("lane"):
