@@ -135,6 +135,35 @@ def test_a_reconcile_past_the_largest_sum_names_its_line_once(harness: Any) -> N
     assert refused.details.startswith("content: line 3: would take a sum past")
 
 
+@pytest.mark.parametrize("aged_out", [False, True])
+def test_a_reconcile_row_priced_past_the_largest_amount_names_its_line(
+    harness: Any, aged_out: bool
+) -> None:
+    """A row's tokens priced past 2^62 are one amount too large, not a sum: the
+    refusal names the row's line and its tokens, in a window or out of every
+    window (where no window's sum is moved and only the report's total was)."""
+    dearest = 10**15
+    harness.make_lane(
+        "dear",
+        limit_nanos=2**62,
+        prices={"jev": (dearest, dearest)},
+        window_seconds=1,
+        hold_ttl_seconds=1,
+    )
+    harness.reserve("u", lane="dear", request_bytes=10, max_output_tokens=0)
+    harness.settle("u", lane="dear", outcome=pb.UNKNOWN)
+    if aged_out:
+        harness.advance_us(2_000_000)
+    export = b"reservation_id,input_tokens\nu,1000000000000\n"
+    request = pb.ReconcileRequest(
+        format=pb.ReconcileRequest.CSV, content=export, default_lane="dear"
+    )
+    refused = harness.fails(INVALID, lambda: harness.ledger.Reconcile(request, timeout=30))
+    assert refused.field == "content"
+    assert refused.details.startswith("content: line 2: input_tokens"), refused.details
+    assert harness.booking("u", lane="dear").state == pb.SETTLED_UNKNOWN
+
+
 def test_a_repeat_after_a_correction_returns_the_first_answer(harness: Any) -> None:
     """The contract: a repeated Settle or Refund returns the first answer. A lane
     retrying a Settle whose answer it lost must not be told the booking ended

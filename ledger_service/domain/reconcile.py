@@ -356,18 +356,18 @@ def decide(
     result = RowResult(row.line, row.lane, row.reservation_id, RowStatus.UNMATCHED)
     if booking is None:
         return dataclasses.replace(result, message="no such booking in this lane"), None
+    real = _priced_row(row, booking)
     current = booking.amount_at(now_us)
     unchanged = dataclasses.replace(result, before_nanos=current, after_nanos=current)
     if booking.state is BookingState.REJECTED:
         # A denied Reserve booked no call: a bill of zero agrees with it.
-        if row.real_cost(booking) == 0:
+        if real == 0:
             return dataclasses.replace(unchanged, status=RowStatus.MATCHED), None
         message = "the Reserve was denied: no call was booked"
         return dataclasses.replace(unchanged, status=RowStatus.DISAGREES, message=message), None
     if row.model and row.model != booking.model:
         message = f"the export says model {row.model!r}, the booking {booking.model!r}"
         return dataclasses.replace(unchanged, status=RowStatus.DISAGREES, message=message), None
-    real = row.real_cost(booking)
     result = dataclasses.replace(result, before_nanos=current, after_nanos=real)
     if booking.state is BookingState.OPEN:
         return dataclasses.replace(result, status=RowStatus.OPEN, after_nanos=current), None
@@ -398,6 +398,20 @@ def decide(
         grant_id=grant_id,
     )
     return dataclasses.replace(result, status=RowStatus.CORRECTED), event
+
+
+def _priced_row(row: ExportRow, booking: Booking) -> int:
+    """The row's charge. Tokens priced past the largest amount are one amount
+    too large, refused naming the row's line (a bill cannot be: parse bounds
+    it), as a Settle refuses them, whether or not any window would hold it."""
+    real = row.real_cost(booking)
+    if real > MAX_AMOUNT_NANOS:
+        raise InvalidArgument(
+            "content",
+            f"line {row.line}: input_tokens and output_tokens price this usage at "
+            f"{real} nanos, above the largest amount ({MAX_AMOUNT_NANOS})",
+        )
+    return real
 
 
 def _replaced(
