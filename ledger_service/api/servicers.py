@@ -81,10 +81,12 @@ _NOT_OURS = "is not a token this ledger gave"
 # A ledger is named by the first hex digits of its first event's hash (64 bits).
 _LEDGER_TAG_LENGTH = 16
 # A token is the base64 of "<ledger tag>.<list><position>": ListEvents' list
-# is "" and its position a seq; ListLanes' is "lanes." and its position a lane
-# name (ASCII, at most MAX_NAME_LENGTH), so neither list takes the other's.
+# is "" and its position a seq; ListLanes' is "lanes~" and its position a lane
+# name (ASCII, at most MAX_NAME_LENGTH), so neither list takes the other's. No
+# lane name holds "~": a server from before lists had names refuses the new
+# lanes tokens rather than read them as a lane, and events tokens kept their form.
 EVENTS_LIST = ""
-LANES_LIST = "lanes."
+LANES_LIST = "lanes~"
 MAX_PAGE_TOKEN_LENGTH = len(
     _encode_token("x" * (_LEDGER_TAG_LENGTH + 1 + len(LANES_LIST) + MAX_NAME_LENGTH))
 )
