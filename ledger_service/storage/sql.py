@@ -76,10 +76,10 @@ EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
 CONFIGURATION_LOCK_KEY = 0x4C414E45  # "LANE"
 
 # PostgreSQL: how long after the last move refused for a reason the write
-# probe cannot see (translate.UNSEEN_BY_PROBE: a full disk) health stays
-# NOT_SERVING. Every such refusal starts it again, so health holds steady
+# probe cannot see (translate.unseen_by_probe: a server out of disk, memory or
+# connections) health stays NOT_SERVING. Every such refusal starts it again, so health holds steady
 # while moves fail, and turns SERVING this long after the last one.
-DISK_FULL_HOLD_SECONDS = 10.0
+RESOURCE_HOLD_SECONDS = 10.0
 
 
 class SqlStore:
@@ -109,7 +109,7 @@ class SqlStore:
         # so the write probe looks for a lock another session holds.
         self._probe_writes = False
         # PostgreSQL: when a move was last refused for a reason the probe
-        # cannot see (DISK_FULL_HOLD_SECONDS), by time.monotonic().
+        # cannot see (RESOURCE_HOLD_SECONDS), by time.monotonic().
         self._unseen_refusal_at: float | None = None
         # SQLite: a write failed, so the probe commits one (a full disk, say,
         # passes a write transaction rolled back), until one commits.
@@ -276,7 +276,7 @@ class SqlStore:
         if condition is None:
             return False
         what, advice = condition
-        if translate.driver_code(foreign) in translate.UNSEEN_BY_PROBE:
+        if translate.unseen_by_probe(foreign):
             self._unseen_refusal_at = time.monotonic()
         problem = f"{what}: {translate.driver_message(foreign)}"
         self._cannot_write(
@@ -547,8 +547,8 @@ class SqlStore:
         finally:
             connection.rollback()
         refused_at = self._unseen_refusal_at
-        if refused_at is not None and time.monotonic() - refused_at < DISK_FULL_HOLD_SECONDS:
-            return False  # passed, as it does on a full disk: moves say more
+        if refused_at is not None and time.monotonic() - refused_at < RESOURCE_HOLD_SECONDS:
+            return False  # passed, as it does out of disk, memory or connections: moves say more
         with self._damage_lock:
             before, self._write_problem = self._write_problem, None
             self._probe_writes = False

@@ -141,9 +141,11 @@ CANNOT_WRITE_CONDITIONS: dict[str, tuple[str, str]] = {
         "raise max_connections, or lower the replicas' pool_size",
     ),
 }
-# Of those, the ones the write probe cannot see: its statements write no row,
-# and a row needs no room until a move writes one (53100 disk_full).
-UNSEEN_BY_PROBE = frozenset({"53100"})
+# Of those, the ones the write probe cannot see: all of class 53. Its
+# statements write no row, need little memory and run on a connection already
+# open, so they pass on a full disk, a server short of memory, or one with no
+# connection left for a move's new one.
+INSUFFICIENT_RESOURCES_CLASS = "53"
 # Class 53's other codes (53400 configuration_limit_exceeded, ...).
 INSUFFICIENT_RESOURCES = (
     "the database server lacks a resource ({code}, class 53 insufficient_resources)",
@@ -159,10 +161,21 @@ def cannot_write(error: BaseException) -> tuple[str, str] | None:
     code = driver_code(error)
     if code in CANNOT_WRITE_CONDITIONS:
         return CANNOT_WRITE_CONDITIONS[code]
-    if len(code) == 5 and code.startswith("53"):
+    if unseen_by_probe(error):
         what, advice = INSUFFICIENT_RESOURCES
         return what.format(code=code), advice
     return None
+
+
+def unseen_by_probe(error: BaseException) -> bool:
+    """Whether `error` is a PostgreSQL refusal the write probe cannot see
+    (class 53, insufficient_resources): moves meet it while the probe passes."""
+    code = driver_code(error)
+    return (
+        isinstance(driver_error(error), psycopg.Error)
+        and len(code) == 5
+        and code.startswith(INSUFFICIENT_RESOURCES_CLASS)
+    )
 
 
 # PostgreSQL's codes for a statement stopped while it waited: lock_timeout

@@ -83,7 +83,7 @@ def test_a_database_it_may_not_write_is_not_serving_until_it_may(
     assert "THE DATABASE CANNOT BE WRITTEN" in told[0] and code in told[0], told
     assert words in told[0], told
     _execute(postgres_store, ALLOW)
-    monkeypatch.setattr(sql, "DISK_FULL_HOLD_SECONDS", 0.0)  # a full disk's hold: below
+    monkeypatch.setattr(sql, "RESOURCE_HOLD_SECONDS", 0.0)  # class 53's hold: below
     postgres_store.ping()
     assert ledger.reserve(_reserve("r-4")).admitted
     with postgres_store.engine.connect() as connection:
@@ -92,33 +92,46 @@ def test_a_database_it_may_not_write_is_not_serving_until_it_may(
 
 # A full disk refuses only the rows a move writes: its trigger fires for each
 # row, so the probe's INSERT of no row passes, as it does on a real full disk.
+# So do a server out of memory (a move's work needs more than the probe's) and
+# one out of connections (the probe's is open; a move's new one is refused).
 REFUSE_ROWS = """
 CREATE FUNCTION refuse_insert() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN RAISE EXCEPTION 'could not extend file: No space left on device'
-  USING ERRCODE = '53100'; END $$;
+BEGIN RAISE EXCEPTION '{message}'
+  USING ERRCODE = '{code}'; END $$;
 CREATE TRIGGER refuse_insert BEFORE INSERT ON events
   FOR EACH ROW EXECUTE FUNCTION refuse_insert();
 """
 
 
-def test_a_full_disk_the_probe_cannot_see_is_not_serving_while_moves_meet_it(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ("53100", "could not extend file: No space left on device"),
+        ("53200", "out of memory"),
+        ("53300", "sorry, too many clients already"),
+        ("53400", "configuration limit exceeded"),
+    ],
+)
+def test_a_lack_of_resources_the_probe_cannot_see_is_not_serving_while_moves_meet_it(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch, code: str, message: str
 ) -> None:
-    """The write probe's INSERT of no row needs no room: it passed on a full
-    disk, and health said SERVING while every move failed. A move refused for
-    lack of disk now holds health NOT_SERVING, probe after probe, until no
-    move has met it for sql.DISK_FULL_HOLD_SECONDS."""
-    monkeypatch.setattr(sql, "DISK_FULL_HOLD_SECONDS", 3600.0)
+    """The write probe's INSERT of no row needs no room, little memory and no
+    new connection: it passed while moves were refused for lack of disk (and
+    still did for memory or connections), and health said SERVING while they
+    failed. A move refused for lack of any resource (class 53) now holds
+    health NOT_SERVING, probe after probe, until no move has met it for
+    sql.RESOURCE_HOLD_SECONDS."""
+    monkeypatch.setattr(sql, "RESOURCE_HOLD_SECONDS", 3600.0)
     ledger = Ledger(postgres_store, ManualClock(START_US))
     ledger.put_lane(RECALL)
     assert ledger.reserve(_reserve("r-1")).admitted
-    _execute(postgres_store, REFUSE_ROWS)
+    _execute(postgres_store, REFUSE_ROWS.format(code=code, message=message))
     with pytest.raises(StoreUnavailable):
         ledger.reserve(_reserve("r-2"))
     for _probe in range(3):  # every probe, not every other one
         with pytest.raises(StoreUnavailable):
             postgres_store.ping()
     _execute(postgres_store, ALLOW)
-    monkeypatch.setattr(sql, "DISK_FULL_HOLD_SECONDS", 0.0)  # the hold has passed
+    monkeypatch.setattr(sql, "RESOURCE_HOLD_SECONDS", 0.0)  # the hold has passed
     postgres_store.ping()
     assert ledger.reserve(_reserve("r-3")).admitted
