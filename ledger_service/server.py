@@ -569,9 +569,14 @@ class LedgerServer:
 
 
 def _upgrade(store: SqlStore) -> None:
-    """migrate.upgrade, its database errors translated (StoreUnavailable, StoreDamaged)."""
-    with translate.translated():
-        migrate.upgrade(store.engine)
+    """migrate.upgrade, its database errors translated (StoreUnavailable, StoreDamaged).
+    SQLite: a write lock held past one busy timeout is an outage the server
+    comes up NOT_SERVING through and tries again, not a start held back."""
+    try:
+        with translate.translated():
+            migrate.upgrade(store.engine, sqlite_wait_seconds=0.0)
+    except migrate.MigrationWaitExceeded as error:
+        raise StoreUnavailable() from error.__cause__
 
 
 def _check_revision(store: SqlStore) -> None:

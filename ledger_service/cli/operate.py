@@ -173,7 +173,7 @@ def _migrate(arguments: argparse.Namespace) -> int:
             done = migrate.upgrade(store.engine)
     except StoreUnavailable as error:
         return database_unavailable("migrate", error, where)
-    except migrate.RevisionRefused as error:
+    except (migrate.RevisionRefused, migrate.MigrationWaitExceeded) as error:
         print(f"ledger migrate: {error} ({where})", file=sys.stderr)
         return 2
     finally:

@@ -5,17 +5,25 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
 
 import migrations
+from ledger_service.storage import translate
 
 # How often a replica tries the migration lock while another one migrates.
 MIGRATION_LOCK_POLL_SECONDS = 0.1
+# SQLite: how long `ledger migrate` waits for the write lock another process
+# holds (another migration, a server writing, a sqlite3 shell) before it gives
+# up and says so. A migration holds it from first read to last step.
+SQLITE_MIGRATION_WAIT_SECONDS = 300.0
 
 
 def alembic_config(engine: Engine) -> Config:
@@ -34,6 +42,11 @@ class Upgrade:
 
     before: str | None
     after: str | None
+
+
+class MigrationWaitExceeded(RuntimeError):
+    """SQLite: another process held the write lock for longer than
+    SQLITE_MIGRATION_WAIT_SECONDS, so this migration never had its turn."""
 
 
 class RevisionRefused(ValueError):
@@ -64,10 +77,14 @@ def _check_known(config: Config, revision: str | None) -> None:
     )
 
 
-def upgrade(engine: Engine) -> Upgrade:
+def upgrade(engine: Engine, sqlite_wait_seconds: float | None = None) -> Upgrade:
+    """Brings the schema to head. SQLite: waits its turn for the write lock up
+    to `sqlite_wait_seconds` (SQLITE_MIGRATION_WAIT_SECONDS when None; 0, one
+    busy timeout), then raises MigrationWaitExceeded."""
     config = alembic_config(engine)
     if engine.dialect.name != "postgresql":
-        with engine.begin() as connection:
+        wait = SQLITE_MIGRATION_WAIT_SECONDS if sqlite_wait_seconds is None else sqlite_wait_seconds
+        with _sqlite_turn(engine, wait) as connection:
             return _upgrade(config, connection)
     with engine.connect() as connection:
         # Replicas starting together migrate one at a time. A session's lock,
@@ -96,6 +113,52 @@ def _lock_migrations(connection: Connection) -> None:
         if taken:
             return
         time.sleep(MIGRATION_LOCK_POLL_SECONDS)
+
+
+@contextmanager
+def _sqlite_turn(engine: Engine, wait_seconds: float) -> Iterator[Connection]:
+    """SQLite: the whole migration in one transaction begun IMMEDIATE, so that
+    migrations started together take turns. A deferred one read the revision,
+    then met another's write at its first step: "database is locked", and two
+    of three started together failed. Each try waits the busy timeout."""
+    deadline = time.monotonic() + wait_seconds
+    while (connection := _begin_immediate(engine, deadline, wait_seconds)) is None:
+        pass
+    with connection:  # closed without its commit: rolled back
+        yield connection
+        connection.commit()
+
+
+def _begin_immediate(engine: Engine, deadline: float, wait_seconds: float) -> Connection | None:
+    """A connection holding SQLite's write lock, or None when another process
+    held it for the busy timeout (raised past `deadline`). The connection's
+    own setup (its switch to WAL) may wait for the lock too."""
+    try:
+        connection = engine.connect().execution_options(ledger_write=True)
+    except DBAPIError as error:
+        _lock_still_held(error, deadline, wait_seconds)
+        return None
+    try:
+        connection.begin()
+    except DBAPIError as error:
+        connection.close()
+        _lock_still_held(error, deadline, wait_seconds)
+        return None
+    return connection
+
+
+def _lock_still_held(error: DBAPIError, deadline: float, wait_seconds: float) -> None:
+    """Returns to try again; raises `error` when it is no lock wait, and
+    MigrationWaitExceeded once `deadline` has passed."""
+    if not translate.lock_wait_gave_up(error):
+        raise error
+    if time.monotonic() >= deadline:
+        raise MigrationWaitExceeded(
+            "another process held the SQLite database's write lock for longer than "
+            f"{wait_seconds:g} s (another `ledger migrate`, a server "
+            "writing, or a sqlite3 shell with a transaction open); run `ledger migrate` "
+            "again once it is done"
+        ) from error
 
 
 def _upgrade(config: Config, connection: Connection) -> Upgrade:
