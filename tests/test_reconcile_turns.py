@@ -5,6 +5,7 @@ with them in memory, so 24 operators' reconciles at once took a server from
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,9 @@ import grpc
 import pytest
 
 from ledger_service.api import servicers
+from ledger_service.cli import reconcile
+from ledger_service.cli.connection import Session
+from ledger_service.domain.errors import TooManyReconciles
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
@@ -73,7 +77,7 @@ def test_at_most_two_reconciles_run_at_once_by_default(
     assert peak.peak == 2
 
 
-def test_a_reconcile_without_a_turn_in_time_is_store_unavailable(
+def test_a_reconcile_without_a_turn_in_time_is_too_many_reconciles(
     start_ledger_server: Callable[..., LedgerServer],
     open_ledger_channel: Callable[[LedgerServer], grpc.Channel],
     monkeypatch: pytest.MonkeyPatch,
@@ -84,6 +88,45 @@ def test_a_reconcile_without_a_turn_in_time_is_store_unavailable(
     stub = pb_grpc.LedgerStub(open_ledger_channel(server))
     started = time.monotonic()
     codes = _reconcile_all(stub, 2)
-    assert sorted(codes) == ["OK", "UNAVAILABLE STORE_UNAVAILABLE"]
+    # Not STORE_UNAVAILABLE ("the database is unavailable"): the database answered.
+    assert sorted(codes) == ["OK", "RESOURCE_EXHAUSTED TOO_MANY_RECONCILES"]
     assert peak.peak == 1
     assert time.monotonic() - started < 3.0
+
+
+class _Refused(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """A failed call as the CLI receives it: code, details and trailers."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str) -> None:
+        self._code, self._details, self._reason = code, details, reason
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("ledger-reason", self._reason),) if self._reason else ()
+
+    def __getattr__(self, name: str) -> Any:  # grpc.Call's other methods: unused here
+        raise AttributeError(name)
+
+
+def test_the_cli_says_a_reconcile_without_a_turn_changed_nothing() -> None:
+    """RESOURCE_EXHAUSTED used to mean only an answer past the message limit,
+    told as "the file may have applied": without a turn nothing was read."""
+    session = Session("ledger:1", None, None, 5.0, ())  # type: ignore[arg-type]
+    arguments = argparse.Namespace(file="export.csv", dry_run=False)
+    said = reconcile._reconcile_failure(
+        _Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            str(TooManyReconciles(2)),
+            "TOO_MANY_RECONCILES",
+        ),
+        arguments,
+        session,
+    )
+    assert "may have applied" not in said.message, said.message
+    assert "2 reconciles are running" in said.message, said.message
+    assert "TOO_MANY_RECONCILES" in said.message, said.message

@@ -678,6 +678,7 @@ export class BookingWasDenied extends FailedPrecondition {}
 export class BookingStillOpen extends FailedPrecondition {}
 export class ResourceExhausted extends Refusal {}
 export class TooManyWatchers extends ResourceExhausted {}
+export class TooManyReconciles extends ResourceExhausted {}
 export class Unauthenticated extends Refusal {}
 export class PermissionDenied extends Refusal {}
 export class Unimplemented extends Refusal {}

@@ -28,7 +28,11 @@ from ledger_service.application.ports import EventQuery
 from ledger_service.application.reconciliation import reconcile_export
 from ledger_service.domain.chain import GENESIS_HASH, event_hash
 from ledger_service.domain.clock import ManualClock
-from ledger_service.domain.errors import ImplausibleUsage, InvalidArgument, StoreUnavailable
+from ledger_service.domain.errors import (
+    ImplausibleUsage,
+    InvalidArgument,
+    TooManyReconciles,
+)
 from ledger_service.domain.moves import validate_reservation_id
 from ledger_service.domain.policies import MAX_NAME_LENGTH, validate_name
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -261,11 +265,11 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         """One of max_concurrent_reconciles turns, waited for at most the
         request deadline (or the caller's, when sooner): a file's parsed rows
         and report stay off the heap, and its parsing off the GIL, until it may
-        run. Without a turn in time it is STORE_UNAVAILABLE, as a move that
-        cannot have the writer in time is; nothing was read or written."""
+        run. Without a turn in time it is TOO_MANY_RECONCILES (not an outage:
+        the database answers); nothing was read or written."""
         wait = deadlines.work_deadline(self._settings.request_deadline_seconds) - time.monotonic()
         if not self._reconciles.acquire(timeout=max(0.0, wait)):
-            raise StoreUnavailable()
+            raise TooManyReconciles(self._settings.max_concurrent_reconciles)
         try:
             yield
         finally:

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from ledger_service.api.errors import REASON_KEY
 from ledger_service.cli.connection import Session, command, explain
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_FAILED, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import emit, pairs, table, usd
@@ -123,6 +124,9 @@ def _reconcile_failure(
     if not isinstance(error, grpc.Call):
         return explain(error, session)
     code, details = error.code(), " ".join((error.details() or "").split())
+    reason = dict(error.trailing_metadata() or ()).get(REASON_KEY, "")
+    if reason == "TOO_MANY_RECONCILES":  # no turn in time: nothing was read or written
+        return explain(error, session)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "Received message" in details:
         return CliError(
             f"the ledger at {session.server} takes no message as large as {arguments.file} "

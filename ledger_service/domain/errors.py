@@ -134,6 +134,19 @@ class TooManyWatchers(LedgerError):
         super().__init__(f"{why}; try again later")
 
 
+class TooManyReconciles(LedgerError):
+    """Every reconcile turn stayed taken for as long as this one could wait:
+    nothing was read or written. No outage: the ledger answers moves."""
+
+    reason = "TOO_MANY_RECONCILES"
+
+    def __init__(self, turns: int) -> None:
+        super().__init__(
+            f"{turns} reconciles are running, as many as the server runs at once "
+            "(max_concurrent_reconciles), and none ended in time; send it again later"
+        )
+
+
 class ShuttingDown(LedgerError):
     """The server is draining for a stop: the call is safe to send again, to
     another replica or once this one is back."""

@@ -74,6 +74,8 @@ class ResourceExhausted extends Refusal {
   static retryable = true;
 }
 class TooManyWatchers extends ResourceExhausted {}
+// Reconcile only: every turn stayed taken while it waited; nothing changed.
+class TooManyReconciles extends ResourceExhausted {}
 class Unauthenticated extends Refusal {}
 class PermissionDenied extends Refusal {}
 class Unimplemented extends Refusal {}
@@ -156,6 +158,7 @@ const ERROR_TABLE = Object.freeze([
   [Status.FAILED_PRECONDITION, 'BOOKING_STILL_OPEN', BookingStillOpen],
   [Status.FAILED_PRECONDITION, null, FailedPrecondition],
   [Status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS', TooManyWatchers],
+  [Status.RESOURCE_EXHAUSTED, 'TOO_MANY_RECONCILES', TooManyReconciles],
   [Status.RESOURCE_EXHAUSTED, null, ResourceExhausted],
   [Status.UNAUTHENTICATED, null, Unauthenticated],
   [Status.PERMISSION_DENIED, null, PermissionDenied],
@@ -324,6 +327,7 @@ module.exports = {
   BookingStillOpen,
   ResourceExhausted,
   TooManyWatchers,
+  TooManyReconciles,
   Unauthenticated,
   PermissionDenied,
   Unimplemented,

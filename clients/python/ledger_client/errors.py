@@ -138,6 +138,11 @@ class TooManyWatchers(LedgerError):
     pass
 
 
+class TooManyReconciles(LedgerError):
+    """Every Reconcile turn stayed taken while this one waited: nothing was
+    read or written; send it again later. No outage."""
+
+
 class Unauthenticated(LedgerError):
     """The grant is missing, malformed or expired."""
 
@@ -169,7 +174,7 @@ def is_retryable(error: LedgerError) -> bool:
     """Whether the same request, sent again with the same ids, may succeed (and
     books nothing twice): UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED and
     RESOURCE_EXHAUSTED, as `retry` in clients/cases/errors.json says."""
-    return isinstance(error, (LedgerUnavailable, TooManyWatchers))
+    return isinstance(error, (LedgerUnavailable, TooManyWatchers, TooManyReconciles))
 
 
 def resends_reserve(error: LedgerError) -> bool:
@@ -199,6 +204,7 @@ REASONS: dict[str, type[LedgerError]] = {
     "CORRECTION_ID_REUSED": CorrectionConflict,
     "BOOKING_WAS_DENIED": BookingWasDenied,
     "TOO_MANY_WATCHERS": TooManyWatchers,
+    "TOO_MANY_RECONCILES": TooManyReconciles,
     "STORE_UNAVAILABLE": LedgerUnavailable,
     "SHUTTING_DOWN": LedgerUnavailable,
     "STORE_DAMAGED": LedgerStoreDamaged,
