@@ -30,9 +30,11 @@ import pytest
 
 from ledger_service import cli
 from ledger_service.cli import connection, exits, reconcile, render, values
+from ledger_service.domain.grants import decode_unverified
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
+from ledger_service.storage import keyring
 from tests.freezing_proxy import FreezingProxy
 from tests.security.test_tls import Issued, issue, make_ca
 
@@ -1132,6 +1134,17 @@ def test_a_missing_or_refused_grant_is_one_line(
     assert missing.code == exits.EXIT_FAILED
     refused = ledger("lane", "list", "--grant", "not-a-grant")
     assert "refused the grant from --grant (" in one_line_error(refused)
+    # A grant of another keyring: the hint names its key and whose keyring to ask.
+    other = tmp_path / "other"
+    keyring.load_or_create(other)
+    issued = ledger(
+        "grant", "issue", "--lane", "recall", "--scope", "read", "--data-dir", str(other)
+    )
+    foreign = issued.out.strip()
+    key_id = decode_unverified(foreign).key_id
+    said = one_line_error(ledger("lane", "list", "--grant", foreign))
+    assert f"refused the grant from --grant, signed by key {key_id} (" in said, said
+    assert "`ledger grant inspect --data-dir DIR`, DIR that server's data directory" in said
 
 
 def test_an_expired_grant_is_one_line_saying_when_it_expired_and_what_to_do(

@@ -438,10 +438,27 @@ def _unauthenticated(session: Session, reason: str) -> str:
             f"the grant from {session.grant_source} expired at {expired_at} "
             f"(the ledger at {session.server} refused it): {renew}"
         )
+    key_id = _key_id(session.grant)
+    if not key_id:
+        return (
+            f"the ledger at {session.server} refused the grant from {session.grant_source} "
+            f"({reason}): it is not a grant; `ledger grant inspect` says why"
+        )
     return (
-        f"the ledger at {session.server} refused the grant from {session.grant_source} "
-        f"({reason}): check it with `ledger grant inspect`"
+        f"the ledger at {session.server} refused the grant from {session.grant_source}, "
+        f"signed by key {key_id} ({reason}): `ledger grant inspect --data-dir DIR`, DIR "
+        "that server's data directory, checks it with that server's keyring (a keyring "
+        f"elsewhere, another replica's, may hold other keys); a retired {key_id} needs "
+        "a new grant"
     )
+
+
+def _key_id(grant: str) -> str:
+    """The key id `grant` names (unverified), or "" if it is not a grant."""
+    try:
+        return decode_unverified(grant).key_id
+    except GrantRejected:
+        return ""
 
 
 def _expired_at(grant: str) -> str:

@@ -12,6 +12,7 @@ import datetime
 import pathlib
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from ledger_service.domain.clock import MICROS_PER_SECOND, SystemClock
@@ -158,9 +159,12 @@ def _inspect(arguments: argparse.Namespace) -> int:
     try:
         grant_keys.verify(token, now_us)
     except GrantRejected as rejection:
-        print(f"signature:  {_verdict(rejection.why, data_dir)}")
+        print(f"signature:  {_verdict(rejection.why, grant, grant_keys.keys, data_dir)}")
         return EXIT_REFUSED
-    print(f"signature:  valid (key {grant.key_id} of the keyring in {data_dir})")
+    print(
+        f"signature:  valid (key {grant.key_id} of the keyring in {data_dir}; "
+        f"a server accepts it only if its own keyring holds {grant.key_id})"
+    )
     return 0
 
 
@@ -183,13 +187,25 @@ def _implied(grant: Grant) -> str:
     return " (implies charge and read)" if Scope.ADMIN in grant.scopes else ""
 
 
-def _verdict(why: Rejection, data_dir: pathlib.Path) -> str:
+def _verdict(
+    why: Rejection, grant: Grant, keys: Mapping[str, bytes], data_dir: pathlib.Path
+) -> str:
+    """What the keyring in `data_dir` says of the grant's signature. Only this
+    keyring is asked: a key it lacks may be another server's (another data
+    directory), so such a grant is unchecked here, not invalid."""
     if why is Rejection.UNKNOWN_KEY:
-        return f"NOT VALID here: its key id is not in the keyring in {data_dir}"
+        return (
+            f"not checked: key {grant.key_id} is not in the keyring in {data_dir} "
+            f"(it holds {', '.join(sorted(keys))}); check it with --data-dir set to the "
+            "data directory of a server that should accept it"
+        )
     if why is Rejection.BAD_SIGNATURE:
-        return "NOT VALID: the signature does not match (tampered, or another server's key)"
+        return (
+            f"NOT VALID: key {grant.key_id} of the keyring in {data_dir} does not match "
+            "its signature (tampered with)"
+        )
     if why is Rejection.EXPIRED:
-        return "signed by this keyring, but EXPIRED"
+        return f"signed by key {grant.key_id} of the keyring in {data_dir}, but EXPIRED"
     return f"NOT VALID ({why.value})"
 
 

@@ -182,6 +182,31 @@ def test_ledger_grant_issue_and_inspect(
     assert code == 0 and "signature:  valid" in out
 
 
+def test_inspect_says_which_keyring_it_checked_and_what_a_missing_key_means(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Inspect asks only the keyring of --data-dir. A grant another replica's
+    key signed was called "NOT VALID" there though that replica accepts it,
+    and "valid" said nothing of whether the refusing server holds the key."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    keyring.load_or_create(ours)
+    their_keys = keyring.load_or_create(theirs)
+    issue = ["grant", "issue", "--lane", "recall", "--scope", "read", "--data-dir", str(ours)]
+    token = run_cli(issue, capsys)[1].strip()
+    key_id = decode_unverified(token).key_id
+
+    code, out, _ = run_cli(["grant", "inspect", token, "--data-dir", str(theirs)], capsys)
+    signature = out.splitlines()[-1]
+    assert code == 1 and "NOT VALID" not in signature, signature
+    assert f"not checked: key {key_id} is not in the keyring in {theirs}" in signature
+    assert f"(it holds {their_keys.signing_key_id})" in signature, signature
+
+    code, out, _ = run_cli(["grant", "inspect", token, "--data-dir", str(ours)], capsys)
+    signature = out.splitlines()[-1]
+    assert code == 0 and signature.startswith("signature:  valid"), signature
+    assert f"only if its own keyring holds {key_id}" in signature, signature
+
+
 @pytest.mark.parametrize(
     "arguments",
     [
