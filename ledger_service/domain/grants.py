@@ -124,7 +124,15 @@ class Keyring:
         claims = _claims(frozenset(lanes), frozenset(scopes), issued_at_us, expires_at_us)
         payload = _encode(json.dumps(claims, sort_keys=True, separators=(",", ":")).encode())
         signed = f"{FORMAT}.{self.signing_key_id}.{payload}"
-        return f"{signed}.{_encode(_sign(self.keys[self.signing_key_id], signed))}"
+        token = f"{signed}.{_encode(_sign(self.keys[self.signing_key_id], signed))}"
+        if len(token) > MAX_GRANT_LENGTH:
+            # Every server and both clients refuse a longer token as malformed.
+            raise ValueError(
+                f"the lanes' names make the grant {len(token)} characters long, past the "
+                f"{MAX_GRANT_LENGTH} a grant may have: name fewer lanes, or shorter ones, "
+                "in each grant"
+            )
+        return token
 
     def verify(self, token: str, now_us: int) -> Grant:
         """The grant `token` carries, if this keyring signed it and it is in force now.

@@ -176,3 +176,25 @@ def test_verification_takes_microseconds() -> None:
     seconds = min(timeit.repeat(lambda: KEYRING.verify(token, NOW_US), number=rounds, repeat=3))
     micros_per_verification = seconds / rounds * 1e6
     assert micros_per_verification < 500, micros_per_verification
+
+
+def test_issue_refuses_a_grant_longer_than_any_server_takes() -> None:
+    """A grant's lanes (64 of 200 characters) may spell a token past
+    MAX_GRANT_LENGTH (4,096), which every server and client refuses as
+    malformed: `ledger grant issue` printed such a grant (17,517 characters)
+    with exit 0. The longest it issues verifies; one character more is refused."""
+    prefixes = [f"lane-{index:02d}-" for index in range(20)]
+    accepted: tuple[str, list[str]] | None = None
+    for extra in range(190):
+        lanes = [prefix + "x" * extra for prefix in prefixes]
+        try:
+            accepted = (issue(lanes, [Scope.CHARGE]), lanes)
+        except ValueError as error:
+            assert "4096" in str(error)
+            break
+    else:
+        raise AssertionError("issue never refused a grant past MAX_GRANT_LENGTH")
+    assert accepted is not None
+    token, lanes = accepted
+    assert len(token) <= grants.MAX_GRANT_LENGTH
+    assert KEYRING.verify(token, NOW_US).lanes == set(lanes)
