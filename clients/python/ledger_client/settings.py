@@ -39,6 +39,12 @@ END_RETRY_PAUSE_SECONDS = 0.020
 # A quarter of the server's max_concurrent_rpcs (256): the Node client's
 # DEFAULT_MAX_CALLS_IN_FLIGHT.
 DEFAULT_MAX_CALLS_IN_FLIGHT = 64
+# The channel's message limit: every message a lane client sends or reads is
+# far below 64 KiB; gRPC takes the limit as a C int and -1 as none at all.
+MIN_MESSAGE_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 2**31 - 1
+# gRPC's own default longest pause between reconnects.
+MAX_RECONNECT_BACKOFF_MS = 120_000
 
 
 def require_int(value: object, name: str) -> None:
@@ -134,3 +140,16 @@ class ClientSettings:
             raise ValueError("end_attempts must be in [1, 10]")
         if not 1 <= self.max_calls_in_flight <= 10_000:
             raise ValueError("max_calls_in_flight must be in [1, 10000]")
+        self._check_channel()
+
+    def _check_channel(self) -> None:
+        """A message limit every call's answer fits (below it each call failed
+        as LedgerOverloaded, forever) and reconnect pauses that are pauses."""
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be in [{MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}]"
+            )
+        if not 1 <= self.initial_reconnect_backoff_ms <= self.max_reconnect_backoff_ms:
+            raise ValueError("need 1 <= initial_reconnect_backoff_ms <= max_reconnect_backoff_ms")
+        if self.max_reconnect_backoff_ms > MAX_RECONNECT_BACKOFF_MS:
+            raise ValueError(f"max_reconnect_backoff_ms must be at most {MAX_RECONNECT_BACKOFF_MS}")

@@ -131,3 +131,23 @@ def test_a_call_after_close_is_client_closed_and_never_touches_the_closed_channe
     child.start()
     child.join(60)
     assert child.exitcode == 0, f"the lane process ended with {child.exitcode}"
+
+
+def test_the_channel_limits_are_checked_at_their_bounds() -> None:
+    """max_message_bytes 0 made every call LedgerOverloaded ("Sent message
+    larger than max (8 vs. 0)"), -1 lifted the limit, and a reconnect pause of
+    0 or one above its maximum went to gRPC unchecked."""
+    ClientSettings(max_message_bytes=64 * 1024)
+    ClientSettings(max_message_bytes=2**31 - 1)
+    ClientSettings(initial_reconnect_backoff_ms=1, max_reconnect_backoff_ms=120_000)
+    for wrong in (
+        {"max_message_bytes": 64 * 1024 - 1},
+        {"max_message_bytes": 2**31},
+        {"max_message_bytes": -1},
+        {"initial_reconnect_backoff_ms": 0},
+        {"initial_reconnect_backoff_ms": 2001},
+        {"max_reconnect_backoff_ms": 120_001},
+    ):
+        name = next(iter(wrong))
+        with pytest.raises(ValueError, match=name):
+            ClientSettings(**wrong)  # type: ignore[arg-type]
