@@ -26,6 +26,7 @@ from ledger_service.cli.render import money_in_text, usd
 from ledger_service.cli.tls import Tls, resolve_tls
 from ledger_service.cli.values import (
     DEFAULT_TIMEOUT_SECONDS,
+    MAX_TIMEOUT_SECONDS,
     MAX_VALUE_LENGTH,
     parse_timeout_seconds,
 )
@@ -509,7 +510,9 @@ def common_options() -> argparse.ArgumentParser:
         help="default LEDGER_GRANT, else the contents of <LEDGER_DATA_DIR or ./data>/admin.grant",
     )
     talk.add_argument(
-        "--timeout", metavar="SECONDS", help=f"per call (default {DEFAULT_TIMEOUT_SECONDS})"
+        "--timeout",
+        metavar="SECONDS",
+        help=f"per call (default {DEFAULT_TIMEOUT_SECONDS}, at most {MAX_TIMEOUT_SECONDS})",
     )
     talk.add_argument(
         "--json", action="store_true", help="machine-readable output: amounts in raw nanos"

@@ -48,6 +48,7 @@ from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 DEFAULT_BIGGEST = 5
 MAX_BIGGEST = 100
+BIGGEST_HELP = f"list the N biggest bookings (default {DEFAULT_BIGGEST}, at most {MAX_BIGGEST})"
 MAX_CHART_POINTS = 2_000
 MAX_DENIAL_MARKERS = 500
 MAX_CORRECTION_MARKERS = 500
@@ -740,8 +741,7 @@ def register(commands: Any) -> None:
         help="how a lane's window splits into real charges, estimates, holds and refusals",
     )
     check.add_argument("lane", metavar="LANE")
-    check.add_argument("--biggest", default=str(DEFAULT_BIGGEST), metavar="N",
-                       help=f"list the N biggest bookings (default {DEFAULT_BIGGEST})")  # fmt: skip
+    check.add_argument("--biggest", default=str(DEFAULT_BIGGEST), metavar="N", help=BIGGEST_HELP)
     check.set_defaults(run=_command(audit))
 
     page = commands.add_parser(
@@ -750,6 +750,5 @@ def register(commands: Any) -> None:
     page.add_argument("lane", metavar="LANE")
     page.add_argument("--html", required=True, type=pathlib.Path, metavar="FILE",
                       help="the page to write (self-contained: open it anywhere)")  # fmt: skip
-    page.add_argument("--biggest", default=str(DEFAULT_BIGGEST), metavar="N",
-                      help=f"list the N biggest bookings (default {DEFAULT_BIGGEST})")  # fmt: skip
+    page.add_argument("--biggest", default=str(DEFAULT_BIGGEST), metavar="N", help=BIGGEST_HELP)
     page.set_defaults(run=_command(report))

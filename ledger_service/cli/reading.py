@@ -257,7 +257,8 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         "--limit",
         default=str(DEFAULT_HISTORY_EVENTS),
         metavar="N",
-        help=f"the newest N events (default {DEFAULT_HISTORY_EVENTS})",
+        help=f"the newest N events (default {DEFAULT_HISTORY_EVENTS}, "
+        f"at most {MAX_HISTORY_EVENTS})",
     )
     log.add_argument("--after-seq", default="0", metavar="SEQ", help="only events after SEQ")
     log.add_argument("--follow", action="store_true", help="then print new events until Ctrl-C")
