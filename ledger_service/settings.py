@@ -75,6 +75,8 @@ def home_expanded(url: str) -> str:
 # longest a grant may live, far within what a thread can wait).
 MAX_SETTING_COUNT = 2**31 - 1
 MAX_SETTING_SECONDS = 10 * 366 * 86_400
+# The least max_metadata_bytes: a grant of MAX_GRANT_LENGTH and gRPC's own headers.
+MIN_METADATA_BYTES = 8 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,11 @@ class Settings:
     # one connection's stream past that limit is refused, not kept waiting.
     max_calls_per_connection: int = 128
     max_message_bytes: int = 1 * 1024 * 1024
+    # A call's headers (metadata) in all, as gRPC counts them (each name and
+    # value plus 32 bytes). One bound: gRPC's own pair (8 KiB soft, 16 KiB
+    # hard) refused a call between them at random. A grant (4,096 characters)
+    # and the trace headers fit with room to spare.
+    max_metadata_bytes: int = 16 * 1024
     # Longest a call may take, from its headers, to deliver its whole request
     # message before it is cancelled (api/arrival.py): a call waiting holds one
     # of the pool's threads. 2 s is 1 MiB at 4 Mbit/s.
@@ -209,6 +216,11 @@ class Settings:
         _check_listen(self.listen)
         if self.recovery_max_risk > 1:
             raise ValueError("recovery_max_risk (LEDGER_RECOVERY_MAX_RISK) must be at most 1")
+        if self.max_metadata_bytes < MIN_METADATA_BYTES:
+            raise ValueError(
+                f"max_metadata_bytes (LEDGER_MAX_METADATA_BYTES) must be at least "
+                f"{MIN_METADATA_BYTES}, room for a grant and the trace headers"
+            )
         if self.default_page_size > self.max_page_size:
             raise ValueError("default_page_size must not exceed max_page_size")
 
@@ -257,6 +269,7 @@ _POSITIVE = frozenset(
         "max_concurrent_rpcs",
         "max_calls_per_connection",
         "max_message_bytes",
+        "max_metadata_bytes",
         "request_deadline_seconds",
         "request_arrival_seconds",
         "pool_size",
@@ -376,6 +389,8 @@ def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_metadata_size", settings.max_metadata_bytes),
+        ("grpc.absolute_max_metadata_size", settings.max_metadata_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", settings.max_calls_per_connection),
         # Pings find a peer that stopped answering; gRPC's default is none

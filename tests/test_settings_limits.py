@@ -41,6 +41,12 @@ def test_a_number_no_server_could_run_with_is_refused_by_name(
     assert said in str(refused.value)
 
 
+def test_the_header_limit_leaves_room_for_a_grant() -> None:
+    assert Settings(database_url=URL, max_metadata_bytes=8192).max_metadata_bytes == 8192
+    with pytest.raises(ValueError, match=r"max_metadata_bytes .* at least 8192"):
+        Settings(database_url=URL, max_metadata_bytes=8191)
+
+
 def test_zero_where_zero_means_none_or_never_is_taken() -> None:
     settings = Settings(
         database_url=URL,
