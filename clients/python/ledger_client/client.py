@@ -188,8 +188,8 @@ class LaneClient:
         model_call block, it does not wait for that block, which ends its
         booking as usual: the channel and journal close as it leaves."""
         require_number(grace_seconds, "grace_seconds")
-        if grace_seconds < 0:
-            raise ValueError("grace_seconds must be at least 0")
+        if not 0 <= grace_seconds <= MAX_DEADLINE_SECONDS:  # NaN too; as the Node client's graceMs
+            raise ValueError(f"grace_seconds must be in [0, {MAX_DEADLINE_SECONDS}]")
         self._gate.close()
         if self._replayer is not None:
             self._replayer.stop()

@@ -4,6 +4,7 @@ is left after it is cancelled (README, "Closing the client")."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -148,12 +149,15 @@ def test_close_cancels_what_is_left_after_its_grace(ledger: tuple[SlowLedger, st
 
 
 def test_the_grace_is_checked() -> None:
+    """Bounded as the Node client's graceMs, [0, 60 s]: an infinite grace
+    (inf, or NaN, which no comparison refused) let close() wait forever."""
     client = LaneClient("127.0.0.1:1", "recall")
-    with pytest.raises(ValueError, match="grace_seconds"):
-        client.close(grace_seconds=-1)
+    for wrong in (-1, 60.001, math.inf, math.nan):
+        with pytest.raises(ValueError, match="grace_seconds"):
+            client.close(grace_seconds=wrong)
     with pytest.raises(TypeError, match="grace_seconds"):
         client.close(grace_seconds="5")  # type: ignore[arg-type]
-    client.close()
+    client.close(grace_seconds=60)  # the most: nothing under way, so at once
 
 
 def test_close_inside_a_model_call_block_lets_that_block_end_its_booking(
