@@ -64,6 +64,7 @@ SLOW_MODULES = (
     "clients/python/tests/test_client_readme.py",
     "clients/python/tests/test_client_replay.py",
     "clients/python/tests/test_client_allowance.py",
+    "clients/python/tests/test_client_frozen_replica.py",
 )
 
 

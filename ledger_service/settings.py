@@ -77,6 +77,8 @@ MAX_SETTING_COUNT = 2**31 - 1
 MAX_SETTING_SECONDS = 10 * 366 * 86_400
 # The least max_metadata_bytes: a grant of MAX_GRANT_LENGTH and gRPC's own headers.
 MIN_METADATA_BYTES = 8 * 1024
+# The fastest client pings a server admits (client_ping_min_interval_seconds).
+MIN_CLIENT_PING_INTERVAL_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +164,13 @@ class Settings:
     # gRPC keepalive: the server pings a connection this long idle and drops
     # it when the ping goes unanswered as long again. A stream whose reader
     # froze (a paused VM, a silent partition) on a quiet lane has no event
-    # waiting, so only this gives its slot back; clients may ping this often.
+    # waiting, so only this gives its slot back.
     keepalive_seconds: float = 20.0
+    # How often a client may ping a connection on which the server sent nothing
+    # since: the lane clients ping every 5 s to find a frozen replica. A peer
+    # pinging faster is sent GOAWAY (too_many_pings) at its third early ping.
+    # At least 1 s: each ping costs the server a write.
+    client_ping_min_interval_seconds: float = 4.0
     # Recovery (docs/recovery.md). A snapshot of the projections every this many
     # events (0: none), the newest snapshot_keep kept.
     snapshot_every_events: int = 10_000
@@ -214,6 +221,11 @@ class Settings:
                 # gRPC's channel options and PostgreSQL's settings are C ints.
                 raise ValueError(f"{name} must be at most {MAX_SETTING_COUNT}")
         _check_listen(self.listen)
+        if self.client_ping_min_interval_seconds < MIN_CLIENT_PING_INTERVAL_SECONDS:
+            raise ValueError(
+                "client_ping_min_interval_seconds (LEDGER_CLIENT_PING_MIN_INTERVAL_SECONDS) "
+                f"must be at least {MIN_CLIENT_PING_INTERVAL_SECONDS:g}"
+            )
         if self.recovery_max_risk > 1:
             raise ValueError("recovery_max_risk (LEDGER_RECOVERY_MAX_RISK) must be at most 1")
         if self.max_metadata_bytes < MIN_METADATA_BYTES:
@@ -289,6 +301,7 @@ _POSITIVE = frozenset(
         "watch_buffer_events",
         "watch_stall_seconds",
         "keepalive_seconds",
+        "client_ping_min_interval_seconds",
         "snapshot_keep",
         "recovery_batch_events",
         "recovery_sample_events",
@@ -386,6 +399,7 @@ def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
     """The channel options of the ledger's grpc.server; the benchmark's echo
     baseline uses the same ones (without importing the server)."""
     keepalive_ms = max(1, round(settings.keepalive_seconds * 1000))
+    client_ping_ms = min(MAX_SETTING_COUNT, round(settings.client_ping_min_interval_seconds * 1000))
     return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -399,11 +413,13 @@ def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", keepalive_ms),
         ("grpc.http2.ping_timeout_ms", keepalive_ms),
         ("grpc.http2.max_pings_without_data", 0),
-        # A client's own pings (`ledger history --follow`) are welcome as often.
+        # Clients' own pings (the lane clients', `ledger history --follow`'s),
+        # idle connections included, no more often than client_ping_ms.
         # The C core's name for GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS:
         # "min_recv_ping_..." is read by nothing, and left the 5-minute default.
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", client_ping_ms),
+        ("grpc.http2.max_ping_strikes", 2),
     ]
 
 

@@ -764,8 +764,8 @@ def test_history_follow_ends_when_the_server_freezes(tmp_path: pathlib.Path) -> 
     """A server that stops answering (frozen, or behind a network that drops every
     packet) ends a follow with one line and exit 3, found by the CLI's keepalive
     pings: the stream has no deadline, so nothing else would end it."""
-    # The server accepts client pings as often as every keepalive_seconds.
-    served = start_ledger_process(tmp_path, {"LEDGER_KEEPALIVE_SECONDS": "1"})
+    # The server accepts client pings as often as every client_ping_min_interval_seconds.
+    served = start_ledger_process(tmp_path, {"LEDGER_CLIENT_PING_MIN_INTERVAL_SECONDS": "1"})
     host, port = served.address.rsplit(":", 1)
     proxy = FreezingProxy(host, int(port))
     environment = {
@@ -806,10 +806,11 @@ def test_a_bad_client_keepalive_is_refused_before_any_call(
 
 
 def test_the_client_keepalive_pings_no_faster_than_the_server_accepts() -> None:
-    """The default interval keeps a margin over the server's default keepalive_seconds,
-    the fastest it takes a client's pings without GOAWAY too_many_pings."""
+    """The default interval keeps a margin over the server's default
+    client_ping_min_interval_seconds, the fastest it takes a client's pings
+    without GOAWAY too_many_pings."""
     options = dict(connection.keepalive_options(connection.DEFAULT_KEEPALIVE_SECONDS))
-    server_default = Settings.__dataclass_fields__["keepalive_seconds"].default
+    server_default = Settings.__dataclass_fields__["client_ping_min_interval_seconds"].default
     assert options["grpc.keepalive_time_ms"] >= 1.25 * server_default * 1000
     assert options["grpc.http2.max_pings_without_data"] == 0
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ledger_service.settings import Settings
+from ledger_service.settings import Settings, grpc_server_options
 from tests import serving
 
 URL = "sqlite:///unused.db"
@@ -30,6 +30,7 @@ URL = "sqlite:///unused.db"
         ("request_deadline_seconds", math.nan, "finite"),
         ("pool_size", math.inf, "finite"),
         ("recovery_max_risk", 2.0, "at most 1"),
+        ("client_ping_min_interval_seconds", 0.5, "at least 1"),
         ("max_page_size", True, "a number"),
     ],
 )
@@ -153,3 +154,20 @@ def test_a_variable_that_is_no_number_is_named_with_its_value(
     with pytest.raises(ValueError) as refused:
         Settings.from_environment()
     assert str(refused.value) == said
+
+
+def test_the_server_takes_the_lane_clients_pings_and_bounds_faster_ones() -> None:
+    """Both lane clients ping every 5 s to find a frozen replica; the server's
+    default floor must lie below that (with margin), or an idle lane's
+    connection is ended with GOAWAY too_many_pings (measured at 20 s: after
+    15 s idle), and its pings slowed. A faster peer is cut off at its third
+    early ping."""
+    from ledger_client.channels import KEEPALIVE_INTERVAL_MS
+
+    node = (pathlib.Path(__file__).parents[1] / "clients/node/lib/client.js").read_text()
+    assert f"'grpc.keepalive_time_ms': {KEEPALIVE_INTERVAL_MS}," in node
+    options = dict(grpc_server_options(Settings(database_url=URL)))
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] <= 0.8 * KEEPALIVE_INTERVAL_MS
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] >= 1000
+    assert options["grpc.http2.max_ping_strikes"] == 2
+    assert options["grpc.keepalive_permit_without_calls"] == 1

@@ -39,8 +39,8 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 # Keepalive pings, so that a call that waits (`history --follow`, a long
 # reconcile) on a server that froze, or behind a network that silently drops
 # packets, ends instead of hanging for ever. The server accepts a client's
-# pings no more often than its `keepalive_seconds` (20 by default) and sends
-# GOAWAY too_many_pings past that: 30 s keeps a margin. A ping unanswered for
+# pings no more often than its `client_ping_min_interval_seconds` (4 by
+# default) and sends GOAWAY too_many_pings past that: 30 s keeps a margin. A ping unanswered for
 # the interval (at most KEEPALIVE_TIMEOUT_SECONDS) ends the call UNAVAILABLE.
 KEEPALIVE_VARIABLE = "LEDGER_CLIENT_KEEPALIVE_SECONDS"
 DEFAULT_KEEPALIVE_SECONDS = 30.0
@@ -235,7 +235,8 @@ def resolve_grant(given: str | None) -> tuple[str, str]:
 def resolve_keepalive_seconds() -> float:
     """LEDGER_CLIENT_KEEPALIVE_SECONDS, else 30: how long a call's connection may stay
     silent before the CLI pings the server (and how long it waits for the answer, at
-    most 20 s). Below the server's `keepalive_seconds` the server ends the connection."""
+    most 20 s). Below the server's `client_ping_min_interval_seconds` the server ends
+    the connection."""
     text = os.environ.get(KEEPALIVE_VARIABLE, "").strip()
     if not text:
         return DEFAULT_KEEPALIVE_SECONDS
@@ -382,7 +383,7 @@ def _unreachable(session: Session, details: str) -> str:
         return (
             f"the ledger at {server} ended the connection: pinged too often (GOAWAY "
             f"too_many_pings); set {KEEPALIVE_VARIABLE} at or above the server's "
-            "keepalive_seconds (20 by default)"
+            "client_ping_min_interval_seconds (4 by default)"
         )
     closed = "Socket closed" in details or "Connection reset" in details
     if tls is None:

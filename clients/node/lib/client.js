@@ -438,6 +438,15 @@ const RECONNECT_OPTIONS = Object.freeze({
   // each): calls go to each ready one in turn. gRPC's default, pick_first,
   // sent every call to the first, and a drain there met all of them.
   'grpc.service_config': JSON.stringify({ loadBalancingConfig: [{ round_robin: {} }] }),
+  // A replica that froze (SIGSTOP, a paused VM, a host gone silent) keeps its
+  // connection open, and round robin kept sending it every other call. A ping
+  // every 5 s, unanswered for 5 s, closes that connection: within 10 s its
+  // calls go to the other replicas. The server admits a ping every 4 s at the
+  // most (client_ping_min_interval_seconds). The Python client's
+  // KEEPALIVE_INTERVAL_MS and KEEPALIVE_TIMEOUT_MS (ledger_client/channels.py).
+  'grpc.keepalive_time_ms': 5000,
+  'grpc.keepalive_timeout_ms': 5000,
+  'grpc.keepalive_permit_without_calls': 1,
 });
 // The reason a draining server refuses a call with before doing any work.
 const SHUTTING_DOWN = 'SHUTTING_DOWN';

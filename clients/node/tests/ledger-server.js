@@ -90,12 +90,15 @@ async function endProcess(running, signal) {
 }
 
 /**
+ * @param {{copyFrom?: string}} [options] copyFrom: a halted server's data directory to start from
  * @returns {Promise<{address: string, adminGrant: string|null, admin: object, clock: object,
  *   events: (lane: string) => Promise<object[]>, halt: (signal?: string) => Promise<number|string>,
- *   restart: () => Promise<void>, stop: () => Promise<void>}>}
+ *   restart: () => Promise<void>, freeze: () => void, thaw: () => void, stop: () => Promise<void>}>}
  */
-async function startLedger() {
+async function startLedger({ copyFrom } = {}) {
   const dataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-'));
+  // A replica of another server: its keyring, grants and lanes (its own database file).
+  if (copyFrom) fs.cpSync(copyFrom, dataDir, { recursive: true });
   const logs = { text: '' };
   let running;
   try {
@@ -153,7 +156,17 @@ async function startLedger() {
     }
   }
 
+  /** SIGSTOP: the process stops, its kernel still accepts connections and bytes. */
+  function freeze() {
+    running.child.kill('SIGSTOP');
+  }
+
+  function thaw() {
+    running.child.kill('SIGCONT');
+  }
+
   async function stop() {
+    if (running !== null) thaw();
     adminStub.close();
     clockStub.close();
     ledgerStub.close();
@@ -181,6 +194,8 @@ async function startLedger() {
     events,
     halt,
     restart,
+    freeze,
+    thaw,
     stop,
   };
 }

@@ -17,6 +17,13 @@ from ledger_client.settings import ClientSettings
 MAX_GRANT_LENGTH = 4096
 # A grant travels in an HTTP/2 header: visible ASCII, no spaces.
 _GRANT = re.compile(r"[\x21-\x7e]+")
+# A replica that froze (SIGSTOP, a paused VM, a host gone silent) keeps its
+# connection open, and round robin kept sending it every other call. A ping
+# every 5 s, unanswered for 5 s, closes that connection: within 10 s its calls
+# go to the other replicas. The server admits a ping every 4 s at the most
+# (client_ping_min_interval_seconds). The Node client's KEEPALIVE_OPTIONS.
+KEEPALIVE_INTERVAL_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 5000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +99,14 @@ def open_channel(address: str, tls: TlsSettings | None, settings: ClientSettings
         # each): calls go to each ready one in turn. gRPC's default, pick_first,
         # sent every call to the first, and a drain there met all of them.
         ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.keepalive_time_ms", KEEPALIVE_INTERVAL_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # What this gRPC reads as the ping's timeout (default 1 minute): with
+        # keepalive_timeout_ms alone, a frozen replica was not found in 30 s.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # Pings on an idle connection too, and however long no data came.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
     if tls is None:
         return grpc.insecure_channel(address, options=options)
