@@ -21,7 +21,8 @@ _GRANT = re.compile(r"[\x21-\x7e]+")
 # connection open, and round robin kept sending it every other call. A ping
 # every 5 s, unanswered for 5 s, closes that connection: within 10 s its calls
 # go to the other replicas. The server admits a ping every 4 s at the most
-# (client_ping_min_interval_seconds). The Node client's KEEPALIVE_OPTIONS.
+# (client_ping_min_interval_seconds). The same figures as the Node client's
+# RECONNECT_OPTIONS (clients/node/lib/client.js).
 KEEPALIVE_INTERVAL_MS = 5000
 KEEPALIVE_TIMEOUT_MS = 5000
 
