@@ -398,7 +398,8 @@ def unread_variables(environment: Mapping[str, str]) -> list[str]:
 def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
     """The channel options of the ledger's grpc.server; the benchmark's echo
     baseline uses the same ones (without importing the server)."""
-    keepalive_ms = max(1, round(settings.keepalive_seconds * 1000))
+    # gRPC takes milliseconds as a C int: past 24.8 days is taken as that.
+    keepalive_ms = min(MAX_SETTING_COUNT, max(1, round(settings.keepalive_seconds * 1000)))
     client_ping_ms = min(MAX_SETTING_COUNT, round(settings.client_ping_min_interval_seconds * 1000))
     return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),

@@ -171,3 +171,21 @@ def test_the_server_takes_the_lane_clients_pings_and_bounds_faster_ones() -> Non
     assert options["grpc.http2.min_ping_interval_without_data_ms"] >= 1000
     assert options["grpc.http2.max_ping_strikes"] == 2
     assert options["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_every_number_at_its_largest_makes_a_grpc_server() -> None:
+    """keepalive_seconds may be 3,660 days, but gRPC takes milliseconds as a C
+    int: LEDGER_KEEPALIVE_SECONDS=3000000 made `ledger serve` die with an
+    OverflowError traceback. Past 2^31 - 1 ms (24.8 days) is taken as that."""
+    from concurrent import futures
+
+    import grpc
+
+    largest = {
+        "keepalive_seconds": 316_224_000.0,
+        "client_ping_min_interval_seconds": 316_224_000.0,
+    }
+    options = grpc_server_options(Settings(database_url=URL, **largest))  # type: ignore[arg-type]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=options)
+    server.stop(None)
+    assert dict(options)["grpc.keepalive_time_ms"] == 2**31 - 1
