@@ -38,7 +38,7 @@ def register(commands: Any) -> None:
     database_options(verify)
     verify.add_argument(
         "--at-us",
-        type=int,
+        type=_instant_us,
         metavar="MICROSECONDS",
         help="instant of the window totals, in microseconds since the epoch "
         "(default: now, or the last event's instant when that is later)",
@@ -91,6 +91,23 @@ def register(commands: Any) -> None:
         "had gone further (the events in between are lost)",
     )
     recover.set_defaults(run=_interruptible("recover", _recover))
+
+
+def _instant_us(text: str) -> int:
+    """An instant the ledger keeps (the test clock's range): past it the
+    database's integer overflows, before 1970 no event can lie."""
+    from ledger_service.domain.clock import TEST_CLOCK_EARLIEST_US, TEST_CLOCK_LATEST_US
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of microseconds: {text!r}") from None
+    if not TEST_CLOCK_EARLIEST_US <= value <= TEST_CLOCK_LATEST_US:
+        raise argparse.ArgumentTypeError(
+            f"must be between {TEST_CLOCK_EARLIEST_US} (1970-01-01) and "
+            f"{TEST_CLOCK_LATEST_US} (9998-12-23) microseconds since the epoch"
+        )
+    return value
 
 
 # What Ctrl-C leaves behind, by command. A rebuild that had begun leaves the
