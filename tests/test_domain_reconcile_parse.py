@@ -62,6 +62,9 @@ def test_a_dollar_amount_that_is_no_number_says_so(value: str) -> None:
         ("billed_nanos", "9" * 5_000, "must be between 0 and"),
         ("input_tokens", "1" * 5_000, "must be between 0 and"),
         ("billed_usd", "1e999999", "must be between 0 and"),
+        # A billion digits: int() of it held a server's GIL for minutes.
+        ("billed_usd", "1e999999999", "must be between 0 and"),
+        ("billed_usd", "-1e999999999", "must be between 0 and"),
         ("billed_usd", "1e-999999999", "must be exact to the nano-dollar"),
         ("billed_usd", "1.0000000000000000000000000001", "must be exact to the nano-dollar"),
     ],

@@ -30,17 +30,25 @@ _EXACT = decimal.Context(
     prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[decimal.Inexact]
 )
 
+# 10^19 is past int64 (and so past MAX_AMOUNT_NANOS): what a larger amount reads as.
+_PAST_EVERY_BOUND_DIGITS = 19
+_PAST_EVERY_BOUND: int = 10**_PAST_EVERY_BOUND_DIGITS
+
 
 def usd_to_nanos(usd: decimal.Decimal) -> int | None:
     """A finite amount of dollars as whole nanos, or None when it is finer than
     one nano (or has more digits than any amount the ledger takes): never
-    rounded to a neighbouring nano."""
+    rounded to a neighbouring nano. One of 10^19 nanos or more, past every
+    bound, comes back as +-10^19: int() of '1e999999999' would hold the GIL
+    for minutes building a billion digits."""
     try:
         nanos = _EXACT.multiply(usd, NANOS_PER_USD)
     except decimal.Inexact:
         return None
     if nanos != _EXACT.to_integral_value(nanos):
         return None
+    if nanos and nanos.adjusted() >= _PAST_EVERY_BOUND_DIGITS:
+        return -_PAST_EVERY_BOUND if nanos.is_signed() else _PAST_EVERY_BOUND
     return int(nanos)
 
 
