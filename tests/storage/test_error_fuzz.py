@@ -4,11 +4,12 @@ failure replays. Each refusal must be a client's status (never INTERNAL,
 UNKNOWN or UNAVAILABLE), carry a reason that is a row of
 clients/cases/errors.json with that row's status, name its field in the
 message, leak no SQL, path or traceback, and change no event. Afterwards the
-server is SERVING and takes a normal Reserve."""
+server is SERVING, takes a normal Reserve and has logged no error."""
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import random
 import re
@@ -164,7 +165,10 @@ def _check_refusal(error: grpc.RpcError) -> None:
     assert not any(LEAK.search(text) for text in shown), shown
 
 
-def test_edge_values_are_refused_cleanly_and_change_nothing(stubs: grpc.Channel) -> None:
+def test_edge_values_are_refused_cleanly_and_change_nothing(
+    stubs: grpc.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
     caller = Caller(stubs, random.Random(SEED))
     lane = pb.Lane(lane="fuzz", limit_nanos=10**9, prices={"m": pb.ModelPrice(
         input_nanos_per_million_tokens=1000, output_nanos_per_million_tokens=4000)})  # fmt: skip
@@ -185,6 +189,8 @@ def test_edge_values_are_refused_cleanly_and_change_nothing(stubs: grpc.Channel)
         lane="fuzz", reservation_id="after-the-fuzz", model="m", request_bytes=100,
         max_output_tokens=10))  # fmt: skip
     assert answer.decision in (pb.ADMITTED, pb.DENIED)
+    # A client's mistake is no server error: no traceback, no ERROR line.
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
 def _a_huge_exponent_is_a_bad_row(ledger: pb_grpc.LedgerStub) -> None:
