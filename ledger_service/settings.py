@@ -312,11 +312,23 @@ _POSITIVE = frozenset(
 )
 
 
+def is_host(host: str) -> bool:
+    """A name, an IPv4 address or a bracketed IPv6 one: no space, brackets that
+    close, and a colon only inside them ('::1:50051' is ambiguous). Else gRPC
+    takes it and fails as if the port were taken or nobody answered."""
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (
+        bool(inner)
+        and not any(c.isspace() or c in "[]" for c in inner)
+        and (inner is not host or ":" not in host)
+    )
+
+
 def _check_listen(listen: str) -> None:
     """HOST:PORT with a port from 0 to 65535. Raises ValueError: grpcio itself
     takes '127.0.0.1:99999' and listens on some other port, unsaid."""
     host, colon, port = listen.rpartition(":")
-    if not (host and colon and port.isascii() and port.isdigit() and int(port) <= 65535):
+    if not (is_host(host) and colon and port.isascii() and port.isdigit() and int(port) <= 65535):
         raise ValueError(
             f"listen (--listen or LEDGER_LISTEN): {listen[:100]!r} is not HOST:PORT "
             "with a port from 0 to 65535 (0 picks a free one)"

@@ -181,6 +181,10 @@ def test_an_empty_grant_is_refused_not_replaced_by_the_admin_grant(grant: str) -
         ("http://127.0.0.1:50051", "--server"),
         ("grpc://localhost:50051", "--server"),
         ("127.0.0.1:50051/ledger", "--server"),
+        # A broken host: it was 'cannot reach the ledger', exit 3.
+        ("[::1:50051", "--server"),
+        ("::1:50051", "--server"),
+        ("127.0.0.1 :50051", "--server"),
     ],
 )
 def test_a_server_address_that_is_not_host_port_is_a_bad_value_not_unreachable(

@@ -189,3 +189,16 @@ def test_every_number_at_its_largest_makes_a_grpc_server() -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=options)
     server.stop(None)
     assert dict(options)["grpc.keepalive_time_ms"] == 2**31 - 1
+
+
+@pytest.mark.parametrize("listen", ["[::1:50051", "::1]:50051", "::1:50051", "127.0.0.1 :50051"])
+def test_a_malformed_listen_host_is_a_bad_value_not_a_taken_port(listen: str) -> None:
+    """It reached grpcio, and `ledger serve` said 'cannot listen ... the port is
+    taken', exit 1."""
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        Settings(database_url=URL, listen=listen)
+
+
+@pytest.mark.parametrize("listen", ["[::1]:0", "127.0.0.1:0", "localhost:50051", "0.0.0.0:1"])
+def test_a_well_formed_listen_address_is_taken(listen: str) -> None:
+    assert Settings(database_url=URL, listen=listen).listen == listen

@@ -32,7 +32,7 @@ from ledger_service.cli.values import (
 )
 from ledger_service.domain.grants import MAX_GRANT_LENGTH, GrantRejected, decode_unverified
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from ledger_service.settings import data_dir_from_environment, is_loopback
+from ledger_service.settings import data_dir_from_environment, is_host, is_loopback
 from ledger_service.storage import keyring
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -186,7 +186,9 @@ def resolve_server(given: str | None) -> str:
             f"the scheme, as in {DEFAULT_SERVER}; for TLS pass --tls-ca)",
             EXIT_BAD_VALUE,
         )
-    if not (host and colon and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+    if not (
+        is_host(host) and colon and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+    ):
         raise CliError(
             f"{source}: {server[:MAX_VALUE_LENGTH]!r} is not HOST:PORT "
             f"(a port from 1 to 65535, as in {DEFAULT_SERVER})",
