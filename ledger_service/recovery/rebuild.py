@@ -35,7 +35,6 @@ from ledger_service.recovery.store import (
     MANIFEST_REBUILT,
     STATE_CURRENT,
     STATE_REBUILDING,
-    BookingKey,
     EventRefused,
     LogFacts,
     MarkerMoved,
@@ -47,7 +46,7 @@ from ledger_service.recovery.store import (
     SqlRecoveryStore,
     marker_key,
 )
-from ledger_service.recovery.walk import BookingLines, ChainWalk, Walk, ranges
+from ledger_service.recovery.walk import Helpers, Walk, ranges
 from ledger_service.storage import migrate, translate
 
 log = logging.getLogger("ledger.recovery")
@@ -58,9 +57,6 @@ MAX_ALTERED_CHECKED = 100
 # The server's snapshots come at most this many copied rows per event apart
 # (see Recovery.snapshot_due).
 SNAPSHOT_ROWS_PER_EVENT = 10
-# A rebuild's digest has the bookings' lines made in parts of this many
-# (about 9 MB of lines each for the benchmark's bookings).
-DIGEST_RANGE_BOOKINGS = 20_000
 
 # (phase, done, total, elapsed_seconds)
 ProgressFn = Callable[[str, int, int, float], None]
@@ -76,9 +72,8 @@ class RecoverySettings:
     sample_events: int = 2000
     snapshot_keep: int = 2
     lease_seconds: float = 30.0
-    # A rebuild of at least parallel_min_events events has its events'
-    # contents checked, and its digest's lines made, by this many helper
-    # processes (walk.py); 0: none.
+    # A walk or rebuild of at least parallel_min_events events has its events'
+    # contents checked by this many helper processes (walk.Helpers); 0: none.
     check_processes: int = 0
     parallel_min_events: int = 50_000
     # Seqs per range of a replay (0: batch_events; docs/benchmarks.md).
@@ -282,9 +277,8 @@ class Recovery:
         ends = ranges(after, head, self._replay_range(), pending)
         while pending and pending[0] == after:
             walk.heads_at[pending.pop(0)] = dict(heads)
-        processes = self._processes(self._store.count_events_after(after))
-        with ChainWalk(self._store, heads, after, ends, processes=processes) as walked:
-            for taken in walked:
+        with Helpers(self._store, self._processes(after)) as helpers:
+            for taken in helpers.walk(heads, after, ends):
                 for found in taken.breaks:
                     walk.note(found)
                 walk.unsealed += taken.unsealed
@@ -295,8 +289,9 @@ class Recovery:
             walk.heads_at[position] = dict(heads)
         return walk
 
-    def _processes(self, events: int) -> int:
-        """Helper processes for `events` events (starting them costs about a second)."""
+    def _processes(self, after_seq: int) -> int:
+        """Helper processes for the events after `after_seq` (starting them costs a second)."""
+        events = self._store.count_events_after(after_seq)
         return self.settings.check_processes if events >= self.settings.parallel_min_events else 0
 
     def _replay_range(self) -> int:
@@ -536,7 +531,7 @@ class Recovery:
     ) -> str:
         """Rebuilds, leaving the marker "rebuilding", and returns the digest.
         `assessed`: the marker_key the plan was made under, or "any". Each
-        range is folded once the walk checked it; the helpers start first."""
+        range is folded once the walk checked it."""
         started = time.perf_counter()
         if not self._store.claim_rebuild(
             self.owner, self._wall.now_us(), self._lease_us(), assessed
@@ -548,17 +543,15 @@ class Recovery:
         total = self._store.count_events_after(position)
         tolerated = {found.seq for found in route.tolerated}
         ends = ranges(position, self._store.last_seq(), self._replay_range())
-        processes = self._processes(total)
         with (
-            ChainWalk(self._store, heads, position, ends, processes=processes) as walked,
+            Helpers(self._store, self._processes(position)) as helpers,
             concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder,
-            BookingLines(self._store, processes) as lines,
         ):
             self._store.reset_projections(self.owner, position, self._wall.now_us())
             if snapshot is not None:
                 self._restore(snapshot, progress, started)
             done, folding = 0, None
-            for taken in walked:
+            for taken in helpers.walk(heads, position, ends):
                 for broken in taken.breaks:
                     if broken.seq not in tolerated:
                         raise ChainBroken(broken)
@@ -576,17 +569,7 @@ class Recovery:
             if folding is not None:
                 folding.result()
                 progress("replay", done, max(total, done), time.perf_counter() - started)
-            return self._digest(lines, heads)
-
-    def _digest(self, lines: BookingLines, heads: Mapping[str, str]) -> str:
-        """projection_digest, its bookings' lines made in parts by `lines`; only
-        while nothing writes (each part is read in its own transaction)."""
-        with self._store.view() as view:
-            digest = _digest_of_lanes(view, heads)
-        keys: list[BookingKey | None] = [*self._store.booking_keys(DIGEST_RANGE_BOOKINGS)]
-        for count, made in lines.lines(list(zip([None, *keys], [*keys, None], strict=True))):
-            digest.add_booking_lines(count, made)
-        return digest.hexdigest()
+        return self.projection_digest(heads)
 
     def _restore(self, snapshot: SnapshotInfo, progress: ProgressFn, started: float) -> None:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
@@ -599,10 +582,11 @@ class Recovery:
         if digest.hexdigest() != snapshot.digest:
             raise RebuildFailed(f"snapshot {snapshot.snapshot_id} changed while it was restored")
 
-    def projection_digest(self) -> str:
-        """The digest of the projections as they stand: what a snapshot of them gives."""
+    def projection_digest(self, heads: Mapping[str, str] | None = None) -> str:
+        """The digest of the projections as they stand: what a snapshot of them
+        gives (`heads`: those a walk ended with, else read from the log)."""
         with self._store.view() as view:
-            digest = _digest_of_lanes(view, None)
+            digest = _digest_of_lanes(view, heads)
             for text in view.booking_texts():
                 digest.add_booking_text(text)
         return digest.hexdigest()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from ledger_service.domain.chain import canonical_json
 from ledger_service.domain.policies import LanePolicy
@@ -69,15 +69,5 @@ class ProjectionDigest:
         self.bookings += 1
         self._line("booking " + text)
 
-    def add_booking_lines(self, count: int, lines: bytes) -> None:
-        """add_booking_text of `count` bookings given as booking_lines of their texts."""
-        self.bookings += count
-        self._hash.update(lines)
-
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
-
-
-def booking_lines(texts: Iterable[str]) -> bytes:
-    """What ProjectionDigest.add_booking_text hashes for each of `texts`, joined."""
-    return "".join([f"booking {text}\n" for text in texts]).encode("utf-8")

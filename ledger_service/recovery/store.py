@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import operator
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -41,7 +40,6 @@ from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.events import Event, EventKind, Outcome
 from ledger_service.domain.policies import LanePolicy, policy_from_dict
 from ledger_service.domain.window import WindowTotals
-from ledger_service.recovery import snapshots as snapshots_module
 from ledger_service.recovery.plan import Manifest
 from ledger_service.recovery.snapshots import (
     FORMAT_VERSION,
@@ -148,10 +146,6 @@ class SnapshotChunk:
     @property
     def rows(self) -> int:
         return len(self.lanes) + len(self.booking_rows)
-
-
-# A booking's key, (lane, reservation_id): the order of the bookings everywhere.
-BookingKey = tuple[str, str]
 
 
 class RebuildClaimLost(Exception):
@@ -304,6 +298,10 @@ class _RebuildSql:
             f"SELECT seq, lane, previous_hash, hash FROM {events.name} "
             f"WHERE seq > {p} AND seq <= {p} ORDER BY seq"
         )
+        self.bookings_in_order = (
+            f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
+            "ORDER BY lane, reservation_id"
+        )
         self.insert_bookings = (
             f"INSERT INTO {bookings.name} ({', '.join(records.BOOKING_COLUMNS)}) "
             f"VALUES ({', '.join(p for _ in records.BOOKING_COLUMNS)})"
@@ -314,27 +312,6 @@ class _RebuildSql:
         self.upsert_lanes = (
             f"INSERT INTO {lanes.name} ({', '.join(columns)}) "
             f"VALUES ({', '.join(p for _ in columns)}) ON CONFLICT (lane) DO UPDATE SET {updates}"
-        )
-        # The key `count` bookings on (from ("", ""): before every key); the
-        # index steps over the others in C.
-        self.booking_key_at = (
-            f"SELECT lane, reservation_id FROM {bookings.name} "
-            f"WHERE (lane, reservation_id) > ({p}, {p}) "
-            f"ORDER BY lane, reservation_id LIMIT 1 OFFSET {p}"
-        )
-
-    def bookings_between(self, after: bool, through: bool) -> str:
-        """The bookings in key order, with keys after and through two bound keys, if asked."""
-        p = self._placeholder
-        bounds = [
-            f"(lane, reservation_id) {op} ({p}, {p})"
-            for op, on in ((">", after), ("<=", through))
-            if on
-        ]
-        where = f" WHERE {' AND '.join(bounds)}" if bounds else ""
-        return (
-            f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name}{where} "
-            "ORDER BY lane, reservation_id"
         )
 
 
@@ -473,7 +450,7 @@ class SqlProjectionView:
     def _booking_rows(self, size: int) -> Iterator[list[tuple[Any, ...]]]:
         """Every booking's row, by (lane, reservation_id), `size` at a time."""
         result = self._connection.execution_options(stream_results=True).exec_driver_sql(
-            self._sql.bookings_between(after=False, through=False)
+            self._sql.bookings_in_order
         )
         while rows := result.fetchmany(size):
             yield [tuple(row) for row in rows]
@@ -897,33 +874,6 @@ class SqlRecoveryStore:
         """The events in (after_seq, through_seq] as rows of EVENT_COLUMNS, in seq order."""
         return self._range(self._sql.events_between, after_seq, through_seq)
 
-    def booking_keys(self, every: int) -> list[BookingKey]:
-        """The key of every `every`-th booking, in key order: where parts of
-        the bookings end."""
-        found: list[BookingKey] = []
-        with self._reading() as connection:
-            while True:
-                last = found[-1] if found else ("", "")
-                key = connection.exec_driver_sql(
-                    self._sql.booking_key_at, (*last, every - 1)
-                ).first()
-                if key is None:
-                    return found
-                found.append((str(key[0]), str(key[1])))
-
-    def booking_lines(
-        self, after: BookingKey | None, through: BookingKey | None
-    ) -> tuple[int, bytes]:
-        """How many bookings have keys in (after, through] (None: from the
-        first, to the last), and snapshots.booking_lines of their texts, in
-        key order."""
-        sql = self._sql.bookings_between(after is not None, through is not None)
-        parameters = (*(after or ()), *(through or ()))
-        with self._reading() as connection:
-            rows = [tuple(row) for row in connection.exec_driver_sql(sql, tuple(parameters))]
-        texts = records.booking_texts_from_rows(rows)
-        return len(texts), snapshots_module.booking_lines(texts)
-
     def link_rows(self, after_seq: int, through_seq: int) -> list[tuple[Any, ...]]:
         """(seq, lane, previous_hash, hash) of the events in (after_seq, through_seq]."""
         return self._range(self._sql.links_between, after_seq, through_seq)
@@ -1097,9 +1047,8 @@ def _snapshot_info(row: Any) -> SnapshotInfo:
     )
 
 
-# A chunk's kinds (docs/recovery.md, Snapshots); "bookings" is older, still read.
+# A chunk's kinds (docs/recovery.md, Snapshots).
 CHUNK_LANES = "lanes"
-CHUNK_BOOKINGS = "bookings"
 CHUNK_BOOKING_ROWS = "booking_rows"
 
 
@@ -1113,23 +1062,12 @@ def _rows_of(chunk: SnapshotChunk) -> tuple[str, Any]:
     }
 
 
-_booking_columns_of = operator.itemgetter(*records.BOOKING_COLUMNS)
-
-
 def _chunk_of(kind: str, payload: Any) -> SnapshotChunk:
-    """A chunk read back (a missing column: KeyError; a bad enum: ValueError)."""
+    """A chunk read back; ValueError for another format (an older release's
+    kind or columns) or a bad enum, KeyError for a missing field."""
     if kind == CHUNK_LANES:
         return SnapshotChunk(lanes=[records.lane_from_row(row) for row in payload])
-    if kind == CHUNK_BOOKINGS:
-        plain = [_booking_columns_of(row) for row in payload]
-    elif kind == CHUNK_BOOKING_ROWS:
-        columns = list(payload["columns"])
-        if columns == list(records.BOOKING_COLUMNS):
-            plain = [tuple(row) for row in payload["rows"]]
-        else:
-            plain = [
-                _booking_columns_of(dict(zip(columns, row, strict=True))) for row in payload["rows"]
-            ]
-    else:
-        raise ValueError(f"unknown snapshot chunk kind {kind!r}")
+    if kind != CHUNK_BOOKING_ROWS or list(payload["columns"]) != list(records.BOOKING_COLUMNS):
+        raise ValueError(f"snapshot chunk of another format ({kind!r})")
+    plain = [tuple(row) for row in payload["rows"]]
     return SnapshotChunk(booking_rows=plain, booking_texts=records.booking_texts_from_rows(plain))

@@ -1,8 +1,5 @@
-"""The hash chain walked over ranges of the log, the contents checked by
-helper processes (spawned, never forked) while this process walks the links
-in order (`ChainWalk`), and the digest's lines made in parts (`BookingLines`);
-where a helper cannot start or dies, the work is done here (docs/recovery.md).
-"""
+"""The hash chain walked over ranges of the log, the events' contents checked
+by a pool of helper processes (docs/recovery.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +8,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
-import multiprocessing.connection
 import operator
+import os
 import signal
 import threading
-from collections.abc import Collection, Iterator, Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +23,7 @@ from ledger_service.domain.chain import ChainBreak, ChainWalker
 from ledger_service.domain.errors import LedgerError, StoreUnavailable
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
 from ledger_service.domain.policies import ExpireCharge
-from ledger_service.recovery.store import BookingKey, SqlRecoveryStore
+from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.storage import database, records
 
 log = logging.getLogger("ledger.recovery")
@@ -34,6 +32,8 @@ log = logging.getLogger("ledger.recovery")
 MAX_NAMED_BREAKS = 1000
 # At most this many helper processes, whatever the settings say.
 MAX_PROCESSES = 8
+# How often a helper looks whether its parent is still there.
+PARENT_CHECK_SECONDS = 0.5
 
 # Where a row of EVENT_COLUMNS holds what (they are Event's fields, in order).
 _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(Event))
@@ -130,8 +130,8 @@ def altered_seqs(rows: Sequence[Sequence[Any]]) -> list[int]:
     ]
 
 
-def walk_links(
-    walker: ChainWalker, links: Sequence[Sequence[Any]], altered: Collection[int]
+def _walk_links(
+    walker: ChainWalker, links: Sequence[Sequence[Any]], altered: set[int]
 ) -> list[ChainBreak]:
     """What walker.check finds over (seq, lane, previous_hash, hash) links,
     given the seqs whose content does not give their hash."""
@@ -147,22 +147,135 @@ def walk_links(
 
 def walk_rows(walker: ChainWalker, rows: Sequence[Sequence[Any]]) -> list[ChainBreak]:
     """What walker.check finds over rows of EVENT_COLUMNS, in seq order."""
-    return walk_links(walker, [_link(row) for row in rows], set(altered_seqs(rows)))
+    return _walk_links(walker, [_link(row) for row in rows], set(altered_seqs(rows)))
 
 
 def _lane_events(rows: Sequence[Sequence[Any]]) -> list[Event]:
     return records.events_from_rows([row for row in rows if row[_KIND] == _LANE_CONFIGURED])
 
 
-# What a helper sends for a range: its altered seqs and its lane_configured events.
+# A range's altered seqs and lane_configured events, as a helper finds them.
 Content = tuple[list[int], list[Event]]
+
+_stores: dict[str, SqlRecoveryStore] = {}
+
+
+def _store_for(url: str) -> SqlRecoveryStore:
+    """In a helper process: its one store (one connection) on `url`."""
+    if url not in _stores:
+        limits = database.EngineLimits(pool_size=1, pool_max_overflow=0)
+        _stores[url] = SqlRecoveryStore(database.create(url, limits))
+    return _stores[url]
+
+
+def _content(url: str, after_seq: int, through_seq: int) -> Content | None:
+    """In a helper: what the walk needs of a range besides its links; None: the database failed."""
+    try:
+        rows = _store_for(url).event_rows(after_seq, through_seq)
+    except LedgerError:  # domain errors do not cross a process boundary
+        return None
+    return altered_seqs(rows), _lane_events(rows)
+
+
+def _done(made: Any) -> Any:
+    if made is None:
+        raise StoreUnavailable()
+    return made
+
+
+def _start_helper(parent: int) -> None:
+    """In a helper: Ctrl-C is the command's, which stops the helpers; and it
+    ends once its parent is gone (a pool's idle worker would wait for ever)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
+
+
+def _end_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(1)
+
+
+class Helpers:
+    """A pool of `processes` spawned helpers (none in a daemonic process) that
+    check ranges' contents; where they cannot start or die, this thread does."""
+
+    def __init__(self, store: SqlRecoveryStore, processes: int) -> None:
+        self._store, self._url = store, database.source_url(store.engine)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        if processes <= 0 or multiprocessing.current_process().daemon:
+            return
+        count = min(processes, MAX_PROCESSES)
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            count,
+            multiprocessing.get_context("spawn"),
+            initializer=_start_helper,
+            initargs=(os.getpid(),),
+        )
+        try:
+            with _deaf_to_ctrl_c():  # the pool starts its processes here
+                for _ in range(count):
+                    self._pool.submit(int)
+        except (OSError, RuntimeError, BrokenProcessPool) as error:
+            self._broken(error)
+
+    def __enter__(self) -> Helpers:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _broken(self, error: BaseException) -> None:
+        log.warning("no helper processes (%s); working in this process", error)
+        self.__exit__()
+        self._pool = None
+
+    def walk(
+        self, heads: Mapping[str, str], after_seq: int, ends: Sequence[int]
+    ) -> Iterator[WalkedRange]:
+        """Each WalkedRange of the ranges ending at `ends`, from `heads` after `after_seq`."""
+        pairs = list(zip([after_seq, *ends], ends, strict=False))
+        pending = self._submit(pairs)
+        walker = ChainWalker(heads)
+        for index, (after, through) in enumerate(pairs):
+            content = self._result(pending[index]) if self._pool else None
+            if content is None:
+                rows = self._store.event_rows(after, through)
+                links = [_link(row) for row in rows]
+                content = altered_seqs(rows), _lane_events(rows)
+            else:
+                links = self._store.link_rows(after, through)
+            unsealed = walker.unsealed
+            found = _walk_links(walker, links, set(content[0]))
+            heads = dict(walker.heads)
+            unsealed = walker.unsealed - unsealed
+            yield WalkedRange(after, through, len(links), found, heads, unsealed, content[1])
+
+    def _submit(self, pairs: Sequence[tuple[int, int]]) -> list[concurrent.futures.Future[Any]]:
+        try:
+            return (
+                [self._pool.submit(_content, self._url, *pair) for pair in pairs]
+                if self._pool
+                else []
+            )
+        except BrokenProcessPool as error:
+            self._broken(error)
+            return []
+
+    def _result(self, future: concurrent.futures.Future[Any]) -> Any:
+        """A helper's answer; None once the pool broke (this thread does the rest)."""
+        try:
+            return _done(future.result())
+        except (BrokenProcessPool, OSError) as error:
+            self._broken(error)
+            return None
 
 
 @contextmanager
-def deaf_to_ctrl_c() -> Iterator[None]:
+def _deaf_to_ctrl_c() -> Iterator[None]:
     """Processes started inside ignore Ctrl-C from birth (the command stops
-    them); here it is only held back (blocked) until they have started. Off
-    the main thread each helper ignores it once it runs (ignore_interrupts)."""
+    them); here it is only held back until they have started."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -173,188 +286,3 @@ def deaf_to_ctrl_c() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def ignore_interrupts() -> None:
-    """In a helper process: Ctrl-C is the command's (deaf_to_ctrl_c)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-# What a helper sends instead of its Content when the database failed it.
-HELPER_UNAVAILABLE = "the database is unavailable"
-
-
-def received(message: object) -> Content:
-    """A helper's Content; StoreUnavailable for HELPER_UNAVAILABLE."""
-    if message == HELPER_UNAVAILABLE:
-        raise StoreUnavailable()
-    content: Content = message  # type: ignore[assignment]
-    return content
-
-
-def _helper(
-    sender: multiprocessing.connection.Connection, url: str, ranges: Sequence[tuple[int, int]]
-) -> None:
-    """A helper process: each of its ranges' Content, in order (or
-    HELPER_UNAVAILABLE); a caller gone ends it."""
-    ignore_interrupts()
-    engine = database.create(url, database.EngineLimits(pool_size=1, pool_max_overflow=0))
-    store = SqlRecoveryStore(engine)
-    try:
-        for after_seq, through_seq in ranges:
-            rows = store.event_rows(after_seq, through_seq)
-            sender.send((altered_seqs(rows), _lane_events(rows)))
-    except LedgerError:
-        sender.send(HELPER_UNAVAILABLE)  # domain errors do not cross a process boundary
-    except (BrokenPipeError, EOFError):
-        pass
-    finally:
-        engine.dispose()
-
-
-class ChainWalk:
-    """Each WalkedRange of the ranges ending at `ends`, from `heads` after
-    `after_seq`; `processes` helpers, started at once, check every n-th
-    range's contents. Its end stops them."""
-
-    def __init__(
-        self,
-        store: SqlRecoveryStore,
-        heads: Mapping[str, str],
-        after_seq: int,
-        ends: Sequence[int],
-        *,
-        processes: int = 0,
-    ) -> None:
-        self._store, self._heads, self._after, self._ends = store, dict(heads), after_seq, ends
-        self._helpers: list[tuple[multiprocessing.process.BaseProcess, Any]] = []
-        if processes <= 0 or multiprocessing.current_process().daemon:
-            return
-        context = multiprocessing.get_context("spawn")
-        url = database.source_url(store.engine)
-        pairs = list(zip([after_seq, *ends], ends, strict=False))
-        count = min(processes, MAX_PROCESSES, max(1, len(pairs)))
-        for index in range(count):
-            receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_helper,
-                args=(sender, url, pairs[index::count]),
-                name=f"ledger-chain-check-{index}",
-                daemon=True,
-            )
-            try:
-                with deaf_to_ctrl_c():
-                    process.start()
-            except (OSError, RuntimeError) as error:
-                log.warning("no chain-checking process (%s); checking in this process", error)
-                receiver.close()
-                self.__exit__()
-                return
-            finally:
-                sender.close()
-            self._helpers.append((process, receiver))
-
-    def __enter__(self) -> ChainWalk:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        helpers, self._helpers = self._helpers, []
-        for process, receiver in helpers:
-            receiver.close()
-            process.join(timeout=1)
-            if process.is_alive():
-                process.kill()
-                process.join()
-
-    def _content(self, index: int) -> Content | None:
-        """The helpers' Content of the index-th range; None once they failed."""
-        if not self._helpers:
-            return None
-        try:
-            message = self._helpers[index % len(self._helpers)][1].recv()
-        except (EOFError, OSError):
-            log.warning("a chain-checking process died; checking in this process")
-            self.__exit__()
-            return None
-        return received(message)
-
-    def __iter__(self) -> Iterator[WalkedRange]:
-        walker = ChainWalker(self._heads)
-        after = self._after
-        for index, through in enumerate(self._ends):
-            content = self._content(index)
-            if content is None:
-                rows = self._store.event_rows(after, through)
-                links = [_link(row) for row in rows]
-                altered, lane_events = set(altered_seqs(rows)), _lane_events(rows)
-            else:
-                links = self._store.link_rows(after, through)
-                altered, lane_events = set(content[0]), content[1]
-            unsealed = walker.unsealed
-            found = walk_links(walker, links, altered)
-            heads = dict(walker.heads)
-            yield WalkedRange(
-                after, through, len(links), found, heads, walker.unsealed - unsealed, lane_events
-            )
-            after = through
-
-
-# A rebuild's digest, in parts ---------------------------------------------------
-
-_part_stores: dict[str, SqlRecoveryStore] = {}
-
-
-def _part_lines(
-    url: str, part: tuple[BookingKey | None, BookingKey | None]
-) -> tuple[int, bytes] | None:
-    """store.booking_lines of one part, in a pool's process; None: the database failed."""
-    store = _part_stores.get(url)
-    if store is None:
-        limits = database.EngineLimits(pool_size=1, pool_max_overflow=0)
-        store = _part_stores[url] = SqlRecoveryStore(database.create(url, limits))
-    try:
-        return store.booking_lines(*part)
-    except LedgerError:
-        return None
-
-
-class BookingLines:
-    """store.booking_lines of parts, in order, by a pool of `processes`
-    (started at once), or here when there are none or they fail."""
-
-    def __init__(self, store: SqlRecoveryStore, processes: int) -> None:
-        self._store = store
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        if processes > 0 and not multiprocessing.current_process().daemon:
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                min(processes, MAX_PROCESSES),
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=ignore_interrupts,
-            )
-            with deaf_to_ctrl_c():  # the pool starts its processes here
-                for _ in range(min(processes, MAX_PROCESSES)):
-                    self._pool.submit(int)
-
-    def __enter__(self) -> BookingLines:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def lines(
-        self, parts: Sequence[tuple[BookingKey | None, BookingKey | None]]
-    ) -> Iterator[tuple[int, bytes]]:
-        done = 0
-        if self._pool is not None:
-            url = database.source_url(self._store.engine)
-            try:
-                for made in self._pool.map(_part_lines, [url] * len(parts), parts):
-                    if made is None:
-                        raise StoreUnavailable()
-                    done += 1
-                    yield made
-            except (BrokenProcessPool, OSError) as error:
-                log.warning("no digest processes (%s); making the lines here", error)
-        for part in parts[done:]:
-            yield self._store.booking_lines(*part)

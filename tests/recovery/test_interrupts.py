@@ -13,7 +13,7 @@ import pytest
 from ledger_service import cli
 from ledger_service.cli import recovery as recovery_cli
 from ledger_service.recovery.store import SqlRecoveryStore
-from ledger_service.recovery.walk import BookingLines
+from ledger_service.recovery.walk import Helpers
 from tests.recovery.conftest import History
 
 
@@ -59,14 +59,14 @@ def test_the_other_commands_interrupted_say_so_in_one_line(
     assert f"ledger {command[0]}: interrupted" in said, said
 
 
-def test_the_digest_processes_leave_ctrl_c_to_the_command(
+def test_the_helper_processes_leave_ctrl_c_to_the_command(
     sqlite_history: History, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Ctrl-C reaches every process of the terminal's group: the helpers must
     not die of it with a traceback each; the command stops them."""
     store = SqlRecoveryStore(sqlite_history.engine)
-    with BookingLines(store, 2) as lines:
-        pool = lines._pool
+    with Helpers(store, 2) as helpers:
+        pool = helpers._pool
         assert pool is not None
         # Two sleeps at once: both workers are up (imported, initialised).
         for started in [pool.submit(time.sleep, 0.5) for _ in range(2)]:
@@ -78,7 +78,8 @@ def test_the_digest_processes_leave_ctrl_c_to_the_command(
             os.kill(worker.pid, signal.SIGINT)
         time.sleep(0.5)
         assert all(worker.is_alive() for worker in workers)
-        assert list(lines.lines([(None, None)])) == [store.booking_lines(None, None)]
+        [walked] = helpers.walk({}, 0, [store.last_seq()])
+        assert walked.events == store.count_events_after(0) and not walked.breaks
     assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 

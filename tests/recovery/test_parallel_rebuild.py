@@ -30,15 +30,15 @@ from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.moves import ReserveCommand
 from ledger_service.domain.policies import ExpireCharge
 from ledger_service.domain.pricing import ModelPrice
-from ledger_service.recovery import rebuild as recovery_module
 from ledger_service.recovery import walk as chain_walk
+from ledger_service.recovery.plan import RecoveryPolicy
 from ledger_service.recovery.rebuild import FULL_LOG_SOURCE, ChainBroken, Route
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.server import build_recovery, build_store
 from ledger_service.settings import Settings
 from ledger_service.storage import records
 from ledger_service.storage.schema import events
-from tests.recovery.conftest import History, policy_lane
+from tests.recovery.conftest import History
 from tests.storage.conftest import altered_by_walk
 
 KIND = records.EVENT_COLUMNS.index("kind")
@@ -107,8 +107,8 @@ def test_ranges_checked_in_processes_find_what_the_thread_finds(
     history.tamper_event(altered, 1)
     ends = [seqs[9], altered - 1, altered, seqs[-1]]
     store = SqlRecoveryStore(history.engine)
-    with chain_walk.ChainWalk(store, {}, 0, ends, processes=processes) as walked:
-        found = [altered_by_walk(taken) for taken in walked]
+    with chain_walk.Helpers(store, processes) as helpers:
+        found = [altered_by_walk(taken) for taken in helpers.walk({}, 0, ends)]
     assert found == [[], [], [altered], []]
 
 
@@ -126,36 +126,6 @@ def _bookings(history: History) -> int:
     count = history.scalar("SELECT COUNT(*) FROM bookings")
     assert isinstance(count, int)
     return count
-
-
-@pytest.mark.parametrize("processes", [0, 2])
-def test_the_digest_made_in_ranges_is_the_digest_made_in_one_read(
-    history: History, processes: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A rebuild hashes the bookings' lines made in ranges of keys (in
-    other processes): cut anywhere, even where a lane ends, even into
-    ranges that fill the projection exactly, it is projection_digest."""
-    history.ledger.put_lane(policy_lane("zz-last"))
-    history.ledger.reserve(ReserveCommand("zz-last", "r-last", "jev", 35_000, 1000))
-    count = _bookings(history)
-    recovery = history.recovery(check_processes=processes, parallel_min_events=0)
-    kept = recovery.projection_digest()
-    for size in (1, 3, count // 2, count, count + 1):
-        monkeypatch.setattr(recovery_module, "DIGEST_RANGE_BOOKINGS", size)
-        assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept, size
-
-
-def test_booking_keys_step_over_count_bookings_in_order(history: History) -> None:
-    with history.engine.connect() as connection:
-        keys = [
-            tuple(row)
-            for row in connection.exec_driver_sql(
-                "SELECT lane, reservation_id FROM bookings ORDER BY lane, reservation_id"
-            )
-        ]
-    store = SqlRecoveryStore(history.engine)
-    for every in (1, 2, 3, len(keys) - 1, len(keys), len(keys) + 1):
-        assert store.booking_keys(every) == keys[every - 1 :: every], every
 
 
 def test_a_parallel_rebuild_stops_at_an_altered_event(history: History) -> None:
@@ -215,12 +185,13 @@ def test_when_the_checking_process_dies_the_ranges_are_checked_here(history: His
     history.tamper_event(altered, 1)
     store = SqlRecoveryStore(history.engine)
     ends = [seqs[3], altered, seqs[-1]]
-    with chain_walk.ChainWalk(store, {}, 0, ends, processes=1) as walked:
-        [(process, _)] = walked._helpers
+    with chain_walk.Helpers(store, 1) as helpers:
+        assert helpers._pool is not None
+        [process] = helpers._pool._processes.values()
         process.kill()
         process.join(10)
         # Every range is still walked, here.
-        found = [altered_by_walk(taken) for taken in walked]
+        found = [altered_by_walk(taken) for taken in helpers.walk({}, 0, ends)]
     assert found == [[], [altered], []]
 
 
@@ -229,9 +200,9 @@ def _check_in_a_daemon(url: str, through_seq: int, results: Any) -> None:
 
     engine = database.create(url, database.EngineLimits(pool_size=1))
     store = SqlRecoveryStore(engine)
-    with chain_walk.ChainWalk(store, {}, 0, [through_seq], processes=1) as walked:
-        found = [list(taken.breaks) for taken in walked]
-        results.put((not walked._helpers, found))
+    with chain_walk.Helpers(store, 1) as helpers:
+        found = [list(taken.breaks) for taken in helpers.walk({}, 0, [through_seq])]
+        results.put((helpers._pool is None, found))
 
 
 def test_a_daemonic_process_checks_in_its_own_thread(history: History) -> None:
@@ -254,8 +225,9 @@ def _check_and_wait(url: str, results: Any) -> None:
 
     engine = database.create(url, database.EngineLimits(pool_size=1))
     store = SqlRecoveryStore(engine)
-    walked = chain_walk.ChainWalk(store, {}, 0, list(range(1, 10_000)), processes=1)
-    [(process, _)] = walked._helpers
+    helpers = chain_walk.Helpers(store, 1)
+    assert helpers._pool is not None
+    [process] = helpers._pool._processes.values()
     results.put([process.pid])
     time.sleep(120)
 
@@ -324,16 +296,12 @@ def _column_dropped(kind: str, payload: Any) -> tuple[str, Any]:
     }
 
 
-@pytest.mark.parametrize("rewrite", [None, _as_dicts, _reordered])
-def test_a_snapshot_of_rows_restores_what_was_projected(history: History, rewrite: Any) -> None:
-    """Written as rows (or in the older dict-per-booking format, or with its
-    columns in another order), a snapshot checks out and restores the same
-    projections, by its digest and by the live path's."""
+def test_a_snapshot_of_rows_restores_what_was_projected(history: History) -> None:
+    """A snapshot checks out and restores the same projections, by its
+    digest and by the live path's."""
     recovery = history.recovery()
     snapshot = recovery.take_snapshot()
     assert snapshot is not None and snapshot.bookings_count > 0
-    if rewrite is not None:
-        _rewrite_booking_chunks(history, rewrite)
     assert recovery.check_snapshot(snapshot) == ""
     kept = recovery.projection_digest()
     route = Route(f"snapshot-{snapshot.snapshot_id}", snapshot)
@@ -367,14 +335,27 @@ def snapshot_lane(history: History) -> str:
     return lane
 
 
-def test_a_snapshot_missing_a_column_is_unreadable(history: History) -> None:
+@pytest.mark.parametrize("rewrite", [_as_dicts, _reordered, _column_dropped])
+def test_a_snapshot_of_another_format_is_unreadable_and_the_log_rebuilds(
+    history: History, rewrite: Any
+) -> None:
+    """An older release's chunks (one dict per booking, its columns in
+    another order or fewer) are no longer read: the planner says so in the
+    snapshot's source and rebuilds from the log."""
     recovery = history.recovery()
     snapshot = recovery.take_snapshot()
     assert snapshot is not None
-    _rewrite_booking_chunks(history, _column_dropped)
+    _rewrite_booking_chunks(history, rewrite)
     assert recovery.check_snapshot(snapshot) == (
-        "unreadable: KeyError (made by another release, or damaged)"
+        "unreadable: ValueError (made by another release, or damaged)"
     )
+    history.sql("DELETE FROM bookings")
+    outcome = recovery.recover(RecoveryPolicy(60.0, 0.3, 1), "test")
+    assert outcome.ready and outcome.manifest is not None
+    assert outcome.manifest.chosen == (FULL_LOG_SOURCE,)
+    [source] = [s for s in outcome.manifest.sources if s.source_id != FULL_LOG_SOURCE]
+    assert "unreadable: ValueError" in source.detail
+    assert recovery.assess().consistent
 
 
 def _walk_log(rng: random.Random) -> list[Event]:
@@ -472,18 +453,18 @@ def test_the_walk_starts_before_the_old_projections_are_deleted(
 ) -> None:
     recovery = sqlite_history.recovery(batch_events=10, check_processes=2, parallel_min_events=0)
     steps: list[str] = []
-    start = chain_walk.ChainWalk.__init__
+    start = chain_walk.Helpers.__init__
     reset = SqlRecoveryStore.reset_projections
 
-    def started(self: chain_walk.ChainWalk, *arguments: Any, **options: Any) -> None:
+    def started(self: chain_walk.Helpers, *arguments: Any, **options: Any) -> None:
         start(self, *arguments, **options)
-        steps.append("walk" if self._helpers else "walk here")
+        steps.append("walk" if self._pool else "walk here")
 
     def reset_projections(self: SqlRecoveryStore, *arguments: Any) -> None:
         steps.append("reset")
         reset(self, *arguments)
 
-    monkeypatch.setattr(chain_walk.ChainWalk, "__init__", started)
+    monkeypatch.setattr(chain_walk.Helpers, "__init__", started)
     monkeypatch.setattr(SqlRecoveryStore, "reset_projections", reset_projections)
     kept = recovery.projection_digest()
     assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept
@@ -527,8 +508,7 @@ def _altered_rows(rows: list[Any]) -> list[int]:
 
 def test_a_helper_the_database_failed_is_told_as_unavailable(tmp_path: pathlib.Path) -> None:
     # The helper's own database error must reach the walk as StoreUnavailable
-    # (a domain error cannot be unpickled on the other side of the pipe).
-    receiver, sender = multiprocessing.Pipe(duplex=False)
-    chain_walk._helper(sender, f"sqlite:///{tmp_path}/no/such/dir/ledger.db", [(0, 1)])
+    # (a domain error cannot be unpickled on the other side of the pool).
+    said = chain_walk._content(f"sqlite:///{tmp_path}/no/such/dir/ledger.db", 0, 1)
     with pytest.raises(StoreUnavailable):
-        chain_walk.received(receiver.recv())
+        chain_walk._done(said)

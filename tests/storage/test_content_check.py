@@ -25,7 +25,6 @@ from ledger_service.domain import chain
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import ChainWalker
 from ledger_service.domain.events import Event, EventKind, Outcome
-from ledger_service.recovery import snapshots
 from ledger_service.recovery import walk as chain_walk
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.storage import database, migrate, records
@@ -245,14 +244,6 @@ def _insert_bookings(engine: sa.Engine, rows: list[Booking]) -> None:
         connection.execute(sa.insert(bookings), [records.booking_values(b) for b in rows])
 
 
-def _python_lines(engine: sa.Engine) -> tuple[int, bytes]:
-    columns = [bookings.c[name] for name in records.BOOKING_COLUMNS]
-    order = (bookings.c.lane, bookings.c.reservation_id)
-    with engine.connect() as connection:
-        rows = [tuple(row) for row in connection.execute(sa.select(*columns).order_by(*order))]
-    return len(rows), snapshots.booking_lines(records.booking_texts_from_rows(rows))
-
-
 @pytest.mark.parametrize(
     ("column", "value"),
     [
@@ -275,6 +266,6 @@ def _altered_rows(rows: list[Any]) -> list[int]:
 
 def _walk_range(engine: sa.Engine, after_seq: int, through_seq: int) -> chain_walk.WalkedRange:
     """The walk of (after_seq, through_seq], read in one transaction."""
-    with chain_walk.ChainWalk(SqlRecoveryStore(engine), {}, after_seq, [through_seq]) as walk:
-        (walked,) = walk
+    with chain_walk.Helpers(SqlRecoveryStore(engine), 0) as helpers:
+        (walked,) = helpers.walk({}, after_seq, [through_seq])
     return walked
