@@ -286,10 +286,6 @@ class _RebuildSql:
 
     def __init__(self, placeholder: str) -> None:
         p = self._placeholder = placeholder
-        self.events_after = (
-            f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
-            f"WHERE seq > {p} ORDER BY seq LIMIT {p}"
-        )
         self.events_between = (
             f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
             f"WHERE seq > {p} AND seq <= {p} ORDER BY seq"
@@ -576,14 +572,9 @@ class SqlRecoveryStore:
     def events_after(
         self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()
     ) -> Sequence[Event]:
-        if lane or kinds:
-            query = EventQuery(lane=lane, kinds=kinds, after_seq=after_seq, limit=limit)
-            with self._reading() as connection:
-                return SqlTransaction(connection, self._sqlite).list_events(query)
-        # The rebuild's read: plain rows in one round trip, converted in bulk.
+        query = EventQuery(lane=lane, kinds=kinds, after_seq=after_seq, limit=limit)
         with self._reading() as connection:
-            rows = connection.exec_driver_sql(self._sql.events_after, (after_seq, limit)).all()
-        return records.events_from_rows(rows)
+            return SqlTransaction(connection, self._sqlite).list_events(query)
 
     def last_seq(self) -> int:
         with self._reading() as connection:
