@@ -14,13 +14,12 @@ import sys
 import time
 
 import pytest
-from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine
 
 from ledger_service import server
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.storage import database, migrate, translate
 from ledger_service.storage.sql import SqlStore
+from tests.test_cli_first_use import head_revision
 
 # Each process imports the CLI, then waits for the start file, so that the
 # three migrations start together rather than an import's time apart.
@@ -32,16 +31,6 @@ while not os.path.exists(sys.argv[1]):
     time.sleep(0.001)
 sys.exit(main(["migrate", "--database-url", sys.argv[2]]))
 """
-
-
-def _head(url: str) -> str:
-    engine = create_engine(url)
-    try:
-        head = ScriptDirectory.from_config(migrate.alembic_config(engine)).get_current_head()
-    finally:
-        engine.dispose()
-    assert head is not None
-    return head
 
 
 def test_three_migrations_at_once_on_a_fresh_file_take_turns(tmp_path: pathlib.Path) -> None:
@@ -63,7 +52,7 @@ def test_three_migrations_at_once_on_a_fresh_file_take_turns(tmp_path: pathlib.P
     go.touch()
     results = [(process.wait(120), process.communicate()[1]) for process in processes]
     assert [code for code, _ in results] == [0, 0, 0], results
-    head = _head(url)
+    head = head_revision(url)
     said = sorted(err.split(" in ")[0] for _, err in results)
     assert (
         said
@@ -91,7 +80,7 @@ def test_a_write_lock_held_past_the_bound_is_said_in_words(
         assert "write lock for longer than 0.2 s" in str(caught.value)
         assert "run `ledger migrate` again" in str(caught.value)
         shell.execute("ROLLBACK")
-        assert migrate.upgrade(engine).after == _head(f"sqlite:///{path}")
+        assert migrate.upgrade(engine).after == head_revision(f"sqlite:///{path}")
     finally:
         shell.close()
         engine.dispose()
