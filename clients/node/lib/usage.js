@@ -6,10 +6,11 @@
 // and cache-write ones are parts of it) and `outputTokens` every output token,
 // reasoning tokens included. Providers count differently:
 // - OpenAI chat completions: `prompt_tokens` already counts every input token,
-//   `prompt_tokens_details.cached_tokens` is the cached part of it, and
+//   `prompt_tokens_details.cached_tokens` is the cached part of it,
+//   `prompt_tokens_details.cache_write_tokens` the part written to the cache, and
 //   `completion_tokens` already counts `completion_tokens_details.reasoning_tokens`
-//   (not added again). OpenAI reports no cache writes. Its Responses API counts
-//   the same way as `input_tokens`, `input_tokens_details.cached_tokens`, `output_tokens`.
+//   (not added again). Its Responses API counts the same way as `input_tokens`,
+//   `input_tokens_details.cached_tokens` / `.cache_write_tokens`, `output_tokens`.
 // - Anthropic messages: `input_tokens` EXCLUDES the cache, so the input is
 //   input_tokens + cache_read_input_tokens + cache_creation_input_tokens; the
 //   cached part is cache_read_input_tokens, the written part
@@ -48,9 +49,13 @@ function detailsOf(block, key) {
 
 function openAiStyle(block, inputKey, detailsKey, outputKey) {
   const inputTokens = count(block, inputKey);
-  const cachedInputTokens = count(detailsOf(block, detailsKey), 'cached_tokens');
-  if (cachedInputTokens > inputTokens) throw new RangeError(`usage cached_tokens is more than ${inputKey}`);
-  return { inputTokens, outputTokens: count(block, outputKey), cachedInputTokens, cacheWriteTokens: 0n };
+  const details = detailsOf(block, detailsKey);
+  const cachedInputTokens = count(details, 'cached_tokens');
+  const cacheWriteTokens = count(details, 'cache_write_tokens');
+  if (cachedInputTokens + cacheWriteTokens > inputTokens) {
+    throw new RangeError(`usage cached_tokens and cache_write_tokens are more than ${inputKey}`);
+  }
+  return { inputTokens, outputTokens: count(block, outputKey), cachedInputTokens, cacheWriteTokens };
 }
 
 function anthropicStyle(block) {
@@ -78,7 +83,7 @@ function readBlock(block) {
  * The usage of a provider's parsed response body (its `usage` object; the
  * usage object itself is taken too), as BigInts, or null when it reports none.
  * Throws TypeError for a count that is not a non-negative integer, RangeError
- * for one above MAX_TOKENS (10^12) or cached tokens above the input.
+ * for one above MAX_TOKENS (10^12) or cached and cache-write tokens above the input.
  * @param {object|null|undefined} body
  * @returns {import('../index').ProviderUsage|null}
  */

@@ -52,6 +52,17 @@ describe('usageOf: a provider body by the ledger convention', () => {
     assert.deepEqual(usageOf({ usage }), { ...CACHED, cacheWriteTokens: 0n });
   });
 
+  test('OpenAI cache writes (chat and Responses) are read as parts of the input, as Python reads them', () => {
+    // Read as 0, the written tokens were priced at the input rate: under-booked
+    // for a lane whose cache-write rate is dearer.
+    const expected = { inputTokens: 1_200n, outputTokens: 30n, cachedInputTokens: 100n, cacheWriteTokens: 1_000n };
+    const details = { cached_tokens: 100, cache_write_tokens: 1_000 };
+    const chat = { prompt_tokens: 1_200, completion_tokens: 30, prompt_tokens_details: details };
+    assert.deepEqual(usageOf({ usage: chat }), expected);
+    const responses = { input_tokens: 1_200, output_tokens: 30, input_tokens_details: details };
+    assert.deepEqual(usageOf({ usage: responses }), expected);
+  });
+
   test('Anthropic input_tokens excludes the cache, so the cache reads and writes are added', () => {
     const usage = {
       input_tokens: 2_000,
@@ -92,6 +103,7 @@ describe('usageOf: a provider body by the ledger convention', () => {
       { prompt_tokens: true, completion_tokens: 1 },
       { input_tokens: -1, output_tokens: 1 },
       { prompt_tokens: 10, completion_tokens: 1, prompt_tokens_details: { cached_tokens: 11 } },
+      { prompt_tokens: 10, completion_tokens: 1, prompt_tokens_details: { cached_tokens: 6, cache_write_tokens: 5 } },
       { prompt_tokens: 10, completion_tokens: 1, prompt_tokens_details: [] },
     ]) {
       assert.throws(() => usageOf({ usage }), (error) => error instanceof TypeError || error instanceof RangeError, JSON.stringify(usage));

@@ -7,10 +7,11 @@ own rule:
 
 - OpenAI chat completions: `prompt_tokens` already counts every input token,
   `prompt_tokens_details.cached_tokens` is the cached part of it, and
-  `completion_tokens` already counts the reasoning tokens
+  `prompt_tokens_details.cache_write_tokens` the part written to the cache,
+  and `completion_tokens` already counts the reasoning tokens
   (`completion_tokens_details.reasoning_tokens`), so they are not added again.
-  OpenAI reports no cache writes. Its Responses API counts the same way under
-  the names `input_tokens`, `input_tokens_details.cached_tokens` and
+  Its Responses API counts the same way under the names `input_tokens`,
+  `input_tokens_details.cached_tokens` / `.cache_write_tokens` and
   `output_tokens`.
 - Anthropic messages: `input_tokens` EXCLUDES the cache, so the input is
   `input_tokens + cache_read_input_tokens + cache_creation_input_tokens`; the
@@ -67,6 +68,7 @@ def _openai_style(
         input_tokens=_count(block, input_key),
         output_tokens=_count(block, output_key),
         cached_input_tokens=_count(details, "cached_tokens"),
+        cache_write_tokens=_count(details, "cache_write_tokens"),
     )
 
 

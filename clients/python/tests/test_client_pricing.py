@@ -163,6 +163,21 @@ def test_openai_prompt_tokens_already_count_the_cache_and_reasoning() -> None:
     assert usage_of(OPENAI_RESPONSES) == Usage(10_000, 500, cached_input_tokens=6_000)
 
 
+def test_openai_cache_writes_are_read_as_parts_of_the_input() -> None:
+    # The openai SDK the extra installs types `cache_write_tokens` beside
+    # `cached_tokens` in both APIs; read as 0, the written tokens were priced
+    # at the input rate, under-booking a lane whose cache-write rate is dearer.
+    chat = {"prompt_tokens": 1_200, "completion_tokens": 30}
+    chat["prompt_tokens_details"] = {"cached_tokens": 100, "cache_write_tokens": 1_000}
+    usage = Usage(1_200, 30, cached_input_tokens=100, cache_write_tokens=1_000)
+    assert usage_of({"usage": chat}) == usage
+    responses = {"input_tokens": 1_200, "output_tokens": 30}
+    responses["input_tokens_details"] = {"cached_tokens": 100, "cache_write_tokens": 1_000}
+    assert usage_of({"usage": responses}) == usage
+    price = ModelPrice(150_000_000, 600_000_000, 15_000_000, 187_500_000)
+    assert real_cost(price, usage) == 100 * 150 + 100 * 15 + 1_000 * 375 // 2 + 30 * 600
+
+
 def test_anthropic_input_tokens_exclude_the_cache_so_it_is_added() -> None:
     assert usage_of(ANTHROPIC) == CACHED_USAGE
     assert real_cost(CACHED_PRICE, CACHED_USAGE) == CACHED_USAGE_NANOS
@@ -214,6 +229,11 @@ def test_no_input_tokens_is_no_usage(body: dict[str, Any] | None) -> None:
             "prompt_tokens": 10,
             "completion_tokens": 1,
             "prompt_tokens_details": {"cached_tokens": 11},
+        },
+        {
+            "prompt_tokens": 10,
+            "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": 6, "cache_write_tokens": 5},
         },
         {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": []},
     ],
