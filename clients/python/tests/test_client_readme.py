@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import inspect
 import json
 import pathlib
 import re
+import symtable
 import tomllib
 from typing import Any
 
@@ -90,6 +92,31 @@ def test_the_readme_example_runs(
     assert fallbacks == [(DenialReason.HOLD_EXCEEDS_LIMIT, None)]
     kinds = sorted(tuple(kinds) for kinds in admin.booking_events("recall").values())
     assert kinds == [("denied",), ("reserved", "refunded"), ("reserved", "settled")]
+
+
+# What a lane supplies itself: its grant, keys, certificates and functions.
+PLACEHOLDERS = {"GRANT", "PROVIDER_URL", "http", "fallback", "send", "OPENAI_KEY"}
+PLACEHOLDERS |= {"ANTHROPIC_KEY", "ca_pem", "cert_pem", "key_pem"}
+
+
+def free_names(table: symtable.SymbolTable, defined: set[str]) -> set[str]:
+    """Names a block reads that neither it nor Python defines."""
+    names = {s.get_name() for s in table.get_symbols() if s.is_global() or s.is_free()}
+    names |= {s.get_name() for s in table.get_symbols() if s.is_referenced()}
+    names -= defined | set(dir(builtins))
+    for child in table.get_children():
+        names |= free_names(child, defined | {s.get_name() for s in child.get_symbols()})
+    return names
+
+
+def test_every_readme_python_block_imports_what_it_uses() -> None:
+    # A block copied alone into a lane's module must not fail with a NameError
+    # on one of the client's own names (the outage and TLS blocks used
+    # LaneClient without importing it, the SDK block an undefined `ledger`).
+    for code in re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL):
+        table = symtable.symtable(code, "README", "exec")
+        top = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+        assert free_names(table, top) <= PLACEHOLDERS, code.splitlines()[0]
 
 
 # The rest of the README, held to the code ------------------------------------------------
@@ -206,10 +233,9 @@ def test_the_readme_allowance_copies_every_setting_the_cap_is_priced_by() -> Non
 
 SDK_EXAMPLE_PREAMBLE = """import datetime
 
-from ledger_client import DenialReason, LaneClient
+from ledger_client import DenialReason
 
-ledger = LaneClient("127.0.0.1:1", "recall")
-OPENAI_KEY = ANTHROPIC_KEY = "key"
+GRANT = OPENAI_KEY = ANTHROPIC_KEY = "key"
 
 
 def fallback(reason: DenialReason, retry_after: datetime.datetime | None) -> str:
