@@ -26,16 +26,25 @@ reads as no usage: the call is then charged at its hold.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ledger_client.outcomes import Usage
 
 
-def usage_of(body: Mapping[str, Any] | None) -> Usage | None:
+class SdkModel(Protocol):
+    """An SDK's typed response or usage object (openai's and anthropic's are
+    pydantic models: ChatCompletion, Response, Message, their `.usage`)."""
+
+    def model_dump(self) -> dict[str, Any]: ...
+
+
+def usage_of(body: Mapping[str, Any] | SdkModel | None) -> Usage | None:
     """The usage of a provider's response body (its `usage` object; the usage
-    object itself is taken too), or None when it reports none. Raises
+    object itself is taken too; an SDK's reply or usage object as its
+    `model_dump()`), or None when it reports none. Raises
     ValueError for a count that is not a non-negative integer."""
-    if not isinstance(body, Mapping):
+    body = _as_mapping(body)
+    if body is None:
         return None
     block = body.get("usage", body)
     if not isinstance(block, Mapping):
@@ -44,6 +53,16 @@ def usage_of(body: Mapping[str, Any] | None) -> Usage | None:
     if usage is None or usage.input_tokens == 0:
         return None
     return usage
+
+
+def _as_mapping(body: object) -> Mapping[str, Any] | None:
+    """A parsed body as it is, an SDK object as its dump: read as None, the
+    SDK's own reply settled UNKNOWN at the hold instead of its real cost."""
+    if isinstance(body, Mapping):
+        return body
+    dump = getattr(body, "model_dump", None)
+    value = dump() if callable(dump) else None
+    return value if isinstance(value, Mapping) else None
 
 
 def _read_block(block: Mapping[str, Any]) -> Usage | None:
