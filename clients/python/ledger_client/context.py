@@ -300,12 +300,14 @@ def _nests_too_deep(text: str) -> bool:
     return False
 
 
-def _parsed(body: Mapping[str, object] | bytes | str | None) -> Mapping[str, object] | None:
+def _parsed(body: object) -> Mapping[str, object] | None:
     """A body as strict JSON (RFC 8259): UTF-8 only (a leading byte order mark
     is skipped), no NaN or Infinity, at most MAX_ERROR_BODY_BYTES and
     MAX_ERROR_BODY_DEPTH. Anything else is no body."""
     if body is None or isinstance(body, Mapping):
         return body
+    if not isinstance(body, str | bytes | bytearray | memoryview):
+        return None  # an SDK's error body is typed `object`: no error object here
     try:
         # Text that cannot be UTF-8 (a lone surrogate) is not a body either.
         raw = payload_bytes(body)
@@ -322,7 +324,7 @@ def _parsed(body: Mapping[str, object] | bytes | str | None) -> Mapping[str, obj
     return value if isinstance(value, Mapping) else None
 
 
-def is_context_overflow(http_status: int, body: Mapping[str, object] | bytes | str | None) -> bool:
+def is_context_overflow(http_status: int, body: object) -> bool:
     """Whether a provider refused a request for not fitting its context window.
 
     Reads the status and the error's code and type fields; the message is read
