@@ -193,8 +193,10 @@ def fit_tool_results(
         if isinstance(items, str | bytes | bytearray | memoryview | Mapping):
             kind = type(items).__name__
             raise TypeError(f"{name} must be a list of items, not a {kind}")
-    fixed_tokens = sum(budget.tokens(text) for text in (*messages, *tool_schemas))
-    results = [_Result(text) for text in tool_results]
+    fixed_tokens = _tokens_of("messages", messages, budget) + _tokens_of(
+        "tool_schemas", tool_schemas, budget
+    )
+    results = [_result_of(index, text) for index, text in enumerate(tool_results)]
     iterations = 0
     while True:
         total = fixed_tokens + sum(
@@ -205,6 +207,29 @@ def fit_tool_results(
         if iterations >= budget.max_iterations or not _cut_largest(results, total, budget):
             return _fit(False, results, total, budget, iterations)
         iterations += 1
+
+
+def _result_of(index: int, text: str) -> _Result:
+    try:
+        return _Result(text)
+    except UnicodeEncodeError:  # "position 5" alone does not say which result
+        raise ValueError(
+            f"tool result {index} is not well-formed text (a lone surrogate)"
+        ) from None
+
+
+def _tokens_of(name: str, items: Sequence[object], budget: ContextBudget) -> int:
+    """The estimated tokens of messages or tool schemas; one that cannot be
+    measured is refused naming its index."""
+    total = 0
+    for index, item in enumerate(items):
+        try:
+            total += budget.tokens(item)
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"{name}[{index}] is not well-formed text (a lone surrogate)"
+            ) from None
+    return total
 
 
 def _cut_largest(results: list[_Result], total_tokens: int, budget: ContextBudget) -> bool:

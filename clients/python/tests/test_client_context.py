@@ -260,3 +260,14 @@ def test_the_overflow_reply_is_a_constant_sentence_without_provider_text() -> No
     for body in (OPENAI, VLLM, ANTHROPIC, GEMINI):
         assert "16384" not in CONTEXT_OVERFLOW_REPLY and "token count" not in CONTEXT_OVERFLOW_REPLY
         assert json.dumps(body) not in CONTEXT_OVERFLOW_REPLY
+
+
+def test_text_that_cannot_be_utf8_is_refused_naming_which() -> None:
+    # A lone surrogate is what json.loads makes of "\ud800" in a tool's JSON:
+    # the error said only "position 1", not which result or message.
+    with pytest.raises(ValueError, match=r"^tool result 1 is not well-formed text"):
+        fit_tool_results(["ok", "a\ud800b"])
+    with pytest.raises(ValueError, match=r"^messages\[1\] is not well-formed text"):
+        fit_tool_results(["ok"], messages=["hi", {"role": "user", "content": "\udc80"}])
+    with pytest.raises(ValueError, match=r"^tool_schemas\[0\] is not well-formed text"):
+        fit_tool_results(["ok"], tool_schemas=["\ud83d"])
