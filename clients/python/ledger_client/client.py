@@ -96,6 +96,22 @@ def check_lane(lane: object) -> None:
         raise invalid_argument("lane", f"must be at most {MAX_LANE_LENGTH} characters")
 
 
+def _request_bytes(request: object) -> int:
+    """A payload's bytes as sent, or an int taken as the size. A float or None
+    is refused: its JSON text ("7000" for 7000.0) is no size of a request."""
+    if isinstance(request, bool | float) or request is None:
+        kind = type(request).__name__
+        raise TypeError(f"request must be a payload or its size in bytes (an int), not a {kind}")
+    if isinstance(request, int):
+        return request
+    try:
+        return len(payload_bytes(request))
+    except TypeError as error:  # a value JSON cannot carry
+        raise TypeError(f"request: {error}") from None
+    except ValueError as error:  # text with no UTF-8 (a lone surrogate)
+        raise ValueError(f"request: {error}") from None
+
+
 def _given_or_new(reservation_id: str | None) -> str:
     """A fresh id only when none was given: an empty one is refused by
     ReserveArguments, as by the Node client, never replaced (a resend with
@@ -461,9 +477,7 @@ class LaneClient:
         takes `reservation_id` when given (e.g. already tagged on the request),
         else a fresh one. ClientClosed after close()."""
         self._gate.check()
-        if isinstance(request, bool):
-            raise TypeError("request must be a payload or its size in bytes, not a bool")
-        request_bytes = request if isinstance(request, int) else len(payload_bytes(request))
+        request_bytes = _request_bytes(request)
         arguments = ReserveArguments(
             reservation_id=_given_or_new(reservation_id),
             model=model,

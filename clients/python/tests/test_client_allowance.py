@@ -205,6 +205,27 @@ def test_a_bool_is_no_request_size(make_client) -> None:
         client.model_call("model-a", True, MAX_OUTPUT_TOKENS)
 
 
+@pytest.mark.parametrize("request_", [7000.0, 3.5, None])
+def test_a_float_or_none_is_no_request_size(make_client, request_: object) -> None:
+    # 7000.0 was measured as the JSON text "7000": a hold for 4 bytes, not
+    # 7,000, and a real charge past its cap multiple then settles UNKNOWN at it.
+    client = make_client(OutagePolicy.deny())
+    with pytest.raises(TypeError, match=r"^request must be a payload .* not a "):
+        client.model_call("model-a", request_, MAX_OUTPUT_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [(object(), TypeError), ("a\ud800", ValueError), ({"x": b"y"}, TypeError)],
+)
+def test_a_payload_that_cannot_be_measured_names_the_request(
+    make_client, request_: object, error: type[Exception]
+) -> None:
+    client = make_client(OutagePolicy.deny())
+    with pytest.raises(error, match=r"^request: "):
+        client.model_call("model-a", request_, MAX_OUTPUT_TOKENS)
+
+
 def test_a_report_wins_over_a_later_exception(fake, make_client) -> None:
     client = make_client(OutagePolicy.deny())
     with pytest.raises(KeyError), call(client) as handle:
