@@ -696,8 +696,9 @@ export function errorClassOf(code: number, reason: string): typeof LedgerError;
 export function ledgerErrorOf(serviceError: import('@grpc/grpc-js').ServiceError): LedgerError;
 
 /**
- * A fetch for the `openai` package (`new OpenAI({ fetch: ledgerFetch(lane) })`):
- * every create call (chat completions, responses) is reserved from its body's
+ * A fetch for the `openai` package (`new OpenAI({ fetch: ledgerFetch(lane) })`)
+ * and `@anthropic-ai/sdk` (`new Anthropic({ fetch: ledgerFetch(lane) })`):
+ * every create call (chat completions, responses, Anthropic's messages) is reserved from its body's
  * bytes and max tokens and ended by the outcome table; streams end their
  * booking when they end. A body that is not a JSON object is booked as it is
  * (its bytes, the model "unknown", the default bound). A usage the ledger

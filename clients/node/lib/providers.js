@@ -1,7 +1,8 @@
 'use strict';
-// The official `openai` package's calls, booked by the ledger: a fetch to give
-// its client (`new OpenAI({ fetch: ledgerFetch(laneClient) })`). Every create
-// call (POST .../chat/completions, .../responses) is reserved from the bytes of
+// The official `openai` and `@anthropic-ai/sdk` packages' calls, booked by the
+// ledger: a fetch to give their clients (`new OpenAI({ fetch: ledgerFetch(laneClient) })`,
+// `new Anthropic({ fetch: ... })`). Every create call (POST .../chat/completions,
+// .../responses, Anthropic's .../v1/messages) is reserved from the bytes of
 // its body and its max tokens, then ended by the client's one outcome table
 // (lib/outcomes.js) through LaneClient.call: settled with the response's usage,
 // refunded on any 4xx, UNKNOWN on a timeout, a lost connection, or a 5xx
@@ -22,6 +23,8 @@
 //   body's metadata (ledger_reservation_id), unless the caller set that key,
 //   the metadata already holds OpenAI's maximum of 16 keys (OpenAI would
 //   refuse a 17th with a 400), or it is not an object: then only the header.
+//   Anthropic takes no metadata key but user_id: the id goes there, unless
+//   the caller set it (as the Python client's transport tags it).
 // - A denial is answered with a 402 that the SDK does not retry (x-should-retry:
 //   false), whose error body carries the denial reason as its code and
 //   `ledger_denial` with the retry-after instant: the SDK raises it as an
@@ -44,7 +47,6 @@ const { InvalidArgument } = require('./errors');
 const { newReservationId } = require('./arguments');
 const { traceHeaders, freshTraceHeaders } = require('./tracing');
 
-const CREATE_PATHS = [/\/chat\/completions$/, /\/responses$/];
 // When a request names no max tokens: what a create call is reserved for, and
 // the bound written into its body.
 const DEFAULT_MAX_OUTPUT_TOKENS = 4096;
@@ -61,16 +63,30 @@ const UNKNOWN_MODEL = 'unknown';
 const MAX_TOKEN_FIELDS = Object.freeze({
   chat: Object.freeze(['max_completion_tokens', 'max_tokens']),
   responses: Object.freeze(['max_output_tokens']),
+  anthropic: Object.freeze(['max_tokens']),
 });
+// Anthropic's only metadata key, where its messages call carries the id.
+const ANTHROPIC_TAG_KEY = 'user_id';
 // Headers of the body as the caller made it: the body sent may differ.
 const BODY_HEADERS = ['content-length', 'transfer-encoding'];
 
-/** Which create call a request is ({chat}), or null: it passes through unbooked. */
+/**
+ * Which create call a request is ({style, chat}: style 'chat', 'responses' or
+ * 'anthropic'), or null: it passes through unbooked. The paths are the Python
+ * client's call_style, a trailing slash ignored.
+ */
 function createCallOf(url, init) {
   const method = String(init?.method ?? 'GET').toUpperCase();
-  const path = new URL(String(url)).pathname;
-  if (method !== 'POST' || !CREATE_PATHS.some((pattern) => pattern.test(path))) return null;
-  return { chat: path.endsWith('/chat/completions') };
+  if (method !== 'POST') return null;
+  const style = styleOfPath(new URL(String(url)).pathname.replace(/\/+$/, ''));
+  return style === null ? null : { style, chat: style === 'chat' };
+}
+
+function styleOfPath(path) {
+  if (path.endsWith('/chat/completions')) return 'chat';
+  if (path.endsWith('/responses')) return 'responses';
+  if (path.endsWith('/v1/messages')) return 'anthropic';
+  return null;
 }
 
 /**
@@ -127,7 +143,7 @@ const isCount = (value) => Number.isSafeInteger(value) && value >= 0;
  * (a 4xx, refunded), and the default is reserved.
  */
 function ensureMaxTokens(json, plan, defaultMaxOutputTokens) {
-  const fields = plan.chat ? MAX_TOKEN_FIELDS.chat : MAX_TOKEN_FIELDS.responses;
+  const fields = MAX_TOKEN_FIELDS[plan.style];
   const given = fields.map((field) => json[field]).find(isCount);
   if (given !== undefined) return { maxOutputTokens: given, changed: false };
   if (fields.every((field) => json[field] === undefined || json[field] === null)) {
@@ -165,7 +181,7 @@ function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
   const { maxOutputTokens: bound, changed: bounded } = ensureMaxTokens(json, plan, defaultMaxOutputTokens);
   // In BigInt: a bound times n past 2^53 reaches the range check exact, as in Python.
   const maxOutputTokens = BigInt(bound) * BigInt(choicesOf(json, plan));
-  const tagged = tagMetadata(json, reservationId);
+  const tagged = tagMetadata(json, reservationId, plan.style);
   let asked = false;
   if (plan.chat && plan.stream) {
     // Options that are not an object are replaced, as the Python transport does.
@@ -185,12 +201,18 @@ function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
  * The reservation id into the body's metadata, as the Python client's
  * _tag_body: not when the caller set the key, nor into a metadata that holds
  * 16 keys already (OpenAI's limit) or is not an object (the provider refuses
- * it either way); a missing or null metadata becomes one. true when it tagged.
+ * it either way); a missing or null metadata becomes one. Anthropic's goes in
+ * user_id, its only key, unless that is set. true when it tagged.
  */
-function tagMetadata(json, reservationId) {
+function tagMetadata(json, reservationId, style) {
   const given = json.metadata;
   if (given !== undefined && given !== null && (typeof given !== 'object' || Array.isArray(given))) return false;
   const metadata = { ...(given ?? {}) };
+  if (style === 'anthropic') {
+    if (metadata[ANTHROPIC_TAG_KEY] !== undefined && metadata[ANTHROPIC_TAG_KEY] !== null) return false;
+    json.metadata = { ...metadata, [ANTHROPIC_TAG_KEY]: reservationId };
+    return true;
+  }
   if (Object.hasOwn(metadata, TAG_KEY) || Object.keys(metadata).length >= MAX_METADATA_KEYS) return false;
   metadata[TAG_KEY] = reservationId;
   json.metadata = metadata;
@@ -281,9 +303,11 @@ function usageIn(body) {
 
 /** Reads server-sent events as they pass, keeping the last usage one carried. */
 class UsageWatcher {
-  constructor() {
+  constructor(style) {
     this._pending = '';
     this._decoder = new TextDecoder();
+    this._anthropic = style === 'anthropic';
+    this._started = null; // an Anthropic stream's usage so far
     this.usage = null;
   }
 
@@ -295,16 +319,38 @@ class UsageWatcher {
     for (const line of lines) {
       if (!line.startsWith('data:')) continue;
       const event = parsed(line.slice(5).trim());
-      const usage = usageIn(event?.response ?? event);
-      if (usage !== null) this.usage = usage;
+      if (this._anthropic) this._anthropicEvent(event);
+      else this._openaiEvent(event);
+    }
+  }
+
+  _openaiEvent(event) {
+    const usage = usageIn(event?.response ?? event);
+    if (usage !== null) this.usage = usage;
+  }
+
+  /**
+   * Anthropic's message_start carries the input counts, each message_delta
+   * the cumulative output (a null count leaves the start's), merged as the
+   * Python transport merges them: the usage is known from the first delta on.
+   */
+  _anthropicEvent(event) {
+    if (event?.type === 'message_start') {
+      const usage = event.message?.usage;
+      this._started = isPlainObject(usage) ? { ...usage } : {};
+    } else if (event?.type === 'message_delta') {
+      const delta = isPlainObject(event.usage) ? event.usage : {};
+      const known = Object.entries(delta).filter(([, value]) => value !== null && value !== undefined);
+      this._started = { ...(this._started ?? {}), ...Object.fromEntries(known) };
+      this.usage = usageIn({ usage: this._started });
     }
   }
 }
 
 /** The response handed to the SDK: the provider's stream, watched; `ended` settles how it ended. */
-function watchedStream(response) {
+function watchedStream(response, style) {
   const reader = response.body.getReader();
-  const watcher = new UsageWatcher();
+  const watcher = new UsageWatcher(style);
   let finish;
   const ended = new Promise((resolve) => {
     finish = resolve;
@@ -417,7 +463,7 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
         whole = new Response(text, { status: response.status, statusText: response.statusText, headers: response.headers });
         return { httpStatus: response.status, usage: usageIn(parsed(text)) };
       }
-      const { handed, ended } = watchedStream(response);
+      const { handed, ended } = watchedStream(response, plan.style);
       deliver.resolve(handed);
       const end = await ended;
       // Cut off: a usage that had arrived is what the call cost (known usage
