@@ -137,3 +137,16 @@ test('a request without max_tokens is bounded by the default, written into the b
   await (await fetch(url, { method: 'POST', body })).text();
   assert.equal(seen[before].body.max_tokens, 64);
 });
+
+test('create paths are matched as the Python transport matches them, a trailing slash ignored', async () => {
+  const { planOf } = require('../lib/providers');
+  const post = { method: 'POST', body: '{"model":"m"}' };
+  assert.equal((await planOf('http://h/v1/messages', post)).style, 'anthropic');
+  assert.equal((await planOf('http://h/v1/messages/', post)).style, 'anthropic');
+  assert.equal((await planOf('http://h/v1/chat/completions/', post)).style, 'chat');
+  assert.equal((await planOf('http://h/v1/responses', post)).style, 'responses');
+  // Not create calls: passed through, unbooked, in both clients.
+  assert.equal(await planOf('http://h/v1/messages/count_tokens', post), null);
+  assert.equal(await planOf('http://h/v1/messages/batches', post), null);
+  assert.equal(await planOf('http://h/v1/messages', { method: 'GET' }), null);
+});
