@@ -61,12 +61,20 @@ const GRANT = /^[\x21-\x7e]+$/;
  * grpc-js would refuse the header itself with an error holding the whole
  * value, and a grant read from a file often ends with a line break.
  */
-function checkGrant(grant) {
+function checkGrant(grant, ErrorClass = TypeError) {
   if (typeof grant !== 'string' || grant.length > MAX_GRANT_LENGTH || !GRANT.test(grant)) {
-    throw new TypeError(`a grant must be 1 to ${MAX_GRANT_LENGTH} visible ASCII characters without spaces`);
+    throw new ErrorClass(`a grant must be 1 to ${MAX_GRANT_LENGTH} visible ASCII characters without spaces`);
   }
   return grant;
 }
+
+/**
+ * What the lane's grant function gave is no grant (empty, null, a line break):
+ * a TypeError on the call. It says nothing of the request, so the journal's
+ * replay leaves its entries for a later attempt instead of refusing them.
+ */
+class GrantError extends TypeError {}
+GrantError.prototype.name = 'GrantError';
 
 /**
  * An integer in [low, high] as a BigInt: a BigInt, a safe-integer Number or a
@@ -150,4 +158,4 @@ function newReservationId() {
   return randomUUID().replaceAll('-', '');
 }
 
-module.exports = { invalidArgument, newReservationId, checkGrant, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };
+module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };

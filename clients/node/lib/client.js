@@ -20,7 +20,7 @@ const {
   resendsReserve,
 } = require('./errors');
 const wire = require('./wire');
-const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, newReservationId } = require('./arguments');
+const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, newReservationId, GrantError } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -665,8 +665,10 @@ class LaneClient {
   async _metadata(trace) {
     const metadata = new grpc.Metadata();
     if (this._grant !== null) {
-      const grant = typeof this._grant === 'function' ? await this._grant() : this._grant;
-      if (grant) metadata.set('authorization', `Bearer ${checkGrant(grant)}`);
+      // From a function, every value is checked: one that gave '' or null once
+      // must fail the call, not send it without a grant.
+      const grant = typeof this._grant === 'function' ? checkGrant(await this._grant(), GrantError) : this._grant;
+      metadata.set('authorization', `Bearer ${grant}`);
     }
     setTraceHeaders(metadata, trace);
     return metadata;

@@ -21,6 +21,7 @@ const {
   isLedgerUnavailable,
 } = require('./errors');
 const { Source, ReplayResult, Settlement } = require('./journal');
+const { GrantError } = require('./arguments');
 
 const ORPHAN_REASON = 'the lane stopped before the call\'s outcome was known';
 
@@ -252,7 +253,8 @@ class Replayer {
         throw error;
       }
     } catch (error) {
-      if (stopsAttempt(error) || isFailure(error)) throw error;
+      // The lane's grant function gave no grant: nothing is wrong with the entry.
+      if (stopsAttempt(error) || isFailure(error) || error instanceof GrantError) throw error;
       if (error instanceof LedgerError) return [ReplayResult.REJECTED, error.reason || STATUS_NAMES.get(error.code) || 'UNKNOWN'];
       // The client cannot even send it (a value the wire refuses): it never will.
       if (error instanceof TypeError || error instanceof RangeError) {

@@ -218,6 +218,20 @@ describe('grants', () => {
     }
   });
 
+  test('a grant function that gives no grant fails the call with a TypeError, never sending it without one', async () => {
+    // The README: any value but a grant is a TypeError on the call. Sent without
+    // the header, it came back as the server's UNAUTHENTICATED (here: the
+    // closed port's UNAVAILABLE, an outage).
+    for (const given of ['', null, undefined]) {
+      const client = new LaneClient('127.0.0.1:1', 'lane', { grant: () => given, deadlineMs: 50 });
+      try {
+        await assert.rejects(client.balance(), (error) => error instanceof TypeError && /grant/.test(error.message));
+      } finally {
+        client.close();
+      }
+    }
+  });
+
   test('a visible ASCII grant is sent as it is', () => {
     const client = new LaneClient('127.0.0.1:1', 'lane', { grant: GRANT });
     client.close();

@@ -93,6 +93,32 @@ async function denied(lane, request = REQUEST) {
 
 const succeed = (lane, request = REQUEST) => lane.call(request, async () => OK);
 
+describe('a grant function that fails for a while', () => {
+  test("its bad value leaves the allowance's calls in the journal, to replay once it gives a grant again", async () => {
+    // A grant file caught mid-rotation reads empty: the replay must wait for
+    // the next grant, not drop the call made on the allowance as refused for good.
+    let grant = 'lg1.good';
+    const lane = client(allowance(), { grant: () => grant });
+    const made = await succeed(lane);
+    assert.equal(made.source, 'allowance');
+    for (const bad of ['', 'lg1.good\n', 'two words']) {
+      grant = bad;
+      let report = null;
+      try {
+        report = await lane.replayJournal();
+      } catch (error) {
+        assert.ok(error instanceof TypeError, error.name);
+      }
+      assert.equal(report?.rejected ?? 0, 0, `not refused for good (${JSON.stringify(bad)})`);
+      assert.equal(lane.journal.pending().length, 1, 'still to replay');
+    }
+    grant = 'lg1.good';
+    const report = await lane.replayJournal();
+    assert.equal(report.stoppedEarly, true, 'sent, and found the ledger unreachable');
+    assert.equal(lane.journal.pending().length, 1);
+  });
+});
+
 describe('deny (the default)', () => {
   test('an unreachable ledger is a LEDGER_UNAVAILABLE denial, and the callback is not run', async () => {
     const lane = client(undefined);
