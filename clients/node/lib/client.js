@@ -954,6 +954,10 @@ class LaneClient {
           // close() cut the ending off once its grace was over: journaled while the journal is open.
           this._logger?.warn(`ledger: the client closed before booking ${reservationId} was ended`);
           if (this._journal?.isOpen) journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
+        } else if (!(error instanceof LedgerError)) {
+          // Never sent: the lane's grant function failed. The ledger saw nothing, so replay it later.
+          this._logger?.warn(`ledger: the ending of booking ${reservationId} could not be sent (${error?.message ?? error})`);
+          journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
         }
         // A refusal leaves the booking open to expire at its hold: say so, as the Python client does.
         else this._logger?.error(`ledger: the ledger refused to end booking ${reservationId} (${error.reason || error.message})`);

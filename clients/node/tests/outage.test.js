@@ -426,6 +426,30 @@ describe('a server that shuts down under a call', () => {
     assert.ok(isLedgerUnavailable(result.ledgerError), result.ledgerError.name);
   });
 
+  test("a Settle the lane's grant function could not send is journaled, not left to expire at its hold", async () => {
+    const fake = await startFakeLedger({ Reserve: () => ADMITTED, Settle: () => ({ charged_nanos: '900' }) });
+    try {
+      let grantOf = () => 'lg1.good';
+      const lane = client(OutagePolicy.deny(journalPath), { grant: () => grantOf() }, `127.0.0.1:${fake.port}`);
+      for (const failure of [() => '', () => { throw new Error('vault down'); }]) {
+        const result = await lane.call(REQUEST, async () => {
+          grantOf = failure;
+          return OK;
+        });
+        grantOf = () => 'lg1.good';
+        assert.ok(result instanceof Completed);
+        assert.equal(result.journaled, true, `journaled (${result.ledgerError?.message})`);
+        const entry = lane.journal.pending().find((pending) => pending.reservationId === result.reservationId);
+        assert.equal(entry.ending.settlement, Settlement.SETTLE_SUCCEEDED);
+      }
+      assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 0, 'never sent');
+      const report = await lane.replayJournal();
+      assert.equal(report.landed, 2, 'replayed once the grant is back');
+    } finally {
+      await fake.stop();
+    }
+  });
+
   test('a Settle cut off is journaled for the replay', async () => {
     const { fake, arrival } = await hangingOn('Settle');
     const lane = client(OutagePolicy.deny(journalPath), {}, `127.0.0.1:${fake.port}`);
