@@ -694,6 +694,8 @@ export class InternalError extends LedgerError {}
 export const ERROR_TABLE: ReadonlyArray<readonly [status, string | null, typeof LedgerError]>;
 export function errorClassOf(code: number, reason: string): typeof LedgerError;
 export function ledgerErrorOf(serviceError: import('@grpc/grpc-js').ServiceError): LedgerError;
+/** The ledger's ErrorInfo in a call's trailers, by trailer name (`ledger-reason`, `ledger-field`, ...); `{}` when there is none. */
+export function richErrorInfo(metadata: import('@grpc/grpc-js').Metadata | null | undefined): Record<string, string>;
 
 /**
  * A fetch for the `openai` package (`new OpenAI({ fetch: ledgerFetch(lane) })`)

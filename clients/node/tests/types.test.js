@@ -76,3 +76,23 @@ test('the README example and a call() with its own reservationId type-check unde
     fs.rmSync(folder, { recursive: true, force: true });
   }
 });
+
+test('every name the package exports at run time is declared in index.d.ts', { skip: tsc === null && 'no TypeScript compiler' }, () => {
+  // A TypeScript lane can use only what the types declare.
+  const names = Object.keys(require('..')).sort();
+  const source = `import * as client from '../..';\nconst names: Array<keyof typeof client> = ${JSON.stringify(names)};\nvoid names;\n`;
+  const folder = fs.mkdtempSync(path.join(__dirname, '.types-'));
+  try {
+    fs.writeFileSync(path.join(folder, 'exports.ts'), source);
+    const args = [tsc, '--noEmit', '--strict', '--skipLibCheck', '--target', 'es2022', '--module', 'commonjs', '--lib', 'es2022,dom', path.join(folder, 'exports.ts')];
+    let output = '';
+    try {
+      execFileSync(process.execPath, args, { encoding: 'utf8', stdio: 'pipe' });
+    } catch (error) {
+      output = `${error.stdout}${error.stderr}`;
+    }
+    assert.equal(output, '');
+  } finally {
+    fs.rmSync(folder, { recursive: true, force: true });
+  }
+});
