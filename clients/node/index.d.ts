@@ -459,6 +459,7 @@ export class LaneClient {
   readonly journal: Journal | null;
   /** Where the client's warnings go (the `logger` option; null: nowhere). */
   readonly logger: { warn(message: string): void; error(message: string): void } | null;
+  /** Resolves once connected; rejects with Unavailable when the ledger is not reached within timeoutMs (default 5000). */
   waitForReady(timeoutMs?: number): Promise<void>;
   /** Refuses new calls at once (every method then rejects with ClientClosed), stops the replayer, waits up to graceMs (DEFAULT_CLOSE_GRACE_MS) for the calls under way (call()s with their endings, other ledger calls, background refunds), then closes the channel, cancelling what is left (ClientClosed, mayHaveApplied true), then the journal (its lock released) once the calls cut off have journaled their endings, at most CLOSE_JOURNAL_WAIT_MS later. Awaited inside a call() callback, it does not wait for that call: the channel closes once that call has ended its booking. Never rejects; throws RangeError for a graceMs outside [0, 60000]. */
   close(options?: { graceMs?: number }): Promise<void>;

@@ -595,10 +595,22 @@ class LaneClient {
     return this._replayer.replayOnce(maxEntries);
   }
 
-  /** Resolves once the channel is connected (call it at start-up, off the hot path). */
-  waitForReady(timeoutMs = 5000) {
-    return new Promise((resolve, reject) => {
-      this._stub.waitForReady(Date.now() + timeoutMs, (error) => (error ? reject(error) : resolve()));
+  /**
+   * Resolves once the channel is connected (call it at start-up, off the hot
+   * path). A ledger not reached within timeoutMs is an Unavailable, as a call
+   * would meet it, so that the lane can start in its outage mode.
+   */
+  async waitForReady(timeoutMs = 5000) {
+    this._refuseClosed();
+    if (typeof timeoutMs !== 'number' || !(timeoutMs > 0) || !Number.isFinite(timeoutMs)) {
+      throw new RangeError('timeoutMs: must be a positive number of milliseconds');
+    }
+    await new Promise((resolve, reject) => {
+      this._stub.waitForReady(Date.now() + timeoutMs, (error) => {
+        if (!error) return resolve();
+        const message = `the ledger could not be reached within ${timeoutMs} ms`;
+        return reject(new Unavailable(message, { code: grpc.status.UNAVAILABLE, cause: error }));
+      });
     });
   }
 

@@ -24,6 +24,8 @@ const {
   DeadlineExceeded,
   InternalError,
   PermissionDenied,
+  ClientClosed,
+  isLedgerUnavailable,
 } = require('..');
 const { endingOf, reportOf, reportOfError, OUTCOME_TABLE } = require('../lib/outcomes');
 const wire = require('../lib/wire');
@@ -230,6 +232,20 @@ describe('grants', () => {
         client.close();
       }
     }
+  });
+
+  test('waitForReady on a ledger that cannot be reached rejects with Unavailable, an outage', async () => {
+    // A lane that waits at start-up must be able to start in its outage mode,
+    // with the same predicate as its calls: grpc-js's bare Error was none of these.
+    const client = new LaneClient('127.0.0.1:1', 'lane');
+    try {
+      await assert.rejects(client.waitForReady(200), (error) => error instanceof Unavailable && isLedgerUnavailable(error) && /200 ms/.test(error.message));
+      await assert.rejects(client.waitForReady(0), RangeError);
+      await assert.rejects(client.waitForReady('5000'), RangeError);
+    } finally {
+      await client.close();
+    }
+    await assert.rejects(client.waitForReady(200), ClientClosed);
   });
 
   test('a visible ASCII grant is sent as it is', () => {
