@@ -384,6 +384,14 @@ class Completed {
   }
 }
 
+/** A request must be an object of named fields: else a TypeError naming the method, not the engine's. */
+function checkRequest(request, method) {
+  if (request === null || typeof request !== 'object' || Array.isArray(request)) {
+    const given = request === null ? 'null' : Array.isArray(request) ? 'an array' : typeof request;
+    throw new TypeError(`${method}() needs its request as an object of named fields (see index.d.ts), not ${given}`);
+  }
+}
+
 function pause(milliseconds) {
   return new Promise((resolve) => setTimeout(resolve, milliseconds));
 }
@@ -750,6 +758,7 @@ class LaneClient {
    */
   async reserve(request) {
     this._refuseClosed();
+    checkRequest(request, 'reserve');
     const trace = traceHeaders(request);
     // A refund of an unanswered Reserve of this id may have ended the booking
     // this Reserve would be admitted to (BackgroundRefunds).
@@ -786,6 +795,7 @@ class LaneClient {
    */
   async settle(request) {
     this._refuseClosed();
+    checkRequest(request, 'settle');
     return this._settle(request, traceHeaders(request));
   }
 
@@ -816,6 +826,7 @@ class LaneClient {
    */
   async refund(request) {
     this._refuseClosed();
+    checkRequest(request, 'refund');
     return this._refund(request, traceHeaders(request));
   }
 
@@ -875,6 +886,7 @@ class LaneClient {
    * @returns {Promise<Denied|Completed>}
    */
   async call(request, fn) {
+    checkRequest(request, 'call');
     if (typeof fn !== 'function') throw new TypeError('call() needs a function that makes the model call');
     // Taken now, before any await: the caller's context, shared by every ledger call of this one.
     const trace = traceHeaders(request) ?? freshTraceHeaders();

@@ -234,6 +234,25 @@ describe('grants', () => {
     }
   });
 
+  test('a request that is not an object is a TypeError naming the method, not the engine\'s', async () => {
+    const client = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50 });
+    try {
+      const methods = {
+        call: (request) => client.call(request, async () => ({ httpStatus: 200 })),
+        reserve: (request) => client.reserve(request),
+        settle: (request) => client.settle(request),
+        refund: (request) => client.refund(request),
+      };
+      for (const [name, send] of Object.entries(methods)) {
+        for (const request of [undefined, null, 'r-1', 42, []]) {
+          await assert.rejects(send(request), (error) => error instanceof TypeError && error.message.startsWith(`${name}() needs its request as an object`));
+        }
+      }
+    } finally {
+      await client.close();
+    }
+  });
+
   test('waitForReady on a ledger that cannot be reached rejects with Unavailable, an outage', async () => {
     // A lane that waits at start-up must be able to start in its outage mode,
     // with the same predicate as its calls: grpc-js's bare Error was none of these.
