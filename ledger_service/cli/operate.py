@@ -9,6 +9,7 @@ import pathlib
 import sys
 from typing import Any
 
+from ledger_service.cli.exits import EXIT_INTERRUPTED
 from ledger_service.settings import Settings, unread_variables
 
 
@@ -176,6 +177,15 @@ def _migrate(arguments: argparse.Namespace) -> int:
     except (migrate.RevisionRefused, migrate.MigrationWaitExceeded) as error:
         print(f"ledger migrate: {error} ({where})", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Most likely while it waits its turn for SQLite's write lock (up to
+        # 300 s beside a server): one line, as the recovery commands say it.
+        print(
+            "ledger migrate: interrupted; a step it had begun was rolled back "
+            f"(SQLite: all of them): run `ledger migrate` again ({where})",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     finally:
         store.close()
     print(f"{migrate_text(done.before, done.after)} in {where}", file=sys.stderr)

@@ -105,3 +105,23 @@ def test_a_server_starting_behind_a_held_write_lock_is_told_an_outage(
     finally:
         shell.close()
         store.close()
+
+
+def test_ctrl_c_while_migrate_waits_its_turn_is_one_line(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during the wait for the write lock (up to 300 s, beside a
+    server): one line and exit 130, as the recovery commands, not a traceback
+    from inside SQLAlchemy's begin."""
+    from ledger_service import cli
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(migrate, "_begin_immediate", interrupted)
+    code = cli.main(["migrate", "--database-url", f"sqlite:///{tmp_path / 'ledger.db'}"])
+    said = capsys.readouterr().err
+    assert code == 130, said
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said
+    [line] = said.splitlines()
+    assert line.startswith("ledger migrate: interrupted"), line
