@@ -31,6 +31,10 @@ from opentelemetry.util.types import AttributeValue
 
 INSTRUMENTATION_NAME = "ledger_client"
 TRACE_HEADERS = ("traceparent", "tracestate")
+# The longest tracestate sent, as the Node client's MAX_TRACESTATE_LENGTH: what
+# W3C propagators keep. OpenTelemetry takes 32 members of 256+256 characters,
+# 16 KiB, past the ledger's header limit (max_metadata_bytes) on its own.
+MAX_TRACESTATE_LENGTH = 512
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 Metadata = Sequence[tuple[str, str | bytes]]
@@ -93,6 +97,8 @@ class TracingInterceptor(
         span = self._start(details.method, metadata)
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        if len(carrier.get("tracestate", "")) > MAX_TRACESTATE_LENGTH:
+            del carrier["tracestate"]
         if carrier:
             metadata = [(k, v) for k, v in metadata if k not in TRACE_HEADERS]
             metadata.extend(carrier.items())
