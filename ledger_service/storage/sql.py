@@ -82,6 +82,15 @@ CONFIGURATION_LOCK_KEY = 0x4C414E45  # "LANE"
 RESOURCE_HOLD_SECONDS = 10.0
 
 
+def _for_a_move(context: ExceptionContext) -> bool:
+    """Whether a failed statement was a move's (its connection set to write) or
+    a connect's, which moves need too. A read refused for lack of resources (a
+    sort past temp_file_limit, 53400) tells nothing of moves: it does not hold
+    health NOT_SERVING (RESOURCE_HOLD_SECONDS) while every move is admitted."""
+    connection = context.connection
+    return connection is None or bool(connection.get_execution_options().get("ledger_write"))
+
+
 class SqlStore:
     def __init__(
         self,
@@ -163,7 +172,7 @@ class SqlStore:
             if time.monotonic() >= deadline:
                 raise StoreUnavailable()
             try:
-                with self._translated():
+                with self._translated(for_a_move=write):
                     return self._run_once(work, write, in_turn, snapshot, replayable, deadline)
             except StoreUnavailable as error:
                 if not translate.is_retryable(error) or attempt == self._max_retries:
@@ -175,8 +184,9 @@ class SqlStore:
         raise AssertionError("unreachable")
 
     @contextmanager
-    def _translated(self) -> Iterator[None]:
-        """translate.translated(), noting a damaged store and logging a failure."""
+    def _translated(self, for_a_move: bool = True) -> Iterator[None]:
+        """translate.translated(), noting a damaged store and logging a failure
+        (`for_a_move`: whether a move's, see _for_a_move)."""
         try:
             with translate.translated(self._engine):
                 yield
@@ -197,7 +207,7 @@ class SqlStore:
             elif (
                 cause is not None
                 and not translate.is_retryable(error)
-                and not self._note_cannot_write(cause)  # said there, in words
+                and not self._note_cannot_write(cause, for_a_move)  # said there, in words
             ):
                 driver = translate.driver_error(cause)
                 code = translate.driver_code(cause) or "no code"
@@ -246,7 +256,7 @@ class SqlStore:
     def _on_engine_error(self, context: ExceptionContext) -> None:
         """Any statement on the engine (recovery's included) that meets damage,
         or a file SQLite may not write (checked again by the next ping)."""
-        self._note_error(context.original_exception)
+        self._note_error(context.original_exception, _for_a_move(context))
 
     def _on_store_error(self, error: LedgerError) -> None:
         """A group commit failed by the database (its statements on the driver
@@ -255,7 +265,7 @@ class SqlStore:
         if cause is not None:
             self._note_error(cause)
 
-    def _note_error(self, foreign: BaseException) -> None:
+    def _note_error(self, foreign: BaseException, for_a_move: bool = True) -> None:
         domain = translate.translate(foreign)
         if isinstance(domain, StoreDamaged):
             self.note_damage(domain)
@@ -265,16 +275,16 @@ class SqlStore:
             self._write_failed = True
         if self._sqlite and translate.lock_wait_gave_up(foreign):
             self._lock_held = True  # health asks the probe (`ping`)
-        self._note_cannot_write(foreign)
+        self._note_cannot_write(foreign, for_a_move)
 
-    def _note_cannot_write(self, foreign: BaseException) -> bool:
+    def _note_cannot_write(self, foreign: BaseException, for_a_move: bool = True) -> bool:
         """Whether `foreign` is a PostgreSQL write refused (translate.cannot_write:
         a privilege, a read-only database, a server out of disk, memory or
         connections): then said in words, at most once an interval, and health
         is NOT_SERVING until `ping` finds it may write again."""
         condition = None if self._sqlite else translate.cannot_write(foreign)
-        if condition is None:
-            return False
+        if condition is None or (not for_a_move and translate.unseen_by_probe(foreign)):
+            return False  # a read's lack of resources: logged as any failed read
         what, advice = condition
         if translate.unseen_by_probe(foreign):
             self._unseen_refusal_at = time.monotonic()

@@ -135,3 +135,33 @@ def test_a_lack_of_resources_the_probe_cannot_see_is_not_serving_while_moves_mee
     monkeypatch.setattr(sql, "RESOURCE_HOLD_SECONDS", 0.0)  # the hold has passed
     postgres_store.ping()
     assert ledger.reserve(_reserve("r-3")).admitted
+
+
+# What a read meets on a real server when its sort spills past temp_file_limit.
+SPILLED = (
+    "DO $$ BEGIN RAISE EXCEPTION 'temporary file size exceeds temp_file_limit (0kB)' "
+    "USING ERRCODE = '53400'; END $$"
+)
+
+
+def test_a_read_refused_for_lack_of_resources_leaves_health_serving(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read whose sort spilled past temp_file_limit (53400), or that ran out
+    of memory, says nothing of moves: measured on a running server, one
+    `ledger history --limit 10000` held health NOT_SERVING for 10 s while
+    every Reserve was admitted, logging "THE DATABASE CANNOT BE WRITTEN", and
+    the recovery check's read did it again every 30 s. Only a move's (or a
+    connect's) class-53 refusal holds health."""
+    monkeypatch.setattr(sql, "RESOURCE_HOLD_SECONDS", 3600.0)
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+
+    def spill(tx: object) -> None:
+        tx._connection.exec_driver_sql(SPILLED)  # type: ignore[attr-defined]
+
+    with caplog.at_level(logging.ERROR), pytest.raises(StoreUnavailable):
+        postgres_store.run(spill, write=False)
+    assert not [r for r in caplog.records if "CANNOT BE WRITTEN" in r.getMessage()]
+    postgres_store.ping()
+    assert ledger.reserve(_reserve("r-1")).admitted
