@@ -77,8 +77,12 @@ MAX_SETTING_COUNT = 2**31 - 1
 MAX_SETTING_SECONDS = 10 * 366 * 86_400
 # The least max_metadata_bytes: a grant of MAX_GRANT_LENGTH and gRPC's own headers.
 MIN_METADATA_BYTES = 8 * 1024
-# The fastest client pings a server admits (client_ping_min_interval_seconds).
+# The fastest client pings a server admits (client_ping_min_interval_seconds),
+# and the slowest floor: the lane clients ping every 5 s (KEEPALIVE_INTERVAL_MS
+# in clients/python/ledger_client/channels.py), and a floor above it sent every
+# idle lane client GOAWAY too_many_pings.
 MIN_CLIENT_PING_INTERVAL_SECONDS = 1.0
+MAX_CLIENT_PING_INTERVAL_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +225,15 @@ class Settings:
                 # gRPC's channel options and PostgreSQL's settings are C ints.
                 raise ValueError(f"{name} must be at most {MAX_SETTING_COUNT}")
         _check_listen(self.listen)
-        if self.client_ping_min_interval_seconds < MIN_CLIENT_PING_INTERVAL_SECONDS:
+        if not (
+            MIN_CLIENT_PING_INTERVAL_SECONDS
+            <= self.client_ping_min_interval_seconds
+            <= MAX_CLIENT_PING_INTERVAL_SECONDS
+        ):
             raise ValueError(
                 "client_ping_min_interval_seconds (LEDGER_CLIENT_PING_MIN_INTERVAL_SECONDS) "
-                f"must be at least {MIN_CLIENT_PING_INTERVAL_SECONDS:g}"
+                f"must be at least {MIN_CLIENT_PING_INTERVAL_SECONDS:g} and at most "
+                f"{MAX_CLIENT_PING_INTERVAL_SECONDS:g}, the lane clients' ping interval"
             )
         if self.recovery_max_risk > 1:
             raise ValueError("recovery_max_risk (LEDGER_RECOVERY_MAX_RISK) must be at most 1")
