@@ -164,6 +164,30 @@ def test_a_reconcile_row_priced_past_the_largest_amount_names_its_line(
     assert harness.booking("u", lane="dear").state == pb.SETTLED_UNKNOWN
 
 
+def test_a_reconcile_row_priced_past_the_largest_amount_on_an_open_booking_is_reported_open(
+    harness: Any,
+) -> None:
+    """The price is refused only where it is used: a row that an open booking
+    answers is reported open, whatever its tokens would cost (the whole file
+    was refused when rows were priced before the booking's state was read)."""
+    dearest = 10**15
+    harness.make_lane(
+        "dear",
+        limit_nanos=2**62,
+        prices={"jev": (dearest, dearest)},
+        window_seconds=3600,
+        hold_ttl_seconds=600,
+    )
+    harness.reserve("o", lane="dear", request_bytes=10, max_output_tokens=0)
+    export = b"reservation_id,input_tokens\no,1000000000000\n"
+    request = pb.ReconcileRequest(
+        format=pb.ReconcileRequest.CSV, content=export, default_lane="dear", dry_run=True
+    )
+    response = harness.ledger.Reconcile(request, timeout=30)
+    assert [row.status for row in response.rows] == ["open"]
+    assert response.bad_count == 0
+
+
 def test_a_repeat_after_a_correction_returns_the_first_answer(harness: Any) -> None:
     """The contract: a repeated Settle or Refund returns the first answer. A lane
     retrying a Settle whose answer it lost must not be told the booking ended

@@ -356,21 +356,23 @@ def decide(
     result = RowResult(row.line, row.lane, row.reservation_id, RowStatus.UNMATCHED)
     if booking is None:
         return dataclasses.replace(result, message="no such booking in this lane"), None
-    real = _priced_row(row, booking)
     current = booking.amount_at(now_us)
     unchanged = dataclasses.replace(result, before_nanos=current, after_nanos=current)
     if booking.state is BookingState.REJECTED:
         # A denied Reserve booked no call: a bill of zero agrees with it.
-        if real == 0:
+        if row.real_cost(booking) == 0:
             return dataclasses.replace(unchanged, status=RowStatus.MATCHED), None
         message = "the Reserve was denied: no call was booked"
         return dataclasses.replace(unchanged, status=RowStatus.DISAGREES, message=message), None
     if row.model and row.model != booking.model:
         message = f"the export says model {row.model!r}, the booking {booking.model!r}"
         return dataclasses.replace(unchanged, status=RowStatus.DISAGREES, message=message), None
-    result = dataclasses.replace(result, before_nanos=current, after_nanos=real)
     if booking.state is BookingState.OPEN:
-        return dataclasses.replace(result, status=RowStatus.OPEN, after_nanos=current), None
+        return dataclasses.replace(unchanged, status=RowStatus.OPEN), None
+    # Priced only where the price is used: a row that a denied, open or
+    # other-model booking answers is reported, whatever its tokens would cost.
+    real = _priced_row(row, booking)
+    result = dataclasses.replace(result, before_nanos=current, after_nanos=real)
     if booking.state in REAL_STATES or booking.state is BookingState.REFUNDED:
         if real == current:
             return dataclasses.replace(result, status=RowStatus.MATCHED), None
