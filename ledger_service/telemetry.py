@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import logging
 import os
 import sys
+import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -65,8 +67,10 @@ PROTOCOLS = ("grpc", "http/protobuf")
 HTTP_PATHS = {"TRACES": "v1/traces", "METRICS": "v1/metrics"}
 PROMETHEUS_HOST = "localhost"
 PROMETHEUS_PORT = 9464
-# Bounds the wait for the last batch at shutdown.
+# Bounds the wait for the last batches (spans and metrics together) at shutdown.
 SHUTDOWN_TIMEOUT_MILLIS = 5_000
+
+log = logging.getLogger("ledger.server")
 
 
 def _version() -> str:
@@ -99,12 +103,34 @@ class Telemetry:
         return self.meter_provider.get_meter(INSTRUMENTATION_NAME, _version())
 
     def shutdown(self) -> None:
-        """Exports what is still buffered and stops the exporters."""
-        self.tracer_provider.shutdown()
-        if self.meter_provider is not None:
-            self.meter_provider.shutdown(timeout_millis=SHUTDOWN_TIMEOUT_MILLIS)
+        """Exports what is still buffered and stops the exporters, waiting at
+        most SHUTDOWN_TIMEOUT_MILLIS in all: the SDK waits up to 30 s for a
+        collector that does not answer, and the process must not wait with it.
+        What is left then is dropped (its thread is a daemon)."""
+        failed: list[BaseException] = []
+        flushing = threading.Thread(
+            target=self._flush, args=(failed,), name="telemetry-shutdown", daemon=True
+        )
+        flushing.start()
+        flushing.join(SHUTDOWN_TIMEOUT_MILLIS / 1000)
         for close in self.closers:
             close()
+        if flushing.is_alive():
+            log.warning(
+                "telemetry: the collector took no last batch within %.1f s: the buffered "
+                "telemetry is dropped",
+                SHUTDOWN_TIMEOUT_MILLIS / 1000,
+            )
+        elif failed:
+            raise failed[0]
+
+    def _flush(self, failed: list[BaseException]) -> None:
+        try:
+            self.tracer_provider.shutdown()
+            if self.meter_provider is not None:
+                self.meter_provider.shutdown(timeout_millis=SHUTDOWN_TIMEOUT_MILLIS)
+        except Exception as error:  # raised again by shutdown(), in the caller's thread
+            failed.append(error)
 
 
 def exporters_named(

@@ -4,7 +4,9 @@ stops it at start with one line."""
 
 from __future__ import annotations
 
+import logging
 import pathlib
+import threading
 
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -205,3 +207,30 @@ def test_the_start_line_leaves_every_credential_of_an_endpoint_out(
         assert sending.description == f"traces: otlp http/protobuf to {shown}; metrics: none"
     finally:
         sending.shutdown()
+
+
+def test_shutdown_does_not_wait_for_a_collector_that_never_answers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A hanging collector held `ledger serve` 35 s past a 0.1 s drain: the SDK
+    # waits up to 30 s for the last batch of spans, whatever the server's bound.
+    from ledger_service import telemetry as module
+
+    telemetry = configure_telemetry({})
+    answered = threading.Event()
+
+    def hangs() -> None:
+        answered.wait()  # the collector's answer, which never comes in this test
+
+    monkeypatch.setattr(telemetry.tracer_provider, "shutdown", hangs)
+    monkeypatch.setattr(module, "SHUTDOWN_TIMEOUT_MILLIS", 50)
+    stopping = threading.Thread(target=telemetry.shutdown, daemon=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ledger.server"):
+            stopping.start()
+            stopping.join(timeout=60)  # a safety net: unbounded, it waits for `answered`
+            assert not stopping.is_alive(), "shutdown waited for the collector"
+        assert not answered.is_set()
+        assert "the buffered telemetry is dropped" in caplog.text
+    finally:
+        answered.set()
