@@ -80,15 +80,15 @@ def server_environment() -> dict[str, str]:
 
 
 def start_ledger_process(
-    data_dir: pathlib.Path, settings: dict[str, str] | None = None
+    data_dir: pathlib.Path, settings: dict[str, str] | None = None, listen: str = "127.0.0.1:0"
 ) -> LedgerProcess:
-    """Starts `ledger serve` on port 0 and waits for its one 'listening' line;
-    `settings` are LEDGER_* variables for the server."""
+    """Starts `ledger serve` on `listen` (port 0: any) and waits for its one
+    'listening' line; `settings` are LEDGER_* variables for the server."""
     command = [
         str(LEDGER),
         "serve",
         "--listen",
-        "127.0.0.1:0",
+        listen,
         "--data-dir",
         str(data_dir),
         "--test-clock",
@@ -793,6 +793,53 @@ def test_history_follow_ends_when_the_server_freezes(tmp_path: pathlib.Path) -> 
     assert err.count("\n") == 1, err
     assert f"the ledger at 127.0.0.1:{proxy.port} " in err, err
     assert took < 15, took
+
+
+def test_history_follow_goes_on_through_a_server_restart(tmp_path: pathlib.Path) -> None:
+    """A stop ends every stream SHUTTING_DOWN, "open it again, after the last seq
+    you saw": the follow did not (exit 1, "try again"); now it does, and prints
+    what the restarted server writes, once and in order."""
+    port = free_port()
+    first = start_ledger_process(tmp_path, listen=f"127.0.0.1:{port}")
+    environment = {
+        **server_environment(),
+        "LEDGER_SERVER": first.address,
+        "LEDGER_DATA_DIR": str(tmp_path),
+    }
+
+    def cli(*arguments: str) -> None:
+        done = subprocess.run([str(LEDGER), *arguments], env=environment, capture_output=True)
+        assert done.returncode == 0, done
+
+    def reserve_one(reservation_id: str) -> None:
+        cli("reserve", "again", reservation_id, "--model", "jev", "--request-bytes", "7000",
+            "--max-output-tokens", "200")  # fmt: skip
+
+    cli("lane", "put", "again", "--limit", "$1", "--price", JEV_PRICE)
+    follower = _follower(["again"], environment)
+    second: LedgerProcess | None = None
+    try:
+        assert follower.stdout is not None and follower.stderr is not None
+        assert follower.stdout.readline().startswith("SEQ")
+        assert "lane_configured" in follower.stdout.readline()
+        reserve_one("before-stop")
+        assert follower.stdout.readline().split()[2:4] == ["reserved", "before-stop"]
+        first.stop()
+        assert "is stopping; following again after seq" in follower.stderr.readline()
+        second = start_ledger_process(tmp_path, listen=f"127.0.0.1:{port}")
+        reserve_one("after-restart")
+        assert follower.stdout.readline().split()[2:4] == ["reserved", "after-restart"]
+        follower.send_signal(signal.SIGINT)
+        out, err = follower.communicate(timeout=10)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert follower.returncode == 0, err
+    assert out == "" and "Traceback" not in err
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "ten", "1e9"])

@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from ledger_service.api.errors import REASON_KEY
 from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session, command, last_holding
-from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
+from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import (
     duration_text,
     emit,
@@ -25,6 +28,7 @@ from ledger_service.cli.render import (
     usd,
 )
 from ledger_service.cli.values import parse_count
+from ledger_service.domain.errors import ShuttingDown
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 DEFAULT_HISTORY_EVENTS = 50
@@ -33,6 +37,10 @@ MAX_HISTORY_EVENTS = 10_000
 # thread looks up from waiting for them (so Ctrl-C is seen at once).
 FOLLOW_QUEUE_EVENTS = 1000
 FOLLOW_POLL_SECONDS = 0.1
+# --follow through a server's stop (SHUTTING_DOWN): how long the server has to
+# be back (a restart) before the command ends, and how long each look waits.
+FOLLOW_RESUME_SECONDS = 60.0
+FOLLOW_RESUME_TRY_SECONDS = 1.0
 # A trace id is shown whole (32 hex digits), so it can be pasted into a trace search.
 TRACE_ID_CHARACTERS = 32
 CORRECTION_REASON_SHOWN_CHARACTERS = 40
@@ -186,10 +194,89 @@ def follow(
 ) -> int:
     """Tails the log until Ctrl-C; the only loop that the user, not a limit, ends.
 
+    A server that stops (SHUTTING_DOWN: a restart, a replica leaving) ends the
+    stream; as the contract says, it is opened again after the last seq seen,
+    once the server (or another replica) answers, within FOLLOW_RESUME_SECONDS."""
+    said_at: int | None = None  # the seq the stopping line last named: said once a stop
+    try:
+        while True:
+            try:
+                after_seq = _tail(arguments, session, after_seq, widths, columns)
+            except _Stopped as stopped:
+                after_seq = stopped.after_seq
+            if said_at != after_seq:
+                _say_stopping(session, after_seq)
+                said_at = after_seq
+            _wait_for_return(arguments, session, after_seq)
+    except KeyboardInterrupt:
+        return 0
+
+
+class _Stopped(Exception):
+    """The server ended the stream SHUTTING_DOWN after `after_seq`."""
+
+    def __init__(self, after_seq: int) -> None:
+        super().__init__(after_seq)
+        self.after_seq = after_seq
+
+
+def _shutting_down(error: grpc.RpcError) -> bool:
+    if not isinstance(error, grpc.Call) or error.code() is not grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailers = dict(error.trailing_metadata() or ())
+    return trailers.get(REASON_KEY) == ShuttingDown.reason
+
+
+def _say_stopping(session: Session, after_seq: int) -> None:
+    print(
+        f"ledger: the ledger at {session.server} is stopping; following again after seq "
+        f"{after_seq} once it answers (at most {FOLLOW_RESUME_SECONDS:g} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _wait_for_return(arguments: argparse.Namespace, session: Session, after_seq: int) -> None:
+    """Returns once the server answers again; CliError (exit 3) if it has not
+    within FOLLOW_RESUME_SECONDS. Each look is short, so Ctrl-C is seen."""
+    request = pb.ListEventsRequest(lane=arguments.lane or "", page_size=1, after_seq=after_seq)
+    given_up = time.monotonic() + FOLLOW_RESUME_SECONDS
+    while (left := given_up - time.monotonic()) > 0:
+        try:
+            session.ledger.ListEvents(
+                request,
+                timeout=min(left, FOLLOW_RESUME_TRY_SECONDS),
+                metadata=session.metadata,
+                wait_for_ready=True,
+            )
+            return
+        except grpc.RpcError as error:
+            code = error.code() if isinstance(error, grpc.Call) else None
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            if code is grpc.StatusCode.UNAVAILABLE:
+                time.sleep(min(max(left, 0), FOLLOW_RESUME_TRY_SECONDS))
+    raise CliError(
+        f"the ledger at {session.server} stopped and did not answer again within "
+        f"{FOLLOW_RESUME_SECONDS:g} s; resume with --after-seq {after_seq}",
+        EXIT_UNREACHABLE,
+    )
+
+
+def _tail(
+    arguments: argparse.Namespace,
+    session: Session,
+    after_seq: int,
+    widths: Sequence[int],
+    columns: Sequence[int],
+) -> int:
+    """Prints the events of one stream; raises what ends it.
+
     The stream is read in a thread of its own and printed here, so that the
     KeyboardInterrupt of a Ctrl-C is raised in this loop, never inside
     grpc's own code halfway through a step of the stream (with its locks
-    held, where it once left the command hanging after Ctrl-C)."""
+    held, where it once left the command hanging after Ctrl-C). The seq of
+    each event received is kept, shown or not, as where a reopened stream starts."""
     request = pb.WatchEventsRequest(lane=arguments.lane or "", after_seq=after_seq)
     stream = session.ledger.WatchEvents(request, metadata=session.metadata)
     received: queue.Queue[pb.Event | grpc.RpcError | None] = queue.Queue(FOLLOW_QUEUE_EVENTS)
@@ -212,15 +299,16 @@ def follow(
             if item is None:
                 break
             if isinstance(item, grpc.RpcError):
+                if _shutting_down(item):
+                    raise _Stopped(after_seq) from item
                 raise item
+            after_seq = item.seq
             if arguments.reservation_id and item.reservation_id != arguments.reservation_id:
                 continue
             _print_event(arguments, item, widths, columns)
-    except KeyboardInterrupt:
-        return 0
     finally:
         stream.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves it untyped
-    raise CliError(f"the ledger at {session.server} ended the stream")
+    raise CliError(f"the ledger at {session.server} ended the stream after seq {after_seq}")
 
 
 def _history_columns(arguments: argparse.Namespace) -> list[int]:
