@@ -43,7 +43,7 @@ from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from ledger_service.api.errors import Behaviour, replace_behaviour
+from ledger_service.api.errors import REASON_KEY, Behaviour, replace_behaviour
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 # Health checks and reflection are not traced: probes would drown the ledger's calls.
@@ -279,14 +279,20 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         record: CallRecord | None,
         code: grpc.StatusCode,
         started_ns: int,
+        context: grpc.ServicerContext,
     ) -> None:
         if span.is_recording():
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             if record is not None:
                 span.set_attributes(record.attributes)
+            # Why the call failed, as its caller was told (the ledger-reason trailer).
+            reason = reason_of(context) if code is not grpc.StatusCode.OK else ""
+            if reason:
+                span.set_attribute("ledger.reason", reason)
             if code in SERVER_ERROR_CODES:
                 span.set_attribute("error.type", code.name)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+                described = f"{code.name} {reason}" if reason else code.name
+                span.set_status(trace.Status(trace.StatusCode.ERROR, described))
         span.end()
         if self._metrics is not None and record is not None:
             elapsed_ms = (time.perf_counter_ns() - started_ns) / 1e6
@@ -307,7 +313,7 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 raise
             finally:
                 otel_context.detach(token)
-                self._finish(method, span, record, code, started_ns)
+                self._finish(method, span, record, code, started_ns, context)
 
         return traced
 
@@ -341,7 +347,7 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 close = getattr(responses, "close", None)
                 if close is not None:
                     _attached(call_context, close)
-                self._finish(method, span, record, code, started_ns)
+                self._finish(method, span, record, code, started_ns, context)
 
         return traced
 
@@ -525,6 +531,15 @@ def _enum_name(enum: Any, number: int) -> str:
     server does not know (a request may carry any number: it must not fail here)."""
     known = enum.DESCRIPTOR.values_by_number.get(number)
     return str(known.name).lower() if known is not None else str(number)
+
+
+def reason_of(context: grpc.ServicerContext) -> str:
+    """The `ledger-reason` the error table set on the call's trailers, or ""."""
+    trailers = getattr(context, "trailing_metadata", lambda: None)() or ()
+    for key, value in trailers:
+        if key == REASON_KEY and isinstance(value, str):
+            return value[:MAX_NAME_CHARACTERS]
+    return ""
 
 
 def status_code_of(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:

@@ -155,6 +155,26 @@ def test_refused_and_failed_calls_are_traced_with_their_status(
     assert "ledger.lane" not in refused.attributes
 
 
+def test_a_failed_calls_span_says_why_as_its_caller_was_told(
+    ledger: Any, span_exporter: InMemorySpanExporter
+) -> None:
+    # The span had the status code alone: NOT_FOUND for an unknown lane and for
+    # an unknown booking alike, and SHUTTING_DOWN or a dead database both UNAVAILABLE.
+    with pytest.raises(grpc.RpcError) as unknown_lane:
+        ledger.reserve("r1", lane="nobody")
+    told = dict(unknown_lane.value.trailing_metadata())["ledger-reason"]
+    with pytest.raises(grpc.RpcError) as anonymous:
+        ledger.anonymous.GetBalance(pb.GetBalanceRequest(lane="recall"), timeout=10)
+    refused_for = dict(anonymous.value.trailing_metadata())["ledger-reason"]
+
+    not_found = one_span(span_exporter, RESERVE, SpanKind.SERVER)
+    assert not_found.attributes is not None
+    assert told and not_found.attributes["ledger.reason"] == told
+    refused = one_span(span_exporter, "ledger.v1.Ledger/GetBalance", SpanKind.SERVER)
+    assert refused.attributes is not None
+    assert refused.attributes["ledger.reason"] == refused_for == "UNAUTHENTICATED"
+
+
 def test_a_stream_is_one_span_for_its_whole_life(
     ledger: Any, span_exporter: InMemorySpanExporter
 ) -> None:
@@ -398,3 +418,34 @@ def test_a_call_whose_request_never_came_is_traced_with_its_status(
     span = one_span(span_exporter, method.lstrip("/"), SpanKind.SERVER)
     assert span.attributes is not None
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+class _FailedContext:
+    """What the tracing interceptor reads of a call the error table answered
+    UNAVAILABLE with a reason."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("ledger-reason", "STORE_UNAVAILABLE"),)
+
+
+def test_a_server_errors_status_names_its_reason(span_exporter: InMemorySpanExporter) -> None:
+    # "UNAVAILABLE" alone did not tell a dead database from a draining server.
+    from ledger_service.api.tracing import TracingInterceptor
+
+    tracer = trace.get_tracer_provider().get_tracer("test")
+    interceptor = TracingInterceptor(tracer)
+    traced = interceptor._traced_unary(lambda request, context: None, "/ledger.v1.Ledger/Reserve")
+    traced(None, _FailedContext())
+    span = one_span(span_exporter, RESERVE, SpanKind.SERVER)
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == "UNAVAILABLE STORE_UNAVAILABLE"
+    assert span.attributes is not None and span.attributes["ledger.reason"] == "STORE_UNAVAILABLE"
