@@ -178,8 +178,14 @@ def _otlp(environ: Mapping[str, str], signal: str) -> _Otlp:
         )
     endpoint = own or str(shared)
     if not own and protocol == "http/protobuf":
-        endpoint = f"{endpoint.rstrip('/')}/{HTTP_PATHS[signal]}"
+        endpoint = _with_path(endpoint, HTTP_PATHS[signal])
     return _Otlp(protocol, endpoint)
+
+
+def _with_path(url: str, path: str) -> str:
+    """`url` with `path` after its own path: before any query or fragment."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{path}"))
 
 
 def _without_credentials(url: str) -> str:

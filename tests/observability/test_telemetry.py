@@ -94,6 +94,27 @@ def test_an_unknown_exporter_stops_the_server_at_start(
     )
 
 
+def test_the_signals_path_goes_on_the_endpoints_path_not_after_its_query() -> None:
+    # 'http://host:4318/?k=key' sent spans to '/?k=key/v1/traces': the path "/",
+    # where a collector answers 404, and the start line showed no /v1/traces.
+    sending = configure_telemetry(
+        {
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318/base/?k=key#part",
+        }
+    )
+    try:
+        (batch,) = processors(sending)
+        exporter = batch._batch_processor._exporter  # type: ignore[attr-defined]
+        assert exporter._endpoint == "http://127.0.0.1:4318/base/v1/traces?k=key#part"
+        assert sending.description.startswith(
+            "traces: otlp http/protobuf to http://127.0.0.1:4318/base/v1/traces;"
+        )
+    finally:
+        sending.shutdown()
+
+
 def test_otlp_over_http_protobuf_uses_the_sdks_http_exporters() -> None:
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
         OTLPMetricExporter as HttpMetricExporter,
