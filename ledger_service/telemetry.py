@@ -65,6 +65,12 @@ METRIC_EXPORTERS = (*EXPORTERS, "prometheus")
 PROTOCOLS = ("grpc", "http/protobuf")
 # OTLP over HTTP: the path of each signal under OTEL_EXPORTER_OTLP_ENDPOINT.
 HTTP_PATHS = {"TRACES": "v1/traces", "METRICS": "v1/metrics"}
+# The variable behind each argument of the SDK's BatchSpanProcessor (which reads os.environ).
+_BSP_VARIABLES = {
+    "max_queue_size": "OTEL_BSP_MAX_QUEUE_SIZE",
+    "schedule_delay_millis": "OTEL_BSP_SCHEDULE_DELAY",
+    "max_export_batch_size": "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+}
 PROMETHEUS_HOST = "localhost"
 PROMETHEUS_PORT = 9464
 # Bounds the wait for the last batches (spans and metrics together) at shutdown.
@@ -159,16 +165,13 @@ class _Otlp:
 
 
 def _otlp(environ: Mapping[str, str], signal: str) -> _Otlp:
-    protocol = (
-        environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
-        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "grpc"
-    ).strip()
+    # The signal's own variable wins, and is the one a refusal names.
+    variable = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
+    if not environ.get(variable):
+        variable = "OTEL_EXPORTER_OTLP_PROTOCOL"
+    protocol = (environ.get(variable) or "grpc").strip()
     if protocol not in PROTOCOLS:
-        raise ValueError(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: unknown protocol "
-            "(use grpc or http/protobuf)"
-        )
+        raise ValueError(f"{variable}={protocol!r}: unknown protocol (use grpc or http/protobuf)")
     own = environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
     shared = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not (own or shared):
@@ -235,9 +238,22 @@ def _span_processors(environ: Mapping[str, str]) -> tuple[list[SpanProcessor], l
             described.append("console (stderr)")
             continue
         exporter, description = _otlp_exporter(environ, "TRACES")
-        processors.append(BatchSpanProcessor(exporter))
+        processors.append(_batch(exporter))
         described.append(description)
     return processors, described
+
+
+def _batch(exporter: SpanExporter) -> BatchSpanProcessor:
+    """The SDK's batching of spans, set by OTEL_BSP_*; a bad value is refused
+    naming the variable (the SDK names its own argument)."""
+    try:
+        return BatchSpanProcessor(exporter)
+    except ValueError as error:
+        argument = str(error).split(" ", 1)[0]
+        variable = _BSP_VARIABLES.get(argument)
+        if variable is None:
+            raise
+        raise ValueError(f"{variable}={os.environ.get(variable, '')!r}: {error}") from error
 
 
 def _metric_readers(

@@ -255,3 +255,18 @@ def test_shutdown_does_not_wait_for_a_collector_that_never_answers(
         assert "the buffered telemetry is dropped" in caplog.text
     finally:
         answered.set()
+
+
+def test_a_bad_otlp_setting_is_refused_naming_the_variable_that_holds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The signal's own protocol was refused as OTEL_EXPORTER_OTLP_PROTOCOL, which
+    # was not set, and OTEL_BSP_MAX_QUEUE_SIZE=-5 as "max_queue_size must be ...".
+    otlp = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+    with pytest.raises(ValueError) as protocol:
+        configure_telemetry({**otlp, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+    assert str(protocol.value).startswith("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json': ")
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "-5")  # the SDK reads os.environ itself
+    with pytest.raises(ValueError) as queue_size:
+        configure_telemetry(otlp)
+    assert str(queue_size.value).startswith("OTEL_BSP_MAX_QUEUE_SIZE='-5': max_queue_size ")
