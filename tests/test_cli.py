@@ -842,6 +842,40 @@ def test_history_follow_goes_on_through_a_server_restart(tmp_path: pathlib.Path)
     assert out == "" and "Traceback" not in err
 
 
+class _Down(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """What a call to a server that is not back gets."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def test_a_follow_whose_server_does_not_come_back_says_where_to_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ledger_service.cli import reading
+
+    class Ledger:
+        looks = 0
+
+        def ListEvents(self, request: pb.ListEventsRequest, **options: Any) -> None:
+            Ledger.looks += 1
+            assert request.after_seq == 41 and options["wait_for_ready"]
+            raise _Down()
+
+    monkeypatch.setattr(reading, "FOLLOW_RESUME_SECONDS", 0.2)
+    monkeypatch.setattr(reading, "FOLLOW_RESUME_TRY_SECONDS", 0.05)
+    session = connection.Session("127.0.0.1:1", Ledger(), None, 5.0, ())  # type: ignore[arg-type]
+    arguments = reading.argparse.Namespace(lane="again")
+    with pytest.raises(exits.CliError) as ended:
+        reading._wait_for_return(arguments, session, 41)
+    assert ended.value.exit_code == exits.EXIT_UNREACHABLE
+    assert ended.value.message.endswith("; resume with --after-seq 41")
+    assert Ledger.looks >= 1
+
+
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "ten", "1e9"])
 def test_a_bad_client_keepalive_is_refused_before_any_call(
     target: LedgerProcess, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch, text: str
