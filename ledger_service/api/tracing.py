@@ -101,6 +101,9 @@ class CallRecord:
 
     attributes: dict[str, AttributeValue] = dataclasses.field(default_factory=dict)
     balance: pb.Balance | None = None
+    # Why a Settle was refused as impossible usage, for the metrics only (the
+    # span has it as ledger.reason, from the caller's trailers).
+    refused: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,13 +173,9 @@ class RpcMetrics:
             elapsed_ms, {**method.attributes, "rpc.grpc.status_code": code.value[0]}
         )
         found = record.attributes
-        if "ledger.refused" in found:
+        if record.refused:
             self.refused_settles.add(
-                1,
-                {
-                    "ledger.lane": found.get("ledger.lane", ""),
-                    "ledger.reason": found["ledger.refused"],
-                },
+                1, {"ledger.lane": found.get("ledger.lane", ""), "ledger.reason": record.refused}
             )
         if code is not grpc.StatusCode.OK:
             return
@@ -447,7 +446,7 @@ def note_refused_settle(reason: str) -> None:
     """Counts the current call as a refused Settle (RpcMetrics.refused_settles)."""
     record = otel_context.get_value(_RECORD_KEY)
     if isinstance(record, CallRecord):
-        record.attributes["ledger.refused"] = reason
+        record.refused = reason
 
 
 def note_lane(lane: str) -> None:

@@ -449,3 +449,18 @@ def test_a_server_errors_status_names_its_reason(span_exporter: InMemorySpanExpo
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == "UNAVAILABLE STORE_UNAVAILABLE"
     assert span.attributes is not None and span.attributes["ledger.reason"] == "STORE_UNAVAILABLE"
+
+
+def test_a_refused_settles_span_names_its_reason_once(
+    ledger: Any, span_exporter: InMemorySpanExporter
+) -> None:
+    # The metrics' own note, `ledger.refused`, also went onto the span: an
+    # attribute no doc names, saying what `ledger.reason` says.
+    ledger.put_lane()
+    ledger.reserve("r1")
+    with pytest.raises(grpc.RpcError):
+        ledger.settle("r1", pb.SUCCEEDED, output_tokens=10)
+    span = one_span(span_exporter, SETTLE, SpanKind.SERVER)
+    assert span.attributes is not None
+    assert span.attributes["ledger.reason"] == "SETTLE_WITHOUT_USAGE"
+    assert not [key for key in span.attributes if key == "ledger.refused"]
