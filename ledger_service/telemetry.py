@@ -229,7 +229,9 @@ def _otlp_exporter(environ: Mapping[str, str], signal: str) -> tuple[Any, str]:
     return exporter_class(endpoint=otlp.endpoint), otlp.describe()
 
 
-def _span_processors(environ: Mapping[str, str]) -> tuple[list[SpanProcessor], list[str]]:
+def _span_processors(
+    environ: Mapping[str, str], meter_provider: metrics.MeterProvider
+) -> tuple[list[SpanProcessor], list[str]]:
     processors: list[SpanProcessor] = []
     described: list[str] = []
     for name in exporters_named(environ, "OTEL_TRACES_EXPORTER"):
@@ -238,16 +240,18 @@ def _span_processors(environ: Mapping[str, str]) -> tuple[list[SpanProcessor], l
             described.append("console (stderr)")
             continue
         exporter, description = _otlp_exporter(environ, "TRACES")
-        processors.append(_batch(exporter))
+        processors.append(_batch(exporter, meter_provider))
         described.append(description)
     return processors, described
 
 
-def _batch(exporter: SpanExporter) -> BatchSpanProcessor:
+def _batch(exporter: SpanExporter, meter_provider: metrics.MeterProvider) -> BatchSpanProcessor:
     """The SDK's batching of spans, set by OTEL_BSP_*; a bad value is refused
-    naming the variable (the SDK names its own argument)."""
+    naming the variable (the SDK names its own argument). Its own metrics (spans
+    dropped on a full queue, when OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true) go
+    to the server's meter provider: the global one is never set, so they went nowhere."""
     try:
-        return BatchSpanProcessor(exporter)
+        return BatchSpanProcessor(exporter, meter_provider=meter_provider)
     except ValueError as error:
         argument = str(error).split(" ", 1)[0]
         variable = _BSP_VARIABLES.get(argument)
@@ -325,14 +329,19 @@ def configure_telemetry(
             "service.version": _version(),
         }
     )
-    processors, traces = _span_processors(environ)
-    if span_exporter is not None:
-        processors.append(SimpleSpanProcessor(span_exporter))
-        traces.append("in process")
     readers, metric_names, closers = _metric_readers(environ)
     if metric_reader is not None:
         readers.append(metric_reader)
         metric_names.append("in process")
+    meter_provider = (
+        MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+        if readers
+        else None
+    )
+    processors, traces = _span_processors(environ, meter_provider or metrics.NoOpMeterProvider())
+    if span_exporter is not None:
+        processors.append(SimpleSpanProcessor(span_exporter))
+        traces.append("in process")
     tracer_provider = TracerProvider(
         # Nothing would read a recorded span: record none, but keep the trace ids.
         sampler=None if processors else ALWAYS_OFF,
@@ -342,11 +351,6 @@ def configure_telemetry(
     )
     for processor in processors:
         tracer_provider.add_span_processor(processor)
-    meter_provider = (
-        MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
-        if readers
-        else None
-    )
     description = (
         f"traces: {', '.join(traces) or 'none'}; metrics: {', '.join(metric_names) or 'none'}"
     )

@@ -270,3 +270,45 @@ def test_a_bad_otlp_setting_is_refused_naming_the_variable_that_holds_it(
     with pytest.raises(ValueError) as queue_size:
         configure_telemetry(otlp)
     assert str(queue_size.value).startswith("OTEL_BSP_MAX_QUEUE_SIZE='-5': max_queue_size ")
+
+
+def test_spans_dropped_on_a_full_queue_are_counted_in_the_servers_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The SDK counts them (otel.sdk.processor.span.processed, error.type
+    # queue_full) on the global meter provider, which the server never sets:
+    # with the collector gone, nothing said how many spans were lost.
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from ledger_service import telemetry as module
+
+    monkeypatch.setattr(module, "SHUTDOWN_TIMEOUT_MILLIS", 50)
+    for variable, value in {
+        "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "2",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2",
+        "OTEL_BSP_SCHEDULE_DELAY": "600000",  # the worker sleeps: the queue stays full
+    }.items():
+        monkeypatch.setenv(variable, value)
+    reader = InMemoryMetricReader()
+    sending = configure_telemetry(
+        {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"},
+        metric_reader=reader,
+    )
+    try:
+        for _ in range(10):
+            sending.tracer.start_span("ledger.v1.Ledger/Reserve").end()
+        data = reader.get_metrics_data()
+    finally:
+        sending.shutdown()
+    assert data is not None
+    dropped = [
+        point.value
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "otel.sdk.processor.span.processed"
+        for point in metric.data.data_points  # type: ignore[union-attr]
+        if (point.attributes or {}).get("error.type") == "queue_full"
+    ]
+    assert sum(dropped) >= 1, data
