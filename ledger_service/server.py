@@ -155,6 +155,7 @@ class LedgerServer:
         self._new_grpc_server = transport
         if not settings.auth_enabled and not is_loopback(settings.listen):
             raise ValueError("--insecure-no-auth is refused unless the server listens on loopback")
+        recovery_policy(settings)  # refused here, before any file is made
         self.server_credentials = server_credentials(settings)
         # From the OTEL_* variables unless given (tests); shut down with the server if ours.
         self.telemetry = telemetry or configure_telemetry()
@@ -625,11 +626,20 @@ def build_recovery(settings: Settings, store: SqlStore, owner: str) -> Recovery:
 
 
 def recovery_policy(settings: Settings) -> RecoveryPolicy:
-    return RecoveryPolicy(
+    """The planner's policy from the settings, refused by the rule `ledger
+    recover` applies too (RecoveryPolicy.validate). Raises ValueError."""
+    policy = RecoveryPolicy(
         max_budget_seconds=settings.recovery_budget_seconds,
         max_risk_score=settings.recovery_max_risk,
         min_viable_sources=settings.recovery_min_viable_sources,
     )
+    try:
+        policy.validate()
+    except ValueError as error:
+        raise ValueError(
+            f"the recovery policy (--recovery-* or LEDGER_RECOVERY_*): {error}"
+        ) from None
+    return policy
 
 
 def issue_admin_grant(settings: Settings, grant_keys: Keyring) -> str:

@@ -162,3 +162,33 @@ def test_a_data_dir_with_a_tilde_is_the_home_directory(
     assert connection.admin_grant_path() == tmp_path / "ledger" / "admin.grant"
     flagged = Settings.from_environment(data_dir=pathlib.Path("~/other"))
     assert flagged.data_dir == tmp_path / "other"
+
+
+def test_serve_refuses_fewer_than_one_viable_source_as_recover_does(
+    tmp_path: pathlib.Path,
+) -> None:
+    # `ledger recover --min-viable-sources 0` was refused while `ledger serve
+    # --recovery-min-viable-sources 0` started: one rule (RecoveryPolicy.validate) for both.
+    done = subprocess.run(
+        [
+            str(LEDGER),
+            "serve",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--listen",
+            "127.0.0.1:0",
+            "--recovery-min-viable-sources",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=COMMAND_SECONDS,
+        check=False,
+    )
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines() == [
+        "ledger serve: the recovery policy (--recovery-* or LEDGER_RECOVERY_*): "
+        "at least one viable source is needed"
+    ], done.stderr
+    assert not (tmp_path / "data").exists()
