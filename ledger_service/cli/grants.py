@@ -146,7 +146,8 @@ def _inspect(arguments: argparse.Namespace) -> int:
     try:
         grant = decode_unverified(token)
     except GrantRejected as rejection:
-        print(f"not a grant ({rejection.why.value})")
+        # An error, not claims: on stderr, as every command's errors are.
+        print(f"ledger grant inspect: not a grant ({rejection.why.value})", file=sys.stderr)
         return EXIT_REFUSED
     now_us = SystemClock().now_us()
     _show(grant, now_us)

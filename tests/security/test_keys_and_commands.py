@@ -175,8 +175,9 @@ def test_ledger_grant_issue_and_inspect(
     assert code == 1 and "NOT VALID" in out
     code, out, _ = run_cli(["grant", "inspect", token, "--data-dir", str(tmp_path)], capsys)
     assert code == 1 and "not checked" in out
-    code, out, _ = run_cli(["grant", "inspect", "garbage"], capsys)
-    assert code == 1 and "not a grant" in out
+    code, out, err = run_cli(["grant", "inspect", "garbage"], capsys)
+    # It was on stdout with an empty stderr: errors go to stderr, as every command's do.
+    assert (code, out, err) == (1, "", "ledger grant inspect: not a grant (malformed)\n")
     monkeypatch.setattr("sys.stdin", io.StringIO(f"Bearer {token}\n"))
     code, out, _ = run_cli(["grant", "inspect", "-", "--data-dir", str(data_dir)], capsys)
     assert code == 0 and "signature:  valid" in out
