@@ -445,6 +445,10 @@ export const CLOSE_JOURNAL_WAIT_MS: number;
 export const DEFAULT_CLOSE_GRACE_MS: number;
 export const DEFAULT_DEADLINE_MS: number;
 export const DEFAULT_END_ATTEMPTS: number;
+/** Attempts in all of the background refund of an unanswered Reserve: 4. */
+export const UNANSWERED_REFUND_ATTEMPTS: number;
+/** The pause before the background refund's attempt n+1 is n times this: 250 ms. */
+export const UNANSWERED_REFUND_PAUSE_MS: number;
 
 export class LaneClient {
   /** Throws InvalidArgument (field `lane`) for a lane that is not a string of 1 to 200 characters. */

@@ -1,7 +1,7 @@
 'use strict';
 // The lane ledger's Node client. See README.md.
 
-const { LaneClient, Denied, Completed, CLOSE_JOURNAL_WAIT_MS, DEFAULT_CLOSE_GRACE_MS, DEFAULT_DEADLINE_MS, DEFAULT_END_ATTEMPTS } = require('./lib/client');
+const { LaneClient, Denied, Completed, CLOSE_JOURNAL_WAIT_MS, DEFAULT_CLOSE_GRACE_MS, DEFAULT_DEADLINE_MS, DEFAULT_END_ATTEMPTS, UNANSWERED_REFUND_ATTEMPTS, UNANSWERED_REFUND_PAUSE_MS } = require('./lib/client');
 const { Ending, OUTCOME_TABLE, endingOf, CallNotSent, markNotSent } = require('./lib/outcomes');
 const { ledgerPackage } = require('./lib/proto');
 const { capNanos, realCostNanos, requestTokens, DEFAULT_BYTES_PER_TOKEN_MILLI } = require('./lib/pricing');
@@ -46,6 +46,8 @@ module.exports = {
   DEFAULT_CLOSE_GRACE_MS,
   DEFAULT_DEADLINE_MS,
   DEFAULT_END_ATTEMPTS,
+  UNANSWERED_REFUND_ATTEMPTS,
+  UNANSWERED_REFUND_PAUSE_MS,
   OutagePolicy,
   OutageMode,
   CallSource,

@@ -220,3 +220,12 @@ describe('a retry under the id of an unanswered Reserve, with a journal', () => 
     fs.rmSync(directory, { recursive: true, force: true });
   });
 });
+
+test('the package exports the refund constants the README names, with its values', () => {
+  // The README named them as if exported while only lib/client.js had them.
+  const ledger = require('..');
+  const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
+  assert.match(readme, /up to 4 attempts in all, 250 ms and then 500 and 750 ms apart\s+\(`UNANSWERED_REFUND_ATTEMPTS`, `UNANSWERED_REFUND_PAUSE_MS`, both exported\)/);
+  assert.equal(ledger.UNANSWERED_REFUND_ATTEMPTS, 4);
+  assert.equal(ledger.UNANSWERED_REFUND_PAUSE_MS, 250);
+});
