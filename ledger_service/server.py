@@ -9,11 +9,11 @@ NOT_SERVING even while the sweeper or a recovery check waits on it.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import itertools
 import logging
 import os
-import pathlib
 import signal
 import socket
 import sys
@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ledger_service import tls_files
 from ledger_service.api import tracing
 from ledger_service.api.arrival import ArrivalWatch, RequestArrivalInterceptor
 from ledger_service.api.auth import AuthInterceptor
@@ -673,19 +674,17 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
         return None
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together")
+    key_pem, cert_pem = tls_files.read(key, "--tls-key"), tls_files.read(cert, "--tls-cert")
+    tls_files.check_server_pair(cert_pem, cert, key_pem, key, datetime.datetime.now(datetime.UTC))
+    client_ca_pem = None
+    if client_ca is not None:
+        client_ca_pem = tls_files.read(client_ca, "--tls-client-ca")
+        tls_files.certificates(client_ca_pem, client_ca, "--tls-client-ca")
     return grpc.ssl_server_credentials(
-        [(_pem(key, "--tls-key"), _pem(cert, "--tls-cert"))],
-        root_certificates=None if client_ca is None else _pem(client_ca, "--tls-client-ca"),
+        [(key_pem, cert_pem)],
+        root_certificates=client_ca_pem,
         require_client_auth=client_ca is not None,
     )
-
-
-def _pem(path: pathlib.Path, flag: str) -> bytes:
-    """A PEM file's bytes; a file that cannot be read is the operator's to fix."""
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise ValueError(f"{flag} {path}: {error.strerror or error}") from error
 
 
 def _transport(settings: Settings) -> str:

@@ -294,3 +294,72 @@ def test_tls_beyond_loopback_is_not_warned_about_as_plaintext(
         server = start_tls_server(listen="0.0.0.0:0", **pki.server_files())
     assert _balance(_secure_channel(server, pki), server) is grpc.StatusCode.OK
     assert not any("PLAINTEXT" in record.getMessage() for record in caplog.records)
+
+
+def _expired(ca: Issued) -> Issued:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(_name("localhost"))
+        .issuer_name(ca.certificate.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=2))
+        .not_valid_after(now - datetime.timedelta(days=1))
+        .sign(ca.key, hashes.SHA256())
+    )
+    return Issued(certificate, key)
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "client_ca", "message"),
+    [
+        ("text", "text", None, r"^--tls-cert \S*text: holds no PEM certificate$"),
+        ("server.pem", "text", None, r"^--tls-key \S*text: holds no PEM private key$"),
+        ("server.pem", "server.pem", None, r"^--tls-key \S*server.pem: holds no PEM private key$"),
+        (
+            "server.pem",
+            "other.key",
+            None,
+            r"^--tls-key \S*other.key is not the key of the "
+            r"certificate in --tls-cert \S*server.pem$",
+        ),
+        (
+            "expired.pem",
+            "expired.key",
+            None,
+            r"^--tls-cert \S*expired.pem: the certificate "
+            r"expired at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ",
+        ),
+        (
+            "server.pem",
+            "server.key",
+            "text",
+            r"^--tls-client-ca \S*text: holds no PEM certificate$",
+        ),
+    ],
+)
+def test_a_tls_file_gRPC_cannot_use_is_named_with_its_flag(
+    tmp_path: pathlib.Path, pki: Pki, cert: str, key: str, client_ca: str | None, message: str
+) -> None:
+    # `ledger serve --tls-cert /etc/passwd --tls-key /etc/passwd` said "cannot
+    # listen: the port is taken ... or its TLS certificate and key do not match",
+    # exit 1: grpcio took the bytes and failed only when the port was added.
+    from ledger_service import server
+
+    expired = _expired(pki.ca)
+    pki.server_files()
+    pki.write("text", b"root:x:0:0:root:/root:/bin/bash\n")
+    pki.write("other.key", pki.client.key_pem)
+    pki.write("expired.pem", expired.certificate_pem)
+    pki.write("expired.key", expired.key_pem)
+    settings = Settings(
+        database_url="sqlite:///x.db",
+        data_dir=tmp_path,
+        tls_cert_path=pki.directory / cert,
+        tls_key_path=pki.directory / key,
+        tls_client_ca_path=None if client_ca is None else pki.directory / client_ca,
+    )
+    with pytest.raises(ValueError, match=message):
+        server.server_credentials(settings)
