@@ -471,6 +471,9 @@ function channelOptions(options) {
  * One lane's view of the ledger. Holds one gRPC channel; reuse the instance.
  */
 class LaneClient {
+  // Private: a bearer credential must not show in util.inspect or console.log of a client.
+  #grant = null;
+
   /**
    * @param {string} address host:port of the ledger
    * @param {string} lane the lane's name
@@ -501,9 +504,9 @@ class LaneClient {
       throw new RangeError(`maxCallsInFlight must be an integer from 1 to ${MAX_CALLS_IN_FLIGHT}`);
     }
     this._slots = new CallSlots(this.maxCallsInFlight);
-    this._grant = options.grant ?? null;
-    if (this._grant !== null && typeof this._grant !== 'function') checkGrant(this._grant);
-    if (this._grant !== null && !options.tls && !isLocalAddress(address)) {
+    this.#grant = options.grant ?? null;
+    if (this.#grant !== null && typeof this.#grant !== 'function') checkGrant(this.#grant);
+    if (this.#grant !== null && !options.tls && !isLocalAddress(address)) {
       // Once per client: a grant is a bearer credential, readable on the wire.
       process.emitWarning(
         `the grant for lane ${lane} goes to ${address} without TLS: it travels unencrypted (pass the tls option)`,
@@ -684,10 +687,10 @@ class LaneClient {
 
   async _metadata(trace) {
     const metadata = new grpc.Metadata();
-    if (this._grant !== null) {
+    if (this.#grant !== null) {
       // From a function, every value is checked: one that gave '' or null once
       // must fail the call, not send it without a grant.
-      const grant = typeof this._grant === 'function' ? checkGrant(await this._grant(), GrantError) : this._grant;
+      const grant = typeof this.#grant === 'function' ? checkGrant(await this.#grant(), GrantError) : this.#grant;
       metadata.set('authorization', `Bearer ${grant}`);
     }
     setTraceHeaders(metadata, trace);
