@@ -206,13 +206,15 @@ class Helpers:
         if processes <= 0 or multiprocessing.current_process().daemon:
             return
         count = min(processes, MAX_PROCESSES)
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            count,
-            multiprocessing.get_context("spawn"),
-            initializer=_start_helper,
-            initargs=(os.getpid(),),
-        )
         try:
+            # Making the pool can fail too: its queues' locks need
+            # multiprocessing's resource tracker, itself a spawned process.
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                count,
+                multiprocessing.get_context("spawn"),
+                initializer=_start_helper,
+                initargs=(os.getpid(),),
+            )
             with _deaf_to_ctrl_c():  # the pool starts its processes here
                 for _ in range(count):
                     self._pool.submit(int)
@@ -259,7 +261,7 @@ class Helpers:
                 if self._pool
                 else []
             )
-        except BrokenProcessPool as error:
+        except (BrokenProcessPool, OSError) as error:  # a submit may start a process
             self._broken(error)
             return []
 

@@ -195,6 +195,23 @@ def test_when_the_checking_process_dies_the_ranges_are_checked_here(history: His
     assert found == [[], [altered], []]
 
 
+def test_when_the_pool_cannot_be_made_the_rebuild_works_here(
+    history: History, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where spawned processes die at birth (an interpreter its user may not
+    read), making the pool fails on the resource tracker's pipe; that used to
+    end `ledger rebuild` with exit 1 and no word, the marker `rebuilding`."""
+
+    def unmade(*arguments: Any, **options: Any) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    recovery = history.recovery(check_processes=2, parallel_min_events=0)
+    kept = recovery.projection_digest()
+    monkeypatch.setattr(chain_walk.concurrent.futures, "ProcessPoolExecutor", unmade)
+    assert recovery.rebuild(Route(FULL_LOG_SOURCE, None)) == kept
+    assert recovery.assess().consistent
+
+
 def _check_in_a_daemon(url: str, through_seq: int, results: Any) -> None:
     from ledger_service.storage import database
 
