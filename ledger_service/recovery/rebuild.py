@@ -458,7 +458,9 @@ class Recovery:
             planner.replay_cost_seconds(snapshot.rows + tail, rate),
             risk,
             detail,
-            possible=not lost and not covered and refused is None,
+            # A snapshot whose rows do not give its digest can never be restored
+            # (the restore checks it): --max-risk 1 must not pick it over the log.
+            possible=not lost and not covered and refused is None and not problem,
         )
         return source, Route(source_id, snapshot, tuple(breaks))
 
@@ -469,9 +471,9 @@ class Recovery:
             for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
                 chunk.add_to(digest)
         except (ValueError, KeyError, TypeError) as error:
-            # Most often an older release's snapshot (its rows lack a later
-            # column), which FORMAT_VERSION did not tell apart.
-            return f"unreadable: {type(error).__name__} (made by another release, or damaged)"
+            # Most often an older release's snapshot (another chunk format, or
+            # its rows lack a later column), which FORMAT_VERSION did not tell apart.
+            return f"unreadable: {_unreadable(error)} (made by another release, or damaged)"
         if (digest.lanes, digest.bookings) != (snapshot.lanes_count, snapshot.bookings_count):
             return (
                 f"holds {digest.lanes} lanes and {digest.bookings} bookings, not the "
@@ -833,6 +835,15 @@ class Recovery:
         except StoreUnavailable:
             log.warning("no snapshot after the rebuild: database unavailable")
             return None
+
+
+def _unreadable(error: ValueError | KeyError | TypeError) -> str:
+    """Why a snapshot's chunk does not decode, in an operator's words."""
+    if isinstance(error, KeyError):
+        return f"a chunk lacks the field {error}"
+    if isinstance(error, TypeError):
+        return "a chunk's rows are not laid out as this release lays them"
+    return str(error)[:200]
 
 
 class _SourceRefused(Exception):

@@ -1058,7 +1058,14 @@ def _chunk_of(kind: str, payload: Any) -> SnapshotChunk:
     kind or columns) or a bad enum, KeyError for a missing field."""
     if kind == CHUNK_LANES:
         return SnapshotChunk(lanes=[records.lane_from_row(row) for row in payload])
-    if kind != CHUNK_BOOKING_ROWS or list(payload["columns"]) != list(records.BOOKING_COLUMNS):
-        raise ValueError(f"snapshot chunk of another format ({kind!r})")
+    if kind != CHUNK_BOOKING_ROWS:
+        raise ValueError(f"a chunk of kind {kind!r}, a format this release no longer reads")
+    columns = list(payload["columns"])
+    if columns != list(records.BOOKING_COLUMNS):
+        missing = [name for name in records.BOOKING_COLUMNS if name not in columns]
+        raise ValueError(
+            "its bookings' columns are not this release's "
+            + (f"(it lacks {', '.join(missing)})" if missing else "(another set or order)")
+        )
     plain = [tuple(row) for row in payload["rows"]]
     return SnapshotChunk(booking_rows=plain, booking_texts=records.booking_texts_from_rows(plain))

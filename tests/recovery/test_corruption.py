@@ -180,8 +180,10 @@ def test_a_tampered_snapshot_is_never_restored(history: History) -> None:
     assert tampered.risk_score == 1.0 and "do not give its recorded digest" in tampered.detail
     assert history.scalar("SELECT COUNT(*) FROM bookings") == 0
     assert history.scalar("SELECT state FROM projection_position") == "current"
-    # One source is enough: the log, not the snapshot.
-    outcome = recovery.recover(DEFAULT, "test")
+    assert not tampered.possible  # its restore would fail on the digest
+    # One source is enough: the log, not the snapshot, even when any risk is
+    # accepted (the cheaper snapshot used to be chosen, and its restore failed).
+    outcome = recovery.recover(RecoveryPolicy(60.0, 1.0, 1), "test")
     assert outcome.ready and outcome.manifest is not None
     assert outcome.manifest.chosen == ("log",)
     assert _verify(history) == []
