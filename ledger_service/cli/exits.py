@@ -8,6 +8,7 @@ EXIT_BAD_VALUE = 2  # a value on the command line is wrong (as argparse does)
 EXIT_UNREACHABLE = 3  # no answer from the server
 EXIT_DENIED = 4  # `reserve` was answered with a denial
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # SIGTERM, as a shell reports a process it ended
 
 
 class CliError(Exception):

@@ -2,7 +2,8 @@
 `verify`, `snapshot`, `rebuild` and `recover` (docs/recovery.md).
 
 Exit codes: 0 done (or nothing to do), 1 a finding or a refusal, 2 the
-database could not be reached or the work failed, 130 interrupted (Ctrl-C).
+database could not be reached or the work failed, 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ledger_service.cli.exits import EXIT_INTERRUPTED
+from ledger_service.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED
 from ledger_service.cli.operate import database_options, settings_from
 from ledger_service.cli.render import micros_time_text
 from ledger_service.settings import Settings
@@ -123,17 +126,36 @@ _INTERRUPTED = {
 }
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, stopping a command as Ctrl-C does (a rebuild gives up its claim)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _interruptible(
     command: str, run: Callable[[argparse.Namespace], int]
 ) -> Callable[[argparse.Namespace], int]:
-    """`run`, ended by Ctrl-C with one line and exit 130, never a traceback."""
+    """`run`, ended by Ctrl-C (exit 130) or SIGTERM (exit 143) with one line,
+    never a traceback. SIGTERM used to end a rebuild on the spot, its claim
+    held until its lease ran out: `timeout` or a service manager then left
+    the next rebuild refused for rebuild_lease_seconds."""
 
     def interruptible(arguments: argparse.Namespace) -> int:
+        main = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGTERM, _terminate) if main else None
         try:
             return run(arguments)
+        except _Terminated:
+            print(f"ledger {command}: terminated; {_INTERRUPTED[command]}", file=sys.stderr)
+            return EXIT_TERMINATED
         except KeyboardInterrupt:
             print(f"ledger {command}: interrupted; {_INTERRUPTED[command]}", file=sys.stderr)
             return EXIT_INTERRUPTED
+        finally:
+            if before is not None:
+                signal.signal(signal.SIGTERM, before)
 
     return interruptible
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -107,3 +109,36 @@ def test_recover_on_a_log_that_cannot_be_folded_says_so_without_a_traceback(
     [line] = [text for text in said.splitlines() if text.startswith("ledger recover:")]
     assert "restore the database" in line and "backup" in line, line
     assert "cannot be applied" in manifest, manifest
+
+
+# Runs `ledger rebuild` in a process of its own that sends itself SIGTERM at
+# its first progress line.
+_TERMINATED_REBUILD = """
+import os, signal, sys
+from ledger_service import cli
+from ledger_service.cli import recovery
+recovery.ProgressPrinter.__call__ = lambda *_: os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(cli.main(["rebuild", "--from-scratch", "--database-url", sys.argv[1]]))
+"""
+
+
+def test_a_rebuild_terminated_half_way_says_so_and_gives_up_its_claim(
+    sqlite_history: History,
+) -> None:
+    """SIGTERM (`timeout`, a service manager) stops a rebuild as Ctrl-C does:
+    one line, exit 143, the claim given up. It used to end the process on
+    the spot, and the next rebuild was refused until the claim's lease ran out."""
+    ended = subprocess.run(
+        [sys.executable, "-c", _TERMINATED_REBUILD, sqlite_history.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ended.returncode == 143, ended
+    assert "Traceback" not in ended.stderr, ended.stderr
+    [line] = [text for text in ended.stderr.splitlines() if text.startswith("ledger rebuild:")]
+    assert "terminated" in line, line
+    assert sqlite_history.scalar("SELECT state FROM projection_position") == "rebuilding"
+    url = ("--database-url", sqlite_history.url)
+    assert cli.main(["rebuild", *url]) == 0
+    assert cli.main(["verify", *url]) == 0
