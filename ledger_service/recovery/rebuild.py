@@ -750,6 +750,10 @@ class Recovery:
                 log.error("rebuild failed: %s", error)
                 self.release()
                 return Outcome(False, manifest, str(error))
+            except BaseException:
+                # Ctrl-C, SIGTERM: the claim goes now, not when its lease lapses.
+                self.release()
+                raise
             rebuilt = self._store.facts()
             claim_on = marker_key(rebuilt.position)
             differ = projection_findings(rebuilt)

@@ -61,6 +61,25 @@ def test_the_other_commands_interrupted_say_so_in_one_line(
     assert f"ledger {command[0]}: interrupted" in said, said
 
 
+def test_a_recover_interrupted_half_way_can_run_again_at_once(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its line says to run `ledger recover` again; that used to be refused
+    ('a rebuild by ledger recover ... is in progress', exit 2) until the
+    interrupted one's claim lapsed (rebuild_lease_seconds)."""
+    sqlite_history.sql("DELETE FROM bookings")
+    recover = ["recover", "--budget-seconds", "60", "--database-url", sqlite_history.url]
+    with monkeypatch.context() as patch:
+        _interrupt_at_first_progress(patch)
+        assert cli.main(recover) == 130
+    assert sqlite_history.scalar("SELECT state FROM projection_position") == "rebuilding"
+    capsys.readouterr()
+    # Another process: another owner (one's own claim it may take again).
+    monkeypatch.setattr(recovery_cli.socket, "gethostname", lambda: "elsewhere")
+    assert cli.main(recover) == 0, capsys.readouterr().err
+    assert cli.main(["verify", "--database-url", sqlite_history.url]) == 0
+
+
 def test_the_helper_processes_leave_ctrl_c_to_the_command(
     sqlite_history: History, capfd: pytest.CaptureFixture[str]
 ) -> None:
