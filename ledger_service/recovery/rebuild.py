@@ -538,7 +538,7 @@ class Recovery:
         if not self._store.claim_rebuild(
             self.owner, self._wall.now_us(), self._lease_us(), assessed
         ):
-            raise RebuildClaimLost("another process is rebuilding the projections")
+            raise RebuildClaimLost(self._claimed_elsewhere())
         snapshot = route.snapshot
         position = snapshot.position_seq if snapshot else 0
         heads = dict(snapshot.chain_heads) if snapshot else {}
@@ -572,6 +572,19 @@ class Recovery:
                 folding.result()
                 progress("replay", done, max(total, done), time.perf_counter() - started)
         return self.projection_digest(heads)
+
+    def _claimed_elsewhere(self) -> str:
+        """Who holds the rebuild, and when a dead holder's claim lapses: after
+        a kill -9 the bare 'another process' left an operator guessing."""
+        position = self._store.position()
+        if position is None or not position.owner:
+            return "another process is rebuilding the projections"
+        lapses_us = position.updated_at_us + self._lease_us() - self._wall.now_us()
+        return (
+            f"a rebuild by {position.owner} holds the projections; if that process is "
+            f"gone (killed), its claim lapses in {max(lapses_us, 0) / 1e6:.0f} s "
+            f"(rebuild_lease_seconds {self.settings.lease_seconds:g}): run this again then"
+        )
 
     def _restore(self, snapshot: SnapshotInfo, progress: ProgressFn, started: float) -> None:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)

@@ -5,6 +5,7 @@ given up, so the same command can run again at once (docs/recovery.md)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,3 +162,18 @@ def test_a_rebuild_terminated_half_way_says_so_and_gives_up_its_claim(
     url = ("--database-url", sqlite_history.url)
     assert cli.main(["rebuild", *url]) == 0
     assert cli.main(["verify", *url]) == 0
+
+
+def test_a_rebuild_refused_for_a_claim_names_its_holder_and_when_it_lapses(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a kill -9 of a rebuild, the next one is refused until the dead
+    one's claim lapses: the line used to say only 'another process is
+    rebuilding the projections', leaving the operator to guess for how long."""
+    store = SqlRecoveryStore(sqlite_history.engine)
+    now_us = int(time.time() * 1_000_000)
+    assert store.claim_rebuild("ledger rebuild gone:4242", now_us, 30_000_000, "any")
+    assert cli.main(["rebuild", "--database-url", sqlite_history.url]) == 2
+    said = capsys.readouterr().err
+    assert "a rebuild by ledger rebuild gone:4242 holds the projections" in said, said
+    assert re.search(r"its claim lapses in \d+ s \(rebuild_lease_seconds 30\)", said), said
