@@ -110,8 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Flush now, so a closed pipe is a BrokenPipeError here and not at exit.
             if sys.stdout is not None:
                 sys.stdout.flush()
-    except BrokenPipeError:
+    except _ReaderLeft:
         _discard_stdout()
+        return EXIT_FAILED
+    except BrokenPipeError as error:
+        # Another pipe (a helper process's): it used to pass for a reader
+        # that left, and the command ended with status 1 and no word.
+        print(f"ledger: failed: a pipe to another process broke ({error})", file=sys.stderr)
         return EXIT_FAILED
     except _StdoutUnwritable as error:
         print(f"ledger: cannot write to stdout: {error.reason}", file=sys.stderr)
@@ -130,6 +135,10 @@ class _StdoutUnwritable(Exception):
         self.reason = error.strerror or str(error)
 
 
+class _ReaderLeft(BrokenPipeError):
+    """stdout's reader left (`| head -1`): a BrokenPipeError of stdout, not of another pipe."""
+
+
 class _TaggedStdout:
     """stdout, whose write errors are told apart from those of any other file."""
 
@@ -139,16 +148,16 @@ class _TaggedStdout:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            raise
+        except BrokenPipeError as error:
+            raise _ReaderLeft(*error.args) from error
         except OSError as error:
             raise _StdoutUnwritable(error) from error
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            raise
+        except BrokenPipeError as error:
+            raise _ReaderLeft(*error.args) from error
         except OSError as error:
             raise _StdoutUnwritable(error) from error
 

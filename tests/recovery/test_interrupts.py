@@ -177,3 +177,21 @@ def test_a_rebuild_refused_for_a_claim_names_its_holder_and_when_it_lapses(
     said = capsys.readouterr().err
     assert "a rebuild by ledger rebuild gone:4242 holds the projections" in said, said
     assert re.search(r"its claim lapses in \d+ s \(rebuild_lease_seconds 30\)", said), said
+
+
+def test_a_broken_pipe_not_of_stdout_is_told_not_taken_for_a_reader_that_left(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipe to a helper process that breaks (the resource tracker's, when
+    spawned processes die at birth) used to end `ledger rebuild` with status 1
+    and not a word, as a reader leaving `| head -1` does."""
+
+    def broken(*_: object) -> str:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(recovery_cli.ProgressPrinter, "__call__", broken)
+    code = cli.main(["rebuild", "--from-scratch", "--database-url", sqlite_history.url])
+    said = capsys.readouterr().err
+    assert code == 1
+    assert "ledger: failed: a pipe to another process broke" in said, said
+    assert "Traceback" not in said
