@@ -278,11 +278,23 @@ def test_spans_dropped_on_a_full_queue_are_counted_in_the_servers_metrics(
     # The SDK counts them (otel.sdk.processor.span.processed, error.type
     # queue_full) on the global meter provider, which the server never sets:
     # with the collector gone, nothing said how many spans were lost.
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace.export import SpanExportResult
 
     from ledger_service import telemetry as module
 
     monkeypatch.setattr(module, "SHUTDOWN_TIMEOUT_MILLIS", 50)
+    # A collector that does not answer until the test ends, off the network: a
+    # real export left retrying after the 50 ms shutdown logged its failures
+    # into later tests' captured logs.
+    answered = threading.Event()
+
+    def export(*_: object) -> SpanExportResult:
+        answered.wait(10)
+        return SpanExportResult.FAILURE
+
+    monkeypatch.setattr(OTLPSpanExporter, "export", export)
     for variable, value in {
         "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true",
         "OTEL_BSP_MAX_QUEUE_SIZE": "2",
@@ -300,6 +312,7 @@ def test_spans_dropped_on_a_full_queue_are_counted_in_the_servers_metrics(
             sending.tracer.start_span("ledger.v1.Ledger/Reserve").end()
         data = reader.get_metrics_data()
     finally:
+        answered.set()
         sending.shutdown()
     assert data is not None
     dropped = [
