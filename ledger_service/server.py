@@ -28,7 +28,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ledger_service import tls_files
 from ledger_service.api import tracing
 from ledger_service.api.arrival import ArrivalWatch, RequestArrivalInterceptor
 from ledger_service.api.auth import AuthInterceptor
@@ -674,6 +673,9 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
         return None
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together")
+    # Imported here: cryptography adds about 10 MiB to every server, TLS or not.
+    from ledger_service import tls_files
+
     key_pem, cert_pem = tls_files.read(key, "--tls-key"), tls_files.read(cert, "--tls-cert")
     tls_files.check_server_pair(cert_pem, cert, key_pem, key, datetime.datetime.now(datetime.UTC))
     client_ca_pem = None
