@@ -25,12 +25,15 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ledger_service.api.errors import refuse_undecodable
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
 
 # How often, at most, the watchman looks for calls that waited too long: a
 # call is cancelled between request_arrival_seconds and this much later.
@@ -148,9 +151,9 @@ class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-ar
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler

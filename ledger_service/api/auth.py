@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
@@ -46,6 +46,9 @@ from ledger_service.domain.grants import (
 )
 from ledger_service.domain.policies import MAX_NAME_LENGTH
 from ledger_service.generated.ledger.v1 import ledger_pb2
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
 
 log = logging.getLogger(__name__)
 
@@ -273,9 +276,9 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         method = handler_call_details.method
         handler = continuation(handler_call_details)
         if handler is None or method.startswith(OPEN_SERVICES):

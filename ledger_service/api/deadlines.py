@@ -9,13 +9,15 @@ a tenth of the time left, at most ANSWER_MARGIN_SECONDS.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ledger_service.api.errors import Behaviour, replace_behaviour
 from ledger_service.application import deadlines
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
 
 ANSWER_MARGIN_SECONDS = 0.25
 PASSED_BEFORE_SERVED = "the call's deadline passed before the ledger could serve it"
@@ -36,9 +38,9 @@ class CallDeadlineInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ledger_service.api.auth import OPEN_SERVICES
 from ledger_service.api.errors import Behaviour, replace_behaviour
 from ledger_service.domain.errors import ShuttingDown
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
 
 # The shortest drain: long enough for grpcio to hand every call that reached it
 # before the drain began to a (free) worker, which answers or holds it.
@@ -47,9 +50,9 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
             return handler

@@ -12,12 +12,15 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from ledger_service.domain import errors
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +142,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         try:
             handler = continuation(handler_call_details)
         except Exception as error:

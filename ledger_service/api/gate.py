@@ -15,12 +15,15 @@ unauthenticated caller learns nothing about the ledger's state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ledger_service.api.errors import Behaviour, replace_behaviour
 from ledger_service.domain.errors import RecoveryRequired
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
 
 GATED_SERVICES = ("/ledger.v1.Ledger/", "/ledger.v1.LaneAdmin/")
 LOG_READS = frozenset({"/ledger.v1.Ledger/ListEvents", "/ledger.v1.Ledger/WatchEvents"})
@@ -37,9 +40,9 @@ class RecoveryGateInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         if handler is None or not is_gated(handler_call_details.method):
             return handler

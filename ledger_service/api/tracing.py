@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
@@ -45,6 +45,9 @@ from opentelemetry.util.types import AttributeValue
 
 from ledger_service.api.errors import REASON_KEY, Behaviour, replace_behaviour
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
 
 # Health checks and reflection are not traced: probes would drown the ledger's calls.
 UNTRACED_SERVICES = (
@@ -223,9 +226,9 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         full_name = handler_call_details.method
         if handler is None or full_name.startswith(UNTRACED_SERVICES):
@@ -386,9 +389,9 @@ class MessageInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+    ) -> Handler | None:
         handler = continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(UNTRACED_SERVICES):
