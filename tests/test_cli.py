@@ -1276,6 +1276,33 @@ def test_an_rpc_error_without_a_status_is_still_one_line() -> None:
     assert error.message == "the call to the ledger at 127.0.0.1:9 failed"
 
 
+class _Unavailable(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """A server that answered: it cannot take the call now (its database, or its stop)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the ledger's database did not answer"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("ledger-reason", self.reason),)
+
+
+@pytest.mark.parametrize("reason", ["STORE_UNAVAILABLE", "SHUTTING_DOWN"])
+def test_an_unavailable_server_exits_3_so_a_script_tries_again(reason: str) -> None:
+    """UNAVAILABLE with a reason is the retry answer of errors.json, not a refusal:
+    the exit status is the one for "try again", as for a server that did not answer."""
+    arguments = cli.parser().parse_args(["balance", "recall", "--server", "127.0.0.1:9"])
+    with connection.connect(arguments) as session:
+        error = connection.explain(_Unavailable(reason), session)
+    assert error.exit_code == exits.EXIT_UNREACHABLE
+    assert error.message == f"the ledger's database did not answer ({reason})"
+
+
 # Reconcile -----------------------------------------------------------------
 
 

@@ -21,7 +21,13 @@ from typing import Any, TypeVar
 import grpc
 
 from ledger_service.api.errors import FIELD_KEY, REASON_KEY
-from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_INTERRUPTED, EXIT_UNREACHABLE, CliError
+from ledger_service.cli.exits import (
+    EXIT_BAD_VALUE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_UNREACHABLE,
+    CliError,
+)
 from ledger_service.cli.render import money_in_text, usd
 from ledger_service.cli.tls import Tls, resolve_tls
 from ledger_service.cli.values import (
@@ -362,7 +368,10 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return CliError(_unauthenticated(session, reason or code.name))
     hint = _WHAT_TO_DO.get(reason, "")
-    return CliError(f"{in_cli_words(details)} ({reason or code.name}){hint}")
+    # UNAVAILABLE with a reason (its database, its stop) is errors.json's "retry",
+    # not a refusal: the status a script reads as "try again", as for no answer.
+    exit_code = EXIT_UNREACHABLE if code is grpc.StatusCode.UNAVAILABLE else EXIT_FAILED
+    return CliError(f"{in_cli_words(details)} ({reason or code.name}){hint}", exit_code)
 
 
 # What a person can do about a refusal whose usual cause is a typo.
