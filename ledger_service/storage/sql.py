@@ -204,6 +204,8 @@ class SqlStore:
                     log.warning(
                         "no database connection free within the pool timeout%s", more(unsaid)
                     )
+            elif cause is not None and (refused := translate.connect_refused(cause)):
+                self._note_connect_refused(cause, *refused)
             elif (
                 cause is not None
                 and not translate.is_retryable(error)
@@ -296,6 +298,21 @@ class SqlStore:
             f"(STORE_UNAVAILABLE) until it can; {advice}, and the server serves again by itself",
         )
         return True
+
+    def _note_connect_refused(self, cause: BaseException, what: str, advice: str) -> None:
+        """A connect PostgreSQL refused for lack of slots: every call that needs a
+        new connection fails until one frees, so an ERROR at most once an interval."""
+        unsaid = self._error_log("connect refused 53300")
+        if unsaid is not None:
+            log.error(
+                "THE DATABASE REFUSED A CONNECTION (%s): %s: %s. Calls that need a new "
+                "connection are refused (STORE_UNAVAILABLE) until one frees; %s%s",
+                database.redacted(database.source_url(self._engine)),
+                what,
+                translate.driver_message(cause),
+                advice,
+                more(unsaid),
+            )
 
     def _cannot_write(self, problem: str, key: str, said: str) -> None:
         """Health is NOT_SERVING until `ping` finds the database may be written

@@ -153,6 +153,30 @@ INSUFFICIENT_RESOURCES = (
 )
 
 
+# libpq's words for a connect the server refused for lack of connection slots
+# (53300: the role's CONNECTION LIMIT, or max_connections): a refused connect
+# carries no SQLSTATE, so its words are all there is to tell it by.
+TOO_MANY_CONNECTIONS_WORDS = ("too many connections", "too many clients already")
+CONNECT_REFUSED = (
+    "the database server refused a new connection: too many connections "
+    "(53300 too_many_connections)",
+    "raise max_connections (or the role's CONNECTION LIMIT), or lower the pool "
+    "(pool_size and pool_max_overflow, times the replicas)",
+)
+
+
+def connect_refused(error: BaseException) -> tuple[str, str] | None:
+    """What is wrong and what to do when PostgreSQL refused a new connection
+    for lack of connection slots (CONNECT_REFUSED); None for another error."""
+    driver = driver_error(error)
+    if not isinstance(driver, psycopg.OperationalError) or driver_code(error):
+        return None
+    text = str(driver)
+    if any(words in text for words in TOO_MANY_CONNECTIONS_WORDS):
+        return CONNECT_REFUSED
+    return None
+
+
 def cannot_write(error: BaseException) -> tuple[str, str] | None:
     """What a PostgreSQL error that refuses every write says is wrong and
     what to do about it, in words (CANNOT_WRITE_CONDITIONS); None for another."""
