@@ -243,8 +243,23 @@ def driver_message(error: BaseException) -> str:
     cause = error.__cause__ if isinstance(error, LedgerError) else error
     if cause is None:
         return ""
-    text = " ".join(str(driver_error(cause)).split())
+    text = " ".join(_without_sql(driver_error(cause)).split())
     return text[:MAX_DRIVER_MESSAGE]
+
+
+def _without_sql(error: BaseException) -> str:
+    """PostgreSQL's message, detail and hint: the cause and what to do. Its
+    CONTEXT ("SQL statement ...", the function it ran in) and LINE (the query
+    under a caret) are SQL, which the log leaves out. A connect that failed
+    has no diagnostics: libpq's own words then."""
+    diag = getattr(error, "diag", None) if isinstance(error, psycopg.Error) else None
+    primary = diag.message_primary if diag is not None else None
+    if diag is None or not primary:
+        return str(error)
+    parts = [primary]
+    parts += [f"DETAIL: {diag.message_detail}"] if diag.message_detail else []
+    parts += [f"HINT: {diag.message_hint}"] if diag.message_hint else []
+    return " ".join(parts)
 
 
 def driver_code(error: BaseException) -> str:

@@ -165,3 +165,36 @@ def test_a_read_refused_for_lack_of_resources_leaves_health_serving(
     assert not [r for r in caplog.records if "CANNOT BE WRITTEN" in r.getMessage()]
     postgres_store.ping()
     assert ledger.reserve(_reserve("r-1")).admitted
+
+
+# A refusal met inside a trigger's own statement: PostgreSQL's error then
+# carries "CONTEXT: SQL statement "INSERT INTO ..." PL/pgSQL function ...".
+REFUSE_NESTED = """
+CREATE TABLE refused_copy (n int);
+CREATE FUNCTION refuse_copy() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'permission denied for table refused_copy'
+  USING ERRCODE = '42501'; END $$;
+CREATE TRIGGER refuse_copy BEFORE INSERT ON refused_copy
+  FOR EACH STATEMENT EXECUTE FUNCTION refuse_copy();
+CREATE FUNCTION refuse_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO refused_copy VALUES (1); RETURN NULL; END $$;
+CREATE TRIGGER refuse_insert BEFORE INSERT ON events
+  FOR EACH STATEMENT EXECUTE FUNCTION refuse_insert();
+"""
+
+
+def test_the_unwritable_line_keeps_the_cause_and_leaves_out_the_sql(
+    postgres_store: SqlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log line says what is wrong and what to do; the driver's CONTEXT
+    (the statement and the function it ran in) is SQL, not a cause."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    _execute(postgres_store, REFUSE_NESTED)
+    with caplog.at_level(logging.ERROR), pytest.raises(StoreUnavailable):
+        ledger.reserve(_reserve("r-1"))
+    told = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(told) == 1, told
+    assert "permission denied for table refused_copy. Health is NOT_SERVING" in told[0], told
+    for sql_text in ("CONTEXT", "SQL statement", "INSERT INTO", "PL/pgSQL"):
+        assert sql_text not in told[0], told
