@@ -174,23 +174,42 @@ def _in_a_thread_later(delay_seconds: float, action: Callable[[], None]) -> None
     timer.start()
 
 
-def refusal(grant: Grant, method: str, rule: Rule, lane: str) -> str:
-    """What a refused caller is told: the scope the method needs on the lane,
-    and what its own grant holds. Nothing of the keyring or of other grants."""
+def asked_lane(request: Any) -> str:
+    """The lane a request names (its `lane`, or its Lane's), for a refusal's
+    words; empty when it names none (a reconcile's rows name their own)."""
+    if not isinstance(request, Message) or "lane" not in request.DESCRIPTOR.fields_by_name:
+        return ""
+    lane: object = getattr(request, "lane", "")
+    if isinstance(lane, Message):
+        lane = getattr(lane, "lane", "")
+    return lane if isinstance(lane, str) else ""
+
+
+def _shown(lane: str) -> str:
     # The lane is the caller's, not checked yet: its echo is bounded (a lane name
     # is at most MAX_NAME_LENGTH), or a long one would overflow gRPC's trailers.
-    shown = lane if len(lane) <= MAX_NAME_LENGTH else lane[:MAX_NAME_LENGTH] + "..."
-    where = "every lane" if lane == ALL_LANES else f"lane {shown!r}"
+    return repr(lane if len(lane) <= MAX_NAME_LENGTH else lane[:MAX_NAME_LENGTH] + "...")
+
+
+def refusal(grant: Grant, method: str, rule: Rule, lane: str, asked: str = "") -> str:
+    """What a refused caller is told: the scope the method needs on the lane,
+    and what its own grant holds. Nothing of the keyring or of other grants.
+    A method that needs a scope on every lane (`lane` is ALL_LANES) names the
+    lane the request `asked` for, if any: "on every lane" alone read as if the
+    request had named none."""
+    name = method.rsplit("/", 1)[-1]
+    if lane != ALL_LANES:
+        what, where = f"{name} on lane {_shown(lane)}", "there"
+    else:
+        what = f"{name} on lane {_shown(asked)}" if asked else name
+        where = "on every lane"
     needed = " or ".join(scope.value for scope in sorted(rule.scopes, key=lambda s: s.value))
     held = ", ".join(sorted(scope.value for scope in grant.scopes))
     names = sorted(grant.lanes)
     lanes = ", ".join("every lane" if name == ALL_LANES else name for name in names[:NAMED_LANES])
     if len(names) > NAMED_LANES:
         lanes += f" and {len(names) - NAMED_LANES} more"
-    return (
-        f"{method.rsplit('/', 1)[-1]} on {where} needs the {needed} scope there; "
-        f"this grant has {held} on {lanes}"
-    )
+    return f"{what} needs the {needed} scope {where}; this grant has {held} on {lanes}"
 
 
 def current_grant_id() -> str:
@@ -384,7 +403,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     grant.grant_id,
                     " or ".join(sorted(scope.value for scope in rule.scopes)),
                 )
-                refuse_permission(context, refusal(grant, method, rule, lane))
+                refuse_permission(context, refusal(grant, method, rule, lane, asked_lane(request)))
             token = _CURRENT_GRANT.set(grant)
             try:
                 return behaviour(request, context)

@@ -102,7 +102,7 @@ CLI_WORD_OF_WIRE_WORD = {
         if "_" in field.rpartition(".")[2]
     },
     # The methods the CLI calls, as the command that calls them (a grant's refusal
-    # names its method: "PutLane on every lane needs the admin scope there").
+    # names its method: "PutLane on lane 'x' needs the admin scope on every lane").
     "Reserve": "`ledger reserve`",
     "Settle": "`ledger settle`",
     "Refund": "`ledger refund`",
