@@ -33,6 +33,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import logging
+import math
 import os
 import sys
 import threading
@@ -310,6 +311,38 @@ def _prometheus(environ: Mapping[str, str]) -> tuple[MetricReader, str, Callable
     return reader, f"{host}:{port}", close
 
 
+# The SDK's numbers that the server's readers, batcher and exporters read, and
+# how the SDK parses each. A malformed one only warned ("Found invalid value for
+# export interval, using default") or raised unnamed, and the server ran on a
+# value nobody chose: it stops the start, naming the variable.
+_NUMBER_VARIABLES: dict[str, Callable[[str], float]] = {
+    "OTEL_METRIC_EXPORT_INTERVAL": float,
+    "OTEL_METRIC_EXPORT_TIMEOUT": float,
+    "OTEL_BSP_SCHEDULE_DELAY": int,
+    "OTEL_BSP_MAX_QUEUE_SIZE": int,
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": int,
+    "OTEL_BSP_EXPORT_TIMEOUT": int,
+    "OTEL_EXPORTER_OTLP_TIMEOUT": float,
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": float,
+    "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT": float,
+}
+
+
+def _check_numbers(environ: Mapping[str, str]) -> None:
+    """Raises ValueError naming the first OTEL_* number that is set but malformed."""
+    for variable, parse in _NUMBER_VARIABLES.items():
+        text = environ.get(variable, "").strip()
+        if not text:
+            continue
+        try:
+            number = parse(text)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            kind = "a whole number" if parse is int else "a finite number"
+            raise ValueError(f"{variable}={text!r}: not a number ({kind} expected)")
+
+
 def configure_telemetry(
     environ: Mapping[str, str] | None = None,
     *,
@@ -323,6 +356,7 @@ def configure_telemetry(
     setting it cannot honour.
     """
     environ = os.environ if environ is None else environ
+    _check_numbers(environ)
     resource = Resource.create(
         {
             "service.name": environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,

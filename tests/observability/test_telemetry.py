@@ -325,3 +325,34 @@ def test_spans_dropped_on_a_full_queue_are_counted_in_the_servers_metrics(
         if (point.attributes or {}).get("error.type") == "queue_full"
     ]
     assert sum(dropped) >= 1, data
+
+
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "OTEL_METRIC_EXPORT_INTERVAL",
+        "OTEL_METRIC_EXPORT_TIMEOUT",
+        "OTEL_BSP_SCHEDULE_DELAY",
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+        "OTEL_BSP_EXPORT_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT",
+    ],
+)
+@pytest.mark.parametrize("text", ["abc", "nan", "1.5e"])
+def test_a_malformed_number_stops_the_start_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, text: str
+) -> None:
+    """The SDK warned ("Found invalid value for export interval, using
+    default") or raised without a name, and the server ran on a default the
+    operator did not choose. It is refused at start as a bad exporter is."""
+    monkeypatch.setenv(variable, text)
+    environ = {
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_METRICS_EXPORTER": "console",
+        variable: text,
+    }
+    with pytest.raises(ValueError, match=f"^{variable}='{text}': not a number"):
+        configure_telemetry(environ).shutdown()
