@@ -244,6 +244,14 @@ class Settings:
             )
         if self.default_page_size > self.max_page_size:
             raise ValueError("default_page_size must not exceed max_page_size")
+        if self.max_calls_per_connection <= self.max_watchers:
+            # A connection's streams past its limit wait in it, never reaching the check.
+            raise ValueError(
+                "max_calls_per_connection (LEDGER_MAX_CALLS_PER_CONNECTION), "
+                f"{self.max_calls_per_connection}, must be above max_watchers "
+                f"(LEDGER_MAX_WATCHERS), {self.max_watchers}: else one connection's stream "
+                "past max_watchers waits in the connection instead of getting TOO_MANY_WATCHERS"
+            )
 
     @classmethod
     def from_environment(cls, **overrides: object) -> Settings:

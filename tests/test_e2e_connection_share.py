@@ -36,7 +36,9 @@ def _reserve(rid: str) -> pb.ReserveRequest:
 def test_one_connection_cannot_take_every_call_slot(
     start_ledger_server: Callable[..., LedgerServer],
 ) -> None:
-    server = start_ledger_server(max_concurrent_rpcs=4, max_calls_per_connection=2)
+    server = start_ledger_server(
+        max_concurrent_rpcs=4, max_calls_per_connection=2, max_watchers=1, max_watchers_per_grant=1
+    )
     flood_channel, flood = _stub(server)
     calm_channel, calm = _stub(server)
     pb_grpc.LaneAdminStub(
@@ -72,7 +74,9 @@ def test_refusals_free_their_streams_at_once(
     the refusal's traceback), so one connection's refusals under the stream
     limit came back RST_STREAM (REFUSED_STREAM), which clients take for an
     outage (docs/benchmarks.md has the figures)."""
-    server = start_ledger_server(max_calls_per_connection=16)
+    server = start_ledger_server(
+        max_calls_per_connection=16, max_watchers=8, max_watchers_per_grant=8
+    )
     channel, ledger = _stub(server)
     codes: list[grpc.StatusCode] = []
 

@@ -123,6 +123,7 @@ def test_every_number_at_its_largest_is_taken() -> None:
         elif type(field.default) is int:
             largest[field.name] = 2**31 - 1
     largest["recovery_max_risk"] = 1.0
+    largest["max_watchers"] = 2**31 - 2  # below max_calls_per_connection, as it must be
     largest["client_ping_min_interval_seconds"] = 5.0  # the lane clients' interval
     settings = Settings(database_url=URL, **largest)  # type: ignore[arg-type]
     assert settings.max_message_bytes == 2**31 - 1
@@ -204,3 +205,19 @@ def test_a_malformed_listen_host_is_a_bad_value_not_a_taken_port(listen: str) ->
 @pytest.mark.parametrize("listen", ["[::1]:0", "127.0.0.1:0", "localhost:50051", "0.0.0.0:1"])
 def test_a_well_formed_listen_address_is_taken(listen: str) -> None:
     assert Settings(database_url=URL, listen=listen).listen == listen
+
+
+@pytest.mark.parametrize(("calls", "watchers"), [(64, 64), (16, 64), (2, 64)])
+def test_a_connection_limit_that_hides_the_stream_limit_is_refused_naming_both(
+    calls: int, watchers: int
+) -> None:
+    """Streams past max_calls_per_connection wait in the connection: at or
+    below max_watchers, one connection's stream past the documented limit
+    waited instead of getting TOO_MANY_WATCHERS."""
+    with pytest.raises(ValueError) as refused:
+        Settings(database_url=URL, max_calls_per_connection=calls, max_watchers=watchers)
+    said = str(refused.value)
+    assert "max_calls_per_connection" in said and "max_watchers" in said, said
+    assert "TOO_MANY_WATCHERS" in said, said
+    taken = Settings(database_url=URL, max_calls_per_connection=watchers + 1, max_watchers=watchers)
+    assert taken.max_calls_per_connection == watchers + 1
