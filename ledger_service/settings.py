@@ -85,6 +85,14 @@ MIN_CLIENT_PING_INTERVAL_SECONDS = 1.0
 MAX_CLIENT_PING_INTERVAL_SECONDS = 5.0
 
 
+# Limits that must stay above max_watchers, or a stream past it never reaches
+# the watchers' check, and what such a stream meets instead.
+_ABOVE_MAX_WATCHERS = (
+    ("max_calls_per_connection", "one connection's stream past max_watchers waits in it"),
+    ("max_concurrent_rpcs", "a stream past max_watchers gets gRPC's own RESOURCE_EXHAUSTED"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     database_url: str
@@ -244,14 +252,13 @@ class Settings:
             )
         if self.default_page_size > self.max_page_size:
             raise ValueError("default_page_size must not exceed max_page_size")
-        if self.max_calls_per_connection <= self.max_watchers:
-            # A connection's streams past its limit wait in it, never reaching the check.
-            raise ValueError(
-                "max_calls_per_connection (LEDGER_MAX_CALLS_PER_CONNECTION), "
-                f"{self.max_calls_per_connection}, must be above max_watchers "
-                f"(LEDGER_MAX_WATCHERS), {self.max_watchers}: else one connection's stream "
-                "past max_watchers waits in the connection instead of getting TOO_MANY_WATCHERS"
-            )
+        for larger, instead in _ABOVE_MAX_WATCHERS:
+            if getattr(self, larger) <= self.max_watchers:
+                raise ValueError(
+                    f"{larger} (LEDGER_{larger.upper()}), {getattr(self, larger)}, must be "
+                    f"above max_watchers (LEDGER_MAX_WATCHERS), {self.max_watchers}: else "
+                    f"{instead} instead of getting TOO_MANY_WATCHERS"
+                )
 
     @classmethod
     def from_environment(cls, **overrides: object) -> Settings:

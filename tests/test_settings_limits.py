@@ -207,17 +207,18 @@ def test_a_well_formed_listen_address_is_taken(listen: str) -> None:
     assert Settings(database_url=URL, listen=listen).listen == listen
 
 
-@pytest.mark.parametrize(("calls", "watchers"), [(64, 64), (16, 64), (2, 64)])
-def test_a_connection_limit_that_hides_the_stream_limit_is_refused_naming_both(
-    calls: int, watchers: int
+@pytest.mark.parametrize("larger", ["max_calls_per_connection", "max_concurrent_rpcs"])
+@pytest.mark.parametrize(("value", "watchers"), [(64, 64), (16, 64), (2, 64)])
+def test_a_limit_that_hides_the_stream_limit_is_refused_naming_both(
+    larger: str, value: int, watchers: int
 ) -> None:
-    """Streams past max_calls_per_connection wait in the connection: at or
-    below max_watchers, one connection's stream past the documented limit
-    waited instead of getting TOO_MANY_WATCHERS."""
+    """A stream past max_calls_per_connection waits in its connection, and one
+    past max_concurrent_rpcs gets gRPC's own RESOURCE_EXHAUSTED: at or below
+    max_watchers, a stream past the documented limit never got TOO_MANY_WATCHERS."""
     with pytest.raises(ValueError) as refused:
-        Settings(database_url=URL, max_calls_per_connection=calls, max_watchers=watchers)
+        Settings(database_url=URL, max_watchers=watchers, **{larger: value})
     said = str(refused.value)
-    assert "max_calls_per_connection" in said and "max_watchers" in said, said
+    assert larger in said and "max_watchers" in said, said
     assert "TOO_MANY_WATCHERS" in said, said
-    taken = Settings(database_url=URL, max_calls_per_connection=watchers + 1, max_watchers=watchers)
-    assert taken.max_calls_per_connection == watchers + 1
+    taken = Settings(database_url=URL, max_watchers=watchers, **{larger: watchers + 1})
+    assert getattr(taken, larger) == watchers + 1
