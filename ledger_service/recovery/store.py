@@ -891,11 +891,9 @@ class SqlRecoveryStore:
     ) -> None:
         with translated(self._engine), self._engine.connect() as connection:
             connection = connection.execution_options(ledger_write=True)
-            transaction = connection.begin()
             range_parameters = (after_seq, through_seq)
-            refused = False
             error: IntegrityError | None = None
-            try:
+            with connection.begin() as transaction:
                 if dry_run and not self._sqlite:
                     connection.exec_driver_sql(f"SET LOCAL lock_timeout = {DRY_RUN_LOCK_WAIT_MS}")
                 unknown = connection.exec_driver_sql(self._fold.unknown_kind, range_parameters)
@@ -912,11 +910,9 @@ class SqlRecoveryStore:
                         )
                     except IntegrityError as caught:
                         refused, error = True, caught
-            except BaseException:
-                transaction.rollback()
-                raise
+                if refused or dry_run:
+                    transaction.rollback()
             if refused:
-                transaction.rollback()
                 with connection.begin():
                     found = connection.exec_driver_sql(self._fold.problem, range_parameters).first()
                 if found is None:
@@ -924,10 +920,6 @@ class SqlRecoveryStore:
                     raise error or RebuildFailed(f"events after {after_seq} cannot be applied")
                 seq, kind, lane, reservation_id = found
                 raise EventRefused(int(seq), str(kind), str(lane), str(reservation_id))
-            if dry_run:
-                transaction.rollback()
-            else:
-                transaction.commit()
 
     def release_rebuild(self, owner: str) -> None:
         """Ends our lease at once; the marker stays "rebuilding", and the next
