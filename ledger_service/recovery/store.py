@@ -17,6 +17,7 @@ from typing import Any, Literal
 from sqlalchemy import (
     Connection,
     Engine,
+    Row,
     Select,
     Update,
     case,
@@ -254,28 +255,23 @@ def _facts(connection: Connection) -> LogFacts:
     head, count = connection.execute(
         select(func.coalesce(func.max(events.c.seq), 0), func.count())
     ).one()
-    position = _position(connection, int(head))
-    answers = connection.execute(
-        select(func.count()).where(events.c.kind.in_(ANSWER_KINDS))
-    ).scalar_one()
     # Inline, not bound: so the partial index of configurations serves it on
     # PostgreSQL's generic plans too.
     configuring = literal("lane_configured", literal_execute=True)
-    configured = connection.execute(
-        select(func.count(distinct(events.c.lane))).where(events.c.kind == configuring)
-    ).scalar_one()
-    booking_count = connection.execute(select(func.count()).select_from(bookings)).scalar_one()
-    lane_count = connection.execute(select(func.count()).select_from(lanes)).scalar_one()
-    stale = connection.execute(_stale_bookings(select(func.count()))).scalar_one()
+    counts = {
+        "answer_events": select(func.count()).where(events.c.kind.in_(ANSWER_KINDS)),
+        "configured_lanes": select(func.count(distinct(events.c.lane))).where(
+            events.c.kind == configuring
+        ),
+        "bookings": select(func.count()).select_from(bookings),
+        "lanes": select(func.count()).select_from(lanes),
+        "stale_bookings": _stale_bookings(select(func.count())),
+    }
     return LogFacts(
-        position=position,
+        position=_position(connection, int(head)),
         head_seq=int(head),
         event_count=int(count),
-        answer_events=int(answers),
-        configured_lanes=int(configured),
-        bookings=int(booking_count),
-        lanes=int(lane_count),
-        stale_bookings=int(stale),
+        **{name: int(connection.execute(query).scalar_one()) for name, query in counts.items()},
         stale_lanes=_stale_lanes(connection),
     )
 
@@ -285,15 +281,10 @@ class _RebuildSql:
     per row, SQLAlchemy's own parameter handling costs more than the database."""
 
     def __init__(self, placeholder: str) -> None:
-        p = self._placeholder = placeholder
-        self.events_between = (
-            f"SELECT {', '.join(records.EVENT_COLUMNS)} FROM {events.name} "
-            f"WHERE seq > {p} AND seq <= {p} ORDER BY seq"
-        )
-        self.links_between = (
-            f"SELECT seq, lane, previous_hash, hash FROM {events.name} "
-            f"WHERE seq > {p} AND seq <= {p} ORDER BY seq"
-        )
+        p = placeholder
+        between = f"FROM {events.name} WHERE seq > {p} AND seq <= {p} ORDER BY seq"
+        self.events_between = f"SELECT {', '.join(records.EVENT_COLUMNS)} {between}"
+        self.links_between = f"SELECT seq, lane, previous_hash, hash {between}"
         self.bookings_in_order = (
             f"SELECT {', '.join(records.BOOKING_COLUMNS)} FROM {bookings.name} "
             "ORDER BY lane, reservation_id"
@@ -538,6 +529,10 @@ class SqlRecoveryStore:
 
     # Reads -------------------------------------------------------------------
 
+    def _all(self, statement: Select[Any]) -> Sequence[Row[Any]]:
+        with self._reading() as connection:
+            return connection.execute(statement).all()
+
     def facts(self) -> LogFacts:
         with self._reading() as connection:
             return _facts(connection)
@@ -588,9 +583,7 @@ class SqlRecoveryStore:
         """The latest events (first by seq) of bookings that differ from them."""
         columns = [events.c[name] for name in records.EVENT_COLUMNS]
         statement = _stale_bookings(select(*columns)).where(events.c.seq.is_not(None))
-        with self._reading() as connection:
-            rows = connection.execute(statement.order_by(events.c.seq).limit(limit)).all()
-        return records.events_from_rows(rows)
+        return records.events_from_rows(self._all(statement.order_by(events.c.seq).limit(limit)))
 
     def final_seq(self) -> int:
         """The last event below which none is in flight (storage/horizon.py);
@@ -649,22 +642,15 @@ class SqlRecoveryStore:
             raise translate.integrity_damage(problems)
 
     def count_events_after(self, after_seq: int) -> int:
-        with self._reading() as connection:
-            return int(
-                connection.execute(
-                    select(func.count()).where(events.c.seq > after_seq)
-                ).scalar_one()
-            )
+        return int(self._all(select(func.count()).where(events.c.seq > after_seq))[0][0])
 
     def log_lanes(self) -> Sequence[str]:
-        with self._reading() as connection:
-            rows = connection.execute(select(events.c.lane).distinct().order_by(events.c.lane))
-            return [str(lane) for (lane,) in rows]
+        rows = self._all(select(events.c.lane).distinct().order_by(events.c.lane))
+        return [str(lane) for (lane,) in rows]
 
     def projected_lanes(self) -> Sequence[LanePolicy]:
-        with self._reading() as connection:
-            rows = connection.execute(select(lanes).order_by(lanes.c.lane)).mappings()
-            return [records.lane_from_row(row) for row in rows]
+        rows = self._all(select(lanes).order_by(lanes.c.lane))
+        return [records.lane_from_row(row._mapping) for row in rows]
 
     def projected_bookings(self, lane: str) -> Iterator[Booking]:
         """The lane's bookings by reservation id, `batch_rows` rows in memory at a time."""
@@ -694,13 +680,12 @@ class SqlRecoveryStore:
     # Snapshots -------------------------------------------------------------------
 
     def snapshots(self) -> Sequence[SnapshotInfo]:
-        with self._reading() as connection:
-            rows = connection.execute(
-                select(snapshots)
-                .where(snapshots.c.state == SNAPSHOT_COMPLETE)
-                .order_by(snapshots.c.position_seq.desc(), snapshots.c.id.desc())
-                .limit(MAX_LISTED_SNAPSHOTS)
-            ).all()
+        rows = self._all(
+            select(snapshots)
+            .where(snapshots.c.state == SNAPSHOT_COMPLETE)
+            .order_by(snapshots.c.position_seq.desc(), snapshots.c.id.desc())
+            .limit(MAX_LISTED_SNAPSHOTS)
+        )
         return [_snapshot_info(row) for row in rows]
 
     def snapshot_chunks(self, snapshot_id: int) -> Iterator[SnapshotChunk]:
@@ -772,27 +757,21 @@ class SqlRecoveryStore:
         """Keeps the newest `keep` complete snapshots and unfinished ones still
         young enough to be in progress; deletes the rest with their chunks."""
         with self._writing() as connection:
-            kept = [
-                int(snapshot_id)
-                for (snapshot_id,) in connection.execute(
-                    select(snapshots.c.id)
-                    .where(snapshots.c.state == SNAPSHOT_COMPLETE)
-                    .order_by(snapshots.c.position_seq.desc(), snapshots.c.id.desc())
-                    .limit(max(keep, 1))
+            kept = (
+                select(snapshots.c.id)
+                .where(snapshots.c.state == SNAPSHOT_COMPLETE)
+                .order_by(snapshots.c.position_seq.desc(), snapshots.c.id.desc())
+                .limit(max(keep, 1))
+            )
+            doomed = connection.scalars(
+                select(snapshots.c.id).where(
+                    snapshots.c.id.not_in(kept),
+                    or_(
+                        snapshots.c.state == SNAPSHOT_COMPLETE,
+                        snapshots.c.taken_at_us < unfinished_before_us,
+                    ),
                 )
-            ]
-            doomed = [
-                int(snapshot_id)
-                for (snapshot_id,) in connection.execute(
-                    select(snapshots.c.id).where(
-                        snapshots.c.id.not_in(kept),
-                        or_(
-                            snapshots.c.state == SNAPSHOT_COMPLETE,
-                            snapshots.c.taken_at_us < unfinished_before_us,
-                        ),
-                    )
-                )
-            ]
+            ).all()
             if doomed:
                 connection.execute(
                     delete(snapshot_chunks).where(snapshot_chunks.c.snapshot_id.in_(doomed))
@@ -871,13 +850,12 @@ class SqlRecoveryStore:
 
     def _range(self, sql: str, after_seq: int, through_seq: int) -> list[tuple[Any, ...]]:
         # Through the driver's own cursor: rows as plain tuples, in one read.
-        with self._reading() as connection:
-            cursor = connection.connection.cursor()
-            try:
-                cursor.execute(sql, (after_seq, through_seq))
-                return list(cursor.fetchall())
-            finally:
-                cursor.close()
+        with (
+            self._reading() as connection,
+            contextlib.closing(connection.connection.cursor()) as cursor,
+        ):
+            cursor.execute(sql, (after_seq, through_seq))
+            return list(cursor.fetchall())
 
     def fold_events(
         self,
@@ -967,18 +945,17 @@ class SqlRecoveryStore:
     def accepted_breaks(self) -> Mapping[str, AcceptedBreak]:
         """The broken links accepted by carried-out recoveries, by description,
         each with the first manifest (of the newest MAX_ACCEPTING_MANIFESTS)."""
-        with self._reading() as connection:
-            rows = connection.execute(
-                select(
-                    recovery_manifests.c.id,
-                    recovery_manifests.c.created_at_us,
-                    recovery_manifests.c.actor,
-                    recovery_manifests.c.body_json,
-                )
-                .where(recovery_manifests.c.outcome == MANIFEST_REBUILT)
-                .order_by(recovery_manifests.c.id.desc())
-                .limit(MAX_ACCEPTING_MANIFESTS)
-            ).all()
+        rows = self._all(
+            select(
+                recovery_manifests.c.id,
+                recovery_manifests.c.created_at_us,
+                recovery_manifests.c.actor,
+                recovery_manifests.c.body_json,
+            )
+            .where(recovery_manifests.c.outcome == MANIFEST_REBUILT)
+            .order_by(recovery_manifests.c.id.desc())
+            .limit(MAX_ACCEPTING_MANIFESTS)
+        )
         accepted: dict[str, AcceptedBreak] = {}
         for manifest_id, created_at_us, actor, body_json in reversed(rows):
             body = json.loads(body_json)
@@ -990,11 +967,10 @@ class SqlRecoveryStore:
 
     def manifests(self, limit: int = 10) -> Sequence[Mapping[str, Any]]:
         """The newest manifests, newest first (for people and tests)."""
-        with self._reading() as connection:
-            rows = connection.execute(
-                select(recovery_manifests).order_by(recovery_manifests.c.id.desc()).limit(limit)
-            ).mappings()
-            return [dict(row) for row in rows]
+        rows = self._all(
+            select(recovery_manifests).order_by(recovery_manifests.c.id.desc()).limit(limit)
+        )
+        return [dict(row._mapping) for row in rows]
 
 
 def _our_rebuild(owner: str) -> Update:
