@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -140,19 +141,6 @@ def lanes_of(batch: Sequence[Event]) -> list[LanePolicy]:
                 raise RebuildFailed(f"event {event.seq} configures a lane without a policy")
             lanes[event.lane] = policy_from_dict(event.policy, event.seq, event.occurred_at_us)
     return list(lanes.values())
-
-
-def _digest_of_lanes(view: SqlProjectionView, heads: Mapping[str, str] | None) -> ProjectionDigest:
-    """The digest a snapshot at the view's position would start with: its
-    heads (`heads`, or read from the log) and lanes, its bookings to come."""
-    position = view.position
-    seq = position.last_seq if position else 0
-    if heads is None:
-        heads = view.chain_heads(seq)
-    digest = ProjectionDigest(seq, {lane: head for lane, head in heads.items() if head})
-    for policy in view.lanes():
-        digest.add_lane(policy)
-    return digest
 
 
 class Recovery:
@@ -601,7 +589,12 @@ class Recovery:
         """The digest of the projections as they stand: what a snapshot of them
         gives (`heads`: those a walk ended with, else read from the log)."""
         with self._store.view() as view:
-            digest = _digest_of_lanes(view, heads)
+            seq = view.position.last_seq if view.position else 0
+            if heads is None:
+                heads = view.chain_heads(seq)
+            digest = ProjectionDigest(seq, {lane: head for lane, head in heads.items() if head})
+            for policy in view.lanes():
+                digest.add_lane(policy)
             for text in view.booking_texts():
                 digest.add_booking_text(text)
         return digest.hexdigest()
@@ -678,21 +671,14 @@ class Recovery:
         self, snapshot_id: int, view: SqlProjectionView, digest: ProjectionDigest
     ) -> None:
         size = self.settings.batch_events
-        chunk_no = 0
-        lanes: list[LanePolicy] = []
-        for policy in view.lanes():
-            digest.add_lane(policy)
-            lanes.append(policy)
-            if len(lanes) == size:
-                self._store.write_snapshot_chunk(snapshot_id, chunk_no, SnapshotChunk(lanes=lanes))
-                chunk_no, lanes = chunk_no + 1, []
-        if lanes:
-            self._store.write_snapshot_chunk(snapshot_id, chunk_no, SnapshotChunk(lanes=lanes))
-            chunk_no += 1
-        for chunk in view.booking_chunks(size):
+        policies = view.lanes()
+        lane_batches = iter(lambda: list(itertools.islice(policies, size)), [])
+        chunks = itertools.chain(
+            (SnapshotChunk(lanes=batch) for batch in lane_batches), view.booking_chunks(size)
+        )
+        for chunk_no, chunk in enumerate(chunks):
             chunk.add_to(digest)
             self._store.write_snapshot_chunk(snapshot_id, chunk_no, chunk)
-            chunk_no += 1
 
     # The whole of it -------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from ledger_service.server import build_recovery, build_store
 from ledger_service.settings import Settings
 from ledger_service.storage import records
 from ledger_service.storage.schema import events
-from tests.recovery.conftest import History
+from tests.recovery.conftest import History, policy_lane
 from tests.storage.conftest import altered_by_walk
 
 KIND = records.EVENT_COLUMNS.index("kind")
@@ -344,6 +344,24 @@ def test_a_rebuild_prints_the_digest_a_snapshot_at_its_position_printed(
     moved = recovery.rebuild(Route(FULL_LOG_SOURCE, None))
     assert moved != snapshot.digest
     assert recovery.rebuild(route) == moved == recovery.projection_digest()
+
+
+def test_a_snapshot_in_chunks_smaller_than_its_lanes_restores_to_its_digest(
+    history: History,
+) -> None:
+    """Lanes and bookings are written in chunks of `batch_events` rows, numbered
+    in order; a restore reads them back to the digest the snapshot recorded."""
+    for number in range(3):
+        history.ledger.put_lane(policy_lane(f"x{number}"))
+    recovery = history.recovery(batch_events=2)
+    snapshot = recovery.take_snapshot()
+    assert snapshot is not None and snapshot.lanes_count == 5
+    chunks = list(recovery.store.snapshot_chunks(snapshot.snapshot_id))
+    assert [len(chunk.lanes) for chunk in chunks[:3]] == [2, 2, 1]
+    assert all(len(chunk.booking_rows) <= 2 and not chunk.lanes for chunk in chunks[3:])
+    assert sum(chunk.rows for chunk in chunks) == snapshot.rows
+    route = Route(f"snapshot-{snapshot.snapshot_id}", snapshot)
+    assert recovery.rebuild(route) == snapshot.digest == recovery.projection_digest()
 
 
 def snapshot_lane(history: History) -> str:
