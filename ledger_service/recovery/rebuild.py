@@ -112,7 +112,6 @@ class Route:
 class Plan:
     manifest: Manifest
     routes: Mapping[str, Route]
-    rate_events_per_second: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,19 +210,6 @@ class Recovery:
             and not content_matches(event.previous_hash, event.hash, canonical_event(event))
         )
 
-    def _start_of_walk(
-        self, snapshots: Sequence[SnapshotInfo], head_seq: int
-    ) -> SnapshotInfo | ChainPoint | None:
-        """The newest of the last verified point and the snapshots, within the log."""
-        points: list[SnapshotInfo | ChainPoint] = [
-            s for s in snapshots if s.position_seq <= head_seq
-        ]
-        checkpoint = self._store.checkpoint()
-        if checkpoint is not None and checkpoint.position_seq <= head_seq:
-            points.append(checkpoint)
-        # A verified point before a snapshot at the same event: it needs no trust.
-        return max(points, key=lambda p: (p.position_seq, isinstance(p, ChainPoint)), default=None)
-
     def _walk_from_trusted(
         self,
         snapshots: Sequence[SnapshotInfo],
@@ -231,12 +217,21 @@ class Recovery:
         position: int,
         through_seq: int | None,
     ) -> tuple[SnapshotInfo | ChainPoint | None, Walk]:
-        """`_walk` from `_start_of_walk`, noting the heads at `position`. A
-        snapshot's heads are trusted until the walk breaks; then its digest is
-        checked, and a snapshot that fails it is passed over for the next start."""
-        candidates = list(snapshots)
+        """`_walk` from the newest of the last verified point and the snapshots
+        within the log, noting the heads at `position`. A snapshot's heads are
+        trusted until the walk breaks; then its digest is checked, and a
+        snapshot that fails it is passed over for the next start."""
+        checkpoint = self._store.checkpoint()
+        points: list[SnapshotInfo | ChainPoint] = [
+            point
+            for point in (*snapshots, checkpoint)
+            if point is not None and point.position_seq <= head_seq
+        ]
         while True:
-            anchor = self._start_of_walk(candidates, head_seq)
+            # A verified point before a snapshot at the same event: it needs no trust.
+            anchor = max(
+                points, key=lambda p: (p.position_seq, isinstance(p, ChainPoint)), default=None
+            )
             walk = self._walk(anchor, (position,), through_seq)
             if not walk.break_count or not isinstance(anchor, SnapshotInfo):
                 return anchor, walk
@@ -244,7 +239,7 @@ class Recovery:
             if not problem:
                 return anchor, walk
             log.warning("snapshot %d is not walked from: %s", anchor.snapshot_id, problem)
-            candidates = [s for s in candidates if s.snapshot_id != anchor.snapshot_id]
+            points = [point for point in points if point is not anchor]
 
     def _lease_us(self) -> int:
         return int(self.settings.lease_seconds * MICROS_PER_SECOND)
@@ -315,14 +310,18 @@ class Recovery:
         for found in (*assessment.altered, *known_breaks):
             if found not in walk.breaks:
                 walk.note(found)
-        replays = _Replays(self._store, self.owner, head, self._wall.now_us())
-        for after_seq, refused in (known_refusals or {}).items():
-            replays.known(after_seq, refused)
+        now_us = self._wall.now_us()
+        replays = _Replays(
+            lambda after_seq: self._store.fold_events(
+                self.owner, [], after_seq, head, now_us, dry_run=True
+            ),
+            known_refusals or {},
+        )
         try:
             rate = self.measure_rate()
         except EventRefused as refused:
             # The sample is the log's first events: this is the first the log refuses.
-            replays.known(0, refused)
+            replays[0] = refused
             rate = self.measure_rate(before_seq=refused.seq)
         findings = list(assessment.findings)
         if lost:
@@ -331,30 +330,23 @@ class Recovery:
                 f"{head}: no source holds the events in between"
             )
         while True:
-            sources: list[Source] = []
-            routes: dict[str, Route] = {}
-            log_source, log_route = self._log_source(facts, anchor, walk, rate, lost, replays)
-            sources.append(log_source)
-            routes[log_source.source_id] = log_route
-            for snapshot in usable:
-                source, route = self._snapshot_source(
-                    snapshot,
-                    digests[snapshot.snapshot_id],
-                    walk,
-                    rate,
-                    lost,
-                    assessment.altered,
-                    replays,
-                )
-                sources.append(source)
-                routes[source.source_id] = route
+            built = [
+                self._log_source(facts, anchor, walk, rate, lost, replays),
+                *(
+                    self._snapshot_source(
+                        s, digests[s.snapshot_id], walk, rate, lost, assessment.altered, replays
+                    )
+                    for s in usable
+                ),
+            ]
+            routes = {source.source_id: route for source, route in built}
             breaks = {
-                source_id: [found.describe() for found in route.tolerated]
-                for source_id, route in routes.items()
+                source.source_id: [found.describe() for found in route.tolerated]
+                for source, route in built
             }
-            manifest = planner.plan(sources, policy, findings, breaks)
+            manifest = planner.plan([source for source, _ in built], policy, findings, breaks)
             if anchor is None or FULL_LOG_SOURCE not in manifest.chosen:
-                return Plan(manifest, routes, rate)
+                return Plan(manifest, routes)
             # The whole log would be replayed, and its links before the anchor were
             # taken on the snapshot's word: check them now, before anything is
             # written, so that a broken one refuses the plan instead of stopping
@@ -387,7 +379,9 @@ class Recovery:
             detail += f"; {walk.unsealed} events predate the hash chain"
         # Only past a broken link can an event the fold needs be missing, or
         # where a tail's replay refused one (the whole log's then refuses too).
-        refused = replays.refusal(0) if walk.break_count or replays.refused else None
+        refused = None
+        if walk.break_count or any(found is not None for found in replays.values()):
+            refused = replays.refusal(0)
         if refused is not None:
             detail += f"; its replay cannot succeed: {refused}"
         source = Source(
@@ -434,11 +428,8 @@ class Recovery:
             # Its bookings hold what the event said before it was altered: the
             # projections it gives can never agree with the log.
             detail += f"; the log was altered before it, first {covered[0].describe()}"
-        refused = (
-            replays.refusal(snapshot.position_seq)
-            if breaks
-            else replays.known_refusal(snapshot.position_seq)
-        )
+        position = snapshot.position_seq
+        refused = replays.refusal(position) if breaks else replays.get(position)
         if refused is not None:
             detail += f"; the tail's replay cannot succeed: {refused}"
         source = Source(
@@ -495,8 +486,7 @@ class Recovery:
         their digest; a rebuild that stops releases its claim."""
         try:
             digest = self.rebuild_uncommitted(route, progress)
-            if not self.finish():
-                raise RebuildFailed("the log grew during the rebuild; run it again")
+            self.finish()
         except RebuildClaimLost:
             raise
         except BaseException:
@@ -509,9 +499,11 @@ class Recovery:
         with contextlib.suppress(StoreUnavailable):
             self._store.release_rebuild(self.owner)
 
-    def finish(self) -> bool:
+    def finish(self) -> None:
+        """Marks the rebuilt projections current, unless the log grew meanwhile."""
         position = self._store.position()
-        return self._store.finish_rebuild(self.owner, position.last_seq if position else -1)
+        if not self._store.finish_rebuild(self.owner, position.last_seq if position else -1):
+            raise RebuildFailed("the log grew during the rebuild; run it again")
 
     def rebuild_uncommitted(
         self,
@@ -731,7 +723,12 @@ class Recovery:
                 # Another replica saw the same and rebuilt first: whole again,
                 # most likely, and a second rebuild would refuse every move anew.
                 self._record(manifest_id, "superseded", started)
-                return self._assessed_again()
+                if self.assess().consistent:
+                    log.info("another process recovered the projections meanwhile")
+                    return Outcome(
+                        True, detail="another process recovered the projections meanwhile"
+                    )
+                return Outcome(False, None, "the projections changed while the rebuild was planned")
             except ChainBroken as error:
                 self._record(manifest_id, "failed", started)
                 log.error("rebuild stopped: %s; planning again", error)
@@ -787,12 +784,6 @@ class Recovery:
         self.release()
         return Outcome(False, None, "the rebuild kept meeting broken links")
 
-    def _assessed_again(self) -> Outcome:
-        if self.assess().consistent:
-            log.info("another process recovered the projections meanwhile")
-            return Outcome(True, detail="another process recovered the projections meanwhile")
-        return Outcome(False, None, "the projections changed while the rebuild was planned")
-
     def _carry_out(
         self, plan: Plan, progress: ProgressFn, assessed: tuple[str, str, int] | None
     ) -> None:
@@ -812,8 +803,7 @@ class Recovery:
                     f"({built[:16]} != {digests[0][1][:16]}): the sources disagree"
                 )
             digests.append((source_id, built))
-        if not self.finish():
-            raise RebuildFailed("the log grew during the rebuild; run it again")
+        self.finish()
 
     def _record(self, manifest_id: int, outcome: str, started: float) -> None:
         elapsed_ms = int((time.perf_counter() - started) * 1000)
@@ -858,42 +848,26 @@ class _SourceRefused(Exception):
         self.refused = refused
 
 
-class _Replays:
-    """Whether the replay after a seq would succeed: the rebuild's fold run
-    dry (rolled back), at most once per seq for one plan."""
+class _Replays(dict[int, EventRefused | None]):
+    """Whether the replay after a seq would succeed (None: it would), by seq:
+    the rebuild's fold run dry (rolled back), at most once per seq for one plan."""
 
-    def __init__(self, store: SqlRecoveryStore, owner: str, head_seq: int, now_us: int) -> None:
-        self._store = store
-        self._owner = owner
-        self._head = head_seq
-        self._now_us = now_us
-        self._found: dict[int, EventRefused | None] = {}
-
-    def known(self, after_seq: int, refused: EventRefused) -> None:
-        self._found[after_seq] = refused
-
-    def known_refusal(self, after_seq: int) -> EventRefused | None:
-        return self._found.get(after_seq)
-
-    @property
-    def refused(self) -> bool:
-        """Whether some replay is known to refuse an event."""
-        return any(found is not None for found in self._found.values())
+    def __init__(self, fold: Callable[[int], None], known: Mapping[int, EventRefused]) -> None:
+        super().__init__(known)
+        self._fold = fold
 
     def refusal(self, after_seq: int) -> EventRefused | None:
         """The first event after `after_seq` the fold refuses; None: none."""
-        if after_seq not in self._found:
-            if 0 in self._found and self._found[0] is None:
+        if after_seq not in self:
+            if 0 in self and self[0] is None:
                 # The whole log folds: so does every tail of it.
                 return None
             try:
-                self._store.fold_events(
-                    self._owner, [], after_seq, self._head, self._now_us, dry_run=True
-                )
-                self._found[after_seq] = None
+                self._fold(after_seq)
+                self[after_seq] = None
             except EventRefused as refused:
-                self._found[after_seq] = refused
-        return self._found[after_seq]
+                self[after_seq] = refused
+        return self[after_seq]
 
 
 def _verified_from(anchor: SnapshotInfo | ChainPoint | None) -> bool:
