@@ -171,6 +171,4 @@ def plan(
 
 def replay_cost_seconds(units: int, units_per_second: float) -> float:
     """Seconds to replay `units` events or rows at a measured rate."""
-    if units <= 0:
-        return 0.0
-    return units / max(units_per_second, 1e-9)
+    return max(units, 0) / max(units_per_second, 1e-9)

@@ -607,11 +607,10 @@ class Recovery:
         if position is None:
             return False
         newest = next(iter(self._store.snapshots()), None)
-        since = newest.position_seq if newest else 0
-        interval = every_events
-        if newest is not None:
-            interval = max(interval, newest.rows // SNAPSHOT_ROWS_PER_EVENT)
-        return position.last_seq - since >= interval
+        if newest is None:
+            return position.last_seq >= every_events
+        interval = max(every_events, newest.rows // SNAPSHOT_ROWS_PER_EVENT)
+        return position.last_seq - newest.position_seq >= interval
 
     def take_snapshot(self) -> SnapshotInfo | None:
         """Snapshots consistent projections (else None), keeping `snapshot_keep`."""
@@ -976,12 +975,8 @@ class RecoveryGuard:
                 steps = _OPERATOR_STEPS.get(self.manifest.verdict.value, "")
                 said += f"; {steps}; this server serves again by itself once the projections "
                 said += "are whole (docs/recovery.md)"
-            log.log(
-                logging.INFO if state == self.READY else logging.WARNING,
-                "projections %s: %s",
-                state,
-                said,
-            )
+            level = logging.INFO if state == self.READY else logging.WARNING
+            log.log(level, "projections %s: %s", state, said)
             self._on_change(state == self.READY)
 
     def required(self) -> None:
@@ -997,6 +992,7 @@ class RecoveryGuard:
 
     def _recover(self) -> None:
         self._last_check = time.monotonic()
+        outcome: Outcome | None = None
         try:
             if self._prepare is not None:
                 self._prepare()
@@ -1004,19 +1000,14 @@ class RecoveryGuard:
             outcome = self.recovery.recover(self.policy, self._actor)
         except StoreDamaged as damage:  # the store logs it; maintenance stops these checks
             self._on_damage(damage)
-            self._set(self.PENDING)
-            return
         except StoreUnavailable as error:
             _log_unavailable(error)
-            self._set(self.PENDING)
-            return
         except migrate.RevisionRefused as error:  # a newer (or older) release's schema
             log.error("%s; health stays NOT_SERVING", error)
-            self._set(self.PENDING)
-            return
         except Exception:
             # Closed, not crashed: the server stays up, refusing moves, and retries.
             log.exception("recovery failed; moves stay refused, will retry")
+        if outcome is None:
             self._set(self.PENDING)
             return
         self.manifest = outcome.manifest or self.manifest
