@@ -143,6 +143,20 @@ class TooManyReconciles(LedgerError):
     read or written; send it again later. No outage."""
 
 
+class TlsMismatch(LedgerError):
+    """The client speaks TLS (`tls=`) to a ledger that serves plaintext: every
+    retry fails the same way, so no outage mode; fix the `tls` setting or the
+    address. Classified by gRPC's handshake text (WRONG_VERSION_NUMBER), the
+    one transport signal no outage produces. Plaintext to a TLS ledger reads
+    "Socket closed", as a restarting server does, so it stays an outage."""
+
+
+class RequestTooLarge(InvalidArgument):
+    """The ledger refused the request for its size (gRPC's own bare
+    RESOURCE_EXHAUSTED, "Received message larger than max", not an overload):
+    the server's max_message_bytes is below the client's. `field` is "request"."""
+
+
 class Unauthenticated(LedgerError):
     """The grant is missing, malformed or expired."""
 
@@ -268,6 +282,32 @@ def _error_info(details: bytes) -> dict[str, str]:
     return {}
 
 
+# gRPC's own texts for a client's mistake that every retry repeats. Messages
+# are otherwise never read: these come from the transport, with no ledger
+# reason, and are the only signal there is.
+_NOT_TLS = "WRONG_VERSION_NUMBER"
+_TOO_LARGE = "message larger than max"
+
+
+def _transport_mistake(code: grpc.StatusCode, message: str) -> LedgerError | None:
+    """The client error for a bare transport status that no outage produces."""
+    if code is grpc.StatusCode.UNAVAILABLE and _NOT_TLS in message:
+        return TlsMismatch(
+            code,
+            "",
+            "the ledger does not speak TLS (the handshake got WRONG_VERSION_NUMBER): "
+            "leave out tls= (TlsSettings), or give the address of a ledger serving TLS",
+        )
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in message:
+        return RequestTooLarge(
+            code,
+            "",
+            f"request: too large for the ledger's max_message_bytes ({message})",
+            "request",
+        )
+    return None
+
+
 def from_rpc_error(error: grpc.RpcError) -> LedgerError:
     """The client exception for a failed RPC, chosen by reason, then by code."""
     if not isinstance(error, grpc.Call):
@@ -277,6 +317,8 @@ def from_rpc_error(error: grpc.RpcError) -> LedgerError:
     message = error.details() or ""
     metadata = _trailing(error)
     reason = metadata.get(REASON_KEY, "")
+    if reason not in REASONS and (mistake := _transport_mistake(code, message)):
+        return mistake
     error_class = REASONS.get(reason) or STATUS_CODES.get(code, LedgerInternal)
     if issubclass(error_class, InvalidArgument):
         return error_class(code, reason, message, metadata.get(FIELD_KEY, ""))

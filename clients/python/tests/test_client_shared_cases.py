@@ -74,15 +74,21 @@ def test_the_outcome_cases_name_every_failure_and_move() -> None:
 class CaseRpcError(grpc.RpcError, grpc.Call):
     """A failed call as grpcio hands it over: a status and trailing metadata."""
 
-    def __init__(self, code: grpc.StatusCode, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        metadata: tuple[tuple[str, str], ...],
+        details: str = "a message nobody parses",
+    ) -> None:
         self._code = code
         self._metadata = metadata
+        self._details = details
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
-        return "a message nobody parses"
+        return self._details
 
     def trailing_metadata(self) -> Any:
         return self._metadata
@@ -143,6 +149,26 @@ def test_error_status_without_a_known_reason(row: dict[str, Any]) -> None:
         error = _error(row["status"], metadata)
         assert type(error) is getattr(errors, row["python"]), metadata
         _check_retry_and_outage(error, row)
+
+
+@pytest.mark.parametrize("row", ERRORS["transport"], ids=lambda row: row["case"])
+def test_error_from_the_transports_own_text(row: dict[str, Any]) -> None:
+    """A bare status whose gRPC text shows the client's own mistake: no retry, no outage."""
+    signal = row["signal"]["python"]
+    error = errors.from_rpc_error(
+        CaseRpcError(grpc.StatusCode[row["status"]], (), f"x: {signal} y")
+    )
+    assert type(error) is getattr(errors, row["python"])
+    assert error.code is grpc.StatusCode[row["status"]]
+    _check_retry_and_outage(error, row)
+    if row.get("field"):
+        assert isinstance(error, errors.InvalidArgument) and error.field == "request"
+    # A ledger reason wins: the text is read only when the transport answered.
+    shutting = ((errors.REASON_KEY, "SHUTTING_DOWN"),)
+    with_reason = errors.from_rpc_error(
+        CaseRpcError(grpc.StatusCode[row["status"]], shutting, signal)
+    )
+    assert type(with_reason) is not getattr(errors, row["python"])
 
 
 def test_every_reason_this_client_knows_is_a_case() -> None:

@@ -1,0 +1,85 @@
+"""A lane's own mistakes are never an outage: a TLS setting that does not
+match the ledger, or a request past the ledger's limits, fails the same way on
+every retry, so it raises an error naming what to fix instead of sending the
+lane into its outage mode (docs/semantics.md: a client's mistake is never an
+UNAVAILABLE that fails the same way on every retry)."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+from collections.abc import Iterator
+
+import pytest
+from client_ledger import TEST_SETTINGS, LedgerProcess, lane_tls
+from ledger_client import ClientSettings, LaneClient, ModelPrice, OutagePolicy, errors
+
+PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
+
+
+def _allowance(tmp_path: pathlib.Path) -> OutagePolicy:
+    return OutagePolicy.allowance(
+        max_nanos=10**6, max_calls=10, journal_path=tmp_path / "journal.jsonl", prices=PRICES
+    )
+
+
+def test_tls_to_a_plaintext_ledger_names_the_tls_setting(
+    ledger_server: LedgerProcess, lane: str, lane_grant: str,
+    certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+) -> None:  # fmt: skip
+    tls = lane_tls(certificates)
+    with LaneClient(ledger_server.address, lane, grant=lane_grant, tls=tls,
+                    outage=_allowance(tmp_path), settings=TEST_SETTINGS) as client:  # fmt: skip
+        with pytest.raises(errors.TlsMismatch) as raised:
+            client.balance()
+        # Not the outage mode either: the allowance answers nothing, nothing is journaled.
+        with pytest.raises(errors.TlsMismatch), client.model_call("model-a", b"x" * 3500, 500):
+            pass
+    assert "does not speak TLS" in raised.value.message and "tls" in raised.value.message
+    assert not errors.is_retryable(raised.value)
+    journal = tmp_path / "journal.jsonl"
+    assert not journal.exists() or not journal.read_text()
+
+
+def test_tls_to_nobody_listening_is_still_an_outage(
+    certificates: dict[str, pathlib.Path],
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    settings = ClientSettings(replay_interval_seconds=None)
+    tls = lane_tls(certificates)
+    with (
+        LaneClient(address, "lane", tls=tls, settings=settings) as client,
+        pytest.raises(errors.LedgerUnavailable),
+    ):
+        client.balance()
+
+
+@pytest.fixture
+def small_server(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[LedgerProcess]:
+    """A ledger taking messages of 200 bytes at most, less than this client's limit."""
+    monkeypatch.setenv("LEDGER_MAX_MESSAGE_BYTES", "200")
+    server = LedgerProcess(tmp_path / "ledger")
+    server.data_dir.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_the_servers_message_limit_is_not_an_overload(small_server: LedgerProcess) -> None:
+    # The request is refused for its size before its lane is looked up.
+    with (
+        LaneClient(small_server.address, "a-lane", grant=small_server.admin_grant,
+                   settings=TEST_SETTINGS) as client,
+        pytest.raises(errors.RequestTooLarge) as raised,
+    ):  # fmt: skip
+        client.reserve("m" * 200, 1000, 100)
+    assert "200" in raised.value.message and "max_message_bytes" in raised.value.message
+    assert raised.value.field == "request"
+    assert not errors.is_retryable(raised.value)
+    assert not isinstance(raised.value, errors.LedgerUnavailable)
