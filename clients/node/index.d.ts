@@ -669,6 +669,10 @@ export class OutputExceedsMaxTokens extends InvalidArgument {}
 export class ChargeExceedsCapMultiple extends InvalidArgument {}
 /** The amount would take a window's sum past 2^62 nanos. */
 export class SumOutOfRange extends InvalidArgument {}
+/** The ledger refused the request for its size (gRPC's bare RESOURCE_EXHAUSTED, "message larger than max"); field 'request'. */
+export class RequestTooLarge extends InvalidArgument {}
+/** The `tls` option set for a ledger serving plaintext ("wrong version number"): no outage, fix the option. */
+export class TlsMismatch extends Refusal {}
 export class NotFound extends Refusal {}
 export class LaneNotFound extends NotFound {}
 export class BookingNotFound extends NotFound {}

@@ -60,6 +60,14 @@ class SettleWithoutUsage extends InvalidArgument {}
 class OutputExceedsMaxTokens extends InvalidArgument {}
 class ChargeExceedsCapMultiple extends InvalidArgument {}
 class SumOutOfRange extends InvalidArgument {}
+// The ledger refused the request for its size: gRPC's own bare
+// RESOURCE_EXHAUSTED ("Received message larger than max"), not an overload;
+// the server's max_message_bytes is below the request. field: 'request'.
+class RequestTooLarge extends InvalidArgument {}
+// TLS (the `tls` option) to a ledger serving plaintext: every retry fails the
+// same way, so no outage mode. Plaintext to a TLS ledger reads only
+// "Failed to connect", as a restarting server does, and stays Unavailable.
+class TlsMismatch extends Refusal {}
 class NotFound extends Refusal {}
 class LaneNotFound extends NotFound {}
 class BookingNotFound extends NotFound {}
@@ -269,6 +277,30 @@ function trailerValue(metadata, key, rich) {
   return firstValue(metadata, key) || (rich[key] ?? '');
 }
 
+// gRPC's own texts for a client's mistake that every retry repeats. Messages
+// are otherwise never read: these come from the transport, with no ledger
+// reason, and are the only signal there is (clients/cases/errors.json, "transport").
+const NOT_TLS = 'wrong version number';
+const TOO_LARGE = 'message larger than max';
+
+/** The client error for a bare transport status no outage produces, or null. */
+function transportMistake(serviceError, reason) {
+  if (ERROR_TABLE.some(([, rowReason]) => rowReason !== null && rowReason === reason)) return null;
+  const details = String(serviceError.details || serviceError.message || '');
+  const options = { code: serviceError.code, metadata: serviceError.metadata ?? null, cause: serviceError };
+  if (serviceError.code === Status.UNAVAILABLE && details.includes(NOT_TLS)) {
+    const message =
+      'the ledger does not speak TLS (the handshake got "wrong version number"): leave out the tls option, ' +
+      'or give the address of a ledger serving TLS';
+    return new TlsMismatch(message, options);
+  }
+  if (serviceError.code === Status.RESOURCE_EXHAUSTED && details.includes(TOO_LARGE)) {
+    const message = `request: too large for the ledger's max_message_bytes (${details})`;
+    return new RequestTooLarge(message, { ...options, field: 'request' });
+  }
+  return null;
+}
+
 /**
  * Converts a @grpc/grpc-js ServiceError into the table's error class.
  * @param {import('@grpc/grpc-js').ServiceError} serviceError
@@ -278,6 +310,8 @@ function ledgerErrorOf(serviceError) {
   const metadata = serviceError.metadata ?? null;
   const rich = richErrorInfo(metadata);
   const reason = trailerValue(metadata, REASON_KEY, rich);
+  const mistake = transportMistake(serviceError, reason);
+  if (mistake !== null) return mistake;
   const errorClass = errorClassOf(serviceError.code, reason);
   return new errorClass(serviceError.details || serviceError.message, {
     code: serviceError.code,
@@ -315,6 +349,8 @@ module.exports = {
   OutputExceedsMaxTokens,
   ChargeExceedsCapMultiple,
   SumOutOfRange,
+  RequestTooLarge,
+  TlsMismatch,
   NotFound,
   LaneNotFound,
   BookingNotFound,

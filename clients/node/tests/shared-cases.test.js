@@ -139,6 +139,21 @@ describe('error cases', () => {
     });
   }
 
+  for (const row of ERRORS.transport) {
+    test(`${row.case}: a bare ${row.status} with gRPC's own text`, () => {
+      const signal = forNode(row.signal);
+      const failure = Object.assign(serviceError(row.status, []), { details: `gRPC says: ${signal} (in its words)` });
+      const error = errors.ledgerErrorOf(failure);
+      assert.equal(error.constructor, errorClass(row.node), `${row.case} -> ${error.constructor.name}`);
+      assert.equal(error.code, grpc.status[row.status]);
+      checkRetryAndOutage(error, row);
+      if (row.field) assert.equal(error.field, 'request');
+      // A ledger reason wins: the text is read only when the transport answered.
+      const withReason = errors.ledgerErrorOf(Object.assign(serviceError(row.status, [['ledger-reason', 'SHUTTING_DOWN']]), { details: signal }));
+      assert.notEqual(withReason.constructor, errorClass(row.node));
+    });
+  }
+
   test("the README's error table names every reason, each with its class", () => {
     const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
     const header = '| status | `ledger-reason` | class |';

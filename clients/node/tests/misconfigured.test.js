@@ -1,0 +1,98 @@
+'use strict';
+// A lane's own mistakes are never an outage: a TLS option that does not match
+// the ledger, or a request past the ledger's message limit, fails the same way
+// on every retry, so the client rejects with an error naming what to fix and
+// call() does not enter its outage mode.
+
+const { after, before, describe, test } = require('node:test');
+const assert = require('node:assert/strict');
+const net = require('node:net');
+const { startLedger } = require('./ledger-server');
+const { makeCertificates } = require('./fake-ledger');
+const { LaneClient, RequestTooLarge, TlsMismatch, Unavailable, isLedgerUnavailable } = require('..');
+
+const DEADLINE_MS = 5000;
+
+function closedPort() {
+  return new Promise((resolve) => {
+    const probe = net.createServer();
+    probe.listen(0, '127.0.0.1', () => {
+      const { port } = probe.address();
+      probe.close(() => resolve(port));
+    });
+  });
+}
+
+describe('a TLS option that does not match the ledger', () => {
+  const certificates = makeCertificates();
+  let ledger;
+  before(async () => {
+    ledger = await startLedger();
+  });
+  after(async () => ledger?.stop());
+
+  test('TLS to a plaintext ledger names the tls option, and is no outage', async () => {
+    assert.ok(certificates, 'openssl makes the test certificates');
+    const client = new LaneClient(ledger.address, 'recall', {
+      grant: ledger.adminGrant,
+      tls: { rootCerts: certificates.ca, serverName: 'localhost' },
+      deadlineMs: DEADLINE_MS,
+    });
+    try {
+      const error = await client.balance().then(
+        () => assert.fail('the call got through'),
+        (rejected) => rejected,
+      );
+      assert.ok(error instanceof TlsMismatch, `${error.name}: ${error.message}`);
+      assert.match(error.message, /does not speak TLS/);
+      assert.match(error.message, /tls/);
+      assert.equal(isLedgerUnavailable(error), false);
+      assert.equal(error.retryable, false);
+    } finally {
+      client.close();
+    }
+  });
+
+  test('TLS to nobody listening is still an outage', async () => {
+    const client = new LaneClient(`127.0.0.1:${await closedPort()}`, 'recall', {
+      tls: { rootCerts: certificates.ca, serverName: 'localhost' },
+      deadlineMs: 1000,
+    });
+    try {
+      await assert.rejects(client.balance(), Unavailable);
+    } finally {
+      client.close();
+    }
+  });
+});
+
+describe("a request past the server's message limit", () => {
+  let ledger;
+  before(async () => {
+    process.env.LEDGER_MAX_MESSAGE_BYTES = '200';
+    try {
+      ledger = await startLedger();
+    } finally {
+      delete process.env.LEDGER_MAX_MESSAGE_BYTES;
+    }
+  });
+  after(async () => ledger?.stop());
+
+  test('is RequestTooLarge, not an overloaded ledger', async () => {
+    // Refused for its size before its lane is looked up.
+    const client = new LaneClient(ledger.address, 'a-lane', { grant: ledger.adminGrant, deadlineMs: DEADLINE_MS });
+    try {
+      const error = await client
+        .reserve({ reservationId: 'r-1', model: 'm'.repeat(200), requestBytes: 1000, maxOutputTokens: 100 })
+        .then(() => assert.fail('the call got through'), (rejected) => rejected);
+      assert.ok(error instanceof RequestTooLarge, `${error.name}: ${error.message}`);
+      assert.equal(error.field, 'request');
+      assert.match(error.message, /max_message_bytes/);
+      assert.match(error.message, /200/);
+      assert.equal(isLedgerUnavailable(error), false);
+      assert.equal(error.retryable, false);
+    } finally {
+      client.close();
+    }
+  });
+});
