@@ -198,6 +198,19 @@ describe('error cases', () => {
     }
   });
 
+  test("the README's transport table names every transport case, each with its class", () => {
+    const readme = fs.readFileSync(path.join(__dirname, '..', 'README.md'), 'utf8');
+    const header = '| transport failure | status | class |';
+    assert.ok(readme.includes(header), 'the README has the transport table');
+    const lines = readme.slice(readme.indexOf(header)).split('\n\n')[0].split('\n').slice(2);
+    const cells = lines.map((line) => line.split(' | ').map((cell) => cell.replace(/^\|\s*|\s*\|$/g, '').trim()));
+    assert.deepEqual(cells.map(([name]) => name), ERRORS.transport.map((row) => `\`${row.case}\``));
+    for (const [index, row] of ERRORS.transport.entries()) {
+      assert.equal(cells[index][1], row.status);
+      assert.ok(cells[index][2].startsWith(`\`${row.node}\``), cells[index][2]);
+    }
+  });
+
   test('every reason of the table is a case', () => {
     const listed = new Set(ERRORS.reasons.map((row) => row.reason));
     const known = errors.ERROR_TABLE.map(([, reason]) => reason).filter((reason) => reason !== null);

@@ -165,6 +165,19 @@ def test_the_readme_error_table_is_errors_json() -> None:
         assert (retry, outage) == (yes_no[case["retry"]], yes_no[case["outage"]]), case["status"]
 
 
+def test_the_readme_names_every_transport_mistake() -> None:
+    cases = json.loads(CASES.read_text())
+    text = section("Errors: one table")
+    yes_no = {True: "yes", False: "no"}
+    rows = {row[0].strip("`"): row for row in table_rows(text, "| transport failure | status |")}
+    assert set(rows) == {case["case"] for case in cases["transport"]}
+    for case in cases["transport"]:
+        _, status, exception, retry, outage = rows[case["case"]]
+        assert status == case["status"], case["case"]
+        assert exception.startswith(f"`{case['python']}`"), case["case"]
+        assert (retry, outage) == (yes_no[case["retry"]], yes_no[case["outage"]]), case["case"]
+
+
 def test_the_readme_says_when_a_replayed_journal_is_moved_aside() -> None:
     text = " ".join(section("When the ledger cannot be reached").split())
     assert ClientSettings().rotate_journal_bytes == 1024 * 1024
