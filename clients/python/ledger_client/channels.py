@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
+import socket
+import ssl
 
 import grpc
 
@@ -114,3 +116,30 @@ def open_channel(address: str, tls: TlsSettings | None, settings: ClientSettings
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.secure_channel(address, tls.credentials(), options=options)
+
+
+def serves_tls(address: str, timeout_seconds: float) -> bool | None:
+    """Whether the ledger at a plain `host:port` answers a TLS handshake: a
+    plaintext channel to a TLS ledger gets only gRPC's "Socket closed", as
+    from a restarting server, and this one handshake tells the two apart. No
+    certificate is checked and nothing is sent after it; an alert from the
+    server (a client certificate demanded) is TLS too. None: nobody answered
+    (refused, timed out), so ask again another time."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "," in host or host.startswith(("unix", "dns:", "ipv")):
+        return False
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), int(port)), timeout_seconds) as raw,
+            context.wrap_socket(raw),
+        ):
+            return True
+    except ssl.SSLEOFError:
+        return False  # a listener that hung up on the handshake: not TLS
+    except ssl.SSLError as error:
+        return "ALERT" in (error.reason or "")
+    except OSError:
+        return None

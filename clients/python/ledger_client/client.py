@@ -25,12 +25,20 @@ from ledger_client.bookings import (
     new_reservation_id,
 )
 from ledger_client.calls import BackgroundRefunds, CallGate, CallSupport, ModelCall
-from ledger_client.channels import TlsSettings, check_grant, is_local_address, open_channel
+from ledger_client.channels import (
+    TlsSettings,
+    check_grant,
+    is_local_address,
+    open_channel,
+    serves_tls,
+)
 from ledger_client.context import payload_bytes
 from ledger_client.errors import (
     ClientClosed,
+    LedgerError,
     LedgerOverloaded,
     LedgerUnavailable,
+    TlsMismatch,
     from_rpc_error,
     invalid_argument,
 )
@@ -123,6 +131,11 @@ def _micros_of(ttl: datetime.timedelta | None) -> int | None:
     return None if ttl is None else ttl // datetime.timedelta(microseconds=1)
 
 
+# gRPC's whole text for a plaintext channel a TLS ledger hung up on, as for a
+# server going away: only a handshake of the client's own tells them apart.
+_SOCKET_CLOSED = "Socket closed"
+
+
 class LaneClient:
     """The lane's side of the ledger. Build one per lane and keep it: it holds
     one channel (thread-safe), the outage journal and its replayer.
@@ -164,6 +177,11 @@ class LaneClient:
         # builds each call's handle on the channel anew, and on a closed one
         # that is a segmentation fault, not an error).
         self._starting = threading.Lock()
+        self._address = address
+        self._tls = tls
+        # Whether the ledger answered a TLS handshake, once a plaintext call
+        # met "Socket closed" (None: not known yet; asked until a listener answers).
+        self._serves_tls: bool | None = None
         if grant is not None and tls is None and not is_local_address(address):
             # Once per client: a grant is a bearer credential, readable on the wire.
             log.warning(
@@ -342,7 +360,30 @@ class LaneClient:
                     "the ledger may have applied it",
                     may_have_applied=True,
                 ) from error
-            raise from_rpc_error(error) from error
+            raise self._mistaken_for_outage(from_rpc_error(error), deadline) from error
+
+    def _mistaken_for_outage(self, error: LedgerError, deadline: float) -> LedgerError:
+        """A plaintext channel's "Socket closed" is TlsMismatch when the ledger
+        answers a TLS handshake: asked until a listener answers, in the call's time left."""
+        if (
+            self._tls is not None
+            or error.code is not grpc.StatusCode.UNAVAILABLE
+            or error.reason
+            or _SOCKET_CLOSED not in error.message
+        ):
+            return error
+        left = deadline - time.monotonic()
+        if self._serves_tls is None and left > 0:
+            self._serves_tls = serves_tls(self._address, left)
+        if not self._serves_tls:
+            return error
+        return TlsMismatch(
+            error.code,
+            "",
+            f"the ledger at {self._address} serves TLS and this client speaks plaintext: "
+            "pass tls=TlsSettings(...) (root_certificates, and certificate_chain and "
+            "private_key if it demands a client certificate)",
+        )
 
     def reserve(
         self,

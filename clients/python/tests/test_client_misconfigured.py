@@ -83,3 +83,19 @@ def test_the_servers_message_limit_is_not_an_overload(small_server: LedgerProces
     assert raised.value.field == "request"
     assert not errors.is_retryable(raised.value)
     assert not isinstance(raised.value, errors.LedgerUnavailable)
+
+
+def test_plaintext_to_a_tls_ledger_names_the_tls_setting(
+    fresh_server: LedgerProcess, tmp_path: pathlib.Path
+) -> None:
+    # gRPC says only "Socket closed", as for a restarting server; one TLS
+    # handshake the client tries itself tells the two apart.
+    with LaneClient(fresh_server.address, "a-lane", grant=fresh_server.admin_grant,
+                    outage=_allowance(tmp_path), settings=TEST_SETTINGS) as client:  # fmt: skip
+        with pytest.raises(errors.TlsMismatch) as raised:
+            client.balance()
+        with pytest.raises(errors.TlsMismatch), client.model_call("model-a", b"x" * 3500, 500):
+            pass
+    assert "serves TLS" in raised.value.message and "tls=" in raised.value.message
+    journal = tmp_path / "journal.jsonl"
+    assert not journal.exists() or not journal.read_text()
