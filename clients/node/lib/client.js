@@ -2,6 +2,7 @@
 
 const { randomBytes } = require('node:crypto');
 const net = require('node:net');
+const nodeTls = require('node:tls');
 const { AsyncLocalStorage } = require('node:async_hooks');
 const grpc = require('@grpc/grpc-js');
 const { ledgerPackage } = require('./proto');
@@ -18,6 +19,7 @@ const {
   ResourceExhausted,
   isLedgerUnavailable,
   resendsReserve,
+  TlsMismatch,
 } = require('./errors');
 const wire = require('./wire');
 const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, newReservationId, GrantError } = require('./arguments');
@@ -429,6 +431,40 @@ function isLocalAddress(address) {
   return target.split(',').every(isLocalHost);
 }
 
+// grpc-js's whole text for a plaintext channel a TLS ledger hung up on, as
+// for a server going away: only a handshake of the client's own tells them apart.
+const FAILED_TO_CONNECT = 'Failed to connect';
+
+/**
+ * Whether the ledger at a plain HOST:PORT answers a TLS handshake: true, false
+ * (a listener that is not TLS), or null (nobody answered: ask another time).
+ * No certificate is checked and nothing is sent after it; an alert from the
+ * server (a client certificate demanded) is TLS too.
+ */
+function servesTls(address, timeoutMs) {
+  const at = address.lastIndexOf(':');
+  const host = address.slice(0, at).replace(/^\[|\]$/g, '');
+  const port = Number(address.slice(at + 1));
+  if (at <= 0 || !Number.isInteger(port) || /^(unix|dns:|ipv)/.test(host) || host.includes(',')) {
+    return Promise.resolve(false);
+  }
+  return new Promise((resolve) => {
+    const socket = nodeTls.connect({ host, port, rejectUnauthorized: false, ALPNProtocols: ['h2'] });
+    const done = (answer) => {
+      socket.destroy();
+      resolve(answer);
+    };
+    socket.setTimeout(timeoutMs, () => done(null));
+    socket.once('secureConnect', () => done(true));
+    socket.once('error', (error) => {
+      const code = String(error.code ?? '');
+      if (code.includes('ALERT')) done(true);
+      else if (code.startsWith('ERR_SSL') || code === 'ECONNRESET') done(false);
+      else done(null);
+    });
+  });
+}
+
 function channelCredentials(tls) {
   if (!tls) return grpc.credentials.createInsecure();
   const options = tls === true ? {} : tls;
@@ -537,6 +573,10 @@ class LaneClient {
     this._channelClosed = false;
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
+    this._usesTls = Boolean(options.tls);
+    // Whether the ledger answered a TLS handshake once a plaintext call met
+    // "Failed to connect" (null: not known yet).
+    this._servesTls = null;
     try {
       this._openJournal();
     } catch (error) {
@@ -721,6 +761,23 @@ class LaneClient {
     }
   }
 
+  /**
+   * A plaintext channel's "Failed to connect" is TlsMismatch when the ledger
+   * answers a TLS handshake: asked until a listener answers, in the call's time left.
+   */
+  async _mistakenForOutage(error, deadline) {
+    if (this._usesTls || !(error instanceof Unavailable) || error.reason || !error.message.includes(FAILED_TO_CONNECT)) {
+      return error;
+    }
+    const leftMs = deadline - Date.now();
+    if (this._servesTls === null && leftMs > 0) this._servesTls = await servesTls(this.address, leftMs);
+    if (!this._servesTls) return error;
+    const message =
+      `the ledger at ${this.address} serves TLS and this client speaks plaintext: pass the tls option ` +
+      '(rootCerts, and clientCert and clientKey if it demands a client certificate)';
+    return new TlsMismatch(message, { code: error.code, metadata: error.metadata, cause: error });
+  }
+
   async _send(method, request, metadata, deadline) {
     let sent;
     let started = null;
@@ -748,6 +805,8 @@ class LaneClient {
       // close() waits for it, and cancels it once its grace is over.
       this._rpcs.set(sent, started);
       return await sent;
+    } catch (error) {
+      throw await this._mistakenForOutage(error, deadline);
     } finally {
       this._rpcs.delete(sent);
     }

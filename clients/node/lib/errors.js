@@ -64,9 +64,9 @@ class SumOutOfRange extends InvalidArgument {}
 // RESOURCE_EXHAUSTED ("Received message larger than max"), not an overload;
 // the server's max_message_bytes is below the request. field: 'request'.
 class RequestTooLarge extends InvalidArgument {}
-// TLS (the `tls` option) to a ledger serving plaintext: every retry fails the
-// same way, so no outage mode. Plaintext to a TLS ledger reads only
-// "Failed to connect", as a restarting server does, and stays Unavailable.
+// TLS (the `tls` option) to a ledger serving plaintext, or plaintext to one
+// serving TLS (told apart by a handshake in client.js): every retry fails the
+// same way, so no outage mode.
 class TlsMismatch extends Refusal {}
 class NotFound extends Refusal {}
 class LaneNotFound extends NotFound {}

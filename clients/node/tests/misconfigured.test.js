@@ -6,7 +6,10 @@
 
 const { after, before, describe, test } = require('node:test');
 const assert = require('node:assert/strict');
+const fs = require('node:fs');
 const net = require('node:net');
+const os = require('node:os');
+const path = require('node:path');
 const { startLedger } = require('./ledger-server');
 const { makeCertificates } = require('./fake-ledger');
 const { LaneClient, RequestTooLarge, TlsMismatch, Unavailable, isLedgerUnavailable } = require('..');
@@ -91,6 +94,46 @@ describe("a request past the server's message limit", () => {
       assert.match(error.message, /200/);
       assert.equal(isLedgerUnavailable(error), false);
       assert.equal(error.retryable, false);
+    } finally {
+      client.close();
+    }
+  });
+});
+
+describe('plaintext to a ledger serving TLS', () => {
+  const certificates = makeCertificates();
+  let ledger;
+  before(async () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-tls-'));
+    const files = { cert: path.join(dir, 'server.pem'), key: path.join(dir, 'server.key') };
+    fs.writeFileSync(files.cert, certificates.serverCert);
+    fs.writeFileSync(files.key, certificates.serverKey);
+    process.env.LEDGER_TLS_CERT = files.cert;
+    process.env.LEDGER_TLS_KEY = files.key;
+    try {
+      ledger = await startLedger();
+    } finally {
+      delete process.env.LEDGER_TLS_CERT;
+      delete process.env.LEDGER_TLS_KEY;
+    }
+  });
+  after(async () => ledger?.stop());
+
+  test('names the tls option, on every call, and is no outage', async () => {
+    // grpc-js says only "Failed to connect", as for a restarting server; one
+    // TLS handshake the client tries itself tells the two apart.
+    const client = new LaneClient(ledger.address, 'a-lane', { grant: 'a-grant', deadlineMs: DEADLINE_MS });
+    try {
+      for (let attempt = 0; attempt < 2; attempt += 1) {
+        const error = await client.balance().then(
+          () => assert.fail('the call got through'),
+          (rejected) => rejected,
+        );
+        assert.ok(error instanceof TlsMismatch, `${error.name}: ${error.message}`);
+        assert.match(error.message, /serves TLS/);
+        assert.match(error.message, /tls/);
+        assert.equal(isLedgerUnavailable(error), false);
+      }
     } finally {
       client.close();
     }

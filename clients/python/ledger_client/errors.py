@@ -144,11 +144,12 @@ class TooManyReconciles(LedgerError):
 
 
 class TlsMismatch(LedgerError):
-    """The client speaks TLS (`tls=`) to a ledger that serves plaintext: every
-    retry fails the same way, so no outage mode; fix the `tls` setting or the
-    address. Classified by gRPC's handshake text (WRONG_VERSION_NUMBER), the
-    one transport signal no outage produces. Plaintext to a TLS ledger reads
-    "Socket closed", as a restarting server does, so it stays an outage."""
+    """The client's `tls=` does not match the ledger: every retry fails the
+    same way, so no outage mode; fix the `tls` setting or the address. TLS to
+    a plaintext ledger is gRPC's handshake text (WRONG_VERSION_NUMBER), the one
+    transport signal no outage produces; plaintext to a TLS ledger ("Socket
+    closed", as from a restarting server) is told apart by a handshake the
+    client tries itself (LaneClient._mistaken_for_outage)."""
 
 
 class RequestTooLarge(InvalidArgument):
