@@ -4,12 +4,14 @@ with the admin grant the server writes there; test certificates for mutual TLS."
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import selectors
 import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 
 import grpc
 from google.protobuf import duration_pb2
@@ -30,6 +32,20 @@ PRICE = pb.ModelPrice(
 
 def ledger_executable() -> str:
     return str(pathlib.Path(sys.executable).with_name("ledger"))
+
+
+@contextlib.contextmanager
+def running(
+    data_dir: pathlib.Path, extra_arguments: tuple[str, ...] = ()
+) -> Iterator[LedgerProcess]:
+    """A server of its own in a new `data_dir`, stopped when the block ends."""
+    server = LedgerProcess(data_dir, extra_arguments)
+    server.data_dir.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 class LedgerProcess:

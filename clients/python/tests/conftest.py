@@ -6,7 +6,7 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
-from client_ledger import Admin, LedgerProcess, make_certificates, new_lane_name
+from client_ledger import Admin, LedgerProcess, make_certificates, new_lane_name, running
 
 
 @pytest.fixture(scope="session")
@@ -61,10 +61,5 @@ def fresh_server(
         "--tls-client-ca",
         str(certificates["ca.pem"]),
     )
-    server = LedgerProcess(tmp_path / "ledger", tls)
-    server.data_dir.mkdir()
-    server.start()
-    try:
+    with running(tmp_path / "ledger", tls) as server:
         yield server
-    finally:
-        server.stop()

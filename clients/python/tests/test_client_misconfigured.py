@@ -11,7 +11,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from client_ledger import TEST_SETTINGS, LedgerProcess, lane_tls
+from client_ledger import TEST_SETTINGS, LedgerProcess, lane_tls, running
 from ledger_client import ClientSettings, LaneClient, ModelPrice, OutagePolicy, errors
 
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
@@ -62,13 +62,8 @@ def small_server(
 ) -> Iterator[LedgerProcess]:
     """A ledger taking messages of 200 bytes at most, less than this client's limit."""
     monkeypatch.setenv("LEDGER_MAX_MESSAGE_BYTES", "200")
-    server = LedgerProcess(tmp_path / "ledger")
-    server.data_dir.mkdir()
-    server.start()
-    try:
+    with running(tmp_path / "ledger") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_the_servers_message_limit_is_not_an_overload(small_server: LedgerProcess) -> None:
