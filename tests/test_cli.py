@@ -6,7 +6,7 @@ on a temporary SQLite data directory) and the CLI runs in process through
 `ledger_service.cli.main`, so its stdout, stderr and exit code are all checked.
 The `--follow` test runs the CLI as a subprocess, because it ends on Ctrl-C.
 The TLS tests start two servers in process, one with TLS and one with mutual TLS,
-with certificates made by the helpers of tests/security/test_tls.py.
+with certificates made by the helpers of tests/security/certificates.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
 from ledger_service.storage import keyring
 from tests.freezing_proxy import FreezingProxy
-from tests.security.test_tls import Issued, issue, make_ca
+from tests.security.certificates import Issued, issue, make_ca
 
 LEDGER = pathlib.Path(sys.executable).parent / "ledger"
 START_SECONDS = 30.0

@@ -23,8 +23,10 @@ from google.protobuf.message import Message
 from ledger_service.domain.clock import MICROS_PER_SECOND, SystemClock
 from ledger_service.domain.grants import Keyring, Scope, new_key, new_key_id
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
+from tests.security.certificates import Pki, issue, make_ca
 
 RPC_TIMEOUT_SECONDS = 10.0
 HOUR_US = 3600 * MICROS_PER_SECOND
@@ -280,3 +282,58 @@ def shared_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureLe
     finally:
         channel.close()
         server.stop(0)
+
+
+# TLS: servers on the certificates of tests/security/certificates.py.
+CONNECT_TIMEOUT_SECONDS = 5.0
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    ca = make_ca("ledger test CA")
+    rogue_ca = make_ca("rogue CA")
+    return Pki(
+        directory=tmp_path_factory.mktemp("pki"),
+        ca=ca,
+        server=issue(ca, "localhost", server=True),
+        client=issue(ca, "lane recall", server=False),
+        rogue_client=issue(rogue_ca, "lane recall", server=False),
+    )
+
+
+@pytest.fixture
+def start_tls_server(tmp_path: pathlib.Path) -> Iterator[Callable[..., LedgerServer]]:
+    started: list[LedgerServer] = []
+
+    def start(**overrides: object) -> LedgerServer:
+        server = LedgerServer(security_settings(tmp_path / f"s{len(started)}", **overrides))
+        started.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in started:
+        server.stop(0)
+
+
+def balance(channel: grpc.Channel, server: LedgerServer) -> grpc.StatusCode:
+    """Puts the home lane and reads its balance; the status of the first failing call."""
+    try:
+        admin = pb_grpc.LaneAdminStub(channel)
+        lane = pb.Lane(lane=HOME_LANE, limit_nanos=1000, prices={"jev": pb.ModelPrice()})
+        admin.PutLane(
+            pb.PutLaneRequest(lane=lane),
+            metadata=bearer(server.admin_grant),
+            timeout=CONNECT_TIMEOUT_SECONDS,
+        )
+        pb_grpc.LedgerStub(channel).GetBalance(
+            pb.GetBalanceRequest(lane=HOME_LANE),
+            metadata=bearer(server.admin_grant),
+            timeout=CONNECT_TIMEOUT_SECONDS,
+        )
+    except grpc.RpcError as error:
+        assert isinstance(error, grpc.Call)
+        return error.code()
+    finally:
+        channel.close()
+    return grpc.StatusCode.OK
