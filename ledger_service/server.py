@@ -9,7 +9,6 @@ NOT_SERVING even while the sweeper or a recovery check waits on it.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import itertools
 import logging
@@ -22,7 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -57,6 +56,9 @@ from ledger_service.settings import Settings, grpc_server_options, is_loopback
 from ledger_service.storage import database, keyring, migrate, translate
 from ledger_service.storage.sql import SqlStore
 from ledger_service.telemetry import Telemetry, configure_telemetry
+
+if TYPE_CHECKING:  # imported at run time only with TLS (server_tls)
+    from ledger_service.tls_files import ServerTls
 
 log = logging.getLogger("ledger.server")
 
@@ -156,7 +158,9 @@ class LedgerServer:
         if not settings.auth_enabled and not is_loopback(settings.listen):
             raise ValueError("--insecure-no-auth is refused unless the server listens on loopback")
         recovery_policy(settings)  # refused here, before any file is made
-        self.server_credentials = server_credentials(settings)
+        # Certificate expiry follows the real clock, as grant expiry does.
+        self._tls = server_tls(settings, SystemClock())
+        self.server_credentials = None if self._tls is None else self._tls.credentials()
         # From the OTEL_* variables unless given (tests); shut down with the server if ours.
         self.telemetry = telemetry or configure_telemetry()
         self._owns_telemetry = telemetry is None
@@ -373,6 +377,7 @@ class LedgerServer:
             log.warning("PLAINTEXT beyond loopback on %s: grants and amounts cross the "
                         "network readable by anyone on the path; serve TLS (--tls-cert, "
                         "--tls-key)", bound)  # fmt: skip
+        self._check_certificate_expiry()
         self._tracing.listening_on(self.settings.listen.rsplit(":", 1)[0], self.port)
         log.info("telemetry: %s", self.telemetry.description)
         self._server.start()
@@ -459,6 +464,16 @@ class LedgerServer:
                 self._reload_keyring()
             except Exception:
                 log.exception("keyring check failed; the keys in force stay")
+            self._check_certificate_expiry()
+
+    def _check_certificate_expiry(self) -> None:
+        """At start and at every health check; says something at most once a day."""
+        if self._tls is None:
+            return
+        try:
+            self._tls.check_expiry()
+        except Exception:
+            log.exception("certificate expiry check failed")
 
     def _maintain(self) -> None:
         """Sweeps expired holds while the database answers, until stopped. It
@@ -660,8 +675,9 @@ def issue_admin_grant(settings: Settings, grant_keys: Keyring) -> str:
     return grant
 
 
-def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
-    """TLS credentials when a certificate is configured; with a client CA, mTLS."""
+def server_tls(settings: Settings, clock: Clock) -> ServerTls | None:
+    """The TLS files, checked, when a certificate is configured; with a client
+    CA, mutual TLS. Replaced files are taken at the next handshake."""
     cert, key, client_ca = (
         settings.tls_cert_path,
         settings.tls_key_path,
@@ -676,17 +692,7 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     # Imported here: cryptography adds about 10 MiB to every server, TLS or not.
     from ledger_service import tls_files
 
-    key_pem, cert_pem = tls_files.read(key, "--tls-key"), tls_files.read(cert, "--tls-cert")
-    tls_files.check_server_pair(cert_pem, cert, key_pem, key, datetime.datetime.now(datetime.UTC))
-    client_ca_pem = None
-    if client_ca is not None:
-        client_ca_pem = tls_files.read(client_ca, "--tls-client-ca")
-        tls_files.certificates(client_ca_pem, client_ca, "--tls-client-ca")
-    return grpc.ssl_server_credentials(
-        [(key_pem, cert_pem)],
-        root_certificates=client_ca_pem,
-        require_client_auth=client_ca is not None,
-    )
+    return tls_files.ServerTls(cert, key, client_ca, clock)
 
 
 def _transport(settings: Settings) -> str:

@@ -13,6 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from ledger_service.domain.clock import SystemClock
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
@@ -129,7 +130,7 @@ def test_a_tls_file_that_cannot_be_read_is_one_line_naming_its_flag(
         tls_key_path=missing,
     )
     with pytest.raises(ValueError, match=r"^--tls-key .*nope\.pem: No such file"):
-        server.server_credentials(settings)
+        server.server_tls(settings, SystemClock())
 
 
 def test_tls_beyond_loopback_is_not_warned_about_as_plaintext(
@@ -207,4 +208,4 @@ def test_a_tls_file_gRPC_cannot_use_is_named_with_its_flag(
         tls_client_ca_path=None if client_ca is None else pki.directory / client_ca,
     )
     with pytest.raises(ValueError, match=message):
-        server.server_credentials(settings)
+        server.server_tls(settings, SystemClock())
