@@ -179,9 +179,6 @@ class LaneClient:
         self._starting = threading.Lock()
         self._address = address
         self._tls = tls
-        # Whether the ledger answered a TLS handshake, once a plaintext call
-        # met "Socket closed" (None: not known yet; asked until a listener answers).
-        self._serves_tls: bool | None = None
         if grant is not None and tls is None and not is_local_address(address):
             # Once per client: a grant is a bearer credential, readable on the wire.
             log.warning(
@@ -364,7 +361,10 @@ class LaneClient:
 
     def _mistaken_for_outage(self, error: LedgerError, deadline: float) -> LedgerError:
         """A plaintext channel's "Socket closed" is TlsMismatch when the ledger
-        answers a TLS handshake: asked until a listener answers, in the call's time left."""
+        answers a TLS handshake, asked in the call's time left. Asked anew each
+        time, never remembered: the server behind the address can change (a TLS
+        ledger restarted as plaintext, a proxy), and a remembered answer would
+        then turn a real outage into TlsMismatch and stop the lane's allowance."""
         if (
             self._tls is not None
             or error.code is not grpc.StatusCode.UNAVAILABLE
@@ -373,9 +373,7 @@ class LaneClient:
         ):
             return error
         left = deadline - time.monotonic()
-        if self._serves_tls is None and left > 0:
-            self._serves_tls = serves_tls(self._address, left)
-        if not self._serves_tls:
+        if left <= 0 or not serves_tls(self._address, left):
             return error
         return TlsMismatch(
             error.code,

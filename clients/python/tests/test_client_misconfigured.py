@@ -6,8 +6,11 @@ UNAVAILABLE that fails the same way on every retry)."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import socket
+import ssl
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -94,3 +97,63 @@ def test_plaintext_to_a_tls_ledger_names_the_tls_setting(
     assert "serves TLS" in raised.value.message and "tls=" in raised.value.message
     journal = tmp_path / "journal.jsonl"
     assert not journal.exists() or not journal.read_text()
+
+
+class _Listener:
+    """A listener on one port that either completes a TLS handshake (a ledger
+    serving TLS) or hangs up at once (a plaintext ledger restarting, or a proxy
+    whose backend is gone), switched while the lane's client keeps its channel."""
+
+    def __init__(self, certificates: dict[str, pathlib.Path]) -> None:
+        self.serves_tls = True
+        self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._context.load_cert_chain(certificates["server.pem"], certificates["server.key"])
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._socket.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            with connection:
+                connection.settimeout(5)
+                if self.serves_tls:
+                    self._handshake(connection)
+
+    def _handshake(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            if connection.recv(1, socket.MSG_PEEK) == b"\x16":  # a TLS ClientHello
+                self._context.wrap_socket(connection, server_side=True).close()
+                return
+            # A plaintext client's bytes: hang up as a TLS ledger does, after
+            # reading them, so the client sees the socket closed, not reset.
+            connection.shutdown(socket.SHUT_WR)
+            while connection.recv(4096):
+                pass
+
+    def close(self) -> None:
+        self._socket.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self._socket.close()
+        self._thread.join()
+
+
+def test_a_tls_ledger_replaced_by_a_plaintext_one_is_an_outage_again(
+    certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    # The operator fixed the mismatch on the server's side; while the plaintext
+    # ledger restarts, "Socket closed" is a real outage, not the old TLS ledger.
+    listener = _Listener(certificates)
+    settings = ClientSettings(replay_interval_seconds=None)
+    try:
+        with LaneClient(listener.address, "lane", settings=settings) as client:
+            with pytest.raises(errors.TlsMismatch):
+                client.balance()
+            listener.serves_tls = False
+            with pytest.raises(errors.LedgerUnavailable):
+                client.balance()
+    finally:
+        listener.close()
