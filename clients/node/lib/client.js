@@ -574,9 +574,6 @@ class LaneClient {
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
     this._usesTls = Boolean(options.tls);
-    // Whether the ledger answered a TLS handshake once a plaintext call met
-    // "Failed to connect" (null: not known yet).
-    this._servesTls = null;
     try {
       this._openJournal();
     } catch (error) {
@@ -763,15 +760,17 @@ class LaneClient {
 
   /**
    * A plaintext channel's "Failed to connect" is TlsMismatch when the ledger
-   * answers a TLS handshake: asked until a listener answers, in the call's time left.
+   * answers a TLS handshake, asked in the call's time left. Asked anew each
+   * time, never remembered: the server behind the address can change (a TLS
+   * ledger restarted as plaintext, a proxy), and a remembered answer would then
+   * turn a real outage into TlsMismatch and stop the lane's allowance.
    */
   async _mistakenForOutage(error, deadline) {
     if (this._usesTls || !(error instanceof Unavailable) || error.reason || !error.message.includes(FAILED_TO_CONNECT)) {
       return error;
     }
     const leftMs = deadline - Date.now();
-    if (this._servesTls === null && leftMs > 0) this._servesTls = await servesTls(this.address, leftMs);
-    if (!this._servesTls) return error;
+    if (leftMs <= 0 || !(await servesTls(this.address, leftMs))) return error;
     const message =
       `the ledger at ${this.address} serves TLS and this client speaks plaintext: pass the tls option ` +
       '(rootCerts, and clientCert and clientKey if it demands a client certificate)';

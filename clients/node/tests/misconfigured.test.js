@@ -8,6 +8,7 @@ const { after, before, describe, test } = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
 const net = require('node:net');
+const tls = require('node:tls');
 const os = require('node:os');
 const path = require('node:path');
 const { startLedger } = require('./ledger-server');
@@ -136,6 +137,39 @@ describe('plaintext to a ledger serving TLS', () => {
       }
     } finally {
       client.close();
+    }
+  });
+});
+
+describe('a TLS ledger replaced by a plaintext one on the same address', () => {
+  test('is an outage again once the TLS listener is gone, not a remembered TlsMismatch', async () => {
+    // The operator fixed the mismatch on the server's side; while the plaintext
+    // ledger restarts (a listener hanging up), the call is a real outage.
+    const certificates = makeCertificates();
+    const tlsListener = tls.createServer({ cert: certificates.serverCert, key: certificates.serverKey }, (socket) =>
+      socket.end(),
+    );
+    await new Promise((resolve) => tlsListener.listen(0, '127.0.0.1', resolve));
+    const { port } = tlsListener.address();
+    const client = new LaneClient(`127.0.0.1:${port}`, 'a-lane', { grant: 'a-grant', deadlineMs: DEADLINE_MS });
+    let hangingUp = null;
+    try {
+      await assert.rejects(client.balance(), TlsMismatch);
+      await new Promise((resolve) => tlsListener.close(resolve));
+      hangingUp = net.createServer((socket) => {
+        socket.resume();
+        socket.end();
+      });
+      await new Promise((resolve) => hangingUp.listen(port, '127.0.0.1', resolve));
+      const error = await client.balance().then(
+        () => assert.fail('the call got through'),
+        (rejected) => rejected,
+      );
+      assert.ok(error instanceof Unavailable, `${error.name}: ${error.message}`);
+      assert.equal(isLedgerUnavailable(error), true);
+    } finally {
+      client.close();
+      hangingUp?.close();
     }
   });
 });
