@@ -315,8 +315,9 @@ def _prometheus(environ: Mapping[str, str]) -> tuple[MetricReader, str, Callable
 # how the SDK parses each. A malformed one only warned ("Found invalid value for
 # export interval, using default") or raised unnamed, and the server ran on a
 # value nobody chose: it stops the start, naming the variable.
+_EXPORT_INTERVAL = "OTEL_METRIC_EXPORT_INTERVAL"
 _NUMBER_VARIABLES: dict[str, Callable[[str], float]] = {
-    "OTEL_METRIC_EXPORT_INTERVAL": float,
+    _EXPORT_INTERVAL: float,
     "OTEL_METRIC_EXPORT_TIMEOUT": float,
     "OTEL_BSP_SCHEDULE_DELAY": int,
     "OTEL_BSP_MAX_QUEUE_SIZE": int,
@@ -341,6 +342,9 @@ def _check_numbers(environ: Mapping[str, str]) -> None:
         if not math.isfinite(number):
             kind = "a whole number" if parse is int else "a finite number"
             raise ValueError(f"{variable}={text!r}: not a number ({kind} expected)")
+        if variable == _EXPORT_INTERVAL and number <= 0:
+            # A number, but the SDK's reader raises on it without the variable's name.
+            raise ValueError(f"{variable}={text!r}: milliseconds between exports, above 0")
 
 
 def configure_telemetry(

@@ -356,3 +356,15 @@ def test_a_malformed_number_stops_the_start_naming_its_variable(
     }
     with pytest.raises(ValueError, match=f"^{variable}='{text}': not a number"):
         configure_telemetry(environ).shutdown()
+
+
+@pytest.mark.parametrize("text", ["0", "-1"])
+def test_a_metric_export_interval_of_zero_or_less_stops_the_start_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    # A number, so it passed the check, but the SDK's reader then raised without
+    # the variable's name ("interval value -1.0 is invalid ...").
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", text)  # the SDK reads os.environ itself
+    environ = {"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": text}
+    with pytest.raises(ValueError, match=f"^OTEL_METRIC_EXPORT_INTERVAL='{text}': "):
+        configure_telemetry(environ).shutdown()
