@@ -155,8 +155,14 @@ INSUFFICIENT_RESOURCES = (
 
 # libpq's words for a connect the server refused for lack of connection slots
 # (53300: the role's CONNECTION LIMIT, or max_connections): a refused connect
-# carries no SQLSTATE, so its words are all there is to tell it by.
-TOO_MANY_CONNECTIONS_WORDS = ("too many connections", "too many clients already")
+# carries no SQLSTATE, so its words are all there is to tell it by. The last is
+# what a role without SUPERUSER meets first, superuser_reserved_connections
+# (3 by default) before max_connections.
+TOO_MANY_CONNECTIONS_WORDS = (
+    "too many connections",
+    "too many clients already",
+    "remaining connection slots are reserved",
+)
 CONNECT_REFUSED = (
     "the database server refused a new connection: too many connections "
     "(53300 too_many_connections)",

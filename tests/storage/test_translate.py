@@ -195,3 +195,24 @@ def test_a_server_that_refuses_every_write_is_told_so_in_words(sqlstate: str, wo
     assert condition is not None and words in condition[0], condition
     assert translate.cannot_write(psycopg.errors.QueryCanceled("x")) is None
     assert translate.cannot_write(sqlite3.OperationalError("database or disk is full")) is None
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        "sorry, too many clients already",
+        'too many connections for role "ledger"',
+        'too many connections for database "ledger"',
+        # Also 53300, and what a role without SUPERUSER meets first with the default
+        # superuser_reserved_connections (3): PostgreSQL 15, then 16 and later.
+        "remaining connection slots are reserved for non-replication superuser connections",
+        "remaining connection slots are reserved for roles with the SUPERUSER attribute",
+        "remaining connection slots are reserved for roles with privileges of the "
+        '"pg_use_reserved_connections" role',
+    ],
+)
+def test_every_connect_refused_for_lack_of_slots_is_told_as_such(words: str) -> None:
+    refused = psycopg.OperationalError(
+        f'connection failed: connection to server at "127.0.0.1", port 5432 failed: FATAL:  {words}'
+    )
+    assert translate.connect_refused(refused) == translate.CONNECT_REFUSED
