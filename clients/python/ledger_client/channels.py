@@ -8,6 +8,7 @@ import ipaddress
 import re
 import socket
 import ssl
+import time
 
 import grpc
 
@@ -118,13 +119,14 @@ def open_channel(address: str, tls: TlsSettings | None, settings: ClientSettings
     return grpc.secure_channel(address, tls.credentials(), options=options)
 
 
-def serves_tls(address: str, timeout_seconds: float) -> bool | None:
+def serves_tls(address: str, deadline: float) -> bool | None:
     """Whether the ledger at a plain `host:port` answers a TLS handshake: a
     plaintext channel to a TLS ledger gets only gRPC's "Socket closed", as
     from a restarting server, and this one handshake tells the two apart. No
     certificate is checked and nothing is sent after it; an alert from the
     server (a client certificate demanded) is TLS too. None: nobody answered
-    (refused, timed out), so ask again another time."""
+    (refused, timed out), so ask again another time. `deadline` (monotonic)
+    bounds the connect and the handshake together."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or "," in host or host.startswith(("unix", "dns:", "ipv")):
         return False
@@ -132,14 +134,17 @@ def serves_tls(address: str, timeout_seconds: float) -> bool | None:
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     try:
-        with (
-            socket.create_connection((host.strip("[]"), int(port)), timeout_seconds) as raw,
-            context.wrap_socket(raw),
-        ):
-            return True
+        with socket.create_connection((host.strip("[]"), int(port)), _left(deadline)) as raw:
+            raw.settimeout(_left(deadline))
+            with context.wrap_socket(raw):
+                return True
     except ssl.SSLEOFError:
         return False  # a listener that hung up on the handshake: not TLS
     except ssl.SSLError as error:
         return "ALERT" in (error.reason or "")
     except OSError:
         return None
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)

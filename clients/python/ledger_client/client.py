@@ -372,8 +372,7 @@ class LaneClient:
             or _SOCKET_CLOSED not in error.message
         ):
             return error
-        left = deadline - time.monotonic()
-        if left <= 0 or not serves_tls(self._address, left):
+        if deadline <= time.monotonic() or not serves_tls(self._address, deadline):
             return error
         return TlsMismatch(
             error.code,
