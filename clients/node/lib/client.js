@@ -450,11 +450,14 @@ function servesTls(address, timeoutMs) {
   }
   return new Promise((resolve) => {
     const socket = nodeTls.connect({ host, port, rejectUnauthorized: false, ALPNProtocols: ['h2'] });
+    // One timer for the connect and the handshake together (a socket's own
+    // timeout is for idleness, and restarts with every byte).
+    const timer = setTimeout(() => done(null), timeoutMs);
     const done = (answer) => {
+      clearTimeout(timer);
       socket.destroy();
       resolve(answer);
     };
-    socket.setTimeout(timeoutMs, () => done(null));
     socket.once('secureConnect', () => done(true));
     socket.once('error', (error) => {
       const code = String(error.code ?? '');
