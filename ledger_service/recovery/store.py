@@ -197,12 +197,8 @@ def _position(connection: Connection, head_seq: int | None = None) -> Position |
     if row.state == STATE_CURRENT and connection.dialect.name != "sqlite":
         # PostgreSQL's appends leave the marker alone (storage/chaining.py):
         # while current, the projections cover the whole log.
-        last_seq = _head_seq(connection) if head_seq is None else head_seq
+        last_seq = SqlTransaction(connection, False).last_seq() if head_seq is None else head_seq
     return Position(last_seq, str(row.state), str(row.owner), int(row.updated_at_us))
-
-
-def _head_seq(connection: Connection) -> int:
-    return int(connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one())
 
 
 def _inserted_id(connection: Connection, table: Any, **values: Any) -> int:
@@ -907,7 +903,7 @@ class SqlRecoveryStore:
 
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
         with self._writing(marker=True) as connection:
-            if _head_seq(connection) != applied_seq:
+            if SqlTransaction(connection, self._sqlite).last_seq() != applied_seq:
                 return False
             result = connection.execute(
                 _our_rebuild(owner).values(state=STATE_CURRENT, owner="", last_seq=applied_seq)
