@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
 import time
@@ -42,8 +41,6 @@ from ledger_service.recovery.store import (
     Position,
     RebuildClaimLost,
     RebuildFailed,
-    SnapshotChunk,
-    SqlProjectionView,
     SqlRecoveryStore,
     marker_key,
 )
@@ -585,10 +582,8 @@ class Recovery:
             if heads is None:
                 heads = view.chain_heads(seq)
             digest = ProjectionDigest(seq, {lane: head for lane, head in heads.items() if head})
-            for policy in view.lanes():
-                digest.add_lane(policy)
-            for text in view.booking_texts():
-                digest.add_booking_text(text)
+            for chunk in view.chunks(self.settings.batch_events):
+                chunk.add_to(digest)
         return digest.hexdigest()
 
     # Snapshots ---------------------------------------------------------------
@@ -626,7 +621,9 @@ class Recovery:
             taken_at_us = self._wall.now_us()
             snapshot_id = self._store.begin_snapshot(position, heads, taken_at_us)
             digest = ProjectionDigest(position, heads)
-            self._write_chunks(snapshot_id, view, digest)
+            for chunk_no, chunk in enumerate(view.chunks(self.settings.batch_events)):
+                chunk.add_to(digest)
+                self._store.write_snapshot_chunk(snapshot_id, chunk_no, chunk)
         previous, walk = self._walk_from_trusted(snapshots, position, position, position)
         verified = (
             _verified_from(previous)
@@ -657,19 +654,6 @@ class Recovery:
             "" if verified else " (the chain before it did NOT check out)",
         )
         return info
-
-    def _write_chunks(
-        self, snapshot_id: int, view: SqlProjectionView, digest: ProjectionDigest
-    ) -> None:
-        size = self.settings.batch_events
-        policies = view.lanes()
-        lane_batches = iter(lambda: list(itertools.islice(policies, size)), [])
-        chunks = itertools.chain(
-            (SnapshotChunk(lanes=batch) for batch in lane_batches), view.booking_chunks(size)
-        )
-        for chunk_no, chunk in enumerate(chunks):
-            chunk.add_to(digest)
-            self._store.write_snapshot_chunk(snapshot_id, chunk_no, chunk)
 
     # The whole of it -------------------------------------------------------------
 

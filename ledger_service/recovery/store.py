@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -147,6 +148,10 @@ class SnapshotChunk:
     @property
     def rows(self) -> int:
         return len(self.lanes) + len(self.booking_rows)
+
+    @classmethod
+    def of_booking_rows(cls, rows: Sequence[Sequence[Any]]) -> SnapshotChunk:
+        return cls(booking_rows=rows, booking_texts=records.booking_texts_from_rows(rows))
 
 
 class RebuildClaimLost(Exception):
@@ -448,11 +453,13 @@ class SqlProjectionView:
         for rows in self._booking_rows(self._batch):
             yield from records.booking_texts_from_rows(rows)
 
-    def booking_chunks(self, size: int) -> Iterator[SnapshotChunk]:
-        for rows in self._booking_rows(size):
-            yield SnapshotChunk(
-                booking_rows=rows, booking_texts=records.booking_texts_from_rows(rows)
-            )
+    def chunks(self, size: int) -> Iterator[SnapshotChunk]:
+        """The projections as a snapshot holds them: the lanes, then the
+        bookings, `size` rows a chunk."""
+        policies = self.lanes()
+        lane_batches = iter(lambda: list(itertools.islice(policies, size)), [])
+        yield from (SnapshotChunk(lanes=batch) for batch in lane_batches)
+        yield from map(SnapshotChunk.of_booking_rows, self._booking_rows(size))
 
 
 class SqlRecoveryStore:
@@ -1031,5 +1038,4 @@ def _chunk_of(kind: str, payload: Any) -> SnapshotChunk:
             "its bookings' columns are not this release's "
             + (f"(it lacks {', '.join(missing)})" if missing else "(another set or order)")
         )
-    plain = [tuple(row) for row in payload["rows"]]
-    return SnapshotChunk(booking_rows=plain, booking_texts=records.booking_texts_from_rows(plain))
+    return SnapshotChunk.of_booking_rows([tuple(row) for row in payload["rows"]])
