@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 from ledger_service.domain.chain import (
@@ -127,7 +127,7 @@ class ChainBroken(Exception):
         self.chain_break = chain_break
 
 
-def lanes_of(batch: Sequence[Event]) -> list[LanePolicy]:
+def lanes_of(batch: Iterable[Event]) -> list[LanePolicy]:
     """The lanes as the batch's lane_configured events leave them (the same
     fold as the live path: `policy_from_dict`)."""
     lanes: dict[str, LanePolicy] = {}

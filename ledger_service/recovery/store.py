@@ -651,10 +651,6 @@ class SqlRecoveryStore:
         rows = self._all(select(events.c.lane).distinct().order_by(events.c.lane))
         return [str(lane) for (lane,) in rows]
 
-    def projected_lanes(self) -> Sequence[LanePolicy]:
-        rows = self._all(select(lanes).order_by(lanes.c.lane))
-        return [records.lane_from_row(row._mapping) for row in rows]
-
     def projected_bookings(self, lane: str) -> Iterator[Booking]:
         """The lane's bookings by reservation id, `batch_rows` rows in memory at a time."""
         with self._reading() as connection:

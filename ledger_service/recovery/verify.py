@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator, Mapping
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import ChainWalker
 from ledger_service.domain.events import Event, EventKind
-from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, members, policy_from_dict
+from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, members
 from ledger_service.domain.replay import Projection
 from ledger_service.domain.window import WindowTotals, totals_of
-from ledger_service.recovery.rebuild import ProgressFn, no_progress, projection_findings
+from ledger_service.recovery.rebuild import ProgressFn, lanes_of, no_progress, projection_findings
 from ledger_service.recovery.store import AcceptedBreak, SqlRecoveryStore
 
 MAX_KEPT_FINDINGS = 100
@@ -98,14 +98,12 @@ class Verifier:
         self._accepted = self._store.accepted_breaks()
         for finding in projection_findings(self._store.facts()):
             report.add(finding)
-        policies: dict[str, LanePolicy] = {}
-        for event in self._events(kinds=(EventKind.LANE_CONFIGURED.value,)):
-            if event.policy is not None:
-                policies[event.lane] = policy_from_dict(
-                    event.policy, event.seq, event.occurred_at_us
-                )
+        # A lane configured without a policy is left to its lane's replay to name.
+        configured = self._events(kinds=(EventKind.LANE_CONFIGURED.value,))
+        policies = {p.lane: p for p in lanes_of(e for e in configured if e.policy is not None)}
         windows = _windows_needed(policies)
-        projected = {policy.lane: policy for policy in self._store.projected_lanes()}
+        with self._store.view() as view:
+            projected = {policy.lane: policy for policy in view.lanes()}
         own_totals: dict[tuple[str, int], WindowTotals] = {}
         total = self._store.count_events_after(0)
         for lane in sorted(set(self._store.log_lanes()) | set(projected)):
