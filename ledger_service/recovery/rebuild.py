@@ -407,7 +407,7 @@ class Recovery:
             f"({snapshot.rows} rows) + a tail of {tail} events at {rate:.0f}/s"
         )
         risk = planner.RISK_VERIFIED
-        breaks = walk.after(snapshot.position_seq)
+        breaks = [found for found in walk.breaks if found.seq > snapshot.position_seq]
         heads = walk.heads_at.get(snapshot.position_seq)
         if problem:
             risk, detail = planner.RISK_UNVERIFIABLE, f"{detail}; {problem}"

@@ -35,12 +35,8 @@ MAX_PROCESSES = 8
 # How often a helper looks whether its parent is still there.
 PARENT_CHECK_SECONDS = 0.5
 
-# Where a row of EVENT_COLUMNS holds what (they are Event's fields, in order).
+# Where a row of EVENT_COLUMNS holds what (records.py: Event's fields, in order).
 _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(Event))
-assert (
-    tuple("policy_json" if name == "policy" else name for name in _FIELD_NAMES)
-    == records.EVENT_COLUMNS
-)
 _hashed = operator.itemgetter(*(_FIELD_NAMES.index(name) for name in chain.HASHED_NAMES))
 _SEQ, _LANE, _HASH, _PREVIOUS, _POLICY = (
     _FIELD_NAMES.index(name) for name in ("seq", "lane", "hash", "previous_hash", "policy")
@@ -86,9 +82,6 @@ class Walk:
         self.break_count += 1
         if len(self.breaks) < MAX_NAMED_BREAKS:
             self.breaks.append(found)
-
-    def after(self, seq: int) -> list[ChainBreak]:
-        return [found for found in self.breaks if found.seq > seq]
 
 
 def ranges(after_seq: int, through_seq: int, size: int, cuts: Sequence[int] = ()) -> list[int]:
