@@ -293,12 +293,8 @@ class Recovery:
         # The log's end read after the snapshots, not the assessment's: other
         # replicas may have appended and snapshotted since (see assess).
         head = max(facts.head_seq, self._store.last_seq())
-        required = head
-        if facts.position is not None and facts.position.state == STATE_CURRENT:
-            required = max(required, facts.position.last_seq)
-        for snapshot in snapshots:
-            required = max(required, snapshot.position_seq)
-        lost = required > head and not self.settings.accept_log_head
+        missing = self._missing_events(facts, snapshots, head)
+        findings = [*assessment.findings, *([missing] if missing else [])]
         usable = [s for s in snapshots if s.position_seq <= head][: self.settings.snapshot_keep]
         digests = {s.snapshot_id: self.check_snapshot(s) for s in usable}
         valid = [s for s in usable if not digests[s.snapshot_id]]
@@ -314,36 +310,22 @@ class Recovery:
             ),
             known_refusals or {},
         )
-        try:
-            rate = self.measure_rate()
-        except EventRefused as refused:
-            # The sample is the log's first events: this is the first the log refuses.
-            replays[0] = refused
-            rate = self.measure_rate(before_seq=refused.seq)
-        findings = list(assessment.findings)
-        if lost:
-            findings.append(
-                f"the projections or a snapshot reached event {required} but the log ends at "
-                f"{head}: no source holds the events in between"
-            )
+        grounds = _Grounds(walk, self._first_rate(replays), bool(missing), replays)
         while True:
             built = [
-                self._log_source(facts, anchor, walk, rate, lost, replays),
+                self._log_source(facts, anchor, grounds),
                 *(
-                    self._snapshot_source(
-                        s, digests[s.snapshot_id], walk, rate, lost, assessment.altered, replays
-                    )
+                    self._snapshot_source(s, digests[s.snapshot_id], grounds, assessment.altered)
                     for s in usable
                 ),
             ]
-            routes = {source.source_id: route for source, route in built}
             breaks = {
                 source.source_id: [found.describe() for found in route.tolerated]
                 for source, route in built
             }
             manifest = planner.plan([source for source, _ in built], policy, findings, breaks)
             if anchor is None or FULL_LOG_SOURCE not in manifest.chosen:
-                return Plan(manifest, routes)
+                return Plan(manifest, {source.source_id: route for source, route in built})
             # The whole log would be replayed, and its links before the anchor were
             # taken on the snapshot's word: check them now, before anything is
             # written, so that a broken one refuses the plan instead of stopping
@@ -354,15 +336,32 @@ class Recovery:
             walk.unsealed += prefix.unsealed
             anchor = None
 
+    def _missing_events(self, facts: LogFacts, snapshots: Sequence[SnapshotInfo], head: int) -> str:
+        """The finding when the projections or a snapshot went past the log's
+        end `head` ("" when none did, or the operator accepts the log's head)."""
+        required = max([head, *(snapshot.position_seq for snapshot in snapshots)])
+        if facts.position is not None and facts.position.state == STATE_CURRENT:
+            required = max(required, facts.position.last_seq)
+        if required <= head or self.settings.accept_log_head:
+            return ""
+        return (
+            f"the projections or a snapshot reached event {required} but the log ends at "
+            f"{head}: no source holds the events in between"
+        )
+
+    def _first_rate(self, replays: _Replays) -> float:
+        """measure_rate, over the events before the first the fold refuses."""
+        try:
+            return self.measure_rate()
+        except EventRefused as refused:
+            # The sample is the log's first events: this is the first the log refuses.
+            replays[0] = refused
+            return self.measure_rate(before_seq=refused.seq)
+
     def _log_source(
-        self,
-        facts: LogFacts,
-        anchor: SnapshotInfo | None,
-        walk: Walk,
-        rate: float,
-        lost: bool,
-        replays: _Replays,
+        self, facts: LogFacts, anchor: SnapshotInfo | None, grounds: _Grounds
     ) -> tuple[Source, Route]:
+        walk, rate, replays = grounds.walk, grounds.rate, grounds.replays
         risk = planner.RISK_VERIFIED
         detail = f"replay all {facts.event_count} events at {rate:.0f} events/s"
         if walk.break_count:
@@ -386,7 +385,7 @@ class Recovery:
             planner.replay_cost_seconds(facts.event_count, rate),
             risk,
             detail,
-            possible=not lost and refused is None,
+            possible=not grounds.lost and refused is None,
         )
         return source, Route(FULL_LOG_SOURCE, None, tuple(walk.breaks))
 
@@ -394,12 +393,10 @@ class Recovery:
         self,
         snapshot: SnapshotInfo,
         problem: str,
-        walk: Walk,
-        rate: float,
-        lost: bool,
+        grounds: _Grounds,
         altered_latest: Sequence[ChainBreak],
-        replays: _Replays,
     ) -> tuple[Source, Route]:
+        walk, rate, replays = grounds.walk, grounds.rate, grounds.replays
         tail = self._store.count_events_after(snapshot.position_seq)
         source_id = f"snapshot-{snapshot.snapshot_id}"
         detail = (
@@ -436,7 +433,7 @@ class Recovery:
             detail,
             # A snapshot whose rows do not give its digest can never be restored
             # (the restore checks it): --max-risk 1 must not pick it over the log.
-            possible=not lost and not covered and refused is None and not problem,
+            possible=not grounds.lost and not covered and refused is None and not problem,
         )
         return source, Route(source_id, snapshot, tuple(breaks))
 
@@ -829,6 +826,17 @@ class _SourceRefused(Exception):
         super().__init__(str(refused))
         self.after_seq = after_seq
         self.refused = refused
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grounds:
+    """What every source of one plan is judged on: the walk of the chain, the
+    rate measured, whether events are missing from the log's end, the replays."""
+
+    walk: Walk
+    rate: float
+    lost: bool
+    replays: _Replays
 
 
 class _Replays(dict[int, EventRefused | None]):
