@@ -665,104 +665,115 @@ class Recovery:
             owner = assessment.facts.position.owner if assessment.facts.position else ""
             return Outcome(False, detail=assessment.findings[0], waiting_for=owner or "?")
         log.warning("projections need recovery: %s", "; ".join(assessment.findings))
-        known: list[ChainBreak] = []
-        refusals: dict[int, EventRefused] = {}
-        # The marker a claim expects: the assessment's, then the one our own
-        # rebuild left (a plan made again after it finished).
-        claim_on = marker_key(assessment.facts.position)
+        attempts = _Attempts(assessment, marker_key(assessment.facts.position))
         # A second plan only when the rebuild met a broken link, or an event
         # its fold refuses, that the first did not know.
         for _attempt in range(2):
-            try:
-                plan = self.plan(assessment, policy, known, refusals)
-            except RebuildFailed as error:
-                # The log's events cannot be read as the rebuild reads them
-                # (a lane configured without a policy).
-                detail = (
-                    f"cannot plan a rebuild: {error}; `ledger verify` names the damage; "
-                    "restore the database from a backup (docs/recovery.md)"
-                )
-                log.error("%s", detail)
-                if known or refusals:
-                    self.release()
-                return Outcome(False, None, detail)
-            manifest = plan.manifest
-            outcome = "planned" if manifest.admissible else "refused"
-            manifest_id = self._store.save_manifest(manifest, actor, self._wall.now_us(), outcome)
-            (log.info if manifest.admissible else log.error)(
-                "recovery manifest %d: %s", manifest_id, manifest.to_json()
+            outcome = self._attempt(policy, actor, progress, attempts)
+            if outcome is not None:
+                return outcome
+        self.release()
+        return Outcome(False, None, "the rebuild kept meeting broken links")
+
+    def _attempt(
+        self, policy: RecoveryPolicy, actor: str, progress: ProgressFn, attempts: _Attempts
+    ) -> Outcome | None:
+        """Plans, records the manifest and rebuilds if admissible; None: plan
+        again with what `attempts` now holds."""
+        try:
+            plan = self.plan(attempts.assessment, policy, attempts.known, attempts.refusals)
+        except RebuildFailed as error:
+            # The log's events cannot be read as the rebuild reads them
+            # (a lane configured without a policy).
+            detail = (
+                f"cannot plan a rebuild: {error}; `ledger verify` names the damage; "
+                "restore the database from a backup (docs/recovery.md)"
             )
-            if not manifest.admissible:
-                if known or refusals:  # a rebuild of ours stopped: our claim goes
-                    self.release()
-                return Outcome(False, manifest, manifest.directive)
-            started = time.perf_counter()
-            try:
-                self._carry_out(plan, progress, claim_on)
-            except MarkerMoved:
-                # Another replica saw the same and rebuilt first: whole again,
-                # most likely, and a second rebuild would refuse every move anew.
-                self._record(manifest_id, "superseded", started)
-                if self.assess().consistent:
-                    log.info("another process recovered the projections meanwhile")
-                    return Outcome(
-                        True, detail="another process recovered the projections meanwhile"
-                    )
-                return Outcome(False, None, "the projections changed while the rebuild was planned")
-            except ChainBroken as error:
-                self._record(manifest_id, "failed", started)
-                log.error("rebuild stopped: %s; planning again", error)
-                known.append(error.chain_break)
-                continue
-            except _SourceRefused as error:
-                # An event the fold needs is missing where no broken link told
-                # (before a snapshot, say): planned again, that source is not possible.
-                self._record(manifest_id, "failed", started)
-                log.error("rebuild stopped: %s; planning again", error.refused)
-                refusals[error.after_seq] = error.refused
-                continue
-            except (RebuildFailed, RebuildClaimLost) as error:
-                self._record(manifest_id, "failed", started)
-                log.error("rebuild failed: %s", error)
+            log.error("%s", detail)
+            if attempts.retried:
                 self.release()
-                return Outcome(False, manifest, str(error))
-            except BaseException:
-                # Ctrl-C, SIGTERM: the claim goes now, not when its lease lapses.
+            return Outcome(False, None, detail)
+        manifest = plan.manifest
+        outcome = "planned" if manifest.admissible else "refused"
+        manifest_id = self._store.save_manifest(manifest, actor, self._wall.now_us(), outcome)
+        (log.info if manifest.admissible else log.error)(
+            "recovery manifest %d: %s", manifest_id, manifest.to_json()
+        )
+        if not manifest.admissible:
+            if attempts.retried:  # a rebuild of ours stopped: our claim goes
                 self.release()
-                raise
-            rebuilt = self._store.facts()
-            claim_on = marker_key(rebuilt.position)
-            differ = projection_findings(rebuilt)
-            if differ:
-                # The source gave projections the log does not: a snapshot that
-                # holds what the log no longer says (events removed before it).
-                # The links before it, taken on its word, are walked for the
-                # break; planned again with it, no such snapshot is possible.
-                self._record(manifest_id, "failed", started)
-                snapshot = plan.routes[manifest.chosen[0]].snapshot
-                found = self._walk(None, (), snapshot.position_seq).breaks if snapshot else []
-                log.error(
-                    "the projections rebuilt from %s do not match the log (%s)%s",
-                    ", ".join(manifest.chosen),
-                    "; ".join(differ),
-                    f"; the log was changed before it, first {found[0].describe()}"
-                    if found
-                    else "",
-                )
-                if not found:
-                    return Outcome(
-                        False,
-                        manifest,
-                        "the rebuilt projections do not match the log; "
-                        "`ledger verify` names the damage (docs/recovery.md)",
-                    )
-                assessment = dataclasses.replace(assessment, altered=(*assessment.altered, *found))
-                continue
+            return Outcome(False, manifest, manifest.directive)
+        started = time.perf_counter()
+        try:
+            self._carry_out(plan, progress, attempts.claim_on)
+        except MarkerMoved:
+            # Another replica saw the same and rebuilt first: whole again,
+            # most likely, and a second rebuild would refuse every move anew.
+            self._record(manifest_id, "superseded", started)
+            if self.assess().consistent:
+                log.info("another process recovered the projections meanwhile")
+                return Outcome(True, detail="another process recovered the projections meanwhile")
+            return Outcome(False, None, "the projections changed while the rebuild was planned")
+        except ChainBroken as error:
+            self._record(manifest_id, "failed", started)
+            log.error("rebuild stopped: %s; planning again", error)
+            attempts.known.append(error.chain_break)
+            return None
+        except _SourceRefused as error:
+            # An event the fold needs is missing where no broken link told
+            # (before a snapshot, say): planned again, that source is not possible.
+            self._record(manifest_id, "failed", started)
+            log.error("rebuild stopped: %s; planning again", error.refused)
+            attempts.refusals[error.after_seq] = error.refused
+            return None
+        except (RebuildFailed, RebuildClaimLost) as error:
+            self._record(manifest_id, "failed", started)
+            log.error("rebuild failed: %s", error)
+            self.release()
+            return Outcome(False, manifest, str(error))
+        except BaseException:
+            # Ctrl-C, SIGTERM: the claim goes now, not when its lease lapses.
+            self.release()
+            raise
+        return self._judge_rebuilt(plan, manifest_id, started, attempts)
+
+    def _judge_rebuilt(
+        self, plan: Plan, manifest_id: int, started: float, attempts: _Attempts
+    ) -> Outcome | None:
+        """The outcome once the projections agree with the log; None: plan
+        again, past the broken links found before the snapshot rebuilt from."""
+        manifest = plan.manifest
+        rebuilt = self._store.facts()
+        attempts.claim_on = marker_key(rebuilt.position)
+        differ = projection_findings(rebuilt)
+        if not differ:
             self._record(manifest_id, MANIFEST_REBUILT, started)
             self.snapshot_after_rebuild()
             return Outcome(True, manifest, manifest.directive)
-        self.release()
-        return Outcome(False, None, "the rebuild kept meeting broken links")
+        # The source gave projections the log does not: a snapshot that
+        # holds what the log no longer says (events removed before it).
+        # The links before it, taken on its word, are walked for the
+        # break; planned again with it, no such snapshot is possible.
+        self._record(manifest_id, "failed", started)
+        snapshot = plan.routes[manifest.chosen[0]].snapshot
+        found = self._walk(None, (), snapshot.position_seq).breaks if snapshot else []
+        log.error(
+            "the projections rebuilt from %s do not match the log (%s)%s",
+            ", ".join(manifest.chosen),
+            "; ".join(differ),
+            f"; the log was changed before it, first {found[0].describe()}" if found else "",
+        )
+        if not found:
+            return Outcome(
+                False,
+                manifest,
+                "the rebuilt projections do not match the log; "
+                "`ledger verify` names the damage (docs/recovery.md)",
+            )
+        attempts.assessment = dataclasses.replace(
+            attempts.assessment, altered=(*attempts.assessment.altered, *found)
+        )
+        return None
 
     def _carry_out(
         self, plan: Plan, progress: ProgressFn, assessed: tuple[str, str, int] | None
@@ -826,6 +837,23 @@ class _SourceRefused(Exception):
         super().__init__(str(refused))
         self.after_seq = after_seq
         self.refused = refused
+
+
+@dataclasses.dataclass
+class _Attempts:
+    """What one recovery's rebuilds stopped at, for the plan made again after one."""
+
+    assessment: Assessment
+    # The marker a claim expects: the assessment's, then the one our own
+    # rebuild left (a plan made again after it finished).
+    claim_on: tuple[str, str, int] | None
+    known: list[ChainBreak] = dataclasses.field(default_factory=list)
+    refusals: dict[int, EventRefused] = dataclasses.field(default_factory=dict)
+
+    @property
+    def retried(self) -> bool:
+        """Whether a rebuild of ours stopped: its claim is ours to give up."""
+        return bool(self.known or self.refusals)
 
 
 @dataclasses.dataclass(frozen=True)
