@@ -339,6 +339,8 @@ def _check_numbers(environ: Mapping[str, str]) -> None:
             number = parse(text)
         except ValueError:
             number = math.nan
+        if variable == _EXPORT_INTERVAL and number == math.inf:
+            continue  # the SDK's "no periodic export"
         if not math.isfinite(number):
             kind = "a whole number" if parse is int else "a finite number"
             raise ValueError(f"{variable}={text!r}: not a number ({kind} expected)")

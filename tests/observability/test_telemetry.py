@@ -368,3 +368,12 @@ def test_a_metric_export_interval_of_zero_or_less_stops_the_start_naming_its_var
     environ = {"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": text}
     with pytest.raises(ValueError, match=f"^OTEL_METRIC_EXPORT_INTERVAL='{text}': "):
         configure_telemetry(environ).shutdown()
+
+
+def test_a_metric_export_interval_of_inf_turns_periodic_export_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The SDK documents an infinite interval as "no periodic export".
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "inf")
+    environ = {"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "inf"}
+    configure_telemetry(environ).shutdown()
