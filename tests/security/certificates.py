@@ -118,3 +118,21 @@ class Pki:
 
     def client_ca_file(self) -> pathlib.Path:
         return self.write("client-ca.pem", self.ca.certificate_pem)
+
+
+def ending_in(ca: Issued, days: float) -> Issued:
+    """A server certificate for localhost that ends `days` from now."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject_named("localhost"))
+        .issuer_name(ca.certificate.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=30))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .sign(ca.key, hashes.SHA256())
+    )
+    return Issued(certificate, key)

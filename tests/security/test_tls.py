@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import pathlib
 from collections.abc import Callable
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from ledger_service.domain.clock import SystemClock
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
-from tests.security.certificates import Issued, Pki, subject_named
+from tests.security.certificates import Pki, ending_in
 from tests.security.conftest import (
     CONNECT_TIMEOUT_SECONDS,
     HOME_LANE,
@@ -142,22 +138,6 @@ def test_tls_beyond_loopback_is_not_warned_about_as_plaintext(
     assert not any("PLAINTEXT" in record.getMessage() for record in caplog.records)
 
 
-def _expired(ca: Issued) -> Issued:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(subject_named("localhost"))
-        .issuer_name(ca.certificate.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=2))
-        .not_valid_after(now - datetime.timedelta(days=1))
-        .sign(ca.key, hashes.SHA256())
-    )
-    return Issued(certificate, key)
-
-
 @pytest.mark.parametrize(
     ("cert", "key", "client_ca", "message"),
     [
@@ -194,7 +174,7 @@ def test_a_tls_file_gRPC_cannot_use_is_named_with_its_flag(
     # exit 1: grpcio took the bytes and failed only when the port was added.
     from ledger_service import server
 
-    expired = _expired(pki.ca)
+    expired = ending_in(pki.ca, -1)
     pki.server_files()
     pki.write("text", b"root:x:0:0:root:/root:/bin/bash\n")
     pki.write("other.key", pki.client.key_pem)

@@ -6,7 +6,6 @@ until the new files are on disk, then served, with no restart between.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import pathlib
@@ -14,14 +13,11 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from ledger_service import tls_files
 from ledger_service.domain.clock import MICROS_PER_SECOND, ManualClock
 from ledger_service.server import LedgerServer
-from tests.security.certificates import Issued, Pki, issue, make_ca, subject_named
+from tests.security.certificates import Issued, Pki, ending_in, issue, make_ca
 from tests.security.conftest import balance
 
 DAY_US = 86_400 * MICROS_PER_SECOND
@@ -38,24 +34,6 @@ def _replace(path: pathlib.Path, content: bytes) -> None:
     temporary.write_bytes(content)
     temporary.chmod(0o600)
     os.replace(temporary, path)
-
-
-def _ending_in(ca: Issued, days: float) -> Issued:
-    """A server certificate for localhost that ends `days` from now."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(subject_named("localhost"))
-        .issuer_name(ca.certificate.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=30))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .sign(ca.key, hashes.SHA256())
-    )
-    return Issued(certificate, key)
 
 
 def test_new_certificate_files_serve_new_connections_without_a_restart(
@@ -93,7 +71,7 @@ def test_a_bad_replacement_keeps_the_old_certificate_serving(
         bad_path, bad, wrong = files["tls_key_path"], pki.client.key_pem, "is not the key of"
     elif fault == "expired":
         bad_path, wrong = files["tls_cert_path"], "expired at"
-        bad = _ending_in(pki.ca, -1).certificate_pem
+        bad = ending_in(pki.ca, -1).certificate_pem
     else:
         bad_path, bad, wrong = files["tls_key_path"], b"not a key\n", "holds no PEM private key"
 
@@ -115,7 +93,7 @@ def test_a_bad_replacement_keeps_the_old_certificate_serving(
 def test_a_certificate_ending_within_14_days_is_warned_about_at_start(
     start_tls_server: Callable[..., LedgerServer], pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ending = _ending_in(pki.ca, 10)
+    ending = ending_in(pki.ca, 10)
     cert = pki.write("ending.pem", ending.certificate_pem)
     key = pki.write("ending.key", ending.key_pem)
     with caplog.at_level(logging.WARNING):
@@ -128,7 +106,7 @@ def test_a_certificate_ending_within_14_days_is_warned_about_at_start(
 def test_the_expiry_warning_comes_once_a_day_then_an_error_once_expired(
     pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ending = _ending_in(pki.ca, 20)
+    ending = ending_in(pki.ca, 20)
     cert = pki.write("twenty.pem", ending.certificate_pem)
     key = pki.write("twenty.key", ending.key_pem)
     clock = ManualClock()
