@@ -7,9 +7,7 @@ model calls failed in either client (bare `reserve`, sent once, lost 2 to 8)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from ledger_client import ClientSettings, Denied, LaneClient, LedgerError, Outag
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from tests.storage.test_replicas import Replica
 
 pytestmark = pytest.mark.postgres
 
@@ -33,34 +32,6 @@ PRICE = pb.ModelPrice(input_nanos_per_million_tokens=1_000_000,
                       output_nanos_per_million_tokens=2_000_000)  # fmt: skip
 
 
-class Replica:
-    def __init__(self, url: str, data_dir: Path) -> None:
-        ledger = Path(sys.executable).with_name("ledger")
-        self.process = subprocess.Popen(
-            [str(ledger), "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
-             "--insecure-no-auth"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, "LEDGER_DATABASE_URL": url},
-            text=True,
-        )  # fmt: skip
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line.startswith("ledger listening on "), line
-        self.address = line.rsplit(" ", 1)[1].strip()
-
-    def end(self, how: int) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(how)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-
-
 @pytest.fixture
 def replicas(postgres_schema_url: str, tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
     first = Replica(postgres_schema_url, tmp_path / "a")
@@ -68,8 +39,8 @@ def replicas(postgres_schema_url: str, tmp_path: Path) -> Iterator[tuple[Replica
     try:
         yield first, second
     finally:
-        first.end(15)
-        second.end(15)
+        first.stop()
+        second.stop()
 
 
 def _put_lane(address: str, lane: str) -> None:
@@ -135,7 +106,7 @@ def test_model_calls_cut_off_by_a_killed_replica_are_answered_by_the_other(
             for thread in lanes:
                 thread.start()
             _wait_for_blocked_writes(engine, LANES)
-            doomed.end(9)  # SIGKILL
+            doomed.stop(signal.SIGKILL)
             holder.rollback()
         for thread in lanes:
             thread.join()

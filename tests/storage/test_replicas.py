@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -77,9 +78,10 @@ class Replica:
         self.ledger = pb_grpc.LedgerStub(self.channel)
         self.admin = pb_grpc.LaneAdminStub(self.channel)
 
-    def stop(self) -> None:
+    def stop(self, how: int = signal.SIGTERM) -> None:
         self.channel.close()
-        self.process.terminate()
+        if self.process.poll() is None:
+            self.process.send_signal(how)
         try:
             self.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
