@@ -24,19 +24,24 @@ LEDGER = pathlib.Path(sys.executable).with_name("ledger")
 COMMAND_SECONDS = 60
 
 
-def test_a_data_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: pathlib.Path) -> None:
-    # It ended in a traceback from the keyring's temporary file (NotADirectoryError), exit 1,
-    # which the README keeps for "cannot listen".
-    not_a_directory = tmp_path / "data"
-    not_a_directory.write_text("")
-    done = subprocess.run(
-        [str(LEDGER), "serve", "--data-dir", str(not_a_directory), "--listen", "127.0.0.1:0"],
+def _serve_refused(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """`ledger serve` on a free port with `arguments`, for a start it refuses."""
+    return subprocess.run(
+        [str(LEDGER), "serve", "--listen", "127.0.0.1:0", *arguments],
         capture_output=True,
         text=True,
         env=clean_env(),
         timeout=COMMAND_SECONDS,
         check=False,
     )
+
+
+def test_a_data_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: pathlib.Path) -> None:
+    # It ended in a traceback from the keyring's temporary file (NotADirectoryError), exit 1,
+    # which the README keeps for "cannot listen".
+    not_a_directory = tmp_path / "data"
+    not_a_directory.write_text("")
+    done = _serve_refused("--data-dir", str(not_a_directory))
     assert done.returncode == 2, done
     assert "Traceback" not in done.stderr, done.stderr
     last = done.stderr.splitlines()[-1]
@@ -169,22 +174,8 @@ def test_serve_refuses_fewer_than_one_viable_source_as_recover_does(
 ) -> None:
     # `ledger recover --min-viable-sources 0` was refused while `ledger serve
     # --recovery-min-viable-sources 0` started: one rule (RecoveryPolicy.validate) for both.
-    done = subprocess.run(
-        [
-            str(LEDGER),
-            "serve",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--listen",
-            "127.0.0.1:0",
-            "--recovery-min-viable-sources",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        timeout=COMMAND_SECONDS,
-        check=False,
+    done = _serve_refused(
+        "--data-dir", str(tmp_path / "data"), "--recovery-min-viable-sources", "0"
     )
     assert done.returncode == 2, done
     assert done.stderr.strip().splitlines() == [

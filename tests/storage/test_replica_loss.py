@@ -21,7 +21,7 @@ from ledger_client import ClientSettings, Denied, LaneClient, LedgerError, Outag
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from tests.storage.test_replicas import Replica
+from tests.storage.test_replicas import Replica, two_replicas
 
 pytestmark = pytest.mark.postgres
 
@@ -34,13 +34,8 @@ PRICE = pb.ModelPrice(input_nanos_per_million_tokens=1_000_000,
 
 @pytest.fixture
 def replicas(postgres_schema_url: str, tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
-    first = Replica(postgres_schema_url, tmp_path / "a")
-    second = Replica(postgres_schema_url, tmp_path / "b")
-    try:
-        yield first, second
-    finally:
-        first.stop()
-        second.stop()
+    with two_replicas(postgres_schema_url, tmp_path) as pair:
+        yield pair
 
 
 def _put_lane(address: str, lane: str) -> None:

@@ -9,6 +9,7 @@ replicas"; with the lane lock removed it fails (see docs/postgresql.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -96,15 +97,22 @@ def extra_serve_flags() -> list[str]:
     return ["--insecure-no-auth"]
 
 
-@pytest.fixture
-def replicas(postgres_schema_url: str, tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
-    first = Replica(postgres_schema_url, tmp_path / "a")
-    second = Replica(postgres_schema_url, tmp_path / "b")
+@contextlib.contextmanager
+def two_replicas(url: str, directory: Path) -> Iterator[tuple[Replica, Replica]]:
+    """Two replicas on one database, stopped (SIGTERM) when the block ends."""
+    first = Replica(url, directory / "a")
+    second = Replica(url, directory / "b")
     try:
         yield first, second
     finally:
         first.stop()
         second.stop()
+
+
+@pytest.fixture
+def replicas(postgres_schema_url: str, tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
+    with two_replicas(postgres_schema_url, tmp_path) as pair:
+        yield pair
 
 
 def _client(index: int, replicas: tuple[Replica, Replica], acks: list[Ack]) -> None:

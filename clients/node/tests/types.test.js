@@ -60,39 +60,30 @@ void tagged;
 
 const tsc = findTsc();
 
-test('the README example and a call() with its own reservationId type-check under --strict', { skip: tsc === null && 'no TypeScript compiler' }, () => {
+/** What tsc --strict says of `source` saved as `name` here ('' when it type-checks). */
+function typeCheck(name, source) {
   const folder = fs.mkdtempSync(path.join(__dirname, '.types-'));
   try {
-    fs.writeFileSync(path.join(folder, 'lane.ts'), LANE);
-    const args = [tsc, '--noEmit', '--strict', '--skipLibCheck', '--target', 'es2022', '--module', 'commonjs', '--lib', 'es2022,dom', path.join(folder, 'lane.ts')];
-    let output = '';
+    fs.writeFileSync(path.join(folder, name), source);
+    const args = [tsc, '--noEmit', '--strict', '--skipLibCheck', '--target', 'es2022', '--module', 'commonjs', '--lib', 'es2022,dom', path.join(folder, name)];
     try {
       execFileSync(process.execPath, args, { encoding: 'utf8', stdio: 'pipe' });
+      return '';
     } catch (error) {
-      output = `${error.stdout}${error.stderr}`;
+      return `${error.stdout}${error.stderr}`;
     }
-    assert.equal(output, '');
   } finally {
     fs.rmSync(folder, { recursive: true, force: true });
   }
+}
+
+test('the README example and a call() with its own reservationId type-check under --strict', { skip: tsc === null && 'no TypeScript compiler' }, () => {
+  assert.equal(typeCheck('lane.ts', LANE), '');
 });
 
 test('every name the package exports at run time is declared in index.d.ts', { skip: tsc === null && 'no TypeScript compiler' }, () => {
   // A TypeScript lane can use only what the types declare.
   const names = Object.keys(require('..')).sort();
   const source = `import * as client from '../..';\nconst names: Array<keyof typeof client> = ${JSON.stringify(names)};\nvoid names;\n`;
-  const folder = fs.mkdtempSync(path.join(__dirname, '.types-'));
-  try {
-    fs.writeFileSync(path.join(folder, 'exports.ts'), source);
-    const args = [tsc, '--noEmit', '--strict', '--skipLibCheck', '--target', 'es2022', '--module', 'commonjs', '--lib', 'es2022,dom', path.join(folder, 'exports.ts')];
-    let output = '';
-    try {
-      execFileSync(process.execPath, args, { encoding: 'utf8', stdio: 'pipe' });
-    } catch (error) {
-      output = `${error.stdout}${error.stderr}`;
-    }
-    assert.equal(output, '');
-  } finally {
-    fs.rmSync(folder, { recursive: true, force: true });
-  }
+  assert.equal(typeCheck('exports.ts', source), '');
 });
