@@ -4,6 +4,7 @@
     python -m bench --quick          # a smoke run: tiny durations and counts
     python -m bench --skip-postgres  # without the PostgreSQL scenario
     python -m bench --only server-model  # grpc.server against grpc.aio, run only when named
+    python -m bench --only reference     # issue 25's reference server beside ours, likewise
 
 Exit status 0 when every scenario ran (whether or not it met its target), 1
 when one failed, 2 on bad arguments. docs/benchmarks.md explains the figures.
@@ -34,8 +35,9 @@ FORMAT_VERSION = 1
 # The echo baseline always runs: every other figure is a ratio to it.
 # `roundtrips` (through a latency proxy) needs PostgreSQL, like `postgres`.
 OPTIONAL_SCENARIOS = ("sqlite", "postgres", "roundtrips", "history")
-# Run only when named with --only: the server model's comparison (bench/aio.py).
-NAMED_SCENARIOS = ("server-model",)
+# Run only when named with --only: the server model's comparison (bench/aio.py)
+# and issue 25's reference server beside ours (bench/reference.py).
+NAMED_SCENARIOS = ("server-model", "reference")
 NEEDS_POSTGRES = ("postgres", "roundtrips")
 
 
@@ -122,6 +124,7 @@ def run_all(plan: Plan, arguments: argparse.Namespace) -> dict[str, Any]:
             "roundtrips": lambda: scenarios.roundtrips_scenario(plan, workdir, postgres_url),
             "history": lambda: scenarios.history_scenario(plan, generator, workdir),
             "server-model": lambda: scenarios.server_model_scenario(plan, generator, workdir),
+            "reference": lambda: scenarios.reference_scenario(plan, generator, workdir),
         }
         for name, run in runs.items():
             if name in wanted:

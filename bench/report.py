@@ -252,6 +252,7 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
     rows += _rebuild_rows(scenarios, targets)
     rows += _memory_rows(scenarios, targets)
     rows += _server_model_rows(scenarios, saturated)
+    rows += _reference_rows(scenarios, saturated)
     return rows, targets
 
 
@@ -484,6 +485,55 @@ def _server_model_rows(scenarios: Mapping[str, Any], saturated: str) -> list[Row
                     p50_ms=None if by_rate else medians[model],
                     versus=versus,
                     notes=notes,
+                )
+            )
+    return rows
+
+
+# The servers of the reference scenario, as the table names them.
+REFERENCE_NAMES = {"ours": "sqlite (ours)", "reference": "reference (bench/reference.py)"}
+
+
+def _reference_rows(scenarios: Mapping[str, Any], saturated: str) -> list[Row]:
+    """Issue 25's reference server beside ours, round by round: each pair's
+    rate as a share of the echo pair of its round, each lone Reserve against
+    its round's floor line (echo p50 plus one durable commit). Unjudged: the
+    targets are judged on the sqlite scenario. Absent unless it ran."""
+    rounds = scenarios.get("reference", {}).get("rounds")
+    if not rounds:
+        return []
+    rows: list[Row] = []
+    for index, turn in enumerate(rounds):
+        echo_1, echo_pair = (
+            phase(turn, "echo", "echo_1"),
+            phase(turn, "echo", "echo_pair_saturated"),
+        )
+        commit = _p50(phase(turn, "commit_floor"))
+        echo_p50 = _p50(echo_1)
+        line = None if commit is None or echo_p50 is None else echo_p50 + commit
+        prefix = f"round {index}: "
+        rows += [
+            _load_row(turn, prefix + "echo, 1 client", ("echo", "echo_1"), "baseline"),
+            _load_row(
+                turn,
+                prefix + f"echo pair, {saturated}",
+                ("echo", "echo_pair_saturated"),
+                "baseline",
+            ),
+        ]
+        for name, label in REFERENCE_NAMES.items():
+            reserve = _load_row(turn, f"{prefix}{label} Reserve, 1 client", (name, "reserve_1"))
+            value = _ratio(reserve.p50_ms, line)
+            versus = "" if line is None else _times(value, f"floor line ({line:.2f} ms)")
+            rows.append(dataclasses.replace(reserve, versus=versus))
+            pair_path = (name, "reserve_settle_saturated")
+            share = _ratio(_per_second(phase(turn, *pair_path)), _per_second(echo_pair))
+            rows.append(
+                _load_row(
+                    turn,
+                    f"{prefix}{label} Reserve+Settle, {saturated}",
+                    pair_path,
+                    _share(share, "echo pair"),
                 )
             )
     return rows

@@ -546,6 +546,65 @@ def _server_model_round(
     return phases
 
 
+# Issue 25's reference design (bench/reference.py) beside the real server and
+# the echo, in rounds of alternating order; run only when named.
+REFERENCE_SERVERS = ("echo", "ours", "reference")
+REFERENCE_ROUNDS = 2
+
+
+def reference_scenario(
+    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path
+) -> dict[str, Any]:
+    """(8) The reference server against ours: in each of REFERENCE_ROUNDS rounds
+    (echo, ours, reference, then the reverse) one client's call and the pair at
+    16 in flight on each, and one durable commit alone, so every ratio is to
+    the echo and the floor line of its own round."""
+    rounds: list[dict[str, Any]] = []
+    for index in range(REFERENCE_ROUNDS):
+        order = REFERENCE_SERVERS if index % 2 == 0 else REFERENCE_SERVERS[::-1]
+        directory = workdir / f"reference-{index}"
+        directory.mkdir(parents=True, exist_ok=True)
+        found = {name: _reference_round(plan, generator, directory / name, name) for name in order}
+        found["commit_floor"] = durable_commit_floor(
+            directory / "commit-floor.db", plan.commit_floor_commits
+        )
+        rounds.append(found)
+    return {"rounds": rounds}
+
+
+def _reference_round(
+    plan: Plan, generator: LoadGenerator, directory: pathlib.Path, name: str
+) -> dict[str, Any]:
+    one, spread = lanes_named(f"{name}-1", 1), lanes_named(f"{name}-mix", plan.spread_lanes)
+    if name == "echo":
+        with _echo(plan, "echo", servers.echo_argv(), directory) as echo:
+            targets, watch = [echo.address], (echo.pid,)
+            return {
+                "echo_1": _phase(
+                    generator, "echo 1", _single(plan, CallKind.ECHO, targets), watch=watch
+                ),
+                "echo_pair_saturated": _phase(
+                    generator,
+                    "echo pair saturated",
+                    _workload(plan, CallKind.ECHO_PAIR, targets),
+                    watch=watch,
+                ),
+            }
+    if name == "ours":
+        settings = _replica_settings(f"sqlite:///{directory}/ledger.db", directory)
+        with _replica(plan, "ledger-sqlite", directory, settings) as server:
+            put_lanes(server.address, [*one, *spread])
+            return _move_phases(
+                plan, generator, name, [server.address], one, (), spread, watch=(server.pid,)
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+    argv = servers.reference_argv(directory / "reference.db", [*one, *spread])
+    with _echo(plan, "reference", argv, directory) as server:
+        return _move_phases(
+            plan, generator, name, [server.address], one, (), spread, watch=(server.pid,)
+        )
+
+
 def _watched_phases(
     plan: Plan,
     generator: LoadGenerator,

@@ -200,6 +200,14 @@ def aio_echo_argv() -> list[str]:
     return [sys.executable, "-m", "bench.aio", "--listen", "127.0.0.1:0"]
 
 
+def reference_argv(database: pathlib.Path, lanes: list[str]) -> list[str]:
+    """bench/reference.py on a new SQLite file, with these lanes put before it listens."""
+    return [
+        *[sys.executable, "-m", "bench.reference", "--database", str(database)],
+        *["--lanes", ",".join(lanes), "--listen", "127.0.0.1:0"],
+    ]
+
+
 def replica_argv(
     settings: Mapping[str, Any],
     *,
