@@ -101,6 +101,7 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
     assert scenarios["postgres"] == {"skipped": "--skip-postgres"}
     assert scenarios["roundtrips"] == {"skipped": "--skip-postgres"}
     assert scenarios["server-model"] == {"skipped": "not in --only"}
+    assert scenarios["reference"] == {"skipped": "not in --only"}
 
     history = scenarios["history"]
     assert (history["small_bookings"], history["large_bookings"]) == (100, 10_000)
@@ -139,6 +140,27 @@ def test_quick_bench_writes_every_scenario(tmp_path: pathlib.Path) -> None:
         "sqlite Reserve in process (no server), after idle",
         "rebuild from the log (events/s)",
     }
+
+
+def test_the_reference_runs_when_named(tmp_path: pathlib.Path) -> None:
+    completed, results = _run_quick(tmp_path, "--only", "reference")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rounds = results["scenarios"]["reference"]["rounds"]
+    assert len(rounds) == 2
+    for turn in rounds:
+        assert turn["commit_floor"]["latency"]["p50_ms"] > 0
+        for server in ("echo", "ours", "reference"):
+            for name, figures in turn[server].items():
+                _check_phase(figures, f"reference {server} {name}")
+                assert figures["errors"] == {}, f"{server} {name}: {figures['errors']}"
+    shown = {row["scenario"]: row for row in results["table"]}
+    saturated = results["plan"]["saturating_calls"]
+    for index in range(2):
+        for label in ("sqlite (ours)", "reference (bench/reference.py)"):
+            pair = shown[f"round {index}: {label} Reserve+Settle, {saturated} in flight"]
+            assert pair["versus"].endswith("of echo pair"), pair
+            lone = shown[f"round {index}: {label} Reserve, 1 client"]
+            assert "floor line" in lone["versus"], lone
 
 
 def test_the_server_model_runs_when_named(tmp_path: pathlib.Path) -> None:
