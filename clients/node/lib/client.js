@@ -468,6 +468,49 @@ function servesTls(address, timeoutMs) {
   });
 }
 
+/**
+ * Whether the ledger at a plain HOST:PORT refuses a TLS client without a
+ * certificate: a TLS channel without one gets only grpc-js's "Failed to
+ * connect", as for a server going away. gRPC's server completes the TLS 1.3
+ * handshake and then hangs up without a byte (no alert), where a ledger that
+ * takes the client sends its HTTP/2 settings at once; a TLS 1.3
+ * certificate_required alert (another TLS stack in front) says it too.
+ * Nothing is sent; no certificate is checked; false unless it is sure.
+ */
+function demandsClientCertificate(address, timeoutMs) {
+  const at = address.lastIndexOf(':');
+  const host = address.slice(0, at).replace(/^\[|\]$/g, '');
+  const port = Number(address.slice(at + 1));
+  if (at <= 0 || !Number.isInteger(port) || /^(unix|dns:|ipv)/.test(host) || host.includes(',')) {
+    return Promise.resolve(false);
+  }
+  return new Promise((resolve) => {
+    const socket = nodeTls.connect({
+      host,
+      port,
+      rejectUnauthorized: false,
+      minVersion: 'TLSv1.3',
+      ALPNProtocols: ['h2'], // without it gRPC hangs up on anyone
+    });
+    let handshaken = false;
+    const timer = setTimeout(() => done(false), timeoutMs);
+    const done = (answer) => {
+      clearTimeout(timer);
+      socket.destroy();
+      resolve(answer);
+    };
+    socket.once('secureConnect', () => {
+      handshaken = true;
+    });
+    socket.once('data', () => done(false));
+    socket.once('close', () => done(handshaken));
+    socket.once('error', (error) => {
+      if (String(error.code ?? '').includes('CERTIFICATE_REQUIRED')) done(true);
+      else done(handshaken && error.code === 'ECONNRESET');
+    });
+  });
+}
+
 function channelCredentials(tls) {
   if (!tls) return grpc.credentials.createInsecure();
   const options = tls === true ? {} : tls;
@@ -577,6 +620,7 @@ class LaneClient {
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
     this._usesTls = Boolean(options.tls);
+    this._hasClientCertificate = Boolean(options.tls && options.tls !== true && options.tls.clientCert);
     try {
       this._openJournal();
     } catch (error) {
@@ -769,14 +813,29 @@ class LaneClient {
    * turn a real outage into TlsMismatch and stop the lane's allowance.
    */
   async _mistakenForOutage(error, deadline) {
-    if (this._usesTls || !(error instanceof Unavailable) || error.reason || !error.message.includes(FAILED_TO_CONNECT)) {
+    if (!(error instanceof Unavailable) || error.reason || !error.message.includes(FAILED_TO_CONNECT)) {
       return error;
     }
     const leftMs = deadline - Date.now();
-    if (leftMs <= 0 || !(await servesTls(this.address, leftMs))) return error;
+    if (leftMs <= 0) return error;
+    if (this._usesTls) return this._missingClientCertificate(error, leftMs);
+    if (!(await servesTls(this.address, leftMs))) return error;
     const message =
       `the ledger at ${this.address} serves TLS and this client speaks plaintext: pass the tls option ` +
       '(rootCerts, and clientCert and clientKey if it demands a client certificate)';
+    return new TlsMismatch(message, { code: error.code, metadata: error.metadata, cause: error });
+  }
+
+  /**
+   * A TLS channel's "Failed to connect" is TlsMismatch when the lane gave no
+   * client certificate and the ledger hangs up on a handshake without one
+   * (mutual TLS); asked anew each time, as above.
+   */
+  async _missingClientCertificate(error, leftMs) {
+    if (this._hasClientCertificate || !(await demandsClientCertificate(this.address, leftMs))) return error;
+    const message =
+      `the ledger at ${this.address} asks for a client certificate (mutual TLS) and this client has none: ` +
+      'give clientCert and clientKey in the tls option';
     return new TlsMismatch(message, { code: error.code, metadata: error.metadata, cause: error });
   }
 

@@ -141,6 +141,83 @@ describe('plaintext to a ledger serving TLS', () => {
   });
 });
 
+describe('TLS without a client certificate to a ledger demanding one (mutual TLS)', () => {
+  const certificates = makeCertificates();
+  let ledger;
+  before(async () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-mtls-'));
+    const files = { cert: path.join(dir, 'server.pem'), key: path.join(dir, 'server.key'), ca: path.join(dir, 'ca.pem') };
+    fs.writeFileSync(files.cert, certificates.serverCert);
+    fs.writeFileSync(files.key, certificates.serverKey);
+    fs.writeFileSync(files.ca, certificates.ca);
+    process.env.LEDGER_TLS_CERT = files.cert;
+    process.env.LEDGER_TLS_KEY = files.key;
+    process.env.LEDGER_TLS_CLIENT_CA = files.ca;
+    try {
+      ledger = await startLedger();
+    } finally {
+      delete process.env.LEDGER_TLS_CERT;
+      delete process.env.LEDGER_TLS_KEY;
+      delete process.env.LEDGER_TLS_CLIENT_CA;
+    }
+  });
+  after(async () => ledger?.stop());
+
+  test('names the missing client certificate, on every call, and is no outage', async () => {
+    // grpc-js says only "Failed to connect" here too: the ledger completes the
+    // handshake and hangs up before a byte of HTTP/2.
+    const client = new LaneClient(ledger.address, 'a-lane', {
+      grant: ledger.adminGrant,
+      tls: { rootCerts: certificates.ca, serverName: 'localhost' },
+      deadlineMs: DEADLINE_MS,
+    });
+    try {
+      for (let attempt = 0; attempt < 2; attempt += 1) {
+        const error = await client.balance().then(
+          () => assert.fail('the call got through'),
+          (rejected) => rejected,
+        );
+        assert.ok(error instanceof TlsMismatch, `${error.name}: ${error.message}`);
+        assert.match(error.message, /client certificate/);
+        assert.match(error.message, /clientCert/);
+        assert.equal(isLedgerUnavailable(error), false);
+        assert.equal(error.retryable, false);
+      }
+    } finally {
+      client.close();
+    }
+  });
+
+  test('with the client certificate, the call gets through', async () => {
+    const client = new LaneClient(ledger.address, 'a-lane', {
+      grant: ledger.adminGrant,
+      tls: { rootCerts: certificates.ca, clientCert: certificates.clientCert, clientKey: certificates.clientKey, serverName: 'localhost' },
+      deadlineMs: DEADLINE_MS,
+    });
+    try {
+      await client.balance().catch((error) => assert.ok(!isLedgerUnavailable(error) && !(error instanceof TlsMismatch), `${error.name}: ${error.message}`));
+    } finally {
+      client.close();
+    }
+  });
+
+  test('a TLS listener hanging up before the handshake is still an outage', async () => {
+    const hangingUp = net.createServer((socket) => socket.destroy());
+    await new Promise((resolve) => hangingUp.listen(0, '127.0.0.1', resolve));
+    const client = new LaneClient(`127.0.0.1:${hangingUp.address().port}`, 'a-lane', {
+      grant: 'a-grant',
+      tls: { rootCerts: certificates.ca, serverName: 'localhost' },
+      deadlineMs: 2000,
+    });
+    try {
+      await assert.rejects(client.balance(), Unavailable);
+    } finally {
+      client.close();
+      hangingUp.close();
+    }
+  });
+});
+
 describe('a TLS ledger replaced by a plaintext one on the same address', () => {
   test('is an outage again once the TLS listener is gone, not a remembered TlsMismatch', async () => {
     // The operator fixed the mismatch on the server's side; while the plaintext

@@ -146,5 +146,36 @@ def serves_tls(address: str, deadline: float) -> bool | None:
         return None
 
 
+def demands_client_certificate(address: str, deadline: float) -> bool:
+    """Whether the ledger at a plain `host:port` refuses a TLS client without a
+    certificate: a TLS channel without one gets only gRPC's "Socket closed",
+    as from a restarting server. gRPC's server completes the TLS 1.3 handshake
+    and then hangs up without a byte (no alert), where a ledger that takes the
+    client sends its HTTP/2 settings at once; a TLS 1.3 certificate_required
+    alert (another TLS stack in front) says it too. Nothing is sent; no
+    certificate is checked. `deadline` (monotonic) bounds it all."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "," in host or host.startswith(("unix", "dns:", "ipv")):
+        return False
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.set_alpn_protocols(["h2"])  # without it gRPC hangs up on anyone
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), _left(deadline)) as raw:
+            raw.settimeout(_left(deadline))
+            with context.wrap_socket(raw) as tls:
+                tls.settimeout(_left(deadline))
+                try:
+                    return tls.recv(1) == b""
+                except (ssl.SSLEOFError, ConnectionResetError):
+                    return True
+    except ssl.SSLError as error:
+        return "CERTIFICATE_REQUIRED" in (error.reason or "")
+    except OSError:
+        return False  # refused, timed out, hung up in the handshake: not asked
+
+
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)

@@ -28,6 +28,7 @@ from ledger_client.calls import BackgroundRefunds, CallGate, CallSupport, ModelC
 from ledger_client.channels import (
     TlsSettings,
     check_grant,
+    demands_client_certificate,
     is_local_address,
     open_channel,
     serves_tls,
@@ -366,13 +367,15 @@ class LaneClient:
         ledger restarted as plaintext, a proxy), and a remembered answer would
         then turn a real outage into TlsMismatch and stop the lane's allowance."""
         if (
-            self._tls is not None
-            or error.code is not grpc.StatusCode.UNAVAILABLE
+            error.code is not grpc.StatusCode.UNAVAILABLE
             or error.reason
             or _SOCKET_CLOSED not in error.message
+            or deadline <= time.monotonic()
         ):
             return error
-        if deadline <= time.monotonic() or not serves_tls(self._address, deadline):
+        if self._tls is not None:
+            return self._missing_client_certificate(error, deadline)
+        if not serves_tls(self._address, deadline):
             return error
         return TlsMismatch(
             error.code,
@@ -380,6 +383,22 @@ class LaneClient:
             f"the ledger at {self._address} serves TLS and this client speaks plaintext: "
             "pass tls=TlsSettings(...) (root_certificates, and certificate_chain and "
             "private_key if it demands a client certificate)",
+        )
+
+    def _missing_client_certificate(self, error: LedgerError, deadline: float) -> LedgerError:
+        """A TLS channel's "Socket closed" is TlsMismatch when the lane gave no
+        client certificate and the ledger hangs up on a handshake without one
+        (mutual TLS); asked anew each time, as above."""
+        assert self._tls is not None
+        if self._tls.certificate_chain is not None or not demands_client_certificate(
+            self._address, deadline
+        ):
+            return error
+        return TlsMismatch(
+            error.code,
+            "",
+            f"the ledger at {self._address} asks for a client certificate (mutual TLS) and "
+            "this client has none: give certificate_chain and private_key in TlsSettings",
         )
 
     def reserve(

@@ -149,7 +149,9 @@ class TlsMismatch(LedgerError):
     a plaintext ledger is gRPC's handshake text (WRONG_VERSION_NUMBER), the one
     transport signal no outage produces; plaintext to a TLS ledger ("Socket
     closed", as from a restarting server) is told apart by a handshake the
-    client tries itself (LaneClient._mistaken_for_outage)."""
+    client tries itself (LaneClient._mistaken_for_outage); so is TLS without a
+    client certificate to a ledger demanding one (mutual TLS), which gRPC also
+    reports as "Socket closed"."""
 
 
 class RequestTooLarge(InvalidArgument):

@@ -32,6 +32,7 @@ from ledger_client import (
     ReservationConflict,
     ReserveArguments,
     SettleWithoutUsage,
+    TlsMismatch,
     TtlExceedsHoldTtl,
     Unauthenticated,
     UnknownModel,
@@ -334,7 +335,7 @@ def test_a_ledger_that_dies_mid_run_and_comes_back(
     stranger = LaneClient(
         server.address, "recall", grant=grant, tls=no_certificate, settings=settings
     )
-    with stranger, pytest.raises(LedgerUnavailable):
+    with stranger, pytest.raises(TlsMismatch):
         stranger.reserve("model-a", 10, 10)  # mutual TLS: no certificate, no channel
     with LaneClient(server.address, "recall", grant=grant, tls=tls,
                     outage=allowance(journal, max_calls=3), settings=settings) as c:  # fmt: skip

@@ -99,6 +99,54 @@ def test_plaintext_to_a_tls_ledger_names_the_tls_setting(
     assert not journal.exists() or not journal.read_text()
 
 
+def test_tls_without_a_client_certificate_to_a_mutual_tls_ledger_names_it(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    # gRPC says only "Socket closed" here too, as for a restarting server: the
+    # ledger completes the handshake and hangs up before a byte of HTTP/2.
+    tls = lane_tls(certificates, client_certificate=False)
+    with LaneClient(fresh_server.address, "a-lane", grant=fresh_server.admin_grant, tls=tls,
+                    outage=_allowance(tmp_path), settings=TEST_SETTINGS) as client:  # fmt: skip
+        with pytest.raises(errors.TlsMismatch) as raised:
+            client.balance()
+        with pytest.raises(errors.TlsMismatch), client.model_call("model-a", b"x" * 3500, 500):
+            pass
+    assert "client certificate" in raised.value.message
+    assert "certificate_chain" in raised.value.message and "private_key" in raised.value.message
+    assert not errors.is_retryable(raised.value)
+    journal = tmp_path / "journal.jsonl"
+    assert not journal.exists() or not journal.read_text()
+
+
+def test_tls_without_a_client_certificate_to_a_tls_ledger_restarting_is_an_outage(
+    certificates: dict[str, pathlib.Path],
+) -> None:
+    # A TLS listener that hangs up before the handshake (a ledger going away)
+    # is not a demand for a client certificate.
+    with socket.create_server(("127.0.0.1", 0)) as hanging_up:
+        address = f"127.0.0.1:{hanging_up.getsockname()[1]}"
+        stop = threading.Event()
+
+        def serve() -> None:
+            hanging_up.settimeout(0.1)
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    connection, _ = hanging_up.accept()
+                    connection.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        settings = ClientSettings(deadline_seconds=2.0, replay_interval_seconds=None)
+        tls = lane_tls(certificates, client_certificate=False)
+        try:
+            with LaneClient(address, "lane", tls=tls, settings=settings) as client, \
+                    pytest.raises(errors.LedgerUnavailable):  # fmt: skip
+                client.balance()
+        finally:
+            stop.set()
+            thread.join()
+
+
 class _Listener:
     """A listener on one port that either completes a TLS handshake (a ledger
     serving TLS) or hangs up at once (a plaintext ledger restarting, or a proxy
