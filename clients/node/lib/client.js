@@ -1359,6 +1359,7 @@ module.exports = {
   DEFAULT_MAX_CALLS_IN_FLIGHT,
   CLOSE_JOURNAL_WAIT_MS,
   DEFAULT_CLOSE_GRACE_MS,
+  demandsClientCertificate,
   isLocalAddress,
   MAX_IN_DOUBT_ENTRIES,
   MAX_BACKGROUND_REFUNDS,

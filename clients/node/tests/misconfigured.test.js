@@ -13,6 +13,7 @@ const os = require('node:os');
 const path = require('node:path');
 const { startLedger } = require('./ledger-server');
 const { makeCertificates } = require('./fake-ledger');
+const { demandsClientCertificate } = require('../lib/client');
 const { LaneClient, RequestTooLarge, TlsMismatch, Unavailable, isLedgerUnavailable } = require('..');
 
 const DEADLINE_MS = 5000;
@@ -119,6 +120,13 @@ describe('plaintext to a ledger serving TLS', () => {
     }
   });
   after(async () => ledger?.stop());
+
+  test('its handshake is not taken for a demand of a client certificate', async () => {
+    // The probe behind mutual TLS's TlsMismatch must see none here, where
+    // none is demanded: a "Failed to connect" then stays an outage. Without
+    // ALPN h2 in the probe, gRPC would hang up on it here too.
+    assert.equal(await demandsClientCertificate(ledger.address, DEADLINE_MS), false);
+  });
 
   test('names the tls option, on every call, and is no outage', async () => {
     // grpc-js says only "Failed to connect", as for a restarting server; one

@@ -11,11 +11,13 @@ import pathlib
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 from client_ledger import TEST_SETTINGS, LedgerProcess, lane_tls, running
 from ledger_client import ClientSettings, LaneClient, ModelPrice, OutagePolicy, errors
+from ledger_client.channels import demands_client_certificate
 
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
 
@@ -145,6 +147,23 @@ def test_tls_without_a_client_certificate_to_a_tls_ledger_restarting_is_an_outag
         finally:
             stop.set()
             thread.join()
+
+
+def test_a_tls_ledger_taking_clients_without_certificates_is_not_taken_for_mutual_tls(
+    tmp_path: pathlib.Path, certificates: dict[str, pathlib.Path]
+) -> None:
+    # The probe behind the test above must not see a demand for a certificate
+    # where there is none: a "Socket closed" then stays an outage.
+    tls = (
+        "--tls-cert",
+        str(certificates["server.pem"]),
+        "--tls-key",
+        str(certificates["server.key"]),
+    )
+    with running(tmp_path / "ledger", tls) as server:
+        deadline = time.monotonic() + 5
+        # Without ALPN h2 in the probe, gRPC would hang up on it here too.
+        assert demands_client_certificate(server.address, deadline) is False
 
 
 class _Listener:
