@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -1543,9 +1544,14 @@ def test_tls_round_trip_and_the_name_checked(
         f"ledger: TLS: the certificate of the ledger at {address} is not issued to "
         "ledger.example (see --tls-server-name)\n"
     )
-    assert elsewhere.code == exits.EXIT_UNREACHABLE
+    # A TLS setting to fix, not a server to wait for: retrying never helps (exit 2, not 3).
+    assert elsewhere.code == exits.EXIT_BAD_VALUE
     plaintext = ledger("balance", "secure", "--server", address)
-    assert "if it serves TLS, pass --tls-ca" in one_line_error(plaintext)
+    assert one_line_error(plaintext) == (
+        f"ledger: the ledger at {address} serves TLS and this command spoke plaintext: "
+        "pass --tls-ca (and --tls-cert and --tls-key if it demands a client certificate)\n"
+    )
+    assert plaintext.code == exits.EXIT_BAD_VALUE
 
 
 def test_a_wrong_ca_is_one_line(
@@ -1561,7 +1567,7 @@ def test_a_wrong_ca_is_one_line(
         f"ledger: TLS: the certificate of the ledger at {address} is not signed by the CA in "
         "LEDGER_TLS_CA (CERTIFICATE_VERIFY_FAILED)\n"
     )
-    assert run.code == exits.EXIT_UNREACHABLE
+    assert run.code == exits.EXIT_BAD_VALUE
     # The option wins over the environment.
     assert ledger("lane", "list", "--server", address, "--tls-ca", str(pem.ca)).code == 0
 
@@ -1587,6 +1593,7 @@ def test_mutual_tls_round_trip(
         "closed the connection during the handshake: does it trust the CA of the client "
         "certificate in LEDGER_TLS_CLIENT_CERT?\n"
     )
+    assert rogue.code == exits.EXIT_BAD_VALUE
     flags = ("--tls-cert", str(pem.client_cert), "--tls-key", str(pem.client_key))
     assert ledger("balance", "mutual", *flags).code == 0
 
@@ -1597,7 +1604,7 @@ def test_mutual_tls_round_trip(
         "closed the connection during the handshake: does it demand a client certificate "
         "(--tls-cert and --tls-key)?\n"
     )
-    assert none.code == exits.EXIT_UNREACHABLE
+    assert none.code == exits.EXIT_BAD_VALUE
 
 
 def test_tls_to_a_plaintext_server_says_so(
@@ -1608,6 +1615,34 @@ def test_tls_to_a_plaintext_server_says_so(
         f"ledger: TLS: the ledger at {target.address} does not speak TLS "
         "(WRONG_VERSION_NUMBER); leave out --tls-ca, --tls-cert and --tls-key\n"
     )
+    assert run.code == exits.EXIT_BAD_VALUE
+
+
+def test_a_server_that_closes_without_tls_is_still_unreachable(
+    ledger: RunLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection closed by something that does not speak TLS either (a proxy with
+    no backend) may answer later: exit 3, try again, not a TLS setting to fix."""
+    for key in [key for key in os.environ if key.startswith("LEDGER_")]:
+        monkeypatch.delenv(key)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        stop = False
+
+        def close_every_connection() -> None:
+            while not stop:
+                try:
+                    accepted, _ = listener.accept()
+                except OSError:
+                    return
+                accepted.close()
+
+        closer = threading.Thread(target=close_every_connection, daemon=True)
+        closer.start()
+        run = ledger("lane", "list", "--server", address, "--timeout", "2")
+        stop = True
+    assert run.code == exits.EXIT_UNREACHABLE, run
+    assert "Traceback" not in run.err
 
 
 def test_bad_tls_options_are_refused_before_any_call(

@@ -13,6 +13,8 @@ import math
 import os
 import pathlib
 import re
+import socket
+import ssl
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -346,7 +348,7 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
     }
     reason = trailers.get(REASON_KEY, "")
     if code is grpc.StatusCode.UNAVAILABLE and not reason:
-        return CliError(_unreachable(session, details), EXIT_UNREACHABLE)
+        return _unreachable(session, details)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return CliError(
             f"the ledger at {server} did not answer within {session.timeout_seconds:g} s "
@@ -380,46 +382,61 @@ _WHAT_TO_DO = {
 }
 
 
-def _unreachable(session: Session, details: str) -> str:
-    """Why no call got through: nobody listening, or a TLS handshake that failed, and why."""
+def _unreachable(session: Session, details: str) -> CliError:
+    """Why no call got through: nobody listening (exit 3, try again), or a TLS
+    handshake that failed and why (exit 2: a TLS setting to fix, which no retry mends)."""
     server, tls = session.server, session.tls
     if "ping timeout" in details or "keepalive" in details.lower():
         # The connection was up: the server (or the network to it) went silent.
         waited = min(session.keepalive_seconds, KEEPALIVE_TIMEOUT_SECONDS)
-        return (
+        return CliError(
             f"the ledger at {server} stopped answering: no reply to a keepalive ping "
-            f"within {waited:g} s (is it frozen, or the network to it down?)"
+            f"within {waited:g} s (is it frozen, or the network to it down?)",
+            EXIT_UNREACHABLE,
         )
     if "too_many_pings" in details:
-        return (
+        return CliError(
             f"the ledger at {server} ended the connection: pinged too often (GOAWAY "
             f"too_many_pings); set {KEEPALIVE_VARIABLE} at or above the server's "
-            "client_ping_min_interval_seconds (4 by default)"
+            "client_ping_min_interval_seconds (4 by default)",
+            EXIT_UNREACHABLE,
         )
-    closed = "Socket closed" in details or "Connection reset" in details
+    down = f"cannot reach the ledger at {server}: is `ledger serve` running?"
+    # gRPC says only "Socket closed" both for a TLS server refusing a plaintext
+    # client or a client certificate, and for a peer that closes for any other
+    # reason: a TLS hello sent to it tells which.
+    closed = ("Socket closed" in details or "Connection reset" in details) and speaks_tls(
+        server, min(session.timeout_seconds, TLS_PROBE_SECONDS)
+    )
     if tls is None:
         if closed:
-            return (
-                f"the ledger at {server} closed the connection: if it serves TLS, pass --tls-ca "
-                "(and --tls-cert and --tls-key if it demands a client certificate)"
+            return CliError(
+                f"the ledger at {server} serves TLS and this command spoke plaintext: pass "
+                "--tls-ca (and --tls-cert and --tls-key if it demands a client certificate)",
+                EXIT_BAD_VALUE,
             )
-        return f"cannot reach the ledger at {server}: is `ledger serve` running?"
+        if "Socket closed" in details or "Connection reset" in details:
+            return CliError(f"the ledger at {server} closed the connection", EXIT_UNREACHABLE)
+        return CliError(down, EXIT_UNREACHABLE)
     if "CERTIFICATE_VERIFY_FAILED" in details:
         trusted = f"the CA in {tls.ca_source}" if tls.ca_source else "the system's root CAs"
-        return (
+        return CliError(
             f"TLS: the certificate of the ledger at {server} is not signed by {trusted} "
-            "(CERTIFICATE_VERIFY_FAILED)"
+            "(CERTIFICATE_VERIFY_FAILED)",
+            EXIT_BAD_VALUE,
         )
     if "Hostname Verification" in details:
         name = tls.server_name or server.rsplit(":", 1)[0]
-        return (
+        return CliError(
             f"TLS: the certificate of the ledger at {server} is not issued to {name} "
-            "(see --tls-server-name)"
+            "(see --tls-server-name)",
+            EXIT_BAD_VALUE,
         )
     if "WRONG_VERSION_NUMBER" in details:
-        return (
+        return CliError(
             f"TLS: the ledger at {server} does not speak TLS (WRONG_VERSION_NUMBER); "
-            "leave out --tls-ca, --tls-cert and --tls-key"
+            "leave out --tls-ca, --tls-cert and --tls-key",
+            EXIT_BAD_VALUE,
         )
     if closed:
         ask = (
@@ -427,11 +444,47 @@ def _unreachable(session: Session, details: str) -> str:
             if tls.client_source
             else "does it demand a client certificate (--tls-cert and --tls-key)?"
         )
-        return f"TLS: the ledger at {server} closed the connection during the handshake: {ask}"
+        return CliError(
+            f"TLS: the ledger at {server} closed the connection during the handshake: {ask}",
+            EXIT_BAD_VALUE,
+        )
     if "handshake" in details.lower() or "ssl" in details.lower():
         last = " ".join(details.split())[-300:]
-        return f"TLS: the handshake with the ledger at {server} failed: {last}"
-    return f"cannot reach the ledger at {server}: is `ledger serve` running?"
+        return CliError(
+            f"TLS: the handshake with the ledger at {server} failed: {last}", EXIT_BAD_VALUE
+        )
+    if "Socket closed" in details or "Connection reset" in details:
+        return CliError(f"the ledger at {server} closed the connection", EXIT_UNREACHABLE)
+    return CliError(down, EXIT_UNREACHABLE)
+
+
+# How long the TLS hello of speaks_tls waits for an answer, at most.
+TLS_PROBE_SECONDS = 2.0
+
+
+def speaks_tls(server: str, timeout_seconds: float) -> bool:
+    """Whether the HOST:PORT `server` answers a TLS ClientHello with a TLS record
+    (a handshake or an alert): a server that does is up and speaks TLS, so a
+    connection it closed was refused for its TLS settings. False for anything
+    else, a gRPC target scheme included."""
+    if server.startswith(_TARGET_SCHEMES):
+        return False
+    host, _, port = server.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    hello = ssl.MemoryBIO()
+    tls = context.wrap_bio(ssl.MemoryBIO(), hello)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout_seconds) as peer:
+            peer.sendall(hello.read())
+            first = peer.recv(1)
+    except OSError:
+        return False
+    # TLS record types: 0x15 alert, 0x16 handshake.
+    return first in (b"\x15", b"\x16")
 
 
 def _unauthenticated(session: Session, reason: str) -> str:
