@@ -47,7 +47,14 @@ def database_url_problem(url: str) -> str | None:
         parsed = make_url(url)
     except ArgumentError:
         return "is not a database URL"
-    if parsed.get_backend_name() != "sqlite":
+    backend = parsed.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        # Refused here, before a server makes a keyring or a command a traceback.
+        return (
+            f"names a {backend[:40]!r} database; the ledger takes sqlite:/// or "
+            "postgresql+psycopg:// URLs"
+        )
+    if backend != "sqlite":
         return None
     if (parsed.database or "").startswith("file:") or parsed.query:
         return (

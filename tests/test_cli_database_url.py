@@ -35,3 +35,27 @@ def test_a_uri_form_database_url_is_refused_in_one_line(
     assert "sqlite:////absolute/path/ledger.db" in done.stderr, done.stderr
     assert "no database" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "file:").exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["serve", "--listen", "127.0.0.1:0"], ["migrate"], ["verify"], ["snapshot"], ["rebuild"],
+     ["recover", "--budget-seconds", "60"]],
+    ids=lambda argv: argv[0],
+)  # fmt: skip
+def test_a_database_url_of_another_kind_is_refused_in_one_line(
+    tmp_path: pathlib.Path, command: list[str]
+) -> None:
+    """A URL of a database the ledger does not take (mysql://) is one line,
+    exit 2, with no password and no traceback: verify, snapshot, rebuild and
+    recover printed a ValueError's traceback, exit 1."""
+    ledger = pathlib.Path(sys.executable).with_name("ledger")
+    done = subprocess.run(
+        [str(ledger), *command, "--data-dir", str(tmp_path / "data"),
+         "--database-url", "mysql://user:s3cret@db.example/ledger"],
+        cwd=tmp_path, env=serving.clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "sqlite:/// or postgresql+psycopg://" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "s3cret" not in done.stderr, done.stderr
