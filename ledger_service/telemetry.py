@@ -35,6 +35,7 @@ import importlib.metadata
 import logging
 import math
 import os
+import re
 import sys
 import threading
 import urllib.parse
@@ -181,9 +182,39 @@ def _otlp(environ: Mapping[str, str], signal: str) -> _Otlp:
             "address, e.g. http://127.0.0.1:4317, or :4318 over http/protobuf)"
         )
     endpoint = own or str(shared)
+    _check_endpoint(
+        f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT" if own else "OTEL_EXPORTER_OTLP_ENDPOINT",
+        endpoint,
+        protocol,
+    )
     if not own and protocol == "http/protobuf":
         endpoint = _with_path(endpoint, HTTP_PATHS[signal])
     return _Otlp(protocol, endpoint)
+
+
+# HOST:PORT, which the gRPC exporter takes without a scheme.
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}")
+
+
+def _check_endpoint(variable: str, endpoint: str, protocol: str) -> None:
+    """Refuses an endpoint no exporter can send to (no http:// or https://
+    scheme and host, or, over gRPC, no HOST:PORT): it would start the server and
+    drop every batch. The refusal shows the endpoint without its credentials."""
+    try:
+        parts = urllib.parse.urlsplit(endpoint.strip())
+        if parts.scheme in ("http", "https") and parts.hostname:
+            return
+        shown = repr(_without_credentials(endpoint)[:100])
+    except ValueError:  # an unbalanced '[' of an IPv6 host
+        shown = "(not a URL)"
+    if protocol == "grpc" and _HOST_PORT.fullmatch(endpoint.strip()):
+        return
+    wanted = "http://HOST:PORT or https://HOST:PORT" + (
+        ", or HOST:PORT" if protocol == "grpc" else ""
+    )
+    raise ValueError(
+        f"{variable}={shown}: not a collector's address over {protocol} (use {wanted})"
+    )
 
 
 def _with_path(url: str, path: str) -> str:

@@ -377,3 +377,42 @@ def test_a_metric_export_interval_of_inf_turns_periodic_export_off(
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "inf")
     environ = {"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "inf"}
     configure_telemetry(environ).shutdown()
+
+
+@pytest.mark.parametrize(
+    ("protocol", "endpoint"),
+    [
+        ("grpc", "not a url"),
+        ("grpc", "ftp://127.0.0.1:4317"),
+        ("grpc", "http://"),
+        ("grpc", "http://user:s3cret@:4317"),
+        ("grpc", "http://user:s3cret@[::1:4317"),
+        ("http/protobuf", "127.0.0.1:4318"),
+        ("http/protobuf", "http//127.0.0.1:4318"),
+    ],
+)
+def test_a_malformed_endpoint_is_refused_at_start_naming_its_variable(
+    protocol: str, endpoint: str
+) -> None:
+    """An endpoint no exporter can send to started the server, which then dropped
+    every batch ('not a url' was even shown on the start line): refused, as a
+    missing one is, naming the variable and never its password."""
+    for variable in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        with pytest.raises(ValueError) as refused:
+            configure_telemetry(
+                {
+                    "OTEL_TRACES_EXPORTER": "otlp",
+                    "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+                    variable: endpoint,
+                }
+            )
+        assert str(refused.value).startswith(f"{variable}="), refused.value
+        assert "s3cret" not in str(refused.value)
+
+
+def test_an_endpoint_without_a_scheme_still_works_over_grpc() -> None:
+    # The gRPC exporter takes HOST:PORT as it is.
+    sending = configure_telemetry(
+        {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317"}
+    )
+    sending.shutdown()
