@@ -887,6 +887,24 @@ def test_a_bad_client_keepalive_is_refused_before_any_call(
     assert run.code == exits.EXIT_BAD_VALUE
 
 
+def test_a_keepalive_faster_than_the_server_takes_names_the_variable(
+    target: LedgerProcess, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC says 'Too many pings' when the server ends the connection GOAWAY
+    too_many_pings: the CLI said 'cannot reach the ledger ... is `ledger serve`
+    running?' (exit 3) of a server that runs, and a retry meets the same. The
+    line names the variable to fix, exit 2."""
+    monkeypatch.setenv("LEDGER_CLIENT_KEEPALIVE_SECONDS", "0.1")
+    run = ledger("history", "--follow", "--after-seq", "1000000")
+    assert run.out.startswith("SEQ ") and run.out.count("\n") == 1  # the header, no event
+    assert run.err == (
+        f"ledger: the ledger at {target.address} ended the connection: pinged too often "
+        "(GOAWAY too_many_pings); set LEDGER_CLIENT_KEEPALIVE_SECONDS at or above the "
+        "server's client_ping_min_interval_seconds (4 by default)\n"
+    )
+    assert run.code == exits.EXIT_BAD_VALUE
+
+
 def test_the_client_keepalive_pings_no_faster_than_the_server_accepts() -> None:
     """The default interval keeps a margin over the server's default
     client_ping_min_interval_seconds, the fastest it takes a client's pings

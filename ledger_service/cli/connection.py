@@ -394,12 +394,13 @@ def _unreachable(session: Session, details: str) -> CliError:
             f"within {waited:g} s (is it frozen, or the network to it down?)",
             EXIT_UNREACHABLE,
         )
-    if "too_many_pings" in details:
+    if "too_many_pings" in details or "too many pings" in details.lower():
+        # gRPC says "Too many pings": a setting to fix, which a retry meets again.
         return CliError(
             f"the ledger at {server} ended the connection: pinged too often (GOAWAY "
             f"too_many_pings); set {KEEPALIVE_VARIABLE} at or above the server's "
             "client_ping_min_interval_seconds (4 by default)",
-            EXIT_UNREACHABLE,
+            EXIT_BAD_VALUE,
         )
     down = f"cannot reach the ledger at {server}: is `ledger serve` running?"
     # gRPC says only "Socket closed" both for a TLS server refusing a plaintext
