@@ -97,8 +97,12 @@ class Statement:
     # Unique per process: threads may build statements at once (next() is atomic).
     _numbers = itertools.count(1)
 
-    def __init__(self, pyformat_sql: str, types: Mapping[str, int]) -> None:
-        """`types`: parameters' type OIDs where the SQL does not cast them."""
+    def __init__(
+        self, pyformat_sql: str, types: Mapping[str, int], *, describe: bool = True
+    ) -> None:
+        """`types`: parameters' type OIDs where the SQL does not cast them.
+        `describe`: whether its rows' column names are read (see Rows)."""
+        self.describe = describe
         order: list[str] = []
 
         def number(match: re.Match[str]) -> str:
@@ -115,15 +119,27 @@ class Statement:
         self.name = f"ledger_{next(Statement._numbers)}".encode()
 
     def params(self, values: Any) -> list[bytes | None]:
-        return [_param(values[name]) for name in self.order]
+        # A move sends about 120 parameters, nearly all exact str or int: those
+        # two are encoded inline (half the CPU of a _param call each); a bool,
+        # an enum or any other type goes through _param.
+        return [
+            value.encode()
+            if (kind := type(value := values[name])) is str
+            else b"%d" % value
+            if kind is int
+            else _param(value)
+            for name in self.order
+        ]
 
 
 class Rows:
-    """A statement's result, read: what the callers of a cursor use of it."""
+    """A statement's result, read: what the callers of a cursor use of it.
+    `describe`: whether its column names are read into `description` (a
+    statement compiled from a SELECT knows its own: storage/prepared.py)."""
 
     __slots__ = ("_next", "description", "rowcount", "rows")
 
-    def __init__(self, result: Any) -> None:
+    def __init__(self, result: Any, describe: bool = True) -> None:
         self.rowcount = int(result.command_tuples if result.command_tuples is not None else -1)
         self.rows: list[tuple[Any, ...]] = []
         self._next = 0
@@ -132,7 +148,8 @@ class Rows:
             return
         columns = range(result.nfields)
         readers = [_READERS[result.ftype(column)] for column in columns]
-        self.description = [(result.fname(column).decode(),) for column in columns]
+        if describe:
+            self.description = [(result.fname(column).decode(),) for column in columns]
         value = result.get_value
         for row in range(result.ntuples):
             self.rows.append(
@@ -206,7 +223,10 @@ def pipeline(
         if isinstance(raised, errors.InvalidSqlStatementName):
             prepared.clear()  # someone ran DEALLOCATE: the next transaction prepares again
         raise raised
-    return [Rows(result) for result in replies]
+    return [
+        Rows(result, statement.describe)
+        for (statement, _), result in zip(calls, replies, strict=True)
+    ]
 
 
 _ANSWERED = (_TUPLES_OK, _COMMAND_OK)

@@ -50,7 +50,7 @@ class Prepared:
         )
         # PostgreSQL runs it straight on libpq (storage/libpq.py).
         self._libpq = (
-            libpq.Statement(self.sql, _uncast_types(compiled))
+            libpq.Statement(self.sql, _uncast_types(compiled), describe=self.names is None)
             if dialect.name == "postgresql"
             else None
         )

@@ -4,6 +4,7 @@ SQLAlchemy and psycopg."""
 
 from __future__ import annotations
 
+import enum
 import uuid
 from collections.abc import Iterator
 
@@ -75,6 +76,24 @@ def test_a_sum_of_bigints_reads_as_an_exact_int(engine: sa.Engine) -> None:
             _STATEMENTS("insert", connection).run(connection, {"id": id_, "name": "x"})
         row = _STATEMENTS("total", connection).one(connection, {})
         assert row is not None and tuple(row) == (2**63 + 2, 3) and type(row[0]) is int
+
+
+def test_rows_by_column_name_from_a_select_and_from_a_text_statement(engine: sa.Engine) -> None:
+    # A SELECT's names come from the compiled statement, a text one's from its result.
+    with engine.begin() as connection:
+        _STATEMENTS("insert", connection).run(connection, {"id": 5, "name": "x"})
+        assert _STATEMENTS("named", connection).mapping(connection, {"id": 5}) == {"name": "x"}
+        assert _STATEMENTS("total", connection).mapping(connection, {}) == {"total": 5, "n": 1}
+
+
+class _Size(enum.IntEnum):
+    BIG = 2**40
+
+
+def test_an_int_or_str_of_a_subclass_goes_as_its_text(engine: sa.Engine) -> None:
+    with engine.begin() as connection:
+        sent = {"number": _Size.BIG, "word": "w", "blob": b"", "flag": True, "nothing": None}
+        assert _one(connection, "echo", **sent) == (2**40, "w", b"", True, None)
 
 
 def test_a_pipeline_runs_in_order_in_the_connections_transaction(engine: sa.Engine) -> None:
