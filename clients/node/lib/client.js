@@ -436,18 +436,29 @@ function isLocalAddress(address) {
 const FAILED_TO_CONNECT = 'Failed to connect';
 
 /**
+ * The host and port a TLS probe connects to; null for a gRPC target scheme, a
+ * replica list or anything else that is not a plain HOST:PORT.
+ */
+function probeTarget(address) {
+  const at = address.lastIndexOf(':');
+  const host = address.slice(0, at).replace(/^\[|\]$/g, '');
+  const port = Number(address.slice(at + 1));
+  if (at <= 0 || !Number.isInteger(port) || /^(unix|dns:|ipv)/.test(host) || host.includes(',')) {
+    return null;
+  }
+  return { host, port };
+}
+
+/**
  * Whether the ledger at a plain HOST:PORT answers a TLS handshake: true, false
  * (a listener that is not TLS), or null (nobody answered: ask another time).
  * No certificate is checked and nothing is sent after it; an alert from the
  * server (a client certificate demanded) is TLS too.
  */
 function servesTls(address, timeoutMs) {
-  const at = address.lastIndexOf(':');
-  const host = address.slice(0, at).replace(/^\[|\]$/g, '');
-  const port = Number(address.slice(at + 1));
-  if (at <= 0 || !Number.isInteger(port) || /^(unix|dns:|ipv)/.test(host) || host.includes(',')) {
-    return Promise.resolve(false);
-  }
+  const target = probeTarget(address);
+  if (target === null) return Promise.resolve(false);
+  const { host, port } = target;
   return new Promise((resolve) => {
     const socket = nodeTls.connect({ host, port, rejectUnauthorized: false, ALPNProtocols: ['h2'] });
     // One timer for the connect and the handshake together (a socket's own
@@ -478,12 +489,9 @@ function servesTls(address, timeoutMs) {
  * Nothing is sent; no certificate is checked; false unless it is sure.
  */
 function demandsClientCertificate(address, timeoutMs) {
-  const at = address.lastIndexOf(':');
-  const host = address.slice(0, at).replace(/^\[|\]$/g, '');
-  const port = Number(address.slice(at + 1));
-  if (at <= 0 || !Number.isInteger(port) || /^(unix|dns:|ipv)/.test(host) || host.includes(',')) {
-    return Promise.resolve(false);
-  }
+  const target = probeTarget(address);
+  if (target === null) return Promise.resolve(false);
+  const { host, port } = target;
   return new Promise((resolve) => {
     const socket = nodeTls.connect({
       host,

@@ -127,14 +127,12 @@ def serves_tls(address: str, deadline: float) -> bool | None:
     server (a client certificate demanded) is TLS too. None: nobody answered
     (refused, timed out), so ask again another time. `deadline` (monotonic)
     bounds the connect and the handshake together."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "," in host or host.startswith(("unix", "dns:", "ipv")):
+    target = _probe_target(address)
+    if target is None:
         return False
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
+    context = _probe_context()
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), _left(deadline)) as raw:
+        with socket.create_connection(target, _left(deadline)) as raw:
             raw.settimeout(_left(deadline))
             with context.wrap_socket(raw):
                 return True
@@ -154,16 +152,14 @@ def demands_client_certificate(address: str, deadline: float) -> bool:
     client sends its HTTP/2 settings at once; a TLS 1.3 certificate_required
     alert (another TLS stack in front) says it too. Nothing is sent; no
     certificate is checked. `deadline` (monotonic) bounds it all."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "," in host or host.startswith(("unix", "dns:", "ipv")):
+    target = _probe_target(address)
+    if target is None:
         return False
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
+    context = _probe_context()
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.set_alpn_protocols(["h2"])  # without it gRPC hangs up on anyone
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), _left(deadline)) as raw:
+        with socket.create_connection(target, _left(deadline)) as raw:
             raw.settimeout(_left(deadline))
             with context.wrap_socket(raw) as tls:
                 tls.settimeout(_left(deadline))
@@ -175,6 +171,23 @@ def demands_client_certificate(address: str, deadline: float) -> bool:
         return "CERTIFICATE_REQUIRED" in (error.reason or "")
     except OSError:
         return False  # refused, timed out, hung up in the handshake: not asked
+
+
+def _probe_target(address: str) -> tuple[str, int] | None:
+    """The host and port a probe connects to; None for a gRPC target scheme,
+    a replica list or anything else that is not a plain `host:port`."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "," in host or host.startswith(("unix", "dns:", "ipv")):
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _probe_context() -> ssl.SSLContext:
+    """A handshake that checks no certificate: a probe asks only whether TLS answers."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 def _left(deadline: float) -> float:
