@@ -18,6 +18,16 @@ const { LaneClient, RequestTooLarge, TlsMismatch, Unavailable, isLedgerUnavailab
 
 const DEADLINE_MS = 5000;
 
+/** The TlsMismatch a Balance call is refused with (asked anew on each call). */
+async function tlsMismatch(client) {
+  const error = await client.balance().then(
+    () => assert.fail('the call got through'),
+    (rejected) => rejected,
+  );
+  assert.ok(error instanceof TlsMismatch, `${error.name}: ${error.message}`);
+  return error;
+}
+
 function closedPort() {
   return new Promise((resolve) => {
     const probe = net.createServer();
@@ -134,11 +144,7 @@ describe('plaintext to a ledger serving TLS', () => {
     const client = new LaneClient(ledger.address, 'a-lane', { grant: 'a-grant', deadlineMs: DEADLINE_MS });
     try {
       for (let attempt = 0; attempt < 2; attempt += 1) {
-        const error = await client.balance().then(
-          () => assert.fail('the call got through'),
-          (rejected) => rejected,
-        );
-        assert.ok(error instanceof TlsMismatch, `${error.name}: ${error.message}`);
+        const error = await tlsMismatch(client);
         assert.match(error.message, /serves TLS/);
         assert.match(error.message, /tls/);
         assert.equal(isLedgerUnavailable(error), false);
@@ -181,11 +187,7 @@ describe('TLS without a client certificate to a ledger demanding one (mutual TLS
     });
     try {
       for (let attempt = 0; attempt < 2; attempt += 1) {
-        const error = await client.balance().then(
-          () => assert.fail('the call got through'),
-          (rejected) => rejected,
-        );
-        assert.ok(error instanceof TlsMismatch, `${error.name}: ${error.message}`);
+        const error = await tlsMismatch(client);
         assert.match(error.message, /client certificate/);
         assert.match(error.message, /clientCert/);
         assert.equal(isLedgerUnavailable(error), false);
