@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import pathlib
 import sqlite3
@@ -204,31 +205,53 @@ def source_url(engine: Engine) -> str:
     return _SOURCE_URLS.get(engine) or engine.url.render_as_string(hide_password=False)
 
 
-# The SQLite file each engine's connections opened: (device, inode).
-_FILE_IDS: weakref.WeakKeyDictionary[Engine, tuple[int, int] | None] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Opened:
+    """The SQLite file an engine's connections opened: its path and its log's,
+    as strings, and its (device, inode), None when it could not be read. Every
+    batch checks both paths (SqlStore._check_file): os.stat on kept strings,
+    not a pathlib.Path made afresh each time."""
+
+    path: str
+    wal: str
+    file_id: tuple[int, int] | None
 
 
-def _file_id(path: pathlib.Path) -> tuple[int, int] | None:
+_OPENED: weakref.WeakKeyDictionary[Engine, _Opened] = weakref.WeakKeyDictionary()
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
     try:
-        found = path.stat()
+        found = os.stat(path)
     except OSError:
         return None
     return found.st_dev, found.st_ino
+
+
+def _exists(path: str) -> bool:
+    """pathlib's Path.exists() on a string: False for the errors it takes for
+    "not there", any other OSError raised."""
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+            return False
+        raise
+    return True
 
 
 def file_replaced(engine: Engine) -> str | None:
     """Why the engine's SQLite file is no longer the one its connections
     opened (deleted, or another file moved to its path); None when it is, and
     always on PostgreSQL. Moves written to the old file would be lost."""
-    opened = _FILE_IDS.get(engine)
-    if opened is None:
+    opened = _OPENED.get(engine)
+    if opened is None or opened.file_id is None:
         return None
-    path = pathlib.Path(engine.url.database or "")
-    now = _file_id(path)
-    if now == opened:
+    now = _file_id(opened.path)
+    if now == opened.file_id:
         return None
     how = "deleted" if now is None else "replaced by another file"
-    return f"{path} was {how} while the server had it open"
+    return f"{pathlib.Path(opened.path)} was {how} while the server had it open"
 
 
 def wal_deleted(engine: Engine) -> str | None:
@@ -236,15 +259,13 @@ def wal_deleted(engine: Engine) -> str | None:
     connection holds it open (SQLite removes it only when the last one
     closes); None when it has not, and always on PostgreSQL. The moves in a
     deleted log survive only a clean close, which copies them into the file."""
-    if engine.dialect.name != "sqlite" or engine not in _FILE_IDS:
-        return None
-    wal = pathlib.Path(f"{engine.url.database}-wal")
-    if wal.exists():
+    opened = _OPENED.get(engine)
+    if opened is None or _exists(opened.wal):
         return None
     return (
-        f"{wal} was deleted while the server had it open (moves since the last "
-        "checkpoint are only in the deleted file: stop the server with SIGTERM, not "
-        "kill -9, so that its close copies them into the database)"
+        f"{pathlib.Path(opened.wal)} was deleted while the server had it open (moves since "
+        "the last checkpoint are only in the deleted file: stop the server with SIGTERM, "
+        "not kill -9, so that its close copies them into the database)"
     )
 
 
@@ -318,8 +339,8 @@ def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
         cursor.execute(f"PRAGMA journal_size_limit={WAL_KEPT_BYTES}")
         cursor.close()
         # The file the first connection opened (WAL mode above has created it).
-        if engine not in _FILE_IDS:
-            _FILE_IDS[engine] = _file_id(path)
+        if engine not in _OPENED:
+            _OPENED[engine] = _Opened(str(path), f"{url.database}-wal", _file_id(str(path)))
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
