@@ -148,6 +148,9 @@ class GroupCommitter:
         self._idle = threading.Condition(self._mutex)
         # The batch under way got its transaction (the write lock): its leader's alone.
         self._begun = False
+        # The busy timeout this committer last set, and on which driver
+        # connection: set again only when either differs (_run_batch).
+        self._busy: tuple[Any, int] | None = None
 
     def submit(self, work: Callable[[Connection], T], deadline: float) -> T:
         """Runs `work` in the next batch and returns once that batch is durable."""
@@ -236,6 +239,7 @@ class GroupCommitter:
     def _connect(self) -> Connection:
         if self._connection is None:
             self._connection = self._engine.connect().execution_options(ledger_write=True)
+            self._busy = None  # a pooled connection: another holder may have set its own
         return self._connection
 
     def _disconnect(self) -> None:
@@ -318,10 +322,15 @@ class GroupCommitter:
         undone: tuple[int, BaseException] | None = None
         connection = self._connect()
         # Another process's write lock is waited for in SQLite's busy handler:
-        # no longer than the leader waits (one statement a batch).
+        # no longer than the leader waits. One statement, left out when this
+        # connection has that timeout already (a lone caller's batches mostly
+        # want the same whole millisecond).
         busy_ms = max(1, int((until - time.monotonic()) * 1000))
         driver: Any = connection.connection.driver_connection
-        driver.execute(f"PRAGMA busy_timeout={busy_ms}")
+        if self._busy is None or self._busy[0] is not driver or self._busy[1] != busy_ms:
+            self._busy = None  # unknown until the statement has run
+            driver.execute(f"PRAGMA busy_timeout={busy_ms}")
+            self._busy = (driver, busy_ms)
         with connection.begin() as transaction:
             self._begun = True
             self._on_begin(connection)

@@ -121,6 +121,56 @@ def test_a_lone_refused_move_leaves_nothing(engine: sa.Engine) -> None:
     assert _names(engine) == ["kept"]
 
 
+def _busy_timeout_ms(connection: Connection) -> int:
+    return int(connection.exec_driver_sql("PRAGMA busy_timeout").scalar_one())
+
+
+def _missing_table(connection: Connection) -> int:
+    connection.exec_driver_sql("SELECT * FROM no_such_table")
+    return 0
+
+
+def test_each_batch_waits_for_another_process_no_longer_than_its_leader(
+    engine: sa.Engine,
+) -> None:
+    """SQLite's busy timeout in a batch is its leader's time left, whatever
+    the batches before set, and on a connection opened after a failure too;
+    a batch whose leader has the same time left (a lone caller's, mostly)
+    does not set it again: one statement fewer."""
+    committer = GroupCommitter(engine)
+    pragmas: list[str] = []
+
+    def traced(connection: Connection) -> int:
+        driver: Any = connection.connection.driver_connection
+        driver.set_trace_callback(
+            lambda sql: pragmas.append(sql) if "busy_timeout=" in sql else None
+        )
+        return 0
+
+    def seen(seconds: float) -> int:
+        ms = committer.submit(_busy_timeout_ms, time.monotonic() + seconds)  # type: ignore[arg-type]
+        assert seconds * 1000 - 500 <= ms <= seconds * 1000, (seconds, ms)
+        return ms
+
+    try:
+        seen(4.0)
+        seen(1.0)
+        seen(3.0)
+        # A database error drops the connection; the pool's next holder of
+        # it sets another timeout before the committer opens one again.
+        with pytest.raises(StoreUnavailable):
+            committer.submit(_missing_table, _soon())  # type: ignore[arg-type]
+        with engine.connect() as other:
+            other.exec_driver_sql("PRAGMA busy_timeout=60000")
+        seen(2.0)
+        committer.submit(traced, time.monotonic() + 30.0)  # type: ignore[arg-type]
+        for _ in range(5):
+            committer.submit(_busy_timeout_ms, time.monotonic() + 30.0)  # type: ignore[arg-type]
+    finally:
+        committer.close()
+    assert len(pragmas) <= 2, pragmas
+
+
 def test_concurrent_moves_share_commits_and_a_refusal_stays_its_own(engine: sa.Engine) -> None:
     batches: list[int] = []
     committer = GroupCommitter(engine, on_begin=lambda connection: batches.append(len(batches)))
