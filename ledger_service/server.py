@@ -52,7 +52,7 @@ from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
 from ledger_service.recovery.plan import RecoveryPolicy
 from ledger_service.recovery.rebuild import Recovery, RecoveryGuard, RecoverySettings
 from ledger_service.recovery.store import SqlRecoveryStore
-from ledger_service.settings import Settings, grpc_server_options, is_loopback
+from ledger_service.settings import Settings, either_source, grpc_server_options, is_loopback
 from ledger_service.storage import database, keyring, migrate, translate
 from ledger_service.storage.sql import SqlStore
 from ledger_service.telemetry import Telemetry, configure_telemetry
@@ -685,14 +685,28 @@ def server_tls(settings: Settings, clock: Clock) -> ServerTls | None:
     )
     if cert is None and key is None:
         if client_ca is not None:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+            raise ValueError(
+                f"{settings.source('tls_client_ca_path')} needs a certificate and its key "
+                f"({either_source('tls_cert_path')}, {either_source('tls_key_path')})"
+            )
         return None
     if cert is None or key is None:
-        raise ValueError("--tls-cert and --tls-key go together")
+        given, missing = (
+            ("tls_cert_path", "tls_key_path") if key is None else ("tls_key_path", "tls_cert_path")
+        )
+        raise ValueError(
+            f"{settings.source(given)} needs {either_source(missing)}: "
+            "a certificate and its key go together"
+        )
     # Imported here: cryptography adds about 10 MiB to every server, TLS or not.
     from ledger_service import tls_files
 
-    return tls_files.ServerTls(cert, key, client_ca, clock)
+    names = tls_files.Sources(
+        settings.source("tls_cert_path"),
+        settings.source("tls_key_path"),
+        settings.source("tls_client_ca_path"),
+    )
+    return tls_files.ServerTls(cert, key, client_ca, clock, names)
 
 
 def _transport(settings: Settings) -> str:

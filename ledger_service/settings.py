@@ -20,6 +20,34 @@ TLS_ENVIRONMENT = {
     "tls_key_path": "LEDGER_TLS_KEY",
     "tls_client_ca_path": "LEDGER_TLS_CLIENT_CA",
 }
+# The settings `ledger serve` also takes as a flag, and the flag. The source
+# table: a refusal names the flag or the variable its value came from
+# (Settings.source), and the serve command reads its overrides from it.
+SERVE_FLAGS = {
+    "database_url": "--database-url",
+    "data_dir": "--data-dir",
+    "listen": "--listen",
+    "sweep_interval_seconds": "--sweep-interval",
+    "max_workers": "--max-workers",
+    "tls_cert_path": "--tls-cert",
+    "tls_key_path": "--tls-key",
+    "tls_client_ca_path": "--tls-client-ca",
+    "snapshot_every_events": "--snapshot-every",
+    "recovery_budget_seconds": "--recovery-budget-seconds",
+    "recovery_max_risk": "--recovery-max-risk",
+    "recovery_min_viable_sources": "--recovery-min-viable-sources",
+}
+
+
+def either_source(name: str) -> str:
+    """Both ways to give a setting, for a message that asks for one."""
+    variable = setting_variable(name)
+    return f"{SERVE_FLAGS[name]} or {variable}" if name in SERVE_FLAGS else variable
+
+
+def setting_variable(name: str) -> str:
+    """The environment variable of a setting: LEDGER_<NAME>, but for the TLS files."""
+    return TLS_ENVIRONMENT.get(name, f"LEDGER_{name.upper()}")
 
 
 def data_dir_from_environment() -> pathlib.Path:
@@ -90,6 +118,7 @@ MIN_METADATA_BYTES = 8 * 1024
 # idle lane client GOAWAY too_many_pings.
 MIN_CLIENT_PING_INTERVAL_SECONDS = 1.0
 MAX_CLIENT_PING_INTERVAL_SECONDS = 5.0
+_PING = "client_ping_min_interval_seconds"
 
 
 # Limits that must stay above max_watchers, or a stream past it never reaches
@@ -215,6 +244,16 @@ class Settings:
     consistency_check_interval_seconds: float = 60.0
     # A rebuild whose marker has not moved for this long is taken as dead.
     rebuild_lease_seconds: float = 30.0
+    # Where each value from_environment took came from: a flag or a variable
+    # (SERVE_FLAGS, setting_variable). Not a setting; see source().
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def source(self, name: str) -> str:
+        """What a refusal of setting `name` names: the flag or the variable its
+        value came from; for a Settings built in code, its flag if it has one."""
+        if name in self.sources:
+            return self.sources[name]
+        return SERVE_FLAGS.get(name) or setting_variable(name)
 
     def __post_init__(self) -> None:
         """Refuses a number no server could run with, naming the setting: a
@@ -224,7 +263,7 @@ class Settings:
             if kind not in (int, float):
                 continue  # the switches (bool defaults) and the paths
             value = getattr(self, field.name)
-            name = f"{field.name} (LEDGER_{field.name.upper()})"
+            name = f"{field.name} ({self.source(field.name)})"
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name} must be a number")
             if not math.isfinite(value):
@@ -239,22 +278,24 @@ class Settings:
             if kind is int and value > MAX_SETTING_COUNT:
                 # gRPC's channel options and PostgreSQL's settings are C ints.
                 raise ValueError(f"{name} must be at most {MAX_SETTING_COUNT}")
-        _check_listen(self.listen)
+        _check_listen(self.listen, self.source("listen"))
         if not (
             MIN_CLIENT_PING_INTERVAL_SECONDS
             <= self.client_ping_min_interval_seconds
             <= MAX_CLIENT_PING_INTERVAL_SECONDS
         ):
             raise ValueError(
-                "client_ping_min_interval_seconds (LEDGER_CLIENT_PING_MIN_INTERVAL_SECONDS) "
+                f"client_ping_min_interval_seconds ({self.source(_PING)}) "
                 f"must be at least {MIN_CLIENT_PING_INTERVAL_SECONDS:g} and at most "
                 f"{MAX_CLIENT_PING_INTERVAL_SECONDS:g}, the lane clients' ping interval"
             )
         if self.recovery_max_risk > 1:
-            raise ValueError("recovery_max_risk (LEDGER_RECOVERY_MAX_RISK) must be at most 1")
+            raise ValueError(
+                f"recovery_max_risk ({self.source('recovery_max_risk')}) must be at most 1"
+            )
         if self.max_metadata_bytes < MIN_METADATA_BYTES:
             raise ValueError(
-                f"max_metadata_bytes (LEDGER_MAX_METADATA_BYTES) must be at least "
+                f"max_metadata_bytes ({self.source('max_metadata_bytes')}) must be at least "
                 f"{MIN_METADATA_BYTES}, room for a grant and the trace headers"
             )
         if self.default_page_size > self.max_page_size:
@@ -262,8 +303,8 @@ class Settings:
         for larger, instead in _ABOVE_MAX_WATCHERS:
             if getattr(self, larger) <= self.max_watchers:
                 raise ValueError(
-                    f"{larger} (LEDGER_{larger.upper()}), {getattr(self, larger)}, must be "
-                    f"above max_watchers (LEDGER_MAX_WATCHERS), {self.max_watchers}: else "
+                    f"{larger} ({self.source(larger)}), {getattr(self, larger)}, must be above "
+                    f"max_watchers ({self.source('max_watchers')}), {self.max_watchers}: else "
                     f"{instead} instead of getting TOO_MANY_WATCHERS"
                 )
 
@@ -282,7 +323,17 @@ class Settings:
             if os.environ.get(variable):
                 values[name] = pathlib.Path(os.environ[variable]).expanduser()
         values.update(_numbers_from_environment())
-        values.update({key: value for key, value in overrides.items() if value is not None})
+        given = {key: value for key, value in overrides.items() if value is not None}
+        values.update(given)
+        # Where each value came from, for a refusal to name (source()).
+        sources = {
+            name: setting_variable(name)
+            for name in values
+            if os.environ.get(setting_variable(name))
+            or (name == "listen" and "LEDGER_LISTEN" in os.environ)
+        }
+        sources.update({name: SERVE_FLAGS[name] for name in given if name in SERVE_FLAGS})
+        values["sources"] = sources
         if (
             "data_dir" in overrides
             and overrides["data_dir"] is not None
@@ -292,12 +343,9 @@ class Settings:
         values["database_url"] = home_expanded(str(values["database_url"]))
         problem = database_url_problem(str(values["database_url"]))
         if problem is not None:
-            source = (
-                "--database-url"
-                if overrides.get("database_url")
-                else "LEDGER_DATABASE_URL"
-                if os.environ.get("LEDGER_DATABASE_URL")
-                else f"the default database URL {values['database_url']} (from the data directory)"
+            source = sources.get(
+                "database_url",
+                f"the default database URL {values['database_url']} (from the data directory)",
             )
             raise ValueError(f"{source} {problem}")
         return cls(**values)  # type: ignore[arg-type]
@@ -355,13 +403,13 @@ def is_host(host: str) -> bool:
     )
 
 
-def _check_listen(listen: str) -> None:
+def _check_listen(listen: str, source: str) -> None:
     """HOST:PORT with a port from 0 to 65535. Raises ValueError: grpcio itself
     takes '127.0.0.1:99999' and listens on some other port, unsaid."""
     host, colon, port = listen.rpartition(":")
     if not (is_host(host) and colon and port.isascii() and port.isdigit() and int(port) <= 65535):
         raise ValueError(
-            f"listen (--listen or LEDGER_LISTEN): {listen[:100]!r} is not HOST:PORT "
+            f"listen ({source}): {listen[:100]!r} is not HOST:PORT "
             "with a port from 0 to 65535 (0 picks a free one)"
         )
 

@@ -49,28 +49,39 @@ def certificates(content: bytes, path: pathlib.Path, flag: str) -> list[x509.Cer
         raise ValueError(f"{flag} {path}: holds no PEM certificate") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """What a message names each file by: its flag, or its variable when the
+    value came from the environment (Settings.source)."""
+
+    cert: str = "--tls-cert"
+    key: str = "--tls-key"
+    client_ca: str = "--tls-client-ca"
+
+
 def check_server_pair(cert: bytes, cert_path: pathlib.Path, key: bytes, key_path: pathlib.Path,
-                      now: datetime.datetime) -> x509.Certificate:  # fmt: skip
+                      now: datetime.datetime,
+                      names: Sources = Sources()) -> x509.Certificate:  # fmt: skip
     """The chain's first certificate, checked: it is in force at `now` and
     `key` is its unencrypted private key. Raises ValueError naming the file at
     fault."""
-    leaf = certificates(cert, cert_path, "--tls-cert")[0]
+    leaf = certificates(cert, cert_path, names.cert)[0]
     if now >= leaf.not_valid_after_utc:
         raise ValueError(
-            f"--tls-cert {cert_path}: the certificate expired at "
+            f"{names.cert} {cert_path}: the certificate expired at "
             f"{leaf.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}; no client would complete a handshake"
         )
     try:
         private = serialization.load_pem_private_key(key, password=None)
     except TypeError:  # a password is needed
         raise ValueError(
-            f"--tls-key {key_path}: is encrypted; gRPC needs an unencrypted key"
+            f"{names.key} {key_path}: is encrypted; gRPC needs an unencrypted key"
         ) from None
     except (ValueError, UnsupportedAlgorithm):
-        raise ValueError(f"--tls-key {key_path}: holds no PEM private key") from None
+        raise ValueError(f"{names.key} {key_path}: holds no PEM private key") from None
     if _public(private.public_key()) != _public(leaf.public_key()):
         raise ValueError(
-            f"--tls-key {key_path} is not the key of the certificate in --tls-cert {cert_path}"
+            f"{names.key} {key_path} is not the key of the certificate in {names.cert} {cert_path}"
         )
     return leaf
 
@@ -127,8 +138,10 @@ class ServerTls:
     the set in force serves on: half-copied files never take a replica down."""
 
     def __init__(self, cert_path: pathlib.Path, key_path: pathlib.Path,
-                 client_ca_path: pathlib.Path | None, clock: Clock) -> None:  # fmt: skip
+                 client_ca_path: pathlib.Path | None, clock: Clock,
+                 names: Sources = Sources()) -> None:  # fmt: skip
         self._cert_path, self._key_path, self._client_ca_path = cert_path, key_path, client_ca_path
+        self._names = names
         # The real clock, as for grants: a test clock must not age a certificate.
         self._clock = clock
         # grpcio may ask from several threads at once.
@@ -152,14 +165,14 @@ class ServerTls:
         return (_stamp(self._cert_path), _stamp(self._key_path), _stamp(self._client_ca_path))
 
     def _read(self) -> _Files:
-        key = read(self._key_path, "--tls-key")
-        cert = read(self._cert_path, "--tls-cert")
+        key = read(self._key_path, self._names.key)
+        cert = read(self._cert_path, self._names.cert)
         now = _instant(self._clock.now_us())
-        leaf = check_server_pair(cert, self._cert_path, key, self._key_path, now)
+        leaf = check_server_pair(cert, self._cert_path, key, self._key_path, now, self._names)
         client_ca = None
         if self._client_ca_path is not None:
-            client_ca = read(self._client_ca_path, "--tls-client-ca")
-            certificates(client_ca, self._client_ca_path, "--tls-client-ca")
+            client_ca = read(self._client_ca_path, self._names.client_ca)
+            certificates(client_ca, self._client_ca_path, self._names.client_ca)
         return _Files(cert, key, client_ca, leaf)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
@@ -213,13 +226,14 @@ class ServerTls:
                     return
             self._said = (kind, now_us)
         if kind == "expired":
-            log.error("--tls-cert %s: the certificate expired at %s; clients fail their "
+            log.error("%s %s: the certificate expired at %s; clients fail their "
                       "handshakes: replace the certificate and key files (taken at the "
                       "next connection, no restart; docs/security.md)",
-                      self._cert_path, _utc(ends))  # fmt: skip
+                      self._names.cert, self._cert_path, _utc(ends))  # fmt: skip
             return
         hours = left_us // (3600 * MICROS_PER_SECOND)
-        log.warning("--tls-cert %s: the certificate expires at %s (in %d d %d h); "
+        log.warning("%s %s: the certificate expires at %s (in %d d %d h); "
                     "replace the certificate and key files before then (taken at the "
                     "next connection, no restart; docs/security.md)",
-                    self._cert_path, _utc(ends), hours // 24, hours % 24)  # fmt: skip
+                    self._names.cert, self._cert_path, _utc(ends), hours // 24,
+                    hours % 24)  # fmt: skip

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from ledger_service.cli.exits import EXIT_INTERRUPTED
-from ledger_service.settings import Settings, unread_variables
+from ledger_service.settings import SERVE_FLAGS, Settings, unread_variables
 
 
 def register(commands: Any) -> None:
@@ -115,11 +115,7 @@ def database_options(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(arguments: argparse.Namespace) -> Settings:
     overrides: dict[str, object] = {}
-    names = ("database_url", "data_dir", "listen", "sweep_interval_seconds", "max_workers",
-             "tls_cert_path", "tls_key_path", "tls_client_ca_path",
-             "snapshot_every_events", "recovery_budget_seconds", "recovery_max_risk",
-             "recovery_min_viable_sources")  # fmt: skip
-    for name in names:
+    for name in SERVE_FLAGS:
         value = getattr(arguments, name, None)
         if value is not None:
             overrides[name] = value
