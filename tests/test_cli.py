@@ -238,6 +238,34 @@ def test_amounts_finer_than_a_nano_or_malformed_are_refused(text: str) -> None:
     assert refused.value.message.startswith("--limit: ")
 
 
+@pytest.mark.parametrize(
+    ("text", "largest"),
+    [
+        ("$9223372036.854775808", "$9223372036.854775807"),
+        ("$ 10000000000", "$9223372036.854775807"),
+        ("9223372036.854775808 USD", "9223372036.854775807 USD"),
+        ("99999999999usd", "9223372036.854775807 usd"),
+        ("9223372036854775808n", "9223372036854775807n"),
+        ("99999999999999999999 nanos", "9223372036854775807 nanos"),
+    ],
+)
+def test_an_amount_too_large_says_the_largest_in_the_unit_typed(text: str, largest: str) -> None:
+    """It said only "is too large": the bound, in dollars for a dollar amount."""
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_amount_nanos("--limit", text)
+    assert refused.value.exit_code == exits.EXIT_BAD_VALUE
+    assert refused.value.message == f"--limit: {text!r} is too large (at most {largest})"
+    assert values.parse_amount_nanos("--limit", largest) == values.MAX_INT64
+
+
+def test_a_price_too_large_says_the_largest_in_usd_per_million_tokens() -> None:
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_price("jev=10000000000/1")
+    assert refused.value.message == (
+        "--price jev input: '10000000000' is too large (at most 9223372036.854775807)"
+    )
+
+
 NEGATIVE_AMOUNTS = ["-$1", "$-1", "-1n", "- $0.25", "$ -0.25", "-0.5 USD"]
 
 

@@ -15,7 +15,7 @@ import re
 from google.protobuf import duration_pb2
 
 from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
-from ledger_service.domain.pricing import usd_to_nanos
+from ledger_service.domain.pricing import NANOS_PER_USD, usd_to_nanos
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 MAX_INT64 = 2**63 - 1
@@ -83,8 +83,21 @@ def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> 
     else:
         raise CliError(f"{option}: unknown unit {match['unit']!r} (use USD or n)", EXIT_BAD_VALUE)
     if nanos > MAX_INT64:
-        raise CliError(f"{option}: {text!r} is too large", EXIT_BAD_VALUE)
+        largest = _largest_amount(match["dollar"], match["unit"])
+        raise CliError(f"{option}: {text!r} is too large (at most {largest})", EXIT_BAD_VALUE)
     return nanos
+
+
+def _largest_amount(dollar: str, unit: str) -> str:
+    """MAX_INT64 nanos (the wire's int64) as the user wrote the amount refused:
+    '$9223372036.854775807', '... USD', '9223372036854775807n', or bare for a price."""
+    if unit.lower() in {"n", "nanos"}:
+        return f"{MAX_INT64}{'n' if unit.lower() == 'n' else ' nanos'}"
+    whole, fraction = divmod(MAX_INT64, NANOS_PER_USD)
+    dollars = f"{whole}.{fraction:09d}".rstrip("0").rstrip(".")
+    if dollar:
+        return f"${dollars}"
+    return f"{dollars} {unit}" if unit else dollars
 
 
 def _no_unit_message(text: str, match: re.Match[str]) -> str:
