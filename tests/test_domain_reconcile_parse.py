@@ -78,6 +78,14 @@ def test_a_number_too_long_or_too_fine_is_a_bad_row_not_a_rounded_one(
     assert bad.field == column and said in bad.message, bad.message
 
 
+@pytest.mark.parametrize("value", ["-1", "-0.000000001", "4611686018.427387905", "1e10"])
+def test_a_dollar_amount_out_of_range_says_its_bounds_in_dollars(value: str) -> None:
+    """The column is in dollars: its bounds were said in nanos (4611686018427387904)."""
+    [bad] = _parsed("billed_usd", value).bad
+    assert bad.message == "billed_usd: must be between 0 and 4611686018.427387904 dollars"
+    assert _parsed("billed_usd", "4611686018.427387904").rows[0].billed_nanos == 2**62
+
+
 def test_leading_zeros_still_read() -> None:
     assert _parsed("billed_nanos", "0" * 5_000 + "7").rows[0].billed_nanos == 7
     assert _parsed("billed_usd", "1." + "0" * 100).rows[0].billed_nanos == 10**9

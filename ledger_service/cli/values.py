@@ -15,7 +15,7 @@ import re
 from google.protobuf import duration_pb2
 
 from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
-from ledger_service.domain.pricing import NANOS_PER_USD, usd_to_nanos
+from ledger_service.domain.pricing import usd_text, usd_to_nanos
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 MAX_INT64 = 2**63 - 1
@@ -93,8 +93,7 @@ def _largest_amount(dollar: str, unit: str) -> str:
     '$9223372036.854775807', '... USD', '9223372036854775807n', or bare for a price."""
     if unit.lower() in {"n", "nanos"}:
         return f"{MAX_INT64}{'n' if unit.lower() == 'n' else ' nanos'}"
-    whole, fraction = divmod(MAX_INT64, NANOS_PER_USD)
-    dollars = f"{whole}.{fraction:09d}".rstrip("0").rstrip(".")
+    dollars = usd_text(MAX_INT64)
     if dollar:
         return f"${dollars}"
     return f"{dollars} {unit}" if unit else dollars

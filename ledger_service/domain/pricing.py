@@ -52,6 +52,15 @@ def usd_to_nanos(usd: decimal.Decimal) -> int | None:
     return int(nanos)
 
 
+def usd_text(nanos: int) -> str:
+    """Nanos, 0 or more, as a plain decimal number of dollars, as an export or a
+    command line writes one: 4611686018427387904 -> '4611686018.427387904',
+    10**9 -> '1'."""
+    assert nanos >= 0
+    whole, fraction = divmod(nanos, NANOS_PER_USD)
+    return f"{whole}.{fraction:09d}".rstrip("0").rstrip(".")
+
+
 def ceil_div(numerator: int, denominator: int) -> int:
     assert denominator > 0
     assert numerator >= 0

@@ -26,7 +26,7 @@ from ledger_service.domain.errors import InvalidArgument
 from ledger_service.domain.events import Event, EventKind, evolve
 from ledger_service.domain.moves import MAX_TOKENS, ending_event, validate_reservation_id
 from ledger_service.domain.policies import validate_name
-from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, usd_to_nanos
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, usd_text, usd_to_nanos
 
 MAX_ROWS = 10_000
 COLUMNS = frozenset(
@@ -310,7 +310,9 @@ def _billed_usd_nanos(record: Mapping[str, Any]) -> int | None:
         if nanos is None:
             raise InvalidArgument("billed_usd", "must be exact to the nano-dollar")
         if not 0 <= nanos <= MAX_AMOUNT_NANOS:
-            raise InvalidArgument("billed_usd", f"must be between 0 and {MAX_AMOUNT_NANOS} nanos")
+            # The column is in dollars, and so are its bounds.
+            largest = usd_text(MAX_AMOUNT_NANOS)
+            raise InvalidArgument("billed_usd", f"must be between 0 and {largest} dollars")
         return nanos
     return None
 
