@@ -1470,6 +1470,19 @@ def test_reconcile_rows_without_a_lane_say_to_pass_lane(
     assert ledger("reconcile", str(export), "--lane", "no-lane", "--dry-run").code == 0
 
 
+def test_reconcile_refuses_an_unknown_lane_up_front(
+    target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
+) -> None:
+    # `--lane nosuch` reported every row "no such booking in this lane" and exited 0.
+    export = tmp_path / "usage.csv"
+    export.write_text("reservation_id,billed_nanos\nu-1,100\n")
+    for dry_run in ([], ["--dry-run"]):
+        run = ledger("reconcile", str(export), "--lane", "nosuch", *dry_run)
+        assert run.code == exits.EXIT_FAILED, run
+        assert run.out == ""
+        assert run.err.startswith("ledger: lane 'nosuch' does not exist (LANE_NOT_FOUND)"), run
+
+
 def test_reconcile_refuses_what_it_cannot_send(
     target: LedgerProcess, ledger: RunLedger, tmp_path: pathlib.Path
 ) -> None:

@@ -285,3 +285,25 @@ def test_unknown_jsonl_keys_as_long_as_the_request_still_get_an_answer(harness: 
     assert (bad.line, bad.field) == (1, "content")
     assert bad.message.startswith("unknown keys: kkk")
     assert len(bad.message) < 1_000
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_reconcile_for_an_unknown_lane_is_not_found(harness: Any, dry_run: bool) -> None:
+    """Its rows were each reported "no such booking in this lane" and the call
+    succeeded: the lane is refused up front, as every other RPC refuses it."""
+    export = b"reservation_id,billed_nanos\nunknown,7\n"
+    with pytest.raises(grpc.RpcError) as refused:
+        harness.ledger.Reconcile(
+            pb.ReconcileRequest(
+                format=pb.ReconcileRequest.CSV,
+                content=export,
+                default_lane="nosuch",
+                dry_run=dry_run,
+            ),
+            timeout=30,
+        )
+    error = refused.value
+    assert isinstance(error, grpc.Call)
+    assert error.code() is grpc.StatusCode.NOT_FOUND
+    assert dict(error.trailing_metadata() or ())["ledger-reason"] == "LANE_NOT_FOUND"
+    assert "'nosuch'" in (error.details() or "")

@@ -67,6 +67,10 @@ def reconcile_export(
     bill_wins: bool = False,
     grant_id: str = "",
 ) -> ReconcileReport:
+    if default_lane:
+        # Refused up front, as every other call refuses an unknown lane: its
+        # rows were each "no such booking in this lane", and the call succeeded.
+        ledger.check_lane(default_lane)
     parsed = reconcile.parse(content, export_format, default_lane)
     if parsed.bad:
         # A file applies in full or not at all: one bad row and nothing changes.
