@@ -98,3 +98,11 @@ def test_half_a_tls_configuration_from_the_environment_names_its_variable(
         server.server_tls(Settings.from_environment(), SystemClock())
     said = str(refused.value)
     assert said.startswith(f"{given} ") and missing in said, said
+
+
+def test_a_flag_given_over_its_variable_is_named_as_the_flag(
+    environment: pytest.MonkeyPatch,
+) -> None:
+    environment.setenv("LEDGER_MAX_WORKERS", "4")
+    with pytest.raises(ValueError, match=r"^max_workers \(--max-workers\) must be above 0"):
+        Settings.from_environment(max_workers=0)
