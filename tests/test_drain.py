@@ -63,7 +63,7 @@ def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
     left: list[int] = []
     draining = threading.Thread(target=lambda: left.append(drain.drain(time.monotonic() + 30)))
     draining.start()
-    time.sleep(SETTLE_SECONDS * 2)
+    _until_draining(drain)
     refused: list[BaseException] = []
     later = threading.Thread(target=lambda: _refusal(call, None, refused))
     later.start()
@@ -89,6 +89,20 @@ class Context:
 
     def time_remaining(self) -> float:
         return self.remaining_seconds
+
+
+def _until_draining(drain: Drain) -> None:
+    """Waits until the drain holds new calls (one with no time left is then
+    refused at once, not run): its thread may start late on a loaded machine."""
+    probe = _behaviour(drain, "/ledger.v1.Ledger/Reserve", lambda _r, _c: "ran")
+    give_up = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < give_up:
+        try:
+            probe(None, Context(0.0))
+        except ShuttingDown:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the drain did not begin")
 
 
 def _refusal(call: Any, context: Any, refused: list[BaseException]) -> None:
@@ -147,7 +161,10 @@ def test_the_drain_settles_after_the_last_call_ends_not_only_after_it_began() ->
         target=lambda: (drain.drain(time.monotonic() + 30), ended.append(time.monotonic()))
     )
     draining.start()
-    time.sleep(SETTLE_SECONDS * 3)
+    _until_draining(drain)
+    # The drain began at least this long before the answer: settling from its
+    # beginning alone would end it at once.
+    time.sleep(SETTLE_SECONDS * 2)
     answered = time.monotonic()
     release.set()
     running.join(WAIT_SECONDS)
@@ -164,7 +181,7 @@ def test_hurry_ends_a_drain_at_once_and_says_how_many_were_cut_off() -> None:
         target=lambda: left.append(drain.drain(time.monotonic() + 600)), daemon=True
     )
     draining.start()
-    time.sleep(SETTLE_SECONDS * 2)
+    _until_draining(drain)  # hurried during the drain, not before it
     assert draining.is_alive()  # waiting for the running call
     drain.hurry()
     draining.join(WAIT_SECONDS)
