@@ -24,23 +24,34 @@ from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
 
 CONTENT = b"reservation_id,lane,billed_nanos\nr-1,recall,1\n"
+WAIT_SECONDS = 10.0
 
 
 class _Peak:
-    """Wraps reconcile_export: counts the calls inside it at once."""
+    """Wraps reconcile_export: counts the calls inside it at once. Each is held
+    there until `release` is set (by the test, or once `release_at` calls are
+    inside), then `hold_seconds` more: a wait on the calls, not on a time, so
+    that a thread that starts late on a loaded machine changes nothing."""
 
-    def __init__(self, hold_seconds: float) -> None:
+    def __init__(self, hold_seconds: float = 0.0, release_at: int | None = None) -> None:
         self.inside = 0
         self.peak = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
         self._lock = threading.Lock()
         self._hold = hold_seconds
+        self._release_at = release_at
         self._real = servicers.reconcile_export
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             self.inside += 1
             self.peak = max(self.peak, self.inside)
+            if self._release_at is not None and self.inside >= self._release_at:
+                self.release.set()
+        self.entered.set()
         try:
+            self.release.wait(WAIT_SECONDS)
             time.sleep(self._hold)
             return self._real(*args, **kwargs)
         finally:
@@ -48,20 +59,20 @@ class _Peak:
                 self.inside -= 1
 
 
+def _reconcile(stub: pb_grpc.LedgerStub) -> str:
+    """A call's status, with its ledger-reason when refused."""
+    request = pb.ReconcileRequest(format=pb.ReconcileRequest.CSV, content=CONTENT, dry_run=True)
+    try:
+        stub.Reconcile(request, timeout=30)
+    except grpc.RpcError as error:
+        reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
+        return f"{error.code().name} {reason}"
+    return "OK"
+
+
 def _reconcile_all(stub: pb_grpc.LedgerStub, count: int) -> list[str]:
-    """Each call's status, with its ledger-reason when refused."""
-
-    def one(_: int) -> str:
-        request = pb.ReconcileRequest(format=pb.ReconcileRequest.CSV, content=CONTENT, dry_run=True)
-        try:
-            stub.Reconcile(request, timeout=30)
-        except grpc.RpcError as error:
-            reason = dict(error.trailing_metadata() or ()).get("ledger-reason", "")
-            return f"{error.code().name} {reason}"
-        return "OK"
-
     with futures.ThreadPoolExecutor(count) as pool:
-        return list(pool.map(one, range(count)))
+        return list(pool.map(lambda _: _reconcile(stub), range(count)))
 
 
 def test_at_most_two_reconciles_run_at_once_by_default(
@@ -69,7 +80,7 @@ def test_at_most_two_reconciles_run_at_once_by_default(
     open_ledger_channel: Callable[[LedgerServer], grpc.Channel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    peak = _Peak(hold_seconds=0.2)
+    peak = _Peak(hold_seconds=0.2, release_at=2)
     monkeypatch.setattr(servicers, "reconcile_export", peak)
     stub = pb_grpc.LedgerStub(open_ledger_channel(server))
     codes = _reconcile_all(stub, 6)
@@ -83,15 +94,23 @@ def test_a_reconcile_without_a_turn_in_time_is_too_many_reconciles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     server = start_ledger_server(max_concurrent_reconciles=1, request_deadline_seconds=0.3)
-    peak = _Peak(hold_seconds=1.0)
+    peak = _Peak()
     monkeypatch.setattr(servicers, "reconcile_export", peak)
     stub = pb_grpc.LedgerStub(open_ledger_channel(server))
-    started = time.monotonic()
-    codes = _reconcile_all(stub, 2)
+    with futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_reconcile, stub)
+        assert peak.entered.wait(WAIT_SECONDS)  # the first has the only turn, and keeps it
+        started = time.monotonic()
+        second = _reconcile(stub)
+        waited = time.monotonic() - started
+        peak.release.set()
+        assert first.result(WAIT_SECONDS) == "OK"
     # Not STORE_UNAVAILABLE ("the database is unavailable"): the database answered.
-    assert sorted(codes) == ["OK", "RESOURCE_EXHAUSTED TOO_MANY_RECONCILES"]
+    assert second == "RESOURCE_EXHAUSTED TOO_MANY_RECONCILES"
     assert peak.peak == 1
-    assert time.monotonic() - started < 3.0
+    # It waited at most the request deadline (0.3 s here), not the default 5 s
+    # nor its caller's 30 s; the margin is for a loaded machine.
+    assert waited < 3.0, waited
 
 
 class _Refused(grpc.RpcError, grpc.Call):  # type: ignore[misc]
