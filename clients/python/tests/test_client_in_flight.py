@@ -71,6 +71,24 @@ def test_a_call_past_the_limit_waits_its_deadline_then_is_overloaded_without_bei
         pool.shutdown()
 
 
+class _Slots:
+    """Stands in for a client's slots (a semaphore) to tell when a call asks
+    for one: the test closes the client once a call waits for a slot, not
+    after a time its thread may not have had on a loaded machine."""
+
+    def __init__(self, client: LaneClient) -> None:
+        self._real = client._slots
+        self.asked = threading.Event()
+        client._slots = self  # type: ignore[assignment]
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        self.asked.set()
+        return self._real.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self._real.release()
+
+
 def test_a_call_waiting_for_a_slot_when_the_client_closes_is_client_closed(
     held: tuple[HeldReserves, int],
 ) -> None:
@@ -87,8 +105,9 @@ def test_a_call_waiting_for_a_slot_when_the_client_closes_is_client_closed(
         if servicer.arrived == 1:
             break
         threading.Event().wait(0.01)
+    slots = _Slots(client)
     waiting = pool.submit(client.reserve, "m", 10, 10)
-    threading.Event().wait(0.2)
+    assert slots.asked.wait(10), "the second call never asked for a slot"
     client.close(grace_seconds=0.2)
     with pytest.raises(ClientClosed) as cut_off:
         first.result(10)
