@@ -28,6 +28,28 @@ async function tlsMismatch(client) {
   return error;
 }
 
+/**
+ * A real ledger serving TLS with the test certificates, given to it by the
+ * LEDGER_TLS_* variables; it demands a client certificate when asked to.
+ */
+async function startTlsLedger(certificates, { demandClientCertificate }) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-tls-'));
+  const files = {
+    LEDGER_TLS_CERT: ['server.pem', certificates.serverCert],
+    LEDGER_TLS_KEY: ['server.key', certificates.serverKey],
+  };
+  if (demandClientCertificate) files.LEDGER_TLS_CLIENT_CA = ['ca.pem', certificates.ca];
+  for (const [variable, [name, content]] of Object.entries(files)) {
+    process.env[variable] = path.join(dir, name);
+    fs.writeFileSync(process.env[variable], content);
+  }
+  try {
+    return await startLedger();
+  } finally {
+    for (const variable of Object.keys(files)) delete process.env[variable];
+  }
+}
+
 function closedPort() {
   return new Promise((resolve) => {
     const probe = net.createServer();
@@ -116,18 +138,7 @@ describe('plaintext to a ledger serving TLS', () => {
   const certificates = makeCertificates();
   let ledger;
   before(async () => {
-    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-tls-'));
-    const files = { cert: path.join(dir, 'server.pem'), key: path.join(dir, 'server.key') };
-    fs.writeFileSync(files.cert, certificates.serverCert);
-    fs.writeFileSync(files.key, certificates.serverKey);
-    process.env.LEDGER_TLS_CERT = files.cert;
-    process.env.LEDGER_TLS_KEY = files.key;
-    try {
-      ledger = await startLedger();
-    } finally {
-      delete process.env.LEDGER_TLS_CERT;
-      delete process.env.LEDGER_TLS_KEY;
-    }
+    ledger = await startTlsLedger(certificates, { demandClientCertificate: false });
   });
   after(async () => ledger?.stop());
 
@@ -159,21 +170,7 @@ describe('TLS without a client certificate to a ledger demanding one (mutual TLS
   const certificates = makeCertificates();
   let ledger;
   before(async () => {
-    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-mtls-'));
-    const files = { cert: path.join(dir, 'server.pem'), key: path.join(dir, 'server.key'), ca: path.join(dir, 'ca.pem') };
-    fs.writeFileSync(files.cert, certificates.serverCert);
-    fs.writeFileSync(files.key, certificates.serverKey);
-    fs.writeFileSync(files.ca, certificates.ca);
-    process.env.LEDGER_TLS_CERT = files.cert;
-    process.env.LEDGER_TLS_KEY = files.key;
-    process.env.LEDGER_TLS_CLIENT_CA = files.ca;
-    try {
-      ledger = await startLedger();
-    } finally {
-      delete process.env.LEDGER_TLS_CERT;
-      delete process.env.LEDGER_TLS_KEY;
-      delete process.env.LEDGER_TLS_CLIENT_CA;
-    }
+    ledger = await startTlsLedger(certificates, { demandClientCertificate: true });
   });
   after(async () => ledger?.stop());
 

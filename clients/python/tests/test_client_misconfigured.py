@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from client_ledger import TEST_SETTINGS, LedgerProcess, lane_tls, running
 from ledger_client import ClientSettings, LaneClient, ModelPrice, OutagePolicy, errors
-from ledger_client.channels import demands_client_certificate
+from ledger_client.channels import TlsSettings, demands_client_certificate
 
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
 
@@ -28,22 +28,30 @@ def _allowance(tmp_path: pathlib.Path) -> OutagePolicy:
     )
 
 
+def _tls_mismatch(address: str, lane: str, grant: str, tls: TlsSettings,
+                  tmp_path: pathlib.Path) -> errors.TlsMismatch:  # fmt: skip
+    """The TlsMismatch a Balance is refused with: not retryable, and not the
+    outage mode either (a model_call gets it too, and nothing is journaled)."""
+    with LaneClient(address, lane, grant=grant, tls=tls, outage=_allowance(tmp_path),
+                    settings=TEST_SETTINGS) as client:  # fmt: skip
+        with pytest.raises(errors.TlsMismatch) as raised:
+            client.balance()
+        with pytest.raises(errors.TlsMismatch), client.model_call("model-a", b"x" * 3500, 500):
+            pass
+    assert not errors.is_retryable(raised.value)
+    journal = tmp_path / "journal.jsonl"
+    assert not journal.exists() or not journal.read_text()
+    return raised.value
+
+
 def test_tls_to_a_plaintext_ledger_names_the_tls_setting(
     ledger_server: LedgerProcess, lane: str, lane_grant: str,
     certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path,
 ) -> None:  # fmt: skip
-    tls = lane_tls(certificates)
-    with LaneClient(ledger_server.address, lane, grant=lane_grant, tls=tls,
-                    outage=_allowance(tmp_path), settings=TEST_SETTINGS) as client:  # fmt: skip
-        with pytest.raises(errors.TlsMismatch) as raised:
-            client.balance()
-        # Not the outage mode either: the allowance answers nothing, nothing is journaled.
-        with pytest.raises(errors.TlsMismatch), client.model_call("model-a", b"x" * 3500, 500):
-            pass
-    assert "does not speak TLS" in raised.value.message and "tls" in raised.value.message
-    assert not errors.is_retryable(raised.value)
-    journal = tmp_path / "journal.jsonl"
-    assert not journal.exists() or not journal.read_text()
+    mismatch = _tls_mismatch(
+        ledger_server.address, lane, lane_grant, lane_tls(certificates), tmp_path
+    )
+    assert "does not speak TLS" in mismatch.message and "tls" in mismatch.message
 
 
 def test_tls_to_nobody_listening_is_still_an_outage(
@@ -107,17 +115,11 @@ def test_tls_without_a_client_certificate_to_a_mutual_tls_ledger_names_it(
     # gRPC says only "Socket closed" here too, as for a restarting server: the
     # ledger completes the handshake and hangs up before a byte of HTTP/2.
     tls = lane_tls(certificates, client_certificate=False)
-    with LaneClient(fresh_server.address, "a-lane", grant=fresh_server.admin_grant, tls=tls,
-                    outage=_allowance(tmp_path), settings=TEST_SETTINGS) as client:  # fmt: skip
-        with pytest.raises(errors.TlsMismatch) as raised:
-            client.balance()
-        with pytest.raises(errors.TlsMismatch), client.model_call("model-a", b"x" * 3500, 500):
-            pass
-    assert "client certificate" in raised.value.message
-    assert "certificate_chain" in raised.value.message and "private_key" in raised.value.message
-    assert not errors.is_retryable(raised.value)
-    journal = tmp_path / "journal.jsonl"
-    assert not journal.exists() or not journal.read_text()
+    mismatch = _tls_mismatch(
+        fresh_server.address, "a-lane", fresh_server.admin_grant, tls, tmp_path
+    )
+    assert "client certificate" in mismatch.message
+    assert "certificate_chain" in mismatch.message and "private_key" in mismatch.message
 
 
 def test_tls_without_a_client_certificate_to_a_tls_ledger_restarting_is_an_outage(
