@@ -32,6 +32,7 @@ import pytest
 from ledger_service import cli
 from ledger_service.cli import connection, exits, reconcile, render, values
 from ledger_service.domain.grants import decode_unverified
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.server import LedgerServer
 from ledger_service.settings import Settings
@@ -241,29 +242,36 @@ def test_amounts_finer_than_a_nano_or_malformed_are_refused(text: str) -> None:
 @pytest.mark.parametrize(
     ("text", "largest"),
     [
-        ("$9223372036.854775808", "$9223372036.854775807"),
-        ("$ 10000000000", "$9223372036.854775807"),
-        ("9223372036.854775808 USD", "9223372036.854775807 USD"),
-        ("99999999999usd", "9223372036.854775807 usd"),
-        ("9223372036854775808n", "9223372036854775807n"),
-        ("99999999999999999999 nanos", "9223372036854775807 nanos"),
+        # One nano past the ledger's bound (2^62 nanos) was sent, to be refused by the server.
+        ("$4611686018.427387905", "$4611686018.427387904"),
+        ("4611686018.427387905 USD", "4611686018.427387904 USD"),
+        ("4611686018427387905n", "4611686018427387904n"),
+        ("4611686018427387905 nanos", "4611686018427387904 nanos"),
+        ("$9223372036.854775808", "$4611686018.427387904"),
+        ("$ 10000000000", "$4611686018.427387904"),
+        ("99999999999usd", "4611686018.427387904 usd"),
+        ("99999999999999999999 nanos", "4611686018427387904 nanos"),
     ],
 )
 def test_an_amount_too_large_says_the_largest_in_the_unit_typed(text: str, largest: str) -> None:
-    """It said only "is too large": the bound, in dollars for a dollar amount."""
+    """It said only "is too large": the bound, in dollars for a dollar amount.
+    The bound is the ledger's (MAX_AMOUNT_NANOS), not the wire's int64."""
     with pytest.raises(exits.CliError) as refused:
         values.parse_amount_nanos("--limit", text)
     assert refused.value.exit_code == exits.EXIT_BAD_VALUE
     assert refused.value.message == f"--limit: {text!r} is too large (at most {largest})"
-    assert values.parse_amount_nanos("--limit", largest) == values.MAX_INT64
+    assert values.parse_amount_nanos("--limit", largest) == MAX_AMOUNT_NANOS
 
 
-def test_a_price_too_large_says_the_largest_in_usd_per_million_tokens() -> None:
+@pytest.mark.parametrize("text", ["jev=1000000.000000001/1", "jev=10000000000/1"])
+def test_a_price_too_large_says_the_largest_in_usd_per_million_tokens(text: str) -> None:
     with pytest.raises(exits.CliError) as refused:
-        values.parse_price("jev=10000000000/1")
+        values.parse_price(text)
+    number = text.removeprefix("jev=").removesuffix("/1")
     assert refused.value.message == (
-        "--price jev input: '10000000000' is too large (at most 9223372036.854775807)"
+        f"--price jev input: {number!r} is too large (at most 1000000)"
     )
+    assert values.parse_price("jev=1000000/1")[1].input_nanos_per_million_tokens == 10**15
 
 
 NEGATIVE_AMOUNTS = ["-$1", "$-1", "-1n", "- $0.25", "$ -0.25", "-0.5 USD"]
@@ -1184,6 +1192,15 @@ def test_a_bad_value_names_the_option_the_server_refused(
                 "-1",
             ],
             "--max-charge-multiple: '-1' is negative",
+        ),
+        # Past the ledger's bound (2^62 nanos): refused here, not sent for the server to refuse.
+        (
+            ["lane", "put", "x", "--limit", "$4611686018.427387905", "--price", JEV_PRICE],
+            "--limit: '$4611686018.427387905' is too large (at most $4611686018.427387904)",
+        ),
+        (
+            ["settle", "x", "r", "--outcome", "succeeded", "--billed", "4611686018427387905n"],
+            "--billed: '4611686018427387905n' is too large (at most 4611686018427387904n)",
         ),
         (["audit", "x", "--biggest", "-1"], "--biggest: '-1' is negative"),
         (["balance", "x", "--timeout", "-1"], "--timeout: "),

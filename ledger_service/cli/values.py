@@ -3,7 +3,9 @@ durations, counts, --timeout. A bad value gets one line naming its option.
 
 Money is integer nanos throughout: "$0.50" and "0.50 USD" are parsed with
 Decimal, and anything finer than a nano is refused rather than rounded. An
-amount must name its unit ($, USD or n); only a --price may leave it out.
+amount must name its unit ($, USD or n); only a --price may leave it out. One
+past the ledger's own bound (the domain's: 2^62 nanos, a price 10^15 nanos per
+million tokens) is refused here, in the unit typed, and never sent.
 A duration must name its unit too (us, ms, s, m, h or d).
 """
 
@@ -15,7 +17,8 @@ import re
 from google.protobuf import duration_pb2
 
 from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
-from ledger_service.domain.pricing import usd_text, usd_to_nanos
+from ledger_service.domain.policies import MAX_PRICE_NANOS_PER_MILLION
+from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, usd_text, usd_to_nanos
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 MAX_INT64 = 2**63 - 1
@@ -44,8 +47,11 @@ _DECIMAL = re.compile(r"^\d{1,6}(?:\.\d{1,6})?$", re.ASCII)
 _SECONDS = re.compile(r"^\s*(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*$", re.ASCII)
 
 
-def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> int:
-    """'$0.50', '0.50 USD' or '500000000n' / '500000000 nanos' -> nanos.
+def parse_amount_nanos(
+    option: str, text: str, *, bare_is_usd: bool = False, largest_nanos: int = MAX_AMOUNT_NANOS
+) -> int:
+    """'$0.50', '0.50 USD' or '500000000n' / '500000000 nanos' -> nanos, at
+    most `largest_nanos`.
 
     A bare number ('100') is refused: dollars and nanos differ by 10^9, so a
     missing unit is a guess we will not make. Only prices, whose documented
@@ -82,18 +88,18 @@ def parse_amount_nanos(option: str, text: str, *, bare_is_usd: bool = False) -> 
         nanos = exact
     else:
         raise CliError(f"{option}: unknown unit {match['unit']!r} (use USD or n)", EXIT_BAD_VALUE)
-    if nanos > MAX_INT64:
-        largest = _largest_amount(match["dollar"], match["unit"])
+    if nanos > largest_nanos:
+        largest = _largest_amount(largest_nanos, match["dollar"], match["unit"])
         raise CliError(f"{option}: {text!r} is too large (at most {largest})", EXIT_BAD_VALUE)
     return nanos
 
 
-def _largest_amount(dollar: str, unit: str) -> str:
-    """MAX_INT64 nanos (the wire's int64) as the user wrote the amount refused:
-    '$9223372036.854775807', '... USD', '9223372036854775807n', or bare for a price."""
+def _largest_amount(nanos: int, dollar: str, unit: str) -> str:
+    """The bound as the user wrote the amount refused: '$4611686018.427387904',
+    '... USD', '4611686018427387904n', or bare for a price."""
     if unit.lower() in {"n", "nanos"}:
-        return f"{MAX_INT64}{'n' if unit.lower() == 'n' else ' nanos'}"
-    dollars = usd_text(MAX_INT64)
+        return f"{nanos}{'n' if unit.lower() == 'n' else ' nanos'}"
+    dollars = usd_text(nanos)
     if dollar:
         return f"${dollars}"
     return f"{dollars} {unit}" if unit else dollars
@@ -126,7 +132,12 @@ def parse_price(text: str) -> tuple[str, pb.ModelPrice]:
             EXIT_BAD_VALUE,
         )
     nanos = [
-        parse_amount_nanos(f"--price {model} {name}", part, bare_is_usd=True)
+        parse_amount_nanos(
+            f"--price {model} {name}",
+            part,
+            bare_is_usd=True,
+            largest_nanos=MAX_PRICE_NANOS_PER_MILLION,
+        )
         for name, part in zip(PRICE_PARTS, parts, strict=False)
     ]
     price = pb.ModelPrice(
