@@ -30,7 +30,9 @@ async function tlsMismatch(client) {
 
 /**
  * A real ledger serving TLS with the test certificates, given to it by the
- * LEDGER_TLS_* variables; it demands a client certificate when asked to.
+ * LEDGER_TLS_* variables; it demands a client certificate when asked to. The
+ * certificates' directory goes with the ledger's stop: the server looks at the
+ * files again before each handshake, so they stay while it runs.
  */
 async function startTlsLedger(certificates, { demandClientCertificate }) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-tls-'));
@@ -43,11 +45,25 @@ async function startTlsLedger(certificates, { demandClientCertificate }) {
     process.env[variable] = path.join(dir, name);
     fs.writeFileSync(process.env[variable], content);
   }
+  const removeDir = () => fs.rmSync(dir, { recursive: true, force: true });
+  let ledger;
   try {
-    return await startLedger();
+    ledger = await startLedger();
+  } catch (error) {
+    removeDir();
+    throw error;
   } finally {
     for (const variable of Object.keys(files)) delete process.env[variable];
   }
+  const { stop } = ledger;
+  ledger.stop = async () => {
+    try {
+      await stop();
+    } finally {
+      removeDir();
+    }
+  };
+  return ledger;
 }
 
 function closedPort() {
