@@ -24,7 +24,8 @@ connection; a savepoint per move would add two statements to each.
 
 No caller waits past its own deadline. A leader waits for the write lock
 (this process's write gate, then another process's lock in SQLite's busy
-handler) until its own deadline only; when it gives up, its batch's moves
+handler, in tries of LOCK_TRY_SECONDS with the clock read between them)
+until its own deadline only; when it gives up, its batch's moves
 whose deadlines have not passed go back to the head of the queue, nothing
 of them written, and the oldest leads on. A follower whose deadline passes
 withdraws its move: one still queued, or taken into a batch but not begun,
@@ -56,11 +57,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.exc import DBAPIError
 
 from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
 from ledger_service.storage import translate
+from ledger_service.storage.database import LOCK_HELD
 from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 
 T = TypeVar("T")
@@ -69,6 +71,17 @@ log = logging.getLogger(__name__)
 # How long past its deadline a caller whose move has begun waits for its
 # batch's commit: well within the answer's margin (api/deadlines.py).
 BEGUN_WAIT_SECONDS = 0.05
+# The longest one BEGIN waits in SQLite's busy handler for another process's
+# write lock. The handler adds up the sleeps it asks for, not the time that
+# passes, and on a loaded machine each sleep ends late: a 0.9 s busy timeout
+# took up to 1.53 s, past the answer's margin. Between tries the leader reads
+# the clock, so its wait ends by its deadline give or take one try's sleeps.
+LOCK_TRY_SECONDS = 0.02
+# A leader that has waited this long for another process's write lock says
+# so, at most one line an interval: another writer's commit takes
+# milliseconds, a wait this long is a transaction held open (a `sqlite3`
+# shell), and the health probe tells it only after the busy timeout.
+LOCK_WAIT_LOGGED_SECONDS = 0.1
 
 
 class _Move(Generic[T]):
@@ -321,17 +334,8 @@ class GroupCommitter:
         returns the first move that cannot be undone alone, and its failure."""
         undone: tuple[int, BaseException] | None = None
         connection = self._connect()
-        # Another process's write lock is waited for in SQLite's busy handler:
-        # no longer than the leader waits. One statement, left out when this
-        # connection has that timeout already (a lone caller's batches mostly
-        # want the same whole millisecond).
-        busy_ms = max(1, int((until - time.monotonic()) * 1000))
         driver: Any = connection.connection.driver_connection
-        if self._busy is None or self._busy[0] is not driver or self._busy[1] != busy_ms:
-            self._busy = None  # unknown until the statement has run
-            driver.execute(f"PRAGMA busy_timeout={busy_ms}")
-            self._busy = (driver, busy_ms)
-        with connection.begin() as transaction:
+        with self._begin(connection, driver, until) as transaction:
             self._begun = True
             self._on_begin(connection)
             for index, move in enumerate(batch):
@@ -348,6 +352,43 @@ class GroupCommitter:
             else:
                 self._on_end(connection)
         return undone
+
+    def _begin(self, connection: Connection, driver: Any, until: float) -> RootTransaction:
+        """The batch's transaction (BEGIN IMMEDIATE), once another process's
+        write lock is free; waits for it in tries until `until` by the clock,
+        then raises SQLite's "database is locked" (LOCK_TRY_SECONDS)."""
+        began, said = time.monotonic(), False
+        while True:
+            self._set_busy_timeout(driver, min(until - time.monotonic(), LOCK_TRY_SECONDS))
+            try:
+                return connection.begin()
+            except DBAPIError as error:
+                now = time.monotonic()
+                if not translate.lock_wait_gave_up(error) or now >= until:
+                    raise
+                if not said and now - began >= LOCK_WAIT_LOGGED_SECONDS:
+                    said = True
+                    self._log_lock_wait(now - began)
+
+    def _set_busy_timeout(self, driver: Any, seconds: float) -> None:
+        """One statement, left out when this connection has that timeout
+        already (nearly every batch's is one whole try)."""
+        busy_ms = max(1, int(seconds * 1000))
+        if self._busy is None or self._busy[0] is not driver or self._busy[1] != busy_ms:
+            self._busy = None  # unknown until the statement has run
+            driver.execute(f"PRAGMA busy_timeout={busy_ms}")
+            self._busy = (driver, busy_ms)
+
+    def _log_lock_wait(self, waited_seconds: float) -> None:
+        unsaid = self._failure_log("lock wait")
+        if unsaid is not None:
+            log.warning(
+                "%s on %s for %.1f s: moves wait for it, each until its caller's deadline%s",
+                LOCK_HELD,
+                self._engine.url.database,
+                waited_seconds,
+                more(unsaid),
+            )
 
     def _log_failure(self, moves: int, error: LedgerError) -> None:
         """One line for a failed batch, with the database's code and words, at
