@@ -196,25 +196,24 @@ def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
         LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds),
         LEDGER_REQUEST_DEADLINE_SECONDS=str(deadline_seconds),
     )
-    process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env)
-    blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
-    try:
-        put_lane(address)
-        blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
-        outcome: list[str] = []
-        caller = _stuck_reserve(address, deadline_seconds + 5, outcome)
-        time.sleep(0.5)  # the Reserve waits for the write lock
-        signalled = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=deadline_seconds) == EXIT_CUT_OFF
-        exited_after = time.monotonic() - signalled
-        caller.join(timeout=5)
-        # The grace limit, the stop's own second past it, and a start-up's worth of slack.
-        assert exited_after < grace_seconds + 1.0 + 2.0, exited_after
-        assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
-    finally:
-        blocker.close()
-        serving.stop(process)
+    with watched(tmp_path, env) as (process, address, stderr):
+        blocker = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+        try:
+            put_lane(address)
+            blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
+            outcome: list[str] = []
+            caller = _stuck_reserve(address, deadline_seconds + 5, outcome)
+            wait_for_the_lock(stderr)
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=deadline_seconds) == EXIT_CUT_OFF
+            exited_after = time.monotonic() - signalled
+            caller.join(timeout=5)
+            # The grace limit, the stop's own second past it, and a start-up's worth of slack.
+            assert exited_after < grace_seconds + 1.0 + 2.0, exited_after
+            assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
+        finally:
+            blocker.close()
 
 
 class Stderr(threading.Thread):
@@ -260,6 +259,12 @@ def watched(
         stderr.close()
 
 
+def wait_for_the_lock(stderr: Stderr) -> None:
+    """Until the server says a move waits for the write lock the test holds:
+    the Reserve is in a handler, which a stop then waits for (the drain)."""
+    assert stderr.seen(f"{database.LOCK_HELD} on "), stderr.lines
+
+
 def answer_of(call: Callable[[pb_grpc.LedgerStub], object], address: str) -> str:
     """ "OK", or the refusal's status and ledger-reason."""
     with grpc.insecure_channel(address) as channel:
@@ -293,7 +298,7 @@ def test_a_second_signal_ends_the_drain_at_once(
             put_lane(address)
             blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
             caller = _stuck_reserve(address, deadline_seconds, outcome)
-            time.sleep(0.5)  # the Reserve waits for the write lock
+            wait_for_the_lock(stderr)
             process.send_signal(signal.SIGTERM)
             # Handled before the second is sent: two pending signals may merge into one.
             assert stderr.seen("received SIGTERM: draining"), stderr.lines
@@ -340,7 +345,7 @@ def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_dow
             put_lane(address)
             blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock: the drain waits
             caller = _stuck_reserve(address, 60, outcome)
-            time.sleep(0.5)  # the Reserve waits for the write lock
+            wait_for_the_lock(stderr)
             process.send_signal(signal.SIGTERM)
             assert stderr.seen("received SIGTERM: draining"), stderr.lines
             late = [
@@ -426,7 +431,7 @@ def test_a_call_held_by_a_drain_that_cuts_work_off_is_still_refused_as_shutting_
             put_lane(address)
             blocker.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock
             caller = _stuck_reserve(address, 60, outcome)
-            time.sleep(0.5)  # the Reserve waits for the write lock
+            wait_for_the_lock(stderr)
             process.send_signal(signal.SIGTERM)
             assert stderr.seen("received SIGTERM: draining"), stderr.lines
             sender = threading.Thread(target=send_late, daemon=True)
