@@ -28,7 +28,8 @@ from ledger_service.storage import database
 from tests import serving
 
 CLIENTS = 16
-LOAD_SECONDS = 2.0
+# Moves answered OK before the signal: the server was under load when it came.
+LOADED_ANSWERS = 100
 GRACE_SECONDS = 20.0
 
 
@@ -70,6 +71,13 @@ class Client(threading.Thread):
                 self.outcomes[f"OK {when}"] += 1
 
 
+def _until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
+    give_up = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < give_up, "the clients never got there"
+        time.sleep(0.01)
+
+
 def put_lane(address: str) -> None:
     with grpc.insecure_channel(address) as channel:
         pb_grpc.LaneAdminStub(channel).PutLane(
@@ -95,14 +103,17 @@ def _stopped_under_load(
     clients = [Client(address, index, pause_seconds) for index in range(CLIENTS)]
     for client in clients:
         client.start()
-    time.sleep(LOAD_SECONDS)
+    # Until the clients have had LOADED_ANSWERS (a fixed 2 s of load may give
+    # fewer on a busy machine), then until each has had an answer to a call
+    # sent after the signal: refused, or met by the process's exit.
+    _until(lambda: sum(len(client.answered) for client in clients) > LOADED_ANSWERS)
     signalled = time.monotonic()
     for client in clients:
         client.signalled_at = signalled
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=GRACE_SECONDS + 10) == 0
     exited_after = time.monotonic() - signalled
-    time.sleep(0.3)
+    _until(lambda: all(any(key.endswith(" after") for key in list(c.outcomes)) for c in clients))
     for client in clients:
         client.stop.set()
     for client in clients:
@@ -116,7 +127,7 @@ def _stopped_under_load(
 
 def test_a_sigterm_under_load_answers_every_call_it_had(tmp_path: pathlib.Path) -> None:
     clients, outcomes, exited_after = _stopped_under_load(tmp_path, pause_seconds=0.02)
-    assert outcomes["OK before"] > 100, outcomes
+    assert outcomes["OK before"] > LOADED_ANSWERS, outcomes
     before = {key: count for key, count in outcomes.items() if key.endswith(" before")}
     assert set(before) <= {"OK before", "UNAVAILABLE SHUTTING_DOWN before"}, outcomes
     # Drained, not waited out: the grace period is 20 s.
@@ -141,7 +152,7 @@ def test_calls_sent_again_at_once_during_a_stop_are_refused_not_cancelled(
     until grpcio stops; none of them may be cut off by the stop (CANCELLED):
     each is UNAVAILABLE, safe to send again."""
     _, outcomes, _ = _stopped_under_load(tmp_path, pause_seconds=0.0)
-    assert outcomes["OK before"] > 100, outcomes
+    assert outcomes["OK before"] > LOADED_ANSWERS, outcomes
     assert {key.split()[0] for key in outcomes} <= {"OK", "UNAVAILABLE"}, outcomes
 
 
