@@ -96,12 +96,13 @@ def test_moves_behind_another_process_write_lock_are_answered_before_their_deadl
         assert len(answers) == CALLS, f"only {len(answers)} of {CALLS} calls were answered"
         expected = (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
         # Each call that broke the rule: which, its deadline, how long it took, its status.
-        broken = {
-            f"blocked-{index}": answer
+        broken = [
+            f"blocked-{index}: deadline {answer.deadline_seconds:.3f} s, answered after "
+            f"{answer.taken_seconds:.3f} s, {answer.code.name} {answer.reason}"
             for index, answer in sorted(answers.items())
             if (answer.code, answer.reason) != expected
-        }
-        assert not broken, broken
+        ]
+        assert not broken, "\n".join(broken)
         _wait_for(channel, NOT_SERVING, seconds=15)
     finally:
         blocker.execute("ROLLBACK")
