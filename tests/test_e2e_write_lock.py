@@ -28,7 +28,7 @@ from tests.conftest import lane_message
 CALLS = 48
 # The shortest deadline whose answer margin is the whole ANSWER_MARGIN_SECONDS
 # (a tenth of a shorter one): at 1 s, 0.1 s less the answer's way back left
-# followers 4 ms to spare with the load average at 5, and some none at 15.
+# some answers 4 ms to spare with the load average at 5, and none at 15.
 SHORTEST_DEADLINE_SECONDS = 10 * ANSWER_MARGIN_SECONDS
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
