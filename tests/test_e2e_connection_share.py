@@ -11,10 +11,12 @@ import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
+from ledger_service.storage import database
 from tests.conftest import GrantInterceptor, lane_message
 
 
@@ -34,7 +36,7 @@ def _reserve(rid: str) -> pb.ReserveRequest:
 
 
 def test_one_connection_cannot_take_every_call_slot(
-    start_ledger_server: Callable[..., LedgerServer],
+    start_ledger_server: Callable[..., LedgerServer], caplog: pytest.LogCaptureFixture
 ) -> None:
     server = start_ledger_server(
         max_concurrent_rpcs=4, max_calls_per_connection=2, max_watchers=1, max_watchers_per_grant=1
@@ -49,7 +51,12 @@ def test_one_connection_cannot_take_every_call_slot(
     holder.execute("BEGIN IMMEDIATE")
     try:
         flooding = [flood.Reserve.future(_reserve(f"f{n}"), timeout=4) for n in range(4)]
-        time.sleep(0.5)  # the flood's calls are at the server, or waiting in its connection
+        # The flood's calls are at the server, or waiting in its connection:
+        # the server says a move waits for the lock.
+        give_up = time.monotonic() + 30
+        while not any(r.getMessage().startswith(database.LOCK_HELD) for r in caplog.records):
+            assert time.monotonic() < give_up, "no flood call reached the server"
+            time.sleep(0.01)
         try:
             calm.Reserve(_reserve("c"), timeout=1.5)
             code = grpc.StatusCode.OK
