@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import pathlib
 import re
 import socket
 import ssl
+import tempfile
 import time
 
 import grpc
@@ -144,14 +146,16 @@ def serves_tls(address: str, deadline: float) -> bool | None:
         return None
 
 
-def demands_client_certificate(address: str, deadline: float) -> bool:
-    """Whether the ledger at a plain `host:port` refuses a TLS client without a
-    certificate: a TLS channel without one gets only gRPC's "Socket closed",
-    as from a restarting server. gRPC's server completes the TLS 1.3 handshake
-    and then hangs up without a byte (no alert), where a ledger that takes the
-    client sends its HTTP/2 settings at once; a TLS 1.3 certificate_required
-    alert (another TLS stack in front) says it too. Nothing is sent; no
-    certificate is checked. `deadline` (monotonic) bounds it all."""
+def refuses_client_certificate(address: str, deadline: float, tls: TlsSettings) -> bool:
+    """Whether the ledger at a plain `host:port` refuses a TLS client offering
+    `tls`'s client certificate (none when it has none): gRPC reports either
+    only as "Socket closed", as from a restarting server. gRPC's server
+    completes the TLS 1.3 handshake and then hangs up without a byte (no
+    alert), where a ledger that takes the client sends its HTTP/2 settings at
+    once; a TLS alert refusing the certificate (another TLS stack in front)
+    says it too. Only an answer in TLS counts: a listener or a plain TCP proxy
+    that hangs up before the handshake is done is an outage. Nothing is sent;
+    the ledger's certificate is not checked. `deadline` (monotonic) bounds it all."""
     target = _probe_target(address)
     if target is None:
         return False
@@ -159,18 +163,44 @@ def demands_client_certificate(address: str, deadline: float) -> bool:
     context.minimum_version = ssl.TLSVersion.TLSv1_3
     context.set_alpn_protocols(["h2"])  # without it gRPC hangs up on anyone
     try:
+        if tls.certificate_chain is not None and tls.private_key is not None:
+            _load_client_certificate(context, tls.certificate_chain, tls.private_key)
         with socket.create_connection(target, _left(deadline)) as raw:
             raw.settimeout(_left(deadline))
-            with context.wrap_socket(raw) as tls:
-                tls.settimeout(_left(deadline))
+            with context.wrap_socket(raw) as tls_socket:
+                tls_socket.settimeout(_left(deadline))
                 try:
-                    return tls.recv(1) == b""
+                    return tls_socket.recv(1) == b""
                 except (ssl.SSLEOFError, ConnectionResetError):
                     return True
     except ssl.SSLError as error:
-        return "CERTIFICATE_REQUIRED" in (error.reason or "")
+        reason = error.reason or ""
+        return "ALERT" in reason and any(refusal in reason for refusal in _CERTIFICATE_REFUSALS)
     except OSError:
         return False  # refused, timed out, hung up in the handshake: not asked
+
+
+# The TLS alerts that refuse a client's certificate: missing (TLS 1.3's
+# certificate_required), signed by a CA the server does not know, or refused.
+_CERTIFICATE_REFUSALS = ("CERTIFICATE_REQUIRED", "UNKNOWN_CA", "BAD_CERTIFICATE",
+                         "CERTIFICATE_UNKNOWN")  # fmt: skip
+
+
+def _load_client_certificate(context: ssl.SSLContext, chain: bytes, key: bytes) -> None:
+    """The lane's certificate and key into a probe's context. Python's ssl
+    loads them from a file only: one in a private temporary directory (mode
+    0700, removed at once), written and read within this call."""
+    with tempfile.TemporaryDirectory(prefix="ledger-probe-") as directory:
+        path = pathlib.Path(directory) / "client.pem"
+        path.write_bytes(chain + b"\n" + key)
+        context.load_cert_chain(path)
+
+
+def address_host(address: str) -> str | None:
+    """The host of a plain `host:port` (the name gRPC checks in the ledger's
+    certificate when no server_name is given); None for anything else."""
+    target = _probe_target(address)
+    return None if target is None else target[0]
 
 
 def _probe_target(address: str) -> tuple[str, int] | None:

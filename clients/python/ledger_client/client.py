@@ -27,10 +27,11 @@ from ledger_client.bookings import (
 from ledger_client.calls import BackgroundRefunds, CallGate, CallSupport, ModelCall
 from ledger_client.channels import (
     TlsSettings,
+    address_host,
     check_grant,
-    demands_client_certificate,
     is_local_address,
     open_channel,
+    refuses_client_certificate,
     serves_tls,
 )
 from ledger_client.context import payload_bytes
@@ -135,6 +136,11 @@ def _micros_of(ttl: datetime.timedelta | None) -> int | None:
 # gRPC's whole text for a plaintext channel a TLS ledger hung up on, as for a
 # server going away: only a handshake of the client's own tells them apart.
 _SOCKET_CLOSED = "Socket closed"
+# gRPC's handshake texts for a TLS channel that refused the ledger's
+# certificate: its chain does not reach root_certificates (or the certificate
+# expired), or it does not carry the name checked. No outage says either.
+_CERTIFICATE_UNTRUSTED = "CERTIFICATE_VERIFY_FAILED"
+_NAME_NOT_IN_CERTIFICATE = "Hostname Verification Check failed"
 
 
 class LaneClient:
@@ -361,45 +367,77 @@ class LaneClient:
             raise self._mistaken_for_outage(from_rpc_error(error), deadline) from error
 
     def _mistaken_for_outage(self, error: LedgerError, deadline: float) -> LedgerError:
-        """A plaintext channel's "Socket closed" is TlsMismatch when the ledger
+        """A bare UNAVAILABLE that is this client's TLS setting, not an outage:
+        TlsMismatch naming what to fix (see _tls_refused for a TLS channel). A
+        plaintext channel's "Socket closed" is TlsMismatch when the ledger
         answers a TLS handshake, asked in the call's time left. Asked anew each
         time, never remembered: the server behind the address can change (a TLS
         ledger restarted as plaintext, a proxy), and a remembered answer would
         then turn a real outage into TlsMismatch and stop the lane's allowance."""
-        if (
-            error.code is not grpc.StatusCode.UNAVAILABLE
-            or error.reason
-            or _SOCKET_CLOSED not in error.message
-            or deadline <= time.monotonic()
-        ):
+        if error.code is not grpc.StatusCode.UNAVAILABLE or error.reason:
             return error
         if self._tls is not None:
-            return self._missing_client_certificate(error, deadline)
-        if not serves_tls(self._address, deadline):
-            return error
-        return TlsMismatch(
-            error.code,
-            "",
-            f"the ledger at {self._address} serves TLS and this client speaks plaintext: "
-            "pass tls=TlsSettings(...) (root_certificates, and certificate_chain and "
-            "private_key if it demands a client certificate)",
-        )
-
-    def _missing_client_certificate(self, error: LedgerError, deadline: float) -> LedgerError:
-        """A TLS channel's "Socket closed" is TlsMismatch when the lane gave no
-        client certificate and the ledger hangs up on a handshake without one
-        (mutual TLS); asked anew each time, as above."""
-        assert self._tls is not None
-        if self._tls.certificate_chain is not None or not demands_client_certificate(
-            self._address, deadline
+            return self._tls_refused(error, deadline)
+        if (
+            _SOCKET_CLOSED not in error.message
+            or deadline <= time.monotonic()
+            or not serves_tls(self._address, deadline)
         ):
             return error
-        return TlsMismatch(
-            error.code,
-            "",
-            f"the ledger at {self._address} asks for a client certificate (mutual TLS) and "
-            "this client has none: give certificate_chain and private_key in TlsSettings",
+        return self._mismatch(
+            error,
+            "serves TLS and this client speaks plaintext: pass tls=TlsSettings(...) "
+            "(root_certificates, and certificate_chain and private_key if it demands a "
+            "client certificate)",
         )
+
+    def _tls_refused(self, error: LedgerError, deadline: float) -> LedgerError:
+        """A TLS channel's failure that is its own settings. gRPC's handshake
+        text says when this client refused the ledger's certificate (its CA,
+        its names); a "Socket closed" is the ledger refusing this client's
+        certificate (or its lack of one) when a TLS 1.3 handshake with it, in
+        the call's time left, is refused too (channels.refuses_client_certificate)."""
+        assert self._tls is not None
+        tls = self._tls
+        if _CERTIFICATE_UNTRUSTED in error.message:
+            detail = error.message.partition(_CERTIFICATE_UNTRUSTED)[2].split(":")[:2]
+            roots = "root_certificates" if tls.root_certificates else "the system's roots"
+            return self._mismatch(
+                error,
+                f"has a certificate this client does not trust ({_CERTIFICATE_UNTRUSTED}"
+                f"{':'.join(detail).rstrip()}) with {roots}: give root_certificates in "
+                "TlsSettings the CA that signed the ledger's certificate",
+            )
+        if _NAME_NOT_IN_CERTIFICATE in error.message:
+            name = tls.server_name or address_host(self._address) or self._address
+            given = "server_name" if tls.server_name else "the address"
+            return self._mismatch(
+                error,
+                f"has a certificate that does not carry the name {name!r} ({given}): set "
+                "server_name in TlsSettings to a name the certificate carries, or reach the "
+                "ledger by one",
+            )
+        if (
+            _SOCKET_CLOSED not in error.message
+            or deadline <= time.monotonic()
+            or not refuses_client_certificate(self._address, deadline, tls)
+        ):
+            return error
+        if tls.certificate_chain is None:
+            return self._mismatch(
+                error,
+                "asks for a client certificate (mutual TLS) and this client has none: give "
+                "certificate_chain and private_key in TlsSettings",
+            )
+        return self._mismatch(
+            error,
+            "does not trust this client's certificate (certificate_chain in TlsSettings): "
+            "give one signed by a CA the ledger takes client certificates from (its "
+            "--tls-client-ca), with its private_key",
+        )
+
+    def _mismatch(self, error: LedgerError, what: str) -> TlsMismatch:
+        return TlsMismatch(error.code, "", f"the ledger at {self._address} {what}")
 
     def reserve(
         self,

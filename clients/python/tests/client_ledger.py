@@ -201,13 +201,16 @@ def _openssl(*arguments: str, directory: pathlib.Path) -> None:
                    timeout=60)  # fmt: skip
 
 
-def make_certificates(directory: pathlib.Path) -> dict[str, pathlib.Path]:
-    """A test CA, a server certificate for 127.0.0.1 and a lane's client certificate."""
+def make_certificates(
+    directory: pathlib.Path, server_names: str = "DNS:localhost,IP:127.0.0.1"
+) -> dict[str, pathlib.Path]:
+    """A test CA, a server certificate for `server_names` (its subjectAltName)
+    and a lane's client certificate."""
     directory.mkdir(parents=True, exist_ok=True)
     curve = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     _openssl("req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
              "-subj", "/CN=ledger-test-ca", directory=directory)  # fmt: skip
-    (directory / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    (directory / "san.ext").write_text(f"subjectAltName={server_names}\n")
     for name, extra in (("server", ("-extfile", "san.ext")), ("client", ())):
         _openssl("req", *curve, "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", f"/CN={name}", directory=directory)  # fmt: skip
@@ -216,6 +219,13 @@ def make_certificates(directory: pathlib.Path) -> dict[str, pathlib.Path]:
                  directory=directory)  # fmt: skip
     return {name: directory / name for name in
             ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}  # fmt: skip
+
+
+def ledger_tls_arguments(files: dict[str, pathlib.Path], *, mutual: bool = True) -> tuple[str, ...]:
+    """`ledger serve`'s TLS flags for these certificates; mutual: demand a client
+    certificate signed by their CA."""
+    arguments = ("--tls-cert", str(files["server.pem"]), "--tls-key", str(files["server.key"]))
+    return (*arguments, "--tls-client-ca", str(files["ca.pem"])) if mutual else arguments
 
 
 def lane_tls(files: dict[str, pathlib.Path], *, client_certificate: bool = True) -> TlsSettings:

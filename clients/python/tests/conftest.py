@@ -6,7 +6,14 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
-from client_ledger import Admin, LedgerProcess, make_certificates, new_lane_name, running
+from client_ledger import (
+    Admin,
+    LedgerProcess,
+    ledger_tls_arguments,
+    make_certificates,
+    new_lane_name,
+    running,
+)
 
 
 @pytest.fixture(scope="session")
@@ -53,13 +60,5 @@ def fresh_server(
 ) -> Iterator[LedgerProcess]:
     """A server of its own, for tests that kill it; it serves mutual TLS, as a
     production ledger would."""
-    tls = (
-        "--tls-cert",
-        str(certificates["server.pem"]),
-        "--tls-key",
-        str(certificates["server.key"]),
-        "--tls-client-ca",
-        str(certificates["ca.pem"]),
-    )
-    with running(tmp_path / "ledger", tls) as server:
+    with running(tmp_path / "ledger", ledger_tls_arguments(certificates)) as server:
         yield server

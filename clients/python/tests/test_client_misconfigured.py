@@ -7,6 +7,7 @@ UNAVAILABLE that fails the same way on every retry)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import socket
 import ssl
@@ -15,9 +16,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from client_ledger import TEST_SETTINGS, LedgerProcess, lane_tls, running
+from client_ledger import (
+    TEST_SETTINGS,
+    LedgerProcess,
+    lane_tls,
+    ledger_tls_arguments,
+    make_certificates,
+    running,
+)
 from ledger_client import ClientSettings, LaneClient, ModelPrice, OutagePolicy, errors
-from ledger_client.channels import TlsSettings, demands_client_certificate
+from ledger_client.channels import TlsSettings, refuses_client_certificate
 
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
 
@@ -122,6 +130,140 @@ def test_tls_without_a_client_certificate_to_a_mutual_tls_ledger_names_it(
     assert "certificate_chain" in mismatch.message and "private_key" in mismatch.message
 
 
+def _other_ca(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Certificates of a second CA, which the test ledgers do not know."""
+    return make_certificates(tmp_path / "other-ca")
+
+
+def _untrusted_client(certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> TlsSettings:
+    """The lane's TLS with a client certificate of the other CA."""
+    stranger = _other_ca(tmp_path)
+    return dataclasses.replace(
+        lane_tls(certificates),
+        certificate_chain=stranger["client.pem"].read_bytes(),
+        private_key=stranger["client.key"].read_bytes(),
+    )
+
+
+def test_a_root_certificate_not_trusting_the_ledger_names_root_certificates(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    # gRPC's own handshake text (CERTIFICATE_VERIFY_FAILED): no outage says it.
+    tls = dataclasses.replace(
+        lane_tls(certificates), root_certificates=_other_ca(tmp_path)["ca.pem"].read_bytes()
+    )
+    mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
+                             tmp_path)  # fmt: skip
+    assert "the ledger's certificate" in mismatch.message
+    assert "root_certificates" in mismatch.message
+    assert "CERTIFICATE_VERIFY_FAILED" in mismatch.message
+
+
+def test_a_server_name_the_certificate_does_not_carry_names_it(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    tls = dataclasses.replace(lane_tls(certificates), server_name="ledger.example")
+    mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
+                             tmp_path)  # fmt: skip
+    assert "'ledger.example'" in mismatch.message and "server_name" in mismatch.message
+
+
+def test_an_address_the_certificate_does_not_carry_names_it(tmp_path: pathlib.Path) -> None:
+    # The ledger's certificate names only ledger.example; the lane dials its IP address.
+    files = make_certificates(tmp_path / "certificates", server_names="DNS:ledger.example")
+    with running(tmp_path / "ledger", ledger_tls_arguments(files)) as server:
+        mismatch = _tls_mismatch(server.address, "a-lane", server.admin_grant, lane_tls(files),
+                                 tmp_path)  # fmt: skip
+    assert "'127.0.0.1'" in mismatch.message and "server_name" in mismatch.message
+
+
+def test_a_client_certificate_the_ledger_does_not_trust_names_it(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    # gRPC says only "Socket closed", as for a restarting server: the ledger
+    # completes the handshake and hangs up before a byte of HTTP/2.
+    tls = _untrusted_client(certificates, tmp_path)
+    mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
+                             tmp_path)  # fmt: skip
+    assert "client certificate" in mismatch.message and "certificate_chain" in mismatch.message
+    assert "does not trust" in mismatch.message
+
+
+class _Proxy:
+    """A plain TCP proxy (no TLS of its own) to one port: each connection it
+    accepts goes to the upstream, or is closed at once when nothing listens there."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self._upstream = ("127.0.0.1", upstream_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self._upstream, timeout=5)
+            except OSError:
+                client.close()  # the ledger is down: accepted, then closed
+                continue
+            self._sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                self._threads.append(threading.Thread(target=self._pump, args=(source, sink)))
+                self._threads[-1].start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self._listener.close()
+        self._threads[0].join()
+        for held in self._sockets:
+            with contextlib.suppress(OSError):
+                held.shutdown(socket.SHUT_RDWR)  # wakes the pumps' recv()
+        for thread in self._threads[1:]:
+            thread.join()
+        for held in self._sockets:
+            held.close()
+
+
+def test_a_mutual_tls_ledger_down_behind_a_tcp_proxy_is_an_outage(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    # The proxy accepts and then closes, as a ledger refusing a client's
+    # certificate would seem to; only a TLS answer counts as that refusal.
+    proxy = _Proxy(fresh_server.port)
+    lanes = {
+        "no certificate": lane_tls(certificates, client_certificate=False),
+        "an untrusted certificate": _untrusted_client(certificates, tmp_path),
+    }
+    settings = ClientSettings(deadline_seconds=2.0, replay_interval_seconds=None)
+    try:
+        for tls in lanes.values():  # through the proxy, the ledger's refusal is seen
+            with LaneClient(proxy.address, "lane", tls=tls, settings=settings) as client, \
+                    pytest.raises(errors.TlsMismatch):  # fmt: skip
+                client.balance()
+        fresh_server.stop()
+        for name, tls in lanes.items():
+            with LaneClient(proxy.address, "lane", tls=tls, settings=settings) as client:
+                with pytest.raises(errors.LedgerError) as raised:
+                    client.balance()
+                assert type(raised.value) is errors.LedgerUnavailable, name
+    finally:
+        proxy.close()
+
+
 def test_tls_without_a_client_certificate_to_a_tls_ledger_restarting_is_an_outage(
     certificates: dict[str, pathlib.Path],
 ) -> None:
@@ -156,16 +298,15 @@ def test_a_tls_ledger_taking_clients_without_certificates_is_not_taken_for_mutua
 ) -> None:
     # The probe behind the test above must not see a demand for a certificate
     # where there is none: a "Socket closed" then stays an outage.
-    tls = (
-        "--tls-cert",
-        str(certificates["server.pem"]),
-        "--tls-key",
-        str(certificates["server.key"]),
-    )
-    with running(tmp_path / "ledger", tls) as server:
+    with running(tmp_path / "ledger", ledger_tls_arguments(certificates, mutual=False)) as server:
         deadline = time.monotonic() + 5
         # Without ALPN h2 in the probe, gRPC would hang up on it here too.
-        assert demands_client_certificate(server.address, deadline) is False
+        assert (
+            refuses_client_certificate(
+                server.address, deadline, lane_tls(certificates, client_certificate=False)
+            )
+            is False
+        )
 
 
 class _Listener:
