@@ -434,6 +434,13 @@ function isLocalAddress(address) {
 // grpc-js's whole text for a plaintext channel a TLS ledger hung up on, as
 // for a server going away: only a handshake of the client's own tells them apart.
 const FAILED_TO_CONNECT = 'Failed to connect';
+// grpc-js's handshake texts for a TLS channel that refused the ledger's
+// certificate: it does not carry the name checked (Node's own error code), or
+// its chain does not reach rootCerts (OpenSSL's words, which all name the
+// certificate: "unable to verify the first certificate", "self-signed
+// certificate", "certificate has expired"; an alert from the ledger is not this).
+const NAME_NOT_IN_CERTIFICATE = 'ERR_TLS_CERT_ALTNAME_INVALID';
+const CERTIFICATE_UNTRUSTED = /Error: ([^.]*certificate[^.]*)/;
 
 /**
  * The host and port a TLS probe connects to; null for a gRPC target scheme, a
@@ -479,27 +486,41 @@ function servesTls(address, timeoutMs) {
   });
 }
 
+// The TLS alerts that refuse a client's certificate: missing (TLS 1.3's
+// certificate_required), signed by a CA the server does not know, or refused.
+const CERTIFICATE_REFUSALS = /ALERT_(CERTIFICATE_REQUIRED|UNKNOWN_CA|BAD_CERTIFICATE|CERTIFICATE_UNKNOWN)/;
+
 /**
- * Whether the ledger at a plain HOST:PORT refuses a TLS client without a
- * certificate: a TLS channel without one gets only grpc-js's "Failed to
- * connect", as for a server going away. gRPC's server completes the TLS 1.3
- * handshake and then hangs up without a byte (no alert), where a ledger that
- * takes the client sends its HTTP/2 settings at once; a TLS 1.3
- * certificate_required alert (another TLS stack in front) says it too.
- * Nothing is sent; no certificate is checked; false unless it is sure.
+ * Whether the ledger at a plain HOST:PORT refuses a TLS client offering the
+ * client certificate of `tls` (none when it has none): grpc-js reports either
+ * only as "Failed to connect", as for a server going away. gRPC's server
+ * completes the TLS 1.3 handshake and then hangs up without a byte (no alert),
+ * where a ledger that takes the client sends its HTTP/2 settings at once; a
+ * TLS alert refusing the certificate (another TLS stack in front) says it too.
+ * Only an answer in TLS counts: a listener or a plain TCP proxy that hangs up
+ * before the handshake is done is an outage. Nothing is sent; the ledger's
+ * certificate is not checked; false unless it is sure.
  */
-function demandsClientCertificate(address, timeoutMs) {
+function refusesClientCertificate(address, timeoutMs, tls) {
   const target = probeTarget(address);
   if (target === null) return Promise.resolve(false);
   const { host, port } = target;
   return new Promise((resolve) => {
-    const socket = nodeTls.connect({
-      host,
-      port,
-      rejectUnauthorized: false,
-      minVersion: 'TLSv1.3',
-      ALPNProtocols: ['h2'], // without it gRPC hangs up on anyone
-    });
+    let socket;
+    try {
+      socket = nodeTls.connect({
+        host,
+        port,
+        rejectUnauthorized: false,
+        minVersion: 'TLSv1.3',
+        ALPNProtocols: ['h2'], // without it gRPC hangs up on anyone
+        cert: tls.clientCert,
+        key: tls.clientKey,
+      });
+    } catch {
+      resolve(false); // a certificate or key Node cannot read: not the ledger's answer
+      return;
+    }
     let handshaken = false;
     const timer = setTimeout(() => done(false), timeoutMs);
     const done = (answer) => {
@@ -513,7 +534,7 @@ function demandsClientCertificate(address, timeoutMs) {
     socket.once('data', () => done(false));
     socket.once('close', () => done(handshaken));
     socket.once('error', (error) => {
-      if (String(error.code ?? '').includes('CERTIFICATE_REQUIRED')) done(true);
+      if (CERTIFICATE_REFUSALS.test(String(error.code ?? ''))) done(true);
       else done(handshaken && error.code === 'ECONNRESET');
     });
   });
@@ -627,8 +648,8 @@ class LaneClient {
     this._channelClosed = false;
     const { Ledger } = ledgerPackage();
     this._stub = new Ledger(address, channelCredentials(options.tls), channelOptions(options));
-    this._usesTls = Boolean(options.tls);
-    this._hasClientCertificate = Boolean(options.tls && options.tls !== true && options.tls.clientCert);
+    // The lane's TLS settings ({} for the system's roots alone), or null for plaintext.
+    this._tls = options.tls ? { ...(options.tls === true ? {} : options.tls) } : null;
     try {
       this._openJournal();
     } catch (error) {
@@ -814,37 +835,72 @@ class LaneClient {
   }
 
   /**
-   * A plaintext channel's "Failed to connect" is TlsMismatch when the ledger
+   * A bare Unavailable that is this client's TLS option, not an outage:
+   * TlsMismatch naming what to fix (see _tlsRefused for a TLS channel). A
+   * plaintext channel's "Failed to connect" is TlsMismatch when the ledger
    * answers a TLS handshake, asked in the call's time left. Asked anew each
    * time, never remembered: the server behind the address can change (a TLS
    * ledger restarted as plaintext, a proxy), and a remembered answer would then
    * turn a real outage into TlsMismatch and stop the lane's allowance.
    */
   async _mistakenForOutage(error, deadline) {
-    if (!(error instanceof Unavailable) || error.reason || !error.message.includes(FAILED_TO_CONNECT)) {
+    if (!(error instanceof Unavailable) || error.reason) return error;
+    if (this._tls !== null) return this._tlsRefused(error, deadline);
+    const leftMs = deadline - Date.now();
+    if (!error.message.includes(FAILED_TO_CONNECT) || leftMs <= 0 || !(await servesTls(this.address, leftMs))) {
       return error;
     }
-    const leftMs = deadline - Date.now();
-    if (leftMs <= 0) return error;
-    if (this._usesTls) return this._missingClientCertificate(error, leftMs);
-    if (!(await servesTls(this.address, leftMs))) return error;
-    const message =
-      `the ledger at ${this.address} serves TLS and this client speaks plaintext: pass the tls option ` +
-      '(rootCerts, and clientCert and clientKey if it demands a client certificate)';
-    return new TlsMismatch(message, { code: error.code, metadata: error.metadata, cause: error });
+    return this._mismatch(
+      error,
+      'serves TLS and this client speaks plaintext: pass the tls option ' +
+        '(rootCerts, and clientCert and clientKey if it demands a client certificate)',
+    );
   }
 
   /**
-   * A TLS channel's "Failed to connect" is TlsMismatch when the lane gave no
-   * client certificate and the ledger hangs up on a handshake without one
-   * (mutual TLS); asked anew each time, as above.
+   * A TLS channel's failure that is its own settings. grpc-js's handshake text
+   * says when this client refused the ledger's certificate (its names, its
+   * CA); a "Failed to connect" is the ledger refusing this client's
+   * certificate (or its lack of one) when a TLS 1.3 handshake with it, in the
+   * call's time left, is refused too (refusesClientCertificate).
    */
-  async _missingClientCertificate(error, leftMs) {
-    if (this._hasClientCertificate || !(await demandsClientCertificate(this.address, leftMs))) return error;
-    const message =
-      `the ledger at ${this.address} asks for a client certificate (mutual TLS) and this client has none: ` +
-      'give clientCert and clientKey in the tls option';
-    return new TlsMismatch(message, { code: error.code, metadata: error.metadata, cause: error });
+  async _tlsRefused(error, deadline) {
+    const tls = this._tls;
+    if (error.message.includes(NAME_NOT_IN_CERTIFICATE)) {
+      const name = tls.serverName || probeTarget(this.address)?.host || this.address;
+      return this._mismatch(
+        error,
+        `has a certificate that does not carry the name '${name}' (${tls.serverName ? 'serverName' : 'the address'}): ` +
+          'set serverName in the tls option to a name the certificate carries, or reach the ledger by one',
+      );
+    }
+    const untrusted = CERTIFICATE_UNTRUSTED.exec(error.message);
+    if (untrusted !== null && !/alert/i.test(untrusted[1])) {
+      return this._mismatch(
+        error,
+        `has a certificate that ${tls.rootCerts ? 'rootCerts' : "the system's roots"} do not trust ("${untrusted[1]}"): ` +
+          "give rootCerts in the tls option the CA that signed the ledger's certificate",
+      );
+    }
+    const leftMs = deadline - Date.now();
+    if (!error.message.includes(FAILED_TO_CONNECT) || leftMs <= 0 || !(await refusesClientCertificate(this.address, leftMs, tls))) {
+      return error;
+    }
+    if (!tls.clientCert) {
+      return this._mismatch(
+        error,
+        'asks for a client certificate (mutual TLS) and this client has none: give clientCert and clientKey in the tls option',
+      );
+    }
+    return this._mismatch(
+      error,
+      "does not trust this client's certificate (clientCert in the tls option): give one signed by a CA the ledger " +
+        'takes client certificates from (its --tls-client-ca), with its clientKey',
+    );
+  }
+
+  _mismatch(error, what) {
+    return new TlsMismatch(`the ledger at ${this.address} ${what}`, { code: error.code, metadata: error.metadata, cause: error });
   }
 
   async _send(method, request, metadata, deadline) {
@@ -1367,7 +1423,7 @@ module.exports = {
   DEFAULT_MAX_CALLS_IN_FLIGHT,
   CLOSE_JOURNAL_WAIT_MS,
   DEFAULT_CLOSE_GRACE_MS,
-  demandsClientCertificate,
+  refusesClientCertificate,
   isLocalAddress,
   MAX_IN_DOUBT_ENTRIES,
   MAX_BACKGROUND_REFUNDS,

@@ -53,10 +53,11 @@ async function startFakeLedger(script, { credentials = grpc.ServerCredentials.cr
 }
 
 /**
- * A throwaway CA with a server certificate for localhost and a client
- * certificate, made by the openssl command line; null when there is none.
+ * A throwaway CA with a server certificate for `serverNames` (its
+ * subjectAltName) and a client certificate, made by the openssl command line;
+ * null when there is none.
  */
-function makeCertificates() {
+function makeCertificates({ serverNames = 'DNS:localhost,IP:127.0.0.1' } = {}) {
   try {
     execFileSync('openssl', ['version'], { stdio: 'ignore' });
   } catch {
@@ -69,7 +70,7 @@ function makeCertificates() {
   try {
     openssl('req', '-x509', ...newKey, '-keyout', 'ca.key', '-out', 'ca.crt', '-days', '1', '-subj', '/CN=test ca');
     for (const [name, extensions] of [
-      ['server', 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n'],
+      ['server', `subjectAltName=${serverNames}\nextendedKeyUsage=serverAuth\n`],
       ['client', 'extendedKeyUsage=clientAuth\n'],
     ]) {
       fs.writeFileSync(file(`${name}.ext`), extensions);

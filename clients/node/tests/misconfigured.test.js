@@ -13,10 +13,14 @@ const os = require('node:os');
 const path = require('node:path');
 const { startLedger } = require('./ledger-server');
 const { makeCertificates } = require('./fake-ledger');
-const { demandsClientCertificate } = require('../lib/client');
-const { LaneClient, RequestTooLarge, TlsMismatch, Unavailable, isLedgerUnavailable } = require('..');
+const { refusesClientCertificate } = require('../lib/client');
+const { LaneClient, OutagePolicy, RequestTooLarge, TlsMismatch, Unavailable, isLedgerUnavailable } = require('..');
 
 const DEADLINE_MS = 5000;
+// 1 nano per input token, 2 per output token; a call of 3,500 request bytes
+// and 500 output tokens holds 2,000 nanos, well within the allowance.
+const PRICES = Object.freeze({ 'model-a': { inputNanosPerMillionTokens: 1_000_000n, outputNanosPerMillionTokens: 2_000_000n } });
+const REQUEST = Object.freeze({ model: 'model-a', requestBytes: 3_500, maxOutputTokens: 500 });
 
 /** The TlsMismatch a Balance call is refused with (asked anew on each call). */
 async function tlsMismatch(client) {
@@ -26,6 +30,57 @@ async function tlsMismatch(client) {
   );
   assert.ok(error instanceof TlsMismatch, `${error.name}: ${error.message}`);
   return error;
+}
+
+/**
+ * The TlsMismatch a lane with this tls option meets at `address`: on each
+ * Balance (asked anew), and from call(), whose outage mode (an allowance) it
+ * never enters: the model is not called and nothing is journaled.
+ */
+async function tlsMismatchOnEveryPath(address, tls) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-tls-lane-'));
+  const journalPath = path.join(dir, 'journal.jsonl');
+  const outage = OutagePolicy.allowance({ maxNanos: 10n ** 9n, maxCalls: 10, journalPath, prices: PRICES });
+  const options = { grant: 'a-grant', tls, deadlineMs: DEADLINE_MS, outage, replayIntervalMs: null, logger: null };
+  const client = new LaneClient(address, 'a-lane', options);
+  try {
+    const error = await tlsMismatch(client);
+    assert.equal(isLedgerUnavailable(error), false);
+    assert.equal(error.retryable, false);
+    await tlsMismatch(client);
+    await assert.rejects(client.call(REQUEST, () => assert.fail('the model was called')), TlsMismatch);
+    await client.close();
+    assert.equal(fs.existsSync(journalPath) ? fs.readFileSync(journalPath, 'utf8') : '', '');
+    return error;
+  } finally {
+    await client.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+/**
+ * A plain TCP proxy (no TLS of its own) to a port on 127.0.0.1: each
+ * connection goes on to the upstream, or is closed once nothing listens there.
+ */
+async function startProxy(upstreamPort) {
+  const sockets = new Set();
+  const proxy = net.createServer((client) => {
+    const upstream = net.connect(upstreamPort, '127.0.0.1');
+    for (const [socket, other] of [[client, upstream], [upstream, client]]) {
+      sockets.add(socket);
+      socket.once('close', () => sockets.delete(socket));
+      socket.once('error', () => other.destroy()); // the ledger is down: accepted, then closed
+    }
+    client.pipe(upstream).pipe(client);
+  });
+  await new Promise((resolve) => proxy.listen(0, '127.0.0.1', resolve));
+  return {
+    address: `127.0.0.1:${proxy.address().port}`,
+    close: () => {
+      for (const socket of sockets) socket.destroy();
+      return new Promise((resolve) => proxy.close(resolve));
+    },
+  };
 }
 
 /**
@@ -162,7 +217,7 @@ describe('plaintext to a ledger serving TLS', () => {
     // The probe behind mutual TLS's TlsMismatch must see none here, where
     // none is demanded: a "Failed to connect" then stays an outage. Without
     // ALPN h2 in the probe, gRPC would hang up on it here too.
-    assert.equal(await demandsClientCertificate(ledger.address, DEADLINE_MS), false);
+    assert.equal(await refusesClientCertificate(ledger.address, DEADLINE_MS, {}), false);
   });
 
   test('names the tls option, on every call, and is no outage', async () => {
@@ -237,6 +292,78 @@ describe('TLS without a client certificate to a ledger demanding one (mutual TLS
     } finally {
       client.close();
       hangingUp.close();
+    }
+  });
+});
+
+describe("a mutual-TLS ledger refusing the lane's tls option", () => {
+  const certificates = makeCertificates();
+  // A second CA, which the ledger does not know.
+  const other = makeCertificates();
+  const lane = { rootCerts: certificates.ca, clientCert: certificates.clientCert, clientKey: certificates.clientKey, serverName: 'localhost' };
+  const untrusted = { ...lane, clientCert: other.clientCert, clientKey: other.clientKey };
+  let ledger;
+  before(async () => {
+    ledger = await startTlsLedger(certificates, { demandClientCertificate: true });
+  });
+  after(async () => ledger?.stop());
+
+  test("rootCerts that do not trust the ledger's certificate are named", async () => {
+    const error = await tlsMismatchOnEveryPath(ledger.address, { ...lane, rootCerts: other.ca });
+    assert.match(error.message, /the ledger's certificate/);
+    assert.match(error.message, /rootCerts/);
+  });
+
+  test('a serverName the certificate does not carry is named', async () => {
+    const error = await tlsMismatchOnEveryPath(ledger.address, { ...lane, serverName: 'ledger.example' });
+    assert.match(error.message, /'ledger\.example'/);
+    assert.match(error.message, /serverName/);
+  });
+
+  test('a client certificate the ledger does not trust is named', async () => {
+    // grpc-js says only "Failed to connect", as for a restarting server: the
+    // ledger completes the handshake and hangs up before a byte of HTTP/2.
+    const error = await tlsMismatchOnEveryPath(ledger.address, untrusted);
+    assert.match(error.message, /does not trust this client's certificate/);
+    assert.match(error.message, /clientCert/);
+  });
+
+  test('down behind a plain TCP proxy, it is an outage, with or without a client certificate', async () => {
+    // The proxy accepts and then closes, as a ledger refusing a client's
+    // certificate would seem to; only a TLS answer counts as that refusal.
+    const own = await startTlsLedger(certificates, { demandClientCertificate: true });
+    const proxy = await startProxy(own.port);
+    const lanes = [{ ...lane, clientCert: undefined, clientKey: undefined }, untrusted];
+    try {
+      for (const tls of lanes) await tlsMismatchOnEveryPath(proxy.address, tls); // seen through the proxy
+      await own.halt();
+      for (const tls of lanes) {
+        const client = new LaneClient(proxy.address, 'a-lane', { grant: 'a-grant', tls, deadlineMs: 2000 });
+        try {
+          const error = await client.balance().then(() => assert.fail('the call got through'), (rejected) => rejected);
+          assert.equal(error.constructor, Unavailable, `${error.name}: ${error.message}`);
+        } finally {
+          await client.close();
+        }
+      }
+    } finally {
+      await proxy.close();
+      await own.stop();
+    }
+  });
+});
+
+describe("an address the ledger's certificate does not carry", () => {
+  test('is named, with serverName', async () => {
+    // The ledger's certificate names only ledger.example; the lane dials its IP address.
+    const certificates = makeCertificates({ serverNames: 'DNS:ledger.example' });
+    const ledger = await startTlsLedger(certificates, { demandClientCertificate: false });
+    try {
+      const error = await tlsMismatchOnEveryPath(ledger.address, { rootCerts: certificates.ca });
+      assert.match(error.message, /'127\.0\.0\.1'/);
+      assert.match(error.message, /serverName/);
+    } finally {
+      await ledger.stop();
     }
   });
 });
