@@ -65,9 +65,10 @@ class SumOutOfRange extends InvalidArgument {}
 // the server's max_message_bytes is below the request. field: 'request'.
 class RequestTooLarge extends InvalidArgument {}
 // TLS (the `tls` option) to a ledger serving plaintext, or plaintext to one
-// serving TLS, or TLS without a client certificate to one demanding it (both
-// told apart by a handshake in client.js): every retry fails the same way, so
-// no outage mode.
+// serving TLS, or a ledger's certificate this client refuses (rootCerts,
+// serverName), or a client certificate (or none) a mutual-TLS ledger refuses
+// (the last three told apart in client.js, which knows the tls option): every
+// retry fails the same way, so no outage mode.
 class TlsMismatch extends Refusal {}
 class NotFound extends Refusal {}
 class LaneNotFound extends NotFound {}

@@ -404,9 +404,9 @@ class LaneClient:
             roots = "root_certificates" if tls.root_certificates else "the system's roots"
             return self._mismatch(
                 error,
-                f"has a certificate this client does not trust ({_CERTIFICATE_UNTRUSTED}"
-                f"{':'.join(detail).rstrip()}) with {roots}: give root_certificates in "
-                "TlsSettings the CA that signed the ledger's certificate",
+                f"has a certificate that {roots} do not trust ({_CERTIFICATE_UNTRUSTED}"
+                f"{':'.join(detail).rstrip()}): give root_certificates in TlsSettings the CA "
+                "that signed the ledger's certificate",
             )
         if _NAME_NOT_IN_CERTIFICATE in error.message:
             name = tls.server_name or address_host(self._address) or self._address

@@ -147,11 +147,14 @@ class TlsMismatch(LedgerError):
     """The client's `tls=` does not match the ledger: every retry fails the
     same way, so no outage mode; fix the `tls` setting or the address. TLS to
     a plaintext ledger is gRPC's handshake text (WRONG_VERSION_NUMBER), the one
-    transport signal no outage produces; plaintext to a TLS ledger ("Socket
-    closed", as from a restarting server) is told apart by a handshake the
-    client tries itself (LaneClient._mistaken_for_outage); so is TLS without a
-    client certificate to a ledger demanding one (mutual TLS), which gRPC also
-    reports as "Socket closed"."""
+    transport signal no outage produces; so is a ledger's certificate this
+    client refuses (CERTIFICATE_VERIFY_FAILED against root_certificates, or
+    not carrying the name checked), read where the client knows its settings
+    (LaneClient._tls_refused). Plaintext to a TLS ledger ("Socket closed", as
+    from a restarting server) is told apart by a handshake the client tries
+    itself (LaneClient._mistaken_for_outage); so is a client certificate a
+    mutual-TLS ledger refuses, or the lack of one, which gRPC also reports as
+    "Socket closed"."""
 
 
 class RequestTooLarge(InvalidArgument):
