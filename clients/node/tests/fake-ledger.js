@@ -53,11 +53,11 @@ async function startFakeLedger(script, { credentials = grpc.ServerCredentials.cr
 }
 
 /**
- * A throwaway CA with a server certificate for `serverNames` (its
- * subjectAltName) and a client certificate, made by the openssl command line;
- * null when there is none.
+ * A throwaway CA named `caName` with a server certificate for `serverNames`
+ * (its subjectAltName) and a client certificate, made by the openssl command
+ * line; null when there is none.
  */
-function makeCertificates({ serverNames = 'DNS:localhost,IP:127.0.0.1' } = {}) {
+function makeCertificates({ serverNames = 'DNS:localhost,IP:127.0.0.1', caName = 'test ca' } = {}) {
   try {
     execFileSync('openssl', ['version'], { stdio: 'ignore' });
   } catch {
@@ -68,7 +68,7 @@ function makeCertificates({ serverNames = 'DNS:localhost,IP:127.0.0.1' } = {}) {
   const openssl = (...args) => execFileSync('openssl', args, { stdio: 'ignore', cwd: dir });
   const newKey = ['-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:prime256v1', '-nodes'];
   try {
-    openssl('req', '-x509', ...newKey, '-keyout', 'ca.key', '-out', 'ca.crt', '-days', '1', '-subj', '/CN=test ca');
+    openssl('req', '-x509', ...newKey, '-keyout', 'ca.key', '-out', 'ca.crt', '-days', '1', '-subj', `/CN=${caName}`);
     for (const [name, extensions] of [
       ['server', `subjectAltName=${serverNames}\nextendedKeyUsage=serverAuth\n`],
       ['client', 'extendedKeyUsage=clientAuth\n'],

@@ -6,6 +6,9 @@
 
 const { after, before, describe, test } = require('node:test');
 const assert = require('node:assert/strict');
+const { spawn } = require('node:child_process');
+const { once } = require('node:events');
+const readline = require('node:readline');
 const fs = require('node:fs');
 const net = require('node:net');
 const tls = require('node:tls');
@@ -17,6 +20,24 @@ const { refusesClientCertificate } = require('../lib/client');
 const { LaneClient, OutagePolicy, RequestTooLarge, TlsMismatch, Unavailable, isLedgerUnavailable } = require('..');
 
 const DEADLINE_MS = 5000;
+const PYTHON = path.resolve(__dirname, '../../../.venv/bin/python');
+// A TLS server demanding a client certificate of ca.pem, as OpenSSL refuses
+// one: with an alert. It prints its port and takes one connection.
+const ALERTING_SERVER = `
+import pathlib, socket, ssl, sys
+files = pathlib.Path(sys.argv[1])
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain(files / "server.pem", files / "server.key")
+context.load_verify_locations(files / "ca.pem")
+context.verify_mode = ssl.CERT_REQUIRED
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+connection, _ = listener.accept()
+try:
+    context.wrap_socket(connection, server_side=True).close()
+except OSError:
+    pass
+`;
 // 1 nano per input token, 2 per output token; a call of 3,500 request bytes
 // and 500 output tokens holds 2,000 nanos, well within the allowance.
 const PRICES = Object.freeze({ 'model-a': { inputNanosPerMillionTokens: 1_000_000n, outputNanosPerMillionTokens: 2_000_000n } });
@@ -299,7 +320,7 @@ describe('TLS without a client certificate to a ledger demanding one (mutual TLS
 describe("a mutual-TLS ledger refusing the lane's tls option", () => {
   const certificates = makeCertificates();
   // A second CA, which the ledger does not know.
-  const other = makeCertificates();
+  const other = makeCertificates({ caName: 'another ca' });
   const lane = { rootCerts: certificates.ca, clientCert: certificates.clientCert, clientKey: certificates.clientKey, serverName: 'localhost' };
   const untrusted = { ...lane, clientCert: other.clientCert, clientKey: other.clientKey };
   let ledger;
@@ -326,6 +347,24 @@ describe("a mutual-TLS ledger refusing the lane's tls option", () => {
     const error = await tlsMismatchOnEveryPath(ledger.address, untrusted);
     assert.match(error.message, /does not trust this client's certificate/);
     assert.match(error.message, /clientCert/);
+  });
+
+  test('an alert refusing the client certificate is a refusal too', async () => {
+    // Another TLS stack in front of the ledger refuses an untrusted certificate
+    // with an alert (unknown_ca), not a silent hang-up: OpenSSL's own server,
+    // through Python's ssl (Node's server hangs up without one).
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-alert-'));
+    for (const [name, content] of [['server.pem', certificates.serverCert], ['server.key', certificates.serverKey], ['ca.pem', certificates.ca]]) {
+      fs.writeFileSync(path.join(dir, name), content);
+    }
+    const server = spawn(PYTHON, ['-c', ALERTING_SERVER, dir], { stdio: ['ignore', 'pipe', 'inherit'] });
+    try {
+      const [line] = await once(readline.createInterface({ input: server.stdout }), 'line');
+      assert.equal(await refusesClientCertificate(`127.0.0.1:${line.trim()}`, DEADLINE_MS, untrusted), true);
+    } finally {
+      server.kill();
+      fs.rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   test('down behind a plain TCP proxy, it is an outage, with or without a client certificate', async () => {

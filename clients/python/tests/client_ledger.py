@@ -202,14 +202,16 @@ def _openssl(*arguments: str, directory: pathlib.Path) -> None:
 
 
 def make_certificates(
-    directory: pathlib.Path, server_names: str = "DNS:localhost,IP:127.0.0.1"
+    directory: pathlib.Path,
+    server_names: str = "DNS:localhost,IP:127.0.0.1",
+    ca_name: str = "ledger-test-ca",
 ) -> dict[str, pathlib.Path]:
-    """A test CA, a server certificate for `server_names` (its subjectAltName)
-    and a lane's client certificate."""
+    """A test CA named `ca_name`, a server certificate for `server_names` (its
+    subjectAltName) and a lane's client certificate."""
     directory.mkdir(parents=True, exist_ok=True)
     curve = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     _openssl("req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=ledger-test-ca", directory=directory)  # fmt: skip
+             "-subj", f"/CN={ca_name}", directory=directory)  # fmt: skip
     (directory / "san.ext").write_text(f"subjectAltName={server_names}\n")
     for name, extra in (("server", ("-extfile", "san.ext")), ("client", ())):
         _openssl("req", *curve, "-keyout", f"{name}.key", "-out", f"{name}.csr",

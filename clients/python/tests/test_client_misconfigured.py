@@ -132,7 +132,7 @@ def test_tls_without_a_client_certificate_to_a_mutual_tls_ledger_names_it(
 
 def _other_ca(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
     """Certificates of a second CA, which the test ledgers do not know."""
-    return make_certificates(tmp_path / "other-ca")
+    return make_certificates(tmp_path / "other-ca", ca_name="another-ca")
 
 
 def _untrusted_client(certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> TlsSettings:
@@ -307,6 +307,30 @@ def test_a_tls_ledger_taking_clients_without_certificates_is_not_taken_for_mutua
             )
             is False
         )
+
+
+def test_an_alert_refusing_the_client_certificate_is_a_refusal(
+    certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    # Another TLS stack in front of the ledger (Python's own here) refuses an
+    # untrusted certificate with an alert (unknown_ca), not a silent hang-up.
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certificates["server.pem"], certificates["server.key"])
+    context.load_verify_locations(certificates["ca.pem"])
+    context.verify_mode = ssl.CERT_REQUIRED
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+        def refuse_one() -> None:
+            connection, _ = listener.accept()
+            with connection, contextlib.suppress(OSError):
+                context.wrap_socket(connection, server_side=True).close()
+
+        thread = threading.Thread(target=refuse_one, daemon=True)
+        thread.start()
+        untrusted = _untrusted_client(certificates, tmp_path)
+        assert refuses_client_certificate(address, time.monotonic() + 5, untrusted)
+        thread.join()
 
 
 class _Listener:
