@@ -846,10 +846,7 @@ class LaneClient {
   async _mistakenForOutage(error, deadline) {
     if (!(error instanceof Unavailable) || error.reason) return error;
     if (this._tls !== null) return this._tlsRefused(error, deadline);
-    const leftMs = deadline - Date.now();
-    if (!error.message.includes(FAILED_TO_CONNECT) || leftMs <= 0 || !(await servesTls(this.address, leftMs))) {
-      return error;
-    }
+    if (!(await this._probed(error, deadline, servesTls))) return error;
     return this._mismatch(
       error,
       'serves TLS and this client speaks plaintext: pass the tls option ' +
@@ -882,10 +879,8 @@ class LaneClient {
           "give rootCerts in the tls option the CA that signed the ledger's certificate",
       );
     }
-    const leftMs = deadline - Date.now();
-    if (!error.message.includes(FAILED_TO_CONNECT) || leftMs <= 0 || !(await refusesClientCertificate(this.address, leftMs, tls))) {
-      return error;
-    }
+    const refused = (address, timeoutMs) => refusesClientCertificate(address, timeoutMs, tls);
+    if (!(await this._probed(error, deadline, refused))) return error;
     if (!tls.clientCert) {
       return this._mismatch(
         error,
@@ -897,6 +892,15 @@ class LaneClient {
       "does not trust this client's certificate (clientCert in the tls option): give one signed by a CA the ledger " +
         'takes client certificates from (its --tls-client-ca), with its clientKey',
     );
+  }
+
+  /**
+   * Whether a "Failed to connect" is the mistake `probe` asks the ledger
+   * about, answered yes in the call's time left.
+   */
+  async _probed(error, deadline, probe) {
+    const leftMs = deadline - Date.now();
+    return error.message.includes(FAILED_TO_CONNECT) && leftMs > 0 && Boolean(await probe(this.address, leftMs));
   }
 
   _mismatch(error, what) {

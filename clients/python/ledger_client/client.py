@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import functools
 import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -378,11 +380,7 @@ class LaneClient:
             return error
         if self._tls is not None:
             return self._tls_refused(error, deadline)
-        if (
-            _SOCKET_CLOSED not in error.message
-            or deadline <= time.monotonic()
-            or not serves_tls(self._address, deadline)
-        ):
+        if not self._probed(error, deadline, serves_tls):
             return error
         return self._mismatch(
             error,
@@ -417,11 +415,8 @@ class LaneClient:
                 "server_name in TlsSettings to a name the certificate carries, or reach the "
                 "ledger by one",
             )
-        if (
-            _SOCKET_CLOSED not in error.message
-            or deadline <= time.monotonic()
-            or not refuses_client_certificate(self._address, deadline, tls)
-        ):
+        refused = functools.partial(refuses_client_certificate, tls=tls)
+        if not self._probed(error, deadline, refused):
             return error
         if tls.certificate_chain is None:
             return self._mismatch(
@@ -434,6 +429,17 @@ class LaneClient:
             "does not trust this client's certificate (certificate_chain in TlsSettings): "
             "give one signed by a CA the ledger takes client certificates from (its "
             "--tls-client-ca), with its private_key",
+        )
+
+    def _probed(
+        self, error: LedgerError, deadline: float, probe: Callable[[str, float], bool | None]
+    ) -> bool:
+        """Whether a "Socket closed" is the mistake `probe` asks the ledger
+        about, answered yes in the call's time left."""
+        return (
+            _SOCKET_CLOSED in error.message
+            and deadline > time.monotonic()
+            and bool(probe(self._address, deadline))
         )
 
     def _mismatch(self, error: LedgerError, what: str) -> TlsMismatch:

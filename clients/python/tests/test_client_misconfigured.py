@@ -189,6 +189,16 @@ def test_a_client_certificate_the_ledger_does_not_trust_names_it(
     assert "does not trust" in mismatch.message
 
 
+def _accepted(listener: socket.socket) -> Iterator[socket.socket]:
+    """Each connection the listener accepts, until it is closed."""
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except OSError:
+            return
+        yield connection
+
+
 class _Proxy:
     """A plain TCP proxy (no TLS of its own) to one port: each connection it
     accepts goes to the upstream, or is closed at once when nothing listens there."""
@@ -202,11 +212,7 @@ class _Proxy:
         self._threads[0].start()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
+        for client in _accepted(self._listener):
             try:
                 upstream = socket.create_connection(self._upstream, timeout=5)
             except OSError:
@@ -348,11 +354,7 @@ class _Listener:
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._socket.accept()
-            except OSError:
-                return
+        for connection in _accepted(self._socket):
             with connection:
                 connection.settimeout(5)
                 if self.serves_tls:
