@@ -146,25 +146,20 @@ def serves_tls(address: str, deadline: float) -> bool | None:
         return None
 
 
-def refuses_client_certificate(address: str, deadline: float, tls: TlsSettings) -> bool:
+def refuses_client_certificate(address: str, deadline: float, context: ssl.SSLContext) -> bool:
     """Whether the ledger at a plain `host:port` refuses a TLS client offering
-    `tls`'s client certificate (none when it has none): gRPC reports either
-    only as "Socket closed", as from a restarting server. gRPC's server
-    completes the TLS 1.3 handshake and then hangs up without a byte (no
-    alert), where a ledger that takes the client sends its HTTP/2 settings at
-    once; a TLS alert refusing the certificate (another TLS stack in front)
-    says it too. Only an answer in TLS counts: a listener or a plain TCP proxy
-    that hangs up before the handshake is done is an outage. Nothing is sent;
-    the ledger's certificate is not checked. `deadline` (monotonic) bounds it all."""
+    the client certificate of `context` (client_probe_context; none when the
+    lane has none): gRPC reports either only as "Socket closed", as from a
+    restarting server. gRPC's server completes the TLS 1.3 handshake and then
+    hangs up without a byte (no alert), where a ledger that takes the client
+    sends its HTTP/2 settings at once; a TLS alert refusing the certificate
+    (another TLS stack in front) says it too. Only an answer in TLS counts: a
+    listener or a plain TCP proxy that hangs up before the handshake is done is
+    an outage. Nothing is sent. `deadline` (monotonic) bounds it all."""
     target = _probe_target(address)
     if target is None:
         return False
-    context = _probe_context()
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.set_alpn_protocols(["h2"])  # without it gRPC hangs up on anyone
     try:
-        if tls.certificate_chain is not None and tls.private_key is not None:
-            _load_client_certificate(context, tls.certificate_chain, tls.private_key)
         with socket.create_connection(target, _left(deadline)) as raw:
             raw.settimeout(_left(deadline))
             with context.wrap_socket(raw) as tls_socket:
@@ -178,6 +173,24 @@ def refuses_client_certificate(address: str, deadline: float, tls: TlsSettings) 
         return "ALERT" in reason and any(refusal in reason for refusal in _CERTIFICATE_REFUSALS)
     except OSError:
         return False  # refused, timed out, hung up in the handshake: not asked
+
+
+def client_probe_context(tls: TlsSettings) -> ssl.SSLContext | None:
+    """The handshake of refuses_client_certificate: TLS 1.3, ALPN h2, the
+    lane's client certificate when it has one, no check of the ledger's
+    certificate. A client builds it once: loading the certificate takes
+    milliseconds (a file written and read), more than the probe itself. None
+    when the certificate cannot be loaded (gRPC refuses it before any call)."""
+    context = _probe_context()
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.set_alpn_protocols(["h2"])  # without it gRPC hangs up on anyone
+    if tls.certificate_chain is None or tls.private_key is None:
+        return context
+    try:
+        _load_client_certificate(context, tls.certificate_chain, tls.private_key)
+    except (ssl.SSLError, OSError):
+        return None
+    return context
 
 
 # The TLS alerts that refuse a client's certificate: missing (TLS 1.3's

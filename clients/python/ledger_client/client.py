@@ -7,6 +7,7 @@ import datetime
 import functools
 import logging
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from ledger_client.channels import (
     TlsSettings,
     address_host,
     check_grant,
+    client_probe_context,
     is_local_address,
     open_channel,
     refuses_client_certificate,
@@ -188,6 +190,8 @@ class LaneClient:
         self._starting = threading.Lock()
         self._address = address
         self._tls = tls
+        # The mutual-TLS probe's handshake, built at its first use (_tls_refused).
+        self._client_probe: ssl.SSLContext | None = None
         if grant is not None and tls is None and not is_local_address(address):
             # Once per client: a grant is a bearer credential, readable on the wire.
             log.warning(
@@ -415,7 +419,11 @@ class LaneClient:
                 "server_name in TlsSettings to a name the certificate carries, or reach the "
                 "ledger by one",
             )
-        refused = functools.partial(refuses_client_certificate, tls=tls)
+        if self._client_probe is None:
+            self._client_probe = client_probe_context(tls)
+        if self._client_probe is None:
+            return error
+        refused = functools.partial(refuses_client_certificate, context=self._client_probe)
         if not self._probed(error, deadline, refused):
             return error
         if tls.certificate_chain is None:

@@ -25,7 +25,7 @@ from client_ledger import (
     running,
 )
 from ledger_client import ClientSettings, LaneClient, ModelPrice, OutagePolicy, errors
-from ledger_client.channels import TlsSettings, refuses_client_certificate
+from ledger_client.channels import TlsSettings, client_probe_context, refuses_client_certificate
 
 PRICES = {"model-a": ModelPrice(1_000_000, 2_000_000)}
 
@@ -128,6 +128,12 @@ def test_tls_without_a_client_certificate_to_a_mutual_tls_ledger_names_it(
     )
     assert "client certificate" in mismatch.message
     assert "certificate_chain" in mismatch.message and "private_key" in mismatch.message
+
+
+def _probe(tls: TlsSettings) -> ssl.SSLContext:
+    context = client_probe_context(tls)
+    assert context is not None
+    return context
 
 
 def _other_ca(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -309,7 +315,7 @@ def test_a_tls_ledger_taking_clients_without_certificates_is_not_taken_for_mutua
         # Without ALPN h2 in the probe, gRPC would hang up on it here too.
         assert (
             refuses_client_certificate(
-                server.address, deadline, lane_tls(certificates, client_certificate=False)
+                server.address, deadline, _probe(lane_tls(certificates, client_certificate=False))
             )
             is False
         )
@@ -335,7 +341,7 @@ def test_an_alert_refusing_the_client_certificate_is_a_refusal(
         thread = threading.Thread(target=refuse_one, daemon=True)
         thread.start()
         untrusted = _untrusted_client(certificates, tmp_path)
-        assert refuses_client_certificate(address, time.monotonic() + 5, untrusted)
+        assert refuses_client_certificate(address, time.monotonic() + 5, _probe(untrusted))
         thread.join()
 
 
