@@ -260,7 +260,7 @@ def test_a_mutual_tls_ledger_down_behind_a_tcp_proxy_is_an_outage(
         "no certificate": lane_tls(certificates, client_certificate=False),
         "an untrusted certificate": _untrusted_client(certificates, tmp_path),
     }
-    settings = ClientSettings(deadline_seconds=2.0, replay_interval_seconds=None)
+    settings = TEST_SETTINGS  # a deadline that leaves the probe time on a busy machine
     try:
         for tls in lanes.values():  # through the proxy, the ledger's refusal is seen
             with LaneClient(proxy.address, "lane", tls=tls, settings=settings) as client, \
@@ -389,7 +389,7 @@ def test_a_tls_ledger_replaced_by_a_plaintext_one_is_an_outage_again(
     # The operator fixed the mismatch on the server's side; while the plaintext
     # ledger restarts, "Socket closed" is a real outage, not the old TLS ledger.
     listener = _Listener(certificates)
-    settings = ClientSettings(replay_interval_seconds=None)
+    settings = TEST_SETTINGS  # a deadline that leaves the probe time on a busy machine
     try:
         with LaneClient(listener.address, "lane", settings=settings) as client:
             with pytest.raises(errors.TlsMismatch):
