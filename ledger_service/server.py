@@ -42,6 +42,7 @@ from ledger_service.api.servicers import (
     LedgerServicer,
     TestClockServicer,
 )
+from ledger_service.api.shares import CallShares, GrantShareInterceptor
 from ledger_service.application.audit import Auditor
 from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import Ledger
@@ -259,10 +260,9 @@ class LedgerServer:
             self.telemetry.tracer, self.telemetry.meter
         )
         self._drain = Drain()
+        self.call_shares = CallShares(settings.max_calls_per_grant)
         self._arrivals = ArrivalWatch(
-            settings.request_arrival_seconds,
-            settings.max_workers,
-            threads=settings.max_workers + settings.max_watchers,
+            settings.request_arrival_seconds, settings.max_workers, threads=settings.rpc_threads
         )
         self._server = self._build_grpc_server()
         self.port = 0
@@ -283,15 +283,17 @@ class LedgerServer:
             # The caller's deadline bounds the store's work (storage/watchdog.py).
             CallDeadlineInterceptor(),
             *self._auth_interceptors(),
+            # Where the grant is known, before any store work (api/shares.py).
+            GrantShareInterceptor(self.call_shares),
             RecoveryGateInterceptor(self._ready_for_moves, self.guard.required),
             self._messages,
         ]
         server = self._new_grpc_server(
-            # A thread for each stream beside the workers: streams wait for none
-            # while no more than max_workers other calls run at once.
-            futures.ThreadPoolExecutor(
-                max_workers=settings.max_workers + settings.max_watchers, thread_name_prefix="rpc"
-            ),
+            # A thread for each stream and for one grant's share beside the
+            # workers (Settings.rpc_threads): streams wait for none while no
+            # more than max_workers other calls run at once, and a lane that
+            # floods the server leaves the others max_workers threads.
+            futures.ThreadPoolExecutor(max_workers=settings.rpc_threads, thread_name_prefix="rpc"),
             # Composed once per method, not on every call (api/pipeline.py).
             interceptors=[MethodPipeline(chain)],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,

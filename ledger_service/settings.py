@@ -29,6 +29,7 @@ SERVE_FLAGS = {
     "listen": "--listen",
     "sweep_interval_seconds": "--sweep-interval",
     "max_workers": "--max-workers",
+    "max_calls_per_grant": "--max-calls-per-grant",
     "tls_cert_path": "--tls-cert",
     "tls_key_path": "--tls-key",
     "tls_client_ca_path": "--tls-client-ca",
@@ -151,6 +152,13 @@ class Settings:
     # takes at most half of max_concurrent_rpcs. Above max_watchers, so that
     # one connection's stream past that limit is refused, not kept waiting.
     max_calls_per_connection: int = 128
+    # One grant's calls running at once (event streams apart: they have
+    # max_watchers_per_grant); one more is refused at once, TOO_MANY_CALLS
+    # (api/shares.py). Above the lane clients' own bound (64 calls in flight)
+    # with room for calls the server still finishes after their client gave
+    # up at the deadline, so that no lone client meets it. The pool has
+    # threads beyond it (rpc_threads), so one flooding lane cannot take them all.
+    max_calls_per_grant: int = 96
     max_message_bytes: int = 1 * 1024 * 1024
     # A call's headers (metadata) in all, as gRPC counts them (each name and
     # value plus 32 bytes). One bound: gRPC's own pair (8 KiB soft, 16 KiB
@@ -247,6 +255,15 @@ class Settings:
     # Where each value from_environment took came from: a flag or a variable
     # (SERVE_FLAGS, setting_variable). Not a setting; see source().
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rpc_threads(self) -> int:
+        """The server's pool: max_workers, a thread for each stream it admits,
+        and one grant's share of calls (no more than the calls it takes at
+        once). One flooding grant holds at most its share and its streams, so
+        at least max_workers threads stay for the others beside every stream."""
+        share = min(self.max_calls_per_grant, self.max_concurrent_rpcs)
+        return self.max_workers + self.max_watchers + share
 
     def source(self, name: str) -> str:
         """What a refusal of setting `name` names: the flag or the variable its
@@ -359,6 +376,7 @@ _POSITIVE = frozenset(
         "max_workers",
         "max_concurrent_rpcs",
         "max_calls_per_connection",
+        "max_calls_per_grant",
         "max_message_bytes",
         "max_metadata_bytes",
         "request_deadline_seconds",

@@ -688,6 +688,8 @@ export class BookingStillOpen extends FailedPrecondition {}
 export class ResourceExhausted extends Refusal {}
 export class TooManyWatchers extends ResourceExhausted {}
 export class TooManyReconciles extends ResourceExhausted {}
+/** This grant had its share of the server's calls running (max_calls_per_grant): slow down, send it again later. Not an outage. */
+export class TooManyCalls extends ResourceExhausted {}
 export class Unauthenticated extends Refusal {}
 export class PermissionDenied extends Refusal {}
 export class Unimplemented extends Refusal {}

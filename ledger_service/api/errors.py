@@ -53,6 +53,7 @@ ERROR_TABLE: tuple[tuple[type[errors.LedgerError], grpc.StatusCode], ...] = (
     (errors.CorrectionConflict, grpc.StatusCode.ALREADY_EXISTS),
     (errors.TooManyWatchers, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.TooManyReconciles, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.TooManyCalls, grpc.StatusCode.RESOURCE_EXHAUSTED),
     # UNAVAILABLE, not DATA_LOSS: the caller's request is sound and nothing was
     # booked, the clients' outage mode (which UNAVAILABLE drives) is what a lane
     # needs while the ledger cannot answer, and once an operator restores the

@@ -39,6 +39,13 @@ def register(commands: Any) -> None:
         metavar="N",
         help="gRPC worker threads for calls (default 16); streams get one more each (64)",
     )
+    serve.add_argument(
+        "--max-calls-per-grant",
+        type=int,
+        metavar="N",
+        help="calls one grant may have running at once, streams apart (default 96); "
+        "one more is refused, TOO_MANY_CALLS",
+    )
     # Recovery (docs/recovery.md).
     serve.add_argument(
         "--snapshot-every",

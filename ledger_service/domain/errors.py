@@ -147,6 +147,20 @@ class TooManyReconciles(LedgerError):
         )
 
 
+class TooManyCalls(LedgerError):
+    """The caller's grant already has its share of the server's calls running:
+    nothing was read or written. No outage: the ledger answers other grants;
+    the caller is to slow down and send it again later."""
+
+    reason = "TOO_MANY_CALLS"
+
+    def __init__(self, share: int) -> None:
+        super().__init__(
+            f"this grant has {share} calls running, its share of the server "
+            "(max_calls_per_grant); send it again once one of them has its answer"
+        )
+
+
 class ShuttingDown(LedgerError):
     """The server is draining for a stop: the call is safe to send again, to
     another replica or once this one is back."""

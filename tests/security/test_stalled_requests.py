@@ -19,7 +19,7 @@ from tests.security.conftest import HOME_LANE, SecureLedger
 
 BALANCE = "/ledger.v1.Ledger/GetBalance"
 WATCH = "/ledger.v1.Ledger/WatchEvents"
-# More stalled calls than the pool has threads (max_workers + max_watchers).
+# More stalled calls than the pool has threads (Settings.rpc_threads).
 STALLED_CALLS = 12
 CALL_SECONDS = 10.0
 
@@ -32,9 +32,11 @@ def _never(release: threading.Event) -> Iterator[bytes]:
 def test_stalled_requests_do_not_starve_other_callers(
     start_secure_ledger: Callable[..., SecureLedger],
 ) -> None:
-    # A pool of 3 threads, and a bound on a request's arrival far beyond the
+    # A pool of 4 threads, and a bound on a request's arrival far beyond the
     # calls' deadlines: only the pressure of calls waiting frees the threads.
-    ledger = start_secure_ledger(max_workers=2, max_watchers=1, request_arrival_seconds=600.0)
+    ledger = start_secure_ledger(
+        max_workers=2, max_watchers=1, max_calls_per_grant=1, request_arrival_seconds=600.0
+    )
     address = f"127.0.0.1:{ledger.server.port}"
     release = threading.Event()
     with grpc.insecure_channel(address) as flooding, grpc.insecure_channel(address) as other:

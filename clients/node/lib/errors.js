@@ -86,6 +86,9 @@ class ResourceExhausted extends Refusal {
 class TooManyWatchers extends ResourceExhausted {}
 // Reconcile only: every turn stayed taken while it waited; nothing changed.
 class TooManyReconciles extends ResourceExhausted {}
+// The grant already had its share of the server's calls running (another
+// lane's flood does not count against it): slow down, send it again later.
+class TooManyCalls extends ResourceExhausted {}
 class Unauthenticated extends Refusal {}
 class PermissionDenied extends Refusal {}
 class Unimplemented extends Refusal {}
@@ -169,6 +172,7 @@ const ERROR_TABLE = Object.freeze([
   [Status.FAILED_PRECONDITION, null, FailedPrecondition],
   [Status.RESOURCE_EXHAUSTED, 'TOO_MANY_WATCHERS', TooManyWatchers],
   [Status.RESOURCE_EXHAUSTED, 'TOO_MANY_RECONCILES', TooManyReconciles],
+  [Status.RESOURCE_EXHAUSTED, 'TOO_MANY_CALLS', TooManyCalls],
   [Status.RESOURCE_EXHAUSTED, null, ResourceExhausted],
   [Status.UNAUTHENTICATED, null, Unauthenticated],
   [Status.PERMISSION_DENIED, null, PermissionDenied],
@@ -366,6 +370,7 @@ module.exports = {
   ResourceExhausted,
   TooManyWatchers,
   TooManyReconciles,
+  TooManyCalls,
   Unauthenticated,
   PermissionDenied,
   Unimplemented,

@@ -143,6 +143,13 @@ class TooManyReconciles(LedgerError):
     read or written; send it again later. No outage."""
 
 
+class TooManyCalls(LedgerError):
+    """This grant already had its share of the ledger's calls running
+    (the server's max_calls_per_grant): nothing was read or written; slow
+    down and send it again later. No outage: the ledger answers, and other
+    lanes are served."""
+
+
 class TlsMismatch(LedgerError):
     """The client's `tls=` does not match the ledger: every retry fails the
     same way, so no outage mode; fix the `tls` setting or the address. TLS to
@@ -194,7 +201,7 @@ def is_retryable(error: LedgerError) -> bool:
     """Whether the same request, sent again with the same ids, may succeed (and
     books nothing twice): UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED and
     RESOURCE_EXHAUSTED, as `retry` in clients/cases/errors.json says."""
-    return isinstance(error, (LedgerUnavailable, TooManyWatchers, TooManyReconciles))
+    return isinstance(error, (LedgerUnavailable, TooManyWatchers, TooManyReconciles, TooManyCalls))
 
 
 def resends_reserve(error: LedgerError) -> bool:
@@ -225,6 +232,7 @@ REASONS: dict[str, type[LedgerError]] = {
     "BOOKING_WAS_DENIED": BookingWasDenied,
     "TOO_MANY_WATCHERS": TooManyWatchers,
     "TOO_MANY_RECONCILES": TooManyReconciles,
+    "TOO_MANY_CALLS": TooManyCalls,
     "STORE_UNAVAILABLE": LedgerUnavailable,
     "SHUTTING_DOWN": LedgerUnavailable,
     "STORE_DAMAGED": LedgerStoreDamaged,

@@ -1,0 +1,211 @@
+"""One grant's share of the server's calls at once (docs/semantics.md, limits):
+a lane that floods the server with calls held in flight, on as many
+connections as it likes, gets `max_calls_per_grant` of them served and the
+rest refused at once with RESOURCE_EXHAUSTED / TOO_MANY_CALLS, while another
+lane's Reserve and the health check are still answered."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ledger_service.domain.clock import SystemClock
+from ledger_service.domain.grants import Scope
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.server import LedgerServer
+from ledger_service.settings import Settings
+from tests.conftest import GrantInterceptor, lane_message
+
+WAIT_SECONDS = 30.0
+CALL_SECONDS = 60.0
+HOUR_US = 3_600_000_000
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
+SHARE: int = _DEFAULTS["max_calls_per_grant"]  # type: ignore[assignment]
+# The flood: more calls than the server takes at once (256), on three
+# connections, since one connection carries at most 128 at once.
+FLOOD_CONNECTIONS = 3
+FLOOD_CALLS_PER_CONNECTION = 110
+
+
+class HeldBalances:
+    """Holds every GetBalance of one lane inside the server until released,
+    counting those held: a call held there has passed every check and holds
+    one of the server's threads, as a call waiting on a slow store does."""
+
+    def __init__(self, server: LedgerServer, lane: str) -> None:
+        self._balance = server.ledger.balance
+        self._lane = lane
+        self._changed = threading.Condition()
+        self._released = False
+        self.held = 0
+
+    def balance(self, lane: str, *args: Any, **kwargs: Any) -> Any:
+        if lane == self._lane:
+            with self._changed:
+                self.held += 1
+                self._changed.notify_all()
+                self._changed.wait_for(lambda: self._released)
+        return self._balance(lane, *args, **kwargs)
+
+    def wait_for(self, predicate: Callable[[], bool]) -> bool:
+        """Waits until `predicate()` (called under the lock, woken by each call
+        held and by `notify`), at most WAIT_SECONDS; whether it came true."""
+        with self._changed:
+            return self._changed.wait_for(predicate, WAIT_SECONDS)
+
+    def notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def release(self) -> None:
+        with self._changed:
+            self._released = True
+            self._changed.notify_all()
+
+
+def _grant(server: LedgerServer, lane: str) -> str:
+    now_us = SystemClock().now_us()
+    return server.keyring.issue(
+        [lane], [Scope.CHARGE], issued_at_us=now_us, expires_at_us=now_us + HOUR_US
+    )
+
+
+@contextlib.contextmanager
+def _connection(server: LedgerServer, grant: str) -> Iterator[grpc.Channel]:
+    """A connection of its own (channels with the same arguments share one),
+    every call carrying `grant`."""
+    raw = grpc.insecure_channel(
+        f"127.0.0.1:{server.port}", options=[("grpc.use_local_subchannel_pool", 1)]
+    )
+    try:
+        yield grpc.intercept_channel(raw, GrantInterceptor(grant))
+    finally:
+        raw.close()
+
+
+def _reason(error: BaseException) -> str:
+    assert isinstance(error, grpc.Call), error
+    return dict(error.trailing_metadata() or ()).get("ledger-reason", "")
+
+
+def _reserve(lane: str, rid: str) -> pb.ReserveRequest:
+    return pb.ReserveRequest(
+        lane=lane, reservation_id=rid, model="jev", request_bytes=4_000, max_output_tokens=100
+    )
+
+
+def test_a_flooding_lane_leaves_another_lanes_reserve_and_health_served(
+    start_ledger_server: Callable[..., LedgerServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = start_ledger_server()
+    holding = HeldBalances(server, "flood")
+    monkeypatch.setattr(server.ledger, "balance", holding.balance)
+    with contextlib.ExitStack() as stack:
+        admin = pb_grpc.LaneAdminStub(stack.enter_context(_connection(server, server.admin_grant)))
+        for lane in ("flood", "calm"):
+            admin.PutLane(pb.PutLaneRequest(lane=lane_message(lane)), timeout=CALL_SECONDS)
+        flood_grant = _grant(server, "flood")
+        flooding: list[grpc.Future] = []
+        answered: list[grpc.Future] = []
+
+        def on_answer(call: grpc.Future) -> None:
+            answered.append(call)
+            holding.notify()
+
+        try:
+            for _ in range(FLOOD_CONNECTIONS):
+                flood = pb_grpc.LedgerStub(stack.enter_context(_connection(server, flood_grant)))
+                for _ in range(FLOOD_CALLS_PER_CONNECTION):
+                    call = flood.GetBalance.future(
+                        pb.GetBalanceRequest(lane="flood"), timeout=CALL_SECONDS
+                    )
+                    call.add_done_callback(on_answer)
+                    flooding.append(call)
+            # Every call of the flood is held in the server or answered: none
+            # waits behind the held ones for a thread.
+            settled = holding.wait_for(lambda: holding.held + len(answered) == len(flooding))
+            calm = stack.enter_context(_connection(server, _grant(server, "calm")))
+            reserved = pb_grpc.LedgerStub(calm).Reserve(_reserve("calm", "c1"), timeout=5)
+            assert reserved.decision == pb.ADMITTED
+            health = health_pb2_grpc.HealthStub(calm).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert settled, (holding.held, len(answered), len(flooding))
+            assert holding.held == SHARE
+            refused = [call.exception() for call in answered]
+            assert {error.code() for error in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}  # type: ignore[union-attr]
+            # Ours, beside any gRPC refused for the total (no reason) while
+            # the flood's first burst came in.
+            assert "TOO_MANY_CALLS" in {_reason(error) for error in refused if error is not None}
+        finally:
+            holding.release()
+            for call in flooding:
+                call.exception()
+        # The held ones were served once released.
+        assert sum(call.exception() is None for call in flooding) == SHARE
+
+
+def test_a_grant_has_its_share_and_not_one_call_more(
+    start_ledger_server: Callable[..., LedgerServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The boundary: `share` calls of one grant run, the next is refused at
+    once and changes nothing; another grant's calls, the operator's, streams
+    and health are not counted in it; a call that ends gives its place back."""
+    share = 3
+    server = start_ledger_server(max_calls_per_grant=share)
+    holding = HeldBalances(server, "flood")
+    monkeypatch.setattr(server.ledger, "balance", holding.balance)
+    with contextlib.ExitStack() as stack:
+        operator = stack.enter_context(_connection(server, server.admin_grant))
+        for lane in ("flood", "calm"):
+            pb_grpc.LaneAdminStub(operator).PutLane(
+                pb.PutLaneRequest(lane=lane_message(lane)), timeout=CALL_SECONDS
+            )
+        flood = pb_grpc.LedgerStub(
+            stack.enter_context(_connection(server, _grant(server, "flood")))
+        )
+        held = [
+            flood.GetBalance.future(pb.GetBalanceRequest(lane="flood"), timeout=CALL_SECONDS)
+            for _ in range(share)
+        ]
+        try:
+            assert holding.wait_for(lambda: holding.held == share)
+            with pytest.raises(grpc.RpcError) as refused:
+                flood.Reserve(_reserve("flood", "f1"), timeout=CALL_SECONDS)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            assert _reason(refused.value) == "TOO_MANY_CALLS"
+            assert f"this grant has {share} calls running" in refused.value.details()  # type: ignore[attr-defined]
+            # A stream of the same grant is counted in the feed's share, not this one.
+            watch = flood.WatchEvents(pb.WatchEventsRequest(lane="flood"), timeout=CALL_SECONDS)
+            assert watch.initial_metadata() is not None
+            watch.cancel()
+            calm = stack.enter_context(_connection(server, _grant(server, "calm")))
+            answer = pb_grpc.LedgerStub(calm).Reserve(_reserve("calm", "c1"), timeout=CALL_SECONDS)
+            assert answer.decision == pb.ADMITTED
+            assert (
+                pb_grpc.LedgerStub(operator)
+                .GetBalance(pb.GetBalanceRequest(lane="calm"), timeout=CALL_SECONDS)
+                .lane
+                == "calm"
+            )
+            health = health_pb2_grpc.HealthStub(calm).Check(
+                health_pb2.HealthCheckRequest(), timeout=CALL_SECONDS
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            holding.release()
+            for call in held:
+                call.exception()
+        assert [call.exception() for call in held] == [None] * share
+        # Their places are back: the refused Reserve, sent again, is admitted (nothing was booked).
+        assert flood.Reserve(_reserve("flood", "f1"), timeout=CALL_SECONDS).decision == pb.ADMITTED
+    assert server.call_shares.running() == 0
