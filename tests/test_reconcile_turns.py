@@ -18,7 +18,7 @@ import pytest
 from ledger_service.api import servicers
 from ledger_service.cli import reconcile
 from ledger_service.cli.connection import Session
-from ledger_service.domain.errors import TooManyReconciles
+from ledger_service.domain.errors import LedgerError, TooManyCalls, TooManyReconciles
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_service.server import LedgerServer
@@ -132,20 +132,27 @@ class _Refused(grpc.RpcError, grpc.Call):  # type: ignore[misc]
         raise AttributeError(name)
 
 
-def test_the_cli_says_a_reconcile_without_a_turn_changed_nothing() -> None:
+@pytest.mark.parametrize(
+    ("refusal", "said_first"),
+    [
+        (TooManyReconciles(2), "2 reconciles are running"),
+        # The operator's grant had its share of the server's calls running.
+        (TooManyCalls(96), "this grant has 96 calls running"),
+    ],
+)
+def test_the_cli_says_a_reconcile_refused_for_capacity_changed_nothing(
+    refusal: LedgerError, said_first: str
+) -> None:
     """RESOURCE_EXHAUSTED used to mean only an answer past the message limit,
-    told as "the file may have applied": without a turn nothing was read."""
+    told as "the file may have applied": without a turn, or past the grant's
+    share of calls, nothing was read."""
     session = Session("ledger:1", None, None, 5.0, ())  # type: ignore[arg-type]
     arguments = argparse.Namespace(file="export.csv", dry_run=False)
     said = reconcile._reconcile_failure(
-        _Refused(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            str(TooManyReconciles(2)),
-            "TOO_MANY_RECONCILES",
-        ),
+        _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refusal), refusal.reason),
         arguments,
         session,
     )
     assert "may have applied" not in said.message, said.message
-    assert "2 reconciles are running" in said.message, said.message
-    assert "TOO_MANY_RECONCILES" in said.message, said.message
+    assert said_first in said.message, said.message
+    assert refusal.reason in said.message, said.message

@@ -125,7 +125,10 @@ def _reconcile_failure(
         return explain(error, session)
     code, details = error.code(), " ".join((error.details() or "").split())
     reason = dict(error.trailing_metadata() or ()).get(REASON_KEY, "")
-    if reason == "TOO_MANY_RECONCILES":  # no turn in time: nothing was read or written
+    if reason:
+        # The ledger's own refusal, by its error table: TOO_MANY_RECONCILES (no
+        # turn in time) and TOO_MANY_CALLS (the grant's share taken) read and
+        # wrote nothing; gRPC's RESOURCE_EXHAUSTED, below, carries no reason.
         return explain(error, session)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "Received message" in details:
         return CliError(
