@@ -146,10 +146,17 @@ class Settings:
     tls_client_ca_path: pathlib.Path | None = None
     # gRPC server.
     max_workers: int = 16
-    max_concurrent_rpcs: int = 256
+    # Calls and streams at the server at once, health checks included: running
+    # (at most rpc_threads) or waiting for a thread, a refused one until its
+    # answer is sent. gRPC counts each from its arrival and refuses one more
+    # before any of ours runs, so the total is kept well above what one grant
+    # may run: a lane that floods the server has max_calls_per_grant running
+    # and the rest answered TOO_MANY_CALLS, and those answers waiting for a
+    # thread must not fill the total (docs/benchmarks.md, "One grant's share").
+    max_concurrent_rpcs: int = 1024
     # One client connection's calls and streams at once (HTTP/2's concurrent
     # streams); its others wait in the connection, so one flooding client
-    # takes at most half of max_concurrent_rpcs. Above max_watchers, so that
+    # takes at most an eighth of max_concurrent_rpcs. Above max_watchers, so that
     # one connection's stream past that limit is refused, not kept waiting.
     max_calls_per_connection: int = 128
     # One grant's calls running at once (event streams apart: they have
