@@ -59,19 +59,62 @@ from ledger_service.storage.records import (
 )
 from ledger_service.storage.schema import events as events_table
 
-_EVENT_COLUMNS = tuple(column.name for column in events_table.c)
-_INSERT_EVENT = (
-    f"INSERT INTO events ({', '.join(_EVENT_COLUMNS)}) "
-    f"VALUES ({', '.join('?' * len(_EVENT_COLUMNS))})"
-)
-_SAVE_BOOKING = (
-    f"INSERT INTO bookings ({', '.join(BOOKING_COLUMNS)}) "
-    f"VALUES ({', '.join('?' * len(BOOKING_COLUMNS))}) "
-    "ON CONFLICT (lane, reservation_id) DO UPDATE SET "
-    + ", ".join(f"{name} = excluded.{name}" for name in BOOKING_COLUMNS[2:])
-)
+EVENT_COLUMNS = tuple(column.name for column in events_table.c)
+
+
+def insert_text(table: str, columns: Sequence[str], mark: str) -> str:
+    """INSERT of every column, `mark` the driver's placeholder ("?" or "%s")."""
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join([mark] * len(columns))})"
+
+
+def upsert_text(table: str, columns: Sequence[str], keys: int, mark: str) -> str:
+    """insert_text, updating the row whose first `keys` columns (its key) match."""
+    changed = ", ".join(f"{name} = excluded.{name}" for name in columns[keys:])
+    return (
+        f"{insert_text(table, columns, mark)} "
+        f"ON CONFLICT ({', '.join(columns[:keys])}) DO UPDATE SET {changed}"
+    )
+
+
+def event_row(event: Event) -> tuple[Any, ...]:
+    """The event's row, in EVENT_COLUMNS order (its seq included)."""
+    values = event_values(event)
+    return tuple(values.get(name, event.seq) for name in EVENT_COLUMNS)
+
+
+_INSERT_EVENT = insert_text("events", EVENT_COLUMNS, "?")
+_SAVE_BOOKING = upsert_text("bookings", BOOKING_COLUMNS, 2, "?")
 _ADVANCE = "UPDATE projection_position SET last_seq = ? WHERE id = 1 AND state = 'current'"
 _GRANT_SECONDS = 24 * 3600
+Handler = Callable[[Any, grpc.ServicerContext], Any]
+
+
+class Grants:
+    """Every call's grant, checked by HMAC with the domain's Keyring (our token
+    format). A call without a token (the bench's load sends none) is checked
+    with one issued at start, so every call pays one verification."""
+
+    def __init__(self, clock: SystemClock) -> None:
+        self.clock = clock
+        self.keyring = grants.Keyring({"ref": grants.new_key()}, "ref")
+        now = clock.now_us()
+        self.token = self.keyring.issue(
+            [grants.ALL_LANES],
+            [grants.Scope.CHARGE],
+            issued_at_us=now,
+            expires_at_us=now + _GRANT_SECONDS * 1_000_000,
+        )
+
+    def check(self, context: grpc.ServicerContext, lane: str) -> None:
+        token = str(dict(context.invocation_metadata()).get("authorization", ""))
+        try:
+            grant = self.keyring.verify(
+                token.removeprefix("Bearer ") or self.token, self.clock.now_us()
+            )
+        except grants.GrantRejected:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad grant")
+        if not grant.allows(grants.Scope.CHARGE, lane):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not on this lane")
 
 
 class _Lane:
@@ -116,14 +159,7 @@ class Reference:
         self.db = sqlite3.connect(database, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
-        self.keyring = grants.Keyring({"ref": grants.new_key()}, "ref")
-        now = self.clock.now_us()
-        self.token = self.keyring.issue(
-            [grants.ALL_LANES],
-            [grants.Scope.CHARGE],
-            issued_at_us=now,
-            expires_at_us=now + _GRANT_SECONDS * 1_000_000,
-        )
+        self.grants = Grants(self.clock)
 
     # The moves: decided and applied in memory under the lock, answered after the commit.
 
@@ -146,7 +182,7 @@ class Reference:
             raise _Repeat(existing)
         budget = moves.Budget(lane.policy, lane.totals(), lambda: self._aging(lane, now))
         event, _ = self._record(lane, None, moves.decide_reserve([budget], command, now), now)
-        return lambda: convert.reserve_response(event, _balance(event))
+        return lambda: convert.reserve_response(event, balance_of(event))
 
     def _settle(self, lane: _Lane, command: moves.SettleCommand, now: int) -> Callable[[], Any]:
         booking = lane.bookings.get(command.reservation_id)
@@ -161,7 +197,7 @@ class Reference:
         answer = pb.SettleResponse(
             charged_nanos=event.amount_nanos, state=convert.booking_state(after.state)
         )
-        convert.fill_balance(answer.balance, _balance(event))
+        convert.fill_balance(answer.balance, balance_of(event))
         return lambda: answer
 
     def _aging(self, lane: _Lane, now: int) -> list[tuple[int, int]]:
@@ -192,21 +228,12 @@ class Reference:
         if before is None and event.amount_nanos:
             lane.queue.append((after.reserved_at_us, after.reservation_id))
         lane.bookings[after.reservation_id] = after
-        values = event_values(event)
-        self.batch.events.append(tuple(values.get(name, event.seq) for name in _EVENT_COLUMNS))
+        self.batch.events.append(event_row(event))
         self.batch.bookings.append(after)
         return event, after
 
     def _move(self, context: grpc.ServicerContext, lane_name: str, work: Any) -> Any:
-        token = str(dict(context.invocation_metadata()).get("authorization", ""))
-        try:
-            grant = self.keyring.verify(
-                token.removeprefix("Bearer ") or self.token, self.clock.now_us()
-            )
-        except grants.GrantRejected:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad grant")
-        if not grant.allows(grants.Scope.CHARGE, lane_name):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not on this lane")
+        self.grants.check(context, lane_name)
         try:
             with self.cond:
                 lane = self.lanes.get(lane_name)
@@ -221,7 +248,7 @@ class Reference:
             with self.cond:
                 self._commit_with(self.batch)
             event = _first_answer(repeat.booking, self)
-            return convert.reserve_response(event, _balance(event))
+            return convert.reserve_response(event, balance_of(event))
         except errors.LedgerError as error:
             with self.cond:  # an expiry recorded before the refusal is written all the same
                 self._commit_with(self.batch)
@@ -266,7 +293,8 @@ def _first_answer(booking: Booking, reference: Reference) -> Event:
     return event_from_row(dict(zip(names, row.fetchone(), strict=True)))
 
 
-def _balance(event: Event) -> Balance:
+def balance_of(event: Event) -> Balance:
+    """The balance an event's after-fields record: its move's answer."""
     totals = WindowTotals(
         event.held_after_nanos, event.charged_after_nanos, event.open_bookings_after
     )
@@ -297,6 +325,12 @@ def prepare(database: pathlib.Path, names: Sequence[str]) -> tuple[dict[str, _La
 
 def serve(database: pathlib.Path, lanes: Sequence[str], listen: str) -> int:
     reference = Reference(database, *prepare(database, lanes))
+    return serve_moves(reference.reserve, reference.settle, listen)
+
+
+def serve_moves(reserve: Handler, settle: Handler, listen: str, name: str = "reference") -> int:
+    """Serves Reserve and Settle (and the echo's probe) on a sync grpc.server
+    with no interceptors until SIGTERM or SIGINT."""
     settings = echo.echo_settings(listen)
     grpc_server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="rpc"),
@@ -305,12 +339,12 @@ def serve(database: pathlib.Path, lanes: Sequence[str], listen: str) -> int:
     )
     handlers = {
         "Reserve": grpc.unary_unary_rpc_method_handler(
-            reference.reserve,
+            reserve,
             pb.ReserveRequest.FromString,
             pb.ReserveResponse.SerializeToString,
         ),
         "Settle": grpc.unary_unary_rpc_method_handler(
-            reference.settle, pb.SettleRequest.FromString, pb.SettleResponse.SerializeToString
+            settle, pb.SettleRequest.FromString, pb.SettleResponse.SerializeToString
         ),
     }
     grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -322,7 +356,7 @@ def serve(database: pathlib.Path, lanes: Sequence[str], listen: str) -> int:
     )
     port = grpc_server.add_insecure_port(listen)
     grpc_server.start()
-    print(f"reference listening on {listen.rsplit(':', 1)[0]}:{port}", flush=True)
+    print(f"{name} listening on {listen.rsplit(':', 1)[0]}:{port}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 import grpc
@@ -204,6 +204,15 @@ def reference_argv(database: pathlib.Path, lanes: list[str]) -> list[str]:
     """bench/reference.py on a new SQLite file, with these lanes put before it listens."""
     return [
         *[sys.executable, "-m", "bench.reference", "--database", str(database)],
+        *["--lanes", ",".join(lanes), "--listen", "127.0.0.1:0"],
+    ]
+
+
+def reference_pg_argv(database_url: str, lanes: Sequence[str]) -> list[str]:
+    """bench/reference_pg.py on a PostgreSQL URL; with lanes, it migrates the
+    database and puts them before it listens (the first replica only)."""
+    return [
+        *[sys.executable, "-m", "bench.reference_pg", "--database-url", database_url],
         *["--lanes", ",".join(lanes), "--listen", "127.0.0.1:0"],
     ]
 
