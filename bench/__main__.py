@@ -5,6 +5,7 @@
     python -m bench --skip-postgres  # without the PostgreSQL scenario
     python -m bench --only server-model  # grpc.server against grpc.aio, run only when named
     python -m bench --only reference     # issue 25's reference server beside ours, likewise
+    python -m bench --only reference-postgres  # issue 24's, on PostgreSQL, likewise
 
 Exit status 0 when every scenario ran (whether or not it met its target), 1
 when one failed, 2 on bad arguments. docs/benchmarks.md explains the figures.
@@ -36,9 +37,10 @@ FORMAT_VERSION = 1
 # `roundtrips` (through a latency proxy) needs PostgreSQL, like `postgres`.
 OPTIONAL_SCENARIOS = ("sqlite", "postgres", "roundtrips", "history")
 # Run only when named with --only: the server model's comparison (bench/aio.py)
-# and issue 25's reference server beside ours (bench/reference.py).
-NAMED_SCENARIOS = ("server-model", "reference")
-NEEDS_POSTGRES = ("postgres", "roundtrips")
+# issue 25's reference server beside ours (bench/reference.py), and issue
+# 24's on PostgreSQL (bench/reference_pg.py).
+NAMED_SCENARIOS = ("server-model", "reference", "reference-postgres")
+NEEDS_POSTGRES = ("postgres", "roundtrips", "reference-postgres")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -125,6 +127,9 @@ def run_all(plan: Plan, arguments: argparse.Namespace) -> dict[str, Any]:
             "history": lambda: scenarios.history_scenario(plan, generator, workdir),
             "server-model": lambda: scenarios.server_model_scenario(plan, generator, workdir),
             "reference": lambda: scenarios.reference_scenario(plan, generator, workdir),
+            "reference-postgres": lambda: scenarios.reference_postgres_scenario(
+                plan, generator, workdir, postgres_url
+            ),
         }
         for name, run in runs.items():
             if name in wanted:

@@ -253,6 +253,7 @@ def evaluate(results: Mapping[str, Any]) -> tuple[list[Row], list[Target]]:
     rows += _memory_rows(scenarios, targets)
     rows += _server_model_rows(scenarios, saturated)
     rows += _reference_rows(scenarios, saturated)
+    rows += _reference_postgres_rows(scenarios)
     return rows, targets
 
 
@@ -536,6 +537,35 @@ def _reference_rows(scenarios: Mapping[str, Any], saturated: str) -> list[Row]:
                     _share(share, "echo pair"),
                 )
             )
+    return rows
+
+
+def _reference_postgres_rows(scenarios: Mapping[str, Any]) -> list[Row]:
+    """Issue 24's reference beside ours on PostgreSQL, round by round: the
+    floor's moves/s and client CPU a move, then ours' and the reference's
+    as ratios of them. Unjudged (the targets are judged on the postgres
+    scenario). Absent unless it ran."""
+    rounds = scenarios.get("reference-postgres", {}).get("rounds")
+    if not rounds:
+        return []
+    rows: list[Row] = []
+    for index, turn in enumerate(rounds):
+        for variant, by_server in turn.items():
+            where = "1 hot lane" if variant == "hot" else "spread lanes"
+            prefix = f"round {index}, {where}: "
+            floor = phase(by_server, "floor")
+            floor_rate = None if floor is None else float(floor["moves_per_second"])
+            floor_cpu = None if floor is None else _float(floor["client_cpu_ms_per_move"])
+            cpu_text = "" if floor_cpu is None else f"client CPU {floor_cpu:.2f} ms a move"
+            rows.append(Row(prefix + "floor", floor_rate, notes=cpu_text or "not measured"))
+            for name in ("ours", "reference"):
+                figures = phase(by_server, name)
+                rate, cpu = ledger_moves_per_second(figures), server_cpu_ms_per_move(figures)
+                share, times = _ratio(rate, floor_rate), _ratio(cpu, floor_cpu)
+                notes = _one_line(_failure(by_server, name))
+                if cpu is not None and times is not None:
+                    notes = f"server CPU {cpu:.2f} ms a move: {times:.1f}x floor"
+                rows.append(Row(prefix + name, rate, versus=_share(share, "floor"), notes=notes))
     return rows
 
 

@@ -750,22 +750,37 @@ def _drop_schema(admin: sa.Engine, schema: str) -> None:
 
 
 def _postgres_phase(
-    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, url: str, variant: str
+    plan: Plan,
+    generator: LoadGenerator,
+    workdir: pathlib.Path,
+    url: str,
+    variant: str,
+    server: str = "ours",
 ) -> dict[str, Any]:
+    """Reserve+Settle near saturation on two replicas of `server` ("ours", or
+    "reference": bench/reference_pg.py) sharing a fresh schema."""
     lanes = lanes_named(f"pg-{variant}", 1 if variant == "hot" else plan.spread_lanes)
     with fresh_schema(url) as schema_url, contextlib.ExitStack() as stack:
         replicas = []
         for index, name in enumerate(("a", "b")):
-            directory = workdir / f"postgres-{variant}-{name}"
-            settings = _replica_settings(schema_url, directory)
+            directory = workdir / f"postgres-{server}-{variant}-{name}"
             # The first replica migrates the schema; the second finds it there.
-            replica = _replica(plan, f"ledger-pg-{name}", directory, settings, migrate=index == 0)
+            if server == "reference":
+                directory.mkdir(parents=True, exist_ok=True)
+                argv = servers.reference_pg_argv(schema_url, lanes if index == 0 else [])
+                replica = _echo(plan, f"reference-pg-{name}", argv, directory)
+            else:
+                settings = _replica_settings(schema_url, directory)
+                replica = _replica(
+                    plan, f"ledger-pg-{name}", directory, settings, migrate=index == 0
+                )
             replicas.append(stack.enter_context(replica))
-        put_lanes(replicas[0].address, lanes)
+        if server != "reference":
+            put_lanes(replicas[0].address, lanes)
         targets = [replica.address for replica in replicas]
         result = _phase(
             generator,
-            f"postgres {variant}",
+            f"postgres {server} {variant}",
             _workload(plan, CallKind.RESERVE_SETTLE, targets, lanes=lanes),
             watch=[replica.pid for replica in replicas],
         )
@@ -825,6 +840,44 @@ def postgres_scenario(
             functools.partial(_postgres_phase, plan, generator, workdir, url, variant),
         )
     return {"server_version": postgres_version(url), "phases": phases}
+
+
+# Issue 24's reference (bench/reference_pg.py) beside ours and the floor, in
+# rounds of alternating order on both layouts; run only when named.
+REFERENCE_PG_SERVERS = ("floor", "ours", "reference")
+REFERENCE_PG_ROUNDS = 3
+
+
+def reference_postgres_scenario(
+    plan: Plan, generator: LoadGenerator, workdir: pathlib.Path, url: str
+) -> dict[str, Any]:
+    """(9) The floor, ours and the reference, two replicas each, with the
+    postgres scenario's load: in each of REFERENCE_PG_ROUNDS rounds (floor,
+    ours, reference, then the reverse) on 16 lanes and on one hot lane, so
+    every ratio is to the floor of its own round."""
+    problem = postgres_problem(url)
+    if problem is not None:
+        return {"skipped": problem}
+    rounds: list[dict[str, Any]] = []
+    for index in range(REFERENCE_PG_ROUNDS):
+        order = REFERENCE_PG_SERVERS if index % 2 == 0 else REFERENCE_PG_SERVERS[::-1]
+        directory = workdir / f"reference-postgres-{index}"
+        turn: dict[str, Any] = {}
+        for variant in ("spread", "hot"):
+            runs: dict[str, Callable[[], dict[str, Any]]] = {
+                "floor": functools.partial(_postgres_floor, plan, url, variant),
+                "ours": functools.partial(
+                    _postgres_phase, plan, generator, directory, url, variant
+                ),
+                "reference": functools.partial(
+                    _postgres_phase, plan, generator, directory, url, variant, "reference"
+                ),
+            }
+            turn[variant] = {
+                name: _failed_as_figures(f"postgres {name} {variant}", runs[name]) for name in order
+            }
+        rounds.append(turn)
+    return {"server_version": postgres_version(url), "rounds": rounds}
 
 
 def _failed_as_figures(name: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
