@@ -167,3 +167,40 @@ def test_the_watched_phase_fails_when_a_stream_ended() -> None:
     assert failed == {
         "failed": f"56 of {scenarios.WATCHERS} streams ended during the phase (RESOURCE_EXHAUSTED)"
     }
+
+
+def _pairs(pairs_per_second: float, server_cpu_ms_a_pair: float) -> dict[str, Any]:
+    return {
+        **_phase(pairs_per_second, 20.0),
+        "server_usage": {"cpu_ms_per_call": server_cpu_ms_a_pair},
+    }
+
+
+def test_the_postgres_reference_is_shown_as_ratios_of_its_rounds_floor() -> None:
+    results = _results()
+    floor = {"moves_per_second": 1000.0, "client_cpu_ms_per_move": 0.40}
+    failed = {"failed": "RuntimeError: no server"}
+    results["scenarios"]["reference-postgres"] = {
+        "rounds": [
+            {
+                "spread": {"floor": floor, "ours": _pairs(200, 2.4), "reference": _pairs(250, 2.0)},
+                "hot": {"floor": floor, "ours": failed, "reference": _pairs(100, 3.2)},
+            }
+        ]
+    }
+    rows, _ = report.evaluate(results)
+    ours = _row(rows, "round 0, spread lanes: ours")
+    assert (ours.per_second, ours.versus) == (400, "40% of floor")
+    assert ours.notes == "server CPU 1.20 ms a move: 3.0x floor"
+    reference = _row(rows, "round 0, 1 hot lane: reference")
+    assert (reference.per_second, reference.versus) == (200, "20% of floor")
+    assert reference.notes == "server CPU 1.60 ms a move: 4.0x floor"
+    assert _row(rows, "round 0, 1 hot lane: ours").notes.startswith("failed: RuntimeError")
+    assert _row(rows, "round 0, 1 hot lane: floor").notes == "client CPU 0.40 ms a move"
+
+
+def test_no_postgres_reference_rows_unless_it_ran() -> None:
+    rows, _ = report.evaluate(_results())
+    assert not [
+        row for row in rows if "lanes: ours" in row.scenario or "lane: ours" in row.scenario
+    ]
