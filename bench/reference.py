@@ -63,8 +63,10 @@ EVENT_COLUMNS = tuple(column.name for column in events_table.c)
 
 
 def insert_text(table: str, columns: Sequence[str], mark: str) -> str:
-    """INSERT of every column, `mark` the driver's placeholder ("?" or "%s")."""
-    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join([mark] * len(columns))})"
+    """INSERT of every column; `mark` the placeholder, "{}" in it replaced by
+    the column's name ("?" for sqlite3, "%({})s" for named pyformat)."""
+    marks = ", ".join(mark.format(name) for name in columns)
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})"
 
 
 def upsert_text(table: str, columns: Sequence[str], keys: int, mark: str) -> str:

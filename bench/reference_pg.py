@@ -5,7 +5,9 @@ grant checked by HMAC with the domain's Keyring) over one PostgreSQL
 transaction a move that stays right for several replicas sharing the
 database: nothing about lanes, windows or chains is kept in memory, so two
 replicas can never disagree. A move is three round trips on one psycopg
-connection a thread, in pipeline mode with prepared statements:
+connection a thread, each a pipeline of prepared statements sent through
+ours' lean libpq path (storage/libpq.py: psycopg's cursor layer costs more
+Python a statement than this whole reference saves; docs/benchmarks.md):
 
 1. BEGIN; the lane's row and its ancestors' locked FOR UPDATE (migration
    0007's ledger_lock_chain), and behind the lock the lane's kept window,
@@ -31,7 +33,7 @@ import pathlib
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -44,7 +46,6 @@ from bench.reference import (
     EVENT_COLUMNS,
     Grants,
     balance_of,
-    event_row,
     insert_text,
     serve_moves,
     upsert_text,
@@ -63,25 +64,26 @@ from ledger_service.domain.policies import MAX_BUDGET_DEPTH
 from ledger_service.domain.window import Balance, Overdue, StoredSums, WindowState
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.settings import Settings
-from ledger_service.storage import migrate, records, sql
-from ledger_service.storage.records import BOOKING_COLUMNS
+from ledger_service.storage import libpq, migrate, records, sql
+from ledger_service.storage.records import BOOKING_COLUMNS, event_values
 from ledger_service.storage.schema import bookings as bookings_table
 from ledger_service.storage.schema import lanes as lanes_table
 from ledger_service.storage.schema import window_states
 
 _LANE_COLUMNS = tuple(column.name for column in lanes_table.c)
 _WINDOW_COLUMNS = tuple(column.name for column in window_states.c)
-_LOCK = "SELECT * FROM ledger_lock_chain(%s, %s)"
-_KEPT = f"SELECT {', '.join(_WINDOW_COLUMNS)} FROM window_states WHERE lane = %s"
-_HEAD = "SELECT hash FROM events WHERE lane = %s ORDER BY seq DESC LIMIT 1"
+_LOCK = f"SELECT {', '.join(_LANE_COLUMNS)} FROM ledger_lock_chain(%(lane)s, %(levels)s)"
+_KEPT = f"SELECT {', '.join(_WINDOW_COLUMNS)} FROM window_states WHERE lane = %(lane)s"
+_HEAD = "SELECT hash FROM events WHERE lane = %(lane)s ORDER BY seq DESC LIMIT 1"
 _BOOKING = (
-    f"SELECT {', '.join(BOOKING_COLUMNS)} FROM bookings WHERE lane = %s AND reservation_id = %s"
+    f"SELECT {', '.join(BOOKING_COLUMNS)} FROM bookings "
+    "WHERE lane = %(lane)s AND reservation_id = %(reservation_id)s"
 )
 _SEQ = "SELECT nextval('events_seq_seq')"
-_EVENT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE seq = %s"
+_EVENT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE seq = %(seq)s"
 _HISTORY = (
-    f"SELECT {', '.join(EVENT_COLUMNS)} FROM events "
-    "WHERE lane = %s AND reservation_id = %s AND kind = ANY(%s) ORDER BY seq"
+    f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE lane = %(lane)s "
+    "AND reservation_id = %(reservation_id)s AND kind = ANY(%(kinds)s::text[]) ORDER BY seq"
 )
 _LANE_KINDS = [kind.value for kind in moves.LANE_KINDS]
 
@@ -106,22 +108,48 @@ _AGING, _AGING_FIXED = _compiled(
     )
     .order_by(bookings_table.c.reserved_at_us)
 )
-_INSERT_EVENT = insert_text("events", EVENT_COLUMNS, "%s")
-_SAVE_BOOKING = upsert_text("bookings", BOOKING_COLUMNS, 2, "%s")
-_SAVE_WINDOW = upsert_text("window_states", _WINDOW_COLUMNS, 1, "%s")
+_INSERT_EVENT = insert_text("events", EVENT_COLUMNS, "%({})s")
+_SAVE_BOOKING = upsert_text("bookings", BOOKING_COLUMNS, 2, "%({})s")
+_SAVE_WINDOW = upsert_text("window_states", _WINDOW_COLUMNS, 1, "%({})s")
+_COMMIT = "COMMIT"
+# Each as libpq.Statement: prepared once a connection, run in pipelines (ours' driver path).
+_STATEMENTS = {
+    text: libpq.Statement(text, {}, describe=False)
+    for text in (
+        _LOCK, _KEPT, _HEAD, _BOOKING, _SEQ, _EVENT, _HISTORY, _EDGES, _AGING,
+        _INSERT_EVENT, _SAVE_BOOKING, _SAVE_WINDOW, _COMMIT,
+    )
+}  # fmt: skip
+
+
+class _Connection:
+    """One thread's psycopg connection, and what libpq.pipeline remembers of it."""
+
+    def __init__(self, info: str) -> None:
+        # psycopg's own preparing off: its ROLLBACK would DEALLOCATE ALL (storage/libpq.py).
+        self.driver = psycopg.connect(info, prepare_threshold=None)
+        self.info: dict[str, Any] = {}
+
+    def run(self, *calls: tuple[str, Mapping[str, Any]]) -> list[libpq.Rows]:
+        """The statements in order in one round trip (BEGIN first when idle)."""
+        return libpq.pipeline(
+            self.driver, self.info, [(_STATEMENTS[text], values) for text, values in calls]
+        )
 
 
 class _Move:
     """One move's transaction on one connection, from its locks to its COMMIT."""
 
-    def __init__(self, connection: psycopg.Connection[Any], lane: str, reservation_id: str) -> None:
+    def __init__(self, connection: _Connection, lane: str, reservation_id: str) -> None:
         self.connection, self.lane = connection, lane
-        with connection.pipeline():
-            locked = connection.execute(_LOCK, (lane, MAX_BUDGET_DEPTH), prepare=True)
-            kept = connection.execute(_KEPT, (lane,), prepare=True)
-            head = connection.execute(_HEAD, (lane,), prepare=True)
-            booking = connection.execute(_BOOKING, (lane, reservation_id), prepare=True)
-            seq = connection.execute(_SEQ, prepare=True)
+        keys = {"lane": lane}
+        locked, kept, head, booking, seq = connection.run(
+            (_LOCK, {"lane": lane, "levels": MAX_BUDGET_DEPTH}),
+            (_KEPT, keys),
+            (_HEAD, keys),
+            (_BOOKING, {"lane": lane, "reservation_id": reservation_id}),
+            (_SEQ, {}),
+        )
         rows = locked.fetchall()
         if not rows:
             raise errors.LaneNotFound(lane)
@@ -139,7 +167,7 @@ class _Move:
         self.booking = (
             records.booking_from_row(dict(zip(BOOKING_COLUMNS, row, strict=True))) if row else None
         )
-        self.seqs = [int(seq.fetchone()[0])]  # type: ignore[index]
+        self.seqs = [int(seq.rows[0][0])]
         self.events: list[Event] = []
 
     def window(self, clock_us: int) -> tuple[BudgetWindow, int]:
@@ -163,9 +191,7 @@ class _Move:
             "now": now,
             "window_start": now - window_us,
         }
-        row = self.connection.execute(_EDGES, bounds, prepare=True).fetchone()
-        assert row is not None
-        values = [int(value) for value in row]
+        values = [int(value) for value in self.connection.run((_EDGES, bounds))[0].rows[0]]
         entered, left = StoredSums(*values[0:3]), StoredSums(*values[3:6])
         if kept is None:
             state = WindowState(self.lane, window_us, now, entered)
@@ -181,7 +207,7 @@ class _Move:
         window.change(before, bookings.apply(event, before), now)
         totals = window.totals
         if not self.seqs:
-            self.seqs.append(int(self.connection.execute(_SEQ).fetchone()[0]))  # type: ignore[index]
+            self.seqs.append(int(self.connection.run((_SEQ, {}))[0].rows[0][0]))
         event = evolve(
             event,
             seq=self.seqs.pop(),
@@ -198,27 +224,25 @@ class _Move:
         return event, bookings.apply(event, before)
 
     def commit(self, after: Booking, window: BudgetWindow) -> None:
-        connection = self.connection
-        with connection.pipeline():
-            for event in self.events:
-                connection.execute(_INSERT_EVENT, event_row(event), prepare=True)
-            connection.execute(_SAVE_BOOKING, records.booking_rows([after])[0], prepare=True)
-            state = records.window_values(window.state)
-            connection.execute(_SAVE_WINDOW, tuple(state.values()), prepare=True)
-            connection.commit()
+        """The event rows, the booking's, the window's and the COMMIT: one round trip."""
+        self.connection.run(
+            *[(_INSERT_EVENT, {**event_values(event), "seq": event.seq}) for event in self.events],
+            (_SAVE_BOOKING, records.booking_values(after)),
+            (_SAVE_WINDOW, records.window_values(window.state)),
+            (_COMMIT, {}),
+        )
 
     def event(self, seq: int) -> Event:
-        row = self.connection.execute(_EVENT, (seq,), prepare=True).fetchone()
-        assert row is not None, f"event {seq} named by a booking is missing"
-        return records.event_from_row(dict(zip(EVENT_COLUMNS, row, strict=True)))
+        rows = self.connection.run((_EVENT, {"seq": seq}))[0].rows
+        assert rows, f"event {seq} named by a booking is missing"
+        return records.event_from_row(dict(zip(EVENT_COLUMNS, rows[0], strict=True)))
 
     def history(self, booking: Booking) -> Booking:
         """The booking as its lane's own moves left it (a replaced charge)."""
-        found = self.connection.execute(
-            _HISTORY, (booking.lane, booking.reservation_id, _LANE_KINDS)
-        ).fetchall()
-        rows = [dict(zip(EVENT_COLUMNS, row, strict=True)) for row in found]
-        return moves.as_the_lane_left_it([records.event_from_row(row) for row in rows])
+        keys = {"lane": booking.lane, "reservation_id": booking.reservation_id}
+        rows = self.connection.run((_HISTORY, {**keys, "kinds": _LANE_KINDS}))[0].rows
+        found = [records.event_from_row(dict(zip(EVENT_COLUMNS, row, strict=True))) for row in rows]
+        return moves.as_the_lane_left_it(found)
 
 
 class ReferencePg:
@@ -228,11 +252,11 @@ class ReferencePg:
         self.grants = Grants(self.clock)
         self.local = threading.local()
 
-    def _connection(self) -> psycopg.Connection[Any]:
+    def _connection(self) -> _Connection:
         """This thread's connection (one a gRPC worker thread)."""
-        connection: psycopg.Connection[Any] | None = getattr(self.local, "connection", None)
-        if connection is None or connection.closed:
-            connection = self.local.connection = psycopg.connect(self.info)
+        connection: _Connection | None = getattr(self.local, "connection", None)
+        if connection is None or connection.driver.closed:
+            connection = self.local.connection = _Connection(self.info)
         return connection
 
     def reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> Any:
@@ -250,7 +274,7 @@ class ReferencePg:
             if move.booking is not None:
                 moves.check_reserve_repeat(move.booking, command)
                 first = move.event(move.booking.answer_seq)
-                move.connection.rollback()
+                move.connection.driver.rollback()
                 return convert.reserve_response(first, balance_of(first))
             window, now = move.window(self.clock.now_us())
             budget = moves.Budget(move.policy, window.totals, lambda: _aging(move, now))
@@ -279,7 +303,7 @@ class ReferencePg:
             )
             if verdict.event is None:
                 result = _unchanged(move, booking, verdict.repeat_seq, window, now)
-                move.connection.rollback()
+                move.connection.driver.rollback()
                 return convert.settle_response(result)
             event, after = move.record(window, booking, verdict.event, now)
             moves.check_window_sums([window.totals.spent_nanos], command.charge_field)
@@ -302,11 +326,11 @@ class ReferencePg:
         try:
             return work(_Move(connection, lane, reservation_id))
         except errors.LedgerError as error:
-            connection.rollback()
+            connection.driver.rollback()
             context.abort(status_of(error), error.message)
         except BaseException:
-            if not connection.closed:
-                connection.rollback()
+            if not connection.driver.closed:
+                connection.driver.rollback()
             raise
 
 
@@ -318,7 +342,7 @@ def _aging(move: _Move, now: int) -> list[tuple[int, int]]:
         "window_start": now - move.policy.window_us,
         "now": now,
     }
-    rows = move.connection.execute(_AGING, values).fetchall()
+    rows = move.connection.run((_AGING, values))[0].rows
     return [(int(at), int(amount)) for at, amount in rows]
 
 
