@@ -41,11 +41,11 @@ from bench.scenarios import lane_policy
 from ledger_service import server
 from ledger_service.api import convert
 from ledger_service.api.errors import status_of
-from ledger_service.application.ledger import Ledger
+from ledger_service.application.ledger import Ledger, with_balance
 from ledger_service.domain import bookings, chain, errors, grants, moves
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.clock import SystemClock
-from ledger_service.domain.events import Event, evolve
+from ledger_service.domain.events import Event
 from ledger_service.domain.policies import LanePolicy
 from ledger_service.domain.window import Balance, WindowTotals
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -214,17 +214,7 @@ class Reference:
         preview = bookings.apply(event, before)
         lane.count(preview, +1, now)
         self.seq += 1
-        event = evolve(
-            event,
-            seq=self.seq,
-            spent_after_nanos=lane.held + lane.charged,
-            held_after_nanos=lane.held,
-            charged_after_nanos=lane.charged,
-            open_bookings_after=lane.open,
-            limit_nanos=lane.policy.limit_nanos,
-            window_us=lane.policy.window_us,
-        )
-        event = chain.sealed(event, lane.head)
+        event = sealed(event, self.seq, lane.policy, lane.totals(), lane.head)
         lane.head = event.hash
         after = bookings.apply(event, before)
         if before is None and event.amount_nanos:
@@ -293,6 +283,12 @@ def _first_answer(booking: Booking, reference: Reference) -> Event:
     row = reference.db.execute("SELECT * FROM events WHERE seq = ?", (booking.answer_seq,))
     names = [column[0] for column in row.description]
     return event_from_row(dict(zip(names, row.fetchone(), strict=True)))
+
+
+def sealed(event: Event, seq: int, policy: LanePolicy, totals: WindowTotals, head: str) -> Event:
+    """The event with its seq and the lane's balance after it, sealed onto the
+    lane's chain head."""
+    return chain.sealed(with_balance(event, policy, totals, seq=seq), head)
 
 
 def balance_of(event: Event) -> Balance:

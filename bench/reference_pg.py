@@ -47,6 +47,7 @@ from bench.reference import (
     Grants,
     balance_of,
     insert_text,
+    sealed,
     serve_moves,
     upsert_text,
 )
@@ -59,7 +60,7 @@ from ledger_service.application.ledger import Ledger, SettleResult
 from ledger_service.domain import bookings, chain, errors, moves
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.clock import SystemClock
-from ledger_service.domain.events import Event, Outcome, evolve
+from ledger_service.domain.events import Event, Outcome
 from ledger_service.domain.policies import MAX_BUDGET_DEPTH
 from ledger_service.domain.window import Balance, Overdue, StoredSums, WindowState
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -205,20 +206,9 @@ class _Move:
         """Seals the event into the lane's chain and projects it (application/
         ledger.record_booking_event's steps); written at commit()."""
         window.change(before, bookings.apply(event, before), now)
-        totals = window.totals
         if not self.seqs:
             self.seqs.append(int(self.connection.run((_SEQ, {}))[0].rows[0][0]))
-        event = evolve(
-            event,
-            seq=self.seqs.pop(),
-            spent_after_nanos=totals.spent_nanos,
-            held_after_nanos=totals.held_nanos,
-            charged_after_nanos=totals.charged_nanos,
-            open_bookings_after=totals.open_bookings,
-            limit_nanos=self.policy.limit_nanos,
-            window_us=self.policy.window_us,
-        )
-        event = chain.sealed(event, self.head)
+        event = sealed(event, self.seqs.pop(), self.policy, window.totals, self.head)
         self.head = event.hash
         self.events.append(event)
         return event, bookings.apply(event, before)

@@ -5,7 +5,6 @@ database. No speed is asserted but the proxy's delay being at least what it says
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import uuid
@@ -15,7 +14,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from bench import latency_proxy, pg_floor, report, scenarios
+from bench import latency_proxy, pg_floor, report
+from tests import bench_servers
 
 DELAY_SECONDS = 0.02
 
@@ -239,13 +239,7 @@ def test_a_skipped_postgres_leaves_every_target_unjudged() -> None:
 @pytest.fixture
 def floor_url() -> Iterator[str]:
     """A fresh schema holding the floor's tables and one lane, `floor-00`."""
-    url = os.environ.get("LEDGER_TEST_POSTGRES_URL", scenarios.DEFAULT_POSTGRES_URL)
-    problem = scenarios.postgres_problem(url)
-    if problem is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{problem}; under CI=true the PostgreSQL tests must run")
-        pytest.skip(problem)
-    with scenarios.fresh_schema(url) as schema_url:
+    with bench_servers.fresh_postgres_schema() as schema_url:
         pg_floor.create_tables(schema_url, ["floor-00"])
         yield schema_url
 

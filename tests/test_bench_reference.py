@@ -17,7 +17,7 @@ import pytest
 from bench import load, servers
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from tests import serving
+from tests import bench_servers, serving
 from tests.conftest import RPC_TIMEOUT_SECONDS
 
 LEDGER = pathlib.Path(sys.executable).with_name("ledger")
@@ -27,17 +27,7 @@ LANES = ["ref-a", "ref-b"]
 @pytest.fixture
 def channel(tmp_path: pathlib.Path) -> Iterator[grpc.Channel]:
     argv = servers.reference_argv(tmp_path / "reference.db", LANES)
-    with (
-        servers.running(
-            "reference",
-            argv,
-            tmp_path,
-            health=False,
-            ready_timeout_seconds=60,
-            stop_timeout_seconds=15,
-        ) as server,
-        grpc.insecure_channel(server.address) as opened,
-    ):
+    with bench_servers.channel_to("reference", argv, tmp_path) as opened:
         yield opened
 
 

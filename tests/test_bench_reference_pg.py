@@ -7,8 +7,6 @@ whose hash chain and projections `ledger verify` finds whole."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,10 +15,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from bench import load, scenarios, servers
+from bench import load, servers
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from tests import serving
+from tests import bench_servers, serving
 from tests.conftest import RPC_TIMEOUT_SECONDS
 
 LEDGER = pathlib.Path(sys.executable).with_name("ledger")
@@ -29,40 +27,22 @@ LANES = ["ref-a", "ref-b"]
 
 @pytest.fixture
 def schema_url() -> Iterator[str]:
-    url = os.environ.get("LEDGER_TEST_POSTGRES_URL", scenarios.DEFAULT_POSTGRES_URL)
-    problem = scenarios.postgres_problem(url)
-    if problem is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{problem}; under CI=true the PostgreSQL tests must run")
-        pytest.skip(problem)
-    with scenarios.fresh_schema(url) as fresh:
+    with bench_servers.fresh_postgres_schema() as fresh:
         yield fresh
-
-
-@contextlib.contextmanager
-def _reference(url: str, lanes: list[str], directory: pathlib.Path) -> Iterator[grpc.Channel]:
-    directory.mkdir(parents=True, exist_ok=True)
-    with (
-        servers.running(
-            "reference-pg",
-            servers.reference_pg_argv(url, lanes),
-            directory,
-            health=False,
-            ready_timeout_seconds=60,
-            stop_timeout_seconds=15,
-        ) as server,
-        grpc.insecure_channel(server.address) as opened,
-    ):
-        yield opened
 
 
 @pytest.mark.postgres
 def test_two_replicas_answer_moves_and_leave_a_log_that_verifies(
     schema_url: str, tmp_path: pathlib.Path
 ) -> None:
+    # The first replica migrates and puts the lanes; the second finds them there.
+    first, second = (
+        servers.reference_pg_argv(schema_url, LANES),
+        servers.reference_pg_argv(schema_url, []),
+    )
     with (
-        _reference(schema_url, LANES, tmp_path / "a") as first_channel,
-        _reference(schema_url, [], tmp_path / "b") as second_channel,
+        bench_servers.channel_to("reference-pg", first, tmp_path / "a") as first_channel,
+        bench_servers.channel_to("reference-pg", second, tmp_path / "b") as second_channel,
     ):
         stubs = [pb_grpc.LedgerStub(first_channel), pb_grpc.LedgerStub(second_channel)]
         first = stubs[0].Reserve(load.reserve_request("ref-a", "r-1"), timeout=RPC_TIMEOUT_SECONDS)

@@ -161,7 +161,7 @@ class Ledger:
             )
             if joins_parent:
                 _check_parent_sums(tx, policy, now_us)
-            event = _with_balance(
+            event = with_balance(
                 Event(
                     kind=EventKind.LANE_CONFIGURED,
                     lane=policy.lane,
@@ -629,7 +629,8 @@ def _event(tx: StoreTransaction, seq: int) -> Event:
     return event
 
 
-def _with_balance(event: Event, policy: LanePolicy, totals: WindowTotals, **changes: Any) -> Event:
+def with_balance(event: Event, policy: LanePolicy, totals: WindowTotals, **changes: Any) -> Event:
+    """The event with its lane's balance right after it (and `changes`)."""
     return evolve(
         event,
         **changes,
@@ -668,7 +669,7 @@ def record_booking_event(
     else:
         assert all(value <= MAX_WINDOW_SUM_NANOS for value in spent), spent
     lane = windows[0]
-    stored = tx.append(_with_balance(event, lane.policy, lane.totals, trace_id=trace_id))
+    stored = tx.append(with_balance(event, lane.policy, lane.totals, trace_id=trace_id))
     after = bookings.apply(stored, before)
     tx.save_booking(after)
     record_windows(tx, windows)
