@@ -575,7 +575,8 @@ class Recovery:
         """The digest of the projections as they stand: what a snapshot of them
         gives (`heads`: those a walk ended with, else read from the log)."""
         with self._store.view() as view:
-            seq = view.position.last_seq if view.position else 0
+            position = view.position()
+            seq = position.last_seq if position else 0
             if heads is None:
                 heads = view.chain_heads(seq)
             digest = ProjectionDigest(seq, {lane: head for lane, head in heads.items() if head})
@@ -608,12 +609,13 @@ class Recovery:
         """Snapshots consistent projections (else None), keeping `snapshot_keep`."""
         snapshots = self._store.snapshots()
         with self._store.settled_view() as view:
-            problems = projection_findings(view.facts)
+            facts = view.facts()
+            problems = projection_findings(facts)
             if problems:
                 log.warning("no snapshot: %s", "; ".join(problems))
                 return None
-            assert view.facts.position is not None
-            position = view.facts.position.last_seq
+            assert facts.position is not None
+            position = facts.position.last_seq
             heads = view.chain_heads(position)
             taken_at_us = self._wall.now_us()
             snapshot_id = self._store.begin_snapshot(position, heads, taken_at_us)

@@ -13,7 +13,7 @@ import itertools
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from sqlalchemy import (
     Connection,
@@ -393,75 +393,6 @@ class _FoldSql:
         )
 
 
-class SqlProjectionView:
-    def __init__(self, connection: Connection, batch_rows: int, sql: _RebuildSql) -> None:
-        self._connection = connection
-        self._batch = batch_rows
-        self._sql = sql
-        self._facts: LogFacts | None = None
-
-    @property
-    def facts(self) -> LogFacts:
-        # Counting and the stale-booking join take a while on a large log:
-        # only when asked, once (the view is one snapshot).
-        if self._facts is None:
-            self._facts = _facts(self._connection)
-        return self._facts
-
-    @property
-    def position(self) -> Position | None:
-        return self._facts.position if self._facts is not None else _position(self._connection)
-
-    def chain_heads(self, through_seq: int) -> Mapping[str, str]:
-        last = (
-            select(events.c.lane, func.max(events.c.seq).label("seq"))
-            .where(events.c.seq <= through_seq)
-            .group_by(events.c.lane)
-            .subquery()
-        )
-        rows = self._connection.execute(
-            select(events.c.lane, events.c.hash)
-            .join(last, events.c.seq == last.c.seq)
-            # A lane whose events all predate the chain has no head, as in
-            # ChainWalker.heads.
-            .where(events.c.hash != "")
-        )
-        return {str(lane): str(hash_) for lane, hash_ in rows}
-
-    def lanes(self) -> Iterator[LanePolicy]:
-        result = self._connection.execution_options(yield_per=self._batch).execute(
-            select(lanes).order_by(lanes.c.lane)
-        )
-        for row in result.mappings():
-            yield records.lane_from_row(row)
-
-    def _booking_rows(self, size: int) -> Iterator[list[tuple[Any, ...]]]:
-        """Every booking's row, by (lane, reservation_id), `size` at a time."""
-        result = self._connection.execution_options(stream_results=True).exec_driver_sql(
-            self._sql.bookings_in_order
-        )
-        while rows := result.fetchmany(size):
-            yield [tuple(row) for row in rows]
-
-    def bookings(self) -> Iterator[Booking]:
-        """Every booking, by (lane, reservation_id), `batch_rows` rows in memory at a time."""
-        for rows in self._booking_rows(self._batch):
-            yield from records.bookings_from_rows(rows)
-
-    def booking_texts(self) -> Iterator[str]:
-        """chain.canonical_json of every booking, in the order of `bookings`."""
-        for rows in self._booking_rows(self._batch):
-            yield from records.booking_texts_from_rows(rows)
-
-    def chunks(self, size: int) -> Iterator[SnapshotChunk]:
-        """The projections as a snapshot holds them: the lanes, then the
-        bookings, `size` rows a chunk."""
-        policies = self.lanes()
-        lane_batches = iter(lambda: list(itertools.islice(policies, size)), [])
-        yield from (SnapshotChunk(lanes=batch) for batch in lane_batches)
-        yield from map(SnapshotChunk.of_booking_rows, self._booking_rows(size))
-
-
 class SqlRecoveryStore:
     def __init__(
         self, engine: Engine, *, batch_rows: int = 1000, horizon: CommitHorizon | None = None
@@ -475,7 +406,7 @@ class SqlRecoveryStore:
         # PostgreSQL: where a verified point may be set (storage/horizon.py): the
         # server's store's own horizon when given (one per process).
         self._horizon = None if self._sqlite else horizon or CommitHorizon()
-        # A thread's open `one_snapshot`: every read of that thread joins it.
+        # A thread's open `view`: every read of that thread joins it.
         self._held = threading.local()
 
     @property
@@ -487,10 +418,10 @@ class SqlRecoveryStore:
     @contextlib.contextmanager
     def _reading(self) -> Iterator[Connection]:
         """One snapshot transaction, its database errors translated: the
-        thread's `one_snapshot` when it holds one."""
+        thread's `view` when it holds one."""
         held: Connection | None = getattr(self._held, "connection", None)
         if held is not None:
-            with translated(self._engine):
+            with translated(self._held.engine):
                 yield held
             return
         with translated(self._engine), self._engine.connect() as connection:
@@ -500,16 +431,24 @@ class SqlRecoveryStore:
                 yield connection
 
     @contextlib.contextmanager
-    def one_snapshot(self) -> Iterator[None]:
-        """Every read of this thread in the block sees one instant (`ledger
-        verify` beside serving replicas compares the log with the projections,
-        and moves commit between its reads)."""
-        with self._reading() as connection:
-            self._held.connection = connection
-            try:
-                yield
-            finally:
-                self._held.connection = None
+    def _holding(self, connection: Connection, engine: Engine | None) -> Iterator[Self]:
+        """Every read of this thread in the block runs in `connection`'s transaction."""
+        self._held.connection, self._held.engine = connection, engine
+        try:
+            yield self
+        finally:
+            self._held.connection = None
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[Self]:
+        """This store, every read of this thread in the block at one instant
+        (`ledger verify` beside serving replicas compares the log with the
+        projections, and moves commit between its reads)."""
+        if getattr(self._held, "connection", None) is not None:
+            yield self  # inside one already
+            return
+        with self._reading() as connection, self._holding(connection, self._engine):
+            yield self
 
     @contextlib.contextmanager
     def _writing(self, *, marker: bool = False) -> Iterator[Connection]:
@@ -545,13 +484,8 @@ class SqlRecoveryStore:
             return _position(connection)
 
     @contextlib.contextmanager
-    def view(self) -> Iterator[SqlProjectionView]:
-        with self._reading() as connection:
-            yield SqlProjectionView(connection, self._batch, self._sql)
-
-    @contextlib.contextmanager
-    def settled_view(self) -> Iterator[SqlProjectionView]:
-        """A view of an instant when no append was in flight (docs/recovery.md,
+    def settled_view(self) -> Iterator[Self]:
+        """A `view` of an instant when no append was in flight (docs/recovery.md,
         Snapshots): on PostgreSQL, taken under the maintenance lock held on a
         second connection for at most SETTLE_WAIT_MS (then StoreUnavailable)."""
         if self._sqlite:  # one writer: a read transaction sees whole commits
@@ -565,7 +499,59 @@ class SqlRecoveryStore:
                     gate.exec_driver_sql(f"SET LOCAL lock_timeout = {SETTLE_WAIT_MS}")
                     gate.execute(select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))))
                     connection.execute(select(literal(1)))  # the view's snapshot is taken here
-                yield SqlProjectionView(connection, self._batch, self._sql)
+                with self._holding(connection, None) as view:
+                    yield view
+
+    def chain_heads(self, through_seq: int) -> Mapping[str, str]:
+        """Each lane's chain head right after event `through_seq`."""
+        last = (
+            select(events.c.lane, func.max(events.c.seq).label("seq"))
+            .where(events.c.seq <= through_seq)
+            .group_by(events.c.lane)
+            .subquery()
+        )
+        statement = (
+            select(events.c.lane, events.c.hash)
+            .join(last, events.c.seq == last.c.seq)
+            # A lane whose events all predate the chain has no head, as in
+            # ChainWalker.heads.
+            .where(events.c.hash != "")
+        )
+        return {str(lane): str(hash_) for lane, hash_ in self._all(statement)}
+
+    def lanes(self) -> Iterator[LanePolicy]:
+        with self._reading() as connection:
+            result = connection.execution_options(yield_per=self._batch).execute(
+                select(lanes).order_by(lanes.c.lane)
+            )
+            yield from map(records.lane_from_row, result.mappings())
+
+    def _booking_rows(self, size: int) -> Iterator[list[tuple[Any, ...]]]:
+        """Every booking's row, by (lane, reservation_id), `size` at a time."""
+        with self._reading() as connection:
+            result = connection.execution_options(stream_results=True).exec_driver_sql(
+                self._sql.bookings_in_order
+            )
+            while rows := result.fetchmany(size):
+                yield [tuple(row) for row in rows]
+
+    def bookings(self) -> Iterator[Booking]:
+        """Every booking, by (lane, reservation_id), `batch_rows` rows in memory at a time."""
+        for rows in self._booking_rows(self._batch):
+            yield from records.bookings_from_rows(rows)
+
+    def booking_texts(self) -> Iterator[str]:
+        """chain.canonical_json of every booking, in the order of `bookings`."""
+        for rows in self._booking_rows(self._batch):
+            yield from records.booking_texts_from_rows(rows)
+
+    def chunks(self, size: int) -> Iterator[SnapshotChunk]:
+        """The projections as a snapshot holds them: the lanes, then the
+        bookings, `size` rows a chunk."""
+        policies = self.lanes()
+        lane_batches = iter(lambda: list(itertools.islice(policies, size)), [])
+        yield from (SnapshotChunk(lanes=batch) for batch in lane_batches)
+        yield from map(SnapshotChunk.of_booking_rows, self._booking_rows(size))
 
     def events_after(
         self, after_seq: int, limit: int, *, lane: str = "", kinds: tuple[str, ...] = ()

@@ -88,7 +88,7 @@ class Verifier:
         """The file's integrity (SQLite), then the log against its chain and the
         projections against a replay, all read at one instant: moves may
         commit meanwhile. A damaged file raises StoreDamaged."""
-        with self._store.one_snapshot():
+        with self._store.view():
             self._store.check_integrity()
             return self._verify(now_us, progress)
 
@@ -102,8 +102,7 @@ class Verifier:
         configured = self._events(kinds=(EventKind.LANE_CONFIGURED.value,))
         policies = {p.lane: p for p in lanes_of(e for e in configured if e.policy is not None)}
         windows = _windows_needed(policies)
-        with self._store.view() as view:
-            projected = {policy.lane: policy for policy in view.lanes()}
+        projected = {policy.lane: policy for policy in self._store.lanes()}
         own_totals: dict[tuple[str, int], WindowTotals] = {}
         total = self._store.count_events_after(0)
         for lane in sorted(set(self._store.log_lanes()) | set(projected)):
