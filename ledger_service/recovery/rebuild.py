@@ -143,14 +143,10 @@ class Recovery:
     def __init__(
         self, store: SqlRecoveryStore, wall_clock: Clock, settings: RecoverySettings, owner: str
     ) -> None:
-        self._store = store
+        self.store = store
         self._wall = wall_clock
         self.settings = settings
         self.owner = owner
-
-    @property
-    def store(self) -> SqlRecoveryStore:
-        return self._store
 
     # Assessment -------------------------------------------------------------
 
@@ -159,8 +155,8 @@ class Recovery:
         chain from the last verified point to the log's end (the new point)."""
         # The snapshots before the facts: read after, a replica's new snapshot
         # could be past the log's end seen (the log grown, not events missing).
-        snapshots = self._store.snapshots()
-        facts = self._store.facts()
+        snapshots = self.store.snapshots()
+        facts = self.store.facts()
         position = facts.position
         if (
             position is not None
@@ -179,7 +175,7 @@ class Recovery:
                     f"snapshot {snapshot.snapshot_id} is at event {snapshot.position_seq}, "
                     f"beyond the log's last event {facts.head_seq}: events are missing"
                 )
-        final = self._store.final_seq()
+        final = self.store.final_seq()
         anchor, walk = self._walk_from_trusted(snapshots, facts.head_seq, final, None)
         if walk.break_count:
             findings.append(
@@ -190,7 +186,7 @@ class Recovery:
             # Every link up to `final` now checked out: the next walk starts there.
             point = ChainPoint(final, walk.heads_at[final])
             try:
-                self._store.save_checkpoint(point, self._wall.now_us())
+                self.store.save_checkpoint(point, self._wall.now_us())
             except StoreUnavailable:  # only a shortcut: a read-only file must not fail the look
                 log.warning("the verified point of the chain was not saved: database unavailable")
         return Assessment(facts, tuple(findings), altered=altered)
@@ -202,7 +198,7 @@ class Recovery:
             return ()
         return tuple(
             altered(event.seq, event.lane)
-            for event in self._store.stale_latest_events(MAX_ALTERED_CHECKED)
+            for event in self.store.stale_latest_events(MAX_ALTERED_CHECKED)
             if event.hash
             and not content_matches(event.previous_hash, event.hash, canonical_event(event))
         )
@@ -218,7 +214,7 @@ class Recovery:
         within the log, noting the heads at `position`. A snapshot's heads are
         trusted until the walk breaks; then its digest is checked, and a
         snapshot that fails it is passed over for the next start."""
-        checkpoint = self._store.checkpoint()
+        checkpoint = self.store.checkpoint()
         points: list[SnapshotInfo | ChainPoint] = [
             point
             for point in (*snapshots, checkpoint)
@@ -252,12 +248,12 @@ class Recovery:
         walk = Walk()
         heads = dict(anchor.chain_heads) if anchor else {}
         after = anchor.position_seq if anchor else 0
-        head = self._store.last_seq() if through_seq is None else through_seq
+        head = self.store.last_seq() if through_seq is None else through_seq
         pending = sorted(position for position in positions if position >= after)
         ends = ranges(after, head, self._replay_range(), pending)
         while pending and pending[0] == after:
             walk.heads_at[pending.pop(0)] = dict(heads)
-        with Helpers(self._store, self._processes(after)) as helpers:
+        with Helpers(self.store, self._processes(after)) as helpers:
             for taken in helpers.walk(heads, after, ends):
                 for found in taken.breaks:
                     walk.note(found)
@@ -271,7 +267,7 @@ class Recovery:
 
     def _processes(self, after_seq: int) -> int:
         """Helper processes for the events after `after_seq` (starting them costs a second)."""
-        events = self._store.count_events_after(after_seq)
+        events = self.store.count_events_after(after_seq)
         return self.settings.check_processes if events >= self.settings.parallel_min_events else 0
 
     def _replay_range(self) -> int:
@@ -289,10 +285,10 @@ class Recovery:
         """`known_breaks`, `known_refusals`: what a rebuild of an earlier plan
         stopped at (refusals by the seq its source's replay starts after)."""
         facts = assessment.facts
-        snapshots = list(self._store.snapshots())
+        snapshots = list(self.store.snapshots())
         # The log's end read after the snapshots, not the assessment's: other
         # replicas may have appended and snapshotted since (see assess).
-        head = max(facts.head_seq, self._store.last_seq())
+        head = max(facts.head_seq, self.store.last_seq())
         missing = self._missing_events(facts, snapshots, head)
         findings = [*assessment.findings, *([missing] if missing else [])]
         usable = [s for s in snapshots if s.position_seq <= head][: self.settings.snapshot_keep]
@@ -305,7 +301,7 @@ class Recovery:
                 walk.note(found)
         now_us = self._wall.now_us()
         replays = _Replays(
-            lambda after_seq: self._store.fold_events(
+            lambda after_seq: self.store.fold_events(
                 self.owner, [], after_seq, head, now_us, dry_run=True
             ),
             known_refusals or {},
@@ -397,7 +393,7 @@ class Recovery:
         altered_latest: Sequence[ChainBreak],
     ) -> tuple[Source, Route]:
         walk, rate, replays = grounds.walk, grounds.rate, grounds.replays
-        tail = self._store.count_events_after(snapshot.position_seq)
+        tail = self.store.count_events_after(snapshot.position_seq)
         source_id = f"snapshot-{snapshot.snapshot_id}"
         detail = (
             f"snapshot {snapshot.snapshot_id} at event {snapshot.position_seq} "
@@ -441,7 +437,7 @@ class Recovery:
         """ "" when the snapshot's rows still give its digest, else what is wrong."""
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
         try:
-            for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
+            for chunk in self.store.snapshot_chunks(snapshot.snapshot_id):
                 chunk.add_to(digest)
         except (ValueError, KeyError, TypeError) as error:
             # Most often an older release's snapshot (another chunk format, or
@@ -460,7 +456,7 @@ class Recovery:
         """Events per second of the rebuild's path over the log's first events
         (before `before_seq`), folded in a transaction rolled back; errs slow."""
         started = time.perf_counter()
-        sample = self._store.events_after(0, self.settings.sample_events)
+        sample = self.store.events_after(0, self.settings.sample_events)
         if before_seq is not None:
             sample = [event for event in sample if event.seq < before_seq]
         if not sample:
@@ -469,7 +465,7 @@ class Recovery:
         for event in sample:
             walker.check(event)
         lanes, now_us = lanes_of(sample), self._wall.now_us()
-        self._store.fold_events(self.owner, lanes, 0, sample[-1].seq, now_us, dry_run=True)
+        self.store.fold_events(self.owner, lanes, 0, sample[-1].seq, now_us, dry_run=True)
         elapsed = max(time.perf_counter() - started, 1e-3)
         return len(sample) / elapsed
 
@@ -491,12 +487,12 @@ class Recovery:
     def release(self) -> None:
         """Gives up our claim, if any (unanswered: it lapses with its lease)."""
         with contextlib.suppress(StoreUnavailable):
-            self._store.release_rebuild(self.owner)
+            self.store.release_rebuild(self.owner)
 
     def finish(self) -> None:
         """Marks the rebuilt projections current, unless the log grew meanwhile."""
-        position = self._store.position()
-        if not self._store.finish_rebuild(self.owner, position.last_seq if position else -1):
+        position = self.store.position()
+        if not self.store.finish_rebuild(self.owner, position.last_seq if position else -1):
             raise RebuildFailed("the log grew during the rebuild; run it again")
 
     def rebuild_uncommitted(
@@ -509,21 +505,21 @@ class Recovery:
         `assessed`: the marker_key the plan was made under, or "any". Each
         range is folded once the walk checked it."""
         started = time.perf_counter()
-        if not self._store.claim_rebuild(
+        if not self.store.claim_rebuild(
             self.owner, self._wall.now_us(), self._lease_us(), assessed
         ):
             raise RebuildClaimLost(self._claimed_elsewhere())
         snapshot = route.snapshot
         position = snapshot.position_seq if snapshot else 0
         heads = dict(snapshot.chain_heads) if snapshot else {}
-        total = self._store.count_events_after(position)
+        total = self.store.count_events_after(position)
         tolerated = {found.seq for found in route.tolerated}
-        ends = ranges(position, self._store.last_seq(), self._replay_range())
+        ends = ranges(position, self.store.last_seq(), self._replay_range())
         with (
-            Helpers(self._store, self._processes(position)) as helpers,
+            Helpers(self.store, self._processes(position)) as helpers,
             concurrent.futures.ThreadPoolExecutor(1, "ledger-rebuild-fold") as folder,
         ):
-            self._store.reset_projections(self.owner, position, self._wall.now_us())
+            self.store.reset_projections(self.owner, position, self._wall.now_us())
             if snapshot is not None:
                 self._restore(snapshot, progress, started)
             done, folding = 0, None
@@ -537,7 +533,7 @@ class Recovery:
                     progress("replay", done, max(total, done), time.perf_counter() - started)
                 lanes = lanes_of(taken.lane_events)
                 folding = folder.submit(
-                    self._store.fold_events,
+                    self.store.fold_events,
                     *(self.owner, lanes, taken.after_seq, taken.through_seq, self._wall.now_us()),
                 )
                 heads = dict(taken.heads)
@@ -550,7 +546,7 @@ class Recovery:
     def _claimed_elsewhere(self) -> str:
         """Who holds the rebuild, and when a dead holder's claim lapses: after
         a kill -9 the bare 'another process' left an operator guessing."""
-        position = self._store.position()
+        position = self.store.position()
         if position is None or not position.owner:
             return "another process is rebuilding the projections"
         lapses_us = position.updated_at_us + self._lease_us() - self._wall.now_us()
@@ -563,9 +559,9 @@ class Recovery:
     def _restore(self, snapshot: SnapshotInfo, progress: ProgressFn, started: float) -> None:
         digest = ProjectionDigest(snapshot.position_seq, snapshot.chain_heads)
         done = 0
-        for chunk in self._store.snapshot_chunks(snapshot.snapshot_id):
+        for chunk in self.store.snapshot_chunks(snapshot.snapshot_id):
             chunk.add_to(digest)
-            self._store.restore_chunk(self.owner, chunk, self._wall.now_us())
+            self.store.restore_chunk(self.owner, chunk, self._wall.now_us())
             done += chunk.rows
             progress("restore", done, snapshot.rows, time.perf_counter() - started)
         if digest.hexdigest() != snapshot.digest:
@@ -574,7 +570,7 @@ class Recovery:
     def projection_digest(self, heads: Mapping[str, str] | None = None) -> str:
         """The digest of the projections as they stand: what a snapshot of them
         gives (`heads`: those a walk ended with, else read from the log)."""
-        with self._store.view() as view:
+        with self.store.view() as view:
             position = view.position()
             seq = position.last_seq if position else 0
             if heads is None:
@@ -588,7 +584,7 @@ class Recovery:
 
     def current_position(self) -> Position | None:
         """The marker's position when it says the projections are current."""
-        position = self._store.position()
+        position = self.store.position()
         return position if position is not None and position.state == STATE_CURRENT else None
 
     def snapshot_due(self, every_events: int, position: Position | None = None) -> bool:
@@ -599,7 +595,7 @@ class Recovery:
         position = position or self.current_position()
         if position is None:
             return False
-        newest = next(iter(self._store.snapshots()), None)
+        newest = next(iter(self.store.snapshots()), None)
         if newest is None:
             return position.last_seq >= every_events
         interval = max(every_events, newest.rows // SNAPSHOT_ROWS_PER_EVENT)
@@ -607,8 +603,8 @@ class Recovery:
 
     def take_snapshot(self) -> SnapshotInfo | None:
         """Snapshots consistent projections (else None), keeping `snapshot_keep`."""
-        snapshots = self._store.snapshots()
-        with self._store.settled_view() as view:
+        snapshots = self.store.snapshots()
+        with self.store.settled_view() as view:
             facts = view.facts()
             problems = projection_findings(facts)
             if problems:
@@ -618,20 +614,20 @@ class Recovery:
             position = facts.position.last_seq
             heads = view.chain_heads(position)
             taken_at_us = self._wall.now_us()
-            snapshot_id = self._store.begin_snapshot(position, heads, taken_at_us)
+            snapshot_id = self.store.begin_snapshot(position, heads, taken_at_us)
             digest = ProjectionDigest(position, heads)
             for chunk_no, chunk in enumerate(view.chunks(self.settings.batch_events)):
                 chunk.add_to(digest)
-                self._store.write_snapshot_chunk(snapshot_id, chunk_no, chunk)
+                self.store.write_snapshot_chunk(snapshot_id, chunk_no, chunk)
         previous, walk = self._walk_from_trusted(snapshots, position, position, position)
         verified = (
             _verified_from(previous)
             and walk.break_count == 0
             and walk.heads_at.get(position) == dict(heads)
         )
-        self._store.complete_snapshot(snapshot_id, digest, verified)
+        self.store.complete_snapshot(snapshot_id, digest, verified)
         pruned_before = taken_at_us - self._lease_us()
-        self._store.prune_snapshots(self.settings.snapshot_keep, pruned_before)
+        self.store.prune_snapshots(self.settings.snapshot_keep, pruned_before)
         info = SnapshotInfo(
             snapshot_id,
             position,
@@ -697,7 +693,7 @@ class Recovery:
             return Outcome(False, None, detail)
         manifest = plan.manifest
         outcome = "planned" if manifest.admissible else "refused"
-        manifest_id = self._store.save_manifest(manifest, actor, self._wall.now_us(), outcome)
+        manifest_id = self.store.save_manifest(manifest, actor, self._wall.now_us(), outcome)
         (log.info if manifest.admissible else log.error)(
             "recovery manifest %d: %s", manifest_id, manifest.to_json()
         )
@@ -707,7 +703,7 @@ class Recovery:
             return Outcome(False, manifest, manifest.directive)
         started = time.perf_counter()
         try:
-            self._carry_out(plan, progress, attempts.claim_on)
+            self._carry_out(plan, progress, attempts)
         except MarkerMoved:
             # Another replica saw the same and rebuilt first: whole again,
             # most likely, and a second rebuild would refuse every move anew.
@@ -721,12 +717,12 @@ class Recovery:
             log.error("rebuild stopped: %s; planning again", error)
             attempts.known.append(error.chain_break)
             return None
-        except _SourceRefused as error:
+        except EventRefused as error:
             # An event the fold needs is missing where no broken link told
-            # (before a snapshot, say): planned again, that source is not possible.
+            # (before a snapshot, say): planned again, that source is not
+            # possible (_carry_out noted it in `attempts`).
             self._record(manifest_id, "failed", started)
-            log.error("rebuild stopped: %s; planning again", error.refused)
-            attempts.refusals[error.after_seq] = error.refused
+            log.error("rebuild stopped: %s; planning again", error)
             return None
         except (RebuildFailed, RebuildClaimLost) as error:
             self._record(manifest_id, "failed", started)
@@ -745,7 +741,7 @@ class Recovery:
         """The outcome once the projections agree with the log; None: plan
         again, past the broken links found before the snapshot rebuilt from."""
         manifest = plan.manifest
-        rebuilt = self._store.facts()
+        rebuilt = self.store.facts()
         attempts.claim_on = marker_key(rebuilt.position)
         differ = projection_findings(rebuilt)
         if not differ:
@@ -777,19 +773,19 @@ class Recovery:
         )
         return None
 
-    def _carry_out(
-        self, plan: Plan, progress: ProgressFn, assessed: tuple[str, str, int] | None
-    ) -> None:
+    def _carry_out(self, plan: Plan, progress: ProgressFn, attempts: _Attempts) -> None:
         digests: list[tuple[str, str]] = []
         for index, source_id in enumerate(plan.manifest.chosen):
             # The first source claims under the marker assessed; the next ones
             # (min_viable_sources) rebuild again under our own claim.
             route = plan.routes[source_id]
             try:
-                built = self.rebuild_uncommitted(route, progress, assessed if index == 0 else "any")
-            except EventRefused as refused:
-                start = route.snapshot.position_seq if route.snapshot else 0
-                raise _SourceRefused(start, refused) from refused
+                built = self.rebuild_uncommitted(
+                    route, progress, attempts.claim_on if index == 0 else "any"
+                )
+            except EventRefused as refused:  # by the seq its source's replay starts after
+                attempts.refusals[route.snapshot.position_seq if route.snapshot else 0] = refused
+                raise
             if digests and built != digests[0][1]:
                 raise RebuildFailed(
                     f"{source_id} rebuilt other projections than {digests[0][0]} "
@@ -800,7 +796,7 @@ class Recovery:
 
     def _record(self, manifest_id: int, outcome: str, started: float) -> None:
         elapsed_ms = int((time.perf_counter() - started) * 1000)
-        self._store.update_manifest(manifest_id, outcome, elapsed_ms)
+        self.store.update_manifest(manifest_id, outcome, elapsed_ms)
 
     def snapshot_after_rebuild(self) -> SnapshotInfo | None:
         """The snapshot the rebuilt projections start from: a new one, or the
@@ -808,8 +804,8 @@ class Recovery:
         # The next assessment then walks the chain from here, and the next
         # recovery has a fresh, verified snapshot to start from.
         try:
-            newest = next(iter(self._store.snapshots()), None)
-            position = self._store.position()
+            newest = next(iter(self.store.snapshots()), None)
+            position = self.store.position()
             if (
                 newest is not None
                 and position is not None
@@ -830,15 +826,6 @@ def _unreadable(error: ValueError | KeyError | TypeError) -> str:
     if isinstance(error, TypeError):
         return "a chunk's rows are not laid out as this release lays them"
     return str(error)[:200]
-
-
-class _SourceRefused(Exception):
-    """A rebuild's fold refused an event of the source whose replay starts after `after_seq`."""
-
-    def __init__(self, after_seq: int, refused: EventRefused) -> None:
-        super().__init__(str(refused))
-        self.after_seq = after_seq
-        self.refused = refused
 
 
 @dataclasses.dataclass

@@ -294,13 +294,6 @@ class _RebuildSql:
             f"INSERT INTO {bookings.name} ({', '.join(records.BOOKING_COLUMNS)}) "
             f"VALUES ({', '.join(p for _ in records.BOOKING_COLUMNS)})"
         )
-        columns = records.LANE_COLUMNS
-        assert set(columns) == set(lanes.c.keys()), columns
-        updates = ", ".join(f"{name} = excluded.{name}" for name in columns if name != "lane")
-        self.upsert_lanes = (
-            f"INSERT INTO {lanes.name} ({', '.join(columns)}) "
-            f"VALUES ({', '.join(p for _ in columns)}) ON CONFLICT (lane) DO UPDATE SET {updates}"
-        )
 
 
 def _quoted(values: Sequence[str]) -> str:
@@ -517,7 +510,7 @@ class SqlRecoveryStore:
             # ChainWalker.heads.
             .where(events.c.hash != "")
         )
-        return {str(lane): str(hash_) for lane, hash_ in self._all(statement)}
+        return {str(row.lane): str(row.hash) for row in self._all(statement)}
 
     def lanes(self) -> Iterator[LanePolicy]:
         with self._reading() as connection:
@@ -845,7 +838,7 @@ class SqlRecoveryStore:
     def fold_events(
         self,
         owner: str,
-        lanes: Sequence[LanePolicy],
+        policies: Sequence[LanePolicy],
         after_seq: int,
         through_seq: int,
         now_us: int,
@@ -864,9 +857,8 @@ class SqlRecoveryStore:
                 if not refused:
                     if not dry_run:
                         self._advance(connection, owner, through_seq, now_us)
-                        if lanes:
-                            rows = records.lane_rows(lanes)
-                            connection.exec_driver_sql(self._sql.upsert_lanes, rows)
+                        for policy in policies:
+                            SqlTransaction(connection, self._sqlite).save_lane(policy)
                     try:
                         connection.exec_driver_sql(
                             self._fold.fold, (after_seq, through_seq, through_seq, through_seq)
