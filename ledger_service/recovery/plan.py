@@ -83,24 +83,23 @@ class Manifest:
         return self.verdict is Verdict.ADMISSIBLE
 
     def body(self) -> dict[str, Any]:
+        policy = self.policy
         return {
             "verdict": self.verdict.value,
             "sources": [
                 {
-                    "source_id": source.source_id,
+                    **dataclasses.asdict(source),
                     "cost_seconds": _seconds(source.cost_seconds),
                     "risk_score": _seconds(source.risk_score),
-                    "possible": source.possible,
-                    "detail": source.detail,
                 }
                 for source in self.sources
             ],
             "chosen": list(self.chosen),
             "total_cost_seconds": _seconds(self.total_cost_seconds),
             "policy": {
-                "max_budget_seconds": _seconds(self.policy.max_budget_seconds),
-                "max_risk_score": _seconds(self.policy.max_risk_score),
-                "min_viable_sources": self.policy.min_viable_sources,
+                **dataclasses.asdict(policy),
+                "max_budget_seconds": _seconds(policy.max_budget_seconds),
+                "max_risk_score": _seconds(policy.max_risk_score),
             },
             "directive": self.directive,
             "findings": list(self.findings),

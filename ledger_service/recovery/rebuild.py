@@ -33,8 +33,6 @@ from ledger_service.recovery.snapshots import (
 )
 from ledger_service.recovery.store import (
     MANIFEST_REBUILT,
-    STATE_CURRENT,
-    STATE_REBUILDING,
     EventRefused,
     LogFacts,
     MarkerMoved,
@@ -46,6 +44,7 @@ from ledger_service.recovery.store import (
 )
 from ledger_service.recovery.walk import Helpers, Walk, ranges
 from ledger_service.storage import migrate, translate
+from ledger_service.storage.chaining import STATE_CURRENT, STATE_REBUILDING
 
 log = logging.getLogger("ledger.recovery")
 
@@ -300,13 +299,15 @@ class Recovery:
             if found not in walk.breaks:
                 walk.note(found)
         now_us = self._wall.now_us()
-        replays = _Replays(
+        grounds = _Grounds(
+            walk,
+            bool(missing),
             lambda after_seq: self.store.fold_events(
                 self.owner, [], after_seq, head, now_us, dry_run=True
             ),
-            known_refusals or {},
+            dict(known_refusals or {}),
         )
-        grounds = _Grounds(walk, self._first_rate(replays), bool(missing), replays)
+        grounds.rate = self._first_rate(grounds.replays)
         while True:
             built = [
                 self._log_source(facts, anchor, grounds),
@@ -345,7 +346,7 @@ class Recovery:
             f"{head}: no source holds the events in between"
         )
 
-    def _first_rate(self, replays: _Replays) -> float:
+    def _first_rate(self, replays: dict[int, EventRefused | None]) -> float:
         """measure_rate, over the events before the first the fold refuses."""
         try:
             return self.measure_rate()
@@ -357,7 +358,7 @@ class Recovery:
     def _log_source(
         self, facts: LogFacts, anchor: SnapshotInfo | None, grounds: _Grounds
     ) -> tuple[Source, Route]:
-        walk, rate, replays = grounds.walk, grounds.rate, grounds.replays
+        walk, rate = grounds.walk, grounds.rate
         risk = planner.RISK_VERIFIED
         detail = f"replay all {facts.event_count} events at {rate:.0f} events/s"
         if walk.break_count:
@@ -372,8 +373,8 @@ class Recovery:
         # Only past a broken link can an event the fold needs be missing, or
         # where a tail's replay refused one (the whole log's then refuses too).
         refused = None
-        if walk.break_count or any(found is not None for found in replays.values()):
-            refused = replays.refusal(0)
+        if walk.break_count or any(found is not None for found in grounds.replays.values()):
+            refused = grounds.refusal(0)
         if refused is not None:
             detail += f"; its replay cannot succeed: {refused}"
         source = Source(
@@ -392,7 +393,7 @@ class Recovery:
         grounds: _Grounds,
         altered_latest: Sequence[ChainBreak],
     ) -> tuple[Source, Route]:
-        walk, rate, replays = grounds.walk, grounds.rate, grounds.replays
+        walk, rate = grounds.walk, grounds.rate
         tail = self.store.count_events_after(snapshot.position_seq)
         source_id = f"snapshot-{snapshot.snapshot_id}"
         detail = (
@@ -419,7 +420,7 @@ class Recovery:
             # projections it gives can never agree with the log.
             detail += f"; the log was altered before it, first {covered[0].describe()}"
         position = snapshot.position_seq
-        refused = replays.refusal(position) if breaks else replays.get(position)
+        refused = grounds.refusal(position) if breaks else grounds.replays.get(position)
         if refused is not None:
             detail += f"; the tail's replay cannot succeed: {refused}"
         source = Source(
@@ -625,26 +626,14 @@ class Recovery:
             and walk.break_count == 0
             and walk.heads_at.get(position) == dict(heads)
         )
-        self.store.complete_snapshot(snapshot_id, digest, verified)
-        pruned_before = taken_at_us - self._lease_us()
-        self.store.prune_snapshots(self.settings.snapshot_keep, pruned_before)
-        info = SnapshotInfo(
-            snapshot_id,
-            position,
-            taken_at_us,
-            FORMAT_VERSION,
-            digest.lanes,
-            digest.bookings,
-            digest.hexdigest(),
-            heads,
-            verified,
-        )
+        info = self.store.complete_snapshot(snapshot_id, digest, verified)
+        self.store.prune_snapshots(self.settings.snapshot_keep, taken_at_us - self._lease_us())
         log.info(
             "snapshot %d at event %d: %d lanes, %d bookings, digest %s%s",
             snapshot_id,
             position,
-            digest.lanes,
-            digest.bookings,
+            info.lanes_count,
+            info.bookings_count,
             info.digest[:16],
             "" if verified else " (the chain before it did NOT check out)",
         )
@@ -845,37 +834,32 @@ class _Attempts:
         return bool(self.known or self.refusals)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Grounds:
-    """What every source of one plan is judged on: the walk of the chain, the
-    rate measured, whether events are missing from the log's end, the replays."""
+    """What every source of one plan is judged on: the walk of the chain,
+    whether events are missing from the log's end, the rate measured, and
+    whether the replay after a seq would succeed (None: it would), by seq."""
 
     walk: Walk
-    rate: float
     lost: bool
-    replays: _Replays
-
-
-class _Replays(dict[int, EventRefused | None]):
-    """Whether the replay after a seq would succeed (None: it would), by seq:
-    the rebuild's fold run dry (rolled back), at most once per seq for one plan."""
-
-    def __init__(self, fold: Callable[[int], None], known: Mapping[int, EventRefused]) -> None:
-        super().__init__(known)
-        self._fold = fold
+    # The rebuild's fold after a seq, run dry (rolled back).
+    fold: Callable[[int], None]
+    replays: dict[int, EventRefused | None]
+    rate: float = 0.0
 
     def refusal(self, after_seq: int) -> EventRefused | None:
-        """The first event after `after_seq` the fold refuses; None: none."""
-        if after_seq not in self:
-            if 0 in self and self[0] is None:
+        """The first event after `after_seq` the fold refuses (None: none),
+        folded at most once per seq for one plan."""
+        if after_seq not in self.replays:
+            if self.replays.get(0, False) is None:
                 # The whole log folds: so does every tail of it.
                 return None
             try:
-                self._fold(after_seq)
-                self[after_seq] = None
+                self.fold(after_seq)
+                self.replays[after_seq] = None
             except EventRefused as refused:
-                self[after_seq] = refused
-        return self[after_seq]
+                self.replays[after_seq] = refused
+        return self.replays[after_seq]
 
 
 def _verified_from(anchor: SnapshotInfo | ChainPoint | None) -> bool:

@@ -20,7 +20,6 @@ from sqlalchemy import (
     Engine,
     Row,
     Select,
-    Update,
     case,
     delete,
     distinct,
@@ -31,6 +30,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from ledger_service.application.budgets import open_window
@@ -50,7 +50,7 @@ from ledger_service.recovery.snapshots import (
     SnapshotInfo,
 )
 from ledger_service.storage import database, records, translate
-from ledger_service.storage.chaining import POSITION_ROW_ID
+from ledger_service.storage.chaining import POSITION_ROW_ID, STATE_CURRENT, STATE_REBUILDING
 from ledger_service.storage.horizon import CommitHorizon
 from ledger_service.storage.schema import (
     bookings,
@@ -74,8 +74,6 @@ SETTLE_WAIT_MS = 1000
 # holds before it gives up (StoreUnavailable) instead of holding that rebuild up.
 DRY_RUN_LOCK_WAIT_MS = 100
 
-STATE_CURRENT = "current"
-STATE_REBUILDING = "rebuilding"
 SNAPSHOT_TAKING = "taking"
 SNAPSHOT_COMPLETE = "complete"
 # How many complete snapshots are ever read: retention keeps fewer.
@@ -594,22 +592,15 @@ class SqlRecoveryStore:
                 "chain_heads_json": heads,
                 "verified_at_us": now_us,
             }
-            moved = connection.execute(
-                update(chain_checkpoints)
-                .where(
-                    chain_checkpoints.c.id == POSITION_ROW_ID,
-                    chain_checkpoints.c.through_seq < point.position_seq,
+            dialect_insert = sqlite.insert if self._sqlite else postgresql.insert
+            statement = dialect_insert(chain_checkpoints).values(id=POSITION_ROW_ID, **values)
+            connection.execute(
+                statement.on_conflict_do_update(
+                    index_elements=["id"],
+                    set_=values,
+                    where=chain_checkpoints.c.through_seq < point.position_seq,
                 )
-                .values(values)
-            ).rowcount
-            if not moved:
-                try:
-                    with connection.begin_nested():
-                        connection.execute(
-                            insert(chain_checkpoints).values(id=POSITION_ROW_ID, **values)
-                        )
-                except IntegrityError:
-                    pass  # a point at or past this one is recorded already
+            )
 
     def check_integrity(self) -> None:
         """StoreDamaged when SQLite's integrity_check finds the file damaged
@@ -717,9 +708,9 @@ class SqlRecoveryStore:
 
     def complete_snapshot(
         self, snapshot_id: int, digest: ProjectionDigest, chain_verified: bool
-    ) -> None:
+    ) -> SnapshotInfo:
         with self._writing() as connection:
-            connection.execute(
+            row = connection.execute(
                 update(snapshots)
                 .where(snapshots.c.id == snapshot_id)
                 .values(
@@ -729,7 +720,9 @@ class SqlRecoveryStore:
                     digest=digest.hexdigest(),
                     chain_verified=int(chain_verified),
                 )
-            )
+                .returning(*snapshots.c)
+            ).one()
+        return _snapshot_info(row)
 
     def prune_snapshots(self, keep: int, unfinished_before_us: int) -> int:
         """Keeps the newest `keep` complete snapshots and unfinished ones still
@@ -793,17 +786,9 @@ class SqlRecoveryStore:
                 )
             return True
 
-    def _advance(self, connection: Connection, owner: str, applied_seq: int, now_us: int) -> None:
-        """Moves the marker of our rebuild on; fails if the rebuild is no longer ours."""
-        result = connection.execute(
-            _our_rebuild(owner).values(last_seq=applied_seq, updated_at_us=now_us)
-        )
-        if result.rowcount != 1:
-            raise RebuildClaimLost("the rebuild was taken over by another process")
-
     def reset_projections(self, owner: str, position_seq: int, now_us: int) -> None:
         with self._writing() as connection:
-            self._advance(connection, owner, position_seq, now_us)
+            _advance(connection, owner, {"last_seq": position_seq, "updated_at_us": now_us})
             connection.execute(delete(bookings))
             connection.execute(delete(lanes))
             # Kept window sums are a cache over the bookings: recomputed on first use.
@@ -812,7 +797,9 @@ class SqlRecoveryStore:
     def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None:
         with self._writing() as connection:
             row = _position(connection)
-            self._advance(connection, owner, row.last_seq if row else 0, now_us)
+            _advance(
+                connection, owner, {"last_seq": row.last_seq if row else 0, "updated_at_us": now_us}
+            )
             if chunk.booking_rows:
                 connection.exec_driver_sql(self._sql.insert_bookings, list(chunk.booking_rows))
             elif chunk.lanes:
@@ -856,7 +843,8 @@ class SqlRecoveryStore:
                 refused = unknown.first() is not None
                 if not refused:
                     if not dry_run:
-                        self._advance(connection, owner, through_seq, now_us)
+                        values = {"last_seq": through_seq, "updated_at_us": now_us}
+                        _advance(connection, owner, values)
                         for policy in policies:
                             SqlTransaction(connection, self._sqlite).save_lane(policy)
                     try:
@@ -879,18 +867,16 @@ class SqlRecoveryStore:
     def release_rebuild(self, owner: str) -> None:
         """Ends our lease at once; the marker stays "rebuilding", and the next
         assessment plans again instead of waiting for the lease."""
-        with self._writing(marker=True) as connection:
-            connection.execute(_our_rebuild(owner).values(updated_at_us=0))
+        with self._writing(marker=True) as connection, contextlib.suppress(RebuildClaimLost):
+            _advance(connection, owner, {"updated_at_us": 0})
 
     def finish_rebuild(self, owner: str, applied_seq: int) -> bool:
         with self._writing(marker=True) as connection:
             if SqlTransaction(connection, self._sqlite).last_seq() != applied_seq:
                 return False
-            result = connection.execute(
-                _our_rebuild(owner).values(state=STATE_CURRENT, owner="", last_seq=applied_seq)
+            _advance(
+                connection, owner, {"state": STATE_CURRENT, "owner": "", "last_seq": applied_seq}
             )
-            if result.rowcount != 1:
-                raise RebuildClaimLost("the rebuild was taken over by another process")
             return True
 
     # Manifests ---------------------------------------------------------------------
@@ -950,13 +936,20 @@ class SqlRecoveryStore:
         return [dict(row._mapping) for row in rows]
 
 
-def _our_rebuild(owner: str) -> Update:
-    """An UPDATE of the marker while it is `owner`'s rebuild."""
-    return update(projection_position).where(
-        projection_position.c.id == POSITION_ROW_ID,
-        projection_position.c.state == STATE_REBUILDING,
-        projection_position.c.owner == owner,
+def _advance(connection: Connection, owner: str, values: Mapping[str, Any]) -> None:
+    """UPDATEs the marker while it is `owner`'s rebuild (moves it on, ends it);
+    RebuildClaimLost once it is not: another process took the rebuild over."""
+    result = connection.execute(
+        update(projection_position)
+        .where(
+            projection_position.c.id == POSITION_ROW_ID,
+            projection_position.c.state == STATE_REBUILDING,
+            projection_position.c.owner == owner,
+        )
+        .values(**values)
     )
+    if result.rowcount != 1:
+        raise RebuildClaimLost("the rebuild was taken over by another process")
 
 
 def _heads_json(heads: Mapping[str, str]) -> str:
