@@ -12,13 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
-from ledger_service.domain.chain import (
-    ChainBreak,
-    ChainWalker,
-    altered,
-    canonical_event,
-    content_matches,
-)
+from ledger_service.domain.chain import ChainBreak, ChainWalker, altered, event_hash
 from ledger_service.domain.clock import MICROS_PER_SECOND, Clock
 from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.events import Event, EventKind
@@ -157,12 +151,8 @@ class Recovery:
         snapshots = self.store.snapshots()
         facts = self.store.facts()
         position = facts.position
-        if (
-            position is not None
-            and position.state == STATE_REBUILDING
-            and position.owner != self.owner
-            and self._wall.now_us() - position.updated_at_us < self._lease_us()
-        ):
+        now_us, lease_us = self._wall.now_us(), self._lease_us()
+        if position is not None and position.leased_to_another(self.owner, now_us, lease_us):
             found = f"a rebuild by {position.owner} is in progress (event {position.last_seq})"
             return Assessment(facts, (found,), rebuilding_elsewhere=True)
         findings = list(projection_findings(facts))
@@ -198,8 +188,7 @@ class Recovery:
         return tuple(
             altered(event.seq, event.lane)
             for event in self.store.stale_latest_events(MAX_ALTERED_CHECKED)
-            if event.hash
-            and not content_matches(event.previous_hash, event.hash, canonical_event(event))
+            if event.hash and event_hash(event.previous_hash, event) != event.hash
         )
 
     def _walk_from_trusted(

@@ -107,6 +107,14 @@ class Position:
     owner: str
     updated_at_us: int
 
+    def leased_to_another(self, owner: str, now_us: int, lease_us: int) -> bool:
+        """Whether another owner's rebuild holds the marker, its lease still running."""
+        return (
+            self.state == STATE_REBUILDING
+            and self.owner != owner
+            and now_us - self.updated_at_us < lease_us
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class LogFacts:
@@ -766,12 +774,7 @@ class SqlRecoveryStore:
             ours = row is not None and row.state == STATE_REBUILDING and row.owner == owner
             if assessed != "any" and not ours and marker_key(row) != assessed:
                 raise MarkerMoved("the projections were recovered since they were assessed")
-            if (
-                row is not None
-                and row.state == STATE_REBUILDING
-                and row.owner != owner
-                and now_us - row.updated_at_us < lease_us
-            ):
+            if row is not None and row.leased_to_another(owner, now_us, lease_us):
                 return False
             values = {"state": STATE_REBUILDING, "owner": owner, "updated_at_us": now_us}
             if row is None:
