@@ -5,10 +5,7 @@ and leaves a log whose hash chain `ledger verify` finds whole."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import pathlib
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import grpc
@@ -17,10 +14,9 @@ import pytest
 from bench import load, servers
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from tests import bench_servers, serving
+from tests import bench_servers
 from tests.conftest import RPC_TIMEOUT_SECONDS
 
-LEDGER = pathlib.Path(sys.executable).with_name("ledger")
 LANES = ["ref-a", "ref-b"]
 
 
@@ -48,18 +44,6 @@ def test_it_answers_moves_and_leaves_a_chain_that_verifies(
     assert settled.state == pb.SETTLED and 0 < settled.charged_nanos <= first.hold_nanos
     assert settled.balance.held_nanos == 0
 
-    def pair(index: int) -> None:
-        lane, reservation_id = LANES[index % 2], f"c-{index}"
-        stub.Reserve(load.reserve_request(lane, reservation_id), timeout=RPC_TIMEOUT_SECONDS)
-        stub.Settle(load.settle_request(lane, reservation_id), timeout=RPC_TIMEOUT_SECONDS)
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(pair, range(40)))
-
-    url = f"sqlite:///{tmp_path}/reference.db"
-    done = subprocess.run(
-        [str(LEDGER), "verify", "--database-url", url, "--data-dir", str(tmp_path)],
-        cwd=tmp_path, env=serving.clean_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr + done.stdout
-    assert "41 bookings" in done.stdout and ": OK" in done.stdout, done.stdout
+    bench_servers.reserve_and_settle([stub], LANES, 40)
+    report = bench_servers.verified(f"sqlite:///{tmp_path}/reference.db", tmp_path)
+    assert "41 bookings" in report and ": OK" in report, report

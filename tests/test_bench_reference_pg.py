@@ -6,10 +6,7 @@ whose hash chain and projections `ledger verify` finds whole."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import pathlib
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import grpc
@@ -18,10 +15,9 @@ import pytest
 from bench import load, servers
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
-from tests import bench_servers, serving
+from tests import bench_servers
 from tests.conftest import RPC_TIMEOUT_SECONDS
 
-LEDGER = pathlib.Path(sys.executable).with_name("ledger")
 LANES = ["ref-a", "ref-b"]
 
 
@@ -68,17 +64,7 @@ def test_two_replicas_answer_moves_and_leave_a_log_that_verifies(
             stubs[0].Settle(load.settle_request("ref-a", "nobody"), timeout=RPC_TIMEOUT_SECONDS)
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
-        def pair(index: int) -> None:
-            stub, lane, reservation_id = stubs[index % 2], LANES[index % 2], f"c-{index}"
-            stub.Reserve(load.reserve_request(lane, reservation_id), timeout=RPC_TIMEOUT_SECONDS)
-            stub.Settle(load.settle_request(lane, reservation_id), timeout=RPC_TIMEOUT_SECONDS)
+        bench_servers.reserve_and_settle(stubs, LANES, 40)
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(pair, range(40)))
-
-    done = subprocess.run(
-        [str(LEDGER), "verify", "--database-url", schema_url, "--data-dir", str(tmp_path)],
-        cwd=tmp_path, env=serving.clean_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr + done.stdout
-    assert "42 bookings" in done.stdout and ": OK" in done.stdout, done.stdout
+    report = bench_servers.verified(schema_url, tmp_path)
+    assert "42 bookings" in report and ": OK" in report, report

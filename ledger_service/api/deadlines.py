@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ledger_service.api.errors import Behaviour, replace_behaviour
+from ledger_service.api.errors import Behaviour, wrap_handler
 from ledger_service.application import deadlines
 
 if TYPE_CHECKING:
@@ -41,14 +41,8 @@ class CallDeadlineInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        return replace_behaviour(
-            handler,
-            unary=_bounded,
-            stream=lambda behaviour: behaviour,
-            request_deserializer=handler.request_deserializer,
+        return wrap_handler(
+            continuation, handler_call_details, unary=_bounded, stream=lambda behaviour: behaviour
         )
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ledger_service.api.auth import OPEN_SERVICES
-from ledger_service.api.errors import Behaviour, replace_behaviour
+from ledger_service.api.errors import Behaviour, wrap_handler
 from ledger_service.domain.errors import ShuttingDown
 
 if TYPE_CHECKING:
@@ -53,17 +53,15 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
-            return handler
-        return replace_behaviour(
-            handler,
+        return wrap_handler(
+            continuation,
+            handler_call_details,
             unary=self._counted,
             # A stream is waited for as a call is: the event feed ends it on a
             # stop with SHUTTING_DOWN; one blocked in its send (a reader that
             # takes nothing) runs on to the grace limit, and is cut off there.
             stream=self._counted_stream,
-            request_deserializer=handler.request_deserializer,
+            skip=lambda method: method.startswith(OPEN_SERVICES),
         )
 
     def _admit(self, context: grpc.ServicerContext | None) -> None:

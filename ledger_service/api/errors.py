@@ -164,6 +164,25 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 Behaviour = Callable[[Any, grpc.ServicerContext], Any]
 
 
+def wrap_handler(
+    continuation: Continuation,
+    details: grpc.HandlerCallDetails,
+    *,
+    unary: Callable[[Behaviour], Behaviour],
+    stream: Callable[[Behaviour], Behaviour],
+    skip: Callable[[str], bool] = lambda method: False,
+) -> Handler | None:
+    """The handler the call finds, its behaviour wrapped (replace_behaviour)
+    unless it has none or `skip` leaves its method alone: what most of the
+    interceptors do, each with its own wrappers."""
+    handler = continuation(details)
+    if handler is None or skip(details.method):
+        return handler
+    return replace_behaviour(
+        handler, unary=unary, stream=stream, request_deserializer=handler.request_deserializer
+    )
+
+
 def replace_behaviour(
     handler: grpc.RpcMethodHandler[Any, Any],
     *,

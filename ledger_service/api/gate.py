@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ledger_service.api.errors import Behaviour, replace_behaviour
+from ledger_service.api.errors import Behaviour, wrap_handler
 from ledger_service.domain.errors import RecoveryRequired
 
 if TYPE_CHECKING:
@@ -43,14 +43,12 @@ class RecoveryGateInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
-        handler = continuation(handler_call_details)
-        if handler is None or not is_gated(handler_call_details.method):
-            return handler
-        return replace_behaviour(
-            handler,
+        return wrap_handler(
+            continuation,
+            handler_call_details,
             unary=self._gated,
             stream=self._gated,
-            request_deserializer=handler.request_deserializer,
+            skip=lambda method: not is_gated(method),
         )
 
     def _gated(self, behaviour: Behaviour) -> Behaviour:

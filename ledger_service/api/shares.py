@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ledger_service.api.auth import OPEN_SERVICES, current_grant_id
-from ledger_service.api.errors import Behaviour, replace_behaviour
+from ledger_service.api.errors import Behaviour, wrap_handler
 from ledger_service.domain.errors import TooManyCalls
 
 if TYPE_CHECKING:
@@ -80,14 +80,12 @@ class GrantShareInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
-            return handler
-        return replace_behaviour(
-            handler,
+        return wrap_handler(
+            continuation,
+            handler_call_details,
             unary=self._shared,
             stream=lambda behaviour: behaviour,  # streams: the feed's own share
-            request_deserializer=handler.request_deserializer,
+            skip=lambda method: method.startswith(OPEN_SERVICES),
         )
 
     def _shared(self, behaviour: Behaviour) -> Behaviour:

@@ -43,7 +43,7 @@ from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from ledger_service.api.errors import REASON_KEY, Behaviour, replace_behaviour
+from ledger_service.api.errors import REASON_KEY, Behaviour, replace_behaviour, wrap_handler
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 if TYPE_CHECKING:
@@ -229,15 +229,13 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         continuation: Continuation,
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
-        handler = continuation(handler_call_details)
         full_name = handler_call_details.method
-        if handler is None or full_name.startswith(UNTRACED_SERVICES):
-            return handler
-        return replace_behaviour(
-            handler,
+        return wrap_handler(
+            continuation,
+            handler_call_details,
             unary=lambda behaviour: self._traced_unary(behaviour, full_name),
             stream=lambda behaviour: self._traced_stream(behaviour, full_name),
-            request_deserializer=handler.request_deserializer,
+            skip=lambda method: method.startswith(UNTRACED_SERVICES),
         )
 
     def _method(self, full_name: str) -> _Method:
