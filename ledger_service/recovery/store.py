@@ -491,14 +491,18 @@ class SqlRecoveryStore:
             with self.view() as view:
                 yield view
             return
-        with translated(), self._engine.connect() as gate, self._engine.connect() as connection:
+        with (
+            translated(self._engine),
+            self._engine.connect() as gate,
+            self._engine.connect() as connection,
+        ):
             connection = connection.execution_options(isolation_level="REPEATABLE READ")
             with connection.begin():
                 with gate.begin():
                     gate.exec_driver_sql(f"SET LOCAL lock_timeout = {SETTLE_WAIT_MS}")
                     gate.execute(select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))))
                     connection.execute(select(literal(1)))  # the view's snapshot is taken here
-                with self._holding(connection, None) as view:
+                with self._holding(connection, self._engine) as view:
                     yield view
 
     def chain_heads(self, through_seq: int) -> Mapping[str, str]:

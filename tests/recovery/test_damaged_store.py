@@ -231,6 +231,23 @@ def test_ledger_verify_says_a_dropped_table_is_damage(
     assert "unavailable" not in said, said
 
 
+def test_ledger_snapshot_says_a_dropped_table_is_damage(
+    history: History, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A snapshot reads in a settled view of its own (on PostgreSQL, under the
+    maintenance lock): a table gone there is damage too, not an outage."""
+    from ledger_service import cli
+
+    cascade = "" if history.url.startswith("sqlite") else " CASCADE"
+    history.sql(f"DROP TABLE bookings{cascade}")
+    history.store.close()
+    argv = ["snapshot", "--database-url", history.url, "--data-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    said = capsys.readouterr().err
+    assert "the ledger's database is damaged" in said, said
+    assert "table 'bookings'" in said, said
+
+
 def test_a_database_not_migrated_yet_is_not_damage(tmp_path: pathlib.Path) -> None:
     """Before `ledger migrate` has made the schema every table is missing: a
     server started with --no-migrate waits for the migration (an outage),
