@@ -68,6 +68,12 @@ OPEN_SERVICES = (
 )
 
 
+def is_open(method: str) -> bool:
+    """Whether `method` belongs to a service that needs no grant (health,
+    reflection): no grant checked, no grant's share, no drain."""
+    return method.startswith(OPEN_SERVICES)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """The scope a method needs (or any of `also`), and the lane its request
@@ -300,7 +306,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     ) -> Handler | None:
         method = handler_call_details.method
         handler = continuation(handler_call_details)
-        if handler is None or method.startswith(OPEN_SERVICES):
+        if handler is None or is_open(method):
             return handler
         rule = RULES.get(method, ADMIN_ONLY)
         decode = handler.request_deserializer

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ledger_service.api.auth import OPEN_SERVICES
+from ledger_service.api.auth import is_open
 from ledger_service.api.errors import Behaviour, wrap_handler
 from ledger_service.domain.errors import ShuttingDown
 
@@ -61,7 +61,7 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
             # stop with SHUTTING_DOWN; one blocked in its send (a reader that
             # takes nothing) runs on to the grace limit, and is cut off there.
             stream=self._counted_stream,
-            skip=lambda method: method.startswith(OPEN_SERVICES),
+            skip=is_open,
         )
 
     def _admit(self, context: grpc.ServicerContext | None) -> None:

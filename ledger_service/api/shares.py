@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ledger_service.api.auth import OPEN_SERVICES, current_grant_id
+from ledger_service.api.auth import current_grant_id, is_open
 from ledger_service.api.errors import Behaviour, wrap_handler
 from ledger_service.domain.errors import TooManyCalls
 
@@ -85,7 +85,7 @@ class GrantShareInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             handler_call_details,
             unary=self._shared,
             stream=lambda behaviour: behaviour,  # streams: the feed's own share
-            skip=lambda method: method.startswith(OPEN_SERVICES),
+            skip=is_open,
         )
 
     def _shared(self, behaviour: Behaviour) -> Behaviour:
