@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ledger_service.api import tracing
 from ledger_service.api.arrival import ArrivalWatch, RequestArrivalInterceptor
-from ledger_service.api.auth import AuthInterceptor
+from ledger_service.api.auth import AuthInterceptor, current_grant_id
 from ledger_service.api.deadlines import CallDeadlineInterceptor
 from ledger_service.api.drain import Drain
 from ledger_service.api.errors import ErrorInterceptor
@@ -55,6 +55,7 @@ from ledger_service.recovery.rebuild import Recovery, RecoveryGuard, RecoverySet
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.settings import Settings, either_source, grpc_server_options, is_loopback
 from ledger_service.storage import database, keyring, migrate, translate
+from ledger_service.storage.pool_shares import PoolShares
 from ledger_service.storage.sql import SqlStore
 from ledger_service.telemetry import Telemetry, configure_telemetry
 
@@ -103,6 +104,7 @@ def build_store(settings: Settings) -> SqlStore:
         max_transaction_retries=settings.max_transaction_retries,
         request_deadline_seconds=settings.request_deadline_seconds,
         group_commit_batch=settings.group_commit_batch,
+        pool_shares=PoolShares(settings.max_connections_per_grant, current_grant_id),
     )
 
 

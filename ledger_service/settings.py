@@ -185,6 +185,12 @@ class Settings:
     pool_size: int = 16
     pool_max_overflow: int = 4
     pool_timeout_seconds: float = 5.0
+    # PostgreSQL: connections one grant's calls hold at once; its others wait
+    # for one of them until their deadline (storage/pool_shares.py). Below the
+    # pool's pool_size + pool_max_overflow, so that a grant whose calls wait
+    # on a slow or locked lane leaves the others connections; as many as the
+    # workers, so that a grant alone is not slowed by it.
+    max_connections_per_grant: int = 16
     statement_timeout_ms: int = 5000
     # Check every incremental window read against a full sum (tests; the pair
     # assertion). Costs O(window) per move: off in production.
@@ -324,6 +330,7 @@ class Settings:
             )
         if self.default_page_size > self.max_page_size:
             raise ValueError("default_page_size must not exceed max_page_size")
+        self._check_pool_share()
         for larger, instead in _ABOVE_MAX_WATCHERS:
             if getattr(self, larger) <= self.max_watchers:
                 raise ValueError(
@@ -331,6 +338,19 @@ class Settings:
                     f"max_watchers ({self.source('max_watchers')}), {self.max_watchers}: else "
                     f"{instead} instead of getting TOO_MANY_WATCHERS"
                 )
+
+    def _check_pool_share(self) -> None:
+        """PostgreSQL: one grant's share of the pool leaves the others some."""
+        pool = self.pool_size + self.pool_max_overflow
+        if self.max_connections_per_grant < pool or not self.database_url.startswith("postgresql"):
+            return
+        raise ValueError(
+            f"max_connections_per_grant ({self.source('max_connections_per_grant')}), "
+            f"{self.max_connections_per_grant}, must be below the pool's connections, "
+            f"pool_size ({self.source('pool_size')}) + pool_max_overflow "
+            f"({self.source('pool_max_overflow')}), {pool}: else one grant's calls "
+            "waiting on a slow lane take every connection and the other lanes wait for one"
+        )
 
     @classmethod
     def from_environment(cls, **overrides: object) -> Settings:
@@ -390,6 +410,7 @@ _POSITIVE = frozenset(
         "request_arrival_seconds",
         "pool_size",
         "pool_timeout_seconds",
+        "max_connections_per_grant",
         "statement_timeout_ms",
         "group_commit_batch",
         "health_check_interval_seconds",

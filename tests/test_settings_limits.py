@@ -222,3 +222,25 @@ def test_a_limit_that_hides_the_stream_limit_is_refused_naming_both(
     assert "TOO_MANY_WATCHERS" in said, said
     taken = Settings(database_url=URL, max_watchers=watchers, **{larger: watchers + 1})
     assert getattr(taken, larger) == watchers + 1
+
+
+@pytest.mark.parametrize(("share", "pool_size", "overflow"), [(20, 16, 4), (16, 8, 4), (3, 2, 0)])
+def test_a_grants_share_of_the_whole_pool_is_refused_on_postgresql(
+    share: int, pool_size: int, overflow: int
+) -> None:
+    """A share at or above the pool's connections leaves the other lanes none
+    while one grant's calls wait on a slow lane; SQLite has no such share."""
+    limits = {
+        "max_connections_per_grant": share,
+        "pool_size": pool_size,
+        "pool_max_overflow": overflow,
+    }
+    with pytest.raises(ValueError) as refused:
+        Settings(database_url="postgresql+psycopg://ledger@db/ledger", **limits)
+    said = str(refused.value)
+    assert all(name in said for name in limits), said
+    assert Settings(database_url=URL, **limits).max_connections_per_grant == share
+    taken = Settings(
+        database_url="postgresql+psycopg://ledger@db/ledger", **{**limits, "pool_size": share + 1}
+    )
+    assert taken.max_connections_per_grant == share

@@ -59,6 +59,7 @@ from ledger_service.domain.window import Overdue, StoredSums, WindowState, Windo
 from ledger_service.storage import chaining, database, prepared, records, translate, watchdog
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.horizon import CommitHorizon
+from ledger_service.storage.pool_shares import PoolShares
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 from ledger_service.storage.writer import WriterState
@@ -99,8 +100,11 @@ class SqlStore:
         max_transaction_retries: int = 5,
         request_deadline_seconds: float = 5.0,
         group_commit_batch: int = 64,
+        pool_shares: PoolShares | None = None,
     ) -> None:
         self._engine = engine
+        # PostgreSQL: each grant's share of the pool's connections (storage/pool_shares.py).
+        self._pool_shares = pool_shares
         self._sqlite = engine.dialect.name == "sqlite"
         self._max_retries = max_transaction_retries
         self._deadline_seconds = request_deadline_seconds
@@ -494,13 +498,42 @@ class SqlStore:
         """A PostgreSQL connection under a watch until `deadline`, checkout
         included (the pool's wait, the handshake and the ping)."""
         assert self._watchdog is not None, "SQLite is local: no watch"
-        with self._watchdog.watch(deadline) as watch, self._engine.connect() as connection:
+        with (
+            self._pool_share(deadline),
+            self._watchdog.watch(deadline) as watch,
+            self._engine.connect() as connection,
+        ):
             try:
                 yield connection
             finally:
                 # Before the connection goes back: one the watch interrupted is dropped.
                 if watch.disarm():
                     connection.invalidate()
+
+    @contextmanager
+    def _pool_share(self, deadline: float) -> Iterator[None]:
+        """One of the current grant's share of the pool, waited for until `deadline`."""
+        if self._pool_shares is None:
+            yield
+            return
+        try:
+            owner = self._pool_shares.take(deadline)
+        except StoreUnavailable:
+            unsaid = self._error_log("pool share")
+            if unsaid is not None:
+                log.warning(
+                    "a call of grant %s waited until its deadline for a database connection: "
+                    "the grant's other calls held its share of the pool "
+                    "(max_connections_per_grant, %d)%s",
+                    self._pool_shares.owner(),
+                    self._pool_shares.share,
+                    more(unsaid),
+                )
+            raise
+        try:
+            yield
+        finally:
+            self._pool_shares.give_back(owner)
 
     def ping(
         self, timeout_seconds: float | None = None, stop: threading.Event | None = None

@@ -1,0 +1,105 @@
+"""Lanes do not wait on each other for PostgreSQL's connections (docs/semantics.md,
+limits): one grant whose calls are all held at the database (here by a lock on
+its lane's row that the test holds, as a slow or locked lane holds them) keeps
+at most its share of the server's pool, and another grant's Reserve on another
+lane still finds a connection and is answered within its deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
+from ledger_service.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
+from ledger_service.server import LedgerServer
+from ledger_service.settings import Settings
+from tests.conftest import lane_message
+from tests.test_e2e_grant_share import _connection, _grant, _reserve
+
+pytestmark = pytest.mark.postgres
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
+# The pool's connections at the defaults (16 and 4 more), and one grant's share.
+POOL: int = _DEFAULTS["pool_size"] + _DEFAULTS["pool_max_overflow"]  # type: ignore[operator]
+SHARE: int = _DEFAULTS["max_connections_per_grant"]  # type: ignore[assignment]
+# More of the flood's calls than the pool has connections.
+FLOOD_CALLS = 2 * POOL
+WAIT_SECONDS = 30.0
+# Longer than the test: the flood's calls wait for the lock, not for a deadline.
+HELD_SECONDS = 120.0
+# The calm lane's deadline: longer than a Reserve takes on a loaded machine,
+# shorter than the flood is held.
+CALM_SECONDS = 10.0
+
+
+def _waiting(observer: sa.Connection) -> int:
+    """Sessions of the database waiting for a lock: the first of the flood's
+    moves for the row the test locked, the others for that move's lock on the
+    lane. `observer` commits each read: a transaction sees one snapshot of
+    pg_stat_activity."""
+    return int(
+        observer.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND cardinality(pg_blocking_pids(pid)) > 0"
+            )
+        ).scalar_one()
+    )
+
+
+def test_a_grant_held_at_the_database_leaves_connections_to_another_lane(
+    postgres_schema_url: str, start_ledger_server: Callable[..., LedgerServer]
+) -> None:
+    server = start_ledger_server(
+        database_url=postgres_schema_url,
+        request_deadline_seconds=HELD_SECONDS,
+        statement_timeout_ms=int(HELD_SECONDS * 1000),
+    )
+    holder_engine = sa.create_engine(postgres_schema_url)
+    with contextlib.ExitStack() as stack:
+        stack.callback(holder_engine.dispose)
+        admin = pb_grpc.LaneAdminStub(stack.enter_context(_connection(server, server.admin_grant)))
+        for lane in ("flood", "calm"):
+            admin.PutLane(pb.PutLaneRequest(lane=lane_message(lane)), timeout=WAIT_SECONDS)
+        holder = stack.enter_context(holder_engine.connect())
+        observer = stack.enter_context(
+            holder_engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        )
+        holder.execute(sa.text("SELECT lane FROM lanes WHERE lane = 'flood' FOR UPDATE"))
+        flood = pb_grpc.LedgerStub(
+            stack.enter_context(_connection(server, _grant(server, "flood")))
+        )
+        flooding = [
+            flood.Reserve.future(_reserve("flood", f"f{n}"), timeout=HELD_SECONDS)
+            for n in range(FLOOD_CALLS)
+        ]
+        try:
+            # The flood's calls hold their share of the connections (before,
+            # every one of them), each waiting for the lane's row.
+            give_up = time.monotonic() + WAIT_SECONDS
+            while _waiting(observer) < SHARE:
+                assert time.monotonic() < give_up, f"{_waiting(observer)} flood calls at the lock"
+                time.sleep(0.05)
+            calm = pb_grpc.LedgerStub(
+                stack.enter_context(_connection(server, _grant(server, "calm")))
+            )
+            answer = calm.Reserve(_reserve("calm", "c1"), timeout=CALM_SECONDS)
+            assert answer.decision == pb.ADMITTED
+            # Still held: the calm lane did not get in because the flood let go,
+            # and the flood holds its share, not one connection more.
+            assert not any(call.done() for call in flooding)
+            assert _waiting(observer) == SHARE
+        finally:
+            holder.rollback()
+            for call in flooding:
+                call.exception()
+        # Calls past the grant's share waited their turn, and were served once
+        # the lock was let go, not refused.
+        errors = [call.exception() for call in flooding]
+        assert errors == [None] * FLOOD_CALLS
+        assert {call.result().decision for call in flooding} == {pb.ADMITTED}
