@@ -22,12 +22,13 @@ from ledger_service.domain.errors import StoreUnavailable
 
 
 class _Holding:
-    """One owner's connections held, and its calls waiting for one."""
+    """One owner's connections held, and its calls waiting for one (woken by
+    `freed`, made for the first of them: a lone call needs none)."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self) -> None:
         self.held = 0
         self.waiting = 0
-        self.freed = threading.Condition(lock)
+        self.freed: threading.Condition | None = None
 
 
 class PoolShares:
@@ -49,21 +50,28 @@ class PoolShares:
         if not owner:
             return owner
         with self._lock:
-            holding = self._owners.get(owner) or self._owners.setdefault(
-                owner, _Holding(self._lock)
-            )
-            holding.waiting += 1
-            try:
-                free = holding.freed.wait_for(
-                    lambda: holding.held < self.share, deadline - time.monotonic()
-                )
-            finally:
-                holding.waiting -= 1
-            if not free:
-                self._forget_idle(owner, holding)
-                raise StoreUnavailable()
+            holding = self._owners.get(owner)
+            if holding is None:
+                holding = self._owners[owner] = _Holding()
+            if holding.held >= self.share:
+                self._wait(owner, holding, deadline)
             holding.held += 1
         return owner
+
+    def _wait(self, owner: str, holding: _Holding, deadline: float) -> None:
+        """Waits (the lock held) until `owner` holds less than its share."""
+        if holding.freed is None:
+            holding.freed = threading.Condition(self._lock)
+        holding.waiting += 1
+        try:
+            free = holding.freed.wait_for(
+                lambda: holding.held < self.share, deadline - time.monotonic()
+            )
+        finally:
+            holding.waiting -= 1
+        if not free:
+            self._forget_idle(owner, holding)
+            raise StoreUnavailable()
 
     def give_back(self, owner: str) -> None:
         """Gives back what `take` took for `owner`, waking one of its waiters."""
@@ -72,7 +80,9 @@ class PoolShares:
         with self._lock:
             holding = self._owners[owner]
             holding.held -= 1
-            holding.freed.notify()
+            if holding.waiting:
+                assert holding.freed is not None, "a waiting call made it"
+                holding.freed.notify()
             self._forget_idle(owner, holding)
 
     def _forget_idle(self, owner: str, holding: _Holding) -> None:
