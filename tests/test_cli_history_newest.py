@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from ledger_service.cli import observe, reading
+from ledger_service.cli import exits, observe, reading
 from ledger_service.cli.connection import MAX_PAGES
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -115,3 +116,47 @@ def test_the_report_reads_the_windows_of_a_long_lived_lane(count: int) -> None:
 
 def _micros(event: pb.Event) -> int:
     return event.occurred_at.seconds * 10**6 + event.occurred_at.nanos // 1000
+
+
+@dataclasses.dataclass
+class _FollowedLedger(_FakeLedger):
+    """Its stream sends every event after the position asked, then ends."""
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, **_: Any) -> Any:
+        return _Stream([e for e in self.events if e.seq > request.after_seq])
+
+
+@dataclasses.dataclass
+class _Stream:
+    events: list[pb.Event]
+
+    def __iter__(self) -> Any:
+        return iter(self.events)
+
+    def cancel(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _FollowSession(_FakeSession):
+    metadata: tuple[()] = ()
+    server: str = "127.0.0.1:1"
+
+
+def test_a_follow_resumed_after_a_seq_skips_none_of_the_events_after_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A follow that could not resume says `resume with --after-seq N`; run so,
+    `history --after-seq N --follow` printed only the newest --limit (50) events
+    after N and followed from the last, silently skipping the rest of what was
+    logged while it was away."""
+    log = _log(120)
+    resumed_after = log[9].seq
+    session = _FollowSession(_FollowedLedger(log, max_page=5))
+    arguments = argparse.Namespace(
+        lane="", reservation_id="", limit="50", after_seq=str(resumed_after), follow=True, json=True
+    )
+    with pytest.raises(exits.CliError, match="ended the stream"):
+        reading.history(arguments, session)  # type: ignore[arg-type]
+    printed = [json.loads(line)["seq"] for line in capsys.readouterr().out.splitlines()]
+    assert printed == [e.seq for e in log if e.seq > resumed_after]

@@ -127,10 +127,16 @@ def history(arguments: argparse.Namespace, session: Session) -> int:
     limit = parse_count("--limit", arguments.limit)
     if not 1 <= limit <= MAX_HISTORY_EVENTS:
         raise CliError(f"--limit: must be between 1 and {MAX_HISTORY_EVENTS}", EXIT_BAD_VALUE)
-    after_seq = parse_count("--after-seq", arguments.after_seq)
-    # An unknown lane fails here, NOT_FOUND from ListEvents itself: a read
-    # grant (or a server awaiting recovery) must not need the admin's GetLane.
-    events, last_seq = recent_events(arguments, session, after_seq, limit)
+    resumed = arguments.after_seq is not None
+    after_seq = parse_count("--after-seq", arguments.after_seq if resumed else "0")
+    events: list[pb.Event] = []
+    last_seq = after_seq
+    # A resumed follow (what a stopped one says to run) lists nothing first:
+    # the stream sends every event after SEQ, where the newest --limit would skip.
+    if not (arguments.follow and resumed):
+        # An unknown lane fails here, NOT_FOUND from ListEvents itself: a read
+        # grant (or a server awaiting recovery) must not need the admin's GetLane.
+        events, last_seq = recent_events(arguments, session, after_seq, limit)
     widths = _history_widths(events)
     columns = _history_columns(arguments)
     if not arguments.json:
@@ -348,6 +354,10 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         help=f"the newest N events (default {DEFAULT_HISTORY_EVENTS}, "
         f"at most {MAX_HISTORY_EVENTS})",
     )
-    log.add_argument("--after-seq", default="0", metavar="SEQ", help="only events after SEQ")
+    log.add_argument(
+        "--after-seq",
+        metavar="SEQ",
+        help="only events after SEQ; with --follow, all of them (how a stopped follow resumes)",
+    )
     log.add_argument("--follow", action="store_true", help="then print new events until Ctrl-C")
     log.set_defaults(run=command(history))
