@@ -79,6 +79,17 @@ def test_a_timeout_that_is_zero_as_a_float_is_refused(text: str) -> None:
     assert refused.value.exit_code == exits.EXIT_BAD_VALUE
 
 
+@pytest.mark.parametrize("text", ["0", "3600.5"])
+def test_a_refused_timeout_states_the_range_it_takes(text: str) -> None:
+    """`--timeout 0` was refused as 'not a number of seconds between 0 and
+    3600', a range that reads as taking 0."""
+    with pytest.raises(exits.CliError) as refused:
+        values.parse_timeout_seconds(text)
+    assert refused.value.message == (
+        f"--timeout: {text!r} is not a number of seconds above 0 and at most 3600"
+    )
+
+
 def run_ledger(*arguments: str, **options: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(LEDGER), *arguments],

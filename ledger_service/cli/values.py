@@ -220,7 +220,7 @@ def parse_timeout_seconds(text: str | None) -> float:
     if not decimal.Decimal(0) < value <= MAX_TIMEOUT_SECONDS or float(value) <= 0:
         raise CliError(
             f"--timeout: {text[:MAX_VALUE_LENGTH]!r} is not a number of seconds "
-            f"between 0 and {MAX_TIMEOUT_SECONDS}",
+            f"above 0 and at most {MAX_TIMEOUT_SECONDS}",
             EXIT_BAD_VALUE,
         )
     return float(value)
