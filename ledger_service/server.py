@@ -365,10 +365,13 @@ class LedgerServer:
         except RuntimeError:  # grpcio's "Failed to bind to address"
             self.port = 0
         if self.port == 0:
-            tls = " or its TLS certificate and key do not match" if self.server_credentials else ""
+            causes = ["the port is taken (is another ledger running?)"]
+            causes.append("the address is not this machine's")
+            if self.server_credentials:
+                causes.append("its TLS certificate and key do not match")
             raise ListenFailed(
-                f"cannot listen on {self.settings.listen}: the port is taken "
-                f"(is another ledger running?), the address is not this machine's{tls}; "
+                f"cannot listen on {self.settings.listen}: "
+                f"{', '.join(causes[:-1])} or {causes[-1]}; "
                 "choose another with --listen HOST:PORT or LEDGER_LISTEN (and point the "
                 "ledger commands at it with LEDGER_SERVER)"
             )

@@ -1758,6 +1758,9 @@ def test_a_taken_port_is_one_clear_line_and_exit_status_1(
     assert f"ledger: cannot listen on {ledger_process.address}: the port is taken" in (
         finished.stderr
     )
+    # The causes are alternatives, and read as such (they once read as both true).
+    alternatives = "(is another ledger running?) or the address is not this machine's;"
+    assert alternatives in finished.stderr
     # And what to do: pick another address, and tell the commands about it.
     assert "choose another with --listen HOST:PORT or LEDGER_LISTEN" in finished.stderr
     assert "LEDGER_SERVER" in finished.stderr
