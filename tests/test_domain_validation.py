@@ -143,3 +143,13 @@ def test_refund_names_the_bad_field(changes: dict[str, object], field: str) -> N
 )
 def test_lane_policy_names_the_bad_field(changes: dict[str, object], field: str) -> None:
     assert field_refused(dataclasses.replace(LANE, **changes)) == field  # type: ignore[arg-type]
+
+
+def test_a_bad_model_name_is_named_among_the_lanes_models() -> None:
+    """With up to 256 models a lane, "lane.prices: must start with a letter" left
+    the operator to guess which one."""
+    prices = {"jev": ModelPrice(1, 1), "-bad": ModelPrice(1, 1)}
+    with pytest.raises(InvalidArgument) as caught:
+        dataclasses.replace(LANE, prices=prices).validate()
+    assert caught.value.field == "lane.prices"
+    assert "'-bad'" in str(caught.value)

@@ -142,7 +142,11 @@ def validate_prices(prices: Mapping[str, ModelPrice]) -> None:
     if len(prices) > MAX_MODELS:
         raise InvalidArgument("lane.prices", f"must name at most {MAX_MODELS} models")
     for model, price in prices.items():
-        validate_name("lane.prices", model)
+        try:
+            validate_name("lane.prices", model)
+        except InvalidArgument as refused:  # which of up to MAX_MODELS models
+            detail = f"model {model[:MAX_NAME_LENGTH]!r} {refused.detail}"
+            raise InvalidArgument("lane.prices", detail) from None
         for name, value in (
             ("input_nanos_per_million_tokens", price.input_nanos_per_million_tokens),
             ("output_nanos_per_million_tokens", price.output_nanos_per_million_tokens),

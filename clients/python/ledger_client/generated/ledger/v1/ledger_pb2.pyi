@@ -654,6 +654,7 @@ class Booking(_message.Message):
     request_bytes: _builtins.int
     max_output_tokens: _builtins.int
     hold_nanos: _builtins.int
+    """For a denied (REJECTED) booking, the hold and cap it asked for; it held nothing."""
     cap_nanos: _builtins.int
     amount_nanos: _builtins.int
     """What the booking counts in its window now (hold while open, then its charge)."""
