@@ -167,8 +167,7 @@ def plain_enum(kind: type[enum.Enum]) -> bool:
 # The names of the hashed fields, in the order canonical_values takes them.
 HASHED_NAMES = tuple(sorted(field.name for field in _EVENT_FIELDS))
 _hashed_values = operator.attrgetter(*HASHED_NAMES)
-_FIELD_DEFAULTS = {field.name: _default_of(field) for field in _EVENT_FIELDS}
-_HASHED_DEFAULTS = tuple(_FIELD_DEFAULTS[name] for name in HASHED_NAMES)
+_HASHED_DEFAULTS = tuple(_default_of(f) for f in sorted(_EVENT_FIELDS, key=lambda f: f.name))
 _event_shapes: dict[tuple[tuple[type[Any], ...], tuple[bool, ...]], _Shape] = {}
 # canonical_event tells a value at its default by its type and truth, which
 # holds for these defaults only (the one falsy value of their type).

@@ -296,7 +296,12 @@ class Recovery:
             ),
             dict(known_refusals or {}),
         )
-        grounds.rate = self._first_rate(grounds.replays)
+        try:
+            grounds.rate = self.measure_rate()
+        except EventRefused as refused:
+            # The sample is the log's first events: this is the first the log refuses.
+            grounds.replays[0] = refused
+            grounds.rate = self.measure_rate(before_seq=refused.seq)
         while True:
             built = [
                 self._log_source(facts, anchor, grounds),
@@ -334,15 +339,6 @@ class Recovery:
             f"the projections or a snapshot reached event {required} but the log ends at "
             f"{head}: no source holds the events in between"
         )
-
-    def _first_rate(self, replays: dict[int, EventRefused | None]) -> float:
-        """measure_rate, over the events before the first the fold refuses."""
-        try:
-            return self.measure_rate()
-        except EventRefused as refused:
-            # The sample is the log's first events: this is the first the log refuses.
-            replays[0] = refused
-            return self.measure_rate(before_seq=refused.seq)
 
     def _log_source(
         self, facts: LogFacts, anchor: SnapshotInfo | None, grounds: _Grounds
@@ -432,7 +428,12 @@ class Recovery:
         except (ValueError, KeyError, TypeError) as error:
             # Most often an older release's snapshot (another chunk format, or
             # its rows lack a later column), which FORMAT_VERSION did not tell apart.
-            return f"unreadable: {_unreadable(error)} (made by another release, or damaged)"
+            why = str(error)[:200]
+            if isinstance(error, KeyError):
+                why = f"a chunk lacks the field {error}"
+            elif isinstance(error, TypeError):
+                why = "a chunk's rows are not laid out as this release lays them"
+            return f"unreadable: {why} (made by another release, or damaged)"
         if (digest.lanes, digest.bookings) != (snapshot.lanes_count, snapshot.bookings_count):
             return (
                 f"holds {digest.lanes} lanes and {digest.bookings} bookings, not the "
@@ -690,17 +691,14 @@ class Recovery:
                 log.info("another process recovered the projections meanwhile")
                 return Outcome(True, detail="another process recovered the projections meanwhile")
             return Outcome(False, None, "the projections changed while the rebuild was planned")
-        except ChainBroken as error:
+        except (ChainBroken, EventRefused) as error:
+            # Planned again with the broken link, or with the event the fold
+            # needs missing where no broken link told (before a snapshot, say),
+            # which _carry_out noted: that source is then not possible.
             self._record(manifest_id, "failed", started)
             log.error("rebuild stopped: %s; planning again", error)
-            attempts.known.append(error.chain_break)
-            return None
-        except EventRefused as error:
-            # An event the fold needs is missing where no broken link told
-            # (before a snapshot, say): planned again, that source is not
-            # possible (_carry_out noted it in `attempts`).
-            self._record(manifest_id, "failed", started)
-            log.error("rebuild stopped: %s; planning again", error)
+            if isinstance(error, ChainBroken):
+                attempts.known.append(error.chain_break)
             return None
         except (RebuildFailed, RebuildClaimLost) as error:
             self._record(manifest_id, "failed", started)
@@ -795,15 +793,6 @@ class Recovery:
         except StoreUnavailable:
             log.warning("no snapshot after the rebuild: database unavailable")
             return None
-
-
-def _unreadable(error: ValueError | KeyError | TypeError) -> str:
-    """Why a snapshot's chunk does not decode, in an operator's words."""
-    if isinstance(error, KeyError):
-        return f"a chunk lacks the field {error}"
-    if isinstance(error, TypeError):
-        return "a chunk's rows are not laid out as this release lays them"
-    return str(error)[:200]
 
 
 @dataclasses.dataclass

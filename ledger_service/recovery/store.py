@@ -283,9 +283,21 @@ def _facts(connection: Connection) -> LogFacts:
     )
 
 
+def _quoted(values: Sequence[str]) -> str:
+    assert all(value.replace("_", "").isalnum() for value in values), values
+    return ", ".join(f"'{value}'" for value in values)
+
+
 class _RebuildSql:
     """The rebuild's statements as plain SQL, run with tuples of parameters:
-    per row, SQLAlchemy's own parameter handling costs more than the database."""
+    per row, SQLAlchemy's own parameter handling costs more than the database.
+
+    `fold` is `bookings.apply` over a range of the log, run by the database in
+    one INSERT ... SELECT ... ON CONFLICT built from OPENING_STATES and
+    ENDING_STATES; kept for the rebuild's target (docs/recovery.md), held to the
+    domain's fold by tests/storage/test_sql_fold.py. `problem`: the first event
+    the fold refused (it writes NULL into a NOT NULL column for a booking it
+    cannot fold)."""
 
     def __init__(self, placeholder: str) -> None:
         p = placeholder
@@ -300,22 +312,6 @@ class _RebuildSql:
             f"INSERT INTO {bookings.name} ({', '.join(records.BOOKING_COLUMNS)}) "
             f"VALUES ({', '.join(p for _ in records.BOOKING_COLUMNS)})"
         )
-
-
-def _quoted(values: Sequence[str]) -> str:
-    assert all(value.replace("_", "").isalnum() for value in values), values
-    return ", ".join(f"'{value}'" for value in values)
-
-
-class _FoldSql:
-    """`bookings.apply` over a range of the log, run by the database in one
-    INSERT ... SELECT ... ON CONFLICT built from OPENING_STATES and ENDING_STATES;
-    kept for the rebuild's target (docs/recovery.md), held to the domain's fold
-    by tests/storage/test_sql_fold.py. `problem`: the first event the fold
-    refused (it writes NULL into a NOT NULL column for a booking it cannot fold)."""
-
-    def __init__(self, placeholder: str) -> None:
-        p = placeholder
         openings = _quoted([kind.value for kind in booking_fold.OPENING_STATES])
         endings = _quoted([kind.value for kind in booking_fold.ENDING_STATES])
         known = _quoted([kind.value for kind in EventKind])
@@ -396,21 +392,16 @@ class SqlRecoveryStore:
     def __init__(
         self, engine: Engine, *, batch_rows: int = 1000, horizon: CommitHorizon | None = None
     ) -> None:
-        self._engine = engine
+        self.engine = engine
         self._sqlite = engine.dialect.name == "sqlite"
         self._batch = batch_rows
         placeholder = "?" if engine.dialect.paramstyle == "qmark" else "%s"
         self._sql = _RebuildSql(placeholder)
-        self._fold = _FoldSql(placeholder)
         # PostgreSQL: where a verified point may be set (storage/horizon.py): the
         # server's store's own horizon when given (one per process).
         self._horizon = None if self._sqlite else horizon or CommitHorizon()
         # A thread's open `view`: every read of that thread joins it.
         self._held = threading.local()
-
-    @property
-    def engine(self) -> Engine:
-        return self._engine
 
     # Transactions -----------------------------------------------------------
 
@@ -420,19 +411,19 @@ class SqlRecoveryStore:
         thread's `view` when it holds one."""
         held: Connection | None = getattr(self._held, "connection", None)
         if held is not None:
-            with translated(self._held.engine):
+            with translated(self.engine):
                 yield held
             return
-        with translated(self._engine), self._engine.connect() as connection:
+        with translated(self.engine), self.engine.connect() as connection:
             if not self._sqlite:
                 connection = connection.execution_options(isolation_level="REPEATABLE READ")
             with connection.begin():
                 yield connection
 
     @contextlib.contextmanager
-    def _holding(self, connection: Connection, engine: Engine | None) -> Iterator[Self]:
+    def _holding(self, connection: Connection) -> Iterator[Self]:
         """Every read of this thread in the block runs in `connection`'s transaction."""
-        self._held.connection, self._held.engine = connection, engine
+        self._held.connection = connection
         try:
             yield self
         finally:
@@ -446,17 +437,17 @@ class SqlRecoveryStore:
         if getattr(self._held, "connection", None) is not None:
             yield self  # inside one already
             return
-        with self._reading() as connection, self._holding(connection, self._engine):
+        with self._reading() as connection, self._holding(connection):
             yield self
 
     @contextlib.contextmanager
     def _writing(self, *, marker: bool = False) -> Iterator[Connection]:
         # SQLite: in this process's write gate, beside the group commit (database.write_gate).
-        gate = database.write_gate(self._engine)
+        gate = database.write_gate(self.engine)
         if gate is not None and not gate.acquire(timeout=WRITE_GATE_TIMEOUT_SECONDS):
             raise StoreUnavailable()
         try:
-            with translated(self._engine), self._engine.connect() as connection:
+            with translated(self.engine), self.engine.connect() as connection:
                 connection = connection.execution_options(ledger_write=True)
                 with connection.begin():
                     if marker and not self._sqlite:
@@ -492,9 +483,9 @@ class SqlRecoveryStore:
                 yield view
             return
         with (
-            translated(self._engine),
-            self._engine.connect() as gate,
-            self._engine.connect() as connection,
+            translated(self.engine),
+            self.engine.connect() as gate,
+            self.engine.connect() as connection,
         ):
             connection = connection.execution_options(isolation_level="REPEATABLE READ")
             with connection.begin():
@@ -502,7 +493,7 @@ class SqlRecoveryStore:
                     gate.exec_driver_sql(f"SET LOCAL lock_timeout = {SETTLE_WAIT_MS}")
                     gate.execute(select(func.pg_advisory_xact_lock(literal(EVENT_APPEND_LOCK_KEY))))
                     connection.execute(select(literal(1)))  # the view's snapshot is taken here
-                with self._holding(connection, self._engine) as view:
+                with self._holding(connection) as view:
                     yield view
 
     def chain_heads(self, through_seq: int) -> Mapping[str, str]:
@@ -580,7 +571,7 @@ class SqlRecoveryStore:
     def final_seq(self) -> int:
         """The last event below which none is in flight (storage/horizon.py);
         read committed, as the horizon moves when transactions end."""
-        with translated(self._engine), self._engine.connect() as connection, connection.begin():
+        with translated(self.engine), self.engine.connect() as connection, connection.begin():
             return SqlTransaction(connection, self._sqlite, horizon=self._horizon).last_seq()
 
     def checkpoint(self) -> ChainPoint | None:
@@ -803,10 +794,7 @@ class SqlRecoveryStore:
 
     def restore_chunk(self, owner: str, chunk: SnapshotChunk, now_us: int) -> None:
         with self._writing() as connection:
-            row = _position(connection)
-            _advance(
-                connection, owner, {"last_seq": row.last_seq if row else 0, "updated_at_us": now_us}
-            )
+            _advance(connection, owner, {"updated_at_us": now_us})
             if chunk.booking_rows:
                 connection.exec_driver_sql(self._sql.insert_bookings, list(chunk.booking_rows))
             elif chunk.lanes:
@@ -839,14 +827,14 @@ class SqlRecoveryStore:
         *,
         dry_run: bool = False,
     ) -> None:
-        with translated(self._engine), self._engine.connect() as connection:
+        with translated(self.engine), self.engine.connect() as connection:
             connection = connection.execution_options(ledger_write=True)
             range_parameters = (after_seq, through_seq)
             error: IntegrityError | None = None
             with connection.begin() as transaction:
                 if dry_run and not self._sqlite:
                     connection.exec_driver_sql(f"SET LOCAL lock_timeout = {DRY_RUN_LOCK_WAIT_MS}")
-                unknown = connection.exec_driver_sql(self._fold.unknown_kind, range_parameters)
+                unknown = connection.exec_driver_sql(self._sql.unknown_kind, range_parameters)
                 refused = unknown.first() is not None
                 if not refused:
                     if not dry_run:
@@ -856,7 +844,7 @@ class SqlRecoveryStore:
                             SqlTransaction(connection, self._sqlite).save_lane(policy)
                     try:
                         connection.exec_driver_sql(
-                            self._fold.fold, (after_seq, through_seq, through_seq, through_seq)
+                            self._sql.fold, (after_seq, through_seq, through_seq, through_seq)
                         )
                     except IntegrityError as caught:
                         refused, error = True, caught
@@ -864,7 +852,7 @@ class SqlRecoveryStore:
                     transaction.rollback()
             if refused:
                 with connection.begin():
-                    found = connection.exec_driver_sql(self._fold.problem, range_parameters).first()
+                    found = connection.exec_driver_sql(self._sql.problem, range_parameters).first()
                 if found is None:
                     # Refused by the database for a reason the fold does not know.
                     raise error or RebuildFailed(f"events after {after_seq} cannot be applied")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from ledger_service.domain.bookings import Booking
 from ledger_service.domain.chain import ChainWalker
 from ledger_service.domain.events import Event, EventKind
-from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy, members
+from ledger_service.domain.policies import LanePolicy, members
 from ledger_service.domain.replay import Projection
 from ledger_service.domain.window import WindowTotals, totals_of
 from ledger_service.recovery.rebuild import ProgressFn, lanes_of, no_progress, projection_findings
@@ -101,7 +101,12 @@ class Verifier:
         # A lane configured without a policy is left to its lane's replay to name.
         configured = self._events(kinds=(EventKind.LANE_CONFIGURED.value,))
         policies = {p.lane: p for p in lanes_of(e for e in configured if e.policy is not None)}
-        windows = _windows_needed(policies)
+        budgets = _budgets(policies)
+        # Each lane's bookings are summed in the window of every budget it is in.
+        windows: dict[str, set[int]] = {}
+        for lane, lanes in budgets.items():
+            for member in lanes:
+                windows.setdefault(member, set()).add(policies[lane].window_us)
         projected = {policy.lane: policy for policy in self._store.lanes()}
         own_totals: dict[tuple[str, int], WindowTotals] = {}
         total = self._store.count_events_after(0)
@@ -112,7 +117,7 @@ class Verifier:
             for window_us in windows.get(lane, ()):
                 own_totals[(lane, window_us)] = totals_of(replayed.values(), now_us, window_us)
             progress("verify", report.events, total, 0.0)
-        self._verify_windows(policies, own_totals, now_us, report)
+        self._verify_windows(policies, budgets, own_totals, now_us, report)
         return report
 
     def _verify_lane(
@@ -177,18 +182,15 @@ class Verifier:
     def _verify_windows(
         self,
         policies: Mapping[str, LanePolicy],
+        budgets: Mapping[str, list[str]],
         own_totals: Mapping[tuple[str, int], WindowTotals],
         now_us: int,
         report: VerificationReport,
     ) -> None:
-        children: dict[str, list[str]] = {}
-        for policy in policies.values():
-            if policy.parent:
-                children.setdefault(policy.parent, []).append(policy.lane)
         for lane in sorted(policies):
             window_us = policies[lane].window_us
             held = charged = open_count = 0
-            for member in members(lane, lambda name: children.get(name, ())):
+            for member in budgets[lane]:
                 part = own_totals.get((member, window_us), WindowTotals())
                 held += part.held_nanos
                 charged += part.charged_nanos
@@ -211,13 +213,10 @@ class Verifier:
                     )
 
 
-def _windows_needed(policies: Mapping[str, LanePolicy]) -> dict[str, set[int]]:
-    """Each lane's bookings are summed in its own window and its ancestors'."""
-    needed: dict[str, set[int]] = {}
-    for lane, policy in policies.items():
-        windows = needed.setdefault(lane, {policy.window_us})
-        ancestor, depth = policy.parent, 1
-        while ancestor and ancestor in policies and depth < MAX_BUDGET_DEPTH:
-            windows.add(policies[ancestor].window_us)
-            ancestor, depth = policies[ancestor].parent, depth + 1
-    return needed
+def _budgets(policies: Mapping[str, LanePolicy]) -> dict[str, list[str]]:
+    """Each lane's budget: the lanes whose bookings its window sums (`members`)."""
+    children: dict[str, list[str]] = {}
+    for policy in policies.values():
+        if policy.parent:
+            children.setdefault(policy.parent, []).append(policy.lane)
+    return {lane: members(lane, lambda name: children.get(name, ())) for lane in policies}

@@ -243,17 +243,16 @@ class Helpers:
                 links = self._store.link_rows(after, through)
             unsealed = walker.unsealed
             found = _walk_links(walker, links, set(content[0]))
-            heads = dict(walker.heads)
             unsealed = walker.unsealed - unsealed
-            yield WalkedRange(after, through, len(links), found, heads, unsealed, content[1])
+            yield WalkedRange(
+                after, through, len(links), found, dict(walker.heads), unsealed, content[1]
+            )
 
     def _submit(self, pairs: Sequence[tuple[int, int]]) -> list[concurrent.futures.Future[Any]]:
+        if self._pool is None:
+            return []
         try:
-            return (
-                [self._pool.submit(_content, self._url, *pair) for pair in pairs]
-                if self._pool
-                else []
-            )
+            return [self._pool.submit(_content, self._url, *pair) for pair in pairs]
         except (BrokenProcessPool, OSError) as error:  # a submit may start a process
             self._broken(error)
             return []

@@ -6,6 +6,7 @@ what does not depend on the dialect (the suite must stay fast).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -26,6 +27,7 @@ from ledger_service.recovery.rebuild import (
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.recovery.verify import VerificationReport, Verifier
 from tests.recovery.conftest import History, open_history
+from tests.storage.conftest import RECALL
 
 DEFAULT = RecoveryPolicy(max_budget_seconds=60.0, max_risk_score=0.3)
 
@@ -547,3 +549,21 @@ def test_a_read_of_a_booking_row_deleted_by_hand_is_refused_for_recovery(
         history.ledger.booking("recall", "r1")
     with pytest.raises(BookingNotFound):
         history.ledger.booking("recall", "never-reserved")
+
+
+def test_verify_sums_a_parent_budget_over_its_lanes_in_the_parents_window(
+    sqlite_history: History,
+) -> None:
+    """A parent's window holds its children's bookings, summed over the
+    parent's own window (here twice the child's): verify replays them so."""
+    history = sqlite_history
+    team = dataclasses.replace(RECALL, lane="team", window_us=2 * RECALL.window_us)
+    history.ledger.put_lane(team)
+    history.ledger.put_lane(dataclasses.replace(RECALL, lane="team-a", parent="team"))
+    history.ledger.reserve(ReserveCommand("team-a", "a1", "jev", 35_000, 1000))
+    history.clock.advance_us(RECALL.window_us + 1_000_000)
+    history.ledger.reserve(ReserveCommand("team-a", "a2", "jev", 35_000, 1000))
+    # a1 is out of the child's window but in the parent's: a parent summed in
+    # the child's window would be found 1400 short.
+    assert history.ledger.balance("team") != history.ledger.balance("team-a")
+    assert _verify(history) == []
