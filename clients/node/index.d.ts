@@ -141,6 +141,7 @@ export interface RefundRequest extends TraceOptions {
   reservationId: string;
   /** The provider's 4xx, or 0 when the call was never sent (then reason is required). */
   httpStatus?: number;
+  /** Printable text of at most 1,000 characters, sent as written (InvalidArgument otherwise). */
   reason?: string;
 }
 

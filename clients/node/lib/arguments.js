@@ -16,6 +16,11 @@ const MAX_REQUEST_BYTES = 2n ** 40n;
 const MAX_TOKENS = 10n ** 12n;
 const MAX_AMOUNT_NANOS = 2n ** 62n;
 const MAX_TTL_US = 7n * 86_400n * 1_000_000n;
+const MAX_REASON_LENGTH = 1000;
+// What Python's str.isprintable() refuses (the ledger's rule for a reason):
+// control, format and unassigned characters, lone surrogates, and every
+// separator but the ASCII space.
+const NOT_PRINTABLE = /(?! )[\p{C}\p{Z}]/u;
 const RESERVATION_ID = /^[\x21-\x7e]+$/;
 const DECIMAL = /^-?\d+$/;
 // What Python's str.strip() takes away (the ledger's test for a blank reason).
@@ -145,12 +150,19 @@ function checkReservationId(reservationId) {
   return reservationId;
 }
 
-/** A Refund's reason is text; one of a call never sent (httpStatus 0) is required. */
+/**
+ * A Refund's reason is printable text of at most 1,000 characters, sent as
+ * given; one of a call never sent (httpStatus 0) is required.
+ */
 function checkRefund({ httpStatus = 0, reason = '' }) {
   if (typeof reason !== 'string') throw invalidArgument('reason', 'must be a string');
   if ((httpStatus === 0 || httpStatus === 0n || httpStatus === '0') && (typeof reason !== 'string' || PYTHON_SPACE.test(reason))) {
     throw invalidArgument('reason', 'is required when http_status is 0 (a call that was never sent)');
   }
+  if (reason.length > MAX_REASON_LENGTH && characters(reason) > MAX_REASON_LENGTH) {
+    throw invalidArgument('reason', `must be at most ${MAX_REASON_LENGTH} characters`);
+  }
+  if (NOT_PRINTABLE.test(reason)) throw invalidArgument('reason', 'must be printable text');
 }
 
 /** A fresh reservation id: 32 hex digits, as the Python client's new_reservation_id. */
@@ -158,4 +170,4 @@ function newReservationId() {
   return randomUUID().replaceAll('-', '');
 }
 
-module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH };
+module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, NOT_PRINTABLE };

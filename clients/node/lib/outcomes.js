@@ -6,6 +6,7 @@
 // moves".
 
 const wire = require('./wire');
+const { NOT_PRINTABLE } = require('./arguments');
 
 const Ending = Object.freeze({
   /** Settle SUCCEEDED with the usage: charged the real cost. */
@@ -37,13 +38,15 @@ const NOT_SENT_REASON = 'the call was never sent';
 // The callback returned nothing (undefined or null): settled UNKNOWN, with a
 // warning, as the Python client's model_call block that reports nothing.
 const NO_OUTCOME_REASON = 'the callback ended without reporting an outcome';
-// The server refuses a refund reason over 1000 characters or one that Python's
-// str.isprintable() refuses: control characters, and every separator but the
-// ASCII space.
+// A call's own reason (its callback's, or its CallNotSent's) must not keep its
+// booking from ending: what the ledger would refuse as not printable becomes a
+// space, and it is cut to 200 characters, never inside one, as the Python
+// client's _printable_reason does.
 const MAX_REASON_LENGTH = 200;
 
 function printable(text) {
-  return String(text).replace(/[\p{C}\p{Z}]/gu, ' ').trim().slice(0, MAX_REASON_LENGTH);
+  const spaced = String(text).replace(new RegExp(NOT_PRINTABLE.source, 'gu'), ' ');
+  return Array.from(spaced).slice(0, MAX_REASON_LENGTH).join('').trim();
 }
 
 /**

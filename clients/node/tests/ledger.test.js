@@ -13,6 +13,7 @@ const {
   Completed,
   Denied,
   markNotSent,
+  CallNotSent,
   InvalidArgument,
   UnknownModel,
   TtlExceedsHoldTtl,
@@ -146,6 +147,32 @@ describe('call()', () => {
     const booking = await client.booking(reservationId);
     assert.equal(booking.state, 'REFUNDED');
     assert.equal(booking.amountNanos, 0n);
+  });
+
+  test("a never-sent call's reason is cut at 200 characters, as the Python client's, never inside one", async () => {
+    const client = await laneClient('not-sent-long');
+    let reservationId;
+    // 1 + 300 characters, 601 UTF-16 units: a cut at unit 200 would split a pair.
+    const reason = `n${'\u{1F600}'.repeat(300)}`;
+    await assert.rejects(
+      client.call(REQUEST, async (booking) => {
+        reservationId = booking.reservationId;
+        throw new CallNotSent(reason);
+      }),
+      CallNotSent,
+    );
+    const refunded = (await ledger.events('not-sent-long')).find((event) => event.kind === 'refunded');
+    assert.equal(refunded.reservation_id, reservationId);
+    assert.equal(refunded.reason, `n${'\u{1F600}'.repeat(199)}`);
+  });
+
+  test('a bare refund() sends its reason whole, up to the 1,000 characters the ledger keeps', async () => {
+    const client = await laneClient('refund-reason');
+    const reason = 'r'.repeat(1000);
+    await client.reserve({ ...REQUEST, reservationId: 'whole-reason' });
+    await client.refund({ reservationId: 'whole-reason', reason });
+    const refunded = (await ledger.events('refund-reason')).find((event) => event.kind === 'refunded');
+    assert.equal(refunded.reason, reason);
   });
 
   test('unknown outcomes are charged at the hold, never more', async () => {

@@ -22,6 +22,7 @@ MAX_AMOUNT_NANOS = 2**62
 MAX_RESERVATION_ID_LENGTH = 200
 MAX_MODEL_LENGTH = 200
 MAX_TTL_US = 7 * 86_400 * 1_000_000
+MAX_REASON_LENGTH = 1000
 _RESERVATION_ID = re.compile(r"[\x21-\x7e]+")
 
 
@@ -71,6 +72,15 @@ def check_reservation_id(reservation_id: object) -> None:
         )
     if not _RESERVATION_ID.fullmatch(reservation_id):
         raise invalid_argument("reservation_id", "must be printable ASCII without spaces")
+
+
+def check_refund_reason(reason: str) -> None:
+    """A bare Refund's reason by the ledger's rule (RefundCommand): sent as the
+    lane wrote it, so refused here rather than cut or rewritten."""
+    if len(reason) > MAX_REASON_LENGTH:
+        raise invalid_argument("reason", f"must be at most {MAX_REASON_LENGTH} characters")
+    if not reason.isprintable():
+        raise invalid_argument("reason", "must be printable text")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ledger_client.bookings import (
     Reservation,
     ReserveArguments,
     Settled,
+    check_refund_reason,
     check_reservation_id,
     new_reservation_id,
 )
@@ -527,7 +528,8 @@ class LaneClient:
         """The provider refused the call (its 4xx status), or it was never sent
         (http_status 0 and a reason)."""
         ending = Ending(Settlement.REFUND, http_status, None, reason)
-        result = self.end(reservation_id, ending, deadline_seconds=deadline_seconds)
+        check_refund_reason(reason)
+        result = self._send_end(reservation_id, ending, deadline_seconds, "")
         assert isinstance(result, Refunded)
         return result
 
@@ -539,10 +541,22 @@ class LaneClient:
         deadline_seconds: float | None = None,
         trace_id: str = "",
     ) -> Settled | Refunded:
-        """Sends the move an Ending stands for: Settle or Refund."""
-        check_reservation_id(reservation_id)
+        """Sends the move an Ending stands for: Settle or Refund. A Refund's
+        reason (a model call's, from its callback or exception) is made
+        printable and cut to `max_reason_length` first."""
         if ending.settlement is Settlement.REFUND:
             ending = _printable_reason(ending, self.settings.max_reason_length)
+        return self._send_end(reservation_id, ending, deadline_seconds, trace_id)
+
+    def _send_end(
+        self,
+        reservation_id: str,
+        ending: Ending,
+        deadline_seconds: float | None,
+        trace_id: str,
+    ) -> Settled | Refunded:
+        check_reservation_id(reservation_id)
+        if ending.settlement is Settlement.REFUND:
             refund = convert.refund_request(self.lane, reservation_id, ending)
             refunded: pb.RefundResponse = self._invoke(
                 self._stub.Refund, refund, deadline_seconds, trace_id

@@ -450,6 +450,17 @@ def test_a_refund_with_neither_status_nor_reason_is_the_ledgers_invalid_argument
     assert from_reserve.value.field == "model"
 
 
+def test_a_bare_refund_sends_its_reason_whole(client: LaneClient, admin: Admin) -> None:
+    # Up to the 1,000 characters the ledger keeps, as the Node client's refund():
+    # only a model call's own reason is cut (to 200) and made printable.
+    reason = "r" * 1000
+    booked = client.reserve("model-a", 10, 10)
+    client.refund(booked.reservation_id, reason=reason)
+    (refunded,) = [event for event in admin.events(client.lane) if event.kind == "refunded"
+                   and event.reservation_id == booked.reservation_id]  # fmt: skip
+    assert refunded.reason == reason
+
+
 # Which budget said no ----------------------------------------------------------------
 
 

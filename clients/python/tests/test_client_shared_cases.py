@@ -17,7 +17,7 @@ from ledger_client import errors
 from ledger_client.bookings import ReserveArguments
 from ledger_client.client import LaneClient
 from ledger_client.context import estimate_tokens, payload_bytes
-from ledger_client.outcomes import RULES, CallFailure, Ending, Settlement, rule_for
+from ledger_client.outcomes import RULES, CallFailure, Settlement, rule_for
 from ledger_client.pricing import ModelPrice, cap_nanos, request_tokens
 
 CASES_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "cases"
@@ -312,14 +312,16 @@ def test_settle_refund_and_booking_refuse_the_reservation_ids_reserve_refuses(
 
 @pytest.mark.parametrize("case", ARGUMENTS["refund"], ids=lambda case: case["why"])
 def test_refund_arguments(case: dict[str, Any]) -> None:
-    def ending() -> Ending:
-        return Ending(Settlement.REFUND, case["set"]["http_status"], None, case["set"]["reason"])
-
-    if case.get("accepted"):
-        ending()
-        return
-    with _refusal(case) as caught:
-        ending()
+    # Nothing listens at the address: an accepted Refund goes out and finds
+    # no ledger; a refused one is never sent.
+    http_status, reason = case["set"]["http_status"], case["set"]["reason"]
+    with LaneClient("127.0.0.1:9", "lane") as client:
+        if case.get("accepted"):
+            with pytest.raises(errors.LedgerUnavailable):
+                client.refund("r-1", http_status=http_status, reason=reason)
+            return
+        with _refusal(case) as caught:
+            client.refund("r-1", http_status=http_status, reason=reason)
     _check_refusal(caught.value, case)
 
 
