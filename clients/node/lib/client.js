@@ -25,7 +25,7 @@ const wire = require('./wire');
 const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, newReservationId, GrantError } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
-const { Journal, Source, Settlement, ReplayResult, newEntry, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
+const { Journal, Source, Settlement, ReplayResult, newEntry, checkJournalLimits, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
 const { OutagePolicy, OutageMode, Allowance, DenialReason, CallSource, argumentsOf, isJournalTrouble } = require('./outage');
 const { Replayer, replaySettingsOf, emptyReport, IN_DOUBT_REASON } = require('./replay');
 
@@ -632,6 +632,7 @@ class LaneClient {
       maxBytes: options.maxJournalBytes ?? JOURNAL_DEFAULTS.maxJournalBytes,
       rotateBytes: options.rotateJournalBytes ?? JOURNAL_DEFAULTS.rotateJournalBytes,
     };
+    checkJournalLimits(this._journalLimits.maxBytes, this._journalLimits.rotateBytes);
     this._logger = checkLogger(options.logger === undefined ? console : options.logger);
     this._journal = null;
     this._allowance = null;

@@ -657,6 +657,16 @@ function unusable(file, error) {
 }
 
 /** The durable, append-only record of what the ledger has not heard yet. */
+/**
+ * The journal's size limits, checked whether or not a journal is in use (as
+ * the Python client's ClientSettings): a RangeError out of bounds.
+ */
+function checkJournalLimits(maxBytes, rotateBytes) {
+  if (!(Number.isSafeInteger(rotateBytes) && Number.isSafeInteger(maxBytes) && rotateBytes > 0 && rotateBytes <= maxBytes && maxBytes <= MAX_JOURNAL_BYTES)) {
+    throw new RangeError('need 0 < rotateJournalBytes <= maxJournalBytes <= 1 GiB');
+  }
+}
+
 class Journal {
   /**
    * Opens (or creates) the journal and takes its lock; throws JournalLocked
@@ -668,9 +678,7 @@ class Journal {
    */
   constructor(file, lane, { maxBytes = DEFAULT_MAX_JOURNAL_BYTES, rotateBytes = DEFAULT_ROTATE_JOURNAL_BYTES } = {}) {
     if (typeof file !== 'string' || file === '') throw new TypeError('the journal needs a path');
-    if (!(Number.isSafeInteger(rotateBytes) && Number.isSafeInteger(maxBytes) && rotateBytes > 0 && rotateBytes <= maxBytes && maxBytes <= MAX_JOURNAL_BYTES)) {
-      throw new RangeError('need 0 < rotateJournalBytes <= maxJournalBytes <= 1 GiB');
-    }
+    checkJournalLimits(maxBytes, rotateBytes);
     this.path = path.resolve(file);
     this.lane = lane;
     this._maxBytes = maxBytes;
@@ -891,6 +899,7 @@ class Journal {
 }
 
 module.exports = {
+  checkJournalLimits,
   Journal,
   JournalError,
   JournalFull,

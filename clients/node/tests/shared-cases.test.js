@@ -1,7 +1,8 @@
 'use strict';
 // The cases both clients run (clients/cases/*.json): the outcome table, the
-// error table, local pricing and the arguments refused before any call, against this client's lib/outcomes.js,
-// lib/errors.js and lib/pricing.js. The Python client runs the same files in
+// error table, local pricing, the arguments refused before any call and the
+// client's settings, against this client's lib/outcomes.js, lib/errors.js,
+// lib/pricing.js and LaneClient. The Python client runs the same files in
 // clients/python/tests/test_client_shared_cases.py; the server's tests
 // (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the files
 // say what the server does.
@@ -377,6 +378,31 @@ describe('request byte cases', () => {
       assert.equal(Buffer.byteLength(bytesCase.json, 'utf8'), bytesCase.bytes);
       // 1,000 bytes a token: the estimate is the byte count.
       assert.equal(estimateTokens(value, 1000), bytesCase.bytes);
+    });
+  }
+});
+
+// --- settings ----------------------------------------------------------------
+
+const SETTINGS = load('settings.json');
+
+describe('settings cases', () => {
+  /** The client made with one setting, closed at once; nothing listens at NOWHERE. */
+  const made = (name, value) => {
+    const client = new LaneClient(NOWHERE, 'settings', { [name]: value, logger: null });
+    client.close();
+    return client;
+  };
+  for (const setting of SETTINGS.settings) {
+    test(`${setting.node}: its default and bounds`, () => {
+      if ('default' in setting) assert.equal(made(setting.node, undefined)[setting.node], setting.default);
+      for (const value of setting.accepted) made(setting.node, value);
+      for (const value of setting.refused) assert.throws(() => made(setting.node, value), RangeError, `${setting.node} ${value}`);
+    });
+  }
+  for (const constant of SETTINGS.constants) {
+    test(`${constant.node} is ${constant.value}`, () => {
+      assert.equal(require('..')[constant.node], constant.value);
     });
   }
 });

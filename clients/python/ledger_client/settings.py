@@ -94,9 +94,9 @@ class ClientSettings:
     end_attempts: int = DEFAULT_END_ATTEMPTS
     # Calls this client has at the ledger at once. One more waits for a slot up
     # to its deadline, then fails as an overloaded ledger does (LedgerOverloaded,
-    # the outage mode): the server's 256 calls at once are shared by every lane
-    # first come first served, and a lane looping on its calls would crowd the
-    # others out.
+    # the outage mode). The server runs at most 96 calls of one grant at once
+    # (max_calls_per_grant; one more is TooManyCalls): 64 keeps a lone client
+    # under it, with room for calls it gave up on that the server still runs.
     max_calls_in_flight: int = DEFAULT_MAX_CALLS_IN_FLIGHT
 
     def __post_init__(self) -> None:

@@ -3,17 +3,19 @@ error table and local pricing, against this client's own code. The Node client
 runs the same files in clients/node/tests/shared-cases.test.js; the server's
 tests (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the
 files say what the server does. arguments.json: what each client refuses
-itself, before any call; bytes.json: how a JSON request's bytes are counted."""
+itself, before any call; bytes.json: how a JSON request's bytes are counted;
+settings.json: the client settings' defaults and bounds, and shared constants."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 from typing import Any
 
 import grpc
 import pytest
-from ledger_client import errors
+from ledger_client import ClientSettings, errors
 from ledger_client.bookings import ReserveArguments
 from ledger_client.client import LaneClient
 from ledger_client.context import estimate_tokens, payload_bytes
@@ -368,3 +370,32 @@ def test_a_call_with_a_deadline_out_of_range_is_refused_before_it_goes_out(
         assert caught.value.field == "deadline_seconds"
         with pytest.raises(errors.InvalidArgument):
             client.refund("r-1", http_status=429, deadline_seconds=deadline)  # type: ignore[arg-type]
+
+
+# --- settings ---------------------------------------------------------------
+
+SETTINGS = _load("settings.json")
+
+
+def _seconds_or_count(setting: dict[str, Any], value: int | None) -> float | int | None:
+    """The case's value as Python's setting takes it: milliseconds as seconds."""
+    return value / 1000 if setting.get("ms") and value is not None else value
+
+
+@pytest.mark.parametrize("setting", SETTINGS["settings"], ids=lambda setting: setting["python"])
+def test_setting_defaults_and_bounds(setting: dict[str, Any]) -> None:
+    name = setting["python"]
+    if "default" in setting:
+        assert getattr(ClientSettings(), name) == _seconds_or_count(setting, setting["default"])
+    for value in setting["accepted"]:
+        ClientSettings(**{name: _seconds_or_count(setting, value)})
+    for value in setting["refused"]:
+        with pytest.raises(ValueError):
+            ClientSettings(**{name: _seconds_or_count(setting, value)})
+
+
+@pytest.mark.parametrize("constant", SETTINGS["constants"], ids=lambda constant: constant["node"])
+def test_shared_constants(constant: dict[str, Any]) -> None:
+    module, _, name = constant["python"].rpartition(".")
+    value = getattr(importlib.import_module(module), name)
+    assert value == _seconds_or_count(constant, constant["value"])
