@@ -1,8 +1,9 @@
 'use strict';
 // The cases both clients run (clients/cases/*.json): the outcome table, the
 // error table, local pricing, the arguments refused before any call and the
-// client's settings, against this client's lib/outcomes.js, lib/errors.js,
-// lib/pricing.js and LaneClient. The Python client runs the same files in
+// client's settings and the usage read from a provider's body, against this
+// client's lib/outcomes.js, lib/errors.js, lib/pricing.js, lib/usage.js and
+// LaneClient. The Python client runs the same files in
 // clients/python/tests/test_client_shared_cases.py; the server's tests
 // (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the files
 // say what the server does.
@@ -403,6 +404,35 @@ describe('settings cases', () => {
   for (const constant of SETTINGS.constants) {
     test(`${constant.node} is ${constant.value}`, () => {
       assert.equal(require('..')[constant.node], constant.value);
+    });
+  }
+});
+
+// --- usage -------------------------------------------------------------------
+
+const USAGE = load('usage.json');
+
+describe('usage cases', () => {
+  const { usageOf } = require('../lib/usage');
+  for (const usageCase of USAGE.cases) {
+    test(usageCase.why, () => {
+      const body = JSON.parse(usageCase.body);
+      if (usageCase.refused) {
+        assert.throws(() => usageOf(body), (error) => error instanceof TypeError || error instanceof RangeError);
+        return;
+      }
+      const usage = usageOf(body);
+      if (usageCase.usage === null) {
+        assert.equal(usage, null);
+        return;
+      }
+      const expected = usageCase.usage;
+      assert.deepEqual(usage, {
+        inputTokens: BigInt(expected.input_tokens),
+        outputTokens: BigInt(expected.output_tokens),
+        cachedInputTokens: BigInt(expected.cached_input_tokens),
+        cacheWriteTokens: BigInt(expected.cache_write_tokens),
+      });
     });
   }
 });

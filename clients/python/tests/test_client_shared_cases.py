@@ -4,10 +4,12 @@ runs the same files in clients/node/tests/shared-cases.test.js; the server's
 tests (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the
 files say what the server does. arguments.json: what each client refuses
 itself, before any call; bytes.json: how a JSON request's bytes are counted;
-settings.json: the client settings' defaults and bounds, and shared constants."""
+settings.json: the client settings' defaults and bounds, and shared constants;
+usage.json: how a provider's response body is read into the usage."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import pathlib
@@ -21,6 +23,7 @@ from ledger_client.client import LaneClient
 from ledger_client.context import estimate_tokens, payload_bytes
 from ledger_client.outcomes import RULES, CallFailure, Settlement, rule_for
 from ledger_client.pricing import ModelPrice, cap_nanos, request_tokens
+from ledger_client.usage import usage_of
 
 CASES_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "cases"
 
@@ -399,3 +402,23 @@ def test_shared_constants(constant: dict[str, Any]) -> None:
     module, _, name = constant["python"].rpartition(".")
     value = getattr(importlib.import_module(module), name)
     assert value == _seconds_or_count(constant, constant["value"])
+
+
+# --- usage ------------------------------------------------------------------
+
+USAGE = _load("usage.json")
+
+
+@pytest.mark.parametrize("case", USAGE["cases"], ids=lambda case: case["why"])
+def test_usage_case(case: dict[str, Any]) -> None:
+    body = json.loads(case["body"])
+    if case.get("refused"):
+        with pytest.raises(ValueError):
+            usage_of(body)
+        return
+    usage = usage_of(body)
+    if case["usage"] is None:
+        assert usage is None
+        return
+    assert usage is not None
+    assert dataclasses.asdict(usage) == {**case["usage"], "billed_nanos": None}
