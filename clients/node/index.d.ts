@@ -440,9 +440,9 @@ export class Completed<R = CallReport> {
   journaled: boolean;
 }
 
-/** How long close() waits for the calls under way by default: 5000 ms. */
-/** After close()'s grace, the journal stays open this long at most for the call()s cut off to journal their endings. */
+/** After close()'s grace, the journal stays open this long at most for the call()s cut off to journal their endings: 1000 ms. */
 export const CLOSE_JOURNAL_WAIT_MS: number;
+/** How long close() waits for the calls under way by default: 5000 ms. */
 export const DEFAULT_CLOSE_GRACE_MS: number;
 export const DEFAULT_DEADLINE_MS: number;
 export const DEFAULT_END_ATTEMPTS: number;
@@ -635,6 +635,13 @@ export function isLedgerUnavailable(error: unknown): boolean;
  */
 export function resendsReserve(error: unknown): boolean;
 
+/**
+ * The wire's gRPC clients, for what LaneClient does not call (ListEvents,
+ * WatchEvents, the test clock). Their messages keep the proto's snake_case
+ * field names (`page_size`, not `pageSize`) and carry int64s as decimal
+ * strings; send the grant yourself (`authorization: Bearer <grant>` metadata)
+ * and turn an error into this package's classes with ledgerErrorOf().
+ */
 export function ledgerPackage(): {
   Ledger: ServiceClientConstructor;
   LaneAdmin: ServiceClientConstructor;
@@ -672,7 +679,12 @@ export class ChargeExceedsCapMultiple extends InvalidArgument {}
 export class SumOutOfRange extends InvalidArgument {}
 /** The ledger refused the request for its size (gRPC's bare RESOURCE_EXHAUSTED, "message larger than max"); field 'request'. */
 export class RequestTooLarge extends InvalidArgument {}
-/** The `tls` option set for a ledger serving plaintext ("wrong version number"): no outage, fix the option. */
+/**
+ * The `tls` option does not match the ledger: set for a ledger serving
+ * plaintext, left out for one serving TLS, rootCerts or a name its certificate
+ * does not carry, or a clientCert (or none) a mutual-TLS ledger refuses (see
+ * README, "Errors"). Every retry meets it again: no retry, no outage.
+ */
 export class TlsMismatch extends Refusal {}
 export class NotFound extends Refusal {}
 export class LaneNotFound extends NotFound {}
