@@ -279,6 +279,38 @@ function refundedAfterUnanswered(reservationId) {
   );
 }
 
+/**
+ * A call() under the id of one this client's call() was admitted under: the
+ * ledger would answer its Reserve with that first answer, admitted, and the
+ * model call made again could never be settled (the booking is, or will be,
+ * ended by the first call).
+ */
+function usedByCall(reservationId) {
+  return new ReservationIdReused(
+    `reservation ${reservationId} was already admitted to a call() of this client; the ledger would answer a Reserve ` +
+      'under it with its first answer, and this model call could never be booked: send the call under a new reservation id',
+    { code: grpc.status.ALREADY_EXISTS, reason: 'RESERVATION_ID_REUSED' },
+  );
+}
+
+/** The latest `limit` ids, oldest forgotten first. */
+class RecentIds {
+  constructor(limit) {
+    this._limit = limit;
+    this._ids = new Set();
+  }
+
+  add(id) {
+    this._ids.delete(id);
+    this._ids.add(id);
+    while (this._ids.size > this._limit) this._ids.delete(this._ids.values().next().value);
+  }
+
+  has(id) {
+    return this._ids.has(id);
+  }
+}
+
 /** A Reserve the ledger denied, or the outage mode did: the call was not made. */
 class Denied {
   constructor(answer, ledgerError = null) {
@@ -638,6 +670,8 @@ class LaneClient {
     this._allowance = null;
     this._replayer = null;
     this._refunds = new BackgroundRefunds();
+    // The ids the ledger admitted a call() under: a call() under one again is refused.
+    this._admittedIds = new RecentIds(MAX_ENDED_IDS);
     // The Settles and Refunds of calls whose model call has returned.
     this._endings = new Set();
     // The call()s under way, from their Reserve to their ending: close() waits for them.
@@ -1115,6 +1149,7 @@ class LaneClient {
 
   async _call(request, fn, trace) {
     const { reservationId } = request;
+    if (this._admittedIds.has(reservationId)) throw usedByCall(reservationId);
     this._refuseRefundedInDoubt(reservationId);
     const unclear = await this._clearRefund(reservationId, trace);
     if (unclear !== null) return unclear;
@@ -1125,6 +1160,7 @@ class LaneClient {
       const answer = await this._reserveResending(request, trace, sent);
       if (answer instanceof Denied) return answer; // the id's refund has no answer yet
       if (!answer.admitted) return new Denied(answer);
+      this._admittedIds.add(reservationId);
       await this._supersedeInDoubt(reservationId);
       this._wakeReplayer();
       booking = { ...answer, source: CallSource.LEDGER };

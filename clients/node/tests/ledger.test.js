@@ -175,6 +175,25 @@ describe('call()', () => {
     assert.equal(refunded.reason, reason);
   });
 
+  test('a call() under an id a call() of this client was admitted under is refused: the model call is not made again', async () => {
+    const client = await laneClient('id-used');
+    const first = await client.call({ ...REQUEST, reservationId: 'used-once' }, async () => ({
+      httpStatus: 200,
+      usage: { inputTokens: 900, outputTokens: 20 },
+    }));
+    assert.equal(first.ending, 'SUCCEEDED');
+    let ran = false;
+    await assert.rejects(
+      client.call({ ...REQUEST, reservationId: 'used-once' }, async () => {
+        ran = true;
+        return { httpStatus: 200, usage: { inputTokens: 900, outputTokens: 20 } };
+      }),
+      (error) => error instanceof ReservationIdReused && error.message.includes('used-once') && !error.retryable,
+    );
+    assert.equal(ran, false);
+    assert.equal((await client.balance()).chargedNanos, first.chargedNanos);
+  });
+
   test('unknown outcomes are charged at the hold, never more', async () => {
     const client = await laneClient('unknown');
     const timeout = Object.assign(new Error('The operation was aborted due to timeout'), { name: 'TimeoutError' });

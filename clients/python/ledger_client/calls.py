@@ -167,6 +167,40 @@ def refunded_after_unanswered(reservation_id: str) -> ReservationConflict:
     )
 
 
+def used_by_model_call(reservation_id: str) -> ReservationConflict:
+    """A model call under the id of one this client's model call was admitted
+    under: the ledger would answer its Reserve with that first answer,
+    admitted, and the model call made again could never be booked."""
+    return ReservationConflict(
+        grpc.StatusCode.ALREADY_EXISTS,
+        "RESERVATION_ID_REUSED",
+        f"reservation {reservation_id} was already admitted to a model call of this client; "
+        "the ledger would answer a Reserve under it with its first answer, and this model "
+        "call could never be booked: send the call under a new reservation_id",
+    )
+
+
+class AdmittedIds:
+    """The ids the ledger admitted this client's model calls under: the latest
+    `limit`, oldest forgotten first (the Node client's RecentIds)."""
+
+    def __init__(self, limit: int = MAX_ENDED_IDS) -> None:
+        self._limit = limit
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, reservation_id: str) -> None:
+        with self._lock:
+            self._ids.pop(reservation_id, None)
+            self._ids[reservation_id] = None
+            while len(self._ids) > self._limit:
+                self._ids.popitem(last=False)
+
+    def __contains__(self, reservation_id: object) -> bool:
+        with self._lock:
+            return reservation_id in self._ids
+
+
 class BackgroundRefunds:
     """Refunds of unanswered Reserves, sent in threads of their own, off the
     call's path, with the client's usual deadline: at most `limit` at a time,
@@ -443,6 +477,8 @@ class CallSupport:
     deadline_seconds: float = DEFAULT_DEADLINE_SECONDS
     # Refuses a block once the client is closing; counts it while under way.
     gate: CallGate | None = None
+    # The ids the ledger admitted a model call under: a block under one again is refused.
+    admitted_ids: AdmittedIds | None = None
 
 
 class CallSource(enum.Enum):
@@ -571,6 +607,9 @@ class ModelCall:
     def _reserve(self) -> CallHandle:
         arguments = self._arguments
         support = self._support
+        admitted_ids = support.admitted_ids
+        if admitted_ids is not None and arguments.reservation_id in admitted_ids:
+            raise used_by_model_call(arguments.reservation_id)
         self._clear_refund(support.deadline_seconds)
         try:
             reservation = self._send_reserve()
@@ -596,6 +635,8 @@ class ModelCall:
                 arguments.reservation_id,
                 reservation.denied_by,
             )
+        if admitted_ids is not None:
+            admitted_ids.add(arguments.reservation_id)
         self._supersede_in_doubt()
         self._wake_replayer()
         return CallHandle(

@@ -209,6 +209,24 @@ def test_model_calls_end_by_the_table(client: LaneClient, reader: LaneClient, ad
     assert traced == [ok.trace_id, ok.trace_id], "one trace for the reserve and the settle"
 
 
+def test_a_model_call_under_an_id_already_admitted_is_refused(
+    client: LaneClient, reader: LaneClient
+) -> None:
+    # The ledger would answer its Reserve with the first answer, admitted, and
+    # the model call made again could never be booked (as the Node client's call()).
+    with client.model_call("model-a", REQUEST, 500, reservation_id="used-once") as first:
+        first.succeeded(input_tokens=900, output_tokens=100)
+    entered = False
+    with (
+        pytest.raises(ReservationConflict, match="used-once"),
+        client.model_call("model-a", REQUEST, 500, reservation_id="used-once") as again,
+    ):
+        entered = True
+        again.succeeded(input_tokens=900, output_tokens=100)
+    assert not entered
+    assert reader.balance().charged_nanos == 1_100
+
+
 def test_a_denial_tells_the_lane_when_to_retry(
     ledger_server: LedgerProcess, admin: Admin, lane_grant: str
 ) -> None:
