@@ -21,7 +21,6 @@ UNIMPLEMENTED.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
@@ -55,11 +54,14 @@ class ArrivalWatch:
         self._arrival_seconds = arrival_seconds
         self._max_waiting = max_waiting
         self._threads = threads
-        self._serving = 0
+        # The calls' paths take the lock itself: the condition's own `with`
+        # costs a Python call more, on every call (docs/benchmarks.md).
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._serving = _ServingCount(self._lock)
         # By arrival (the numbers increase): when each started, and its context.
         self._waiting: dict[int, tuple[float, grpc.ServicerContext]] = {}
         self._numbers = itertools.count()
-        self._changed = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         # The watchman sleeps without a timeout while no call waits: only then
@@ -71,7 +73,7 @@ class ArrivalWatch:
         """The first message of `requests`. Ends the call (raises) when it was
         cancelled before the message came, or the request ended without one."""
         number = next(self._numbers)
-        with self._changed:
+        with self._lock:
             self._waiting[number] = (time.monotonic(), context)
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(
@@ -91,19 +93,13 @@ class ArrivalWatch:
             # answer of None (an ERROR and a traceback in the log).
             context.abort(grpc.StatusCode.CANCELLED, ARRIVAL_MESSAGE)
         finally:
-            with self._changed:
+            with self._lock:
                 del self._waiting[number]
 
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """Counts a call as holding one of the pool's threads while inside."""
-        with self._changed:
-            self._serving += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._serving -= 1
+    def serving(self) -> _ServingCount:
+        """Counts a call as holding one of the pool's threads while inside
+        (`with watch.serving():`; one object serves every call)."""
+        return self._serving
 
     def close(self) -> None:
         with self._changed:
@@ -127,7 +123,7 @@ class ArrivalWatch:
     def _late(self, now: float) -> list[int]:
         """The calls to cancel: those past the bound, and while too many
         wait while no thread is free, the oldest past PRESSED_ARRIVAL_SECONDS."""
-        pressed = self._serving >= self._threads
+        pressed = self._serving.count >= self._threads
         over = len(self._waiting) - self._max_waiting if pressed else 0
         late = []
         for number, (started, _) in self._waiting.items():
@@ -138,6 +134,25 @@ class ArrivalWatch:
             elif over <= 0:
                 break  # the rest came later still
         return late
+
+
+class _ServingCount:
+    """How many calls hold one of the pool's threads, under the watch's lock;
+    a block `with` it counts as one. It keeps no call's own state, so one
+    object serves every call (a contextlib generator, made afresh each call,
+    cost several times its two increments: docs/benchmarks.md)."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock
+        self.count = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def __exit__(self, *_exception: object) -> None:
+        with self._lock:
+            self.count -= 1
 
 
 class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
@@ -159,13 +174,13 @@ class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-ar
             return handler
         if getattr(handler.unary_unary or handler.unary_stream, "experimental_non_blocking", False):
             return handler
-        first, serving = self._watch.first_request, self._watch.serving
+        first, serving = self._watch.first_request, self._watch.serving()
         decode, encode = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary is not None:
             answer = handler.unary_unary
 
             def unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                with serving():
+                with serving:
                     return answer(first(requests, context), context)
 
             return grpc.stream_unary_rpc_method_handler(unary, decode, encode)
@@ -173,7 +188,7 @@ class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-ar
         assert stream is not None, "a handler with one request message is unary or streams"
 
         def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            with serving():
+            with serving:
                 yield from stream(first(requests, context), context)
 
         return grpc.stream_stream_rpc_method_handler(streaming, decode, encode)

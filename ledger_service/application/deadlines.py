@@ -8,10 +8,9 @@ of gRPC: a deadline here is an instant of time.monotonic().
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 _CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "ledger_call_deadline", default=None
@@ -31,11 +30,22 @@ def work_deadline(request_deadline_seconds: float) -> float:
     return deadline if caller is None else min(deadline, caller)
 
 
-@contextlib.contextmanager
-def answering_by(deadline: float | None) -> Iterator[None]:
+def answering_by(deadline: float | None) -> AbstractContextManager[None]:
     """Runs the block with `deadline` as the current call's deadline."""
-    token = _CALL_DEADLINE.set(deadline)
-    try:
-        yield
-    finally:
-        _CALL_DEADLINE.reset(token)
+    return _AnsweringBy(deadline)
+
+
+class _AnsweringBy:
+    # A class, not contextlib's generator: every call passes through it, and
+    # the generator's machinery cost several times the contextvar's set and
+    # reset (docs/benchmarks.md, "the call path's layers, cut").
+    __slots__ = ("_deadline", "_token")
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        self._token = _CALL_DEADLINE.set(self._deadline)
+
+    def __exit__(self, *_exception: object) -> None:
+        _CALL_DEADLINE.reset(self._token)
