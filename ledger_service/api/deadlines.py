@@ -9,15 +9,12 @@ a tenth of the time left, at most ANSWER_MARGIN_SECONDS.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-from ledger_service.api.errors import Behaviour, wrap_handler
+from ledger_service.api.errors import Behaviour, WrappingInterceptor
 from ledger_service.application import deadlines
-
-if TYPE_CHECKING:
-    from ledger_service.api.pipeline import Continuation, Handler
 
 ANSWER_MARGIN_SECONDS = 0.25
 PASSED_BEFORE_SERVED = "the call's deadline passed before the ledger could serve it"
@@ -31,19 +28,13 @@ def deadline_of(context: grpc.ServicerContext) -> float | None:
     return time.monotonic() + remaining - min(ANSWER_MARGIN_SECONDS, remaining / 10)
 
 
-class CallDeadlineInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+class CallDeadlineInterceptor(WrappingInterceptor):
     """Runs every unary-answer handler under its caller's deadline. A stream's
     handler is left alone: each store transaction it runs keeps the store's
     own request deadline, and a long watch outlives any one of them."""
 
-    def intercept_service(
-        self,
-        continuation: Continuation,
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler | None:
-        return wrap_handler(
-            continuation, handler_call_details, unary=_bounded, stream=lambda behaviour: behaviour
-        )
+    def wrap_unary(self, behaviour: Behaviour) -> Behaviour:
+        return _bounded(behaviour)
 
 
 def _bounded(behaviour: Behaviour) -> Behaviour:

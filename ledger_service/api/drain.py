@@ -18,16 +18,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from ledger_service.api.auth import is_open
-from ledger_service.api.errors import Behaviour, wrap_handler
+from ledger_service.api.errors import Behaviour, WrappingInterceptor
 from ledger_service.domain.errors import ShuttingDown
-
-if TYPE_CHECKING:
-    from ledger_service.api.pipeline import Continuation, Handler
 
 # The shortest drain: long enough for grpcio to hand every call that reached it
 # before the drain began to a (free) worker, which answers or holds it.
@@ -37,7 +34,7 @@ SETTLE_SECONDS = 0.1
 HOLD_MARGIN_SECONDS = 0.05
 
 
-class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
+class Drain(WrappingInterceptor):
     def __init__(self) -> None:
         # The calls' paths take the lock itself: the condition's own `with`
         # costs a Python call more, on every call (docs/benchmarks.md).
@@ -51,21 +48,8 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
         # When the last counted call ended: its client may send again at once.
         self._last_end = 0.0
 
-    def intercept_service(
-        self,
-        continuation: Continuation,
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler | None:
-        return wrap_handler(
-            continuation,
-            handler_call_details,
-            unary=self._counted,
-            # A stream is waited for as a call is: the event feed ends it on a
-            # stop with SHUTTING_DOWN; one blocked in its send (a reader that
-            # takes nothing) runs on to the grace limit, and is cut off there.
-            stream=self._counted_stream,
-            skip=is_open,
-        )
+    def skips(self, method: str) -> bool:
+        return is_open(method)
 
     def _admit(self, context: grpc.ServicerContext | None) -> None:
         """Counts a call as running; once draining, holds it until released
@@ -89,7 +73,7 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
             if self._draining:  # only a drain waits for calls to end
                 self._condition.notify_all()
 
-    def _counted(self, behaviour: Behaviour) -> Behaviour:
+    def wrap_unary(self, behaviour: Behaviour) -> Behaviour:
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
             self._admit(context)
             try:
@@ -99,9 +83,12 @@ class Drain(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         return counted
 
-    def _counted_stream(self, behaviour: Behaviour) -> Behaviour:
+    def wrap_stream(self, behaviour: Behaviour) -> Behaviour:
         """A response stream runs while grpcio iterates it: counted from its
-        first step until it ends, fails or is closed (a cancelled call's)."""
+        first step until it ends, fails or is closed (a cancelled call's).
+        It is waited for as a call is: the event feed ends it on a stop with
+        SHUTTING_DOWN; one blocked in its send (a reader that takes nothing)
+        runs on to the grace limit, and is cut off there."""
 
         def counted(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             self._admit(context)

@@ -164,6 +164,36 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
 Behaviour = Callable[[Any, grpc.ServicerContext], Any]
 
 
+class WrappingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """An interceptor that wraps each handler's behaviour (wrap_handler): what
+    most of ours do. A subclass says how it wraps a handler that answers with
+    one message (`wrap_unary`) and one that answers with a stream
+    (`wrap_stream`), and which methods it leaves alone (`skips`); by default
+    it leaves everything as it is."""
+
+    def intercept_service(
+        self,
+        continuation: Continuation,
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        return wrap_handler(
+            continuation,
+            handler_call_details,
+            unary=self.wrap_unary,
+            stream=self.wrap_stream,
+            skip=self.skips,
+        )
+
+    def wrap_unary(self, behaviour: Behaviour) -> Behaviour:
+        return behaviour
+
+    def wrap_stream(self, behaviour: Behaviour) -> Behaviour:
+        return behaviour
+
+    def skips(self, method: str) -> bool:
+        return False
+
+
 def wrap_handler(
     continuation: Continuation,
     details: grpc.HandlerCallDetails,

@@ -21,16 +21,13 @@ Without grants (--insecure-no-auth) there is no share: only the total.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from ledger_service.api.auth import current_grant_id, is_open
-from ledger_service.api.errors import Behaviour, wrap_handler
+from ledger_service.api.errors import Behaviour, WrappingInterceptor
 from ledger_service.domain.errors import TooManyCalls
-
-if TYPE_CHECKING:
-    from ledger_service.api.pipeline import Continuation, Handler
 
 
 class CallShares:
@@ -67,7 +64,7 @@ class CallShares:
             return sum(self._running.values())
 
 
-class GrantShareInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+class GrantShareInterceptor(WrappingInterceptor):
     """Holds every call with one answer to its grant's share. Inside the grant
     interceptor (which makes the grant current) and the error table (which
     answers TooManyCalls); outside the recovery gate and the servicers."""
@@ -75,20 +72,12 @@ class GrantShareInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self, shares: CallShares) -> None:
         self._shares = shares
 
-    def intercept_service(
-        self,
-        continuation: Continuation,
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler | None:
-        return wrap_handler(
-            continuation,
-            handler_call_details,
-            unary=self._shared,
-            stream=lambda behaviour: behaviour,  # streams: the feed's own share
-            skip=is_open,
-        )
+    def skips(self, method: str) -> bool:
+        return is_open(method)
 
-    def _shared(self, behaviour: Behaviour) -> Behaviour:
+    # Streams keep the inherited wrap_stream, which leaves them as they are:
+    # the feed has a share of its own.
+    def wrap_unary(self, behaviour: Behaviour) -> Behaviour:
         take, give_back = self._shares.take, self._shares.give_back
 
         def shared(request: Any, context: grpc.ServicerContext) -> Any:
