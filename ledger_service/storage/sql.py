@@ -137,6 +137,12 @@ class SqlStore:
         # PostgreSQL: interrupts a transaction still running at its deadline.
         self._watchdog = None if self._sqlite else watchdog.Watchdog()
         event.listen(engine, "handle_error", self._on_engine_error)
+        # PostgreSQL: a transaction's connection comes with ledger_write set by
+        # its engine (the same pool); set on each connection, it cost 4-9 us a
+        # move (docs/benchmarks.md, "the call path's layers, cut").
+        self._engines = {
+            write: engine.execution_options(ledger_write=write) for write in (False, True)
+        }
         self._committer = (
             GroupCommitter(
                 engine,
@@ -477,15 +483,13 @@ class SqlStore:
                 connection = connection.execution_options(ledger_write=write)
                 with connection.begin():
                     return work(SqlTransaction(connection, self._sqlite))
-        with self._watched(deadline) as connection:
-            options: dict[str, Any] = {"ledger_write": write}
+        with self._watched(deadline, write=write) as connection:
             if snapshot and not write:
                 # Reads take no lock: a move may commit between two of their
                 # statements. One snapshot for all (a read-only REPEATABLE READ
                 # transaction never fails to serialize) keeps, say, a kept
                 # window and the bookings that crossed its edges from one instant.
-                options["isolation_level"] = "REPEATABLE READ"
-            connection = connection.execution_options(**options)
+                connection = connection.execution_options(isolation_level="REPEATABLE READ")
             with connection.begin():
                 tx = SqlTransaction(connection, False, horizon=self._horizon)
                 started.append(tx)
@@ -494,14 +498,16 @@ class SqlStore:
             return result
 
     @contextmanager
-    def _watched(self, deadline: float) -> Iterator[Connection]:
+    def _watched(self, deadline: float, *, write: bool = False) -> Iterator[Connection]:
         """A PostgreSQL connection under a watch until `deadline`, checkout
-        included (the pool's wait, the handshake and the ping)."""
+        included (the pool's wait, the handshake and the ping); `write`: a
+        move's (ledger_write, which the error handling reads)."""
         assert self._watchdog is not None, "SQLite is local: no watch"
+        engine = self._engines[write]
         with (
             self._pool_share(deadline),
             self._watchdog.watch(deadline) as watch,
-            self._engine.connect() as connection,
+            engine.connect() as connection,
         ):
             try:
                 yield connection
