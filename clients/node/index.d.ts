@@ -728,8 +728,8 @@ export function richErrorInfo(metadata: import('@grpc/grpc-js').Metadata | null 
  * bytes and max tokens and ended by the outcome table; streams end their
  * booking when they end. A body that is not a JSON object is booked as it is
  * (its bytes, the model "unknown", the default bound). A usage the ledger
- * refuses is settled UNKNOWN, with a warning to `logger` (the lane client's
- * by default). A denial is a 402 APIError the SDK does not retry, its code
+ * refuses is settled UNKNOWN at once, as call() settles it, with a warning to
+ * the lane client's `logger`. A denial is a 402 APIError the SDK does not retry, its code
  * the denial reason. See README.md, "The openai package".
  */
 export function ledgerFetch(
@@ -737,6 +737,5 @@ export function ledgerFetch(
   options?: {
     fetch?: typeof fetch;
     maxOutputTokens?: number;
-    logger?: { warn(message: string): void; error(message: string): void } | null;
   },
 ): typeof fetch;

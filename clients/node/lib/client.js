@@ -10,6 +10,7 @@ const {
   ledgerErrorOf,
   ClientClosed,
   LedgerError,
+  InvalidArgument,
   Unavailable,
   DeadlineExceeded,
   BookingNotFound,
@@ -1188,7 +1189,7 @@ class LaneClient {
       thrown = error;
       report = reportOfError(error);
     }
-    const move = endingOf(report);
+    let move = endingOf(report);
     let ended = null;
     let ledgerError = outageError;
     let journaled = false;
@@ -1197,23 +1198,9 @@ class LaneClient {
         journaled = await this._endOnAllowance(reservationId, move);
         return;
       }
-      try {
-        ended = await this._end(reservationId, move, trace);
-      } catch (error) {
-        ledgerError = error;
-        if (isLedgerUnavailable(error)) journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
-        else if (error instanceof ClientClosed) {
-          // close() cut the ending off once its grace was over: journaled while the journal is open.
-          this._logger?.warn(`ledger: the client closed before booking ${reservationId} was ended`);
-          if (this._journal?.isOpen) journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
-        } else if (!(error instanceof LedgerError)) {
-          // Never sent: the lane's grant function failed. The ledger saw nothing, so replay it later.
-          this._logger?.warn(`ledger: the ending of booking ${reservationId} could not be sent (${error?.message ?? error})`);
-          journaled = await this._journalEnding(request, booking.holdNanos, move, trace);
-        }
-        // A refusal leaves the booking open to expire at its hold: say so, as the Python client does.
-        else this._logger?.error(`ledger: the ledger refused to end booking ${reservationId} (${error.reason || error.message})`);
-      }
+      const result = await this._endAtLedger(request, booking.holdNanos, move, trace);
+      ({ move, ended, journaled } = result);
+      ledgerError = result.ledgerError;
     })();
     // close() waits for it: a call that has returned is ended, not cut off.
     this._endings.add(ending);
@@ -1240,6 +1227,54 @@ class LaneClient {
       source: booking.source,
       journaled,
     });
+  }
+
+  /**
+   * Ends an admitted call's booking at the ledger with `move`: journaled when
+   * the ledger cannot be reached (or the ending could not be sent), logged
+   * when refused. Resolves with the move made, the ledger's answer (or null),
+   * its error (or null) and whether the ending was journaled; never rejects
+   * for the ledger's trouble.
+   */
+  async _endAtLedger(request, holdNanos, move, trace) {
+    const { reservationId } = request;
+    try {
+      return { move, ended: await this._end(reservationId, move, trace), ledgerError: null, journaled: false };
+    } catch (error) {
+      if (error instanceof InvalidArgument && move.ending === Ending.SUCCEEDED) {
+        return this._settleRefusedUsage(request, holdNanos, move, trace, error);
+      }
+      let journaled = false;
+      if (isLedgerUnavailable(error)) journaled = await this._journalEnding(request, holdNanos, move, trace);
+      else if (error instanceof ClientClosed) {
+        // close() cut the ending off once its grace was over: journaled while the journal is open.
+        this._logger?.warn(`ledger: the client closed before booking ${reservationId} was ended`);
+        if (this._journal?.isOpen) journaled = await this._journalEnding(request, holdNanos, move, trace);
+      } else if (!(error instanceof LedgerError)) {
+        // Never sent: the lane's grant function failed. The ledger saw nothing, so replay it later.
+        this._logger?.warn(`ledger: the ending of booking ${reservationId} could not be sent (${error?.message ?? error})`);
+        journaled = await this._journalEnding(request, holdNanos, move, trace);
+      }
+      // A refusal leaves the booking open to expire at its hold: say so, as the Python client does.
+      else this._logger?.error(`ledger: the ledger refused to end booking ${reservationId} (${error.reason || error.message})`);
+      return { move, ended: null, ledgerError: error, journaled };
+    }
+  }
+
+  /**
+   * The paid call happened, but the ledger refused its usage (more output than
+   * the max, no input tokens, ...), so its real cost cannot be booked from it:
+   * settled UNKNOWN at once, at most the cap, rather than left open to expire
+   * (at the lane's expireCharge, which may be zero). call() and ledgerFetch
+   * both end here (the Python client's ModelCall._settle_refused_usage). The
+   * refusal is the Completed's ledgerError; an UNKNOWN that gets no answer is
+   * journaled as any ending.
+   */
+  async _settleRefusedUsage(request, holdNanos, move, trace, refusal) {
+    const why = refusal.reason || refusal.name;
+    this._logger?.warn(`ledger: the ledger refused the usage of booking ${request.reservationId} (${why}): settled UNKNOWN, at most its cap`);
+    const unknown = { ...move, ending: Ending.UNKNOWN, usage: null };
+    return { ...(await this._endAtLedger(request, holdNanos, unknown, trace)), ledgerError: refusal };
   }
 
   /**

@@ -38,12 +38,11 @@
 //   Reserve (UnknownModel) unless the lane prices a model of that name, so
 //   such a call is never sent unbooked.
 // - If the ledger refuses the usage the provider reported (more output than
-//   the max, ...), the booking, left open by the refusal, is settled UNKNOWN
-//   (at its hold) rather than left to expire, with a warning.
+//   the max, ...), call() settles the booking UNKNOWN at once (at most its
+//   cap) rather than leave it open to expire, with a warning.
 
 const { usageOf } = require('./usage');
-const { Ending, markNotSent } = require('./outcomes');
-const { InvalidArgument } = require('./errors');
+const { markNotSent } = require('./outcomes');
 const { newReservationId } = require('./arguments');
 const { traceHeaders, freshTraceHeaders } = require('./tracing');
 
@@ -394,25 +393,6 @@ function deniedResponse(denied) {
   });
 }
 
-/**
- * The ledger refused the usage the provider reported (more output than the
- * max, ...), which leaves the booking open: settle it UNKNOWN, at its hold,
- * rather than let it expire, as the Python client's transport does
- * (_settle_refused_usage). Never rejects; says what happened to `logger`.
- */
-async function settleRefusedUsage(ledger, completed, trace, logger) {
-  const refusal = completed.ledgerError;
-  if (completed.ending !== Ending.SUCCEEDED || !(refusal instanceof InvalidArgument)) return;
-  const { reservationId } = completed;
-  const why = refusal.reason || refusal.name;
-  try {
-    await ledger.settle({ reservationId, outcome: Ending.UNKNOWN, httpStatus: completed.value.httpStatus, ...trace });
-    logger?.warn(`ledger: the ledger refused the usage of booking ${reservationId} (${why}): settled UNKNOWN, at its hold`);
-  } catch (error) {
-    logger?.error(`ledger: the ledger refused the usage of booking ${reservationId} (${why}) and could not settle it UNKNOWN: ${error.message}`);
-  }
-}
-
 /** The headers sent: the caller's, the reservation id, and the body's type when fetch would have added it. */
 function headersOf(init, plan, reservationId) {
   const headers = new Headers(init.headers);
@@ -424,11 +404,12 @@ function headersOf(init, plan, reservationId) {
 
 /**
  * A fetch that books every create call of the `openai` package in `ledger`.
- * Warnings (a usage the ledger refused) go to `logger`, the lane client's by default.
+ * A usage the ledger refuses is settled UNKNOWN by call() itself, with a
+ * warning to the lane client's logger.
  * @param {import('./client').LaneClient} ledger
- * @param {{ fetch?: typeof fetch, maxOutputTokens?: number, logger?: {warn: Function, error: Function}|null }} [options]
+ * @param {{ fetch?: typeof fetch, maxOutputTokens?: number }} [options]
  */
-function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS, logger = ledger.logger } = {}) {
+function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS } = {}) {
   if (!isCount(maxOutputTokens)) throw new RangeError('maxOutputTokens must be a non-negative integer');
   return async function fetchThroughLedger(url, init = {}) {
     // Taken before any await, and shared by the call's Reserve and every ending.
@@ -473,9 +454,8 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
       return { httpStatus: response.status, usage: end.usage };
     });
     outcome.then(
-      async (result) => {
+      (result) => {
         if (!result.admitted) return deliver.resolve(deniedResponse(result));
-        await settleRefusedUsage(ledger, result, trace, logger);
         if (whole !== null) deliver.resolve(whole);
         return undefined;
       },

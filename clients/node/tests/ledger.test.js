@@ -288,15 +288,22 @@ describe('call()', () => {
     }
   });
 
-  test('an ending the ledger refuses is reported on Completed and logged, as the Python client logs it', async () => {
-    const errors = [];
-    const logger = { warn: () => undefined, error: (message) => errors.push(message) };
+  test('a usage the ledger refuses is settled UNKNOWN at once, the refusal reported on Completed and logged', async () => {
+    // The paid call happened but its usage cannot be booked: settled UNKNOWN
+    // (at most the cap), not left open to expire at the lane's expire_charge,
+    // as the Python client's model_call and both clients' SDK transports do.
+    const warnings = [];
+    const logger = { warn: (message) => warnings.push(message), error: (message) => warnings.push(`error: ${message}`) };
     const client = await laneClient('refused-ending', {}, { logger });
     const result = await client.call(REQUEST, async () => ({ httpStatus: 200, usage: { inputTokens: 10, outputTokens: 101 } }));
     assert.ok(result.ledgerError instanceof OutputExceedsMaxTokens);
-    assert.equal(result.chargedNanos, null);
-    assert.equal(errors.length, 1);
-    assert.match(errors[0], new RegExp(`${result.reservationId}.*OUTPUT_EXCEEDS_MAX_TOKENS`));
+    assert.equal(result.ending, 'UNKNOWN');
+    assert.equal(result.chargedNanos, CAP);
+    const booking = await client.booking(result.reservationId);
+    assert.equal(booking.state, 'SETTLED_UNKNOWN');
+    assert.equal(booking.amountNanos, CAP, 'charged at the hold');
+    assert.equal(warnings.length, 1);
+    assert.match(warnings[0], new RegExp(`^ledger: .*${result.reservationId}.*OUTPUT_EXCEEDS_MAX_TOKENS.*settled UNKNOWN`));
   });
 
   test('a denial skips the callback and says when to retry', async () => {

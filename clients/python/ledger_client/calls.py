@@ -52,6 +52,7 @@ from ledger_client.errors import (
     BookingNotFound,
     BookingWasDenied,
     ClientClosed,
+    InvalidArgument,
     LedgerError,
     LedgerUnavailable,
     ReservationConflict,
@@ -808,11 +809,38 @@ class ModelCall:
             handle.end_error = error
             log.warning("the client closed before booking %s was ended", handle.reservation_id)
             self._journal_ending(handle, ending)
+        except InvalidArgument as error:
+            handle.end_error = error
+            if ending.settlement is Settlement.SETTLE_SUCCEEDED:
+                self._settle_refused_usage(handle, ending, error)
+            else:
+                log.error(
+                    "the ledger refused to end booking %s (%s)", handle.reservation_id, error.reason
+                )
         except LedgerError as error:
             handle.end_error = error
             log.error(
                 "the ledger refused to end booking %s (%s)", handle.reservation_id, error.reason
             )
+
+    def _settle_refused_usage(
+        self, handle: CallHandle, ending: Ending, refusal: InvalidArgument
+    ) -> None:
+        """The paid call happened, but the ledger refused its usage (more output
+        than the max, no input tokens, ...), so its real cost cannot be booked
+        from it: settled UNKNOWN at once, at most the cap, rather than left open
+        to expire (at the lane's expire_charge, which may be zero). Both
+        model_call and the SDK transports end here. The refusal stays on
+        `end_error`; an UNKNOWN that gets no answer is journaled as any ending."""
+        log.warning(
+            "the ledger refused the usage of booking %s (%s): settled UNKNOWN, at most its cap",
+            handle.reservation_id,
+            refusal.reason,
+        )
+        unknown = Ending(Settlement.SETTLE_UNKNOWN, ending.http_status, None, ending.reason)
+        handle.ending = unknown
+        self._end_with_ledger(handle, unknown)
+        handle.end_error = refusal
 
     def _end(self, reservation_id: str, ending: Ending) -> Settled | Refunded:
         """The Settle or Refund, sent again (same content: the ledger answers a

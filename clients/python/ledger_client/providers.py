@@ -49,7 +49,6 @@ import dataclasses
 import datetime
 import enum
 import json
-import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple, Unpack
@@ -61,7 +60,6 @@ import httpx2
 from ledger_client import canonical_json
 from ledger_client.bookings import new_reservation_id
 from ledger_client.calls import CallHandle, ModelCall
-from ledger_client.errors import InvalidArgument, LedgerError
 from ledger_client.outcomes import CallFailure, Settlement, Usage
 from ledger_client.usage import usage_of
 
@@ -71,7 +69,6 @@ if TYPE_CHECKING:
 
     from ledger_client.client import LaneClient
 
-log = logging.getLogger("ledger_client.providers")
 
 RESERVATION_HEADER = "X-Ledger-Reservation-Id"
 OPENAI_METADATA_KEY = "ledger_reservation_id"
@@ -277,8 +274,7 @@ class Booking:
     """One HTTP attempt's booking, ended once (a stream may end it from the
     thread that reads it or from the one that closes it)."""
 
-    def __init__(self, lane_client: LaneClient, call: ModelCall, handle: CallHandle) -> None:
-        self._lane_client = lane_client
+    def __init__(self, call: ModelCall, handle: CallHandle) -> None:
         self._call = call
         self.handle = handle
         self._lock = threading.Lock()
@@ -318,22 +314,8 @@ class Booking:
                 return
             self.ended = True
             report()
+            # A usage the ledger refuses is settled UNKNOWN there (ModelCall).
             self._call.__exit__(None, None, None)
-        self._settle_refused_usage()
-
-    def _settle_refused_usage(self) -> None:
-        """The ledger refused the usage (more output than the max, ...), which
-        leaves the booking open: settle it UNKNOWN rather than let it expire."""
-        handle = self.handle
-        ending = handle.ending
-        if not isinstance(handle.end_error, InvalidArgument) or ending is None:
-            return
-        if ending.settlement is not Settlement.SETTLE_SUCCEEDED:
-            return
-        try:
-            self._lane_client.settle(handle.reservation_id, None, http_status=ending.http_status)
-        except LedgerError as error:
-            log.error("could not settle %s UNKNOWN: %s", handle.reservation_id, error)
 
 
 # Streams -------------------------------------------------------------------------
@@ -676,7 +658,7 @@ class _Booker:
             reservation_id=reservation_id,
         )
         handle = call.__enter__()  # raises Denied: nothing is sent
-        return Booking(self.lane_client, call, handle), prepared
+        return Booking(call, handle), prepared
 
 
 class LedgerTransport(_Booker, httpx2.BaseTransport):

@@ -540,3 +540,22 @@ def test_a_reserve_whose_answer_was_lost_is_sent_again_and_booked_once(
     booked = admin.booking_events(client.lane)
     assert booked == {handle.reservation_id: ["reserved", "settled"]}, "one booking, no refund"
     assert reader.balance().spent_nanos == 1_100
+
+
+def test_a_usage_the_ledger_refuses_is_settled_unknown_at_once(
+    client: LaneClient, admin: Admin
+) -> None:
+    # The paid call happened, but its usage cannot be booked: settled UNKNOWN
+    # at once (at most the cap), not left open to expire at expire_charge,
+    # and the refusal is reported on the handle (as the SDK transport does).
+    with client.model_call("model-a", REQUEST, 500) as too_long:
+        too_long.succeeded(input_tokens=900, output_tokens=501)
+    with client.model_call("model-a", REQUEST, 500) as no_input:
+        no_input.succeeded(input_tokens=0, output_tokens=10)
+    assert isinstance(too_long.end_error, OutputExceedsMaxTokens)
+    assert isinstance(no_input.end_error, SettleWithoutUsage)
+    for handle in (too_long, no_input):
+        assert client.booking_state(handle.reservation_id) is BookingState.SETTLED_UNKNOWN
+        assert handle.result is not None and handle.result.charged_nanos == HOLD_NANOS
+    events = {e.reservation_id: e for e in admin.events(client.lane) if e.kind != "reserved"}
+    assert events[too_long.reservation_id].http_status == 200
