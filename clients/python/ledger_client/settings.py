@@ -82,7 +82,10 @@ class ClientSettings:
     max_message_bytes: int = 1024 * 1024
     initial_reconnect_backoff_ms: int = 100
     max_reconnect_backoff_ms: int = 2000
-    # Refund reasons are cut to this many characters (the server takes 1000).
+    # A refund reason sent through end() (a model call's own, CallNotSent's or
+    # not_sent's, and a journaled one replayed) is made printable and cut to
+    # this many characters (the server takes 1000). Not a limit on refund():
+    # its reason is sent as written, refused as the server would refuse it.
     max_reason_length: int = 200
     # A model call's Settle or Refund left unconfirmed (the ledger unreachable, a
     # deadline passed) is sent again, with the same content, up to this many
