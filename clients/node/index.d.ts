@@ -591,7 +591,7 @@ export interface JournalEntry {
 
 /** The append-only, fsync'd journal of what the ledger has not heard yet (see README). */
 export class Journal {
-  /** Opens or creates it and takes its lock file; JournalLocked when another process holds it. */
+  /** Opens or creates it and takes its lock file; JournalLocked when another client (of this process or another) holds it. */
   constructor(path: string, lane: string, limits?: { maxBytes?: number; rotateBytes?: number });
   readonly path: string;
   readonly lane: string;

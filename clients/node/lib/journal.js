@@ -611,7 +611,7 @@ function acquireLock(lockPath, journalPath) {
     const held = readText(lockPath);
     if (held === null) continue; // released meanwhile
     if (!isStale(held, lockPath)) {
-      throw new JournalLocked(`journal ${journalPath} is in use by another process (see ${lockPath})`);
+      throw lockedError(journalPath, lockPath);
     }
     // Move the dead holder's lock aside, and make sure it was that one and not
     // a fresh lock another process made meanwhile.
@@ -630,11 +630,17 @@ function acquireLock(lockPath, journalPath) {
         // Someone else holds the name now; either way it is not ours.
       }
       fs.rmSync(aside, { force: true });
-      throw new JournalLocked(`journal ${journalPath} is in use by another process (see ${lockPath})`);
+      throw lockedError(journalPath, lockPath);
     }
     fs.rmSync(aside, { force: true });
   }
   throw new JournalLocked(`journal ${journalPath} is contended; try again`);
+}
+
+// The holder may be another client of this very process (its pid is alive
+// too), so the message does not say "another process".
+function lockedError(journalPath, lockPath) {
+  return new JournalLocked(`journal ${journalPath} is in use by another client (this process or another): see ${lockPath}`);
 }
 
 function releaseLock(lockPath, mine) {

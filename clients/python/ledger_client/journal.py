@@ -293,7 +293,11 @@ class Journal:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as error:
             os.close(descriptor)
-            raise JournalLocked(f"journal {self.path} is in use by another process") from error
+            # flock() conflicts between two descriptors of one process as well: the
+            # holder may be another LaneClient of this process.
+            raise JournalLocked(
+                f"journal {self.path} is in use by another client (this process or another)"
+            ) from error
         try:
             self._load(descriptor)
             if created:

@@ -153,10 +153,14 @@ def test_a_lost_line_is_logged_never_skipped_silently(
     assert "2 unreadable lines" in warnings[0] and "torn last line" in warnings[0]
 
 
-def test_one_process_at_a_time(tmp_path: pathlib.Path) -> None:
+def test_one_client_at_a_time(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "journal.jsonl"
-    with open_journal(path), pytest.raises(JournalLocked):
+    with open_journal(path), pytest.raises(JournalLocked) as locked:
         open_journal(path)
+    # Held by this very process: the message must not send the lane hunting
+    # for another process.
+    assert "another client (this process or another)" in str(locked.value)
+    assert str(path) in str(locked.value)
     open_journal(path).close()  # free again once closed
 
 
