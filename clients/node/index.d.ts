@@ -636,6 +636,13 @@ export function isLedgerUnavailable(error: unknown): boolean;
 export function resendsReserve(error: unknown): boolean;
 
 /**
+ * Whether call() settles a Settle SUCCEEDED refused this way UNKNOWN at once
+ * (the ledger refused its usage: an InvalidArgument), rather than leave the
+ * booking open to expire.
+ */
+export function settlesUnknownAfterRefusal(error: unknown): boolean;
+
+/**
  * The wire's gRPC clients, for what LaneClient does not call (ListEvents,
  * WatchEvents, the test clock). Their messages keep the proto's snake_case
  * field names (`page_size`, not `pageSize`) and carry int64s as decimal

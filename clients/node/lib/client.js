@@ -10,7 +10,6 @@ const {
   ledgerErrorOf,
   ClientClosed,
   LedgerError,
-  InvalidArgument,
   Unavailable,
   DeadlineExceeded,
   BookingNotFound,
@@ -20,6 +19,7 @@ const {
   ResourceExhausted,
   isLedgerUnavailable,
   resendsReserve,
+  settlesUnknownAfterRefusal,
   TlsMismatch,
 } = require('./errors');
 const wire = require('./wire');
@@ -1241,7 +1241,7 @@ class LaneClient {
     try {
       return { move, ended: await this._end(reservationId, move, trace), ledgerError: null, journaled: false };
     } catch (error) {
-      if (error instanceof InvalidArgument && move.ending === Ending.SUCCEEDED) {
+      if (move.ending === Ending.SUCCEEDED && settlesUnknownAfterRefusal(error)) {
         return this._settleRefusedUsage(request, holdNanos, move, trace, error);
       }
       let journaled = false;

@@ -338,9 +338,22 @@ function resendsReserve(error) {
   return error instanceof LedgerError && error.retryable && error.code !== Status.DEADLINE_EXCEEDED;
 }
 
+/**
+ * Whether a call()'s Settle SUCCEEDED refused this way is settled UNKNOWN at
+ * once: the ledger refused its usage (an InvalidArgument: more output than the
+ * max, no input tokens, ...), so the paid call's real cost cannot be booked
+ * from it, and left open the booking would expire at the lane's
+ * expire_charge, maybe zero. `settle_unknown_after_refusal` in
+ * clients/cases/errors.json.
+ */
+function settlesUnknownAfterRefusal(error) {
+  return error instanceof InvalidArgument;
+}
+
 module.exports = {
   ERROR_TABLE,
   resendsReserve,
+  settlesUnknownAfterRefusal,
   errorClassOf,
   ledgerErrorOf,
   richErrorInfo,

@@ -105,6 +105,7 @@ const forNode = (value) => (typeof value === 'object' && value !== null ? value.
 function checkRetryAndOutage(error, row) {
   assert.equal(error.retryable, forNode(row.retry), 'retryable');
   assert.equal(errors.resendsReserve(error), forNode(row.resend_reserve), 'resendsReserve');
+  assert.equal(errors.settlesUnknownAfterRefusal(error), row.settle_unknown_after_refusal, 'settlesUnknownAfterRefusal');
   assert.equal(errors.isLedgerUnavailable(error), forNode(row.outage), 'isLedgerUnavailable');
 }
 

@@ -52,13 +52,13 @@ from ledger_client.errors import (
     BookingNotFound,
     BookingWasDenied,
     ClientClosed,
-    InvalidArgument,
     LedgerError,
     LedgerUnavailable,
     ReservationConflict,
     is_retryable,
     may_have_applied,
     resends_reserve,
+    settles_unknown_after_refusal,
 )
 from ledger_client.journal import (
     Journal,
@@ -809,22 +809,19 @@ class ModelCall:
             handle.end_error = error
             log.warning("the client closed before booking %s was ended", handle.reservation_id)
             self._journal_ending(handle, ending)
-        except InvalidArgument as error:
-            handle.end_error = error
-            if ending.settlement is Settlement.SETTLE_SUCCEEDED:
-                self._settle_refused_usage(handle, ending, error)
-            else:
-                log.error(
-                    "the ledger refused to end booking %s (%s)", handle.reservation_id, error.reason
-                )
         except LedgerError as error:
             handle.end_error = error
+            if ending.settlement is Settlement.SETTLE_SUCCEEDED and settles_unknown_after_refusal(
+                error
+            ):
+                self._settle_refused_usage(handle, ending, error)
+                return
             log.error(
                 "the ledger refused to end booking %s (%s)", handle.reservation_id, error.reason
             )
 
     def _settle_refused_usage(
-        self, handle: CallHandle, ending: Ending, refusal: InvalidArgument
+        self, handle: CallHandle, ending: Ending, refusal: LedgerError
     ) -> None:
         """The paid call happened, but the ledger refused its usage (more output
         than the max, no input tokens, ...), so its real cost cannot be booked

@@ -211,6 +211,16 @@ def resends_reserve(error: LedgerError) -> bool:
     return is_retryable(error) and error.code is not grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def settles_unknown_after_refusal(error: LedgerError) -> bool:
+    """Whether a model call's Settle SUCCEEDED refused this way is settled
+    UNKNOWN at once: the ledger refused its usage (an InvalidArgument: more
+    output than the max, no input tokens, ...), so the paid call's real cost
+    cannot be booked from it, and left open the booking would expire at the
+    lane's expire_charge, maybe zero. `settle_unknown_after_refusal` in
+    clients/cases/errors.json."""
+    return isinstance(error, InvalidArgument)
+
+
 # The inverse of the server's table (ledger_service/api/errors.py and the grant
 # interceptor in api/auth.py): one row per `ledger-reason`. Keep it in step with
 # the server's domain errors.

@@ -132,6 +132,7 @@ def _check_retry_and_outage(error: errors.LedgerError, row: dict[str, Any]) -> N
         assert _python(row["retry"]) is True
     assert errors.is_retryable(error) is _python(row["retry"])
     assert errors.resends_reserve(error) is _python(row["resend_reserve"])
+    assert errors.settles_unknown_after_refusal(error) is row["settle_unknown_after_refusal"]
 
 
 @pytest.mark.parametrize("row", ERRORS["reasons"], ids=lambda row: row["reason"])
