@@ -4,6 +4,7 @@ limit and open holds, and the time a Reserve takes."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Any
@@ -201,5 +202,5 @@ def test_refused_settles_in_a_loop_do_not_flood_the_log(
     assert len(refusals) <= MAX_REFUSALS_LOGGED_PER_SECOND * seconds_touched, (lines, seconds)
     assert len(lines) == len(refusals) + len(counts) and len(lines) < calls, lines
     assert counts, lines
-    for line, after in zip(lines, lines[1:], strict=False):
+    for line, after in itertools.pairwise(lines):
         assert not ("were not logged" in line and "were not logged" in after), lines
