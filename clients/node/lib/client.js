@@ -158,7 +158,6 @@ class CallSlots {
 class BackgroundRefunds {
   constructor(limit = MAX_BACKGROUND_REFUNDS, remember = MAX_ENDED_IDS, pendingLimit = MAX_PENDING_REFUNDS) {
     this._limit = limit;
-    this._remember = remember;
     this._pendingLimit = pendingLimit;
     // Refunds being sent (at most `limit`), and the turns of those waiting, in order.
     this._sending = 0;
@@ -166,7 +165,7 @@ class BackgroundRefunds {
     /** reservation id -> the promise of its refund under way */
     this._inFlight = new Map();
     /** reservation id -> true: its refund ended the booking; false: it may have (its answer was lost) */
-    this._ended = new Map();
+    this._ended = new RecentIds(remember);
   }
 
   get running() {
@@ -240,10 +239,8 @@ class BackgroundRefunds {
   }
 
   _note(reservationId, ended) {
-    this._ended.delete(reservationId);
-    if (ended === null) return;
-    this._ended.set(reservationId, ended);
-    while (this._ended.size > this._remember) this._ended.delete(this._ended.keys().next().value);
+    if (ended === null) this._ended.delete(reservationId);
+    else this._ended.add(reservationId, ended);
   }
 
   /**
@@ -294,17 +291,25 @@ function usedByCall(reservationId) {
   );
 }
 
-/** The latest `limit` ids, oldest forgotten first. */
+/** The latest `limit` ids, each with a value, oldest forgotten first: the admitted ids of call(), and the background refunds' ended ones. */
 class RecentIds {
   constructor(limit) {
     this._limit = limit;
-    this._ids = new Set();
+    this._ids = new Map();
   }
 
-  add(id) {
+  add(id, value = true) {
     this._ids.delete(id);
-    this._ids.add(id);
-    while (this._ids.size > this._limit) this._ids.delete(this._ids.values().next().value);
+    this._ids.set(id, value);
+    while (this._ids.size > this._limit) this._ids.delete(this._ids.keys().next().value);
+  }
+
+  delete(id) {
+    this._ids.delete(id);
+  }
+
+  get(id) {
+    return this._ids.get(id);
   }
 
   has(id) {

@@ -181,21 +181,30 @@ def used_by_model_call(reservation_id: str) -> ReservationConflict:
     )
 
 
-class AdmittedIds:
-    """The ids the ledger admitted this client's model calls under: the latest
-    `limit`, oldest forgotten first (the Node client's RecentIds)."""
+class RecentIds:
+    """The latest `limit` reservation ids remembered, each with a value, the
+    oldest forgotten first (the Node client's RecentIds): the model calls'
+    admitted ids, and the background refunds' ended ones."""
 
     def __init__(self, limit: int = MAX_ENDED_IDS) -> None:
         self._limit = limit
-        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._ids: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, reservation_id: str) -> None:
+    def add(self, reservation_id: str, value: bool = True) -> None:
         with self._lock:
             self._ids.pop(reservation_id, None)
-            self._ids[reservation_id] = None
+            self._ids[reservation_id] = value
             while len(self._ids) > self._limit:
                 self._ids.popitem(last=False)
+
+    def forget(self, reservation_id: str) -> None:
+        with self._lock:
+            self._ids.pop(reservation_id, None)
+
+    def get(self, reservation_id: str) -> bool | None:
+        with self._lock:
+            return self._ids.get(reservation_id)
 
     def __contains__(self, reservation_id: object) -> bool:
         with self._lock:
@@ -224,14 +233,13 @@ class BackgroundRefunds:
         pending_limit: int = MAX_PENDING_REFUNDS,
     ) -> None:
         self._limit = limit
-        self._remember = remember
         self._pending_limit = pending_limit
         # Refunds waiting for one of the `limit` threads, oldest first.
         self._pending: collections.deque[tuple[CallLedger, str, str]] = collections.deque()
         self._running = 0
         self._in_flight: set[str] = set()
         # Ids whose refund ended the booking (True) or may have (False: its answer was lost).
-        self._ended: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self._ended = RecentIds(remember)
         self._changed = threading.Condition()
 
     def send(self, ledger: CallLedger, reservation_id: str, trace_id: str) -> bool:
@@ -311,12 +319,10 @@ class BackgroundRefunds:
         return None
 
     def _remember_ended(self, reservation_id: str, ended: bool | None) -> None:
-        with self._changed:
-            self._ended.pop(reservation_id, None)
-            if ended is not None:
-                self._ended[reservation_id] = ended
-                while len(self._ended) > self._remember:
-                    self._ended.popitem(last=False)
+        if ended is None:
+            self._ended.forget(reservation_id)
+        else:
+            self._ended.add(reservation_id, ended)
 
     def clear(
         self, ledger: CallLedger, reservation_id: str, trace_id: str, deadline: float
@@ -479,7 +485,7 @@ class CallSupport:
     # Refuses a block once the client is closing; counts it while under way.
     gate: CallGate | None = None
     # The ids the ledger admitted a model call under: a block under one again is refused.
-    admitted_ids: AdmittedIds | None = None
+    admitted_ids: RecentIds | None = None
 
 
 class CallSource(enum.Enum):

@@ -28,7 +28,7 @@ from ledger_client.bookings import (
     check_reservation_id,
     new_reservation_id,
 )
-from ledger_client.calls import AdmittedIds, BackgroundRefunds, CallGate, CallSupport, ModelCall
+from ledger_client.calls import BackgroundRefunds, CallGate, CallSupport, ModelCall, RecentIds
 from ledger_client.channels import (
     TlsSettings,
     address_host,
@@ -178,7 +178,7 @@ class LaneClient:
         self._replayer: Replayer | None = None
         self._allowance: Allowance | None = None
         self._refunds = BackgroundRefunds()
-        self._admitted_ids = AdmittedIds()
+        self._admitted_ids = RecentIds()
         self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
         self._gate = CallGate()
         # The client as the calls it already admitted reach it (a block's
