@@ -504,26 +504,26 @@ class SqlStore:
         move's (ledger_write, which the error handling reads)."""
         assert self._watchdog is not None, "SQLite is local: no watch"
         engine = self._engines[write]
-        with (
-            self._pool_share(deadline),
-            self._watchdog.watch(deadline) as watch,
-            engine.connect() as connection,
-        ):
-            try:
-                yield connection
-            finally:
-                # Before the connection goes back: one the watch interrupted is dropped.
-                if watch.disarm():
-                    connection.invalidate()
-
-    @contextmanager
-    def _pool_share(self, deadline: float) -> Iterator[None]:
-        """One of the current grant's share of the pool, waited for until `deadline`."""
-        if self._pool_shares is None:
-            yield
-            return
+        owner = self._take_pool_share(deadline)
         try:
-            owner = self._pool_shares.take(deadline)
+            with self._watchdog.watch(deadline) as watch, engine.connect() as connection:
+                try:
+                    yield connection
+                finally:
+                    # Before the connection goes back: one the watch interrupted is dropped.
+                    if watch.disarm():
+                        connection.invalidate()
+        finally:
+            if self._pool_shares is not None:
+                self._pool_shares.give_back(owner)
+
+    def _take_pool_share(self, deadline: float) -> str:
+        """One of the current grant's share of the pool, waited for until
+        `deadline`; the grant to give it back for ("": none taken)."""
+        if self._pool_shares is None:
+            return ""
+        try:
+            return self._pool_shares.take(deadline)
         except StoreUnavailable:
             unsaid = self._error_log("pool share")
             if unsaid is not None:
@@ -536,10 +536,6 @@ class SqlStore:
                     more(unsaid),
                 )
             raise
-        try:
-            yield
-        finally:
-            self._pool_shares.give_back(owner)
 
     def ping(
         self, timeout_seconds: float | None = None, stop: threading.Event | None = None
