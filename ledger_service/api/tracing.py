@@ -20,11 +20,12 @@ call is traced with the status code the caller got.
 
 Cost: with no exporter the tracer samples nothing (spans are non-recording but
 still carry trace ids) and there is no meter, so a call pays for a traceparent
-parse (only when one came in), two random ids and a context switch, and builds
-no attributes at all. Both interceptors read everything that varies from call to
-call (the metadata, the peer) inside the wrapped behaviour, never while choosing
-the handler, so one wrapper serves every call of a method
-(`pipeline.MethodPipeline` builds it once).
+parse (only when one came in), two random ids, a non-recording span and the
+OpenTelemetry context's attach and detach, and builds no attributes at all.
+Both interceptors read everything that varies from call to call (the metadata,
+the peer) inside the wrapped behaviour, never while choosing the handler, so
+one wrapper serves every call of a method (`pipeline.MethodPipeline` builds it
+once).
 """
 
 from __future__ import annotations
