@@ -104,7 +104,9 @@ def build_store(settings: Settings) -> SqlStore:
         max_transaction_retries=settings.max_transaction_retries,
         request_deadline_seconds=settings.request_deadline_seconds,
         group_commit_batch=settings.group_commit_batch,
-        pool_shares=PoolShares(settings.max_connections_per_grant, current_grant_id),
+        pool_shares=PoolShares(
+            settings.max_connections_per_grant, settings.pool_connections, current_grant_id
+        ),
     )
 
 

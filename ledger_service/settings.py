@@ -278,6 +278,11 @@ class Settings:
         share = min(self.max_calls_per_grant, self.max_concurrent_rpcs)
         return self.max_workers + self.max_watchers + share
 
+    @property
+    def pool_connections(self) -> int:
+        """PostgreSQL: the connections of the server's pool, its overflow included."""
+        return self.pool_size + self.pool_max_overflow
+
     def source(self, name: str) -> str:
         """What a refusal of setting `name` names: the flag or the variable its
         value came from; for a Settings built in code, its flag if it has one."""
@@ -341,7 +346,7 @@ class Settings:
 
     def _check_pool_share(self) -> None:
         """PostgreSQL: one grant's share of the pool leaves the others some."""
-        pool = self.pool_size + self.pool_max_overflow
+        pool = self.pool_connections
         if self.max_connections_per_grant < pool or not self.database_url.startswith("postgresql"):
             return
         raise ValueError(

@@ -530,9 +530,11 @@ class SqlStore:
                 log.warning(
                     "a call of grant %s waited until its deadline for a database connection: "
                     "the grant's other calls held its share of the pool "
-                    "(max_connections_per_grant, %d)%s",
+                    "(max_connections_per_grant, %d), or the grants' calls together "
+                    "held the pool's %d connections%s",
                     self._pool_shares.owner(),
                     self._pool_shares.share,
+                    self._pool_shares.pool,
                     more(unsaid),
                 )
             raise

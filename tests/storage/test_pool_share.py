@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
 import sqlalchemy as sa
 
@@ -29,6 +30,8 @@ POOL: int = _DEFAULTS["pool_size"] + _DEFAULTS["pool_max_overflow"]  # type: ign
 SHARE: int = _DEFAULTS["max_connections_per_grant"]  # type: ignore[assignment]
 # More of the flood's calls than the pool has connections.
 FLOOD_CALLS = 2 * POOL
+# Each of two floods' calls: more than the pool has connections.
+TWO_FLOODS_CALLS = 40
 WAIT_SECONDS = 30.0
 # Longer than the test: the flood's calls wait for the lock, not for a deadline.
 HELD_SECONDS = 120.0
@@ -52,54 +55,110 @@ def _waiting(observer: sa.Connection) -> int:
     )
 
 
-def test_a_grant_held_at_the_database_leaves_connections_to_another_lane(
-    postgres_schema_url: str, start_ledger_server: Callable[..., LedgerServer]
-) -> None:
+@dataclasses.dataclass
+class Floods:
+    """Grants whose lanes' rows the test holds FOR UPDATE, each with calls at
+    the server that wait for its lane, until `release`; a calm lane beside."""
+
+    server: LedgerServer
+    stack: contextlib.ExitStack
+    holder: sa.Connection
+    observer: sa.Connection
+    calls: list[grpc.Future]
+
+    def flood(self, lane: str, calls: int) -> None:
+        stub = pb_grpc.LedgerStub(
+            self.stack.enter_context(_connection(self.server, _grant(self.server, lane)))
+        )
+        self.calls += [
+            stub.Reserve.future(_reserve(lane, f"{lane}-{n}"), timeout=HELD_SECONDS)
+            for n in range(calls)
+        ]
+
+    def wait_at_the_lock(self, sessions: int) -> None:
+        """Until `sessions` of the floods' calls wait at the database."""
+        give_up = time.monotonic() + WAIT_SECONDS
+        while _waiting(self.observer) < sessions:
+            assert time.monotonic() < give_up, f"{_waiting(self.observer)} flood calls at the lock"
+            time.sleep(0.05)
+
+    def calm_reserve(self) -> pb.ReserveResponse:
+        stub = pb_grpc.LedgerStub(
+            self.stack.enter_context(_connection(self.server, _grant(self.server, "calm")))
+        )
+        return stub.Reserve(_reserve("calm", "c1"), timeout=CALM_SECONDS)
+
+    def release(self) -> list[pb.ReserveResponse]:
+        """Lets the lanes go; every flood call's answer."""
+        self.holder.rollback()
+        return [call.result() for call in self.calls]
+
+
+@contextlib.contextmanager
+def held_lanes(
+    url: str, start_ledger_server: Callable[..., LedgerServer], flooded: tuple[str, ...]
+) -> Iterator[Floods]:
+    """A server whose `flooded` lanes' rows the test holds, for calls that wait
+    for the lock rather than their deadline."""
     server = start_ledger_server(
-        database_url=postgres_schema_url,
+        database_url=url,
         request_deadline_seconds=HELD_SECONDS,
         statement_timeout_ms=int(HELD_SECONDS * 1000),
     )
-    holder_engine = sa.create_engine(postgres_schema_url)
+    holder_engine = sa.create_engine(url)
     with contextlib.ExitStack() as stack:
         stack.callback(holder_engine.dispose)
         admin = pb_grpc.LaneAdminStub(stack.enter_context(_connection(server, server.admin_grant)))
-        for lane in ("flood", "calm"):
+        for lane in (*flooded, "calm"):
             admin.PutLane(pb.PutLaneRequest(lane=lane_message(lane)), timeout=WAIT_SECONDS)
         holder = stack.enter_context(holder_engine.connect())
         observer = stack.enter_context(
             holder_engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         )
-        holder.execute(sa.text("SELECT lane FROM lanes WHERE lane = 'flood' FOR UPDATE"))
-        flood = pb_grpc.LedgerStub(
-            stack.enter_context(_connection(server, _grant(server, "flood")))
+        holder.execute(
+            sa.text("SELECT lane FROM lanes WHERE lane = ANY(:lanes) FOR UPDATE"),
+            {"lanes": list(flooded)},
         )
-        flooding = [
-            flood.Reserve.future(_reserve("flood", f"f{n}"), timeout=HELD_SECONDS)
-            for n in range(FLOOD_CALLS)
-        ]
+        floods = Floods(server, stack, holder, observer, [])
         try:
-            # The flood's calls hold their share of the connections (before,
-            # every one of them), each waiting for the lane's row.
-            give_up = time.monotonic() + WAIT_SECONDS
-            while _waiting(observer) < SHARE:
-                assert time.monotonic() < give_up, f"{_waiting(observer)} flood calls at the lock"
-                time.sleep(0.05)
-            calm = pb_grpc.LedgerStub(
-                stack.enter_context(_connection(server, _grant(server, "calm")))
-            )
-            answer = calm.Reserve(_reserve("calm", "c1"), timeout=CALM_SECONDS)
-            assert answer.decision == pb.ADMITTED
-            # Still held: the calm lane did not get in because the flood let go,
-            # and the flood holds its share, not one connection more.
-            assert not any(call.done() for call in flooding)
-            assert _waiting(observer) == SHARE
+            yield floods
         finally:
             holder.rollback()
-            for call in flooding:
+            for call in floods.calls:
                 call.exception()
+
+
+def test_a_grant_held_at_the_database_leaves_connections_to_another_lane(
+    postgres_schema_url: str, start_ledger_server: Callable[..., LedgerServer]
+) -> None:
+    with held_lanes(postgres_schema_url, start_ledger_server, ("flood",)) as floods:
+        floods.flood("flood", FLOOD_CALLS)
+        # The flood's calls hold their share of the connections (before,
+        # every one of them), each waiting for the lane's row.
+        floods.wait_at_the_lock(SHARE)
+        assert floods.calm_reserve().decision == pb.ADMITTED
+        # Still held: the calm lane did not get in because the flood let go,
+        # and the flood holds its share, not one connection more.
+        assert not any(call.done() for call in floods.calls)
+        assert _waiting(floods.observer) == SHARE
         # Calls past the grant's share waited their turn, and were served once
         # the lock was let go, not refused.
-        errors = [call.exception() for call in flooding]
-        assert errors == [None] * FLOOD_CALLS
-        assert {call.result().decision for call in flooding} == {pb.ADMITTED}
+        answers = floods.release()
+    assert {answer.decision for answer in answers} == {pb.ADMITTED}
+
+
+def test_two_grants_held_at_the_database_leave_a_connection_to_a_third(
+    postgres_schema_url: str, start_ledger_server: Callable[..., LedgerServer]
+) -> None:
+    """Two floods at once took 16 + 4, every connection, and a third lane's
+    Reserve waited for one until its deadline: the pool's last connection is
+    kept for a grant that holds none."""
+    with held_lanes(postgres_schema_url, start_ledger_server, ("flood-a", "flood-b")) as floods:
+        for lane in ("flood-a", "flood-b"):
+            floods.flood(lane, TWO_FLOODS_CALLS)
+        floods.wait_at_the_lock(POOL - 1)
+        assert floods.calm_reserve().decision == pb.ADMITTED
+        assert not any(call.done() for call in floods.calls)
+        assert _waiting(floods.observer) == POOL - 1
+        answers = floods.release()
+    assert {answer.decision for answer in answers} == {pb.ADMITTED}
