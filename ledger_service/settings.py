@@ -30,6 +30,7 @@ SERVE_FLAGS = {
     "sweep_interval_seconds": "--sweep-interval",
     "max_workers": "--max-workers",
     "max_calls_per_grant": "--max-calls-per-grant",
+    "max_connections_per_grant": "--max-connections-per-grant",
     "tls_cert_path": "--tls-cert",
     "tls_key_path": "--tls-key",
     "tls_client_ca_path": "--tls-client-ca",

@@ -11,6 +11,7 @@ import pathlib
 import pytest
 
 from ledger_service import cli, server
+from ledger_service.cli import operate
 from ledger_service.domain.clock import SystemClock
 from ledger_service.settings import SERVE_FLAGS, Settings, setting_variable
 
@@ -106,3 +107,19 @@ def test_a_flag_given_over_its_variable_is_named_as_the_flag(
     environment.setenv("LEDGER_MAX_WORKERS", "4")
     with pytest.raises(ValueError, match=r"^max_workers \(--max-workers\) must be above 0"):
         Settings.from_environment(max_workers=0)
+
+
+def test_a_grants_share_of_the_pool_is_a_serve_flag(
+    environment: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The share was only LEDGER_MAX_CONNECTIONS_PER_GRANT; `ledger serve`
+    takes it as a flag, over the variable, and a refusal names the flag."""
+    environment.setenv("LEDGER_MAX_CONNECTIONS_PER_GRANT", "4")
+    postgresql = ["--database-url", "postgresql+psycopg://ledger@db/ledger"]
+    parsed = cli.parser().parse_args(["serve", *postgresql, "--max-connections-per-grant", "8"])
+    assert operate.settings_from(parsed).max_connections_per_grant == 8
+    parsed = cli.parser().parse_args(["serve", *postgresql, "--max-connections-per-grant", "20"])
+    with pytest.raises(SystemExit):
+        operate.settings_from(parsed)
+    said = capsys.readouterr().err
+    assert "max_connections_per_grant (--max-connections-per-grant), 20" in said, said

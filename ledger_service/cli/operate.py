@@ -46,6 +46,13 @@ def register(commands: Any) -> None:
         help="calls one grant may have running at once, streams apart (default 96); "
         "one more is refused, TOO_MANY_CALLS",
     )
+    serve.add_argument(
+        "--max-connections-per-grant",
+        type=int,
+        metavar="N",
+        help="PostgreSQL: database connections one grant's calls hold at once (default 16), "
+        "below the pool's (20); its others wait for one until their deadline",
+    )
     # Recovery (docs/recovery.md).
     serve.add_argument(
         "--snapshot-every",
