@@ -63,6 +63,7 @@ class PoolShares:
         self._lock = threading.Lock()
         self._owners: dict[str, _Holding] = {}
         self._held = 0  # by every owner
+        self._waiting = 0  # every owner's calls waiting
         self._arrivals = itertools.count()
 
     def take(self, deadline: float) -> str:
@@ -94,6 +95,7 @@ class PoolShares:
         return holding.held < self.share and (free > 1 or (free == 1 and not holding.held))
 
     def _hand(self, holding: _Holding) -> None:
+        assert self._may_take(holding), "a share and the pool are never passed"
         holding.held += 1
         self._held += 1
 
@@ -101,10 +103,12 @@ class PoolShares:
         """Waits (the lock held) until `give_back` hands this call a connection."""
         waiter = _Waiter(next(self._arrivals), self._lock)
         holding.waiting.append(waiter)
+        self._waiting += 1
         handed = waiter.woken.wait_for(lambda: waiter.handed, deadline - time.monotonic())
         if handed:
             return
         holding.waiting.remove(waiter)
+        self._waiting -= 1
         self._forget_idle(owner, holding)
         raise StoreUnavailable()
 
@@ -123,6 +127,8 @@ class PoolShares:
     def _hand_to_next(self) -> None:
         """One connection came free: its waiting call is the first of the
         owner holding the fewest, of those that may take one (O(owners))."""
+        if not self._waiting:
+            return  # the usual case: no scan
         eligible = [
             holding
             for holding in self._owners.values()
@@ -132,6 +138,7 @@ class PoolShares:
             return
         chosen = min(eligible, key=lambda holding: (holding.held, holding.waiting[0].arrival))
         waiter = chosen.waiting.popleft()
+        self._waiting -= 1
         self._hand(chosen)
         waiter.handed = True
         waiter.woken.notify()
