@@ -126,6 +126,15 @@ class Waiting:
             thread.join(WAIT_SECONDS)
 
 
+def _held(share: int, pool: int, held: dict[str, int]) -> tuple[PoolShares, Owners, Waiting]:
+    """Shares of which each owner of `held` holds as many connections."""
+    owners = Owners()
+    shares = PoolShares(share, pool, owners)
+    for owner, calls in held.items():
+        _take_as(shares, owners, owner, calls)
+    return shares, owners, Waiting(shares, owners)
+
+
 def _until(condition: Callable[[], bool]) -> None:
     give_up = time.monotonic() + WAIT_SECONDS
     while not condition():
@@ -136,10 +145,7 @@ def _until(condition: Callable[[], bool]) -> None:
 def test_two_flooding_owners_leave_a_calm_owner_a_connection() -> None:
     """Two floods whose calls never end took the whole pool (16 + 4): the
     last connection is kept for an owner holding none."""
-    owners = Owners()
-    shares = PoolShares(SHARE, POOL, owners)
-    _take_as(shares, owners, "flood-a", SHARE)
-    _take_as(shares, owners, "flood-b", POOL - SHARE - 1)
+    shares, owners, _ = _held(SHARE, POOL, {"flood-a": SHARE, "flood-b": POOL - SHARE - 1})
     assert _refused(shares, owners, "flood-a")  # its share
     assert _refused(shares, owners, "flood-b")  # the last one, kept
     owners.be("calm")
@@ -151,12 +157,7 @@ def test_two_flooding_owners_leave_a_calm_owner_a_connection() -> None:
 
 
 def test_a_connection_given_back_goes_to_the_owner_holding_fewest() -> None:
-    owners = Owners()
-    shares = PoolShares(3, 6, owners)
-    _take_as(shares, owners, "a", 3)
-    _take_as(shares, owners, "b", 2)
-    _take_as(shares, owners, "c", 1)
-    waiting = Waiting(shares, owners)
+    shares, _, waiting = _held(3, 6, {"a": 3, "b": 2, "c": 1})
     waiting.start("b", "b1")  # came first, but holds more
     waiting.start("c", "c1")
     waiting.start("calm", "calm1")
@@ -172,12 +173,7 @@ def test_a_connection_given_back_goes_to_the_owner_holding_fewest() -> None:
 
 
 def test_owners_holding_as_many_are_served_longest_waiting_first() -> None:
-    owners = Owners()
-    shares = PoolShares(2, 4, owners)
-    _take_as(shares, owners, "a", 2)
-    _take_as(shares, owners, "b", 1)
-    _take_as(shares, owners, "c", 1)
-    waiting = Waiting(shares, owners)
+    shares, _, waiting = _held(2, 4, {"a": 2, "b": 1, "c": 1})
     waiting.start("c", "c1")
     waiting.start("b", "b1")
     shares.give_back("a")
@@ -191,10 +187,7 @@ def test_owners_holding_as_many_are_served_longest_waiting_first() -> None:
 def test_an_owners_calls_get_connections_in_the_order_they_came() -> None:
     """Woken by a condition, a call could wait past later ones: one that came
     while the connection was on its way to a waiting call took it first."""
-    owners = Owners()
-    shares = PoolShares(1, POOL, owners)
-    _take_as(shares, owners, "flood", 1)
-    waiting = Waiting(shares, owners)
+    shares, owners, waiting = _held(1, POOL, {"flood": 1})
     for n in range(3):
         waiting.start("flood", f"f{n}")
     for n in range(3):
@@ -207,10 +200,7 @@ def test_an_owners_calls_get_connections_in_the_order_they_came() -> None:
 
 
 def test_a_call_past_its_deadline_leaves_its_place() -> None:
-    owners = Owners()
-    shares = PoolShares(1, POOL, owners)
-    _take_as(shares, owners, "flood", 1)
-    waiting = Waiting(shares, owners)
+    shares, owners, waiting = _held(1, POOL, {"flood": 1})
     waiting.start("flood", "late")
     assert _refused(shares, owners, "flood")
     assert shares.waiting("flood") == 1  # the one with time left still waits

@@ -90,7 +90,9 @@ class PoolShares:
             return len(holding.waiting) if holding is not None else 0
 
     def _may_take(self, holding: _Holding) -> bool:
-        """Whether `holding`'s owner may have one more connection now."""
+        """Whether `holding`'s owner may have one more connection now: below its
+        share, and the pool's last free one only if it holds none, so that
+        owners whose calls never end (locked lanes) still leave a newcomer one."""
         free = self.pool - self._held
         return holding.held < self.share and (free > 1 or (free == 1 and not holding.held))
 
