@@ -90,6 +90,15 @@ class ListenFailed(Exception):
 
 
 def build_store(settings: Settings) -> SqlStore:
+    if settings.on_postgresql and settings.max_workers > settings.pool_connections:
+        # It works, but a busy server's calls past the pool wait for a connection.
+        log.warning(
+            "max_workers (%d) is above the database pool's connections, pool_size + "
+            "pool_max_overflow (%d): calls past the pool wait up to pool_timeout_seconds "
+            "for a connection; raise LEDGER_POOL_SIZE with LEDGER_MAX_WORKERS",
+            settings.max_workers,
+            settings.pool_connections,
+        )
     engine = database.create(
         settings.database_url,
         database.EngineLimits(

@@ -280,6 +280,10 @@ class Settings:
         return self.max_workers + self.max_watchers + share
 
     @property
+    def on_postgresql(self) -> bool:
+        return self.database_url.startswith("postgresql")
+
+    @property
     def pool_connections(self) -> int:
         """PostgreSQL: the connections of the server's pool, its overflow included."""
         return self.pool_size + self.pool_max_overflow
@@ -348,7 +352,7 @@ class Settings:
     def _check_pool_share(self) -> None:
         """PostgreSQL: one grant's share of the pool leaves the others some."""
         pool = self.pool_connections
-        if self.max_connections_per_grant < pool or not self.database_url.startswith("postgresql"):
+        if self.max_connections_per_grant < pool or not self.on_postgresql:
             return
         raise ValueError(
             f"max_connections_per_grant ({self.source('max_connections_per_grant')}), "

@@ -244,3 +244,20 @@ def test_a_grants_share_of_the_whole_pool_is_refused_on_postgresql(
         database_url="postgresql+psycopg://ledger@db/ledger", **{**limits, "pool_size": share + 1}
     )
     assert taken.max_connections_per_grant == share
+
+
+def test_more_workers_than_the_pool_has_connections_is_served_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """docs/postgresql.md: workers past the pool wait for a connection; the
+    server says so at start and serves on (a warning, not a refusal)."""
+    from ledger_service.server import build_store
+
+    url = "postgresql+psycopg://ledger@127.0.0.1:9/ledger"
+    for workers, warned in ((20, False), (21, True)):
+        caplog.clear()
+        store = build_store(Settings(database_url=url, max_workers=workers))
+        store.close(timeout_seconds=1)
+        said = [r.getMessage() for r in caplog.records if "max_workers" in r.getMessage()]
+        assert bool(said) is warned, said
+        assert not said or ("(21)" in said[0] and "(20)" in said[0]), said
