@@ -93,8 +93,8 @@ class ArrivalWatch:
             # answer of None (an ERROR and a traceback in the log).
             context.abort(grpc.StatusCode.CANCELLED, ARRIVAL_MESSAGE)
         finally:
-            with self._lock:
-                del self._waiting[number]
+            with self._lock:  # gone already if the watch cancelled it
+                self._waiting.pop(number, None)
 
     def serving(self) -> _ServingCount:
         """Counts a call as holding one of the pool's threads while inside

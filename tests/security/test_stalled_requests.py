@@ -169,3 +169,37 @@ def test_a_stop_keeps_the_arrival_bound_for_calls_still_waiting(
     # Ended by the bound: cancelled, or cut off as the stop closed its connection.
     assert error is not None
     assert error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), error
+
+
+def test_a_call_the_watch_cancelled_ends_with_its_abort_not_a_key_error() -> None:
+    """The watch forgets a late call when it cancels it; the call's own end
+    must not fail on finding it gone (a KeyError and a traceback in the log)."""
+    from ledger_service.api.arrival import ArrivalWatch
+
+    class Context:
+        def __init__(self) -> None:
+            self.cancelled = threading.Event()
+
+        def cancel(self) -> None:
+            self.cancelled.set()
+
+        def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise RuntimeError(code)
+
+    class Cancelled(grpc.RpcError):
+        pass
+
+    context = Context()
+
+    def requests() -> Iterator[object]:
+        assert context.cancelled.wait(10), "the watch never cancelled the call"
+        raise Cancelled()
+        yield  # a generator
+
+    watch = ArrivalWatch(arrival_seconds=0.01, max_waiting=100, threads=1)
+    try:
+        with pytest.raises(RuntimeError) as ended:
+            watch.first_request(requests(), context)  # type: ignore[arg-type]
+        assert ended.value.args == (grpc.StatusCode.CANCELLED,)
+    finally:
+        watch.close()
