@@ -213,7 +213,10 @@ def summary_of(audit: Audit, flags: Sequence[Flag]) -> str:
             "check the lane's timeouts and expired holds before blaming the provider."
         )
     if Flag.NEAR_LIMIT in flags:
-        return f"{spent}, close to its limit: {split}; {denied}."
+        # The flag starts at 90% and has no end: past the limit, "close" would understate it.
+        overrun = balance.overrun_nanos
+        where = f"over its limit by {money_text(overrun)}" if overrun else "close to its limit"
+        return f"{spent}, {where}: {split}; {denied}."
     if Flag.HIGH_DENIAL_RATE in flags:
         # Denials without a full window: what was denied then has aged out or been corrected since.
         return f"{spent}, with many Reserves denied: {split}; {denied}."

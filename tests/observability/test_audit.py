@@ -150,6 +150,20 @@ def test_many_denials_far_from_the_limit_are_not_called_close_to_it() -> None:
     assert Flag.NEAR_LIMIT in near.flags and "close to its limit" in near.summary
 
 
+def test_a_lane_past_its_limit_is_said_to_be_over_it_not_close() -> None:
+    # A correction (or a lower limit) took the window past its limit: overrun_nanos.
+    tallies = [StateTally(BookingState.CORRECTED, 1, 240_000)]
+    over = summarize("recall", 200_000, DAY_US, DAY_US, tallies)
+    assert Flag.NEAR_LIMIT in over.flags
+    assert over.balance.overrun_nanos == 40_000
+    assert "close to its limit" not in over.summary
+    assert over.summary.startswith(
+        "Lane recall has spent $0.00024 of $0.0002 in its 1d window, over its limit by $0.00004: "
+    )
+    at_limit = summarize("recall", 240_000, DAY_US, DAY_US, tallies)
+    assert "close to its limit" in at_limit.summary
+
+
 def test_a_few_estimates_in_a_large_budget_are_not_mostly_estimates() -> None:
     """Issue 26: estimates at 0.2% of the limit flagged the lane. The flag needs
     the estimates to be at least MOSTLY_ESTIMATES_FLOOR_PERCENT (5%) of the limit."""
