@@ -195,6 +195,26 @@ def test_the_largest_amount_is_a_cap_the_ledger_takes() -> None:
     assert event.cap_nanos == event.hold_nanos == MAX_AMOUNT_NANOS
 
 
+@pytest.mark.parametrize(
+    ("request_bytes", "max_output_tokens", "field"),
+    [(2**40, 0, "request_bytes"), (0, 10**12, "max_output_tokens")],
+)
+def test_a_cap_past_the_largest_amount_names_its_larger_part(
+    request_bytes: int, max_output_tokens: int, field: str
+) -> None:
+    """docs/semantics.md, Bounds: the field that priced the cap past 2^62, whatever
+    the estimate."""
+    dear = ModelPrice(10**15, 10**15)
+    lane = policy(limit_nanos=MAX_AMOUNT_NANOS, prices={"jev": dear})
+    command = reserve_command(
+        request_bytes=request_bytes, max_output_tokens=max_output_tokens, estimate_nanos=1
+    )
+    command.validate()
+    with pytest.raises(InvalidArgument) as refused:
+        decide(command, lane=lane)
+    assert refused.value.field == field
+
+
 def budget(
     name: str, limit_nanos: int, spent_nanos: int = 0, aging: list[tuple[int, int]] | None = None
 ) -> moves.Budget:
