@@ -105,6 +105,20 @@ def test_a_reused_correction_id_names_the_option(target: LedgerProcess, ledger: 
     )
 
 
+def test_a_refused_history_filter_names_its_option(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    """`ledger history` takes the reservation id as --reservation-id, not as the
+    moves' RESERVATION_ID argument, which its usage does not have."""
+    put_recall(ledger, "words-history")
+    run = ledger("history", "words-history", "--reservation-id", "r 1")
+    assert one_line_error(run) == (
+        "ledger: bad value for --reservation-id (field reservation_id): "
+        "must be printable ASCII without spaces\n"
+    )
+    assert run.code == exits.EXIT_FAILED
+
+
 @pytest.mark.parametrize(
     ("command", "said"),
     [

@@ -17,7 +17,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -164,6 +164,10 @@ class Session:
     grant: str = ""
     # How often a call's silent connection is pinged (LEDGER_CLIENT_KEEPALIVE_SECONDS).
     keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
+    # OPTION_OF_FIELD, with the command's own names where they differ (see option_of_field).
+    option_of_field: Mapping[str, str] = dataclasses.field(
+        default_factory=lambda: dict(OPTION_OF_FIELD)
+    )
 
     def options(self) -> dict[str, Any]:
         return {"timeout": self.timeout_seconds, "metadata": self.metadata}
@@ -332,6 +336,7 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
             tls=tls,
             grant=grant,
             keepalive_seconds=keepalive_seconds,
+            option_of_field={**OPTION_OF_FIELD, **getattr(arguments, "option_of_field", {})},
         )
 
 
@@ -357,7 +362,8 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
         )
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         field = trailers.get(FIELD_KEY, "")
-        option = OPTION_OF_FIELD.get(field) or OPTION_OF_FIELD.get(field.split("[")[0]) or field
+        names = session.option_of_field
+        option = names.get(field) or names.get(field.split("[")[0]) or field
         message = details.removeprefix(f"{field}: ")
         if "nanos" in field:
             # An amount's field: its bounds are nanos, shown in dollars as the option takes them.

@@ -360,4 +360,5 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         help="only events after SEQ; with --follow, all of them (how a stopped follow resumes)",
     )
     log.add_argument("--follow", action="store_true", help="then print new events until Ctrl-C")
-    log.set_defaults(run=command(history))
+    # Its reservation id is an option, not the moves' RESERVATION_ID argument.
+    log.set_defaults(run=command(history), option_of_field={"reservation_id": "--reservation-id"})
