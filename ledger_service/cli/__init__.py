@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     lanes.register(commands, common)
     moves.register(commands, common)
     reading.register(commands, common)
-    reconcile.register(commands, common)
+    reconcile.register(commands)
     grants.register(commands)
     recovery.register(commands)
     observe.register(commands)

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import decimal
 import math
 import os
 import pathlib
@@ -570,7 +571,12 @@ def command(behaviour: Callable[[argparse.Namespace, Session], int]) -> Callable
     return run
 
 
-def common_options() -> argparse.ArgumentParser:
+def common_options(
+    timeout_seconds: decimal.Decimal | int = DEFAULT_TIMEOUT_SECONDS,
+) -> argparse.ArgumentParser:
+    """The options of every command that talks to a server. A command with another
+    default --timeout takes a parser of its own: argparse's parents share their
+    actions, so a child's set_defaults(timeout=...) would change every command's."""
     common = argparse.ArgumentParser(add_help=False)
     talk = common.add_argument_group("talking to the server")
     talk.add_argument(
@@ -584,7 +590,8 @@ def common_options() -> argparse.ArgumentParser:
     talk.add_argument(
         "--timeout",
         metavar="SECONDS",
-        help=f"per call (default {DEFAULT_TIMEOUT_SECONDS}, at most {MAX_TIMEOUT_SECONDS})",
+        default=str(timeout_seconds),
+        help=f"per call (default {timeout_seconds}, at most {MAX_TIMEOUT_SECONDS})",
     )
     talk.add_argument(
         "--json", action="store_true", help="machine-readable output: amounts in raw nanos"

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from ledger_service.api.errors import REASON_KEY
-from ledger_service.cli.connection import Session, command, explain
+from ledger_service.cli.connection import Session, command, common_options, explain
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_FAILED, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import emit, pairs, table, usd
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
@@ -186,18 +186,17 @@ def reconcile(arguments: argparse.Namespace, session: Session) -> int:
     return 0 if response.applied or arguments.dry_run else EXIT_FAILED
 
 
-def register(commands: Any, common: argparse.ArgumentParser) -> None:
+def register(commands: Any) -> None:
     fix = commands.add_parser(
         "reconcile",
-        parents=[common],
+        parents=[common_options(RECONCILE_TIMEOUT_SECONDS)],
         help="correct UNKNOWN and expired charges from the provider's usage export",
         description="Sends a provider's usage export (CSV with a header row, or JSON lines; "
         "keys reservation_id, lane, billed_nanos or billed_usd, input_tokens, output_tokens, "
         "model) to the ledger. The file applies in full or not at all. A real charge that "
         "disagrees with the bill is flagged, not changed, unless --bill-wins: then the bill "
         "replaces it (status replaced, a `corrected` event). Exits 0 when it "
-        "applied (or a --dry-run found no bad row), 1 when bad rows kept it from applying. "
-        f"--timeout is {RECONCILE_TIMEOUT_SECONDS} s here unless given.",
+        "applied (or a --dry-run found no bad row), 1 when bad rows kept it from applying.",
     )
     fix.add_argument(
         "file", metavar="FILE", help=f"the export, at most {MAX_EXPORT_BYTES // 2**20} MiB"
@@ -222,4 +221,4 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         help="replace real charges that disagree with the bill (default: flag them, "
         "change nothing)",
     )
-    fix.set_defaults(run=command(reconcile), timeout=str(RECONCILE_TIMEOUT_SECONDS))
+    fix.set_defaults(run=command(reconcile))
