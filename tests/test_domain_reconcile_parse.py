@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ledger_service.domain import reconcile
+from ledger_service.domain.errors import InvalidArgument
 
 
 def _parsed(column: str, value: str) -> reconcile.Parsed:
@@ -176,3 +177,30 @@ def test_a_jsonl_null_is_an_absent_value_as_an_empty_csv_cell_is() -> None:
     assert jsonl.rows[0].lane == csv_rows.rows[0].lane == "recall"
     assert jsonl.rows[0].billed_nanos is csv_rows.rows[0].billed_nanos is None
     assert jsonl.rows[0].input_tokens == csv_rows.rows[0].input_tokens == 7
+
+
+def test_a_csv_header_naming_a_column_twice_refuses_the_content() -> None:
+    """csv.DictReader keeps a repeated column's last cell: `a,1,500` under
+    `reservation_id,billed_nanos,billed_nanos` was applied at 500 nanos, the
+    row's other bill dropped without a word (docs/semantics.md: a row states
+    one bill, never read by one of its figures alone)."""
+    content = b"reservation_id,billed_nanos,billed_nanos\nr1,1,500\n"
+    with pytest.raises(InvalidArgument) as refused:
+        reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert refused.value.field == "content"
+    assert refused.value.message == ("content: the CSV header names billed_nanos more than once")
+
+
+def test_a_jsonl_row_naming_a_key_twice_is_a_bad_row() -> None:
+    """json.loads keeps a repeated key's last value, as DictReader does a column's."""
+    content = (
+        b'{"reservation_id": "r1", "billed_nanos": 1, "billed_nanos": 500}\n'
+        b'{"reservation_id": "r2", "reservation_id": "r3", "billed_nanos": 1}\n'
+        b'{"reservation_id": "r4", "billed_nanos": 1}\n'
+    )
+    parsed = reconcile.parse(content, reconcile.ExportFormat.JSONL, "recall")
+    assert [row.reservation_id for row in parsed.rows] == ["r4"]
+    assert [(bad.line, bad.field, bad.message) for bad in parsed.bad] == [
+        (1, "content", "names billed_nanos more than once"),
+        (2, "content", "names reservation_id more than once"),
+    ]

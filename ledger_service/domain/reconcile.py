@@ -11,6 +11,7 @@ recorded as a `corrected` event as an operator's correction would be.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -140,7 +141,13 @@ def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
     lines = _CountedLines(text)
     reader = csv.DictReader(lines)
     with _readable(lines):
-        header = set(reader.fieldnames or ())
+        names = list(reader.fieldnames or ())
+    header = set(names)
+    if len(header) < len(names):
+        # DictReader would keep a repeated column's last cell and drop the others unseen.
+        raise InvalidArgument(
+            "content", f"the CSV header names {_names(_repeated(names))} more than once"
+        )
     if "reservation_id" not in header:
         raise InvalidArgument("content", "the CSV header must name a reservation_id column")
     unknown = header - COLUMNS
@@ -202,7 +209,10 @@ def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
         if not raw.strip():
             continue
         try:
-            value = json.loads(raw, parse_float=decimal.Decimal)
+            value = json.loads(raw, parse_float=decimal.Decimal, object_pairs_hook=_once_each)
+        except _RepeatedKeys as repeated:
+            records.append((line, f"names {_names(repeated.keys)} more than once"))
+            continue
         except ValueError:
             records.append((line, "is not valid JSON"))
             continue
@@ -219,6 +229,25 @@ def _jsonl_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
             # null is an absent value, as an empty CSV cell is.
             records.append((line, {key: item for key, item in value.items() if item is not None}))
     return records
+
+
+class _RepeatedKeys(Exception):
+    def __init__(self, keys: set[str]) -> None:
+        super().__init__()
+        self.keys = keys
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it names a key twice: json.loads would keep
+    the last value and drop the others unseen, as DictReader does a column's."""
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        raise _RepeatedKeys(_repeated([key for key, _ in pairs]))
+    return found
+
+
+def _repeated(names: list[str]) -> set[str]:
+    return {name for name, count in collections.Counter(names).items() if count > 1}
 
 
 # Unknown names are the caller's own text, so their echo is bounded: in full,
