@@ -204,3 +204,16 @@ def test_a_jsonl_row_naming_a_key_twice_is_a_bad_row() -> None:
         (1, "content", "names billed_nanos more than once"),
         (2, "content", "names reservation_id more than once"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("header", "column"),
+    [("reservation_id,billed_nanos,", 3), ("reservation_id,,billed_nanos,", 2)],
+)
+def test_a_csv_header_column_with_no_name_is_named_by_its_place(header: str, column: int) -> None:
+    """A spreadsheet's trailing comma: the refusal said "unknown CSV columns: "
+    and named nothing (two of them: "names  more than once")."""
+    content = f"{header}\nr1,1,\n".encode()
+    with pytest.raises(InvalidArgument) as refused:
+        reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert refused.value.message == f"content: column {column} of the CSV header has no name"

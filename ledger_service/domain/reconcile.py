@@ -142,6 +142,10 @@ def _csv_records(text: str) -> list[tuple[int, Mapping[str, Any] | str]]:
     reader = csv.DictReader(lines)
     with _readable(lines):
         names = list(reader.fieldnames or ())
+    # A spreadsheet's trailing comma: "unknown columns" would name nothing.
+    blank = next((place for place, name in enumerate(names, start=1) if not name.strip()), 0)
+    if blank:
+        raise InvalidArgument("content", f"column {blank} of the CSV header has no name")
     header = set(names)
     if len(header) < len(names):
         # DictReader would keep a repeated column's last cell and drop the others unseen.
