@@ -217,3 +217,27 @@ def test_a_csv_header_column_with_no_name_is_named_by_its_place(header: str, col
     with pytest.raises(InvalidArgument) as refused:
         reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
     assert refused.value.message == f"content: column {column} of the CSV header has no name"
+
+
+def test_a_jsonl_name_that_is_a_number_is_a_bad_row_naming_its_key() -> None:
+    """Numbers are checked as numbers; a name given as a number was read as its
+    digits ("lane": 5 as the lane "5")."""
+    content = (
+        b'{"reservation_id": "r1", "lane": 5, "billed_nanos": 1}\n'
+        b'{"reservation_id": 7, "billed_nanos": 1}\n'
+        b'{"reservation_id": "r3", "model": true, "billed_nanos": 1}\n'
+        b'{"reservation_id": "r4", "lane": "recall", "billed_nanos": 1}\n'
+    )
+    parsed = reconcile.parse(content, reconcile.ExportFormat.JSONL, "recall")
+    assert [row.reservation_id for row in parsed.rows] == ["r4"]
+    assert [(bad.line, bad.field) for bad in parsed.bad] == [
+        (1, "lane"),
+        (2, "reservation_id"),
+        (3, "model"),
+    ]
+
+
+def test_an_empty_jsonl_key_is_shown_not_left_blank() -> None:
+    content = b'{"reservation_id": "r1", "": 1, "billed_nanos": 1}\n'
+    parsed = reconcile.parse(content, reconcile.ExportFormat.JSONL, "recall")
+    assert [bad.message for bad in parsed.bad] == ['unknown keys: ""']

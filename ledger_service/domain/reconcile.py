@@ -269,6 +269,7 @@ def _names(names: set[str]) -> str:
         name if len(name) <= _SHOWN_NAME_LENGTH else name[:_SHOWN_NAME_LENGTH] + "..."
         for name in ordered[:_SHOWN_NAMES]
     ]
+    shown = [name if name.strip() else json.dumps(name) for name in shown]  # "" is seen
     more = len(ordered) - len(shown)
     return ", ".join(shown) + (f" and {more} more" if more else "")
 
@@ -283,7 +284,13 @@ def _is_text(value: Any) -> bool:
     return True
 
 
+_TEXT_KEYS = ("lane", "reservation_id", "model")
+
+
 def _row(line: int, record: Mapping[str, Any], default_lane: str) -> ExportRow:
+    for key in _TEXT_KEYS:  # a JSON number here is no name: 5 is not the lane "5"
+        if not isinstance(record.get(key, ""), str):
+            raise InvalidArgument(key, "must be text (a JSON string)")
     lane = str(record.get("lane") or default_lane)
     validate_name("lane", lane)
     reservation_id = str(record.get("reservation_id") or "")
