@@ -44,6 +44,9 @@ transaction was rolled back, `on_error` with a database error that failed a
 batch or a move, and `on_end` last before the commit: the store
 checks its writer's memory against the file, drops it, and writes the
 batch's rows and advances the projections' marker with them.
+
+storage/lane_commit.py runs the same leaders and followers for one
+PostgreSQL lane's moves, with a transaction of its own per batch.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ class _Move(Generic[T]):
         "work",
     )
 
-    def __init__(self, work: Callable[[Connection], T], deadline: float) -> None:
+    def __init__(self, work: Callable[[Any], T], deadline: float) -> None:
         self.work = work
         self.deadline = deadline
         self._signal = _thread.allocate_lock()
@@ -165,7 +168,7 @@ class GroupCommitter:
         # connection: set again only when either differs (_run_batch).
         self._busy: tuple[Any, int] | None = None
 
-    def submit(self, work: Callable[[Connection], T], deadline: float) -> T:
+    def submit(self, work: Callable[[Any], T], deadline: float) -> T:
         """Runs `work` in the next batch and returns once that batch is durable."""
         move: _Move[T] = _Move(work, deadline)
         with self._mutex:
@@ -234,6 +237,11 @@ class GroupCommitter:
                     self._leading = False
                     self._idle.notify_all()
 
+    def busy(self) -> bool:
+        """Whether a batch is under way or a move is queued."""
+        with self._mutex:
+            return self._leading or bool(self._queue)
+
     def queued(self) -> int:
         """Moves waiting for a batch (the one committing not counted)."""
         with self._mutex:
@@ -298,7 +306,7 @@ class GroupCommitter:
         except LedgerError as error:
             self._log_failure(len(batch), error)
             self._on_error(error)
-            if not self._begun and translate.lock_wait_gave_up(error):
+            if not self._begun and self._gave_up(error):
                 self._on_failure()
                 self._disconnect()
                 return batch, False  # nothing written: its moves may wait on
@@ -323,6 +331,10 @@ class GroupCommitter:
         for move, result, failure in outcomes:
             move.finish(result, failure)
         return [], True
+
+    def _gave_up(self, error: BaseException) -> bool:
+        """Whether the batch's failure was its wait for the write lock."""
+        return translate.lock_wait_gave_up(error)
 
     def _run_batch(
         self,
