@@ -198,8 +198,8 @@ class Settings:
     verify_windows: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("LEDGER_VERIFY_WINDOWS") == "1"
     )
-    # SQLite group commit: at most this many moves share one durable commit
-    # (1 turns it off: one commit, and one fsync, per move).
+    # Group commit: at most this many moves share one durable commit, SQLite's
+    # or, on PostgreSQL, one lane's in one replica (1: one commit per move).
     group_commit_batch: int = 64
     # Bounded retries of serialization failures and deadlocks.
     max_transaction_retries: int = 5

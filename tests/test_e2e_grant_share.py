@@ -71,10 +71,10 @@ class HeldBalances:
             self._changed.notify_all()
 
 
-def _grant(server: LedgerServer, lane: str) -> str:
+def _grant(server: LedgerServer, *lanes: str) -> str:
     now_us = SystemClock().now_us()
     return server.keyring.issue(
-        [lane], [Scope.CHARGE], issued_at_us=now_us, expires_at_us=now_us + HOUR_US
+        list(lanes), [Scope.CHARGE], issued_at_us=now_us, expires_at_us=now_us + HOUR_US
     )
 
 

@@ -231,7 +231,7 @@ class Ledger:
             stored, _ = record_booking_event(tx, windows, None, event, now_us, trace_id)
             return ReserveResult(stored, balance_after(stored))
 
-        return self._write(work, replayable=True)
+        return self._write(work, replayable=True, lane=command.lane)
 
     def settle(self, command: moves.SettleCommand, trace_id: str = "") -> SettleResult:
         command.validate()
@@ -264,7 +264,7 @@ class Ledger:
             )
             return SettleResult(booking.amount_at(now_us), booking.state, balance)
 
-        return self._write(work, replayable=True)
+        return self._write(work, replayable=True, lane=command.lane)
 
     def refund(self, command: moves.RefundCommand, trace_id: str = "") -> RefundResult:
         command.validate()
@@ -281,7 +281,7 @@ class Ledger:
                 return RefundResult(balance_after(stored))
             return RefundResult(balance_after(_event(tx, verdict.repeat_seq)))
 
-        return self._write(work, replayable=True)
+        return self._write(work, replayable=True, lane=command.lane)
 
     def correct(
         self, command: moves.CorrectCommand, grant_id: str, trace_id: str = ""
@@ -339,7 +339,9 @@ class Ledger:
         wanted = {(booking.lane, booking.reservation_id) for booking in due}
         expired = 0
         for lane in lanes:
-            expired += self._write(functools.partial(self._expire_lane, lane=lane, wanted=wanted))
+            expired += self._write(
+                functools.partial(self._expire_lane, lane=lane, wanted=wanted), lane=lane
+            )
         return expired
 
     def _expire_lane(self, tx: StoreTransaction, lane: str, wanted: set[tuple[str, str]]) -> int:
@@ -402,11 +404,13 @@ class Ledger:
         """Runs `work` in one write transaction and wakes the event tails."""
         return self._write(work)
 
-    def _write(self, work: Callable[[StoreTransaction], _T], *, replayable: bool = False) -> _T:
+    def _write(
+        self, work: Callable[[StoreTransaction], _T], *, replayable: bool = False, lane: str = ""
+    ) -> _T:
         """`replayable`: a move or a PutLane, whose repeat is answered as the
         first was (docs/semantics.md, Idempotency), so the store may run it
         again when it cannot tell whether its commit was kept."""
-        result = self._store.run(work, replayable=replayable)
+        result = self._store.run(work, replayable=replayable, lane=lane)
         self.signal.notify()
         return result
 

@@ -169,6 +169,7 @@ class Store(Protocol):
         in_turn: bool = False,
         snapshot: bool = False,
         replayable: bool = False,
+        lane: str = "",
     ) -> T:
         """Runs `work` in one transaction and commits it durably, retrying a
         bounded number of times on serialization failures, and once on a new

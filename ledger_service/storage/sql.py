@@ -59,6 +59,7 @@ from ledger_service.domain.window import Overdue, StoredSums, WindowState, Windo
 from ledger_service.storage import chaining, database, prepared, records, translate, watchdog
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.horizon import CommitHorizon
+from ledger_service.storage.lane_commit import LaneCommitter, LaneCommitters
 from ledger_service.storage.pool_shares import PoolShares
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
@@ -157,14 +158,30 @@ class SqlStore:
             if self._sqlite
             else None
         )
+        # PostgreSQL: a lane's moves queued in this process share a transaction.
+        self._lanes = (
+            None
+            if self._sqlite
+            else LaneCommitters(
+                lambda: LaneCommitter(
+                    lambda until: self._watched(until, write=True),
+                    lambda connection: SqlTransaction(connection, False, horizon=self._horizon),
+                    lambda transact, until: self._reconnecting(transact, False, until),
+                    max_batch=max(1, group_commit_batch),
+                )
+            )
+        )
 
     @property
     def engine(self) -> Engine:
         return self._engine
 
     def queued_moves(self) -> int:
-        """Moves waiting for SQLite's next group commit (0 without one)."""
-        return self._committer.queued() if self._committer is not None else 0
+        """Moves waiting for a group commit: SQLite's next, or on PostgreSQL
+        their lane's (those of a batch under way not counted)."""
+        if self._committer is not None:
+            return self._committer.queued()
+        return self._lanes.queued() if self._lanes is not None else 0
 
     def run(
         self,
@@ -174,6 +191,7 @@ class SqlStore:
         in_turn: bool = False,
         snapshot: bool = False,
         replayable: bool = False,
+        lane: str = "",
     ) -> T:
         if self._damage is not None:  # nothing is served from a damaged database
             raise StoreDamaged(self._damage.what, self._damage.advice)
@@ -183,6 +201,8 @@ class SqlStore:
                 raise StoreUnavailable()
             try:
                 with self._translated(for_a_move=write):
+                    if lane and write and self._lanes is not None:
+                        return self._lanes.of(lane).submit(work, deadline)
                     return self._run_once(work, write, in_turn, snapshot, replayable, deadline)
             except StoreUnavailable as error:
                 if not translate.is_retryable(error) or attempt == self._max_retries:
@@ -644,6 +664,7 @@ class SqlStore:
         """Waits up to `timeout_seconds` for the commit under way; whether
         nothing was left running."""
         idle = self._committer is None or self._committer.close(timeout_seconds)
+        idle = (self._lanes is None or self._lanes.close(timeout_seconds)) and idle
         if self._watchdog is not None:
             self._watchdog.close()
         self._engine.dispose()
@@ -904,6 +925,9 @@ class SqlTransaction:
         # PostgreSQL: the COMMIT has been sent; if the connection dies now, the
         # transaction may have been kept or not.
         self.commit_sent = False
+        # PostgreSQL: a write was sent or deferred (a batch's move that cannot
+        # be undone alone: storage/lane_commit.py).
+        self.wrote = False
 
     @property
     def _connection(self) -> Connection:
@@ -920,7 +944,15 @@ class SqlTransaction:
         self.commit_sent = True
         prepared.pipelined(self._raw, [*calls, (_HOT("commit", self._raw), {})])
 
+    def flush(self) -> None:
+        """PostgreSQL: sends the deferred writes, in one round trip, without COMMIT."""
+        calls, self._deferred = self._deferred, []
+        if calls:
+            for cursor in prepared.pipelined(self._raw, calls):
+                cursor.close()
+
     def _defer(self, name: str, values: dict[str, Any]) -> None:
+        self.wrote = True
         self._deferred.append((_HOT(name, self._raw), values))
 
     # Lanes -----------------------------------------------------------------
@@ -1189,6 +1221,7 @@ class SqlTransaction:
             seq, self._taken_seq = self._taken_seq[1], None
             self._defer("insert_event_at", {**values, "seq": seq})
         else:
+            self.wrote = True
             row = _HOT("insert_event", self._connection).one(self._connection, values)
             assert row is not None
             seq = int(row[0])

@@ -1,6 +1,6 @@
 """Lanes do not wait on each other for PostgreSQL's connections (docs/semantics.md,
-limits): one grant whose calls are all held at the database (here by a lock on
-its lane's row that the test holds, as a slow or locked lane holds them) keeps
+limits): one grant whose calls are all held at the database (here by locks on
+its lanes' rows that the test holds, as slow or locked lanes hold them) keeps
 at most its share of the server's pool, and another grant's Reserve on another
 lane still finds a connection and is answered within its deadline."""
 
@@ -28,7 +28,9 @@ _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)
 # The pool's connections at the defaults (16 and 4 more), and one grant's share.
 POOL: int = _DEFAULTS["pool_size"] + _DEFAULTS["pool_max_overflow"]  # type: ignore[operator]
 SHARE: int = _DEFAULTS["max_connections_per_grant"]  # type: ignore[assignment]
-# More of the flood's calls than the pool has connections.
+# More of the flood's calls than the pool has connections, each on a lane of
+# its own: one lane's moves in a server take one connection at a time
+# (storage/lane_commit.py).
 FLOOD_CALLS = 2 * POOL
 # Each of two floods' calls: more than the pool has connections.
 TWO_FLOODS_CALLS = 40
@@ -66,13 +68,15 @@ class Floods:
     observer: sa.Connection
     calls: list[grpc.Future]
 
-    def flood(self, lane: str, calls: int) -> None:
+    def flood(self, name: str, calls: int) -> None:
+        """`calls` Reserves of one grant, each on a lane of its own (`_lanes`)."""
+        lanes = _lanes(name, calls)
         stub = pb_grpc.LedgerStub(
-            self.stack.enter_context(_connection(self.server, _grant(self.server, lane)))
+            self.stack.enter_context(_connection(self.server, _grant(self.server, *lanes)))
         )
         self.calls += [
-            stub.Reserve.future(_reserve(lane, f"{lane}-{n}"), timeout=HELD_SECONDS)
-            for n in range(calls)
+            stub.Reserve.future(_reserve(lane, f"{lane}-r"), timeout=HELD_SECONDS)
+            for lane in lanes
         ]
 
     def wait_at_the_lock(self, sessions: int) -> None:
@@ -94,9 +98,13 @@ class Floods:
         return [call.result() for call in self.calls]
 
 
+def _lanes(name: str, calls: int) -> list[str]:
+    return [f"{name}-{number}" for number in range(calls)]
+
+
 @contextlib.contextmanager
 def held_lanes(
-    url: str, start_ledger_server: Callable[..., LedgerServer], flooded: tuple[str, ...]
+    url: str, start_ledger_server: Callable[..., LedgerServer], flooded: list[str]
 ) -> Iterator[Floods]:
     """A server whose `flooded` lanes' rows the test holds, for calls that wait
     for the lock rather than their deadline."""
@@ -131,10 +139,11 @@ def held_lanes(
 def test_a_grant_held_at_the_database_leaves_connections_to_another_lane(
     postgres_schema_url: str, start_ledger_server: Callable[..., LedgerServer]
 ) -> None:
-    with held_lanes(postgres_schema_url, start_ledger_server, ("flood",)) as floods:
+    flooded = _lanes("flood", FLOOD_CALLS)
+    with held_lanes(postgres_schema_url, start_ledger_server, flooded) as floods:
         floods.flood("flood", FLOOD_CALLS)
         # The flood's calls hold their share of the connections (before,
-        # every one of them), each waiting for the lane's row.
+        # every one of them), each waiting for its lane's row.
         floods.wait_at_the_lock(SHARE)
         assert floods.calm_reserve().decision == pb.ADMITTED
         # Still held: the calm lane did not get in because the flood let go,
@@ -153,9 +162,10 @@ def test_two_grants_held_at_the_database_leave_a_connection_to_a_third(
     """Two floods at once took 16 + 4, every connection, and a third lane's
     Reserve waited for one until its deadline: the pool's last connection is
     kept for a grant that holds none."""
-    with held_lanes(postgres_schema_url, start_ledger_server, ("flood-a", "flood-b")) as floods:
-        for lane in ("flood-a", "flood-b"):
-            floods.flood(lane, TWO_FLOODS_CALLS)
+    flooded = _lanes("flood-a", TWO_FLOODS_CALLS) + _lanes("flood-b", TWO_FLOODS_CALLS)
+    with held_lanes(postgres_schema_url, start_ledger_server, flooded) as floods:
+        for name in ("flood-a", "flood-b"):
+            floods.flood(name, TWO_FLOODS_CALLS)
         floods.wait_at_the_lock(POOL - 1)
         assert floods.calm_reserve().decision == pb.ADMITTED
         assert not any(call.done() for call in floods.calls)
