@@ -133,6 +133,12 @@ class _Move(Generic[T]):
         self.wake()
 
 
+# A batch's answered moves: each with its result or its refusal.
+Outcomes = list[tuple[_Move[Any], Any, BaseException | None]]
+# The move of a batch that cannot be undone alone, and its failure; None: none.
+Undone = tuple[int, BaseException] | None
+
+
 class GroupCommitter:
     def __init__(
         self,
@@ -297,8 +303,8 @@ class GroupCommitter:
         """Commits the batch in one transaction and answers its moves; returns
         the moves to run again (a move refused after writing: see above), and
         False with the batch when it gave up waiting for the write lock."""
-        outcomes: list[tuple[_Move[Any], Any, BaseException | None]] = []
-        undone: tuple[int, BaseException] | None = None
+        outcomes: Outcomes = []
+        undone: Undone = None
         self._begun = False
         try:
             with translate.translated():
@@ -339,12 +345,12 @@ class GroupCommitter:
     def _run_batch(
         self,
         batch: list[_Move[Any]],
-        outcomes: list[tuple[_Move[Any], Any, BaseException | None]],
+        outcomes: Outcomes,
         until: float,
-    ) -> tuple[int, BaseException] | None:
+    ) -> Undone:
         """Runs the batch's moves in one transaction, appending to `outcomes`;
         returns the first move that cannot be undone alone, and its failure."""
-        undone: tuple[int, BaseException] | None = None
+        undone: Undone = None
         connection = self._connect()
         driver: Any = connection.connection.driver_connection
         with self._begin(connection, driver, until) as transaction:

@@ -27,7 +27,7 @@ from sqlalchemy import Connection
 
 from ledger_service.domain.errors import LedgerError
 from ledger_service.storage import translate
-from ledger_service.storage.group_commit import GroupCommitter, _Move
+from ledger_service.storage.group_commit import GroupCommitter, Outcomes, Undone, _Move
 
 # Lanes whose committers are kept after their moves (each a few small objects).
 MAX_IDLE_LANES = 1024
@@ -75,10 +75,10 @@ class LaneCommitter(GroupCommitter):
     def _run_batch(
         self,
         batch: list[_Move[Any]],
-        outcomes: list[tuple[_Move[Any], Any, BaseException | None]],
+        outcomes: Outcomes,
         until: float,
-    ) -> tuple[int, BaseException] | None:
-        def transact(started: list[Any]) -> tuple[int, BaseException] | None:
+    ) -> Undone:
+        def transact(started: list[Any]) -> Undone:
             outcomes.clear()  # a lost connection's run left nothing
             with self._session(until) as connection, connection.begin() as transaction:
                 undone = self._run_moves(connection, batch, outcomes, started)
@@ -93,9 +93,9 @@ class LaneCommitter(GroupCommitter):
         self,
         connection: Connection,
         batch: list[_Move[Any]],
-        outcomes: list[tuple[_Move[Any], Any, BaseException | None]],
+        outcomes: Outcomes,
         started: list[Any],
-    ) -> tuple[int, BaseException] | None:
+    ) -> Undone:
         tx: Any = None
         owner: int | None = None  # the move whose writes are still deferred
         for index, move in enumerate(batch):

@@ -19,16 +19,16 @@ import sqlalchemy as sa
 
 from ledger_service.application import deadlines
 from ledger_service.application.ledger import Ledger
-from ledger_service.application.ports import StoreTransaction
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import BookingNotFound, InvalidArgument, StoreUnavailable
-from ledger_service.domain.events import Event, EventKind, Outcome
+from ledger_service.domain.events import Outcome
 from ledger_service.domain.moves import ReserveCommand, SettleCommand
-from ledger_service.domain.policies import policy_to_dict
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.recovery.verify import Verifier
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
+from tests.storage.test_group_commit import _refused_after_appending
+from tests.storage.test_pool_share import _waiting as _blocked
 
 pytestmark = pytest.mark.postgres
 
@@ -55,19 +55,7 @@ def _reserve(ledger: Ledger, rid: str) -> Callable[[], object]:
     return lambda: ledger.reserve(ReserveCommand(RECALL.lane, rid, "jev", 7_000, 200))
 
 
-def _blocked(observer: sa.Connection) -> int:
-    """The database's sessions waiting for a lock (on the lane's row, here)."""
-    return int(
-        observer.execute(
-            sa.text(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND cardinality(pg_blocking_pids(pid)) > 0"
-            )
-        ).scalar_one()
-    )
-
-
-def _waiting(store: SqlStore, observer: sa.Connection) -> int:
+def _at_the_lane(store: SqlStore, observer: sa.Connection) -> int:
     """Moves waiting: queued in the process, or at the lock in the database."""
     return store.queued_moves() + _blocked(observer)
 
@@ -101,8 +89,8 @@ def _started_in_order(
         threads.append(threading.Thread(target=call, args=(index,)))
         threads[-1].start()
         give_up = time.monotonic() + WAIT_SECONDS
-        while _waiting(store, observer) < index + 1:
-            assert time.monotonic() < give_up, f"{_waiting(store, observer)} moves wait"
+        while _at_the_lane(store, observer) < index + 1:
+            assert time.monotonic() < give_up, f"{_at_the_lane(store, observer)} moves wait"
             time.sleep(0.005)
     return threads, outcomes
 
@@ -174,21 +162,6 @@ def test_a_move_refused_before_writing_leaves_its_batch_committed(
     assert outcomes[1].admitted and outcomes[3].admitted, outcomes  # type: ignore[attr-defined]
     assert _transactions(observer, ["before", "after"]) == 1
     _verified(postgres_store)
-
-
-def _configured() -> Event:
-    return Event(
-        kind=EventKind.LANE_CONFIGURED,
-        lane=RECALL.lane,
-        occurred_at_us=START_US,
-        policy=policy_to_dict(RECALL),
-    )
-
-
-def _refused_after_appending(tx: StoreTransaction) -> None:
-    tx.lock_lane(RECALL.lane)
-    tx.append(_configured())
-    raise InvalidArgument("lane", "refused after appending")
 
 
 def test_a_move_refused_after_writing_is_undone_alone(
