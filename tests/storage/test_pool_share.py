@@ -75,8 +75,7 @@ class Floods:
             self.stack.enter_context(_connection(self.server, _grant(self.server, *lanes)))
         )
         self.calls += [
-            stub.Reserve.future(_reserve(lane, f"{lane}-r"), timeout=HELD_SECONDS)
-            for lane in lanes
+            stub.Reserve.future(_reserve(lane, f"{lane}-r"), timeout=HELD_SECONDS) for lane in lanes
         ]
 
     def wait_at_the_lock(self, sessions: int) -> None:
