@@ -7,6 +7,7 @@ model calls failed in either client (bare `reserve`, sent once, lost 2 to 8)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -26,7 +27,7 @@ from tests.storage.test_replicas import Replica, two_replicas
 
 pytestmark = pytest.mark.postgres
 
-LANES = 4  # calls in flight at once: round robin sends half to each replica
+LANES = 4  # calls in flight at once, a lane each: round robin sends half to each replica
 WAIT_LIMIT = 600  # polls of pg_stat_activity, 50 ms apart, before giving up
 SETTINGS = ClientSettings(deadline_seconds=10.0, replay_interval_seconds=None)
 PRICE = pb.ModelPrice(input_nanos_per_million_tokens=1_000_000,
@@ -87,17 +88,28 @@ def test_model_calls_cut_off_by_a_killed_replica_are_answered_by_the_other(
     replicas: tuple[Replica, Replica], postgres_schema_url: str
 ) -> None:
     doomed, survivor = replicas
-    lane = f"lane-{uuid.uuid4().hex[:12]}"
-    _put_lane(survivor.address, lane)
+    # A lane a call: a lane's moves in one replica queue there for one
+    # transaction (storage/lane_commit.py), and each call should wait at the
+    # database, where the test can count it.
+    lanes = [f"lane-{uuid.uuid4().hex[:12]}" for _ in range(LANES)]
+    for lane in lanes:
+        _put_lane(survivor.address, lane)
     address = f"ipv4:{doomed.address},{survivor.address}"
     engine = sa.create_engine(postgres_schema_url)
     failures: list[Exception] = []
-    with LaneClient(address, lane, outage=OutagePolicy.deny(), settings=SETTINGS) as client:
-        for _ in range(2 * LANES):  # both replicas connected and in the rotation
-            with client.model_call("model-a", 700, max_output_tokens=10) as call:
-                call.succeeded(10, 5)
+    with contextlib.ExitStack() as stack:
+        clients = [
+            stack.enter_context(
+                LaneClient(address, lane, outage=OutagePolicy.deny(), settings=SETTINGS)
+            )
+            for lane in lanes
+        ]
+        for client in clients:
+            for _ in range(2):  # both replicas connected and in the rotation
+                with client.model_call("model-a", 700, max_output_tokens=10) as call:
+                    call.succeeded(10, 5)
 
-        def one_call() -> None:
+        def one_call(client: LaneClient) -> None:
             try:
                 with client.model_call("model-a", 700, max_output_tokens=10) as call:
                     call.succeeded(10, 5)
@@ -108,16 +120,17 @@ def test_model_calls_cut_off_by_a_killed_replica_are_answered_by_the_other(
         # replica, so the kill is sure to cut some off mid-call.
         with engine.connect() as holder:
             holder.execute(sa.text("LOCK TABLE events IN EXCLUSIVE MODE"))
-            lanes = [threading.Thread(target=one_call) for _ in range(LANES)]
-            for thread in lanes:
+            threads = [threading.Thread(target=one_call, args=(client,)) for client in clients]
+            for thread in threads:
                 thread.start()
             _wait_for_blocked_writes(engine, LANES)
             doomed.stop(signal.SIGKILL)
             holder.rollback()
-        for thread in lanes:
+        for thread in threads:
             thread.join()
     engine.dispose()
     assert failures == []
-    bookings = _booking_events(survivor.address, lane, expected=2 * 3 * LANES)
-    assert len(bookings) == 3 * LANES, bookings
-    assert all(kinds == ["reserved", "settled"] for kinds in bookings.values()), bookings
+    for lane in lanes:
+        bookings = _booking_events(survivor.address, lane, expected=2 * 3)
+        assert len(bookings) == 3, bookings
+        assert all(kinds == ["reserved", "settled"] for kinds in bookings.values()), bookings
