@@ -1063,6 +1063,7 @@ class SqlTransaction:
         return [records.lane_from_row(row) for row in rows]
 
     def save_lane(self, policy: LanePolicy) -> None:
+        self.wrote = True
         _HOT("save_lane", self._connection).run(self._connection, records.lane_values(policy))
         self._memo.lanes[policy.lane] = policy
         self._memo.members.clear()
@@ -1135,6 +1136,7 @@ class SqlTransaction:
         for lane in lanes:
             self._memo.windows.pop(lane, None)
         if lanes and not self._sqlite:
+            self.wrote = True
             self._connection.execute(delete(window_states).where(window_states.c.lane.in_(lanes)))
 
     def window_edges(self, queries: Sequence[EdgeQuery]) -> list[Edges]:
