@@ -15,7 +15,11 @@ import pytest
 from ledger_service.api.drain import HOLD_MARGIN_SECONDS, SETTLE_SECONDS, Drain
 from ledger_service.domain.errors import ShuttingDown
 
-WAIT_SECONDS = 5.0
+# How long a test waits for what must happen (a thread to start, a call to be
+# answered): generous, as a loaded machine may be slow; passing tests never
+# wait it out. A running call is held this long too, so that it is still
+# running whenever the test looks, however late that is.
+WAIT_SECONDS = 30.0
 
 
 class Details(grpc.HandlerCallDetails):  # type: ignore[misc]
@@ -65,8 +69,10 @@ def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
     draining.start()
     _until_draining(drain)
     refused: list[BaseException] = []
-    later = threading.Thread(target=lambda: _refusal(call, None, refused))
+    context = Context(NO_DEADLINE_SECONDS)
+    later = threading.Thread(target=lambda: _refusal(call, context, refused))
     later.start()
+    assert context.asked.wait(WAIT_SECONDS)  # the drain has it
     later.join(SETTLE_SECONDS * 2)
     assert later.is_alive()  # held, not answered: its client sends nothing more
     assert draining.is_alive()  # still waiting for the running call
@@ -83,11 +89,19 @@ def test_a_running_call_is_answered_and_a_later_one_refused() -> None:
         call(None, None)
 
 
+# grpcio's time remaining for a call sent without a deadline.
+NO_DEADLINE_SECONDS = float(2**63)
+
+
 class Context:
     def __init__(self, remaining_seconds: float) -> None:
         self.remaining_seconds = remaining_seconds
+        # Set once the drain has asked: the call reached it and is held, so a
+        # test that sees the call still running has not merely looked too soon.
+        self.asked = threading.Event()
 
     def time_remaining(self) -> float:
+        self.asked.set()
         return self.remaining_seconds
 
 
@@ -144,8 +158,9 @@ def test_the_deadline_ends_a_drain_and_says_how_many_were_cut_off() -> None:
     running.start()
     assert entered.wait(WAIT_SECONDS)
     began = time.monotonic()
+    # One still running: the drain ended at its deadline, not when the call did.
     assert drain.drain(began + 0.3) == 1
-    assert 0.3 <= time.monotonic() - began < WAIT_SECONDS
+    assert time.monotonic() - began >= 0.3
     release.set()
     running.join(WAIT_SECONDS)
 
@@ -210,8 +225,10 @@ def test_a_held_call_without_a_deadline_is_refused_once_released() -> None:
     drain.drain(time.monotonic())
     call = _behaviour(drain, "/ledger.v1.Ledger/Reserve", lambda _r, _c: "booked")
     refused: list[BaseException] = []
-    held = threading.Thread(target=_refusal, args=(call, Context(float(2**63)), refused))
+    context = Context(NO_DEADLINE_SECONDS)
+    held = threading.Thread(target=_refusal, args=(call, context, refused))
     held.start()
+    assert context.asked.wait(WAIT_SECONDS)  # the drain has it
     held.join(SETTLE_SECONDS)
     assert held.is_alive()
     drain.release()
