@@ -17,6 +17,9 @@ from ledger_service.api.health import HealthServicer
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+# How long a thread waits for another: generous, as a loaded machine may be
+# slow. A passing test never waits it out; the hang it looks for does.
+WAIT_SECONDS = 30.0
 
 
 class _Context:
@@ -51,22 +54,22 @@ def test_a_status_change_meeting_a_watch_that_ends_does_not_hang() -> None:
         """Like gRPC's send: it returns once the polling thread reports it done."""
         if response is not None and response.status == NOT_SERVING:
             sending.set()
-            if not polled.wait(5):
+            if not polled.wait(WAIT_SECONDS):
                 timed_out.append("the send waited on a polling thread that was stuck")
 
     _watch(servicer, "", slow_send)
     ending = _watch(servicer, "", lambda response: None)
 
     def polling_thread() -> None:
-        sending.wait(5)
-        ending.end()  # the other watch ends while the send waits
-        polled.set()
+        if sending.wait(WAIT_SECONDS):
+            ending.end()  # the other watch ends while the send waits
+            polled.set()
 
     poller = threading.Thread(target=polling_thread, daemon=True)
     poller.start()
     servicer.set("", NOT_SERVING)
-    poller.join(10)
-    assert not poller.is_alive()
+    poller.join(WAIT_SECONDS * 2)
+    assert sending.is_set() and polled.is_set()  # the watch ended during the send
     assert timed_out == []
 
 
