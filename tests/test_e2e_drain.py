@@ -166,12 +166,18 @@ def test_a_sigterm_sent_to_a_stopped_server_then_sigcont_still_drains(
         put_lane(address)  # the server's worker threads exist once it has served
         time.sleep(0.5)
         process.send_signal(signal.SIGSTOP)
-        time.sleep(1.0)
+        _until(lambda: _state(process.pid) == "T")  # the SIGTERM meets a stopped process
         process.send_signal(signal.SIGTERM)
         process.send_signal(signal.SIGCONT)
-        assert process.wait(timeout=10) == 0
+        assert process.wait(timeout=60) == 0
     finally:
         serving.stop(process)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped by a signal)."""
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    return stat.rpartition(")")[2].split()[0]
 
 
 def _stuck_reserve(address: str, timeout: float, outcome: list[str]) -> threading.Thread:
@@ -201,8 +207,9 @@ def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
 ) -> None:
     """A move stuck behind another process's write lock is cut off at the grace
     limit, and the process exits then, not when the move gives up, with
-    EXIT_CUT_OFF: the stop was not clean."""
-    grace_seconds, deadline_seconds = 1.0, 20.0
+    EXIT_CUT_OFF: the stop was not clean. The move's deadline is far past the
+    wait for the exit, so only the grace limit can end the stop in time."""
+    grace_seconds, deadline_seconds = 1.0, 600.0
     env = serving.clean_env(
         LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds),
         LEDGER_REQUEST_DEADLINE_SECONDS=str(deadline_seconds),
@@ -217,11 +224,9 @@ def test_a_stop_exits_at_its_grace_limit_while_a_move_waits_for_the_database(
             wait_for_the_lock(stderr)
             signalled = time.monotonic()
             process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=deadline_seconds) == EXIT_CUT_OFF
-            exited_after = time.monotonic() - signalled
-            caller.join(timeout=5)
-            # The grace limit, the stop's own second past it, and a start-up's worth of slack.
-            assert exited_after < grace_seconds + 1.0 + 2.0, exited_after
+            assert process.wait(timeout=60) == EXIT_CUT_OFF
+            assert time.monotonic() - signalled >= grace_seconds  # the drain waited for it
+            caller.join(timeout=60)
             assert outcome and outcome[0] in {"UNAVAILABLE", "CANCELLED"}, outcome
         finally:
             blocker.close()
