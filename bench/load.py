@@ -212,6 +212,8 @@ class Round:
         end_ns = self.schedule.measure_end_ns
         if self.reports and all(report.exhausted for report in self.reports):
             end_ns = min(end_ns, max(report.last_end_ns for report in self.reports))
+        # A thread's one call counted past the end (_Thread.run) lengthens it.
+        end_ns = max([end_ns, *(report.last_end_ns for report in self.reports)])
         return max(end_ns - self.schedule.warmup_end_ns, 1) / 1e9
 
 
@@ -326,10 +328,15 @@ class _Thread:
         schedule, report = self.schedule, self.report
         quota = self.workload.calls_per_thread
         measured = number = 0
+        past_end = False
         _sleep_until(schedule.start_ns)
-        while True:
+        # A thread that has counted no call by the end makes one more and
+        # counts it, even past the end: on a loaded machine one call may
+        # outlast a short window (--quick's half second), and a phase needs a figure.
+        while not past_end:
             began = time.monotonic_ns()
-            if began >= schedule.measure_end_ns or (quota and measured >= quota):
+            past_end = began >= schedule.measure_end_ns
+            if (past_end and measured) or (quota and measured >= quota):
                 break
             number += 1
             started = time.perf_counter_ns()
@@ -348,7 +355,7 @@ class _Thread:
             if began < schedule.warmup_end_ns:
                 report.warmup_calls += 1
                 continue
-            if ended > schedule.measure_end_ns:
+            if ended > schedule.measure_end_ns and measured:
                 break
             measured += 1
             report.denied += int(denied)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import array
+import dataclasses
 
+import grpc
 import pytest
 
 from bench import load, scenarios
@@ -87,3 +89,79 @@ def test_a_failed_round_fails_its_own_workload_only() -> None:
     assert results[100]["calls"] == 4
     # Not retried after its failure.
     assert [target for target, _ in recorder.ran].count("large") == 1
+
+
+class _Clock:
+    """load's clock, moved by the test alone: its window closes when a call says."""
+
+    def __init__(self) -> None:
+        self.now_ns = 0
+
+    def monotonic_ns(self) -> int:
+        return self.now_ns
+
+    def perf_counter_ns(self) -> int:
+        return self.now_ns
+
+    def sleep(self, _seconds: float) -> None:
+        pass
+
+
+def _thread_calls(
+    monkeypatch: pytest.MonkeyPatch, calls: list[str], start_ns: int = 5
+) -> load.Round:
+    """One load thread whose warm-up ends at 5 ns and window at 10 ns (on a
+    clock the test moves), its calls answered as `calls` says: "now", "late"
+    (11 ns on) or "refused"."""
+    clock = _Clock()
+    clock.now_ns = start_ns
+    monkeypatch.setattr(load, "time", clock)
+    workload = dataclasses.replace(_workload("a"), warmup_seconds=0.0)
+    schedule = Schedule(0, 5, 10)
+    thread = load._Thread(workload, schedule, 0, 0)
+    answers = iter(calls)
+
+    def call(_lane: str, _reservation_id: str) -> tuple[int, bool]:
+        answer = next(answers)
+        if answer == "refused":
+            raise grpc.RpcError()
+        clock.now_ns += 11 if answer == "late" else 0
+        return 1, False
+
+    thread.run(call)
+    return load.Round(workload, schedule, (thread.report,))
+
+
+def test_a_thread_whose_one_call_outlasts_the_window_still_counts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a loaded machine one call may take longer than --quick's half
+    second: the phase still has its figure, and its time runs to that call's end."""
+    measured = _thread_calls(monkeypatch, ["late"])
+    assert list(measured.reports[0].latencies_ns) == [11]
+    assert measured.elapsed_seconds == (16 - 5) / 1e9
+
+
+def test_a_thread_whose_warm_up_call_outlasts_the_window_makes_one_call_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured = _thread_calls(monkeypatch, ["late", "now"], start_ns=0)
+    assert list(measured.reports[0].latencies_ns) == [0]
+    assert measured.reports[0].warmup_calls == 1
+    assert measured.elapsed_seconds == (11 - 5) / 1e9
+
+
+def test_past_the_window_a_thread_makes_one_call_more_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured = _thread_calls(monkeypatch, ["late", "refused"], start_ns=0)
+    assert list(measured.reports[0].latencies_ns) == []
+    assert measured.reports[0].errors == {"UNKNOWN": 1}
+
+
+def test_a_call_in_flight_at_the_end_is_not_counted_once_its_thread_has_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured = _thread_calls(monkeypatch, ["now", "now", "late"])
+    assert list(measured.reports[0].latencies_ns) == [0, 0]
+    assert measured.elapsed_seconds == (10 - 5) / 1e9
