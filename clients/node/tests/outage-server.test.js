@@ -27,6 +27,16 @@ const DEADLINE_MS = 3000;
 let ledger;
 let directory;
 
+// Until `condition()` holds, or fails after a generous wait: a loaded machine
+// may run far slower than a fast one, where a fixed pause could end too soon.
+async function until(condition, what, waitMs = 30_000) {
+  const deadline = Date.now() + waitMs;
+  while (!condition()) {
+    assert.ok(Date.now() < deadline, `no sign of ${what} within ${waitMs} ms`);
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+}
+
 before(async () => {
   ledger = await startLedger();
   directory = fs.mkdtempSync(path.join(os.tmpdir(), 'ledger-node-outage-'));
@@ -224,9 +234,9 @@ describe('a graceful stop under load', () => {
         }
       };
       const workers = Array.from({ length: 20 }, worker);
-      await new Promise((resolve) => setTimeout(resolve, 300));
+      await until(() => outcomes.completed > 0, 'a call completed before the stop');
       await ledger.halt(); // SIGTERM: calls in flight are cut off
-      await new Promise((resolve) => setTimeout(resolve, 100));
+      await until(() => outcomes.denied > 0, 'a call denied once the ledger stopped');
       running = false;
       await Promise.all(workers);
       assert.deepEqual(rejections.map((error) => `${error.name}: ${error.message}`), [], 'no call rejects');
