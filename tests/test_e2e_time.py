@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import sqlite3
+import threading
 import time
 from typing import Any
 
@@ -29,9 +30,9 @@ DAY_US = 86_400 * SECOND_US
 # 300_000 bytes and 500 output tokens cap at 8_772 nanos: room for any estimate here.
 BIG_BYTES = 300_000
 CAP_10K_500 = 486
-# The sweeper looks every 50 ms; the contract wants it within a second.
-SWEEPER_DEADLINE_SECONDS = 1.0
-POLL_SECONDS = 0.02
+# How long a test waits for what must happen (a sweep, an event): generous, as
+# a loaded machine may be slow; passing tests never wait it out.
+WAIT_SECONDS = 30.0
 
 
 @pytest.fixture
@@ -48,15 +49,32 @@ def unswept(start_ledger_server: Any, harness_for: Any) -> Any:
     return harness
 
 
-def wait_for_events(harness: Any, lane: str, kind: str, count: int) -> tuple[list[Any], float]:
-    """Polls ListEvents until `count` events of `kind` exist; returns them and the wait."""
-    started = time.monotonic()
-    deadline = started + SWEEPER_DEADLINE_SECONDS * 3
-    while True:
-        found = harness.events(lane, kinds=[kind])
-        if len(found) >= count or time.monotonic() > deadline:
-            return found, time.monotonic() - started
-        time.sleep(POLL_SECONDS)
+class Sweeps:
+    """Counts the server's sweeps as they begin and end, so that a test waits
+    for sweeps, not for the time they take (a loaded machine sweeps late)."""
+
+    def __init__(self, server: LedgerServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.begun = self.ended = 0
+        self.changed = threading.Condition()
+        sweep = server.ledger.sweep
+
+        def counted(batch_size: int) -> int:
+            with self.changed:
+                self.begun += 1
+            try:
+                return sweep(batch_size)
+            finally:
+                with self.changed:
+                    self.ended += 1
+                    self.changed.notify_all()
+
+        monkeypatch.setattr(server.ledger, "sweep", counted)
+
+    def wait_for_new(self, count: int) -> None:
+        """Until `count` sweeps begun from now on have ended."""
+        with self.changed:
+            target = self.begun + count
+            assert self.changed.wait_for(lambda: self.ended >= target, WAIT_SECONDS)
 
 
 # The rolling window -------------------------------------------------------------
@@ -221,19 +239,25 @@ def test_after_expiry_a_late_success_replaces_the_charge(unswept: Any) -> None:
     assert (settled.previous_amount_nanos, settled.amount_nanos) == (300, 404)
 
 
-def test_the_sweeper_records_expiry_within_a_second(harness: Any) -> None:
+def test_the_sweeper_records_expiry_at_its_first_sweep_past_the_deadline(
+    harness: Any, server: LedgerServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within a second, as the contract says, because it sweeps every second
+    (here every 50 ms): the first sweep that begins once a hold's deadline has
+    passed records its expiry, and none before it does."""
+    sweeps = Sweeps(server, monkeypatch)
     start = harness.START_US
     harness.make_lane("zero", expire_charge=pb.ZERO)
     harness.reserve("hold", estimate_nanos=300, request_bytes=BIG_BYTES, ttl_us=5 * SECOND_US)
     harness.reserve("zero", lane="zero", request_bytes=BIG_BYTES, ttl_us=5 * SECOND_US)
 
     harness.advance_us(5 * SECOND_US - 1)
-    time.sleep(0.2)  # four sweeps: none may expire a hold before its deadline
+    sweeps.wait_for_new(4)  # none may expire a hold before its deadline
     assert not harness.events("", kinds=["expired"])
 
     harness.advance_us(1)
-    (held,), waited = wait_for_events(harness, "recall", "expired", 1)
-    assert waited < SWEEPER_DEADLINE_SECONDS
+    sweeps.wait_for_new(1)
+    (held,) = harness.events("recall", kinds=["expired"])
     assert (held.reservation_id, held.previous_amount_nanos, held.amount_nanos) == (
         "hold",
         300,
@@ -241,7 +265,7 @@ def test_the_sweeper_records_expiry_within_a_second(harness: Any) -> None:
     )
     assert harness.micros_of(held.occurred_at) == start + 5 * SECOND_US
     assert harness.micros_of(held.reserved_at) == start
-    (zeroed,), _ = wait_for_events(harness, "zero", "expired", 1)
+    (zeroed,) = harness.events("zero", kinds=["expired"])
     assert (zeroed.previous_amount_nanos, zeroed.amount_nanos) == (8_772, 0)
     assert harness.booking("hold").state == pb.EXPIRED
     assert harness.balance().charged_nanos == 300
