@@ -452,7 +452,7 @@ export const UNANSWERED_REFUND_ATTEMPTS: number;
 export const UNANSWERED_REFUND_PAUSE_MS: number;
 
 export class LaneClient {
-  /** Throws InvalidArgument (field `lane`) for a lane that is not a string of 1 to 200 characters. */
+  /** Throws InvalidArgument (field `lane`) for a lane name the ledger refuses: 1 to 200 characters of ASCII, a letter or digit first, then letters, digits and `._:/@+-`. */
   constructor(address: string, lane: string, options?: LaneClientOptions);
   readonly address: string;
   readonly lane: string;

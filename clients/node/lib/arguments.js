@@ -48,9 +48,17 @@ function checkName(field, value) {
   return value;
 }
 
-/** The lane a client is built for. */
+// The ledger's rule for names (ledger_service/domain/policies.py): ASCII, a
+// letter or digit first. The shared cases hold the two to the same answers.
+const LANE = /^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$/;
+
+/** The lane a client is built for, by the ledger's rule for names. */
 function checkLane(lane) {
-  return checkName('lane', lane);
+  checkName('lane', lane);
+  if (!LANE.test(lane)) {
+    throw invalidArgument('lane', 'must start with a letter or digit and use only letters, digits and ._:/@+-');
+  }
+  return lane;
 }
 
 // A grant travels in an HTTP/2 header: visible ASCII, no spaces (as the Python
