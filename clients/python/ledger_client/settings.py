@@ -30,6 +30,10 @@ DEFAULT_CLOSE_GRACE_SECONDS = 5.0
 CLOSE_JOURNAL_WAIT_SECONDS = 1.0
 # The longest deadline a call may have, in the settings or given to one call.
 MAX_DEADLINE_SECONDS = 60
+# The shortest duration of the journal's replay (its RPCs' deadline, an
+# attempt's length, the pause between attempts): the Node client's 1 ms, the
+# least its timers keep.
+MIN_REPLAY_SECONDS = 0.001
 # Settle and Refund are idempotent, so an unconfirmed one is sent again with the
 # same content; without this an ended call would expire at its hold. Three
 # attempts, 20 ms and then 40 ms apart: the Node client's DEFAULT_END_ATTEMPTS
@@ -58,6 +62,11 @@ def require_int(value: object, name: str) -> None:
 def require_number(value: object, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+
+
+def _check_replay_seconds(name: str, value: float, most: int) -> None:
+    if not MIN_REPLAY_SECONDS <= value <= most:  # NaN too
+        raise ValueError(f"{name} must be in [{MIN_REPLAY_SECONDS}, {most}] seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,16 +134,14 @@ class ClientSettings:
             require_int(getattr(self, name), name)
         if not 0 < self.deadline_seconds <= MAX_DEADLINE_SECONDS:
             raise ValueError(f"deadline_seconds must be in (0, {MAX_DEADLINE_SECONDS}]")
-        if not 0 < self.replay_deadline_seconds <= MAX_DEADLINE_SECONDS:
-            raise ValueError(f"replay_deadline_seconds must be in (0, {MAX_DEADLINE_SECONDS}]")
+        _check_replay_seconds("replay_deadline_seconds", self.replay_deadline_seconds, 60)
         if not 1 <= self.max_replay_entries_per_attempt <= 10_000:
             raise ValueError("max_replay_entries_per_attempt must be in [1, 10000]")
-        if not 0 < self.max_replay_seconds_per_attempt <= 600:
-            raise ValueError("max_replay_seconds_per_attempt must be in (0, 600]")
-        if self.replay_interval_seconds is not None and not (
-            0 < self.replay_interval_seconds <= 3600
-        ):
-            raise ValueError("replay_interval_seconds must be in (0, 3600] or None")
+        _check_replay_seconds(
+            "max_replay_seconds_per_attempt", self.max_replay_seconds_per_attempt, 600
+        )
+        if self.replay_interval_seconds is not None:
+            _check_replay_seconds("replay_interval_seconds", self.replay_interval_seconds, 3600)
         if not 0 < self.rotate_journal_bytes <= self.max_journal_bytes <= 1024**3:
             raise ValueError("need 0 < rotate_journal_bytes <= max_journal_bytes <= 1 GiB")
         if not 1 <= self.max_reason_length <= 1000:
