@@ -18,7 +18,7 @@ export interface TlsOptions {
 }
 
 export interface LaneClientOptions {
-  /** Sent as `authorization: Bearer <grant>` on every call; a function is called per call. 1 to 4,096 visible ASCII characters without spaces (the longest grant the ledger takes), or a TypeError that never quotes it. */
+  /** Sent as `authorization: Bearer <grant>` on every call; a function is called per call. 1 to 4,096 visible ASCII characters without spaces (the longest grant the ledger takes), or a TypeError that never quotes it (from a function, a GrantError; one that throws or rejects: a GrantError whose `cause` is what it threw). */
   grant?: string | (() => string | Promise<string>);
   /** true: TLS with the system's roots. Left out: plaintext. */
   tls?: boolean | TlsOptions;
@@ -614,6 +614,8 @@ export class Journal {
   rotateIfReplayed(): Promise<string | null>;
   close(): Promise<void>;
 }
+/** The lane's grant function gave no grant (empty, null, a line break) or threw (`cause`: what it threw): the call was not sent. Its message never quotes a grant. */
+export class GrantError extends TypeError {}
 /** The journal cannot be used; a lane in outage then fails closed. */
 export class JournalError extends Error {}
 /** Past maxJournalBytes: no new call is journaled (endings still are). */

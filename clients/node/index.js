@@ -18,6 +18,7 @@ const {
 } = require('./lib/context');
 const { OutagePolicy, OutageMode, CallSource, MAX_ALLOWANCE_CALLS } = require('./lib/outage');
 const { Journal, JournalError, JournalFull, JournalLocked, Source, ReplayResult, Settlement } = require('./lib/journal');
+const { GrantError } = require('./lib/arguments');
 
 module.exports = {
   LaneClient,
@@ -59,6 +60,7 @@ module.exports = {
   Source,
   ReplayResult,
   Settlement,
+  GrantError,
   // Re-exported in so many words: Node's ESM import of this CommonJS module
   // finds `...require(...)` (cjs-module-lexer), not a spread variable, so
   // `import { InvalidArgument } from '@lane-ledger/client'` works.

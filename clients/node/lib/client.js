@@ -841,14 +841,26 @@ class LaneClient {
 
   async _metadata(trace) {
     const metadata = new grpc.Metadata();
-    if (this.#grant !== null) {
-      // From a function, every value is checked: one that gave '' or null once
-      // must fail the call, not send it without a grant.
-      const grant = typeof this.#grant === 'function' ? checkGrant(await this.#grant(), GrantError) : this.#grant;
-      metadata.set('authorization', `Bearer ${grant}`);
-    }
+    if (this.#grant !== null) metadata.set('authorization', `Bearer ${await this._grant()}`);
     setTraceHeaders(metadata, trace);
     return metadata;
+  }
+
+  /**
+   * The grant to send. From a function, every value is checked: one that gave
+   * '' or null once must fail the call, not send it without a grant. One that
+   * throws fails it with a GrantError too, its failure the cause: the call was
+   * never sent, and a replay leaves its entries for a later attempt.
+   */
+  async _grant() {
+    if (typeof this.#grant !== 'function') return this.#grant;
+    let given;
+    try {
+      given = await this.#grant();
+    } catch (error) {
+      throw new GrantError('the grant function failed (see cause): the call was not sent', { cause: error });
+    }
+    return checkGrant(given, GrantError);
   }
 
   /** `trace`: the W3C headers to send ({traceparent, tracestate?}), or null for none. */

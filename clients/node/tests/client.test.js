@@ -234,6 +234,26 @@ describe('grants', () => {
     }
   });
 
+  test('a grant function that throws or rejects fails the call with a GrantError, its failure kept as the cause', async () => {
+    // The README: the client's own error, never the function's raw one (which a
+    // replay took for a bad entry when it was a TypeError, and dropped it).
+    const { GrantError } = require('..');
+    const failure = new Error('the secret store is down');
+    for (const grant of [() => { throw failure; }, async () => { throw failure; }]) {
+      const client = new LaneClient('127.0.0.1:1', 'lane', { grant, deadlineMs: 50 });
+      try {
+        await assert.rejects(client.balance(), (error) => {
+          assert.ok(error instanceof GrantError && error instanceof TypeError, `${error}`);
+          assert.equal(error.cause, failure);
+          assert.match(error.message, /grant function/);
+          return true;
+        });
+      } finally {
+        client.close();
+      }
+    }
+  });
+
   test('a request that is not an object is a TypeError naming the method, not the engine\'s', async () => {
     const client = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50 });
     try {

@@ -36,6 +36,7 @@ const {
   InternalError,
   InvalidArgument,
   Unauthenticated,
+  GrantError,
 } = require('..');
 
 // 1 nano per input token, 2 per output token (per million: 10^6 and 2 * 10^6).
@@ -445,6 +446,30 @@ describe('a server that shuts down under a call', () => {
       assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 0, 'never sent');
       const report = await lane.replayJournal();
       assert.equal(report.landed, 2, 'replayed once the grant is back');
+    } finally {
+      await fake.stop();
+    }
+  });
+
+  test("a replay whose grant function throws, a TypeError too, keeps the journal's entries for its next attempt", async () => {
+    // Its raw TypeError read as "the client can never send this entry", and the
+    // replay dropped a Settle the ledger never saw.
+    const fake = await startFakeLedger({ Reserve: () => ADMITTED, Settle: () => ({ charged_nanos: '900' }) });
+    try {
+      let grantOf = () => 'lg1.good';
+      const lane = client(OutagePolicy.deny(journalPath), { grant: () => grantOf() }, `127.0.0.1:${fake.port}`);
+      const result = await lane.call(REQUEST, async () => {
+        grantOf = () => '';
+        return OK;
+      });
+      assert.equal(result.journaled, true);
+      grantOf = () => {
+        throw new TypeError('the secret store answered nothing');
+      };
+      await assert.rejects(lane.replayJournal(), (error) => error instanceof GrantError && error.cause instanceof TypeError);
+      assert.equal(lane.journal.pending().length, 1, 'kept for the next attempt');
+      grantOf = () => 'lg1.good';
+      assert.equal((await lane.replayJournal()).landed, 1);
     } finally {
       await fake.stop();
     }
