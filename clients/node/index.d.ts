@@ -46,6 +46,8 @@ export interface LaneClientOptions {
   rotateJournalBytes?: number;
   /** Where the outage mode's warnings go (a denied replay, a refused one, a journal that failed); default console, null: nowhere. */
   logger?: { warn(message: string): void; error(message: string): void } | null;
+  /** How long a tail (watchEvents) whose stream dropped goes on opening another, without one that answers, before it throws the last error; default 30,000 ms, 0 (never) to 3,600,000. */
+  watchResumeMs?: number;
 }
 
 /**
@@ -450,6 +452,72 @@ export const DEFAULT_END_ATTEMPTS: number;
 export const UNANSWERED_REFUND_ATTEMPTS: number;
 /** The pause before the background refund's attempt n+1 is n times this: 250 ms. */
 export const UNANSWERED_REFUND_PAUSE_MS: number;
+/** A page of events when none is asked for: 100 (the server's default_page_size). */
+export const DEFAULT_PAGE_SIZE: number;
+/** The most events a page holds: 1,000 (the server's max_page_size); a larger pageSize is InvalidArgument (field `page_size`) before any call. */
+export const MAX_PAGE_SIZE: number;
+
+/**
+ * One immutable fact of the lane's log (the proto's Event, less the new
+ * policy of a lane_configured event). Every int64 a BigInt; instants Dates,
+ * null where the event has none.
+ */
+export interface LedgerEvent {
+  /** The server's sequence number: unique and rising, possibly with holes. */
+  seq: bigint;
+  lane: string;
+  kind: 'reserved' | 'denied' | 'settled' | 'refunded' | 'expired' | 'lane_configured' | 'reconciled' | 'corrected' | string;
+  reservationId: string;
+  /** What the booking counts in its window after this event, and before it. */
+  amountNanos: bigint;
+  previousAmountNanos: bigint;
+  occurredAt: Date;
+  /** For a settlement; '' otherwise. */
+  outcome: 'SUCCEEDED' | 'UNKNOWN' | '';
+  httpStatus: bigint;
+  model: string;
+  requestBytes: bigint;
+  maxOutputTokens: bigint;
+  inputTokens: bigint;
+  outputTokens: bigint;
+  cachedInputTokens: bigint;
+  cacheWriteTokens: bigint;
+  billedNanos: bigint | null;
+  estimateNanos: bigint | null;
+  holdNanos: bigint;
+  capNanos: bigint;
+  reservedAt: Date | null;
+  expiresAt: Date | null;
+  retryAfter: Date | null;
+  /** For a denial; null otherwise. */
+  denialReason: DenialReason | null;
+  /** For a denial: the budget that said no (this lane or a parent). */
+  deniedBy: string;
+  reason: string;
+  traceId: string;
+  /** The lane's spent and limit right after this event. */
+  spentAfterNanos: bigint;
+  limitNanos: bigint;
+  correctionId: string;
+  grantId: string;
+  /** Tamper evidence: this event's hash, chained to the lane's previous one. */
+  hash: string;
+  previousHash: string;
+}
+
+export interface EventPageOptions {
+  /** Only events after this seq; default 0 (the start of the log). */
+  afterSeq?: Int64Input;
+  /** 1 to MAX_PAGE_SIZE; default DEFAULT_PAGE_SIZE. */
+  pageSize?: number;
+}
+
+export interface EventPage {
+  /** Oldest first. */
+  events: LedgerEvent[];
+  /** The afterSeq of the next page; null when the log has no more events right now. */
+  nextAfterSeq: bigint | null;
+}
 
 export class LaneClient {
   /** Throws InvalidArgument (field `lane`) for a lane name the ledger refuses: 1 to 200 characters of ASCII, a letter or digit first, then letters, digits and `._:/@+-`. */
@@ -459,6 +527,7 @@ export class LaneClient {
   readonly deadlineMs: number;
   readonly endAttempts: number;
   readonly maxCallsInFlight: number;
+  readonly watchResumeMs: number;
   readonly outage: OutagePolicy;
   /** The outage journal, or null without one. */
   readonly journal: Journal | null;
@@ -478,6 +547,12 @@ export class LaneClient {
   refund(request: RefundRequest): Promise<{ balance: Balance | null }>;
   balance(options?: TraceOptions): Promise<Balance>;
   booking(reservationId: string, options?: TraceOptions): Promise<Booking>;
+  /** One page of the lane's events (needs a grant with `read` on the lane). InvalidArgument (field `page_size` or `after_seq`) before any call for a pageSize outside 1 to MAX_PAGE_SIZE or a negative afterSeq. */
+  listEvents(options?: EventPageOptions): Promise<EventPage>;
+  /** Every event after afterSeq, a listEvents page at a time as the caller iterates, to the log's end as it stands then. Throws InvalidArgument as listEvents, at once. */
+  allEvents(options?: EventPageOptions): AsyncGenerator<LedgerEvent, void, undefined>;
+  /** The lane's events after afterSeq, then each new one as it is committed; a dropped stream is opened again after the last event seen (for up to watchResumeMs), so none is skipped or repeated. Leave the loop (or call return()) to stop it; close() ends it too (done, no error). */
+  watchEvents(options?: { afterSeq?: Int64Input }): AsyncGenerator<LedgerEvent, void, undefined>;
   /**
    * A callback that resolves with nothing (undefined or null) reports no
    * outcome: its booking is settled UNKNOWN, at its hold, with a warning.

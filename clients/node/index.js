@@ -19,6 +19,7 @@ const {
 const { OutagePolicy, OutageMode, CallSource, MAX_ALLOWANCE_CALLS } = require('./lib/outage');
 const { Journal, JournalError, JournalFull, JournalLocked, Source, ReplayResult, Settlement } = require('./lib/journal');
 const { GrantError } = require('./lib/arguments');
+const { DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE } = require('./lib/events');
 
 module.exports = {
   LaneClient,
@@ -49,6 +50,8 @@ module.exports = {
   DEFAULT_END_ATTEMPTS,
   UNANSWERED_REFUND_ATTEMPTS,
   UNANSWERED_REFUND_PAUSE_MS,
+  DEFAULT_PAGE_SIZE,
+  MAX_PAGE_SIZE,
   OutagePolicy,
   OutageMode,
   CallSource,

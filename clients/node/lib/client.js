@@ -29,6 +29,7 @@ const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require(
 const { Journal, Source, Settlement, ReplayResult, newEntry, checkJournalLimits, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
 const { OutagePolicy, OutageMode, Allowance, DenialReason, CallSource, argumentsOf, isJournalTrouble } = require('./outage');
 const { Replayer, replaySettingsOf, emptyReport, IN_DOUBT_REASON } = require('./replay');
+const events = require('./events');
 
 // Why 250 ms: in the recall budget jam (docs/semantics.md, "Why it exists")
 // a 2.0 s step lost 0.8 s to grant and key lookups and 1.0 s to a retry
@@ -682,6 +683,9 @@ class LaneClient {
     this._endings = new Set();
     // The call()s under way, from their Reserve to their ending: close() waits for them.
     this._calls = new Set();
+    // The lane's event streams open now (watchEvents): close() ends them.
+    this._watches = new events.Watches();
+    this.watchResumeMs = events.checkWatchResumeMs(options.watchResumeMs ?? events.DEFAULT_WATCH_RESUME_MS);
     this._closed = null;
     // Every ledger call under way: its promise, and its grpc-js call to cancel.
     this._rpcs = new Map();
@@ -794,6 +798,8 @@ class LaneClient {
     if (typeof graceMs !== 'number' || !(graceMs >= 0 && graceMs <= MAX_DEADLINE_MS)) {
       throw new RangeError(`graceMs must be a number of milliseconds in [0, ${MAX_DEADLINE_MS}]`);
     }
+    // A tail never ends by itself: it ends now, not at the grace.
+    this._watches.close();
     this._replayer?.stop();
     const replayer = this._replayer;
     const journal = this._journal;
@@ -1106,6 +1112,62 @@ class LaneClient {
     checkReservationId(reservationId);
     const message = { lane: this.lane, reservation_id: reservationId };
     return wire.bookingOf(await this._unary('GetBooking', message, traceHeaders(options)));
+  }
+
+  /**
+   * One page of the lane's events after `afterSeq`, oldest first: at most
+   * `pageSize` (1 to MAX_PAGE_SIZE), fewer where the server's message limit
+   * ends it early. Needs a grant with the `read` scope on the lane.
+   * @param {import('../index').EventPageOptions} [options]
+   * @returns {Promise<import('../index').EventPage>}
+   */
+  async listEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE } = {}) {
+    this._refuseClosed();
+    const after = events.checkAfterSeq(afterSeq);
+    events.checkPageSize(pageSize);
+    const message = { lane: this.lane, after_seq: after.toString(), page_size: pageSize };
+    return events.pageOf(await this._unary('ListEvents', message, null));
+  }
+
+  /**
+   * Every event of the lane after `afterSeq`, page by page (one listEvents
+   * each, as the caller iterates), to the log's end as it stands then.
+   * @param {import('../index').EventPageOptions} [options]
+   * @returns {AsyncGenerator<import('../index').LedgerEvent, void, undefined>}
+   */
+  allEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE } = {}) {
+    this._refuseClosed();
+    const after = events.checkAfterSeq(afterSeq);
+    events.checkPageSize(pageSize);
+    return events.allPages((cursor) => this.listEvents({ afterSeq: cursor, pageSize }), after);
+  }
+
+  /**
+   * An async iterator of the lane's events after `afterSeq`, then of each new
+   * one as it is committed. A stream that drops (an outage, a server
+   * restarting) is opened again after the last event it gave, for up to
+   * `watchResumeMs`; each stream must be accepted within `deadlineMs`. Stop
+   * it by leaving the loop (or its `return()`); close() ends it too.
+   * @param {{afterSeq?: bigint|number|string}} [options]
+   * @returns {AsyncGenerator<import('../index').LedgerEvent, void, undefined>}
+   */
+  watchEvents({ afterSeq = 0n } = {}) {
+    this._refuseClosed();
+    const after = events.checkAfterSeq(afterSeq);
+    const resumption = {
+      forMs: this.watchResumeMs,
+      firstPauseMs: RECONNECT_OPTIONS['grpc.initial_reconnect_backoff_ms'],
+      mostPauseMs: RECONNECT_OPTIONS['grpc.max_reconnect_backoff_ms'],
+    };
+    return events.tail((last) => this._stream(last), this._watches, after, resumption);
+  }
+
+  /** One WatchEvents stream of the lane (events.streamEvents). */
+  async *_stream(afterSeq) {
+    const metadata = await this._metadata(null);
+    if (this._watches.closed) return;
+    const call = this._stub.WatchEvents({ lane: this.lane, after_seq: afterSeq.toString() }, metadata);
+    yield* events.streamEvents(call, this._watches, this.deadlineMs);
   }
 
   /**

@@ -139,6 +139,54 @@ function bookingOf(message) {
   };
 }
 
+/** A proto3 optional int64: a BigInt, or null when the event has none. */
+function optionalBigintOf(message, name) {
+  return message[`_${name}`] === name ? bigintOf(message[name]) : null;
+}
+
+/**
+ * One event of the lane's log (the proto's Event, less the new policy of a
+ * lane_configured event). The Python client's LedgerEvent.
+ * @returns {import('../index').LedgerEvent}
+ */
+function eventOf(message) {
+  return {
+    seq: bigintOf(message.seq),
+    lane: message.lane,
+    kind: message.kind,
+    reservationId: message.reservation_id,
+    amountNanos: bigintOf(message.amount_nanos),
+    previousAmountNanos: bigintOf(message.previous_amount_nanos),
+    occurredAt: dateOf(message.occurred_at),
+    outcome: message.outcome === 'OUTCOME_UNSPECIFIED' ? '' : message.outcome,
+    httpStatus: bigintOf(message.http_status),
+    model: message.model,
+    requestBytes: bigintOf(message.request_bytes),
+    maxOutputTokens: bigintOf(message.max_output_tokens),
+    inputTokens: bigintOf(message.input_tokens),
+    outputTokens: bigintOf(message.output_tokens),
+    cachedInputTokens: bigintOf(message.cached_input_tokens),
+    cacheWriteTokens: bigintOf(message.cache_write_tokens),
+    billedNanos: optionalBigintOf(message, 'billed_nanos'),
+    estimateNanos: optionalBigintOf(message, 'estimate_nanos'),
+    holdNanos: bigintOf(message.hold_nanos),
+    capNanos: bigintOf(message.cap_nanos),
+    reservedAt: dateOf(message.reserved_at),
+    expiresAt: dateOf(message.expires_at),
+    retryAfter: dateOf(message.retry_after, { roundUp: true }),
+    denialReason: message.kind === 'denied' ? message.denial_reason : null,
+    deniedBy: message.denied_by,
+    reason: message.reason,
+    traceId: message.trace_id,
+    spentAfterNanos: bigintOf(message.spent_after_nanos),
+    limitNanos: bigintOf(message.limit_nanos),
+    correctionId: message.correction_id,
+    grantId: message.grant_id,
+    hash: message.hash,
+    previousHash: message.previous_hash,
+  };
+}
+
 module.exports = {
   int64,
   optionalInt64,
@@ -150,4 +198,5 @@ module.exports = {
   reserveResultOf,
   settleResultOf,
   bookingOf,
+  eventOf,
 };

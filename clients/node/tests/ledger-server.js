@@ -5,7 +5,7 @@
 // same port and data directory (an outage the lane lives through). Not a test
 // file itself: node --test runs only *.test.js here.
 
-const { spawn } = require('node:child_process');
+const { execFileSync, spawn } = require('node:child_process');
 const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
@@ -92,7 +92,7 @@ async function endProcess(running, signal) {
 /**
  * @param {{copyFrom?: string}} [options] copyFrom: a halted server's data directory to start from
  * @returns {Promise<{address: string, adminGrant: string|null, admin: object, clock: object,
- *   events: (lane: string) => Promise<object[]>, halt: (signal?: string) => Promise<number|string>,
+ *   events: (lane: string) => Promise<object[]>, issueGrant: (...args: string[]) => string, halt: (signal?: string) => Promise<number|string>,
  *   restart: () => Promise<void>, freeze: () => void, thaw: () => void, stop: () => Promise<void>}>}
  */
 async function startLedger({ copyFrom } = {}) {
@@ -156,6 +156,12 @@ async function startLedger({ copyFrom } = {}) {
     }
   }
 
+  /** `ledger grant issue` against this server's keyring: the grant's text. */
+  function issueGrant(...args) {
+    const command = ['grant', 'issue', '--data-dir', dataDir, ...args];
+    return execFileSync(LEDGER_BIN, command, { encoding: 'ascii', timeout: START_TIMEOUT_MS }).trim();
+  }
+
   /** SIGSTOP: the process stops, its kernel still accepts connections and bytes. */
   function freeze() {
     running.child.kill('SIGSTOP');
@@ -192,6 +198,7 @@ async function startLedger({ copyFrom } = {}) {
       getTime: promisify(clockStub, 'GetTime', metadata),
     },
     events,
+    issueGrant,
     halt,
     restart,
     freeze,

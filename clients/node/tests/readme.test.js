@@ -1,7 +1,8 @@
 'use strict';
 // The README's JavaScript examples: each parses as a script of its own and is
 // run by a test as written (the first in ledger.test.js, the openai one in
-// openai.test.js, the outage one in outage.test.js, the context one here).
+// openai.test.js, the outage one in outage.test.js, the events one in
+// events.test.js, the context one here).
 
 const { after, before, describe, test } = require('node:test');
 const assert = require('node:assert/strict');
@@ -22,6 +23,7 @@ const RUN_BY = Object.freeze([
   ['ledgerFetch(lane)', 'openai.test.js'],
   ['OutagePolicy.allowance(', 'outage.test.js'],
   ['fitToolResults(', 'readme.test.js'],
+  ['lane.watchEvents(', 'events.test.js'],
 ]);
 
 /** The README's example that contains `marker`. */

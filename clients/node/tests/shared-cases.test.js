@@ -359,6 +359,23 @@ describe('argument cases', () => {
     });
   }
 
+  for (const argumentCase of ARGUMENTS.events) {
+    test(`events: ${argumentCase.why}`, async () => {
+      // Nothing listens at the address: an accepted page goes out and finds no
+      // ledger; a refused one is never sent. A tail takes afterSeq alone.
+      const { page_size: pageSize, after_seq: afterSeq } = argumentCase.set;
+      const options = { pageSize, afterSeq };
+      if (argumentCase.accepted) {
+        await assert.rejects(lane.listEvents(options), isOutage);
+        await assert.rejects(lane.allEvents(options).next(), isOutage);
+        return;
+      }
+      await assert.rejects(lane.listEvents(options), isRefusal(argumentCase));
+      assert.throws(() => lane.allEvents(options), isRefusal(argumentCase));
+      if (pageSize === undefined) assert.throws(() => lane.watchEvents({ afterSeq }), isRefusal(argumentCase));
+    });
+  }
+
   for (const argumentCase of ARGUMENTS.lane) {
     test(`lane: ${argumentCase.why}`, async () => {
       const make = () => new LaneClient(NOWHERE, argumentCase.set.lane, { logger: null });

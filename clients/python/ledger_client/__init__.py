@@ -46,6 +46,7 @@ from ledger_client.errors import (
     Unauthenticated,
     UnknownModel,
 )
+from ledger_client.events import EventPage, LedgerEvent
 from ledger_client.journal import Journal, JournalEntry, JournalError, ReplayResult, Source
 from ledger_client.outage import OutageMode, OutagePolicy
 from ledger_client.outcomes import CallFailure, CallNotSent, Ending, Settlement, Usage, classify
@@ -83,6 +84,7 @@ __all__ = [
     "DenialReason",
     "Denied",
     "Ending",
+    "EventPage",
     "InvalidArgument",
     "Journal",
     "JournalEntry",
@@ -90,6 +92,7 @@ __all__ = [
     "LaneClient",
     "LaneNotFound",
     "LedgerError",
+    "LedgerEvent",
     "LedgerInternal",
     "LedgerOverloaded",
     "LedgerRecovering",

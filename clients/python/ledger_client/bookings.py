@@ -52,7 +52,7 @@ def new_reservation_id() -> str:
     return uuid.uuid4().hex
 
 
-def _check_range(name: str, value: int, low: int, high: int) -> None:
+def check_range(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid_argument(name, f"must be an integer between {low} and {high}")
     if not low <= value <= high:
@@ -107,10 +107,10 @@ class ReserveArguments:
             raise invalid_argument("model", "is required")
         if len(self.model) > MAX_MODEL_LENGTH:
             raise invalid_argument("model", f"must be at most {MAX_MODEL_LENGTH} characters")
-        _check_range("request_bytes", self.request_bytes, 0, MAX_REQUEST_BYTES)
-        _check_range("max_output_tokens", self.max_output_tokens, 0, MAX_TOKENS)
+        check_range("request_bytes", self.request_bytes, 0, MAX_REQUEST_BYTES)
+        check_range("max_output_tokens", self.max_output_tokens, 0, MAX_TOKENS)
         if self.estimate_nanos is not None:
-            _check_range("estimate_nanos", self.estimate_nanos, 0, MAX_AMOUNT_NANOS)
+            check_range("estimate_nanos", self.estimate_nanos, 0, MAX_AMOUNT_NANOS)
         if self.ttl_us is not None:
             # The wire field is `ttl` (a Duration).
             if isinstance(self.ttl_us, bool) or not isinstance(self.ttl_us, int):

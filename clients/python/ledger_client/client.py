@@ -11,7 +11,7 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -50,6 +50,17 @@ from ledger_client.errors import (
     from_rpc_error,
     invalid_argument,
 )
+from ledger_client.events import (
+    EventPage,
+    LedgerEvent,
+    Resumption,
+    Watches,
+    all_pages,
+    check_after_seq,
+    check_page_size,
+    stream_events,
+    tail,
+)
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_client.journal import Journal
@@ -59,6 +70,7 @@ from ledger_client.replay import Replayer, ReplayReport
 from ledger_client.settings import (
     CLOSE_JOURNAL_WAIT_SECONDS,
     DEFAULT_CLOSE_GRACE_SECONDS,
+    DEFAULT_PAGE_SIZE,
     MAX_DEADLINE_SECONDS,
     ClientSettings,
     require_number,
@@ -189,6 +201,8 @@ class LaneClient:
         self._admitted_ids = RecentIds()
         self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
         self._gate = CallGate()
+        # The lane's event streams open now (watch_events): close() ends them.
+        self._watches = Watches()
         # The client as the calls it already admitted reach it (a block's
         # Settle, a background refund, a replay): never refused while closing.
         self._admitted = _Admitted(self)
@@ -245,6 +259,8 @@ class LaneClient:
         if not 0 <= grace_seconds <= MAX_DEADLINE_SECONDS:  # NaN too; as the Node client's graceMs
             raise ValueError(f"grace_seconds must be in [0, {MAX_DEADLINE_SECONDS}]")
         self._gate.close()
+        # A tail never ends by itself: it ends now, not at the grace.
+        self._watches.close()
         if self._replayer is not None:
             self._replayer.stop()
         end = time.monotonic() + grace_seconds
@@ -589,6 +605,78 @@ class LaneClient:
         request = pb.GetBookingRequest(lane=self.lane, reservation_id=reservation_id)
         response: pb.Booking = self._invoke(self._stub.GetBooking, request, deadline_seconds, "")
         return convert.booking_state(response.state)
+
+    # The lane's events -------------------------------------------------------------
+
+    def list_events(
+        self,
+        *,
+        after_seq: int = 0,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        deadline_seconds: float | None = None,
+    ) -> EventPage:
+        """One page of the lane's events after `after_seq`, oldest first: at
+        most `page_size` (1 to MAX_PAGE_SIZE), fewer where the server's message
+        limit ends it early. Needs a grant with the `read` scope on the lane."""
+        check_after_seq(after_seq)
+        check_page_size(page_size)
+        request = pb.ListEventsRequest(lane=self.lane, after_seq=after_seq, page_size=page_size)
+        response: pb.ListEventsResponse = self._invoke(
+            self._stub.ListEvents, request, deadline_seconds, ""
+        )
+        events = tuple(convert.event(message) for message in response.events)
+        more = bool(response.next_page_token) and bool(events)
+        return EventPage(events, events[-1].seq if more else None)
+
+    def all_events(
+        self,
+        *,
+        after_seq: int = 0,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        deadline_seconds: float | None = None,
+    ) -> Iterator[LedgerEvent]:
+        """Every event of the lane after `after_seq`, page by page (one
+        list_events call each, as the caller iterates), to the log's end as
+        it stands then."""
+        check_after_seq(after_seq)
+        check_page_size(page_size)
+        return all_pages(
+            lambda cursor: self.list_events(
+                after_seq=cursor, page_size=page_size, deadline_seconds=deadline_seconds
+            ),
+            after_seq,
+        )
+
+    def watch_events(
+        self, *, after_seq: int = 0, deadline_seconds: float | None = None
+    ) -> Generator[LedgerEvent, None, None]:
+        """A generator of the lane's events after `after_seq`, then of each new
+        one as it is committed. A stream that drops (an outage, a server
+        restarting) is opened again after the last event it gave, for up to
+        `settings.watch_resume_seconds`. Each stream must be accepted within
+        the deadline. Stop it with `close()` on the generator (or by leaving
+        the loop and dropping it); `close()` of the client ends it too."""
+        check_after_seq(after_seq)
+        timeout = self._deadline(deadline_seconds)
+        self._gate.check()
+        resumption = Resumption(
+            self.settings.watch_resume_seconds,
+            self.settings.initial_reconnect_backoff_ms / 1000,
+            self.settings.max_reconnect_backoff_ms / 1000,
+        )
+        return tail(
+            lambda after: self._stream(after, timeout), self._watches, after_seq, resumption
+        )
+
+    def _stream(self, after_seq: int, timeout: float) -> Generator[LedgerEvent | None, None, None]:
+        """One WatchEvents stream of the lane (events.stream_events)."""
+        request = pb.WatchEventsRequest(lane=self.lane, after_seq=after_seq)
+        metadata = (("authorization", f"Bearer {self._grant}"),) if self._grant else ()
+        with self._starting:  # never a call on a closed channel (see __init__)
+            if self._closed:
+                return
+            call = self._stub.WatchEvents(request, metadata=metadata, wait_for_ready=False)
+        yield from stream_events(call, self._watches, timeout, convert.event)
 
     # One model call --------------------------------------------------------------
 

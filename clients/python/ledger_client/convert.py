@@ -15,6 +15,7 @@ from ledger_client.bookings import (
     ReserveArguments,
     Settled,
 )
+from ledger_client.events import LedgerEvent
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.outcomes import Ending, Settlement
 
@@ -144,3 +145,44 @@ def refunded(message: pb.RefundResponse) -> Refunded:
 
 def booking_state(state: pb.BookingState.ValueType) -> BookingState:
     return _STATES.get(state, BookingState.UNSPECIFIED)
+
+
+def event(message: pb.Event) -> LedgerEvent:
+    denied = message.kind == "denied"
+    return LedgerEvent(
+        seq=message.seq,
+        lane=message.lane,
+        kind=message.kind,
+        reservation_id=message.reservation_id,
+        amount_nanos=message.amount_nanos,
+        previous_amount_nanos=message.previous_amount_nanos,
+        occurred_at=instant(message.occurred_at),
+        outcome=""
+        if message.outcome == pb.OUTCOME_UNSPECIFIED
+        else pb.Outcome.Name(message.outcome),
+        http_status=message.http_status,
+        model=message.model,
+        request_bytes=message.request_bytes,
+        max_output_tokens=message.max_output_tokens,
+        input_tokens=message.input_tokens,
+        output_tokens=message.output_tokens,
+        cached_input_tokens=message.cached_input_tokens,
+        cache_write_tokens=message.cache_write_tokens,
+        billed_nanos=message.billed_nanos if message.HasField("billed_nanos") else None,
+        estimate_nanos=message.estimate_nanos if message.HasField("estimate_nanos") else None,
+        hold_nanos=message.hold_nanos,
+        cap_nanos=message.cap_nanos,
+        reserved_at=instant(message.reserved_at) if message.HasField("reserved_at") else None,
+        expires_at=instant(message.expires_at) if message.HasField("expires_at") else None,
+        retry_after=instant(message.retry_after) if message.HasField("retry_after") else None,
+        denial_reason=_DENIAL_REASONS.get(message.denial_reason) if denied else None,
+        denied_by=message.denied_by,
+        reason=message.reason,
+        trace_id=message.trace_id,
+        spent_after_nanos=message.spent_after_nanos,
+        limit_nanos=message.limit_nanos,
+        correction_id=message.correction_id,
+        grant_id=message.grant_id,
+        hash=message.hash,
+        previous_hash=message.previous_hash,
+    )

@@ -49,6 +49,12 @@ MIN_MESSAGE_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 2**31 - 1
 # gRPC's own default longest pause between reconnects.
 MAX_RECONNECT_BACKOFF_MS = 120_000
+# A page of events: the server's default and most (its default_page_size and
+# max_page_size, docs/semantics.md "Input limits"); a larger page is refused
+# here, as the server would cut it short in silence. The Node client's
+# DEFAULT_PAGE_SIZE and MAX_PAGE_SIZE.
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
 
 
 def require_int(value: object, name: str) -> None:
@@ -110,12 +116,18 @@ class ClientSettings:
     # (max_calls_per_grant; one more is TooManyCalls): 64 keeps a lone client
     # under it, with room for calls it gave up on that the server still runs.
     max_calls_in_flight: int = DEFAULT_MAX_CALLS_IN_FLIGHT
+    # A tail (watch_events) whose stream dropped opens another after the last
+    # event seen, pausing as a lost connection is retried (the reconnect
+    # backoffs below), for at most this long without a stream that answers;
+    # then it raises the last failure. 0: never resumed.
+    watch_resume_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         for name in (
             "deadline_seconds",
             "replay_deadline_seconds",
             "max_replay_seconds_per_attempt",
+            "watch_resume_seconds",
         ):
             require_number(getattr(self, name), name)
         if self.replay_interval_seconds is not None:
@@ -150,6 +162,8 @@ class ClientSettings:
             raise ValueError("end_attempts must be in [1, 10]")
         if not 1 <= self.max_calls_in_flight <= 10_000:
             raise ValueError("max_calls_in_flight must be in [1, 10000]")
+        if not 0 <= self.watch_resume_seconds <= 3600:  # NaN too
+            raise ValueError("watch_resume_seconds must be in [0, 3600]")
         self._check_channel()
 
     def _check_channel(self) -> None:

@@ -342,6 +342,25 @@ def test_lane_arguments(case: dict[str, Any]) -> None:
     _check_refusal(caught.value, case)
 
 
+@pytest.mark.parametrize("case", ARGUMENTS["events"], ids=lambda case: case["why"])
+def test_event_arguments(case: dict[str, Any]) -> None:
+    # Nothing listens at the address: an accepted page goes out and finds no
+    # ledger; a refused one is never sent. A tail takes after_seq alone.
+    arguments = case["set"]
+    with LaneClient("127.0.0.1:9", "lane") as client:
+        pages = (client.list_events, lambda **given: list(client.all_events(**given)))
+        tails = (client.watch_events,) if "page_size" not in arguments else ()
+        if case.get("accepted"):
+            for page in pages:
+                with pytest.raises(errors.LedgerUnavailable):
+                    page(**arguments)
+            return
+        for call in (*pages, *tails):
+            with _refusal(case) as caught:
+                call(**arguments)
+            _check_refusal(caught.value, case)
+
+
 # --- request bytes -----------------------------------------------------------
 
 

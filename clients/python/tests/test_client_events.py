@@ -1,0 +1,249 @@
+"""The lane's events through the lane client (list_events, all_events,
+watch_events) against a real `ledger serve`: pages, the tail, its resumption
+after the server restarts, and the streams it frees."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from client_ledger import TEST_SETTINGS, Admin, LedgerProcess, new_lane_name, running
+from ledger_client import (
+    LaneClient,
+    LedgerEvent,
+    LedgerUnavailable,
+    PermissionDenied,
+    TooManyWatchers,
+    Usage,
+)
+
+# Long enough for any wait of these tests on a busy machine; never a measure.
+WAIT_SECONDS = 60.0
+# The server's share of event streams for one grant (max_watchers_per_grant).
+STREAMS_PER_GRANT = 16
+
+
+def _read_grant(server: LedgerProcess, lane: str) -> str:
+    """A lane's grant that reads its history: charge alone cannot (auth.py)."""
+    return server.issue_grant("--lane", lane, "--scope", "charge", "--scope", "read")
+
+
+def _reserve(client: LaneClient, count: int) -> None:
+    for _ in range(count):
+        client.reserve("model-a", 100, 10)
+
+
+def _reserve_once_back(client: LaneClient, count: int) -> None:
+    """Reserves sent again (the same ids: booked once) until the ledger that
+    restarted answers: the channel reconnects at its own pace."""
+    for number in range(count):
+        give_up = time.monotonic() + WAIT_SECONDS
+        while True:
+            try:
+                client.reserve("model-a", 100, 10, reservation_id=f"after-restart-{number}")
+                break
+            except LedgerUnavailable:
+                if time.monotonic() > give_up:
+                    raise
+                time.sleep(0.1)
+
+
+def _seqs(events: Iterator[LedgerEvent] | list[LedgerEvent]) -> list[int]:
+    return [event.seq for event in events]
+
+
+@pytest.fixture
+def reader(ledger_server: LedgerProcess, lane: str) -> Iterator[LaneClient]:
+    grant = _read_grant(ledger_server, lane)
+    with LaneClient(ledger_server.address, lane, grant=grant, settings=TEST_SETTINGS) as made:
+        yield made
+
+
+class Tail:
+    """A watch_events generator read in a thread of its own, as a lane would."""
+
+    def __init__(self, events: Iterator[LedgerEvent]) -> None:
+        self.events = events
+        self.seen: queue.Queue[LedgerEvent | BaseException | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for event in self.events:
+                self.seen.put(event)
+        except BaseException as error:  # handed to the test
+            self.seen.put(error)
+        self.seen.put(None)  # the generator ended
+
+    def take(self, count: int) -> list[LedgerEvent]:
+        taken: list[LedgerEvent] = []
+        while len(taken) < count:
+            item = self.seen.get(timeout=WAIT_SECONDS)
+            assert isinstance(item, LedgerEvent), f"the tail ended early: {item!r}"
+            taken.append(item)
+        return taken
+
+
+def test_pages_follow_each_other_to_the_end_of_the_log(
+    reader: LaneClient, admin: Admin, lane: str
+) -> None:
+    _reserve(reader, 5)
+    expected = _seqs(admin.events(lane))  # lane_configured, then 5 reserved
+    assert len(expected) == 6
+
+    first = reader.list_events(page_size=4)
+    assert _seqs(first.events) == expected[:4]
+    assert first.next_after_seq == expected[3]
+    second = reader.list_events(after_seq=first.next_after_seq, page_size=4)
+    assert _seqs(second.events) == expected[4:]
+    assert second.next_after_seq is None, "the end of the log as it stands"
+    assert _seqs(reader.all_events(page_size=2)) == expected
+    assert _seqs(reader.all_events(after_seq=expected[2])) == expected[3:]
+
+
+def test_events_are_typed_as_the_ledger_recorded_them(
+    reader: LaneClient, admin: Admin, lane: str
+) -> None:
+    reservation = reader.reserve("model-a", 100, 10, reservation_id="r-typed")
+    reserved = [event for event in reader.all_events() if event.kind == "reserved"]
+    assert len(reserved) == 1
+    event = reserved[0]
+    assert (event.lane, event.reservation_id, event.model) == (lane, "r-typed", "model-a")
+    assert event.hold_nanos == event.amount_nanos == reservation.hold_nanos
+    assert event.occurred_at.tzinfo is not None
+    assert event.expires_at == reservation.expires_at
+    assert event.billed_nanos is None and event.denial_reason is None
+    assert event.hash and event.previous_hash
+    reader.settle(
+        "r-typed", Usage(input_tokens=10, output_tokens=5, billed_nanos=7), http_status=200
+    )
+    (ended,) = reader.list_events(after_seq=event.seq).events
+    assert (ended.kind, ended.outcome, ended.http_status, ended.input_tokens) == (
+        "settled",
+        "SUCCEEDED",
+        200,
+        10,
+    )
+    assert (ended.billed_nanos, ended.amount_nanos, ended.previous_hash) == (7, 7, event.hash)
+
+
+def test_a_grant_without_read_is_refused_the_history(
+    ledger_server: LedgerProcess, lane: str, lane_grant: str
+) -> None:
+    # A lane's usual grant (charge) reads its balance and bookings, not its
+    # events: ListEvents and WatchEvents need read (ledger_service/api/auth.py).
+    with LaneClient(ledger_server.address, lane, grant=lane_grant, settings=TEST_SETTINGS) as made:
+        with pytest.raises(PermissionDenied):
+            made.list_events()
+        with pytest.raises(PermissionDenied):
+            next(made.watch_events())
+
+
+def test_the_tail_sees_events_committed_after_it_started(reader: LaneClient) -> None:
+    tail = Tail(reader.watch_events())
+    (configured,) = tail.take(1)  # the stream is open: the lane's first event came
+    assert configured.kind == "lane_configured"
+    _reserve(reader, 3)
+    later = tail.take(3)
+    assert [event.kind for event in later] == ["reserved"] * 3
+    assert _seqs(later) == _seqs(reader.all_events(after_seq=configured.seq))
+    reader.close()
+
+
+def test_closing_the_client_ends_the_tail(reader: LaneClient) -> None:
+    tail = Tail(reader.watch_events())
+    tail.take(1)
+    reader.close()
+    assert tail.seen.get(timeout=WAIT_SECONDS) is None, "ended without an error"
+    tail.thread.join(WAIT_SECONDS)
+    assert not tail.thread.is_alive()
+
+
+def test_a_tail_resumes_after_a_restart_without_skipping_or_repeating(
+    tmp_path: pathlib.Path,
+) -> None:
+    with running(tmp_path / "ledger") as server:
+        admin = Admin(server)
+        lane = new_lane_name()
+        admin.put_lane(lane, 1_000_000)
+        grant = _read_grant(server, lane)
+        with LaneClient(server.address, lane, grant=grant, settings=TEST_SETTINGS) as client:
+            _reserve(client, 2)
+            tail = Tail(client.watch_events())
+            before = tail.take(3)
+            admin.close()
+            server.stop()  # the stream ends: SHUTTING_DOWN, then no ledger at all
+            server.start()  # the same port and data directory
+            admin = Admin(server)
+            _reserve_once_back(client, 3)
+            after = tail.take(3)
+            assert _seqs(before + after) == _seqs(admin.events(lane))
+        admin.close()
+
+
+def test_stopping_a_tail_frees_its_stream(ledger_server: LedgerProcess, lane: str) -> None:
+    # One grant has 16 streams at the server. A tail left open would hold its
+    # own: the 17th would be refused (TooManyWatchers, once its resumption gave
+    # up), whether the tail was closed or its loop left.
+    settings = dataclasses.replace(TEST_SETTINGS, watch_resume_seconds=WAIT_SECONDS)
+    grant = _read_grant(ledger_server, lane)
+    with LaneClient(ledger_server.address, lane, grant=grant, settings=settings) as client:
+        for turn in range(STREAMS_PER_GRANT + 4):
+            if turn % 2:
+                watch = client.watch_events()
+                assert next(watch).kind == "lane_configured"
+                watch.close()
+                continue
+            for event in client.watch_events():
+                assert event.kind == "lane_configured"
+                break
+
+
+def test_a_refused_tail_raises_once_its_resumption_gives_up(
+    ledger_server: LedgerProcess, lane: str
+) -> None:
+    # TOO_MANY_WATCHERS is "slow down, send it again" (the error table): a tail
+    # tries again, and raises it once watch_resume_seconds passed without room.
+    settings = dataclasses.replace(TEST_SETTINGS, watch_resume_seconds=0.0)
+    grant = _read_grant(ledger_server, lane)
+    with LaneClient(ledger_server.address, lane, grant=grant, settings=settings) as client:
+        held = [client.watch_events() for _ in range(STREAMS_PER_GRANT)]
+        for watch in held:
+            next(watch)
+        with pytest.raises(TooManyWatchers):
+            next(client.watch_events())
+        for watch in held:
+            watch.close()
+
+
+def test_the_readme_example_runs(ledger_server: LedgerProcess, admin: Admin) -> None:
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## The lane's history: its events", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match is not None
+    # A lane of its own: the README's lane example books on "recall".
+    lane = new_lane_name()
+    admin.put_lane(lane, 1_000_000)
+    namespace = {"GRANT": _read_grant(ledger_server, lane)}
+    code = match.group(1).replace("ledger.internal:50051", ledger_server.address)
+    code = code.replace('"recall"', repr(lane))
+    exec(compile(code, "README", "exec"), namespace)
+    ledger: LaneClient = namespace["ledger"]  # type: ignore[assignment]
+    recorded: queue.Queue[LedgerEvent] = queue.Queue()
+    audit = threading.Thread(target=namespace["audit"], args=(recorded.put,), daemon=True)  # type: ignore[arg-type]
+    audit.start()
+    so_far = _seqs(admin.events(lane))
+    seen = [recorded.get(timeout=WAIT_SECONDS).seq for _ in so_far]
+    _reserve(ledger, 2)
+    seen += [recorded.get(timeout=WAIT_SECONDS).seq for _ in range(2)]
+    ledger.close()  # ends the tail, and so the example's function
+    audit.join(WAIT_SECONDS)
+    assert not audit.is_alive()
+    assert seen == _seqs(admin.events(lane))
