@@ -58,6 +58,31 @@ void judge;
 void tagged;
 `;
 
+const EVENTS = `
+import { LaneClient, LedgerEvent, EventPage, MAX_PAGE_SIZE } from '../..';
+
+const ledger = new LaneClient('127.0.0.1:1', 'recall', { grant: 'g', watchResumeMs: 10_000 });
+
+// The README's "The lane's history": every event so far, then each new one.
+async function audit(record: (event: LedgerEvent) => void): Promise<void> {
+  let last = 0n;
+  for await (const event of ledger.allEvents({ pageSize: 500 })) {
+    record(event);
+    last = event.seq;
+  }
+  for await (const event of ledger.watchEvents({ afterSeq: last })) record(event);
+}
+
+async function firstPage(): Promise<bigint | null> {
+  const page: EventPage = await ledger.listEvents({ afterSeq: '7', pageSize: MAX_PAGE_SIZE });
+  const charged: bigint[] = page.events.map((event) => event.billedNanos ?? event.amountNanos);
+  return charged.length > 0 ? page.nextAfterSeq : null;
+}
+
+void audit;
+void firstPage;
+`;
+
 const tsc = findTsc();
 
 /** What tsc --strict says of `source` saved as `name` here ('' when it type-checks). */
@@ -86,4 +111,8 @@ test('every name the package exports at run time is declared in index.d.ts', { s
   const names = Object.keys(require('..')).sort();
   const source = `import * as client from '../..';\nconst names: Array<keyof typeof client> = ${JSON.stringify(names)};\nvoid names;\n`;
   assert.equal(typeCheck('exports.ts', source), '');
+});
+
+test("the README's events example and a page's cursor type-check under --strict", { skip: tsc === null && 'no TypeScript compiler' }, () => {
+  assert.equal(typeCheck('events.ts', EVENTS), '');
 });
