@@ -56,6 +56,8 @@ from ledger_client.settings import (
     CLOSE_JOURNAL_WAIT_SECONDS,
     DEFAULT_CLOSE_GRACE_SECONDS,
     DEFAULT_DEADLINE_SECONDS,
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
     ClientSettings,
 )
 from ledger_client.usage import usage_of
@@ -67,6 +69,8 @@ __all__ = [
     "CONTEXT_OVERFLOW_REPLY",
     "DEFAULT_CLOSE_GRACE_SECONDS",
     "DEFAULT_DEADLINE_SECONDS",
+    "DEFAULT_PAGE_SIZE",
+    "MAX_PAGE_SIZE",
     "Balance",
     "BookingAlreadyEnded",
     "BookingNotFound",
