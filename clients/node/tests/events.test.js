@@ -1,12 +1,13 @@
 'use strict';
 // The lane's events through the lane client (listEvents, allEvents,
 // watchEvents) against a real ledger server: pages, the tail, its resumption
-// after the server restarts, and the streams it frees. The Python client's
-// tests/test_client_events.py.
+// after the server restarts or its connection is cut, and the streams it
+// frees. The Python client's are clients/python/tests/test_client_events.py.
 
 const { after, before, test } = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
+const net = require('node:net');
 const path = require('node:path');
 const { startLedger } = require('./ledger-server');
 const { LaneClient, PermissionDenied, TooManyWatchers, Unavailable } = require('..');
@@ -170,6 +171,56 @@ test('a tail resumes after a restart without skipping or repeating an event', as
     await client.close();
   } finally {
     await server.stop();
+  }
+});
+
+/**
+ * A TCP proxy to the ledger whose cut() drops every connection through it at
+ * once, as a load balancer or a network failure does, while the ledger runs
+ * on; new connections are taken as before.
+ */
+async function cuttingProxy(upstream) {
+  const [host, port] = [upstream.slice(0, upstream.lastIndexOf(':')), Number(upstream.slice(upstream.lastIndexOf(':') + 1))];
+  const sockets = new Set();
+  const server = net.createServer((client) => {
+    const target = net.connect(port, host);
+    for (const end of [client, target]) {
+      sockets.add(end);
+      end.on('error', () => {});
+      end.on('close', () => sockets.delete(end));
+    }
+    client.pipe(target).pipe(client);
+  });
+  await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const cut = () => {
+    for (const end of sockets) end.destroy();
+  };
+  return {
+    address: `127.0.0.1:${server.address().port}`,
+    cut,
+    close: () => new Promise((resolve) => {
+      cut();
+      server.close(resolve);
+    }),
+  };
+}
+
+test('a tail resumes after its connection is cut', async () => {
+  const client = await reader();
+  const proxy = await cuttingProxy(ledger.address);
+  try {
+    const grant = ledger.issueGrant('--lane', client.lane, '--scope', 'read');
+    const cutOff = new LaneClient(proxy.address, client.lane, { grant, deadlineMs: DEADLINE_MS, logger: null });
+    clients.push(cutOff);
+    const tail = cutOff.watchEvents();
+    const before = await take(tail, 1);
+    proxy.cut(); // the ledger runs on; the tail's stream is gone
+    await reserve(client, 3); // booked directly, while the tail may be between streams
+    const later = await take(tail, 3);
+    assert.deepEqual(seqs([...before, ...later]), seqs(await ledger.events(client.lane)));
+    await tail.return();
+  } finally {
+    await proxy.close();
   }
 });
 

@@ -1,13 +1,15 @@
 """The lane's events through the lane client (list_events, all_events,
 watch_events) against a real `ledger serve`: pages, the tail, its resumption
-after the server restarts, and the streams it frees."""
+after the server restarts or its connection is cut, and the streams it frees."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import queue
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -186,6 +188,72 @@ def test_a_tail_resumes_after_a_restart_without_skipping_or_repeating(
             after = tail.take(3)
             assert _seqs(before + after) == _seqs(admin.events(lane))
         admin.close()
+
+
+class CuttingProxy:
+    """A TCP proxy to the ledger whose cut() drops every connection through it
+    at once, as a load balancer or a network failure does, while the ledger
+    runs on; new connections are taken as before."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(self._upstream)
+            with self._lock:
+                self._sockets += [client, upstream]
+            for source, target in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, target), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        for end in (source, target):
+            end.close()
+
+    def cut(self) -> None:
+        with self._lock:
+            cut, self._sockets = self._sockets, []
+        for end in cut:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+    def close(self) -> None:
+        self._listener.close()
+        self.cut()
+
+
+def test_a_tail_resumes_after_its_connection_is_cut(
+    ledger_server: LedgerProcess, admin: Admin, reader: LaneClient, lane: str
+) -> None:
+    proxy = CuttingProxy(ledger_server.address)
+    grant = _read_grant(ledger_server, lane)
+    try:
+        with LaneClient(proxy.address, lane, grant=grant, settings=TEST_SETTINGS) as cut_off:
+            tail = Tail(cut_off.watch_events())
+            before = tail.take(1)
+            proxy.cut()  # the ledger runs on; the tail's stream is gone
+            _reserve(reader, 3)  # booked directly, while the tail may be between streams
+            after = tail.take(3)
+            assert _seqs(before + after) == _seqs(admin.events(lane))
+    finally:
+        proxy.close()
 
 
 def test_stopping_a_tail_frees_its_stream(ledger_server: LedgerProcess, lane: str) -> None:
