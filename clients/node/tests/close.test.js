@@ -68,6 +68,9 @@ test('close() while model calls run: each call is ended as its outcome says, the
       client.call(REQUEST, () => assert.fail('a closed client ran a call')),
       (error) => error instanceof ClientClosed && /client is closed/.test(error.message),
     );
+    await assert.rejects(client.listEvents(), ClientClosed);
+    assert.throws(() => client.allEvents(), ClientClosed);
+    assert.throws(() => client.watchEvents(), ClientClosed);
     assert.equal(fake.calls.length, sent);
   } finally {
     await client.close();

@@ -640,6 +640,7 @@ class LaneClient:
         it stands then."""
         check_after_seq(after_seq)
         check_page_size(page_size)
+        self._gate.check()
         return all_pages(
             lambda cursor: self.list_events(
                 after_seq=cursor, page_size=page_size, deadline_seconds=deadline_seconds

@@ -80,6 +80,9 @@ def test_every_call_after_close_is_client_closed_and_spends_no_allowance(
         lambda: client.refund("abc", reason="not sent"),
         client.balance,
         lambda: client.booking_state("abc"),
+        client.list_events,
+        client.all_events,
+        client.watch_events,
         client.replay_journal,
     ):
         with pytest.raises(ClientClosed) as closed:
