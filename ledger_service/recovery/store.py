@@ -51,7 +51,7 @@ from ledger_service.recovery.snapshots import (
 )
 from ledger_service.storage import database, records, translate
 from ledger_service.storage.chaining import POSITION_ROW_ID, STATE_CURRENT, STATE_REBUILDING
-from ledger_service.storage.horizon import CommitHorizon
+from ledger_service.storage.horizon import EVENT_APPEND_LOCK_KEY, CommitHorizon
 from ledger_service.storage.schema import (
     bookings,
     chain_checkpoints,
@@ -63,7 +63,7 @@ from ledger_service.storage.schema import (
     snapshots,
     window_states,
 )
-from ledger_service.storage.sql import EVENT_APPEND_LOCK_KEY, SqlTransaction
+from ledger_service.storage.sql import SqlTransaction
 from ledger_service.storage.translate import translated
 
 # How long a write waits for this process's other SQLite writers (as busy_timeout).

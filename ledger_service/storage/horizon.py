@@ -8,13 +8,17 @@ rolled-back append leaves a hole in the sequence).
 
 How it moves (docs/postgresql.md, "Tailing without a global lock"):
 
-- every appending transaction has its xid before it takes a seq (the
-  maintenance lock statement calls pg_current_xact_id() first);
+- every append begins with APPEND_BEGINS: it holds the maintenance lock, then
+  takes its xid, before it takes a seq;
 - seqs that are visible and follow the horizon without a hole are final;
-- a hole is final once every transaction that was in flight when the hole was
+- a hole is final once every append that was in flight when the hole was
   first seen has ended: the hole's `Pending` notes the highest seq handed out
-  then (`handed`) and a bound above every xid assigned by then, and resolves
-  when the oldest running xid reaches that bound.
+  then (`handed`) and a bound above every xid assigned by then. It resolves
+  when the oldest running xid of the cluster reaches that bound (the cheap
+  test, enough on a quiet cluster) or when no transaction of this database
+  that holds the maintenance lock has an xid below it (pg_locks): xids are
+  the cluster's, and another database's or another application's
+  transaction holds none of the ledger's seqs.
 
 The bound is an xid the reader takes for itself (pg_current_xact_id()), once
 per hole: a snapshot's xmax will not do, since it is one past the latest
@@ -34,6 +38,16 @@ import threading
 import time
 
 from sqlalchemy import Connection, text
+
+# The key of PostgreSQL's maintenance lock: every append holds it shared, so
+# appends never wait for each other; a change of the projections' marker (a
+# rebuild's claim and finish) holds it exclusive, so it waits for them. Its
+# holders are the appends a hole may wait for.
+EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
+# First in every append's transaction: the maintenance lock, then an xid.
+APPEND_BEGINS = text(
+    f"SELECT pg_advisory_xact_lock_shared({EVENT_APPEND_LOCK_KEY}), pg_current_xact_id()"
+)
 
 # At most this many seqs are walked per statement; the next read walks on.
 MAX_WALK = 10_000
@@ -56,11 +70,32 @@ _WALK = text(
     "ORDER BY seq LIMIT :walk) FROM pg_current_snapshot() AS s"
 )
 
+# True when no append that may hold a seq handed out before `bound` still
+# runs: no backend of this database holds the maintenance lock and an xid of
+# its own (its ExclusiveLock on it) older than the bound. One holding the lock
+# without an xid has not finished APPEND_BEGINS, so its seq comes after this
+# statement, above the `handed` read before the bound was taken. A commit
+# leaves the running transactions before its locks go, so the reader's next
+# statement (read committed) sees what ended here. age() compares the 32-bit
+# xids against one xid, which running xids and a pending bound are within 2^31
+# of. Prepared transactions (pid NULL) would be lumped together: the ledger
+# prepares none.
+_APPENDS_ENDED = text(
+    "SELECT NOT EXISTS (SELECT FROM pg_locks GROUP BY pid HAVING bool_or("
+    "locktype = 'advisory' "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    f"AND classid = {EVENT_APPEND_LOCK_KEY >> 32} "
+    f"AND objid = {EVENT_APPEND_LOCK_KEY & 0xFFFFFFFF} AND objsubid = 1) "
+    "AND bool_or(locktype = 'transactionid' AND mode = 'ExclusiveLock' "
+    "AND age(transactionid) > age((:bound % 4294967296)::text::xid)))"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
-    """Seqs up to `handed` are final once no xid below `bound` still runs
-    (`bound`: an xid assigned after every one that could hold such a seq)."""
+    """Seqs up to `handed` are final once no append with an xid below `bound`
+    still runs (`bound`: an xid assigned after every one that could hold such
+    a seq)."""
 
     handed: int
     bound: int
@@ -100,7 +135,7 @@ class CommitHorizon:
             _WALK, {"final": final, "handed": handed, "walk": MAX_WALK}
         ).one()
         reached = final
-        if pending is not None and xmin >= pending.bound:
+        if pending is not None and _appends_ended(connection, xmin, pending):
             # Everything handed out when the hole was seen has ended: the
             # seqs up to there that are not visible never will be.
             reached = max(reached, pending.handed)
@@ -124,3 +159,12 @@ class CommitHorizon:
             if self._pending is None or pending is None or self._final >= self._pending.handed:
                 self._pending = pending
             return self._final
+
+
+def _appends_ended(connection: Connection, xmin: int, pending: Pending) -> bool:
+    """Whether every append that could hold a seq up to `pending.handed` has
+    ended: first by the snapshot's xmin, then, while another transaction of
+    the cluster holds it below the bound, by the locks the appends hold."""
+    if xmin >= pending.bound:
+        return True
+    return bool(connection.execute(_APPENDS_ENDED, {"bound": pending.bound}).scalar_one())

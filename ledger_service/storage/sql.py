@@ -58,7 +58,7 @@ from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 from ledger_service.storage import chaining, database, prepared, records, translate, watchdog
 from ledger_service.storage.group_commit import GroupCommitter
-from ledger_service.storage.horizon import CommitHorizon
+from ledger_service.storage.horizon import APPEND_BEGINS, CommitHorizon
 from ledger_service.storage.lane_commit import LaneCommitter, LaneCommitters
 from ledger_service.storage.pool_shares import PoolShares
 from ledger_service.storage.schema import bookings, events, lanes, window_states
@@ -68,10 +68,6 @@ from ledger_service.storage.writer import WriterState
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# The key of PostgreSQL's maintenance lock: every append holds it shared, so
-# appends never wait for each other; a change of the projections' marker (a
-# rebuild's claim and finish) holds it exclusive, so it waits for them.
-EVENT_APPEND_LOCK_KEY = 0x4C454447  # "LEDG"
 # PostgreSQL: every PutLane holds it alone, since its checks of the budget
 # tree (a parent's depth, a subtree's, a lane's first version) read lanes it
 # does not lock. Moves never take it.
@@ -850,9 +846,7 @@ _HOT = prepared.Statements(
     ),
     # PostgreSQL, first in every write: the maintenance lock, shared (a rebuild
     # takes it alone), and an xid before any seq (storage/horizon.py).
-    maintenance=text(
-        f"SELECT pg_advisory_xact_lock_shared({EVENT_APPEND_LOCK_KEY}), pg_current_xact_id()"
-    ),
+    maintenance=APPEND_BEGINS,
     chain_lock=select(func.pg_advisory_xact_lock(func.hashtextextended(bindparam("lane"), 0))),
     configuration_lock=text(f"SELECT pg_advisory_xact_lock({CONFIGURATION_LOCK_KEY})"),
     visible_last_seq=select(func.coalesce(func.max(events.c.seq), 0)).where(

@@ -1,18 +1,30 @@
-"""The commit horizon on PostgreSQL (storage/horizon.py) on a log longer than one walk."""
+"""The commit horizon on PostgreSQL (storage/horizon.py): a log longer than one
+walk, appends in flight, and transactions that are not the ledger's appends."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
-from sqlalchemy import text
+import sqlalchemy as sa
+from sqlalchemy import Connection, Engine, text
 
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain import moves
 from ledger_service.domain.clock import ManualClock
+from ledger_service.domain.errors import BookingNotFound
+from ledger_service.domain.events import Outcome
 from ledger_service.storage import horizon
+from ledger_service.storage.horizon import APPEND_BEGINS
 from ledger_service.storage.sql import SqlStore
-from tests.storage.conftest import RECALL, START_US
+from tests.storage.conftest import POSTGRES_URL, RECALL, START_US
 
 pytestmark = pytest.mark.postgres
+
+NEXT_SEQ = text("SELECT nextval('events_seq_seq')")
+# A transaction that is not an append: an xid, and no maintenance lock.
+TAKE_XID = text("SELECT pg_current_xact_id()")
+OTHER_DATABASE = "h7_other"
 
 
 def test_a_fresh_horizon_jumps_over_a_log_longer_than_one_walk(
@@ -32,32 +44,35 @@ def test_a_fresh_horizon_jumps_over_a_log_longer_than_one_walk(
         assert fresh.advance(connection) == 13
 
 
+@pytest.mark.parametrize("unrelated", [False, True], ids=["alone", "beside-an-older-xid"])
 def test_a_seq_taken_by_the_newest_transaction_is_not_passed_while_it_runs(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch, unrelated: bool
 ) -> None:
     """The append in flight is the newest transaction and nothing completed after
     it took its xid: its xid equals every snapshot's xmax and is in no snapshot's
-    list of running xids. The hole it leaves must wait for it all the same."""
+    list of running xids. The hole it leaves must wait for it all the same, and
+    only for it: an older transaction that appends nothing may still run."""
     ledger = Ledger(postgres_store, ManualClock(START_US))
     ledger.put_lane(RECALL)
     monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
     tracker = horizon.CommitHorizon()
     engine = postgres_store.engine
-    with engine.connect() as appender, engine.connect() as reader:
+    with engine.connect() as other, engine.connect() as appender, engine.connect() as reader:
         assert tracker.advance(reader) == 1
         reader.commit()
-        # As an append does: an xid first, then a seq, and no commit yet.
-        appender.execute(text("SELECT pg_current_xact_id()"))
-        in_flight = int(appender.execute(text("SELECT nextval('events_seq_seq')")).scalar_one())
+        if unrelated:
+            other.execute(TAKE_XID)
+        # As an append does: the maintenance lock and an xid, then a seq, and no commit yet.
+        appender.execute(APPEND_BEGINS)
+        in_flight = int(appender.execute(NEXT_SEQ).scalar_one())
         for _ in range(3):
             assert tracker.advance(reader) < in_flight
             reader.commit()
         appender.rollback()  # the append failed: its seq is a hole for good
-        passed = []
-        for _ in range(3):  # once the transaction is gone, the hole is passed
-            passed.append(tracker.advance(reader))
-            reader.commit()
+        # Once the append is gone the hole is passed, whatever else runs.
+        passed = _passed(tracker, reader)
         assert passed[-1] == in_flight, passed
+        other.rollback()
 
 
 def test_a_hole_seen_late_in_a_reader_transaction_waits_for_the_append_that_holds_it(
@@ -71,8 +86,6 @@ def test_a_hole_seen_late_in_a_reader_transaction_waits_for_the_append_that_hold
     monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
     tracker = horizon.CommitHorizon()
     engine = postgres_store.engine
-    next_seq = text("SELECT nextval('events_seq_seq')")
-    take_xid = text("SELECT pg_current_xact_id()")
     with (
         engine.connect() as first,
         engine.connect() as late,
@@ -81,13 +94,13 @@ def test_a_hole_seen_late_in_a_reader_transaction_waits_for_the_append_that_hold
     ):
         assert tracker.advance(reader) == 1
         reader.commit()
-        first.execute(take_xid)
-        held_first = int(first.execute(next_seq).scalar_one())
+        first.execute(APPEND_BEGINS)
+        held_first = int(first.execute(NEXT_SEQ).scalar_one())
         assert tracker.advance(reader) < held_first  # a hole: the reader takes an xid
-        late.execute(take_xid)  # after the reader's xid
-        held_late = int(late.execute(next_seq).scalar_one())
-        other.execute(take_xid)
-        other.execute(next_seq)
+        late.execute(APPEND_BEGINS)  # after the reader's xid
+        held_late = int(late.execute(NEXT_SEQ).scalar_one())
+        other.execute(APPEND_BEGINS)
+        other.execute(NEXT_SEQ)
         other.rollback()
         first.rollback()
         # Still the reader's transaction: the first hole is final, the late one not.
@@ -97,8 +110,153 @@ def test_a_hole_seen_late_in_a_reader_transaction_waits_for_the_append_that_hold
             assert tracker.advance(reader) < held_late, "passed a seq still in flight"
             reader.commit()
         late.rollback()
-        passed = []
-        for _ in range(3):
-            passed.append(tracker.advance(reader))
-            reader.commit()
+        passed = _passed(tracker, reader)
         assert passed[-1] >= held_late, passed
+
+
+# Holes and transactions that are not the ledger's appends -----------------------
+
+
+@pytest.fixture
+def other_database() -> Iterator[Engine]:
+    """A second database on the same cluster, dropped afterwards."""
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{OTHER_DATABASE}"'))
+        connection.execute(text(f'CREATE DATABASE "{OTHER_DATABASE}"'))
+    engine = sa.create_engine(sa.make_url(POSTGRES_URL).set(database=OTHER_DATABASE))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE "{OTHER_DATABASE}"'))
+        admin.dispose()
+
+
+def _passed(tracker: horizon.CommitHorizon, reader: Connection) -> list[int]:
+    """Three reads, each in a transaction of its own."""
+    passed = []
+    for _ in range(3):
+        passed.append(tracker.advance(reader))
+        reader.commit()
+    return passed
+
+
+def _last_seq(connection: Connection) -> int:
+    return int(connection.execute(text("SELECT max(seq) FROM events")).scalar_one())
+
+
+def test_a_transaction_in_another_database_does_not_hold_a_hole(
+    postgres_store: SqlStore, other_database: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """xids are the cluster's: another database's transaction, older than the
+    hole, is below its bound, yet it cannot hold one of the ledger's seqs."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
+    tracker = horizon.CommitHorizon()
+    with (
+        other_database.connect() as unrelated,
+        postgres_store.engine.connect() as appender,
+        postgres_store.engine.connect() as reader,
+    ):
+        assert tracker.advance(reader) == 1
+        reader.commit()
+        unrelated.execute(TAKE_XID)
+        appender.execute(APPEND_BEGINS)
+        hole = int(appender.execute(NEXT_SEQ).scalar_one())
+        appender.rollback()
+        ledger.reserve(moves.ReserveCommand(RECALL.lane, "after-the-hole", "jev", 1000, 10))
+        last = _last_seq(reader)
+        assert last > hole
+        assert _passed(tracker, reader)[-1] == last, "stopped at the hole"
+        unrelated.rollback()
+
+
+def test_a_transaction_that_appends_nothing_does_not_hold_a_hole(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a transaction with an xid in the ledger's own database that
+    never took the maintenance lock; the hole here is a refused Settle's."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
+    tracker = horizon.CommitHorizon()
+    engine = postgres_store.engine
+    with engine.connect() as unrelated, engine.connect() as reader:
+        assert tracker.advance(reader) == 1
+        reader.commit()
+        unrelated.execute(TAKE_XID)
+        with pytest.raises(BookingNotFound):
+            ledger.settle(moves.SettleCommand(RECALL.lane, "never-reserved", Outcome.SUCCEEDED))
+        ledger.reserve(moves.ReserveCommand(RECALL.lane, "after-the-hole", "jev", 1000, 10))
+        last = _last_seq(reader)
+        assert last > 2, "the refused Settle left no hole"
+        assert _passed(tracker, reader)[-1] == last, "stopped at the hole"
+        unrelated.rollback()
+
+
+def test_an_append_in_flight_keeps_its_hole_in_the_reader_transaction_that_took_the_bound(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader's open transaction holds the hole's bound, an unrelated older
+    transaction holds the oldest xid: the append in flight below the bound still
+    keeps its hole, and once it ends the same reader transaction passes it."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
+    tracker = horizon.CommitHorizon()
+    engine = postgres_store.engine
+    with engine.connect() as unrelated, engine.connect() as appender, engine.connect() as reader:
+        assert tracker.advance(reader) == 1
+        reader.commit()
+        unrelated.execute(TAKE_XID)
+        appender.execute(APPEND_BEGINS)
+        in_flight = int(appender.execute(NEXT_SEQ).scalar_one())
+        assert tracker.advance(reader) < in_flight  # the bound: the reader's xid
+        assert reader.execute(text("SELECT pg_current_xact_id_if_assigned()")).scalar()
+        for _ in range(3):
+            assert tracker.advance(reader) < in_flight, "passed a seq still in flight"
+        appender.rollback()
+        assert tracker.advance(reader) == in_flight
+        reader.commit()
+        unrelated.rollback()
+
+
+def test_appends_begun_after_the_bound_do_not_hold_a_hole(
+    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy ledger always has appends in flight: those whose xid is above the
+    hole's bound, or that hold the maintenance lock without an xid yet, take
+    seqs above it, so the hole is passed while they and an older unrelated
+    transaction run (up to the seq the newer append holds)."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
+    tracker = horizon.CommitHorizon()
+    engine = postgres_store.engine
+    lock_only = text(f"SELECT pg_advisory_xact_lock_shared({horizon.EVENT_APPEND_LOCK_KEY})")
+    with (
+        engine.connect() as unrelated,
+        engine.connect() as failed,
+        engine.connect() as newer,
+        engine.connect() as starting,
+        engine.connect() as reader,
+    ):
+        assert tracker.advance(reader) == 1
+        reader.commit()
+        unrelated.execute(TAKE_XID)
+        failed.execute(APPEND_BEGINS)
+        hole = int(failed.execute(NEXT_SEQ).scalar_one())
+        failed.rollback()
+        assert tracker.advance(reader) < hole  # the hole is seen, its bound taken
+        reader.commit()
+        newer.execute(APPEND_BEGINS)
+        in_flight = int(newer.execute(NEXT_SEQ).scalar_one())
+        starting.execute(lock_only)  # midway through APPEND_BEGINS
+        assert _passed(tracker, reader) == [hole] * 3
+        newer.rollback()
+        starting.rollback()
+        unrelated.rollback()
+        assert _passed(tracker, reader)[-1] == in_flight
