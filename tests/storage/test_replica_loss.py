@@ -50,9 +50,10 @@ def _put_lane(address: str, lane: str) -> None:
 def _booking_events(address: str, lane: str, expected: int) -> dict[str, list[str]]:
     """The lane's bookings and their events' kinds, read until `expected` events
     are listed (or 30 s pass). The killed replica's appends left holes in the
-    seqs, and a read stops at a hole while any transaction older than it runs
-    anywhere on the cluster (docs/postgresql.md, "Tailing without a global
-    lock"): on a cluster other work shares, the next read passes it."""
+    seqs, and a read stops at a hole while an append older than it may still
+    run (docs/postgresql.md, "Tailing without a global lock"): the killed
+    replica's sessions end when PostgreSQL notices their closed connections,
+    and the next read passes it."""
     give_up = time.monotonic() + 30
     with grpc.insecure_channel(address) as channel:
         while True:
