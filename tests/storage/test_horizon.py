@@ -3,6 +3,7 @@ walk, appends in flight, and transactions that are not the ledger's appends."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,60 @@ TAKE_XID = text("SELECT pg_current_xact_id()")
 OTHER_DATABASE = "h7_other"
 
 
+@pytest.fixture
+def pg_ledger(postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> Ledger:
+    """A ledger whose one lane's PutLane is seq 1; reads do not wait for appends."""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    ledger.put_lane(RECALL)
+    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
+    return ledger
+
+
+def _tracking(reader: Connection) -> horizon.CommitHorizon:
+    """A fresh horizon, moved over the PutLane in a transaction of its own."""
+    tracker = horizon.CommitHorizon()
+    assert tracker.advance(reader) == 1
+    reader.commit()
+    return tracker
+
+
+@pytest.fixture
+def other_database() -> Iterator[Engine]:
+    """A second database on the same cluster, dropped afterwards."""
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{OTHER_DATABASE}"'))
+        connection.execute(text(f'CREATE DATABASE "{OTHER_DATABASE}"'))
+    engine = sa.create_engine(sa.make_url(POSTGRES_URL).set(database=OTHER_DATABASE))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE "{OTHER_DATABASE}"'))
+        admin.dispose()
+
+
+@contextlib.contextmanager
+def _sessions(engine: Engine, count: int) -> Iterator[list[Connection]]:
+    """`count` connections of `engine`, closed (rolled back) when the block ends."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(engine.connect()) for _ in range(count)]
+
+
+def _passed(tracker: horizon.CommitHorizon, reader: Connection) -> list[int]:
+    """Three reads, each in a transaction of its own."""
+    passed = []
+    for _ in range(3):
+        passed.append(tracker.advance(reader))
+        reader.commit()
+    return passed
+
+
+def _last_seq(connection: Connection) -> int:
+    return int(connection.execute(text("SELECT max(seq) FROM events")).scalar_one())
+
+
 def test_a_fresh_horizon_jumps_over_a_log_longer_than_one_walk(
     postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -44,22 +99,18 @@ def test_a_fresh_horizon_jumps_over_a_log_longer_than_one_walk(
         assert fresh.advance(connection) == 13
 
 
+@pytest.mark.usefixtures("pg_ledger")
 @pytest.mark.parametrize("unrelated", [False, True], ids=["alone", "beside-an-older-xid"])
 def test_a_seq_taken_by_the_newest_transaction_is_not_passed_while_it_runs(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch, unrelated: bool
+    postgres_store: SqlStore, unrelated: bool
 ) -> None:
     """The append in flight is the newest transaction and nothing completed after
     it took its xid: its xid equals every snapshot's xmax and is in no snapshot's
     list of running xids. The hole it leaves must wait for it all the same, and
     only for it: an older transaction that appends nothing may still run."""
-    ledger = Ledger(postgres_store, ManualClock(START_US))
-    ledger.put_lane(RECALL)
-    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
-    tracker = horizon.CommitHorizon()
     engine = postgres_store.engine
-    with engine.connect() as other, engine.connect() as appender, engine.connect() as reader:
-        assert tracker.advance(reader) == 1
-        reader.commit()
+    with _sessions(engine, 3) as (other, appender, reader):
+        tracker = _tracking(reader)
         if unrelated:
             other.execute(TAKE_XID)
         # As an append does: the maintenance lock and an xid, then a seq, and no commit yet.
@@ -75,25 +126,16 @@ def test_a_seq_taken_by_the_newest_transaction_is_not_passed_while_it_runs(
         other.rollback()
 
 
+@pytest.mark.usefixtures("pg_ledger")
 def test_a_hole_seen_late_in_a_reader_transaction_waits_for_the_append_that_holds_it(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore,
 ) -> None:
     """A reader's transaction keeps the xid it took as a hole's bound. A second
     hole seen in the same transaction, handed out after that xid, must not be
     bound by it: its append may have an xid above it and still be running."""
-    ledger = Ledger(postgres_store, ManualClock(START_US))
-    ledger.put_lane(RECALL)
-    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
-    tracker = horizon.CommitHorizon()
     engine = postgres_store.engine
-    with (
-        engine.connect() as first,
-        engine.connect() as late,
-        engine.connect() as other,
-        engine.connect() as reader,
-    ):
-        assert tracker.advance(reader) == 1
-        reader.commit()
+    with _sessions(engine, 4) as (first, late, other, reader):
+        tracker = _tracking(reader)
         first.execute(APPEND_BEGINS)
         held_first = int(first.execute(NEXT_SEQ).scalar_one())
         assert tracker.advance(reader) < held_first  # a hole: the reader takes an xid
@@ -117,57 +159,22 @@ def test_a_hole_seen_late_in_a_reader_transaction_waits_for_the_append_that_hold
 # Holes and transactions that are not the ledger's appends -----------------------
 
 
-@pytest.fixture
-def other_database() -> Iterator[Engine]:
-    """A second database on the same cluster, dropped afterwards."""
-    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'DROP DATABASE IF EXISTS "{OTHER_DATABASE}"'))
-        connection.execute(text(f'CREATE DATABASE "{OTHER_DATABASE}"'))
-    engine = sa.create_engine(sa.make_url(POSTGRES_URL).set(database=OTHER_DATABASE))
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE "{OTHER_DATABASE}"'))
-        admin.dispose()
-
-
-def _passed(tracker: horizon.CommitHorizon, reader: Connection) -> list[int]:
-    """Three reads, each in a transaction of its own."""
-    passed = []
-    for _ in range(3):
-        passed.append(tracker.advance(reader))
-        reader.commit()
-    return passed
-
-
-def _last_seq(connection: Connection) -> int:
-    return int(connection.execute(text("SELECT max(seq) FROM events")).scalar_one())
-
-
 def test_a_transaction_in_another_database_does_not_hold_a_hole(
-    postgres_store: SqlStore, other_database: Engine, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore, pg_ledger: Ledger, other_database: Engine
 ) -> None:
     """xids are the cluster's: another database's transaction, older than the
     hole, is below its bound, yet it cannot hold one of the ledger's seqs."""
-    ledger = Ledger(postgres_store, ManualClock(START_US))
-    ledger.put_lane(RECALL)
-    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
-    tracker = horizon.CommitHorizon()
     with (
         other_database.connect() as unrelated,
         postgres_store.engine.connect() as appender,
         postgres_store.engine.connect() as reader,
     ):
-        assert tracker.advance(reader) == 1
-        reader.commit()
+        tracker = _tracking(reader)
         unrelated.execute(TAKE_XID)
         appender.execute(APPEND_BEGINS)
         hole = int(appender.execute(NEXT_SEQ).scalar_one())
         appender.rollback()
-        ledger.reserve(moves.ReserveCommand(RECALL.lane, "after-the-hole", "jev", 1000, 10))
+        pg_ledger.reserve(moves.ReserveCommand(RECALL.lane, "after-the-hole", "jev", 1000, 10))
         last = _last_seq(reader)
         assert last > hole
         assert _passed(tracker, reader)[-1] == last, "stopped at the hole"
@@ -175,42 +182,33 @@ def test_a_transaction_in_another_database_does_not_hold_a_hole(
 
 
 def test_a_transaction_that_appends_nothing_does_not_hold_a_hole(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore, pg_ledger: Ledger
 ) -> None:
     """The same for a transaction with an xid in the ledger's own database that
     never took the maintenance lock; the hole here is a refused Settle's."""
-    ledger = Ledger(postgres_store, ManualClock(START_US))
-    ledger.put_lane(RECALL)
-    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
-    tracker = horizon.CommitHorizon()
     engine = postgres_store.engine
-    with engine.connect() as unrelated, engine.connect() as reader:
-        assert tracker.advance(reader) == 1
-        reader.commit()
+    with _sessions(engine, 2) as (unrelated, reader):
+        tracker = _tracking(reader)
         unrelated.execute(TAKE_XID)
         with pytest.raises(BookingNotFound):
-            ledger.settle(moves.SettleCommand(RECALL.lane, "never-reserved", Outcome.SUCCEEDED))
-        ledger.reserve(moves.ReserveCommand(RECALL.lane, "after-the-hole", "jev", 1000, 10))
+            pg_ledger.settle(moves.SettleCommand(RECALL.lane, "never-reserved", Outcome.SUCCEEDED))
+        pg_ledger.reserve(moves.ReserveCommand(RECALL.lane, "after-the-hole", "jev", 1000, 10))
         last = _last_seq(reader)
         assert last > 2, "the refused Settle left no hole"
         assert _passed(tracker, reader)[-1] == last, "stopped at the hole"
         unrelated.rollback()
 
 
+@pytest.mark.usefixtures("pg_ledger")
 def test_an_append_in_flight_keeps_its_hole_in_the_reader_transaction_that_took_the_bound(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+    postgres_store: SqlStore,
 ) -> None:
     """The reader's open transaction holds the hole's bound, an unrelated older
     transaction holds the oldest xid: the append in flight below the bound still
     keeps its hole, and once it ends the same reader transaction passes it."""
-    ledger = Ledger(postgres_store, ManualClock(START_US))
-    ledger.put_lane(RECALL)
-    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
-    tracker = horizon.CommitHorizon()
     engine = postgres_store.engine
-    with engine.connect() as unrelated, engine.connect() as appender, engine.connect() as reader:
-        assert tracker.advance(reader) == 1
-        reader.commit()
+    with _sessions(engine, 3) as (unrelated, appender, reader):
+        tracker = _tracking(reader)
         unrelated.execute(TAKE_XID)
         appender.execute(APPEND_BEGINS)
         in_flight = int(appender.execute(NEXT_SEQ).scalar_one())
@@ -224,28 +222,16 @@ def test_an_append_in_flight_keeps_its_hole_in_the_reader_transaction_that_took_
         unrelated.rollback()
 
 
-def test_appends_begun_after_the_bound_do_not_hold_a_hole(
-    postgres_store: SqlStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("pg_ledger")
+def test_appends_begun_after_the_bound_do_not_hold_a_hole(postgres_store: SqlStore) -> None:
     """A busy ledger always has appends in flight: those whose xid is above the
     hole's bound, or that hold the maintenance lock without an xid yet, take
     seqs above it, so the hole is passed while they and an older unrelated
     transaction run (up to the seq the newer append holds)."""
-    ledger = Ledger(postgres_store, ManualClock(START_US))
-    ledger.put_lane(RECALL)
-    monkeypatch.setattr(horizon, "MAX_WAIT_SECONDS", 0.0)
-    tracker = horizon.CommitHorizon()
     engine = postgres_store.engine
     lock_only = text(f"SELECT pg_advisory_xact_lock_shared({horizon.EVENT_APPEND_LOCK_KEY})")
-    with (
-        engine.connect() as unrelated,
-        engine.connect() as failed,
-        engine.connect() as newer,
-        engine.connect() as starting,
-        engine.connect() as reader,
-    ):
-        assert tracker.advance(reader) == 1
-        reader.commit()
+    with _sessions(engine, 5) as (unrelated, failed, newer, starting, reader):
+        tracker = _tracking(reader)
         unrelated.execute(TAKE_XID)
         failed.execute(APPEND_BEGINS)
         hole = int(failed.execute(NEXT_SEQ).scalar_one())
