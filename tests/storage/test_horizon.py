@@ -25,7 +25,8 @@ pytestmark = pytest.mark.postgres
 NEXT_SEQ = text("SELECT nextval('events_seq_seq')")
 # A transaction that is not an append: an xid, and no maintenance lock.
 TAKE_XID = text("SELECT pg_current_xact_id()")
-OTHER_DATABASE = "h7_other"
+# Beside the tests' own database, on the same cluster.
+OTHER_DATABASE = f"{sa.make_url(POSTGRES_URL).database}_other"
 
 
 @pytest.fixture
