@@ -930,8 +930,11 @@ def test_a_keepalive_faster_than_the_server_takes_names_the_variable(
     too_many_pings: the CLI said 'cannot reach the ledger ... is `ledger serve`
     running?' (exit 3) of a server that runs, and a retry meets the same. The
     line names the variable to fix, exit 2."""
+    newest = ledger("history", "--json", "--limit", "1").out.splitlines()
+    last_seq = json.loads(newest[-1])["seq"] if newest else 0
     monkeypatch.setenv("LEDGER_CLIENT_KEEPALIVE_SECONDS", "0.1")
-    run = ledger("history", "--follow", "--after-seq", "1000000")
+    # From the log's last seq: a quiet stream (a seq past it is refused).
+    run = ledger("history", "--follow", "--after-seq", str(last_seq))
     assert run.out.startswith("SEQ ") and run.out.count("\n") == 1  # the header, no event
     assert run.err == (
         f"ledger: the ledger at {target.address} ended the connection: pinged too often "
@@ -939,6 +942,18 @@ def test_a_keepalive_faster_than_the_server_takes_names_the_variable(
         "server's client_ping_min_interval_seconds (4 by default)\n"
     )
     assert run.code == exits.EXIT_BAD_VALUE
+
+
+def test_a_follow_from_past_the_log_says_so(target: LedgerProcess, ledger: RunLedger) -> None:
+    """A --after-seq from another ledger, or from before a restore, followed
+    silently forever; the server now refuses it, and the line names the flag."""
+    run = ledger("history", "--follow", "--after-seq", str(2**62))
+    assert run.out.startswith("SEQ ") and run.out.count("\n") == 1  # the header, no event
+    assert run.err.startswith(
+        f"ledger: bad value for --after-seq (field after_seq): {2**62} is past the end "
+        "of this ledger's log, whose last seq is "
+    )
+    assert run.code == exits.EXIT_FAILED  # the server's refusal, as every other
 
 
 def test_the_client_keepalive_pings_no_faster_than_the_server_accepts() -> None:

@@ -294,7 +294,10 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         # from_now: "after_seq ignored" (the proto), whatever it holds.
         if not request.from_now and request.after_seq < 0:
             raise InvalidArgument("after_seq", "must not be negative")
-        after_seq = self._ledger.last_seq() if request.from_now else request.after_seq
+        if request.from_now:
+            after_seq = self._ledger.last_seq()
+        else:
+            after_seq = self._ledger.watch_after(request.after_seq)
         query = EventQuery(
             lane=request.lane, after_seq=after_seq, limit=self._settings.watch_batch_size
         )

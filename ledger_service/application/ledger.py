@@ -396,6 +396,20 @@ class Ledger:
     def last_seq(self) -> int:
         return self._store.run(lambda tx: tx.last_seq(), write=False)
 
+    def watch_after(self, after_seq: int) -> int:
+        """`after_seq` as the start of an event stream. Refused past the highest
+        seq the log ever handed out: such a cursor comes from another ledger
+        or from before a restore, and its stream would wait, silent, until
+        this log caught up (a page of ListEvents is just empty)."""
+        handed = self._store.run(lambda tx: tx.last_handed_seq(), write=False)
+        if after_seq > handed:
+            raise InvalidArgument(
+                "after_seq",
+                f"{after_seq} is past the end of this ledger's log, whose last seq is "
+                f"{handed}: likely a cursor from another ledger, or from before a restore",
+            )
+        return after_seq
+
     def last_event_at_us(self) -> int:
         """When the last recorded event happened (0 with none)."""
         return self._store.run(last_event_at_us, write=False)

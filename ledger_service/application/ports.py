@@ -134,6 +134,12 @@ class StoreTransaction(Protocol):
 
     def last_seq(self) -> int: ...
 
+    def last_handed_seq(self) -> int:
+        """The highest seq the log has handed out so far, its append committed
+        or not: no event yet has a higher one. On PostgreSQL it may be past
+        last_seq, which stops at this process's commit horizon."""
+        ...
+
     # Read-only queries of the audit (application/audit.py). `lanes` is the
     # budget: a lane and every lane below it. All of them are bounded.
 

@@ -91,6 +91,12 @@ _APPENDS_ENDED = text(
 )
 
 
+def handed_seq(connection: Connection) -> int:
+    """The highest seq handed out so far (0 before the first), whether its
+    append committed, is in flight or rolled back: no event has a higher one."""
+    return int(connection.execute(_HANDED).scalar_one())
+
+
 @dataclasses.dataclass(frozen=True)
 class Pending:
     """Seqs up to `handed` are final once no append with an xid below `bound`
@@ -119,7 +125,7 @@ class CommitHorizon:
         pause = 0.001
         target: int | None = None
         while True:
-            handed = int(connection.execute(_HANDED).scalar_one())
+            handed = handed_seq(connection)
             final = self._step(connection, handed)
             if target is None:  # what was handed out when the read began
                 target = handed if wanted is None else min(wanted, handed)

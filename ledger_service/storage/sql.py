@@ -58,7 +58,7 @@ from ledger_service.domain.policies import MAX_BUDGET_DEPTH, LanePolicy
 from ledger_service.domain.window import Overdue, StoredSums, WindowState, WindowTotals
 from ledger_service.storage import chaining, database, prepared, records, translate, watchdog
 from ledger_service.storage.group_commit import GroupCommitter
-from ledger_service.storage.horizon import APPEND_BEGINS, CommitHorizon
+from ledger_service.storage.horizon import APPEND_BEGINS, CommitHorizon, handed_seq
 from ledger_service.storage.lane_commit import LaneCommitter, LaneCommitters
 from ledger_service.storage.pool_shares import PoolShares
 from ledger_service.storage.schema import bookings, events, lanes, window_states
@@ -1279,6 +1279,13 @@ class SqlTransaction:
                 self._connection, {"horizon": horizon}
             )
             return int(row[0]) if row is not None else 0
+        return self._highest_seq()
+
+    def last_handed_seq(self) -> int:
+        # SQLite's one writer hands out the seq after the highest written.
+        return self._highest_seq() if self._sqlite else handed_seq(self._connection)
+
+    def _highest_seq(self) -> int:
         return int(
             self._connection.execute(select(func.coalesce(func.max(events.c.seq), 0))).scalar_one()
         )

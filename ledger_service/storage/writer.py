@@ -648,6 +648,9 @@ class WriterTransaction:
     def last_seq(self) -> int:
         return self._last_seq
 
+    def last_handed_seq(self) -> int:
+        return self._last_seq
+
     def execute_text(self, sql: str) -> None:
         """For tests of the append-only guard only: memory is dropped after it."""
         self._flushed().execute_text(sql)

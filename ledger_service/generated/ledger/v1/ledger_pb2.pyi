@@ -919,7 +919,11 @@ class WatchEventsRequest(_message.Message):
     lane: _builtins.str
     """Empty: every lane."""
     after_seq: _builtins.int
-    """Start after this seq (0: from the start of the log)."""
+    """Start after this seq (0: from the start of the log). Past the highest
+    seq this log has handed out (a cursor from another ledger, or from before
+    a restore) it is INVALID_ARGUMENT at once, naming after_seq and the log's
+    last seq; the last seq itself waits for the next event.
+    """
     from_now: _builtins.bool
     """Start from the current end of the log instead (after_seq ignored)."""
     def __init__(
