@@ -63,10 +63,10 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.exc import DBAPIError
 
+from ledger_service.application.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
 from ledger_service.storage import translate
 from ledger_service.storage.database import LOCK_HELD
-from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

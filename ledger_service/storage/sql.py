@@ -50,6 +50,7 @@ from ledger_service.application.ports import (
     StateTally,
     StoreTransaction,
 )
+from ledger_service.application.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 from ledger_service.domain import chain, policies
 from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
@@ -62,7 +63,6 @@ from ledger_service.storage.horizon import APPEND_BEGINS, CommitHorizon, handed_
 from ledger_service.storage.lane_commit import LaneCommitter, LaneCommitters
 from ledger_service.storage.pool_shares import PoolShares
 from ledger_service.storage.schema import bookings, events, lanes, window_states
-from ledger_service.storage.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 from ledger_service.storage.writer import WriterState
 
 T = TypeVar("T")

@@ -13,11 +13,12 @@ import logging
 
 import pytest
 
+from ledger_service.application import throttle
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import ManualClock
 from ledger_service.domain.errors import StoreUnavailable
 from ledger_service.domain.moves import ReserveCommand
-from ledger_service.storage import sql, throttle
+from ledger_service.storage import sql
 from ledger_service.storage.sql import SqlStore
 from tests.storage.conftest import RECALL, START_US
 

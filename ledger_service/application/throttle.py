@@ -1,5 +1,6 @@
 """Log lines of one kind at most once an interval, counting the rest: a
-database that refuses every call refuses hundreds a second."""
+database that refuses every call refuses hundreds a second. Here, below the
+storage and the edge, so that both use it."""
 
 from __future__ import annotations
 
