@@ -5,6 +5,7 @@ when the last running call does, or at its deadline."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -12,7 +13,9 @@ from typing import Any
 import grpc
 import pytest
 
+from ledger_service.api import drain as drain_module
 from ledger_service.api.drain import HOLD_MARGIN_SECONDS, SETTLE_SECONDS, Drain
+from ledger_service.application.throttle import ERROR_LOG_INTERVAL_SECONDS
 from ledger_service.domain.errors import ShuttingDown
 
 # How long a test waits for what must happen (a thread to start, a call to be
@@ -234,3 +237,37 @@ def test_a_held_call_without_a_deadline_is_refused_once_released() -> None:
     drain.release()
     held.join(WAIT_SECONDS)
     assert [type(error) for error in refused] == [ShuttingDown]
+
+
+def test_held_calls_are_logged_once_an_interval_per_method(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator reads which methods still arrive at a stopping server; a
+    flood of them is a line per method and interval, with a count, not a
+    line a call."""
+    drain = Drain()
+    now = [1000.0]
+    drain._held_log.clock = lambda: now[0]
+    drain.drain(time.monotonic())
+    drain.release()  # held calls are refused at once
+    calls = {
+        method: _behaviour(drain, f"/ledger.v1.Ledger/{method}", lambda _r, _c: "ran")
+        for method in ("Reserve", "GetBalance")
+    }
+
+    def held(method: str, count: int) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=drain_module.log.name):
+            for _ in range(count):
+                with pytest.raises(ShuttingDown):
+                    calls[method](None, Context(NO_DEADLINE_SECONDS))
+        return [record.getMessage() for record in caplog.records]
+
+    said = "holding a call that arrived while draining: /ledger.v1.Ledger/"
+    assert held("Reserve", 40) == [f"{said}Reserve{HELD_TAIL}"]
+    assert held("GetBalance", 3) == [f"{said}GetBalance{HELD_TAIL}"]
+    now[0] += ERROR_LOG_INTERVAL_SECONDS
+    assert held("Reserve", 5) == [f"{said}Reserve{HELD_TAIL} (and 39 more like it, not logged)"]
+
+
+HELD_TAIL = "; it is refused SHUTTING_DOWN (safe to send again) once the server takes no more calls"

@@ -10,21 +10,30 @@ answered UNAVAILABLE / SHUTTING_DOWN (safe to send again). Holding it keeps
 its client from sending another call that grpcio would cancel at its stop.
 Only once none is running, streams included (or at the grace limit, or when
 `hurry` is called: the operator's second stop signal) does grpcio stop. Health and reflection
-are neither counted nor refused.
+are neither counted nor refused. A held call is said in the log, at most once
+an interval per method: an operator sees who still sends to a stopping server.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ledger_service.api.auth import is_open
-from ledger_service.api.errors import Behaviour, WrappingInterceptor
+from ledger_service.api.errors import Behaviour, WrappingInterceptor, wrap_handler
+from ledger_service.application.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 from ledger_service.domain.errors import ShuttingDown
+
+if TYPE_CHECKING:
+    from ledger_service.api.pipeline import Continuation, Handler
+
+log = logging.getLogger(__name__)
 
 # The shortest drain: long enough for grpcio to hand every call that reached it
 # before the drain began to a (free) worker, which answers or holds it.
@@ -47,15 +56,32 @@ class Drain(WrappingInterceptor):
         self._hurried = False
         # When the last counted call ended: its client may send again at once.
         self._last_end = 0.0
+        # The held calls' lines, one kind per method.
+        self._held_log = Throttle(ERROR_LOG_INTERVAL_SECONDS)
 
     def skips(self, method: str) -> bool:
         return is_open(method)
 
-    def _admit(self, context: grpc.ServicerContext | None) -> None:
+    def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
+        # The wrappers know their method, for the held calls' line (composed
+        # once per method, api/pipeline.py: no call pays for it).
+        method = handler_call_details.method
+        return wrap_handler(
+            continuation,
+            handler_call_details,
+            unary=functools.partial(self.wrap_unary, method=method),
+            stream=functools.partial(self.wrap_stream, method=method),
+            skip=self.skips,
+        )
+
+    def _admit(self, context: grpc.ServicerContext | None, method: str) -> None:
         """Counts a call as running; once draining, holds it until released
         (or nearly its deadline) and refuses it."""
         with self._lock:
             if self._draining:
+                self._say_held(method)
                 remaining = context.time_remaining() if context is not None else None
                 # A call without a deadline has about 2^63 s remaining in
                 # grpcio, past what any wait takes (OverflowError): no bound.
@@ -66,6 +92,16 @@ class Drain(WrappingInterceptor):
                 raise ShuttingDown()
             self._running += 1
 
+    def _say_held(self, method: str) -> None:
+        unsaid = self._held_log(method)
+        if unsaid is not None:
+            log.info(
+                "holding a call that arrived while draining: %s; it is refused "
+                "SHUTTING_DOWN (safe to send again) once the server takes no more calls%s",
+                method,
+                more(unsaid),
+            )
+
     def _ended(self) -> None:
         with self._lock:
             self._running -= 1
@@ -73,9 +109,9 @@ class Drain(WrappingInterceptor):
             if self._draining:  # only a drain waits for calls to end
                 self._condition.notify_all()
 
-    def wrap_unary(self, behaviour: Behaviour) -> Behaviour:
+    def wrap_unary(self, behaviour: Behaviour, method: str = "") -> Behaviour:
         def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            self._admit(context)
+            self._admit(context, method)
             try:
                 return behaviour(request, context)
             finally:
@@ -83,7 +119,7 @@ class Drain(WrappingInterceptor):
 
         return counted
 
-    def wrap_stream(self, behaviour: Behaviour) -> Behaviour:
+    def wrap_stream(self, behaviour: Behaviour, method: str = "") -> Behaviour:
         """A response stream runs while grpcio iterates it: counted from its
         first step until it ends, fails or is closed (a cancelled call's).
         It is waited for as a call is: the event feed ends it on a stop with
@@ -91,7 +127,7 @@ class Drain(WrappingInterceptor):
         runs on to the grace limit, and is cut off there."""
 
         def counted(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            self._admit(context)
+            self._admit(context, method)
             try:
                 yield from behaviour(request, context)
             finally:
