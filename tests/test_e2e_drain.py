@@ -281,6 +281,13 @@ def wait_for_the_lock(stderr: Stderr) -> None:
     assert stderr.seen(f"{database.LOCK_HELD} on "), stderr.lines
 
 
+def wait_until_held(stderr: Stderr, method: str) -> None:
+    """Until the server says the drain holds a late call of `method`: it
+    reached a handler while the server drained, and waits there for its refusal."""
+    said = f"holding a call that arrived while draining: /ledger.v1.Ledger/{method};"
+    assert stderr.seen(said, timeout=60), stderr.lines
+
+
 def answer_of(call: Callable[[pb_grpc.LedgerStub], object], address: str) -> str:
     """ "OK", or the refusal's status and ledger-reason."""
     with grpc.insecure_channel(address) as channel:
@@ -373,7 +380,8 @@ def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_dow
             ]
             for thread in late:
                 thread.start()
-            time.sleep(0.5)  # both reach a handler and are held
+            for method in ("GetBalance", "WatchEvents"):
+                wait_until_held(stderr, method)
             blocker.rollback()
             assert process.wait(timeout=30) == 0, stderr.lines
             caller.join(timeout=15)
@@ -388,8 +396,8 @@ def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_dow
 def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_limit(
     tmp_path: pathlib.Path,
 ) -> None:
-    """A stream blocked in its send (its client reads nothing) cannot take its
-    SHUTTING_DOWN: the drain waits for it as for any call, and at the grace
+    """A stream blocked in its send (its client reads one event, then nothing)
+    cannot take its SHUTTING_DOWN: the drain waits for it as for any call, and at the grace
     limit it is cut off (UNAVAILABLE, which its client resumes from), logged as
     such, and the process exits EXIT_CUT_OFF, not 0 after "drained"."""
     env = serving.clean_env(LEDGER_GRACE_PERIOD_SECONDS="1")
@@ -408,7 +416,10 @@ def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_l
                     lane = pb.Lane(lane=f"big-{index}", limit_nanos=10**15, prices=prices)
                     admin.PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
             stream = pb_grpc.LedgerStub(stuck).WatchEvents(pb.WatchEventsRequest(after_seq=0))
-            time.sleep(1.0)  # the stream's send blocks on the full window
+            # Its first event came: the stream is sending its batch, every event,
+            # which a stop does not interrupt, and its send blocks on the full
+            # window, before or after the signal.
+            next(stream)
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
             stderr.join(timeout=15)
@@ -452,7 +463,7 @@ def test_a_call_held_by_a_drain_that_cuts_work_off_is_still_refused_as_shutting_
             assert stderr.seen("received SIGTERM: draining"), stderr.lines
             sender = threading.Thread(target=send_late, daemon=True)
             sender.start()
-            time.sleep(0.5)  # it reaches a handler and is held
+            wait_until_held(stderr, "GetBalance")
             if ending == "second signal":
                 process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
