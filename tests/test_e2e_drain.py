@@ -441,7 +441,10 @@ def test_a_call_held_by_a_drain_that_cuts_work_off_is_still_refused_as_shutting_
     a second signal), the held call is answered UNAVAILABLE / SHUTTING_DOWN,
     safe to send again, not cut off with it (UNAVAILABLE "Cancelling all
     calls", no reason: the client cannot tell it did nothing)."""
-    grace_seconds = 2.0 if ending == "grace limit" else 600.0
+    # The late call must reach the server before the grace limit ends the
+    # drain: 10 s leaves a loaded machine room (the test goes on once the
+    # server says it holds the call, and then waits out the limit).
+    grace_seconds = 10.0 if ending == "grace limit" else 600.0
     env = serving.clean_env(
         LEDGER_GRACE_PERIOD_SECONDS=str(grace_seconds), LEDGER_REQUEST_DEADLINE_SECONDS="60"
     )
