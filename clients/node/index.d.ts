@@ -577,7 +577,7 @@ export interface AllowanceOptions {
   maxCalls: number;
   /** The journal (JSON lines, fsync'd); its directory is created. */
   journalPath: string;
-  /** The lane's prices, copied: model -> price. Rates from 0 to 10^15 nanos per million tokens. */
+  /** The lane's prices, copied: model -> price. Rates from 0 to 10^15 nanos per million tokens; a model name the ledger refuses is InvalidArgument (field `model`). */
   prices: Record<string, ModelPrice> | Map<string, ModelPrice>;
   /** Default 3500n (3.5 bytes per token), between 100n and 64000n: the lane's own setting. */
   bytesPerTokenMilli?: Int64Input;

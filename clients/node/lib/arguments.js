@@ -38,27 +38,37 @@ function characters(text) {
   return count;
 }
 
-/** A name (lane, model, reservation id): a string of 1 to 200 characters. */
-function checkName(field, value) {
-  if (typeof value !== 'string') throw invalidArgument(field, 'must be a string');
-  if (value.length === 0) throw invalidArgument(field, 'is required');
+// The ledger's rule for names (ledger_service/domain/policies.py): ASCII, a
+// letter or digit first. The shared cases hold the two to the same answers.
+const NAME = /^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$/;
+
+/** The rule a text of 1 to 200 characters breaks (a reservation id's own rule aside), or null. */
+function lengthRefusal(value) {
+  if (typeof value !== 'string') return 'must be a string';
+  if (value.length === 0) return 'is required';
   if (value.length > MAX_NAME_LENGTH && characters(value) > MAX_NAME_LENGTH) {
-    throw invalidArgument(field, `must be at most ${MAX_NAME_LENGTH} characters`);
+    return `must be at most ${MAX_NAME_LENGTH} characters`;
   }
+  return null;
+}
+
+/** The rule a lane's or a model's name breaks, by the ledger's rule for names, or null. */
+function nameRefusal(value) {
+  const refused = lengthRefusal(value);
+  if (refused !== null || NAME.test(value)) return refused;
+  return 'must start with a letter or digit and use only letters, digits and ._:/@+-';
+}
+
+/** A lane's or a model's name, by the ledger's rule for names. */
+function checkName(field, value) {
+  const refused = nameRefusal(value);
+  if (refused !== null) throw invalidArgument(field, refused);
   return value;
 }
 
-// The ledger's rule for names (ledger_service/domain/policies.py): ASCII, a
-// letter or digit first. The shared cases hold the two to the same answers.
-const LANE = /^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$/;
-
 /** The lane a client is built for, by the ledger's rule for names. */
 function checkLane(lane) {
-  checkName('lane', lane);
-  if (!LANE.test(lane)) {
-    throw invalidArgument('lane', 'must start with a letter or digit and use only letters, digits and ._:/@+-');
-  }
-  return lane;
+  return checkName('lane', lane);
 }
 
 // A grant travels in an HTTP/2 header: visible ASCII, no spaces (as the Python
@@ -151,7 +161,8 @@ function checkReserve({ reservationId, model, requestBytes, maxOutputTokens, est
 
 /** The id a Reserve, Settle, Refund or GetBooking names, by the ledger's rule. */
 function checkReservationId(reservationId) {
-  checkName('reservation_id', reservationId);
+  const refused = lengthRefusal(reservationId);
+  if (refused !== null) throw invalidArgument('reservation_id', refused);
   if (!RESERVATION_ID.test(reservationId)) {
     throw invalidArgument('reservation_id', 'must be printable ASCII without spaces');
   }
@@ -178,4 +189,4 @@ function newReservationId() {
   return randomUUID().replaceAll('-', '');
 }
 
-module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, NOT_PRINTABLE };
+module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, NOT_PRINTABLE };

@@ -28,6 +28,7 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 const { randomBytes } = require('node:crypto');
+const { nameRefusal } = require('./arguments');
 
 const FORMAT_VERSION = 1;
 // A journal is read whole at start-up; past this multiple of maxBytes it is not
@@ -47,7 +48,6 @@ const MAX_REQUEST_BYTES = 2n ** 40n;
 const MAX_TOKENS = 10n ** 12n;
 const MAX_AMOUNT_NANOS = 2n ** 62n;
 const MAX_RESERVATION_ID_LENGTH = 200;
-const MAX_MODEL_LENGTH = 200;
 const MAX_TTL_US = 7n * 86_400n * 1_000_000n;
 const RESERVATION_ID = /^[\x21-\x7e]+$/;
 
@@ -279,9 +279,8 @@ function checkArguments({ reservationId, model, requestBytes, maxOutputTokens, e
   ) {
     throw new RangeError('reservationId must be 1 to 200 printable ASCII characters');
   }
-  if (typeof model !== 'string' || model.length === 0 || model.length > MAX_MODEL_LENGTH) {
-    throw new RangeError('model must be 1 to 200 characters');
-  }
+  const modelRefused = nameRefusal(model);
+  if (modelRefused !== null) throw new RangeError(`model: ${modelRefused}`);
   inRange('requestBytes', requestBytes, 0n, MAX_REQUEST_BYTES);
   inRange('maxOutputTokens', maxOutputTokens, 0n, MAX_TOKENS);
   if (estimateNanos !== null) inRange('estimateNanos', estimateNanos, 0n, MAX_AMOUNT_NANOS);

@@ -12,6 +12,7 @@
 
 const wire = require('./wire');
 const { capNanos, realCostNanos, DEFAULT_BYTES_PER_TOKEN_MILLI } = require('./pricing');
+const { checkName } = require('./arguments');
 const { JournalError, Source, Settlement, MAX_AMOUNT_NANOS, checkArguments, newEntry } = require('./journal');
 
 const MAX_ALLOWANCE_CALLS = 100_000;
@@ -66,7 +67,8 @@ function priceOf(model, price) {
 function pricesOf(prices) {
   if (prices === null || typeof prices !== 'object') throw new TypeError('prices must be an object or a Map of model to price');
   const pairs = prices instanceof Map ? [...prices.entries()] : Object.entries(prices);
-  return new Map(pairs.map(([model, price]) => [String(model), priceOf(model, price)]));
+  // A price under a name the ledger refuses could never price a call.
+  return new Map(pairs.map(([model, price]) => [checkName('model', String(model)), priceOf(model, price)]));
 }
 
 /** The lane's outage mode. Make one with OutagePolicy.deny() or OutagePolicy.allowance(). */

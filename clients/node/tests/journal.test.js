@@ -436,7 +436,7 @@ entries, skipped, torn = read_entries(open(sys.argv[1], 'rb').read())
 print(json.dumps({'skipped': skipped, 'torn': torn, 'entries': [
   {'id': e.reservation_id, 'source': e.source.value, 'hold': str(e.local_hold_nanos),
    'estimate': str(e.arguments.estimate_nanos), 'ttl_us': e.arguments.ttl_us, 'model': e.arguments.model,
-   'settlement': e.ending.settlement.value if e.ending else None,
+   'settlement': e.ending.settlement.value if e.ending else None, 'reason': e.ending.reason if e.ending else None,
    'cached': e.ending.usage.cached_input_tokens if e.ending and e.ending.usage else None,
    'charge': str(e.local_charge_nanos), 'replay': e.replay.value if e.replay else None, 'trace_id': e.trace_id}
   for e in entries.values()]}))
@@ -448,10 +448,10 @@ from ledger_client.journal import Journal, JournalEntry, Source, ReplayResult, n
 from ledger_client.outcomes import Ending, Settlement, Usage
 with Journal(sys.argv[1], 'recall', max_bytes=1 << 20, rotate_bytes=1 << 19) as journal:
     for index, source in enumerate((Source.ALLOWANCE, Source.LEDGER, Source.IN_DOUBT)):
-        arguments = ReserveArguments(f'py-{index}', 'mod\\u00e8le', 3500, 500, 2**62 if index == 0 else None, 5_000_000)
+        arguments = ReserveArguments(f'py-{index}', 'model-b', 3500, 500, 2**62 if index == 0 else None, 5_000_000)
         journal.record_reserve(JournalEntry('recall', arguments, source, 2**62 - index, now_text(), trace_id='${TRACE_ID}'))
     journal.record_end('py-0', Ending(Settlement.SETTLE_SUCCEEDED, 200, Usage(100, 7, None, 60, 20)), 123)
-    journal.record_end('py-2', Ending(Settlement.REFUND, 0, None, 'not sent'), 0)
+    journal.record_end('py-2', Ending(Settlement.REFUND, 0, None, 'pas envoy\\u00e9'), 0)
     journal.record_replay('py-2', ReplayResult.ABSENT, 'nothing there')
 `;
 
@@ -461,9 +461,9 @@ with Journal(sys.argv[1], 'recall', max_bytes=1 << 20, rotate_bytes=1 << 19) as 
     const cached = { inputTokens: 100n, outputTokens: 7n, billedNanos: null, cachedInputTokens: 60n, cacheWriteTokens: 20n };
     await journal.recordReserve(allowance);
     await journal.recordEnd(allowance.reservationId, { ...SUCCESS, usage: cached }, 1234n);
-    const inDoubt = newEntry(LANE, { reservationId: 'doubt', model: 'modèle', requestBytes: 0n, maxOutputTokens: 0n }, Source.IN_DOUBT, 0n);
+    const inDoubt = newEntry(LANE, { reservationId: 'doubt', model: 'model-b', requestBytes: 0n, maxOutputTokens: 0n }, Source.IN_DOUBT, 0n);
     await journal.recordReserve(inDoubt);
-    await journal.recordEnd('doubt', { settlement: Settlement.REFUND, httpStatus: 0, usage: null, reason: 'not sent' }, 0n);
+    await journal.recordEnd('doubt', { settlement: Settlement.REFUND, httpStatus: 0, usage: null, reason: 'pas envoyé' }, 0n);
     await journal.recordReplay('doubt', ReplayResult.ABSENT, 'the ledger holds nothing for it');
     await journal.close();
     const read = JSON.parse(execFileSync(PYTHON, ['-c', PYTHON_READS, file], { encoding: 'utf8' }));
@@ -472,11 +472,11 @@ with Journal(sys.argv[1], 'recall', max_bytes=1 << 20, rotate_bytes=1 << 19) as 
     assert.deepEqual(read.entries, [
       {
         id: allowance.reservationId, source: 'allowance', hold: String(2n ** 62n - 1n), estimate: '90', ttl_us: 30_000_000,
-        model: 'model-a', settlement: 'settle_succeeded', cached: 60, charge: '1234', replay: null, trace_id: TRACE_ID,
+        model: 'model-a', settlement: 'settle_succeeded', reason: '', cached: 60, charge: '1234', replay: null, trace_id: TRACE_ID,
       },
       {
-        id: 'doubt', source: 'in_doubt', hold: '0', estimate: 'None', ttl_us: null, model: 'modèle',
-        settlement: 'refund', cached: null, charge: '0', replay: 'absent', trace_id: '',
+        id: 'doubt', source: 'in_doubt', hold: '0', estimate: 'None', ttl_us: null, model: 'model-b',
+        settlement: 'refund', reason: 'pas envoyé', cached: null, charge: '0', replay: 'absent', trace_id: '',
       },
     ]);
   });
@@ -489,7 +489,7 @@ with Journal(sys.argv[1], 'recall', max_bytes=1 << 20, rotate_bytes=1 << 19) as 
     assert.deepEqual(ids(journal.pending()), ['py-0', 'py-1']);
     const [first, second, third] = journal.entries();
     assert.deepEqual(first.arguments, {
-      reservationId: 'py-0', model: 'modèle', requestBytes: 3500n, maxOutputTokens: 500n, estimateNanos: 2n ** 62n, ttlUs: 5_000_000n,
+      reservationId: 'py-0', model: 'model-b', requestBytes: 3500n, maxOutputTokens: 500n, estimateNanos: 2n ** 62n, ttlUs: 5_000_000n,
     });
     assert.equal(first.source, Source.ALLOWANCE);
     assert.equal(first.localHoldNanos, 2n ** 62n);
@@ -502,6 +502,7 @@ with Journal(sys.argv[1], 'recall', max_bytes=1 << 20, rotate_bytes=1 << 19) as 
     assert.equal(second.source, Source.LEDGER);
     assert.equal(second.ending, null);
     assert.equal(second.arguments.estimateNanos, null);
+    assert.equal(third.ending.reason, 'pas envoyé');
     assert.equal(third.replay, ReplayResult.ABSENT);
     assert.equal(third.replayDetail, 'nothing there');
   });

@@ -286,6 +286,7 @@ describe('pricing cases', () => {
 // --- arguments checked before any call ----------------------------------------
 
 const { LaneClient } = require('../lib/client');
+const { OutagePolicy } = require('../lib/outage');
 
 // Nothing listens on this port (the discard service): an argument the client
 // lets through gets as far as the call, which fails as an outage.
@@ -336,6 +337,22 @@ describe('argument cases', () => {
     test(`call: ${argumentCase.why}`, async () => {
       const call = lane.call(requestOf(argumentCase), async () => assert.fail('not called'));
       await assert.rejects(call, isRefusal(argumentCase));
+    });
+  }
+
+  // A price under a name the ledger refuses could never price a call: the
+  // allowance refuses it when it is made, as a Reserve would refuse the name.
+  // A price table's keys are text, so the cases of a model that is not are left out.
+  const modelCases = ARGUMENTS.reserve.filter(
+    (item) => Object.keys(item.set).join() === 'model' && typeof item.set.model === 'string',
+  );
+  for (const argumentCase of modelCases) {
+    test(`allowance prices: ${argumentCase.why}`, () => {
+      const price = { inputNanosPerMillionTokens: 1n, outputNanosPerMillionTokens: 2n };
+      const prices = new Map([[argumentCase.set.model, price]]);
+      const allowance = () => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, journalPath: 'journal.jsonl', prices });
+      if (argumentCase.accepted) allowance();
+      else assert.throws(allowance, isRefusal(argumentCase));
     });
   }
 

@@ -20,10 +20,13 @@ MAX_REQUEST_BYTES = 2**40
 MAX_TOKENS = 10**12
 MAX_AMOUNT_NANOS = 2**62
 MAX_RESERVATION_ID_LENGTH = 200
-MAX_MODEL_LENGTH = 200
+MAX_NAME_LENGTH = 200
 MAX_TTL_US = 7 * 86_400 * 1_000_000
 MAX_REASON_LENGTH = 1000
 _RESERVATION_ID = re.compile(r"[\x21-\x7e]+")
+# The ledger's rule for names (ledger_service/domain/policies.py): ASCII, a
+# letter or digit first. The shared cases hold the two to the same answers.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
 
 
 class DenialReason(enum.Enum):
@@ -57,6 +60,21 @@ def check_range(name: str, value: object, low: int, high: int) -> None:
         raise invalid_argument(name, f"must be an integer between {low} and {high}")
     if not low <= value <= high:
         raise invalid_argument(name, f"must be between {low} and {high}")
+
+
+def check_name(field: str, name: object) -> None:
+    """A lane's or a model's name by the ledger's rule for names (validate_name):
+    InvalidArgument naming `field`, before any call, as the ledger would say it."""
+    if not isinstance(name, str):
+        raise invalid_argument(field, "must be a string")
+    if not name:
+        raise invalid_argument(field, "is required")
+    if len(name) > MAX_NAME_LENGTH:
+        raise invalid_argument(field, f"must be at most {MAX_NAME_LENGTH} characters")
+    if not _NAME.fullmatch(name):
+        raise invalid_argument(
+            field, "must start with a letter or digit and use only letters, digits and ._:/@+-"
+        )
 
 
 def check_reservation_id(reservation_id: object) -> None:
@@ -101,12 +119,7 @@ class ReserveArguments:
     def __post_init__(self) -> None:
         # The server's rules and words (ledger_service/domain/moves.py, ReserveCommand).
         check_reservation_id(self.reservation_id)
-        if not isinstance(self.model, str):
-            raise invalid_argument("model", "must be a string")
-        if not self.model:
-            raise invalid_argument("model", "is required")
-        if len(self.model) > MAX_MODEL_LENGTH:
-            raise invalid_argument("model", f"must be at most {MAX_MODEL_LENGTH} characters")
+        check_name("model", self.model)
         check_range("request_bytes", self.request_bytes, 0, MAX_REQUEST_BYTES)
         check_range("max_output_tokens", self.max_output_tokens, 0, MAX_TOKENS)
         if self.estimate_nanos is not None:

@@ -6,7 +6,6 @@ import contextvars
 import datetime
 import functools
 import logging
-import re
 import secrets
 import ssl
 import threading
@@ -25,6 +24,7 @@ from ledger_client.bookings import (
     Reservation,
     ReserveArguments,
     Settled,
+    check_name,
     check_refund_reason,
     check_reservation_id,
     new_reservation_id,
@@ -79,10 +79,6 @@ from ledger_client.settings import (
 log = logging.getLogger("ledger_client")
 
 _Response = TypeVar("_Response")
-MAX_LANE_LENGTH = 200
-# The ledger's rule for names (ledger_service/domain/policies.py): ASCII, a
-# letter or digit first. The shared cases hold the two to the same answers.
-_LANE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
 # The reason a draining server refuses a call with before doing any work.
 SHUTTING_DOWN = "SHUTTING_DOWN"
 
@@ -119,16 +115,7 @@ def check_address(address: object) -> None:
 def check_lane(lane: object) -> None:
     """The lane's name by the ledger's rule for names: InvalidArgument (field
     `lane`) before any call, as for a Reserve's arguments."""
-    if not isinstance(lane, str):
-        raise invalid_argument("lane", "must be a string")
-    if not lane:
-        raise invalid_argument("lane", "is required")
-    if len(lane) > MAX_LANE_LENGTH:
-        raise invalid_argument("lane", f"must be at most {MAX_LANE_LENGTH} characters")
-    if not _LANE.fullmatch(lane):
-        raise invalid_argument(
-            "lane", "must start with a letter or digit and use only letters, digits and ._:/@+-"
-        )
+    check_name("lane", lane)
 
 
 def _request_bytes(request: object) -> int:

@@ -17,7 +17,7 @@ import pathlib
 import threading
 from collections.abc import Mapping
 
-from ledger_client.bookings import MAX_AMOUNT_NANOS, DenialReason, ReserveArguments
+from ledger_client.bookings import MAX_AMOUNT_NANOS, DenialReason, ReserveArguments, check_name
 from ledger_client.journal import Journal, JournalEntry, JournalError, Source, now_text
 from ledger_client.outcomes import Ending, Settlement
 from ledger_client.pricing import DEFAULT_BYTES_PER_TOKEN_MILLI, ModelPrice, cap_nanos
@@ -80,6 +80,8 @@ class OutagePolicy:
         for name in ("max_nanos", "max_calls", "bytes_per_token_milli", "overhead_tokens"):
             require_int(getattr(self, name), name)
         for model, price in self.prices.items():
+            # A price under a name the ledger refuses could never price a call.
+            check_name("model", model)
             if not isinstance(price, ModelPrice):
                 raise TypeError(f"prices[{model!r}] must be a ModelPrice")
         if not 1 <= self.max_calls <= MAX_ALLOWANCE_CALLS:

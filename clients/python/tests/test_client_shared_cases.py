@@ -21,6 +21,7 @@ from ledger_client import ClientSettings, errors
 from ledger_client.bookings import ReserveArguments
 from ledger_client.client import LaneClient
 from ledger_client.context import estimate_tokens, payload_bytes
+from ledger_client.outage import OutagePolicy
 from ledger_client.outcomes import RULES, CallFailure, Settlement, rule_for
 from ledger_client.pricing import ModelPrice, cap_nanos, request_tokens
 from ledger_client.usage import usage_of
@@ -269,34 +270,56 @@ def test_reserve_arguments(case: dict[str, Any]) -> None:
     _check_refusal(caught.value, case)
 
 
+def _cases_setting_only(field: str) -> list[dict[str, Any]]:
+    """The reserve cases that set this one field and nothing else."""
+    return [case for case in ARGUMENTS["reserve"] if set(case["set"]) == {field}]
+
+
 def _reservation_id_cases() -> list[dict[str, Any]]:
-    return [
-        case
-        for case in ARGUMENTS["reserve"]
-        if "error" in case and set(case["set"]) == {"reservation_id"}
-    ]
+    return [case for case in _cases_setting_only("reservation_id") if "error" in case]
 
 
-@pytest.mark.parametrize("case", _reservation_id_cases(), ids=lambda case: case["why"])
-def test_reserve_and_model_call_refuse_the_reservation_ids_the_cases_refuse(
+def _model_refusals() -> list[dict[str, Any]]:
+    return [case for case in _cases_setting_only("model") if "error" in case]
+
+
+@pytest.mark.parametrize(
+    "case", _reservation_id_cases() + _model_refusals(), ids=lambda case: case["why"]
+)
+def test_reserve_and_model_call_refuse_the_ids_and_models_the_cases_refuse(
     case: dict[str, Any],
 ) -> None:
     # The README: ReserveArguments' checks hold for reserve() and model_call()
     # too, as in the Node client. An empty id given is a mistake, not "pick one
     # for me": replaced by a fresh id, a resend would book twice. Nothing
     # listens at the address, so a call that went out would fail otherwise.
-    reservation_id = case["set"]["reservation_id"]
-    defaults = ARGUMENTS["reserve_defaults"]
+    values = {**ARGUMENTS["reserve_defaults"], **case["set"]}
     with LaneClient("127.0.0.1:9", "lane") as client:
         for method in (client.reserve, client.model_call):
             with _refusal(case) as caught:
                 method(
-                    defaults["model"],
-                    defaults["request_bytes"],
-                    defaults["max_output_tokens"],
-                    reservation_id=reservation_id,
+                    values["model"],
+                    values["request_bytes"],
+                    values["max_output_tokens"],
+                    reservation_id=values["reservation_id"],
                 )
             _check_refusal(caught.value, case)
+
+
+@pytest.mark.parametrize("case", _cases_setting_only("model"), ids=lambda case: case["why"])
+def test_an_allowance_prices_only_the_models_a_reserve_may_name(
+    case: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    # A price under a name the ledger refuses could never price a call: the
+    # allowance refuses it when it is made, as a Reserve would refuse the name.
+    prices = {case["set"]["model"]: ModelPrice(1, 2)}
+    journal_path = tmp_path / "journal.jsonl"
+    if case.get("accepted"):
+        OutagePolicy.allowance(max_nanos=1, max_calls=1, journal_path=journal_path, prices=prices)
+        return
+    with _refusal(case) as caught:
+        OutagePolicy.allowance(max_nanos=1, max_calls=1, journal_path=journal_path, prices=prices)
+    _check_refusal(caught.value, case)
 
 
 @pytest.mark.parametrize("case", _reservation_id_cases(), ids=lambda case: case["why"])
