@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+
+from ledger_service.domain.events import EventKind
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NODE = ROOT / "clients" / "node"
@@ -36,3 +39,14 @@ def test_the_client_loads_the_bundled_proto_not_the_repository() -> None:
     source = (NODE / "lib" / "proto.js").read_text(encoding="utf-8")
     assert "path.resolve(__dirname, '..', 'proto')" in source
     assert "protos" not in source.replace("protos/", "")
+
+
+def test_the_event_kinds_the_types_declare_are_the_servers() -> None:
+    # index.d.ts's LedgerEvent.kind is a closed union (types.test.js holds a
+    # lane's switch to it under tsc --strict); this holds it to EventKind, so a
+    # kind the server adds is a kind the types declare.
+    types = (NODE / "index.d.ts").read_text(encoding="utf-8")
+    declared = re.findall(r"^  kind: (.+);$", types, flags=re.MULTILINE)
+    assert len(declared) == 1, declared
+    kinds = {kind.strip().strip("'") for kind in declared[0].split("|")}
+    assert kinds == {kind.value for kind in EventKind}

@@ -466,7 +466,8 @@ export interface LedgerEvent {
   /** The server's sequence number: unique and rising, possibly with holes. */
   seq: bigint;
   lane: string;
-  kind: 'reserved' | 'denied' | 'settled' | 'refunded' | 'expired' | 'lane_configured' | 'reconciled' | 'corrected' | string;
+  /** One of the server's event kinds (ledger_service/domain/events.py EventKind), no other. */
+  kind: 'reserved' | 'denied' | 'settled' | 'refunded' | 'expired' | 'lane_configured' | 'reconciled' | 'corrected';
   reservationId: string;
   /** What the booking counts in its window after this event, and before it. */
   amountNanos: bigint;

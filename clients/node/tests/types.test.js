@@ -83,6 +83,33 @@ void audit;
 void firstPage;
 `;
 
+// A lane that handles each kind of event: the switch covers every kind the
+// server sends (ledger_service/domain/events.py EventKind) and nothing else,
+// so a kind missing from LedgerEvent, or one it has beyond these, fails here.
+const KINDS = `
+import { LedgerEvent } from '../..';
+
+function counted(event: LedgerEvent): number {
+  switch (event.kind) {
+    case 'reserved':
+    case 'denied':
+    case 'settled':
+    case 'refunded':
+    case 'expired':
+    case 'lane_configured':
+    case 'reconciled':
+    case 'corrected':
+      return 1;
+    default: {
+      const unknown: never = event.kind;
+      return unknown;
+    }
+  }
+}
+
+void counted;
+`;
+
 const tsc = findTsc();
 
 /** What tsc --strict says of `source` saved as `name` here ('' when it type-checks). */
@@ -115,4 +142,10 @@ test('every name the package exports at run time is declared in index.d.ts', { s
 
 test("the README's events example and a page's cursor type-check under --strict", { skip: tsc === null && 'no TypeScript compiler' }, () => {
   assert.equal(typeCheck('events.ts', EVENTS), '');
+});
+
+test("a LedgerEvent's kind is one of the server's kinds, so a typo in one does not type-check", { skip: tsc === null && 'no TypeScript compiler' }, () => {
+  assert.equal(typeCheck('kinds.ts', KINDS), '');
+  const typo = KINDS.replace("case 'reconciled':", "case 'reconcilled':");
+  assert.match(typeCheck('typo.ts', typo), /'"reconcilled"' is not comparable to type/);
 });
