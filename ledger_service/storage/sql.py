@@ -927,8 +927,7 @@ class SqlTransaction:
     def _connection(self) -> Connection:
         """The connection, once the writes deferred ahead of any statement are sent."""
         if self._deferred:
-            calls, self._deferred = self._deferred, []
-            prepared.pipelined(self._raw, calls)
+            self.flush()
         return self._raw
 
     def commit(self) -> None:
@@ -941,9 +940,8 @@ class SqlTransaction:
     def flush(self) -> None:
         """PostgreSQL: sends the deferred writes, in one round trip, without COMMIT."""
         calls, self._deferred = self._deferred, []
-        if calls:
-            for cursor in prepared.pipelined(self._raw, calls):
-                cursor.close()
+        for cursor in prepared.pipelined(self._raw, calls) if calls else ():
+            cursor.close()
 
     def _defer(self, name: str, values: dict[str, Any]) -> None:
         self.wrote = True

@@ -321,6 +321,15 @@ class LaneClient:
         finally:
             self._gate.done()
 
+    def _metadata(self, trace_id: str) -> tuple[tuple[str, str], ...]:
+        """A call's headers: the grant, and the caller's trace when it has one."""
+        metadata: list[tuple[str, str]] = []
+        if self._grant is not None:
+            metadata.append(("authorization", f"Bearer {self._grant}"))
+        if trace_id:
+            metadata.append(("traceparent", _traceparent(trace_id)))
+        return tuple(metadata)
+
     def _invoke_counted(
         self,
         method: grpc.UnaryUnaryMultiCallable[Any, _Response],
@@ -328,11 +337,7 @@ class LaneClient:
         deadline_seconds: float | None,
         trace_id: str,
     ) -> _Response:
-        metadata: list[tuple[str, str]] = []
-        if self._grant is not None:
-            metadata.append(("authorization", f"Bearer {self._grant}"))
-        if trace_id:
-            metadata.append(("traceparent", _traceparent(trace_id)))
+        metadata = self._metadata(trace_id)
         timeout = self._deadline(deadline_seconds)
         started = time.monotonic()
         if not self._slots.acquire(timeout=timeout):
@@ -345,13 +350,13 @@ class LaneClient:
             )
         try:
             try:
-                return self._send(method, request, tuple(metadata), started + timeout)
+                return self._send(method, request, metadata, started + timeout)
             except LedgerUnavailable as refused:
                 # A draining replica did no work (SHUTTING_DOWN): once more, in
                 # the time left, where the channel reaches another replica.
                 if refused.reason != SHUTTING_DOWN or time.monotonic() >= started + timeout:
                     raise
-                return self._send(method, request, tuple(metadata), started + timeout)
+                return self._send(method, request, metadata, started + timeout)
         finally:
             self._slots.release()
 
@@ -659,7 +664,7 @@ class LaneClient:
     def _stream(self, after_seq: int, timeout: float) -> Generator[LedgerEvent | None, None, None]:
         """One WatchEvents stream of the lane (events.stream_events)."""
         request = pb.WatchEventsRequest(lane=self.lane, after_seq=after_seq)
-        metadata = (("authorization", f"Bearer {self._grant}"),) if self._grant else ()
+        metadata = self._metadata("")
         with self._starting:  # never a call on a closed channel (see __init__)
             if self._closed:
                 return

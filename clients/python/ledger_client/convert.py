@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
@@ -43,6 +44,11 @@ _OUTCOMES = {
 def instant(value: timestamp_pb2.Timestamp) -> datetime.datetime:
     epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
     return epoch + datetime.timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
+
+
+def optional_instant(message: Any, field: str) -> datetime.datetime | None:
+    """The instant in `message`'s `field`, None when the message has none."""
+    return instant(getattr(message, field)) if message.HasField(field) else None
 
 
 def length(value: duration_pb2.Duration) -> datetime.timedelta:
@@ -120,8 +126,8 @@ def reservation(reservation_id: str, message: pb.ReserveResponse) -> Reservation
         hold_nanos=message.hold_nanos,
         cap_nanos=message.cap_nanos,
         reserved_at=instant(message.reserved_at),
-        expires_at=instant(message.expires_at) if message.HasField("expires_at") else None,
-        retry_after=instant(message.retry_after) if message.HasField("retry_after") else None,
+        expires_at=optional_instant(message, "expires_at"),
+        retry_after=optional_instant(message, "retry_after"),
         denial_reason=None
         if admitted
         else _DENIAL_REASONS.get(message.denial_reason, DenialReason.BUDGET_EXHAUSTED),
@@ -172,9 +178,9 @@ def event(message: pb.Event) -> LedgerEvent:
         estimate_nanos=message.estimate_nanos if message.HasField("estimate_nanos") else None,
         hold_nanos=message.hold_nanos,
         cap_nanos=message.cap_nanos,
-        reserved_at=instant(message.reserved_at) if message.HasField("reserved_at") else None,
-        expires_at=instant(message.expires_at) if message.HasField("expires_at") else None,
-        retry_after=instant(message.retry_after) if message.HasField("retry_after") else None,
+        reserved_at=optional_instant(message, "reserved_at"),
+        expires_at=optional_instant(message, "expires_at"),
+        retry_after=optional_instant(message, "retry_after"),
         denial_reason=_DENIAL_REASONS.get(message.denial_reason) if denied else None,
         denied_by=message.denied_by,
         reason=message.reason,
