@@ -60,6 +60,13 @@ def _page_size(value: int, settings: Settings) -> int:
     return min(value or settings.default_page_size, settings.max_page_size)
 
 
+def _cursor(after_seq: int) -> int:
+    """A request's after_seq, as ListEvents and WatchEvents both read it."""
+    if after_seq < 0:
+        raise InvalidArgument("after_seq", "must not be negative")
+    return after_seq
+
+
 # A page's room for its items: the message limit less room for the rest of it.
 _PAGE_HEADROOM_BYTES = 4096
 _MAX_SEQ = 2**63 - 1
@@ -213,10 +220,8 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             if not (position.isascii() and position.isdigit() and int(position) <= _MAX_SEQ):
                 raise InvalidArgument("page_token", _NOT_OURS)
             after_seq = int(position)
-        elif request.after_seq < 0:
-            raise InvalidArgument("after_seq", "must not be negative")
         else:
-            after_seq = request.after_seq
+            after_seq = _cursor(request.after_seq)
         size = _page_size(request.page_size, self._settings)
         # One more than the page, to know whether another page follows.
         events = self._ledger.list_events(convert.event_query(request, size + 1, after_seq))
@@ -292,12 +297,10 @@ class LedgerServicer(pb_grpc.LedgerServicer):
             validate_name("lane", request.lane)
             self._ledger.check_lane(request.lane)
         # from_now: "after_seq ignored" (the proto), whatever it holds.
-        if not request.from_now and request.after_seq < 0:
-            raise InvalidArgument("after_seq", "must not be negative")
         if request.from_now:
             after_seq = self._ledger.last_seq()
         else:
-            after_seq = self._ledger.watch_after(request.after_seq)
+            after_seq = self._ledger.watch_after(_cursor(request.after_seq))
         query = EventQuery(
             lane=request.lane, after_seq=after_seq, limit=self._settings.watch_batch_size
         )
