@@ -273,7 +273,9 @@ class LedgerServer:
             self.telemetry.tracer, self.telemetry.meter
         )
         self._drain = Drain()
-        self.call_shares = CallShares(settings.max_calls_per_grant)
+        self.call_shares = CallShares(
+            settings.max_calls_per_grant, settings.grant_calls_total, settings.grant_calls_reserved
+        )
         self._arrivals = ArrivalWatch(
             settings.request_arrival_seconds, settings.max_workers, threads=settings.rpc_threads
         )
@@ -304,8 +306,8 @@ class LedgerServer:
         server = self._new_grpc_server(
             # A thread for each stream and for one grant's share beside the
             # workers (Settings.rpc_threads): streams wait for none while no
-            # more than max_workers other calls run at once, and a lane that
-            # floods the server leaves the others max_workers threads.
+            # more than max_workers other calls run at once, and lanes that
+            # flood the server leave the others threads (api/shares.py).
             futures.ThreadPoolExecutor(max_workers=settings.rpc_threads, thread_name_prefix="rpc"),
             # Composed once per method, not on every call (api/pipeline.py).
             interceptors=[MethodPipeline(chain)],

@@ -164,8 +164,11 @@ class Settings:
     # max_watchers_per_grant); one more is refused at once, TOO_MANY_CALLS
     # (api/shares.py). Above the lane clients' own bound (64 calls in flight)
     # with room for calls the server still finishes after their client gave
-    # up at the deadline, so that no lone client meets it. The pool has
-    # threads beyond it (rpc_threads), so one flooding lane cannot take them all.
+    # up at the deadline, so that no lone client meets it. Grants together
+    # run at most grant_calls_total (108), whose last 12 places past this
+    # share go only to a grant running fewer than 3 (a quarter of them), so
+    # any number of flooding lanes leave a calm lane's calls a place and the
+    # pool's threads (rpc_threads) room for streams and health checks.
     max_calls_per_grant: int = 96
     max_message_bytes: int = 1 * 1024 * 1024
     # A call's headers (metadata) in all, as gRPC counts them (each name and
@@ -274,10 +277,27 @@ class Settings:
     def rpc_threads(self) -> int:
         """The server's pool: max_workers, a thread for each stream it admits,
         and one grant's share of calls (no more than the calls it takes at
-        once). One flooding grant holds at most its share and its streams, so
-        at least max_workers threads stay for the others beside every stream."""
-        share = min(self.max_calls_per_grant, self.max_concurrent_rpcs)
-        return self.max_workers + self.max_watchers + share
+        once). Grants' calls together take at most grant_calls_total of them,
+        so threads stay for streams and health checks however many flood."""
+        return self.max_workers + self.max_watchers + self._call_share
+
+    @property
+    def grant_calls_total(self) -> int:
+        """Calls of all grants together running at once (api/shares.py): the
+        pool but a thread for each stream and a quarter of max_workers for
+        calls of no grant (health checks, reflection) and refusals on their
+        way out. 108 at the defaults."""
+        return self.rpc_threads - self.max_watchers - self.max_workers // 4
+
+    @property
+    def grant_calls_reserved(self) -> int:
+        """The last of grant_calls_total's places, past one grant's share:
+        only a grant running few calls gets one (12 at the defaults)."""
+        return self.grant_calls_total - self._call_share
+
+    @property
+    def _call_share(self) -> int:
+        return min(self.max_calls_per_grant, self.max_concurrent_rpcs)
 
     @property
     def on_postgresql(self) -> bool:

@@ -36,19 +36,20 @@ FLOOD_CALLS_PER_CONNECTION = 110
 
 
 class HeldBalances:
-    """Holds every GetBalance of one lane inside the server until released,
-    counting those held: a call held there has passed every check and holds
-    one of the server's threads, as a call waiting on a slow store does."""
+    """Holds every GetBalance of the given lanes inside the server until
+    released, counting those held: a call held there has passed every check
+    and holds one of the server's threads, as a call waiting on a slow store
+    does."""
 
-    def __init__(self, server: LedgerServer, lane: str) -> None:
+    def __init__(self, server: LedgerServer, *lanes: str) -> None:
         self._balance = server.ledger.balance
-        self._lane = lane
+        self._lanes = lanes
         self._changed = threading.Condition()
         self._released = False
         self.held = 0
 
     def balance(self, lane: str, *args: Any, **kwargs: Any) -> Any:
-        if lane == self._lane:
+        if lane in self._lanes:
             with self._changed:
                 self.held += 1
                 self._changed.notify_all()
@@ -211,4 +212,64 @@ def test_a_grant_has_its_share_and_not_one_call_more(
         assert [call.exception() for call in held] == [None] * share
         # Their places are back: the refused Reserve, sent again, is admitted (nothing was booked).
         assert flood.Reserve(_reserve("flood", "f1"), timeout=CALL_SECONDS).decision == pb.ADMITTED
+    assert server.call_shares.running() == 0
+
+
+def test_two_flooding_lanes_leave_a_third_lanes_reserve_and_health_served(
+    start_ledger_server: Callable[..., LedgerServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two grants' floods whose calls never end took every thread of the pool
+    (2 x the share, past max_workers + max_watchers + the share): a calm
+    lane's Reserve waited for a thread until its deadline. The last places of
+    the grants' total are kept for grants running few calls."""
+    share = 8
+    server = start_ledger_server(max_workers=4, max_watchers=1, max_calls_per_grant=share)
+    assert 2 * share > server.settings.rpc_threads  # two floods would fill the pool
+    holding = HeldBalances(server, "flood-a", "flood-b")
+    monkeypatch.setattr(server.ledger, "balance", holding.balance)
+    with contextlib.ExitStack() as stack:
+        admin = pb_grpc.LaneAdminStub(stack.enter_context(_connection(server, server.admin_grant)))
+        for lane in ("flood-a", "flood-b", "calm"):
+            admin.PutLane(pb.PutLaneRequest(lane=lane_message(lane)), timeout=CALL_SECONDS)
+        flooding: list[grpc.Future] = []
+        answered: list[grpc.Future] = []
+
+        def on_answer(call: grpc.Future) -> None:
+            answered.append(call)
+            holding.notify()
+
+        def flood(lane: str) -> bool:
+            """Twice the share of calls of `lane`'s grant, on a connection of
+            its own; whether every one came to be held or answered."""
+            stub = pb_grpc.LedgerStub(
+                stack.enter_context(_connection(server, _grant(server, lane)))
+            )
+            for _ in range(2 * share):
+                call = stub.GetBalance.future(pb.GetBalanceRequest(lane=lane), timeout=CALL_SECONDS)
+                call.add_done_callback(on_answer)
+                flooding.append(call)
+            return holding.wait_for(lambda: holding.held + len(answered) == len(flooding))
+
+        try:
+            # One after the other, so that what each holds is known: the first
+            # its whole share, the second a calm grant's few.
+            settled = [flood("flood-a"), flood("flood-b")]
+            calm = stack.enter_context(_connection(server, _grant(server, "calm")))
+            reserved = pb_grpc.LedgerStub(calm).Reserve(_reserve("calm", "c1"), timeout=5)
+            assert reserved.decision == pb.ADMITTED
+            health = health_pb2_grpc.HealthStub(calm).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert settled == [True, True], (holding.held, len(answered), len(flooding))
+            shares = server.call_shares
+            assert holding.held == share + shares.calm
+            assert shares.running() == holding.held <= shares.total
+            refused = [call.exception() for call in answered]
+            assert {_reason(error) for error in refused if error is not None} == {"TOO_MANY_CALLS"}
+            assert all(error is not None for error in refused)
+        finally:
+            holding.release()
+            for call in flooding:
+                call.exception()
     assert server.call_shares.running() == 0

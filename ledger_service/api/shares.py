@@ -1,21 +1,30 @@
-"""Each grant's share of the server's calls at once.
+"""Each grant's share of the server's calls at once, and the calls of all
+grants together.
 
 A lane whose client keeps no bound of its own (hundreds of calls in flight,
 on one connection or several) took every call slot of the server
 (max_concurrent_rpcs) and every thread of its pool, and another lane's Reserve
-was refused by gRPC or waited out its deadline. So a grant may have at most
-`max_calls_per_grant` calls running in the server at once; one more is
-refused at once with RESOURCE_EXHAUSTED / TOO_MANY_CALLS, before any store
-work, and its thread is free again within microseconds. The server's pool has
-threads beyond one grant's share (server.py), so a flooding lane leaves them
-to the others.
+was refused by gRPC or waited out its deadline. So:
+
+- a grant has at most `share` (max_calls_per_grant) calls running at once;
+- grants together have at most `total` running (Settings.grant_calls_total:
+  the pool's threads but one for each stream and a few for calls of no
+  grant), and the last `reserved` of those places go only to a grant running
+  fewer than `calm` calls. Two floods (or twenty) whose calls never end fill
+  at most `total - reserved` places, plus `calm - 1` each, and a calm grant's
+  call still finds a place and a thread; one flood alone still gets its
+  whole share.
+
+One call more is refused at once with RESOURCE_EXHAUSTED / TOO_MANY_CALLS,
+before any store work, and its thread is free again within microseconds: a
+call never waits here, as it would hold a thread while it waits.
 
 The check sits inside the grant interceptor, where the call's grant is known,
-and costs a call a dict lookup and a counter under a lock, on its way in and
-again on its way out. Event
-streams have a share of their own (the feed's `max_streams_per_owner`) and are
-not counted here; health and reflection need no grant and are never counted.
-Without grants (--insecure-no-auth) there is no share: only the total.
+and costs a call a dict lookup and two counters under a lock, on its way in
+and again on its way out. Event streams have a share of their own (the
+feed's `max_streams_per_owner`) and are not counted here; health and
+reflection need no grant and are never counted. Without grants
+(--insecure-no-auth) there is no share: only the total.
 """
 
 from __future__ import annotations
@@ -31,28 +40,40 @@ from ledger_service.domain.errors import TooManyCalls
 
 
 class CallShares:
-    """How many calls each grant has running, and the share none may pass.
-    It holds one entry per grant with a call running (bounded by the calls
-    the server takes at once)."""
+    """How many calls each grant has running, the share none may pass, and
+    the places all grants share. It holds one entry per grant with a call
+    running (at most `total`)."""
 
-    def __init__(self, share: int) -> None:
+    def __init__(self, share: int, total: int, reserved: int) -> None:
+        assert 0 < reserved < total, "the reserve is some of the total's places, not all"
         self.share = share
+        self.total = total
+        self.reserved = reserved
+        # A quarter of the reserve each, so that four calm grants fit in it.
+        self.calm = max(1, reserved // 4)
+        self._open = total - reserved  # places any grant below its share may take
         self._lock = threading.Lock()
         self._running: dict[str, int] = {}
+        self._all = 0  # every grant's calls running
 
     def take(self, owner: str) -> None:
         """Counts one more call of `owner`. Raises TooManyCalls when it
-        already has its share running."""
+        already has its share running, or when the open places are taken and
+        it runs `calm` calls or more, or no place is left."""
         with self._lock:
             running = self._running.get(owner, 0)
             if running >= self.share:
-                raise TooManyCalls(self.share)
+                raise TooManyCalls(running)
+            if self._all >= self._open and (running >= self.calm or self._all >= self.total):
+                raise TooManyCalls(running, calm=self.calm)
             self._running[owner] = running + 1
+            self._all += 1
 
     def give_back(self, owner: str) -> None:
         """Counts one call of `owner` ended (it was taken)."""
         with self._lock:
             running = self._running[owner] - 1
+            self._all -= 1
             if running:
                 self._running[owner] = running
             else:
@@ -61,7 +82,7 @@ class CallShares:
     def running(self) -> int:
         """Calls counted now, of every grant."""
         with self._lock:
-            return sum(self._running.values())
+            return self._all
 
 
 class GrantShareInterceptor(WrappingInterceptor):

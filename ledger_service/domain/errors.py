@@ -148,16 +148,25 @@ class TooManyReconciles(LedgerError):
 
 
 class TooManyCalls(LedgerError):
-    """The caller's grant already has its share of the server's calls running:
-    nothing was read or written. No outage: the ledger answers other grants;
-    the caller is to slow down and send it again later."""
+    """The caller's grant already has its share of the server's calls running,
+    or the server's calls are nearly all taken and the grant runs more than
+    a calm grant's few: nothing was read or written. No outage: the ledger
+    answers other grants; the caller is to slow down and send it again later."""
 
     reason = "TOO_MANY_CALLS"
 
-    def __init__(self, share: int) -> None:
+    def __init__(self, running: int, *, calm: int = 0) -> None:
+        """`running`: the grant's calls running; `calm`: when refused for the
+        server's last places, the calls a grant runs below which it gets one."""
+        why = (
+            "its share of the server (max_calls_per_grant)"
+            if not calm
+            else "and the server's calls are nearly all taken: its last places are for "
+            f"grants running fewer than {calm}"
+        )
         super().__init__(
-            f"this grant has {share} calls running, its share of the server "
-            "(max_calls_per_grant); send it again once one of them has its answer"
+            f"this grant has {running} calls running, {why}; "
+            "send it again once one of them has its answer"
         )
 
 
