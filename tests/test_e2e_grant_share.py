@@ -103,6 +103,56 @@ def _reserve(lane: str, rid: str) -> pb.ReserveRequest:
     )
 
 
+class Flood:
+    """GetBalances of flooding grants sent at once, each noted when answered."""
+
+    def __init__(self, holding: HeldBalances) -> None:
+        self.holding = holding
+        self.calls: list[grpc.Future] = []
+        self.answered: list[grpc.Future] = []
+
+    def send(self, stub: pb_grpc.LedgerStub, lane: str, calls: int) -> None:
+        for _ in range(calls):
+            call = stub.GetBalance.future(pb.GetBalanceRequest(lane=lane), timeout=CALL_SECONDS)
+            call.add_done_callback(self._on_answer)
+            self.calls.append(call)
+
+    def _on_answer(self, call: grpc.Future) -> None:
+        self.answered.append(call)
+        self.holding.notify()
+
+    def settled(self) -> bool:
+        """Waits until every call sent is held in the server or answered (none
+        waits behind the held ones for a thread); whether that came."""
+        holding = self.holding
+        return holding.wait_for(lambda: holding.held + len(self.answered) == len(self.calls))
+
+    def refusals(self) -> list[BaseException | None]:
+        """The answered calls' errors, each asserted to be TOO_MANY_CALLS."""
+        refused = [call.exception() for call in self.answered]
+        assert {error.code() for error in refused if error is not None} == {  # type: ignore[attr-defined]
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        }
+        assert {_reason(error) for error in refused if error is not None} == {"TOO_MANY_CALLS"}
+        assert all(error is not None for error in refused)
+        return refused
+
+    def release(self) -> None:
+        self.holding.release()
+        for call in self.calls:
+            call.exception()
+
+
+def _calm_lane_served(server: LedgerServer, stack: contextlib.ExitStack) -> None:
+    """The calm lane's Reserve is admitted and health says SERVING, each
+    within a deadline far shorter than the flood is held."""
+    calm = stack.enter_context(_connection(server, _grant(server, "calm")))
+    reserved = pb_grpc.LedgerStub(calm).Reserve(_reserve("calm", "c1"), timeout=5)
+    assert reserved.decision == pb.ADMITTED
+    health = health_pb2_grpc.HealthStub(calm).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_a_flooding_lane_leaves_another_lanes_reserve_and_health_served(
     start_ledger_server: Callable[..., LedgerServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,48 +164,21 @@ def test_a_flooding_lane_leaves_another_lanes_reserve_and_health_served(
         for lane in ("flood", "calm"):
             admin.PutLane(pb.PutLaneRequest(lane=lane_message(lane)), timeout=CALL_SECONDS)
         flood_grant = _grant(server, "flood")
-        flooding: list[grpc.Future] = []
-        answered: list[grpc.Future] = []
-
-        def on_answer(call: grpc.Future) -> None:
-            answered.append(call)
-            holding.notify()
-
+        flood = Flood(holding)
         try:
             for _ in range(FLOOD_CONNECTIONS):
-                flood = pb_grpc.LedgerStub(stack.enter_context(_connection(server, flood_grant)))
-                for _ in range(FLOOD_CALLS_PER_CONNECTION):
-                    call = flood.GetBalance.future(
-                        pb.GetBalanceRequest(lane="flood"), timeout=CALL_SECONDS
-                    )
-                    call.add_done_callback(on_answer)
-                    flooding.append(call)
-            # Every call of the flood is held in the server or answered: none
-            # waits behind the held ones for a thread.
-            settled = holding.wait_for(lambda: holding.held + len(answered) == len(flooding))
-            calm = stack.enter_context(_connection(server, _grant(server, "calm")))
-            reserved = pb_grpc.LedgerStub(calm).Reserve(_reserve("calm", "c1"), timeout=5)
-            assert reserved.decision == pb.ADMITTED
-            health = health_pb2_grpc.HealthStub(calm).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
-            )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-            assert settled, (holding.held, len(answered), len(flooding))
+                stub = pb_grpc.LedgerStub(stack.enter_context(_connection(server, flood_grant)))
+                flood.send(stub, "flood", FLOOD_CALLS_PER_CONNECTION)
+            settled = flood.settled()
+            _calm_lane_served(server, stack)
+            assert settled, (holding.held, len(flood.answered), len(flood.calls))
             assert holding.held == SHARE
             # The rest were refused at once, by the share: none by gRPC's total.
-            refused = [call.exception() for call in answered]
-            assert len(refused) == len(flooding) - SHARE
-            assert {error.code() for error in refused if error is not None} == {  # type: ignore[attr-defined]
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-            }
-            assert {_reason(error) for error in refused if error is not None} == {"TOO_MANY_CALLS"}
-            assert all(error is not None for error in refused)
+            assert len(flood.refusals()) == len(flood.calls) - SHARE
         finally:
-            holding.release()
-            for call in flooding:
-                call.exception()
+            flood.release()
         # The held ones were served once released.
-        assert sum(call.exception() is None for call in flooding) == SHARE
+        assert sum(call.exception() is None for call in flood.calls) == SHARE
 
 
 def test_a_grant_has_its_share_and_not_one_call_more(
@@ -231,45 +254,22 @@ def test_two_flooding_lanes_leave_a_third_lanes_reserve_and_health_served(
         admin = pb_grpc.LaneAdminStub(stack.enter_context(_connection(server, server.admin_grant)))
         for lane in ("flood-a", "flood-b", "calm"):
             admin.PutLane(pb.PutLaneRequest(lane=lane_message(lane)), timeout=CALL_SECONDS)
-        flooding: list[grpc.Future] = []
-        answered: list[grpc.Future] = []
-
-        def on_answer(call: grpc.Future) -> None:
-            answered.append(call)
-            holding.notify()
-
-        def flood(lane: str) -> bool:
-            """Twice the share of calls of `lane`'s grant, on a connection of
-            its own; whether every one came to be held or answered."""
-            stub = pb_grpc.LedgerStub(
-                stack.enter_context(_connection(server, _grant(server, lane)))
-            )
-            for _ in range(2 * share):
-                call = stub.GetBalance.future(pb.GetBalanceRequest(lane=lane), timeout=CALL_SECONDS)
-                call.add_done_callback(on_answer)
-                flooding.append(call)
-            return holding.wait_for(lambda: holding.held + len(answered) == len(flooding))
-
+        flood = Flood(holding)
         try:
-            # One after the other, so that what each holds is known: the first
-            # its whole share, the second a calm grant's few.
-            settled = [flood("flood-a"), flood("flood-b")]
-            calm = stack.enter_context(_connection(server, _grant(server, "calm")))
-            reserved = pb_grpc.LedgerStub(calm).Reserve(_reserve("calm", "c1"), timeout=5)
-            assert reserved.decision == pb.ADMITTED
-            health = health_pb2_grpc.HealthStub(calm).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
-            )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-            assert settled == [True, True], (holding.held, len(answered), len(flooding))
+            # One after the other, each on a connection of its own, so that
+            # what each holds is known: the first its whole share, the second
+            # a calm grant's few.
+            settled = []
+            for lane in ("flood-a", "flood-b"):
+                connection = stack.enter_context(_connection(server, _grant(server, lane)))
+                flood.send(pb_grpc.LedgerStub(connection), lane, 2 * share)
+                settled.append(flood.settled())
+            _calm_lane_served(server, stack)
+            assert settled == [True, True], (holding.held, len(flood.answered), len(flood.calls))
             shares = server.call_shares
             assert holding.held == share + shares.calm
             assert shares.running() == holding.held <= shares.total
-            refused = [call.exception() for call in answered]
-            assert {_reason(error) for error in refused if error is not None} == {"TOO_MANY_CALLS"}
-            assert all(error is not None for error in refused)
+            assert len(flood.refusals()) == len(flood.calls) - holding.held
         finally:
-            holding.release()
-            for call in flooding:
-                call.exception()
+            flood.release()
     assert server.call_shares.running() == 0
