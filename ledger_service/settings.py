@@ -167,8 +167,8 @@ class Settings:
     # up at the deadline, so that no lone client meets it. Grants together
     # run at most grant_calls_total (108), whose last 12 places past this
     # share go only to a grant running fewer than 3 (a quarter of them), so
-    # any number of flooding lanes leave a calm lane's calls a place and the
-    # pool's threads (rpc_threads) room for streams and health checks.
+    # up to four flooding lanes leave a calm lane's calls a place, and any
+    # number leave the pool's threads (rpc_threads) to streams and health.
     max_calls_per_grant: int = 96
     max_message_bytes: int = 1 * 1024 * 1024
     # A call's headers (metadata) in all, as gRPC counts them (each name and

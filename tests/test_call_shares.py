@@ -73,11 +73,12 @@ def test_flooding_grants_at_the_defaults_leave_calm_grants_places() -> None:
     shares = CallShares(
         settings.max_calls_per_grant, settings.grant_calls_total, settings.grant_calls_reserved
     )
+    # The figures docs/semantics.md states (limits, calls at once).
     assert (shares.total, shares.reserved, shares.calm) == (108, 12, 3)
-    floods = [_flood(shares, f"flood-{n}") for n in range(3)]
-    assert floods == [96, 3, 3]  # the first alone had its whole share
-    for calm in ("calm-a", "calm-b"):
-        assert _flood(shares, calm) == 3
+    floods = [_flood(shares, f"flood-{n}") for n in range(4)]
+    assert floods == [96, 3, 3, 3]  # the first alone had its whole share
+    assert _flood(shares, "calm") == 3  # four floods leave a calm grant 3
+    assert _flood(shares, "newcomer") == 0
     assert shares.running() == 108
 
 

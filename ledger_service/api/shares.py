@@ -10,10 +10,13 @@ was refused by gRPC or waited out its deadline. So:
 - grants together have at most `total` running (Settings.grant_calls_total:
   the pool's threads but one for each stream and a few for calls of no
   grant), and the last `reserved` of those places go only to a grant running
-  fewer than `calm` calls. Two floods (or twenty) whose calls never end fill
-  at most `total - reserved` places, plus `calm - 1` each, and a calm grant's
-  call still finds a place and a thread; one flood alone still gets its
-  whole share.
+  fewer than `calm` calls. Floods whose calls never end fill the open
+  `total - reserved` places and at most `calm` more each: up to four floods
+  at the defaults still leave a calm grant's call a place, one flood alone
+  gets its whole share, and however many there are, the pool keeps threads
+  for streams and health checks, and a call refused is answered at once
+  instead of waiting for a thread. (A newcomer is not told from a flood at
+  its first calls: more floods, each its own grant, fill the reserve.)
 
 One call more is refused at once with RESOURCE_EXHAUSTED / TOO_MANY_CALLS,
 before any store work, and its thread is free again within microseconds: a
