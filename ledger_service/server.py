@@ -304,10 +304,9 @@ class LedgerServer:
             self._messages,
         ]
         server = self._new_grpc_server(
-            # A thread for each stream and for one grant's share beside the
-            # workers (Settings.rpc_threads): streams wait for none while no
-            # more than max_workers other calls run at once, and lanes that
-            # flood the server leave the others threads (api/shares.py).
+            # A thread for each stream and for each place of the grants'
+            # calls (Settings.rpc_threads): streams never wait for one, and
+            # lanes that flood the server leave the others threads (api/shares.py).
             futures.ThreadPoolExecutor(max_workers=settings.rpc_threads, thread_name_prefix="rpc"),
             # Composed once per method, not on every call (api/pipeline.py).
             interceptors=[MethodPipeline(chain)],

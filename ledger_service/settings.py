@@ -165,9 +165,9 @@ class Settings:
     # (api/shares.py). Above the lane clients' own bound (64 calls in flight)
     # with room for calls the server still finishes after their client gave
     # up at the deadline, so that no lone client meets it. Grants together
-    # run at most grant_calls_total (108), whose last 12 places past this
-    # share go only to a grant running fewer than 3 (a quarter of them), so
-    # up to four flooding lanes leave a calm lane's calls a place, and any
+    # run at most grant_calls_total (208), whose last 16 places past two
+    # shares go only to a grant running fewer than 4 (a quarter of them), so
+    # up to five flooding lanes leave a calm lane's calls a place, and any
     # number leave the pool's threads (rpc_threads) to streams and health.
     max_calls_per_grant: int = 96
     max_message_bytes: int = 1 * 1024 * 1024
@@ -275,25 +275,24 @@ class Settings:
 
     @property
     def rpc_threads(self) -> int:
-        """The server's pool: max_workers, a thread for each stream it admits,
-        and one grant's share of calls (no more than the calls it takes at
-        once). Grants' calls together take at most grant_calls_total of them,
-        so threads stay for streams and health checks however many flood."""
-        return self.max_workers + self.max_watchers + self._call_share
+        """The server's pool: a thread for each stream it admits, one for each
+        place of grant_calls_total, and a quarter of max_workers (at least
+        one) for calls of no grant (health checks, reflection) and refusals on
+        their way out. 276 at the defaults."""
+        return self.max_watchers + self.grant_calls_total + max(1, self.max_workers // 4)
 
     @property
     def grant_calls_total(self) -> int:
-        """Calls of all grants together running at once (api/shares.py): the
-        pool but a thread for each stream and a quarter of max_workers for
-        calls of no grant (health checks, reflection) and refusals on their
-        way out. 108 at the defaults."""
-        return self.rpc_threads - self.max_watchers - self.max_workers // 4
+        """Calls of all grants together running at once (api/shares.py): two
+        grants' shares and max_workers more, so two lane clients at their own
+        bound (64 each) never meet it. 208 at the defaults."""
+        return 2 * self._call_share + self.max_workers
 
     @property
     def grant_calls_reserved(self) -> int:
-        """The last of grant_calls_total's places, past one grant's share:
-        only a grant running few calls gets one (12 at the defaults)."""
-        return self.grant_calls_total - self._call_share
+        """The last of grant_calls_total's places, past two grants' shares:
+        only a grant running few calls gets one (max_workers, 16 at the defaults)."""
+        return self.max_workers
 
     @property
     def _call_share(self) -> int:

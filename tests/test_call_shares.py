@@ -58,7 +58,8 @@ def _flood(shares: CallShares, owner: str) -> int:
 
 def test_two_grants_at_their_share_leave_a_third_a_place() -> None:
     """Two floods whose calls never end took every thread of the pool before
-    (2 x 96 of 176): the last places are kept for grants running few."""
+    (2 x 96 of the 176 threads it had then): the last places are kept for
+    grants running few."""
     shares = CallShares(4, 12, 4)  # open: 8; calm: fewer than 1
     assert (_flood(shares, "flood-a"), _flood(shares, "flood-b")) == (4, 4)
     shares.take("calm")
@@ -74,12 +75,28 @@ def test_flooding_grants_at_the_defaults_leave_calm_grants_places() -> None:
         settings.max_calls_per_grant, settings.grant_calls_total, settings.grant_calls_reserved
     )
     # The figures docs/semantics.md states (limits, calls at once).
-    assert (shares.total, shares.reserved, shares.calm) == (108, 12, 3)
-    floods = [_flood(shares, f"flood-{n}") for n in range(4)]
-    assert floods == [96, 3, 3, 3]  # the first alone had its whole share
-    assert _flood(shares, "calm") == 3  # four floods leave a calm grant 3
+    assert (shares.total, shares.reserved, shares.calm) == (208, 16, 4)
+    floods = [_flood(shares, f"flood-{n}") for n in range(5)]
+    assert floods == [96, 96, 4, 4, 4]  # the first two had their whole shares
+    assert _flood(shares, "calm") == 4  # five floods leave a calm grant 4
     assert _flood(shares, "newcomer") == 0
-    assert shares.running() == 108
+    assert shares.running() == 208
+    # Every place has a thread of the pool, beside the streams' and a few more.
+    assert settings.rpc_threads > shares.total + settings.max_watchers
+
+
+def test_two_lane_clients_at_their_own_bound_are_never_refused() -> None:
+    """Each lane client keeps at most 64 calls in flight: two of them, on
+    grants of their own, both busy, stay inside the open places."""
+    settings = Settings(database_url="sqlite://")
+    shares = CallShares(
+        settings.max_calls_per_grant, settings.grant_calls_total, settings.grant_calls_reserved
+    )
+    for _ in range(64):
+        shares.take("recall")
+        shares.take("dreaming")
+    shares.take("filter")
+    assert shares.running() == 129
 
 
 def test_the_total_never_passes_its_bound() -> None:

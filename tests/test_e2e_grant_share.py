@@ -29,7 +29,7 @@ CALL_SECONDS = 60.0
 HOUR_US = 3_600_000_000
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
 SHARE: int = _DEFAULTS["max_calls_per_grant"]  # type: ignore[assignment]
-# The flood: more calls than the pool has threads (176), held in flight on
+# The flood: more calls than one grant's share and the pool's threads, held in flight on
 # three connections, since one connection carries at most 128 at once.
 FLOOD_CONNECTIONS = 3
 FLOOD_CALLS_PER_CONNECTION = 110
@@ -238,36 +238,37 @@ def test_a_grant_has_its_share_and_not_one_call_more(
     assert server.call_shares.running() == 0
 
 
-def test_two_flooding_lanes_leave_a_third_lanes_reserve_and_health_served(
+def test_three_flooding_lanes_leave_a_fourth_lanes_reserve_and_health_served(
     start_ledger_server: Callable[..., LedgerServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two grants' floods whose calls never end took every thread of the pool
-    (2 x the share, past max_workers + max_watchers + the share): a calm
-    lane's Reserve waited for a thread until its deadline. The last places of
-    the grants' total are kept for grants running few calls."""
+    """Grants' floods whose calls never end took every thread of the pool
+    (two shares were past max_workers + max_watchers + one share): a calm
+    lane's Reserve waited for a thread until its deadline. Now two floods
+    have their whole shares, a third a calm grant's few, and the last places
+    of the grants' total are kept for grants running few calls."""
     share = 8
     server = start_ledger_server(max_workers=4, max_watchers=1, max_calls_per_grant=share)
-    assert 2 * share > server.settings.rpc_threads  # two floods would fill the pool
-    holding = HeldBalances(server, "flood-a", "flood-b")
+    lanes = ("flood-a", "flood-b", "flood-c")
+    holding = HeldBalances(server, *lanes)
     monkeypatch.setattr(server.ledger, "balance", holding.balance)
     with contextlib.ExitStack() as stack:
         admin = pb_grpc.LaneAdminStub(stack.enter_context(_connection(server, server.admin_grant)))
-        for lane in ("flood-a", "flood-b", "calm"):
+        for lane in (*lanes, "calm"):
             admin.PutLane(pb.PutLaneRequest(lane=lane_message(lane)), timeout=CALL_SECONDS)
         flood = Flood(holding)
         try:
             # One after the other, each on a connection of its own, so that
-            # what each holds is known: the first its whole share, the second
-            # a calm grant's few.
+            # what each holds is known: the first two their whole shares, the
+            # third a calm grant's few.
             settled = []
-            for lane in ("flood-a", "flood-b"):
+            for lane in lanes:
                 connection = stack.enter_context(_connection(server, _grant(server, lane)))
                 flood.send(pb_grpc.LedgerStub(connection), lane, 2 * share)
                 settled.append(flood.settled())
             _calm_lane_served(server, stack)
-            assert settled == [True, True], (holding.held, len(flood.answered), len(flood.calls))
+            assert settled == [True] * 3, (holding.held, len(flood.answered), len(flood.calls))
             shares = server.call_shares
-            assert holding.held == share + shares.calm
+            assert holding.held == 2 * share + shares.calm
             assert shares.running() == holding.held <= shares.total
             assert len(flood.refusals()) == len(flood.calls) - holding.held
         finally:

@@ -52,8 +52,8 @@ def test_health_watches_hold_no_worker_thread(
 ) -> None:
     """Health.Watch needs no grant and is limited only by max_concurrent_rpcs:
     served as a blocking generator, each open watch held one of the pool's
-    threads for its life, and the pool's size of them (176 by default; here
-    4) stalled every other call of the server."""
+    threads for its life, and the pool's size of them (276 by default; here
+    6) stalled every other call of the server."""
     server = start_ledger_server(max_workers=2, max_watchers=1, max_calls_per_grant=1)
     channel = open_ledger_channel(server)
     health = health_pb2_grpc.HealthStub(channel)

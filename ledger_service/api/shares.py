@@ -8,12 +8,13 @@ was refused by gRPC or waited out its deadline. So:
 
 - a grant has at most `share` (max_calls_per_grant) calls running at once;
 - grants together have at most `total` running (Settings.grant_calls_total:
-  the pool's threads but one for each stream and a few for calls of no
-  grant), and the last `reserved` of those places go only to a grant running
-  fewer than `calm` calls. Floods whose calls never end fill the open
-  `total - reserved` places and at most `calm` more each: up to four floods
-  at the defaults still leave a calm grant's call a place, one flood alone
-  gets its whole share, and however many there are, the pool keeps threads
+  two grants' shares and max_workers more; the pool has a thread for each
+  of them beside the streams' and a few for calls of no grant), and the last
+  `reserved` of those places go only to a grant running fewer than `calm`
+  calls. Floods whose calls never end fill the open `total - reserved`
+  places and at most `calm` more each: up to five floods at the defaults
+  still leave a calm grant's call a place, one or two floods alone get their
+  whole shares, and however many there are, the pool keeps threads
   for streams and health checks, and a call refused is answered at once
   instead of waiting for a thread. (A newcomer is not told from a flood at
   its first calls: more floods, each its own grant, fill the reserve.)

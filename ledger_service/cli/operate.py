@@ -44,8 +44,8 @@ def register(commands: Any) -> None:
         type=int,
         metavar="N",
         help="calls one grant may have running at once, streams apart (default 96); "
-        "one more is refused, TOO_MANY_CALLS; all grants together run at most this "
-        "plus --max-workers less a quarter of it, the last places only for grants running few",
+        "one more is refused, TOO_MANY_CALLS; all grants together run at most twice this "
+        "plus --max-workers, the last --max-workers places only for grants running few",
     )
     serve.add_argument(
         "--max-connections-per-grant",

@@ -32,7 +32,7 @@ def _never(release: threading.Event) -> Iterator[bytes]:
 def test_stalled_requests_do_not_starve_other_callers(
     start_secure_ledger: Callable[..., SecureLedger],
 ) -> None:
-    # A pool of 4 threads, and a bound on a request's arrival far beyond the
+    # A pool of 6 threads, and a bound on a request's arrival far beyond the
     # calls' deadlines: only the pressure of calls waiting frees the threads.
     ledger = start_secure_ledger(
         max_workers=2, max_watchers=1, max_calls_per_grant=1, request_arrival_seconds=600.0
