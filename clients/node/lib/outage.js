@@ -67,8 +67,9 @@ function priceOf(model, price) {
 function pricesOf(prices) {
   if (prices === null || typeof prices !== 'object') throw new TypeError('prices must be an object or a Map of model to price');
   const pairs = prices instanceof Map ? [...prices.entries()] : Object.entries(prices);
-  // A price under a name the ledger refuses could never price a call.
-  return new Map(pairs.map(([model, price]) => [checkName('model', String(model)), priceOf(model, price)]));
+  // A price under a name the ledger refuses could never price a call. A Map's
+  // key is checked as it is, not as text: null would pass as the model "null".
+  return new Map(pairs.map(([model, price]) => [checkName('model', model), priceOf(model, price)]));
 }
 
 /** The lane's outage mode. Make one with OutagePolicy.deny() or OutagePolicy.allowance(). */

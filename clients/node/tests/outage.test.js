@@ -394,6 +394,20 @@ describe('a bounded allowance', () => {
     assert.ok(Object.isFrozen(policy));
     assert.equal(policy.prices.get('model-a').inputNanosPerMillionTokens, 1_000_000n);
   });
+
+  test("refuses a Map's key that is no text, as a Reserve refuses such a model", () => {
+    // Null is a shared case (clients/cases/arguments.json); JSON has no undefined
+    // or number key. Taken as text, undefined would price a model named "undefined".
+    const price = PRICES['model-a'];
+    for (const model of [undefined, 7, Symbol('m')]) {
+      const prices = new Map([[model, price]]);
+      assert.throws(
+        () => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, journalPath: 'j', prices }),
+        (error) => error instanceof InvalidArgument && error.field === 'model' && error.message === 'model: must be a string',
+        String(model),
+      );
+    }
+  });
 });
 
 describe('a server that shuts down under a call', () => {
