@@ -28,7 +28,7 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 const { randomBytes } = require('node:crypto');
-const { nameRefusal } = require('./arguments');
+const { nameRefusal, reservationIdRefusal } = require('./arguments');
 
 const FORMAT_VERSION = 1;
 // A journal is read whole at start-up; past this multiple of maxBytes it is not
@@ -47,9 +47,7 @@ const MAX_JSON_DEPTH = 8;
 const MAX_REQUEST_BYTES = 2n ** 40n;
 const MAX_TOKENS = 10n ** 12n;
 const MAX_AMOUNT_NANOS = 2n ** 62n;
-const MAX_RESERVATION_ID_LENGTH = 200;
 const MAX_TTL_US = 7n * 86_400n * 1_000_000n;
-const RESERVATION_ID = /^[\x21-\x7e]+$/;
 
 /** The journal cannot be used; a lane in outage then fails closed. */
 class JournalError extends Error {
@@ -271,14 +269,8 @@ function inRange(name, value, low, high) {
  * @returns {import('../index').JournaledArguments}
  */
 function checkArguments({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos = null, ttlUs = null }) {
-  if (
-    typeof reservationId !== 'string' ||
-    reservationId.length === 0 ||
-    reservationId.length > MAX_RESERVATION_ID_LENGTH ||
-    !RESERVATION_ID.test(reservationId)
-  ) {
-    throw new RangeError('reservationId must be 1 to 200 printable ASCII characters');
-  }
+  const idRefused = reservationIdRefusal(reservationId);
+  if (idRefused !== null) throw new RangeError(`reservation_id: ${idRefused}`);
   const modelRefused = nameRefusal(model);
   if (modelRefused !== null) throw new RangeError(`model: ${modelRefused}`);
   inRange('requestBytes', requestBytes, 0n, MAX_REQUEST_BYTES);

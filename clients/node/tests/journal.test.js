@@ -507,3 +507,21 @@ with Journal(sys.argv[1], 'recall', max_bytes=1 << 20, rotate_bytes=1 << 19) as 
     assert.equal(third.replayDetail, 'nothing there');
   });
 });
+
+describe("the journal's check of a Reserve's arguments", () => {
+  // The journal keeps only ids and models a Reserve takes, refused by the same
+  // rule and the same words (clients/cases/arguments.json), as the Python
+  // journal keeps ReserveArguments.
+  const { checkArguments } = require('../lib/journal');
+  const ARGUMENTS = require('../../cases/arguments.json');
+  const cases = ARGUMENTS.reserve.filter((item) => ['reservation_id', 'model'].includes(Object.keys(item.set).join()));
+  for (const argumentCase of cases) {
+    test(argumentCase.why, () => {
+      const values = { ...ARGUMENTS.reserve_defaults, ...argumentCase.set };
+      const check = () =>
+        checkArguments({ reservationId: values.reservation_id, model: values.model, requestBytes: 100n, maxOutputTokens: 10n });
+      if (argumentCase.accepted) check();
+      else assert.throws(check, (error) => error instanceof RangeError && error.message === argumentCase.message);
+    });
+  }
+});
