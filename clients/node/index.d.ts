@@ -458,9 +458,34 @@ export const DEFAULT_PAGE_SIZE: number;
 export const MAX_PAGE_SIZE: number;
 
 /**
- * One immutable fact of the lane's log (the proto's Event, less the new
- * policy of a lane_configured event). Every int64 a BigInt; instants Dates,
- * null where the event has none.
+ * A lane's policy as a lane_configured event carries it (the proto's Lane),
+ * with the defaults the ledger resolved. The optional settings are null when
+ * the wire leaves them out, which the ledger never does.
+ */
+export interface LanePolicy {
+  lane: string;
+  limitNanos: bigint;
+  windowSeconds: number | null;
+  holdTtlSeconds: number | null;
+  /** Bytes per token in thousandths (3.5 is 3500n), as the ledger keeps it. */
+  bytesPerTokenMilli: bigint | null;
+  overheadTokens: bigint | null;
+  /** Per model; a cache rate the lane did not set is null (it costs the input rate). */
+  prices: ReadonlyMap<string, ModelPrice>;
+  /** What an expired booking is charged; '' when unset. */
+  expireCharge: 'HOLD' | 'ZERO' | '';
+  /** The seq of the lane_configured event that set this policy. */
+  version: bigint;
+  updatedAt: Date | null;
+  /** The parent budget (another lane); '' when none. */
+  parent: string;
+  /** A SUCCEEDED charge above this multiple of the cap is refused; 0n: no bound. */
+  maxChargeMultiple: bigint | null;
+}
+
+/**
+ * One immutable fact of the lane's log (the proto's Event). Every int64 a
+ * BigInt; instants Dates, null where the event has none.
  */
 export interface LedgerEvent {
   /** The server's sequence number: unique and rising, possibly with holes. */
@@ -504,6 +529,8 @@ export interface LedgerEvent {
   /** Tamper evidence: this event's hash, chained to the lane's previous one. */
   hash: string;
   previousHash: string;
+  /** For lane_configured: the lane's new policy; null for the other kinds. */
+  policy: LanePolicy | null;
 }
 
 export interface EventPageOptions {

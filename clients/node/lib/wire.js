@@ -144,9 +144,43 @@ function optionalBigintOf(message, name) {
   return message[`_${name}`] === name ? bigintOf(message[name]) : null;
 }
 
+/** @returns {import('../index').ModelPrice} */
+function modelPriceOf(message) {
+  return {
+    inputNanosPerMillionTokens: bigintOf(message.input_nanos_per_million_tokens),
+    outputNanosPerMillionTokens: bigintOf(message.output_nanos_per_million_tokens),
+    cachedInputNanosPerMillionTokens: optionalBigintOf(message, 'cached_input_nanos_per_million_tokens'),
+    cacheWriteNanosPerMillionTokens: optionalBigintOf(message, 'cache_write_nanos_per_million_tokens'),
+  };
+}
+
 /**
- * One event of the lane's log (the proto's Event, less the new policy of a
- * lane_configured event). The Python client's LedgerEvent.
+ * A lane's policy as a lane_configured event carries it (the proto's Lane).
+ * The Python client's LanePolicy (convert.lane_policy).
+ * @returns {import('../index').LanePolicy}
+ */
+function lanePolicyOf(message) {
+  // The ledger sends bytes per token as thousandths / 1000: rounding gives
+  // back the integer it keeps.
+  const milli = message._bytes_per_token === 'bytes_per_token' ? BigInt(Math.round(message.bytes_per_token * 1000)) : null;
+  return {
+    lane: message.lane,
+    limitNanos: bigintOf(message.limit_nanos),
+    windowSeconds: secondsOf(message.window),
+    holdTtlSeconds: secondsOf(message.hold_ttl),
+    bytesPerTokenMilli: milli,
+    overheadTokens: optionalBigintOf(message, 'overhead_tokens'),
+    prices: new Map(Object.entries(message.prices).map(([model, price]) => [model, modelPriceOf(price)])),
+    expireCharge: message.expire_charge === 'EXPIRE_CHARGE_UNSPECIFIED' ? '' : message.expire_charge,
+    version: bigintOf(message.version),
+    updatedAt: dateOf(message.updated_at),
+    parent: message.parent,
+    maxChargeMultiple: optionalBigintOf(message, 'max_charge_multiple'),
+  };
+}
+
+/**
+ * One event of the lane's log (the proto's Event). The Python client's LedgerEvent.
  * @returns {import('../index').LedgerEvent}
  */
 function eventOf(message) {
@@ -184,6 +218,7 @@ function eventOf(message) {
     grantId: message.grant_id,
     hash: message.hash,
     previousHash: message.previous_hash,
+    policy: message.policy ? lanePolicyOf(message.policy) : null,
   };
 }
 

@@ -292,3 +292,55 @@ describe('grants', () => {
     client.close();
   });
 });
+
+describe("an event's policy", () => {
+  // The Python client's test_client_event_policy.py, with the same values.
+  const Event = ledgerPackage().definition['ledger.v1.Event'];
+  const decoded = (event) => Event.deserialize(Event.serialize(event));
+
+  test('a lane_configured event carries its new policy typed', () => {
+    const policy = {
+      lane: 'recall',
+      limit_nanos: String(2n ** 62n),
+      window: { seconds: '3600', nanos: 500_000_000 },
+      hold_ttl: { seconds: '120', nanos: 0 },
+      bytes_per_token: 3.7,
+      overhead_tokens: '40',
+      prices: { m: { input_nanos_per_million_tokens: '1000000', output_nanos_per_million_tokens: '2000000', cache_write_nanos_per_million_tokens: '1250000' } },
+      expire_charge: 'ZERO',
+      version: '7',
+      updated_at: { seconds: '1790000000', nanos: 1_500_000 },
+      parent: 'team',
+      max_charge_multiple: '0',
+    };
+    const event = wire.eventOf(decoded({ seq: '7', lane: 'recall', kind: 'lane_configured', policy }));
+    assert.deepEqual(event.policy, {
+      lane: 'recall',
+      limitNanos: 2n ** 62n,
+      windowSeconds: 3600.5,
+      holdTtlSeconds: 120,
+      // 3.7 travels as a double: thousandths, as the ledger keeps it.
+      bytesPerTokenMilli: 3700n,
+      overheadTokens: 40n,
+      prices: new Map([
+        ['m', { inputNanosPerMillionTokens: 1_000_000n, outputNanosPerMillionTokens: 2_000_000n, cachedInputNanosPerMillionTokens: null, cacheWriteNanosPerMillionTokens: 1_250_000n }],
+      ]),
+      expireCharge: 'ZERO',
+      version: 7n,
+      updatedAt: new Date(1_790_000_000_001),
+      parent: 'team',
+      maxChargeMultiple: 0n,
+    });
+  });
+
+  test('the optional settings the wire leaves out are null', () => {
+    // The ledger always sends them resolved; unset on the wire, the client says so.
+    const { policy } = wire.eventOf(decoded({ seq: '1', lane: 'recall', kind: 'lane_configured', policy: { lane: 'recall' } }));
+    assert.deepEqual([policy.bytesPerTokenMilli, policy.overheadTokens, policy.maxChargeMultiple], [null, null, null]);
+    assert.deepEqual([policy.parent, policy.expireCharge, policy.prices], ['', '', new Map()]);
+  });
+
+  test('other events have no policy', () => {
+    assert.equal(wire.eventOf(decoded({ seq: '2', lane: 'recall', kind: 'reserved', reservation_id: 'r-1' })).policy, null);
+  });
+});

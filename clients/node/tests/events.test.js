@@ -123,6 +123,24 @@ test('events are typed as the ledger recorded them', async () => {
   assert.deepEqual([ended.billedNanos, ended.amountNanos, ended.previousHash], [7n, 7n, event.hash]);
 });
 
+test('a lane_configured event carries the policy the ledger resolved', async () => {
+  // reader() sets the limit and one price; the ledger fills in the rest with
+  // its defaults (docs/semantics.md). The Python client's test of the same name.
+  const client = await reader();
+  const [configured] = (await client.listEvents({ pageSize: 1 })).events;
+  assert.equal(configured.kind, 'lane_configured');
+  const { policy } = configured;
+  assert.deepEqual([policy.lane, policy.limitNanos, policy.version], [client.lane, 1_000_000n, configured.seq]);
+  assert.deepEqual([policy.windowSeconds, policy.holdTtlSeconds], [86_400, 120]);
+  assert.deepEqual([policy.bytesPerTokenMilli, policy.overheadTokens], [3500n, 0n]);
+  const price = { inputNanosPerMillionTokens: 1_000_000n, outputNanosPerMillionTokens: 2_000_000n, cachedInputNanosPerMillionTokens: null, cacheWriteNanosPerMillionTokens: null };
+  assert.deepEqual(policy.prices, new Map([['m', price]]));
+  assert.deepEqual([policy.expireCharge, policy.parent, policy.maxChargeMultiple], ['HOLD', '', 100n]);
+  assert.deepEqual(policy.updatedAt, configured.occurredAt);
+  await reserve(client, 1);
+  assert.deepEqual((await client.listEvents({ afterSeq: configured.seq })).events.map((event) => event.policy), [null]);
+});
+
 test('a grant without read is refused the history', async () => {
   // A lane's usual grant (charge) reads its balance and bookings, not its
   // events: ListEvents and WatchEvents need read (ledger_service/api/auth.py).

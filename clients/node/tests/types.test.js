@@ -79,8 +79,16 @@ async function firstPage(): Promise<bigint | null> {
   return charged.length > 0 ? page.nextAfterSeq : null;
 }
 
+// A lane_configured event's new policy, typed: its limit and one model's price.
+function newLimit(event: LedgerEvent, model: string): [bigint, bigint] | null {
+  if (event.policy === null) return null;
+  const price = event.policy.prices.get(model);
+  return price === undefined ? null : [event.policy.limitNanos, price.inputNanosPerMillionTokens];
+}
+
 void audit;
 void firstPage;
+void newLimit;
 `;
 
 // A lane that handles each kind of event: the switch covers every kind the

@@ -46,7 +46,7 @@ from ledger_client.errors import (
     Unauthenticated,
     UnknownModel,
 )
-from ledger_client.events import EventPage, LedgerEvent
+from ledger_client.events import EventPage, LanePolicy, LedgerEvent
 from ledger_client.journal import Journal, JournalEntry, JournalError, ReplayResult, Source
 from ledger_client.outage import OutageMode, OutagePolicy
 from ledger_client.outcomes import CallFailure, CallNotSent, Ending, Settlement, Usage, classify
@@ -95,6 +95,7 @@ __all__ = [
     "JournalError",
     "LaneClient",
     "LaneNotFound",
+    "LanePolicy",
     "LedgerError",
     "LedgerEvent",
     "LedgerInternal",

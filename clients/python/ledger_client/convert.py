@@ -16,9 +16,10 @@ from ledger_client.bookings import (
     ReserveArguments,
     Settled,
 )
-from ledger_client.events import LedgerEvent
+from ledger_client.events import LanePolicy, LedgerEvent
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.outcomes import Ending, Settlement
+from ledger_client.pricing import ModelPrice
 
 _DENIAL_REASONS = {
     pb.BUDGET_EXHAUSTED: DenialReason.BUDGET_EXHAUSTED,
@@ -174,8 +175,8 @@ def event(message: pb.Event) -> LedgerEvent:
         output_tokens=message.output_tokens,
         cached_input_tokens=message.cached_input_tokens,
         cache_write_tokens=message.cache_write_tokens,
-        billed_nanos=message.billed_nanos if message.HasField("billed_nanos") else None,
-        estimate_nanos=message.estimate_nanos if message.HasField("estimate_nanos") else None,
+        billed_nanos=_optional_int(message, "billed_nanos"),
+        estimate_nanos=_optional_int(message, "estimate_nanos"),
         hold_nanos=message.hold_nanos,
         cap_nanos=message.cap_nanos,
         reserved_at=optional_instant(message, "reserved_at"),
@@ -191,4 +192,40 @@ def event(message: pb.Event) -> LedgerEvent:
         grant_id=message.grant_id,
         hash=message.hash,
         previous_hash=message.previous_hash,
+        policy=lane_policy(message.policy) if message.HasField("policy") else None,
+    )
+
+
+def _optional_int(message: Any, field: str) -> int | None:
+    value: int = getattr(message, field)
+    return value if message.HasField(field) else None
+
+
+def model_price(message: pb.ModelPrice) -> ModelPrice:
+    return ModelPrice(
+        message.input_nanos_per_million_tokens,
+        message.output_nanos_per_million_tokens,
+        _optional_int(message, "cached_input_nanos_per_million_tokens"),
+        _optional_int(message, "cache_write_nanos_per_million_tokens"),
+    )
+
+
+def lane_policy(message: pb.Lane) -> LanePolicy:
+    # The ledger sends bytes per token as thousandths / 1000: round() gives
+    # back the integer it keeps.
+    milli = round(message.bytes_per_token * 1000) if message.HasField("bytes_per_token") else None
+    unset = message.expire_charge == pb.EXPIRE_CHARGE_UNSPECIFIED
+    return LanePolicy(
+        lane=message.lane,
+        limit_nanos=message.limit_nanos,
+        window=length(message.window),
+        hold_ttl=length(message.hold_ttl),
+        bytes_per_token_milli=milli,
+        overhead_tokens=_optional_int(message, "overhead_tokens"),
+        prices={model: model_price(price) for model, price in message.prices.items()},
+        expire_charge="" if unset else pb.ExpireCharge.Name(message.expire_charge),
+        version=message.version,
+        updated_at=instant(message.updated_at),
+        parent=message.parent,
+        max_charge_multiple=_optional_int(message, "max_charge_multiple"),
     )

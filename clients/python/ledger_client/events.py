@@ -12,13 +12,14 @@ import dataclasses
 import datetime
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from ledger_client.bookings import DenialReason, check_range
 from ledger_client.errors import LedgerError, from_rpc_error, is_retryable
+from ledger_client.pricing import ModelPrice
 from ledger_client.settings import MAX_PAGE_SIZE
 
 MAX_SEQ = 2**63 - 1
@@ -26,10 +27,35 @@ _Message = TypeVar("_Message")
 
 
 @dataclasses.dataclass(frozen=True)
+class LanePolicy:
+    """A lane's policy as a `lane_configured` event carries it (the proto's
+    Lane), with the defaults the ledger resolved. The optional settings are
+    None when the wire leaves them out, which the ledger never does."""
+
+    lane: str
+    limit_nanos: int
+    window: datetime.timedelta
+    hold_ttl: datetime.timedelta
+    # Bytes per token in thousandths (3.5 is 3500), as the ledger keeps it.
+    bytes_per_token_milli: int | None
+    overhead_tokens: int | None
+    # Left out of the hash (a dict has none); compared all the same.
+    prices: Mapping[str, ModelPrice] = dataclasses.field(hash=False)
+    # HOLD or ZERO: what an expired booking is charged; "" when unset.
+    expire_charge: str
+    # The seq of the lane_configured event that set this policy.
+    version: int
+    updated_at: datetime.datetime
+    # The parent budget (another lane), "" when none.
+    parent: str
+    # A SUCCEEDED charge above this multiple of the cap is refused; 0: no bound.
+    max_charge_multiple: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class LedgerEvent:
-    """One immutable fact of the lane's log (the proto's Event, less the new
-    policy of a `lane_configured` event). Amounts in integer nanos; instants
-    timezone-aware UTC, None where the event has none."""
+    """One immutable fact of the lane's log (the proto's Event). Amounts in
+    integer nanos; instants timezone-aware UTC, None where the event has none."""
 
     seq: int
     lane: str
@@ -70,6 +96,8 @@ class LedgerEvent:
     # Tamper evidence: this event's hash, chained to the lane's previous one.
     hash: str
     previous_hash: str
+    # For lane_configured: the lane's new policy; None for the other kinds.
+    policy: LanePolicy | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import pathlib
 import queue
 import re
@@ -20,6 +21,7 @@ from ledger_client import (
     LaneClient,
     LedgerEvent,
     LedgerUnavailable,
+    ModelPrice,
     PermissionDenied,
     TooManyWatchers,
     Usage,
@@ -134,6 +136,28 @@ def test_events_are_typed_as_the_ledger_recorded_them(
         10,
     )
     assert (ended.billed_nanos, ended.amount_nanos, ended.previous_hash) == (7, 7, event.hash)
+
+
+def test_a_lane_configured_event_carries_the_policy_the_ledger_resolved(
+    reader: LaneClient, lane: str
+) -> None:
+    # The lane fixture sets the limit, the hold_ttl and one price; the ledger
+    # fills in the rest with its defaults (docs/semantics.md).
+    (configured,) = reader.list_events(page_size=1).events
+    assert configured.kind == "lane_configured"
+    policy = configured.policy
+    assert policy is not None
+    assert (policy.lane, policy.limit_nanos, policy.version) == (lane, 1_000_000, configured.seq)
+    assert (policy.window, policy.hold_ttl) == (
+        datetime.timedelta(days=1),
+        datetime.timedelta(seconds=120),
+    )
+    assert (policy.bytes_per_token_milli, policy.overhead_tokens) == (3500, 0)
+    assert dict(policy.prices) == {"model-a": ModelPrice(1_000_000, 2_000_000)}
+    assert (policy.expire_charge, policy.parent, policy.max_charge_multiple) == ("HOLD", "", 100)
+    assert policy.updated_at == configured.occurred_at
+    _reserve(reader, 1)
+    assert [event.policy for event in reader.list_events(after_seq=configured.seq).events] == [None]
 
 
 def test_a_grant_without_read_is_refused_the_history(
