@@ -953,7 +953,7 @@ def test_a_follow_from_past_the_log_says_so(target: LedgerProcess, ledger: RunLe
         f"ledger: bad value for --after-seq (field after_seq): {2**62} is past the end "
         "of this ledger's log, whose last seq is "
     )
-    assert run.code == exits.EXIT_FAILED  # the server's refusal, as every other
+    assert run.code == exits.EXIT_BAD_VALUE  # a value to fix, as the CLI's own refusals
 
 
 def test_the_client_keepalive_pings_no_faster_than_the_server_accepts() -> None:
@@ -978,7 +978,18 @@ def test_a_missing_parent_says_to_create_it_first(target: LedgerProcess, ledger:
         "ledger: bad value for --parent (field lane.parent): there is no lane named 'judge': "
         "create the parent first, as a lane with its own limit\n"
     )
-    assert run.code == exits.EXIT_FAILED
+    assert run.code == exits.EXIT_BAD_VALUE
+
+
+def test_a_mistake_exits_alike_whether_the_cli_or_the_server_finds_it(
+    target: LedgerProcess, ledger: RunLedger
+) -> None:
+    # '--limit abc' was exit 2 (the CLI's parse) but '--limit $0' exit 1 (the
+    # server's INVALID_ARGUMENT): the same mistake, a value to fix, told apart.
+    local = ledger("lane", "put", "alike", "--limit", "abc", "--price", JEV_PRICE)
+    remote = ledger("lane", "put", "alike", "--limit", "$0", "--price", JEV_PRICE)
+    assert one_line_error(remote).startswith("ledger: bad value for --limit (field "), remote
+    assert local.code == remote.code == exits.EXIT_BAD_VALUE, (local, remote)
 
 
 @pytest.mark.parametrize(
@@ -1104,7 +1115,8 @@ def test_a_bad_value_names_the_option_the_server_refused(
     run = ledger(*command)
     error = one_line_error(run)
     assert error.startswith(f"ledger: bad value for {option} (field "), error
-    assert run.code == exits.EXIT_FAILED
+    # A value to fix, exit 2, whether the CLI or the server found it.
+    assert run.code == exits.EXIT_BAD_VALUE
 
 
 @pytest.mark.parametrize(

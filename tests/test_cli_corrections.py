@@ -310,7 +310,7 @@ def test_a_charge_above_the_max_charge_multiple_is_refused(
     assert reserve(ledger, "bounded-10", "b-1").code == 0
     refused = settle_real(ledger, "bounded-10", "b-1", "--billed", JAM_BILL)
     assert one_line_error(refused).startswith("ledger: bad value for --billed (field "), refused
-    assert refused.code == exits.EXIT_FAILED
+    assert refused.code == exits.EXIT_BAD_VALUE
     # Ten times the cap is still a charge the lane takes.
     assert settle_real(ledger, "bounded-10", "b-1", "--billed", f"{10 * CAP_NANOS}n").code == 0
 
@@ -340,7 +340,7 @@ def test_settle_prices_cached_and_cache_write_tokens(
         (
             ["--cached-input-tokens", "1801"],
             "ledger: bad value for --cached-input-tokens (field ",
-            exits.EXIT_FAILED,
+            exits.EXIT_BAD_VALUE,
         ),
         # Negative: refused by the CLI itself, exit 2, not sent for the server to refuse.
         (
@@ -478,9 +478,9 @@ def test_correct_refusals_are_one_line(target: LedgerProcess, ledger: RunLedger)
          "ledger: --charge: '-1n' is negative: an amount is 0 or more"),
         (["--charge", f"{2**62 + 1}n", "--reason", "x"], exits.EXIT_BAD_VALUE,
          f"ledger: --charge: '{2**62 + 1}n' is too large (at most {2**62}n)"),
-        (["--charge", "$0", "--reason", " "], exits.EXIT_FAILED,
+        (["--charge", "$0", "--reason", " "], exits.EXIT_BAD_VALUE,
          "ledger: bad value for --reason (field reason): "),
-        (["--charge", "$0", "--reason", "x", "--correction-id", "has space"], exits.EXIT_FAILED,
+        (["--charge", "$0", "--reason", "x", "--correction-id", "has space"], exits.EXIT_BAD_VALUE,
          "ledger: bad value for --correction-id (field correction_id): "),
     ],
 )  # fmt: skip

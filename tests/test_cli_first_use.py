@@ -438,7 +438,7 @@ def test_an_amount_out_of_range_shows_its_bounds_in_dollars(
     # '--limit $0' was told 'must be between 1 and 4611686018427387904': nanos,
     # for an option written in dollars. (One past the top is the CLI's to refuse.)
     refused = ledger("lane", "put", "huge", "--limit", "$0", "--price", JEV_PRICE)
-    assert refused.code == exits.EXIT_FAILED, refused.err
+    assert refused.code == exits.EXIT_BAD_VALUE, refused.err
     assert refused.err == (
         "ledger: bad value for --limit (field lane.limit_nanos): "
         "must be between $0.000000001 and $4611686018.427387904\n"

@@ -373,7 +373,9 @@ def explain(error: grpc.RpcError, session: Session) -> CliError:
             )
         # A refusal of the export file speaks of its columns, which are wire names.
         message = in_cli_words(message, fields=field != "content")
-        return CliError(f"bad value for {option} (field {field}): {message}")
+        # The same mistake exits alike whether the CLI or the server found it:
+        # a value to fix, which no retry mends.
+        return CliError(f"bad value for {option} (field {field}): {message}", EXIT_BAD_VALUE)
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return CliError(_unauthenticated(session, reason or code.name))
     hint = _WHAT_TO_DO.get(reason, "")

@@ -4,7 +4,9 @@ failure they tell the user about: a line on stderr, never a traceback."""
 from __future__ import annotations
 
 EXIT_FAILED = 1  # the server refused or failed the call
-EXIT_BAD_VALUE = 2  # a value on the command line is wrong (as argparse does), TLS settings included
+# A value on the command line is wrong (as argparse does), whether the CLI or the
+# server (INVALID_ARGUMENT) found it; TLS settings included.
+EXIT_BAD_VALUE = 2
 EXIT_UNREACHABLE = 3  # no answer from the server, or UNAVAILABLE: try again
 EXIT_DENIED = 4  # `reserve` was answered with a denial
 EXIT_INTERRUPTED = 130
