@@ -948,12 +948,22 @@ def test_a_follow_from_past_the_log_says_so(target: LedgerProcess, ledger: RunLe
     """A --after-seq from another ledger, or from before a restore, followed
     silently forever; the server now refuses it, and the line names the flag."""
     run = ledger("history", "--follow", "--after-seq", str(2**62))
-    assert run.out.startswith("SEQ ") and run.out.count("\n") == 1  # the header, no event
+    # The error alone: no header of a table that never comes above it.
+    assert run.out == ""
     assert run.err.startswith(
         f"ledger: bad value for --after-seq (field after_seq): {2**62} is past the end "
         "of this ledger's log, whose last seq is "
     )
     assert run.code == exits.EXIT_BAD_VALUE  # a value to fix, as the CLI's own refusals
+
+
+def test_a_refused_follow_prints_its_error_alone(target: LedgerProcess, ledger: RunLedger) -> None:
+    """A resumed follow the server refuses (here: no such lane) printed the
+    table's header, then the error; the header waits for the stream to be accepted."""
+    run = ledger("history", "nowhere", "--follow", "--after-seq", "0")
+    assert run.out == ""
+    assert one_line_error(run).startswith("ledger: lane 'nowhere' does not exist (LANE_NOT_FOUND)")
+    assert run.code == exits.EXIT_FAILED
 
 
 def test_the_client_keepalive_pings_no_faster_than_the_server_accepts() -> None:

@@ -133,6 +133,9 @@ class _Stream:
     def __iter__(self) -> Any:
         return iter(self.events)
 
+    def initial_metadata(self) -> tuple[()]:
+        return ()
+
     def cancel(self) -> None:
         pass
 

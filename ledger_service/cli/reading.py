@@ -139,13 +139,32 @@ def history(arguments: argparse.Namespace, session: Session) -> int:
         events, last_seq = recent_events(arguments, session, after_seq, limit)
     widths = _history_widths(events)
     columns = _history_columns(arguments)
-    if not arguments.json:
-        print(row_text([HISTORY_HEADER[i] for i in columns], [widths[i] for i in columns]))
+    header = _Header(
+        None
+        if arguments.json
+        else row_text([HISTORY_HEADER[i] for i in columns], [widths[i] for i in columns])
+    )
+    if not (arguments.follow and resumed):
+        header.show()
     for event in events:
         _print_event(arguments, event, widths, columns)
     if arguments.follow:
-        return follow(arguments, session, last_seq, widths, columns)
+        return follow(arguments, session, last_seq, widths, columns, header)
     return 0
+
+
+class _Header:
+    """The table's header, printed once. A resumed follow prints it only once
+    the server accepts the stream, so that a refused --after-seq prints its
+    error alone, not under a header of a table that never comes."""
+
+    def __init__(self, text: str | None) -> None:
+        self._text = text
+
+    def show(self) -> None:
+        if self._text is not None:
+            print(self._text, flush=True)
+            self._text = None
 
 
 def recent_events(
@@ -197,6 +216,7 @@ def follow(
     after_seq: int,
     widths: Sequence[int],
     columns: Sequence[int],
+    header: _Header,
 ) -> int:
     """Tails the log until Ctrl-C; the only loop that the user, not a limit, ends.
 
@@ -207,7 +227,7 @@ def follow(
     try:
         while True:
             try:
-                after_seq = _tail(arguments, session, after_seq, widths, columns)
+                after_seq = _tail(arguments, session, after_seq, widths, columns, header)
             except _Stopped as stopped:
                 after_seq = stopped.after_seq
             if said_at != after_seq:
@@ -224,6 +244,12 @@ class _Stopped(Exception):
     def __init__(self, after_seq: int) -> None:
         super().__init__(after_seq)
         self.after_seq = after_seq
+
+
+def _answered(stream: object) -> bool:
+    """Whether a stream whose headers came is still open, or ended OK: not refused."""
+    ended = isinstance(stream, grpc.Future) and stream.done()
+    return not ended or (isinstance(stream, grpc.Call) and stream.code() is grpc.StatusCode.OK)
 
 
 def _shutting_down(error: grpc.RpcError) -> bool:
@@ -275,8 +301,10 @@ def _tail(
     after_seq: int,
     widths: Sequence[int],
     columns: Sequence[int],
+    header: _Header,
 ) -> int:
-    """Prints the events of one stream; raises what ends it.
+    """Prints the events of one stream, under the header once the server
+    accepts it; raises what ends it.
 
     The stream is read in a thread of its own and printed here, so that the
     KeyboardInterrupt of a Ctrl-C is raised in this loop, never inside
@@ -285,14 +313,18 @@ def _tail(
     each event received is kept, shown or not, as where a reopened stream starts."""
     request = pb.WatchEventsRequest(lane=arguments.lane or "", after_seq=after_seq)
     stream = session.ledger.WatchEvents(request, metadata=session.metadata)
-    received: queue.Queue[pb.Event | grpc.RpcError | None] = queue.Queue(FOLLOW_QUEUE_EVENTS)
+    received: queue.Queue[pb.Event | Exception | bool | None] = queue.Queue(FOLLOW_QUEUE_EVENTS)
 
     def receive() -> None:
         try:
+            # The server sends its headers once it accepts the stream; a refused
+            # one ends with no headers of its own, and iterating raises its error.
+            stream.initial_metadata()
+            received.put(_answered(stream))
             for event in stream:
                 received.put(event)
             received.put(None)
-        except grpc.RpcError as error:
+        except Exception as error:  # raised below: a thread that died silently would hang here
             received.put(error)
 
     threading.Thread(target=receive, name="ledger-follow", daemon=True).start()
@@ -304,8 +336,12 @@ def _tail(
                 continue
             if item is None:
                 break
-            if isinstance(item, grpc.RpcError):
-                if _shutting_down(item):
+            if isinstance(item, bool):
+                if item:
+                    header.show()
+                continue
+            if isinstance(item, Exception):
+                if isinstance(item, grpc.RpcError) and _shutting_down(item):
                     raise _Stopped(after_seq) from item
                 raise item
             after_seq = item.seq
