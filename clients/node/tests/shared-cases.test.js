@@ -1,9 +1,9 @@
 'use strict';
 // The cases both clients run (clients/cases/*.json): the outcome table, the
 // error table, local pricing, the arguments refused before any call and the
-// client's settings and the usage read from a provider's body, against this
-// client's lib/outcomes.js, lib/errors.js, lib/pricing.js, lib/usage.js and
-// LaneClient. The Python client runs the same files in
+// client's settings, the usage read from a provider's body and the policy of a
+// lane_configured event, against this client's lib/outcomes.js, lib/errors.js,
+// lib/pricing.js, lib/usage.js, lib/wire.js and LaneClient. The Python client runs the same files in
 // clients/python/tests/test_client_shared_cases.py; the server's tests
 // (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the files
 // say what the server does.
@@ -16,6 +16,8 @@ const grpc = require('@grpc/grpc-js');
 const outcomes = require('../lib/outcomes');
 const errors = require('../lib/errors');
 const pricing = require('../lib/pricing');
+const wire = require('../lib/wire');
+const { ledgerPackage } = require('../lib/proto');
 
 const CASES_DIR = path.resolve(__dirname, '..', '..', 'cases');
 const load = (name) => JSON.parse(fs.readFileSync(path.join(CASES_DIR, name), 'utf8'));
@@ -24,6 +26,7 @@ const ERRORS = load('errors.json');
 const PRICING = load('pricing.json');
 const ARGUMENTS = load('arguments.json');
 const BYTES = load('bytes.json');
+const EVENTS = load('events.json');
 
 // --- outcomes ----------------------------------------------------------------
 
@@ -467,6 +470,43 @@ describe('usage cases', () => {
         cachedInputTokens: BigInt(expected.cached_input_tokens),
         cacheWriteTokens: BigInt(expected.cache_write_tokens),
       });
+    });
+  }
+});
+
+// --- events ------------------------------------------------------------------
+
+/** The case's policy, in this client's types and names. */
+function typedPolicy(policy) {
+  const optional = (value) => (value === null ? null : BigInt(value));
+  const priceOf = ({ input, output, cached_input: cached, cache_write: write }) => ({
+    inputNanosPerMillionTokens: BigInt(input),
+    outputNanosPerMillionTokens: BigInt(output),
+    cachedInputNanosPerMillionTokens: optional(cached),
+    cacheWriteNanosPerMillionTokens: optional(write),
+  });
+  return {
+    lane: policy.lane,
+    limitNanos: BigInt(policy.limit_nanos),
+    windowSeconds: policy.window_seconds,
+    holdTtlSeconds: policy.hold_ttl_seconds,
+    bytesPerTokenMilli: optional(policy.bytes_per_token_milli),
+    overheadTokens: optional(policy.overhead_tokens),
+    prices: new Map(Object.entries(policy.prices).map(([model, price]) => [model, priceOf(price)])),
+    expireCharge: policy.expire_charge,
+    version: BigInt(policy.version),
+    updatedAt: policy.updated_at_us === null ? null : new Date(Math.floor(policy.updated_at_us / 1000)),
+    parent: policy.parent,
+    maxChargeMultiple: optional(policy.max_charge_multiple),
+  };
+}
+
+describe('event cases', () => {
+  const Event = ledgerPackage().definition['ledger.v1.Event'];
+  for (const eventCase of EVENTS.cases) {
+    test(eventCase.why, () => {
+      const event = wire.eventOf(Event.deserialize(Event.serialize(eventCase.wire)));
+      assert.deepEqual(event.policy, eventCase.policy === null ? null : typedPolicy(eventCase.policy));
     });
   }
 });

@@ -218,14 +218,14 @@ def lane_policy(message: pb.Lane) -> LanePolicy:
     return LanePolicy(
         lane=message.lane,
         limit_nanos=message.limit_nanos,
-        window=length(message.window),
-        hold_ttl=length(message.hold_ttl),
+        window=length(message.window) if message.HasField("window") else None,
+        hold_ttl=length(message.hold_ttl) if message.HasField("hold_ttl") else None,
         bytes_per_token_milli=milli,
         overhead_tokens=_optional_int(message, "overhead_tokens"),
         prices={model: model_price(price) for model, price in message.prices.items()},
         expire_charge="" if unset else pb.ExpireCharge.Name(message.expire_charge),
         version=message.version,
-        updated_at=instant(message.updated_at),
+        updated_at=optional_instant(message, "updated_at"),
         parent=message.parent,
         max_charge_multiple=_optional_int(message, "max_charge_multiple"),
     )

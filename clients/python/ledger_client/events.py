@@ -29,13 +29,13 @@ _Message = TypeVar("_Message")
 @dataclasses.dataclass(frozen=True)
 class LanePolicy:
     """A lane's policy as a `lane_configured` event carries it (the proto's
-    Lane), with the defaults the ledger resolved. The optional settings are
-    None when the wire leaves them out, which the ledger never does."""
+    Lane), with the defaults the ledger resolved. A setting the wire leaves
+    out, which the ledger never does, is None (clients/cases/events.json)."""
 
     lane: str
     limit_nanos: int
-    window: datetime.timedelta
-    hold_ttl: datetime.timedelta
+    window: datetime.timedelta | None
+    hold_ttl: datetime.timedelta | None
     # Bytes per token in thousandths (3.5 is 3500), as the ledger keeps it.
     bytes_per_token_milli: int | None
     overhead_tokens: int | None
@@ -45,7 +45,7 @@ class LanePolicy:
     expire_charge: str
     # The seq of the lane_configured event that set this policy.
     version: int
-    updated_at: datetime.datetime
+    updated_at: datetime.datetime | None
     # The parent budget (another lane), "" when none.
     parent: str
     # A SUCCEEDED charge above this multiple of the cap is refused; 0: no bound.

@@ -5,11 +5,13 @@ tests (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the
 files say what the server does. arguments.json: what each client refuses
 itself, before any call; bytes.json: how a JSON request's bytes are counted;
 settings.json: the client settings' defaults and bounds, and shared constants;
-usage.json: how a provider's response body is read into the usage."""
+usage.json: how a provider's response body is read into the usage; events.json:
+how a lane_configured event's policy is typed."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib
 import json
 import pathlib
@@ -17,10 +19,12 @@ from typing import Any
 
 import grpc
 import pytest
-from ledger_client import ClientSettings, errors
+from ledger_client import ClientSettings, convert, errors
 from ledger_client.bookings import ReserveArguments
 from ledger_client.client import LaneClient
 from ledger_client.context import estimate_tokens, payload_bytes
+from ledger_client.events import LanePolicy
+from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.outage import OutagePolicy
 from ledger_client.outcomes import RULES, CallFailure, Settlement, rule_for
 from ledger_client.pricing import ModelPrice, cap_nanos, request_tokens
@@ -39,6 +43,7 @@ ERRORS = _load("errors.json")
 PRICING = _load("pricing.json")
 ARGUMENTS = _load("arguments.json")
 BYTES = _load("bytes.json")
+EVENTS = _load("events.json")
 
 
 # --- outcomes ---------------------------------------------------------------
@@ -465,3 +470,38 @@ def test_usage_case(case: dict[str, Any]) -> None:
         return
     assert usage is not None
     assert dataclasses.asdict(usage) == {**case["usage"], "billed_nanos": None}
+
+
+# --- events -----------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> datetime.timedelta | None:
+    return None if value is None else datetime.timedelta(seconds=value)
+
+
+def _typed_policy(case: dict[str, Any]) -> LanePolicy:
+    """The case's policy, in this client's types."""
+    epoch = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+    updated_at_us = case["updated_at_us"]
+    kept = ("lane", "limit_nanos", "bytes_per_token_milli", "overhead_tokens", "expire_charge")
+    return LanePolicy(
+        **{name: case[name] for name in (*kept, "version", "parent", "max_charge_multiple")},
+        window=_seconds(case["window_seconds"]),
+        hold_ttl=_seconds(case["hold_ttl_seconds"]),
+        prices={
+            model: ModelPrice(
+                price["input"], price["output"], price["cached_input"], price["cache_write"]
+            )
+            for model, price in case["prices"].items()
+        },
+        updated_at=None
+        if updated_at_us is None
+        else epoch + datetime.timedelta(microseconds=updated_at_us),
+    )
+
+
+@pytest.mark.parametrize("case", EVENTS["cases"], ids=lambda case: case["why"])
+def test_event_policy_case(case: dict[str, Any]) -> None:
+    event = convert.event(pb.Event(**case["wire"]))
+    expected = None if case["policy"] is None else _typed_policy(case["policy"])
+    assert event.policy == expected
