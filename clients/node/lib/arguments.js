@@ -11,6 +11,8 @@ const { randomUUID } = require('node:crypto');
 const { status: Status } = require('@grpc/grpc-js');
 const { InvalidArgument, TtlExceedsHoldTtl } = require('./errors');
 
+// The ledger's bounds of a call's arguments and usage: their one home in this
+// client (the journal and the outcome table check with them too).
 const MAX_NAME_LENGTH = 200;
 const MAX_REQUEST_BYTES = 2n ** 40n;
 const MAX_TOKENS = 10n ** 12n;
@@ -196,4 +198,4 @@ function newReservationId() {
   return randomUUID().replaceAll('-', '');
 }
 
-module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, NOT_PRINTABLE };
+module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, MAX_REQUEST_BYTES, MAX_TOKENS, MAX_AMOUNT_NANOS, MAX_TTL_US, NOT_PRINTABLE };

@@ -28,7 +28,14 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 const { randomBytes } = require('node:crypto');
-const { nameRefusal, reservationIdRefusal } = require('./arguments');
+const {
+  nameRefusal,
+  reservationIdRefusal,
+  MAX_REQUEST_BYTES,
+  MAX_TOKENS,
+  MAX_AMOUNT_NANOS,
+  MAX_TTL_US,
+} = require('./arguments');
 
 const FORMAT_VERSION = 1;
 // A journal is read whole at start-up; past this multiple of maxBytes it is not
@@ -42,12 +49,6 @@ const MAX_JOURNAL_BYTES = 1024 ** 3;
 const UNREADABLE_LOCK_GRACE_MS = 10_000;
 // Nesting a journal line never needs; deeper is not read (bounds the parser's stack).
 const MAX_JSON_DEPTH = 8;
-
-// The same bounds as the Python client's ReserveArguments (bookings.py).
-const MAX_REQUEST_BYTES = 2n ** 40n;
-const MAX_TOKENS = 10n ** 12n;
-const MAX_AMOUNT_NANOS = 2n ** 62n;
-const MAX_TTL_US = 7n * 86_400n * 1_000_000n;
 
 /** The journal cannot be used; a lane in outage then fails closed. */
 class JournalError extends Error {

@@ -6,7 +6,7 @@
 // moves".
 
 const wire = require('./wire');
-const { NOT_PRINTABLE } = require('./arguments');
+const { NOT_PRINTABLE, MAX_TOKENS, MAX_AMOUNT_NANOS } = require('./arguments');
 
 const Ending = Object.freeze({
   /** Settle SUCCEEDED with the usage: charged the real cost. */
@@ -79,9 +79,7 @@ function statusOf(value) {
 
 // The ledger's bounds of a usage, as the Python client's Usage holds them: a
 // count outside them is malformed (settled UNKNOWN, the error rethrown) rather
-// than sent, refused by the ledger, and left open to expire.
-const MAX_TOKENS = 10n ** 12n;
-const MAX_AMOUNT_NANOS = 2n ** 62n;
+// than sent, refused by the ledger, and left open to expire (MAX_TOKENS, MAX_AMOUNT_NANOS).
 const TOKEN_FIELDS = ['inputTokens', 'outputTokens', 'cachedInputTokens', 'cacheWriteTokens'];
 
 // Each count within the ledger's bounds; the cached and cache-write tokens are
