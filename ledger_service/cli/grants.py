@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ledger_service.cli.exits import EXIT_BAD_VALUE
 from ledger_service.domain.clock import MICROS_PER_SECOND, SystemClock
 from ledger_service.domain.grants import (
     ALL_LANES,
@@ -30,7 +31,6 @@ from ledger_service.settings import Settings
 from ledger_service.storage import keyring
 
 EXIT_REFUSED = 1  # inspect: the grant is not valid (or cannot be checked)
-EXIT_BAD_VALUE = 2
 SECONDS_PER_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 _DURATION = re.compile(r"([1-9][0-9]{0,9})([smhd])")
 
