@@ -813,7 +813,7 @@ export class BookingStillOpen extends FailedPrecondition {}
 export class ResourceExhausted extends Refusal {}
 export class TooManyWatchers extends ResourceExhausted {}
 export class TooManyReconciles extends ResourceExhausted {}
-/** This grant had its share of the server's calls running (max_calls_per_grant): slow down, send it again later. Not an outage. */
+/** This grant had its share of the server's calls running (max_calls_per_grant), or the server's calls were nearly all taken and it ran more than a few: slow down, send it again later. Not an outage. */
 export class TooManyCalls extends ResourceExhausted {}
 export class Unauthenticated extends Refusal {}
 export class PermissionDenied extends Refusal {}

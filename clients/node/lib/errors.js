@@ -86,8 +86,9 @@ class ResourceExhausted extends Refusal {
 class TooManyWatchers extends ResourceExhausted {}
 // Reconcile only: every turn stayed taken while it waited; nothing changed.
 class TooManyReconciles extends ResourceExhausted {}
-// The grant already had its share of the server's calls running (another
-// lane's flood does not count against it): slow down, send it again later.
+// The grant already had its share of the server's calls running, or the
+// server's calls were nearly all taken and it ran more than a few: slow down,
+// send it again later.
 class TooManyCalls extends ResourceExhausted {}
 class Unauthenticated extends Refusal {}
 class PermissionDenied extends Refusal {}

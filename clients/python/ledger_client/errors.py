@@ -145,9 +145,10 @@ class TooManyReconciles(LedgerError):
 
 class TooManyCalls(LedgerError):
     """This grant already had its share of the ledger's calls running
-    (the server's max_calls_per_grant): nothing was read or written; slow
-    down and send it again later. No outage: the ledger answers, and other
-    lanes are served."""
+    (the server's max_calls_per_grant), or the server's calls were nearly all
+    taken and this grant ran more than a few: nothing was read or written;
+    slow down and send it again later. No outage: the ledger answers, and
+    other lanes are served."""
 
 
 class TlsMismatch(LedgerError):
