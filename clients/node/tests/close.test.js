@@ -13,9 +13,31 @@ const path = require('node:path');
 const { LaneClient, ClientClosed, Completed, OutagePolicy, DEFAULT_CLOSE_GRACE_MS } = require('..');
 
 const REQUEST = Object.freeze({ model: 'm', requestBytes: 100, maxOutputTokens: 10 });
-const pause = (milliseconds) => new Promise((resolve) => setTimeout(resolve, milliseconds));
 
-async function admittingLedger({ lostReserves = 0, refundMs = 0 } = {}) {
+// The order of what the tests wait for is made by these, not by sleeps: a
+// loaded machine may run any step late. `opened` resolves once open() is called.
+function gate() {
+  let open;
+  const opened = new Promise((resolve) => {
+    open = resolve;
+  });
+  return { opened, open };
+}
+
+// Counts arrivals; `all` resolves at the `count`th.
+function arrivals(count) {
+  const all = gate();
+  let arrived = 0;
+  return {
+    arrive() {
+      arrived += 1;
+      if (arrived === count) all.open();
+    },
+    all: all.opened,
+  };
+}
+
+async function admittingLedger({ lostReserves = 0, refunded = Promise.resolve() } = {}) {
   let lost = lostReserves;
   const fake = await startFakeLedger({
     Reserve: () => {
@@ -27,7 +49,7 @@ async function admittingLedger({ lostReserves = 0, refundMs = 0 } = {}) {
     },
     Settle: () => ({ charged_nanos: '1234', state: 'SETTLED', balance: null }),
     Refund: async () => {
-      await pause(refundMs);
+      await refunded;
       return { balance: null };
     },
   });
@@ -38,10 +60,11 @@ test('close() while model calls run: each call is ended as its outcome says, the
   const fake = await admittingLedger();
   const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 2000 });
   try {
-    let running = 0;
+    const started = arrivals(3);
+    const modelsReturn = gate();
     const model = (report) => async () => {
-      running += 1;
-      await pause(150);
+      started.arrive();
+      await modelsReturn.opened;
       return report;
     };
     const calls = [
@@ -49,9 +72,10 @@ test('close() while model calls run: each call is ended as its outcome says, the
       client.call(REQUEST, model({ httpStatus: 200, usage: { inputTokens: 20, outputTokens: 5 } })),
       client.call(REQUEST, model({ httpStatus: 503 })),
     ];
-    for (let waited = 0; running < calls.length && waited < 200; waited += 1) await pause(5);
-    assert.equal(running, calls.length, "every model call started");
-    await client.close();
+    await started.all; // every model call runs, and returns only once close() has begun
+    const closing = client.close();
+    modelsReturn.open();
+    await closing;
     const [refused, succeeded, unknown] = await Promise.all(calls);
     for (const completed of [refused, succeeded, unknown]) {
       assert.ok(completed instanceof Completed);
@@ -80,12 +104,16 @@ test('close() while model calls run: each call is ended as its outcome says, the
 
 test('close() lets the background refund of an unanswered Reserve finish, as the Python client does', { timeout: 10_000 }, async () => {
   // Every attempt's answer is lost: the call's Reserve is sent again, then refunded.
-  const fake = await admittingLedger({ lostReserves: Infinity, refundMs: 100 });
+  const refundAnswers = gate();
+  const fake = await admittingLedger({ lostReserves: Infinity, refunded: refundAnswers.opened });
   const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 1000 });
   try {
     const denied = await client.call(REQUEST, () => assert.fail('run without an answer'));
     assert.equal(denied.reason, 'LEDGER_UNAVAILABLE');
-    await client.close();
+    // The refund is answered only once close() has begun: close() waits for it.
+    const closing = client.close();
+    refundAnswers.open();
+    await closing;
     const refund = fake.calls.find((call) => call.method === 'Refund');
     assert.ok(refund, 'the refund was sent');
     // Its answer came back before the channel closed: the refund is not cut off.
@@ -98,11 +126,12 @@ test('close() lets the background refund of an unanswered Reserve finish, as the
 });
 
 test('close() refuses new calls at once and lets a Reserve under way get its answer', { timeout: 10_000 }, async () => {
-  let reserves = 0;
+  const reserved = gate();
+  const reserveAnswers = gate();
   const fake = await startFakeLedger({
     Reserve: async () => {
-      reserves += 1;
-      await pause(200);
+      reserved.open();
+      await reserveAnswers.opened;
       return { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
     },
   });
@@ -110,9 +139,10 @@ test('close() refuses new calls at once and lets a Reserve under way get its ans
   try {
     assert.equal(DEFAULT_CLOSE_GRACE_MS, 5000);
     const underWay = client.reserve({ ...REQUEST, reservationId: 'r1' });
-    for (let waited = 0; reserves === 0 && waited < 200; waited += 1) await pause(5);
+    await reserved.opened; // at the ledger, answered only once close() has begun
     const closing = client.close();
     await assert.rejects(client.balance(), ClientClosed);
+    reserveAnswers.open();
     const answer = await underWay;
     assert.equal(answer.admitted, true, 'not cut off: its hold is known to the lane');
     await closing;
@@ -123,22 +153,28 @@ test('close() refuses new calls at once and lets a Reserve under way get its ans
 });
 
 test('close() cancels what is left once its grace is over: ClientClosed, may have applied', { timeout: 10_000 }, async () => {
+  // The Reserve is answered only after the test, and its deadline is the
+  // longest there is: only close() can end it, once its grace is over.
+  const reserved = gate();
+  const reserveAnswers = gate();
   const fake = await startFakeLedger({
     Reserve: async () => {
-      await pause(2000);
+      reserved.open();
+      await reserveAnswers.opened;
       return { decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' };
     },
   });
-  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 5000 });
+  const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { logger: null, deadlineMs: 60_000 });
   try {
     const underWay = client.reserve({ ...REQUEST, reservationId: 'r1' });
-    for (let waited = 0; fake.calls.length === 0 && waited < 200; waited += 1) await pause(5);
+    await reserved.opened;
     await client.close({ graceMs: 100 });
     await assert.rejects(underWay, (error) => error instanceof ClientClosed && error.mayHaveApplied === true);
     const other = new LaneClient('127.0.0.1:1', 'lane', { logger: null });
     assert.throws(() => other.close({ graceMs: -1 }), RangeError);
     await other.close();
   } finally {
+    reserveAnswers.open();
     await client.close();
     await fake.stop();
   }
@@ -173,15 +209,12 @@ test('every call() cut off by close() has its ending journaled, and a new client
   // close() closed the journal right after the channel: calls cut off at the
   // end of its grace could not journal their endings, and a cut-off Reserve
   // was not journaled in doubt at all; their holds stayed open until they expired.
-  let unstall;
-  const released = new Promise((resolve) => {
-    unstall = resolve;
-  });
-  let stalled = 0;
+  const unstalled = gate();
+  const stalled = arrivals(16);
   const stall = async (reservationId, prefix) => {
     if (!reservationId.startsWith(prefix)) return;
-    stalled += 1;
-    await released;
+    stalled.arrive();
+    await unstalled.opened;
   };
   const fake = await startFakeLedger({
     Reserve: async (request) => {
@@ -199,31 +232,31 @@ test('every call() cut off by close() has its ending journaled, and a new client
   const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', options);
   const ids = [];
   for (const group of ['stall-reserve', 'stall-settle', 'body']) for (let n = 0; n < 8; n += 1) ids.push(`${group}-${n}`);
-  let inBody = 0;
-  let leaveBody;
-  const bodyLeaves = new Promise((resolve) => {
-    leaveBody = resolve;
-  });
+  const inBody = arrivals(8);
+  const bodyLeaves = gate();
   const calls = ids.map((reservationId) =>
     client.call({ ...REQUEST, reservationId }, async () => {
       if (reservationId.startsWith('body')) {
-        inBody += 1;
-        await bodyLeaves;
+        inBody.arrive();
+        await bodyLeaves.opened;
       }
       return { httpStatus: 200, usage: { inputTokens: 20, outputTokens: 5 } };
     }),
   );
   const outcomes = Promise.allSettled(calls); // a cut-off Reserve rejects while close() runs
   try {
-    for (let waited = 0; (stalled < 16 || inBody < 8) && waited < 1000; waited += 1) await pause(5);
-    assert.equal(stalled, 16, 'the stalled Reserves and Settles arrived');
-    assert.equal(inBody, 8);
+    await stalled.all; // the stalled Reserves and Settles arrived
+    await inBody.all;
     // The callbacks return just after the grace, once the channel is closed.
-    setTimeout(leaveBody, 300);
+    const closeChannel = client._stub.close.bind(client._stub);
+    client._stub.close = () => {
+      closeChannel();
+      bodyLeaves.open();
+    };
     await client.close({ graceMs: 100 });
     const cutOff = (await outcomes).filter((outcome) => outcome.status === 'rejected');
     assert.ok(cutOff.every((outcome) => outcome.reason instanceof ClientClosed));
-    unstall();
+    unstalled.open();
     fake.calls.length = 0;
     const replaying = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', options);
     await replaying.replayJournal();
@@ -231,7 +264,7 @@ test('every call() cut off by close() has its ending journaled, and a new client
     const ended = new Set(fake.calls.filter((call) => call.method !== 'Reserve').map((call) => call.request.reservation_id));
     assert.deepEqual(ids.filter((id) => !ended.has(id)), [], 'holds left to expire');
   } finally {
-    unstall();
+    unstalled.open();
     await client.close();
     await fake.stop();
     fs.rmSync(directory, { recursive: true, force: true });
