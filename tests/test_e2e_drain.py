@@ -410,24 +410,32 @@ def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_l
                 f"m{index}".ljust(200, "x"): pb.ModelPrice(input_nanos_per_million_tokens=1)
                 for index in range(256)
             }
+            lanes = 20
             with grpc.insecure_channel(address) as channel:
                 admin = pb_grpc.LaneAdminStub(channel)
-                for index in range(20):  # about 58 KB an event
+                for index in range(lanes):  # about 58 KB an event
                     lane = pb.Lane(lane=f"big-{index}", limit_nanos=10**15, prices=prices)
                     admin.PutLane(pb.PutLaneRequest(lane=lane), timeout=10)
             stream = pb_grpc.LedgerStub(stuck).WatchEvents(pb.WatchEventsRequest(after_seq=0))
-            # Its first event came: the stream is sending its batch, every event,
-            # which a stop does not interrupt, and its send blocks on the full
-            # window, before or after the signal.
+            # Its first event came: the stream is sending its batch, every event
+            # (1.1 MB), which a stop does not interrupt. Its reader takes no
+            # other until the process has exited, so the batch cannot finish
+            # before the stop begins, nor before the grace limit: no timing
+            # decides the order, the full window does.
             next(stream)
             process.send_signal(signal.SIGTERM)
+            assert stderr.seen("received SIGTERM: draining"), stderr.lines
             assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
             stderr.join(timeout=15)
             assert any("1 calls cut off" in line for line in stderr.lines), stderr.lines
+            received = 1
             with pytest.raises(grpc.RpcError) as ended:
                 for _ in stream:
-                    pass
+                    received += 1
             assert ended.value.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            # Cut off in its batch: the stream never sent the rest, so its send
+            # was still blocked when the stop began and at the grace limit.
+            assert received < lanes, received
         finally:
             stuck.close()
 
