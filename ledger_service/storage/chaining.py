@@ -25,7 +25,7 @@ from sqlalchemy import Connection, bindparam, func, select, update
 
 from ledger_service.domain import chain
 from ledger_service.domain.errors import RecoveryRequired
-from ledger_service.storage.prepared import Prepared, Statements
+from ledger_service.storage.prepared import Carrier, Prepared, Statements
 from ledger_service.storage.schema import events, projection_position
 
 POSITION_ROW_ID = 1
@@ -53,7 +53,7 @@ _STATEMENTS = Statements(
 )
 
 
-def head_statement(connection: Connection) -> Prepared:
+def head_statement(connection: Carrier) -> Prepared:
     """lane_head's statement, for a caller that runs it among others."""
     return _STATEMENTS("head", connection)
 
@@ -78,7 +78,7 @@ def require_current(connection: Connection) -> None:
     check_state(_STATEMENTS("state", connection).one(connection, {}))
 
 
-def state_statement(connection: Connection) -> Prepared:
+def state_statement(connection: Carrier) -> Prepared:
     """The marker's state, for a caller that runs it among others (check_state)."""
     return _STATEMENTS("state", connection)
 

@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import PoolProxiedConnection
 
 from ledger_service.domain.errors import LedgerError
 from ledger_service.storage import translate
@@ -33,14 +35,52 @@ from ledger_service.storage.group_commit import GroupCommitter, Outcomes, Undone
 MAX_IDLE_LANES = 1024
 
 
+class Pooled:
+    """PostgreSQL: the pooled DBAPI connection a lane's batch of moves holds
+    (storage/sql.py's SqlStore._pooled). Its hot statements run on it through prepared.py; a
+    statement SQLAlchemy executes runs on `sqlalchemy`, a Connection made on it
+    when first needed (its transaction is the batch's, begun by whichever
+    statement comes first) and never closed: the batch's end gives the pooled
+    connection back."""
+
+    def __init__(self, engine: Engine, connection: PoolProxiedConnection) -> None:
+        self._engine = engine
+        self.connection = connection
+        self.dialect = engine.dialect
+        self._sqlalchemy: Connection | None = None
+
+    @property
+    def sqlalchemy(self) -> Connection:
+        if self._sqlalchemy is None:
+            self._sqlalchemy = Connection(self._engine, self.connection)
+        return self._sqlalchemy
+
+    def rollback(self) -> None:
+        self.connection.driver_connection.rollback()  # type: ignore[union-attr]
+
+    def roll_back_failed(self) -> None:
+        """After a failed batch: its transaction rolled back through SQLAlchemy,
+        as its own transaction was, so that a connection found lost takes the
+        pool's other connections with it (SQLAlchemy's rule; a backend
+        terminated is seldom alone) and the batch's retry gets a new one. The
+        batch's own error is the one raised."""
+        sqlalchemy = self.sqlalchemy
+        if sqlalchemy.invalidated:
+            return
+        with contextlib.suppress(DBAPIError):
+            if not sqlalchemy.in_transaction():
+                sqlalchemy.begin()
+            sqlalchemy.rollback()
+
+
 class LaneCommitter(GroupCommitter):
     """One lane's committer: GroupCommitter's queue and leaders, a
-    PostgreSQL transaction a batch from `session` (a watched connection)."""
+    PostgreSQL transaction a batch on `session`'s pooled connection (watched)."""
 
     def __init__(
         self,
-        session: Callable[[float], contextlib.AbstractContextManager[Connection]],
-        transaction: Callable[[Connection], Any],
+        session: Callable[[float], contextlib.AbstractContextManager[Pooled]],
+        transaction: Callable[[Pooled], Any],
         reconnecting: Callable[[Callable[[list[Any]], Any], float], Any],
         *,
         max_batch: int,
@@ -80,10 +120,10 @@ class LaneCommitter(GroupCommitter):
     ) -> Undone:
         def transact(started: list[Any]) -> Undone:
             outcomes.clear()  # a lost connection's run left nothing
-            with self._session(until) as connection, connection.begin() as transaction:
+            with self._session(until) as connection:
                 undone = self._run_moves(connection, batch, outcomes, started)
                 if undone is not None:
-                    transaction.rollback()
+                    connection.rollback()
             return undone
 
         # Every move is replayable: a batch whose connection died runs again.
@@ -91,7 +131,7 @@ class LaneCommitter(GroupCommitter):
 
     def _run_moves(
         self,
-        connection: Connection,
+        connection: Pooled,
         batch: list[_Move[Any]],
         outcomes: Outcomes,
         started: list[Any],

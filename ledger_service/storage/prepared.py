@@ -18,16 +18,28 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import Boolean, Connection, LargeBinary, Table, bindparam
+from sqlalchemy import Boolean, LargeBinary, Table, bindparam
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import ClauseElement, Select
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from ledger_service.storage import libpq
+
+
+class Carrier(Protocol):
+    """What a statement runs on: SQLAlchemy's Connection, or a PostgreSQL
+    move batch's pooled connection alone (storage/sql.py's Pooled)."""
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    @property
+    def connection(self) -> PoolProxiedConnection: ...
 
 
 class Prepared:
@@ -69,7 +81,7 @@ class Prepared:
         ordered = self._in_order(values)
         return ordered if len(self._names) > 1 else (ordered,)
 
-    def cursor(self, connection: Connection, values: Mapping[str, Any]) -> Any:
+    def cursor(self, connection: Carrier, values: Mapping[str, Any]) -> Any:
         """Runs the statement in the connection's transaction; returns the cursor."""
         if self._libpq is not None:
             return pipelined(connection, [(self, values)])[0]
@@ -85,14 +97,14 @@ class Prepared:
         """The driver's error as SQLAlchemy's, the SQL kept and the parameters hidden."""
         return DBAPIError.instance(self.sql, None, error, self._dbapi_error, hide_parameters=True)
 
-    def run(self, connection: Connection, values: Mapping[str, Any]) -> int:
+    def run(self, connection: Carrier, values: Mapping[str, Any]) -> int:
         """Runs a statement that returns no rows; returns the rows it changed."""
         cursor = self.cursor(connection, values)
         count = int(cursor.rowcount)
         cursor.close()
         return count
 
-    def run_many(self, connection: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+    def run_many(self, connection: Carrier, rows: Sequence[Mapping[str, Any]]) -> None:
         """Runs a statement that returns no rows once for each of `rows`."""
         cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
@@ -102,7 +114,7 @@ class Prepared:
         finally:
             cursor.close()
 
-    def one(self, connection: Connection, values: Mapping[str, Any]) -> Sequence[Any] | None:
+    def one(self, connection: Carrier, values: Mapping[str, Any]) -> Sequence[Any] | None:
         """The first row (a tuple), or None."""
         cursor = self.cursor(connection, values)
         try:
@@ -111,7 +123,7 @@ class Prepared:
             cursor.close()
         return row
 
-    def mapping(self, connection: Connection, values: Mapping[str, Any]) -> dict[str, Any] | None:
+    def mapping(self, connection: Carrier, values: Mapping[str, Any]) -> dict[str, Any] | None:
         """The first row as a dict by column name, or None."""
         cursor = self.cursor(connection, values)
         try:
@@ -127,7 +139,7 @@ class Prepared:
         names = self.names or [column[0] for column in cursor.description or ()]
         return dict(zip(names, row, strict=True))
 
-    def all(self, connection: Connection, values: Mapping[str, Any]) -> list[Sequence[Any]]:
+    def all(self, connection: Carrier, values: Mapping[str, Any]) -> list[Sequence[Any]]:
         cursor = self.cursor(connection, values)
         try:
             rows: list[Sequence[Any]] = cursor.fetchall()
@@ -180,7 +192,7 @@ class Statements:
         self._compiled: dict[tuple[str, str], Prepared] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, name: str, connection: Connection) -> Prepared:
+    def __call__(self, name: str, connection: Carrier) -> Prepared:
         dialect = connection.dialect
         key = (name, dialect.name)
         prepared = self._compiled.get(key)
@@ -198,7 +210,7 @@ class Statements:
 Call = tuple[Prepared, Mapping[str, Any]]
 
 
-def pipelined(connection: Connection, calls: Sequence[Call]) -> list[Any]:
+def pipelined(connection: Carrier, calls: Sequence[Call]) -> list[Any]:
     """PostgreSQL: runs `calls` in order in one round trip (storage/libpq.py)
     and returns their results, read, with a cursor's fetchone and fetchall.
     The server runs each statement after the one before it has finished, so a

@@ -60,7 +60,7 @@ from ledger_service.domain.window import Overdue, StoredSums, WindowState, Windo
 from ledger_service.storage import chaining, database, prepared, records, translate, watchdog
 from ledger_service.storage.group_commit import GroupCommitter
 from ledger_service.storage.horizon import APPEND_BEGINS, CommitHorizon, handed_seq
-from ledger_service.storage.lane_commit import LaneCommitter, LaneCommitters
+from ledger_service.storage.lane_commit import LaneCommitter, LaneCommitters, Pooled
 from ledger_service.storage.pool_shares import PoolShares
 from ledger_service.storage.schema import bookings, events, lanes, window_states
 from ledger_service.storage.writer import WriterState
@@ -160,7 +160,7 @@ class SqlStore:
             if self._sqlite
             else LaneCommitters(
                 lambda: LaneCommitter(
-                    lambda until: self._watched(until, write=True),
+                    self._pooled,
                     lambda connection: SqlTransaction(connection, False, horizon=self._horizon),
                     lambda transact, until: self._reconnecting(transact, False, until),
                     max_batch=max(1, group_commit_batch),
@@ -533,6 +533,37 @@ class SqlStore:
             if self._pool_shares is not None:
                 self._pool_shares.give_back(owner)
 
+    @contextmanager
+    def _pooled(self, deadline: float) -> Iterator[Pooled]:
+        """PostgreSQL: a pooled connection for a lane's batch of moves, under a
+        watch until `deadline` as _watched's, without SQLAlchemy's Connection
+        and transaction around it: the batch's statements go through libpq
+        (BEGIN with the first, COMMIT with the last), so those only cost CPU,
+        about 30 us a move under load (docs/benchmarks.md). A failed batch is
+        rolled back through SQLAlchemy (Pooled.roll_back_failed)."""
+        assert self._watchdog is not None, "SQLite is local: no watch"
+        owner = self._take_pool_share(deadline)
+        try:
+            with self._watchdog.watch(deadline) as watch:
+                connection = self._engines[True].raw_connection()
+                pooled = Pooled(self._engines[True], connection)
+                try:
+                    yield pooled
+                except BaseException:
+                    pooled.roll_back_failed()
+                    raise
+                finally:
+                    # Before the connection goes back: one the watch interrupted
+                    # is dropped. Invalidated (here, or by a statement that
+                    # found it lost), it is back in the pool already.
+                    if watch.disarm() and connection.is_valid:
+                        connection.invalidate()
+                    if connection.is_valid:
+                        connection.close()
+        finally:
+            if self._pool_shares is not None:
+                self._pool_shares.give_back(owner)
+
     def _take_pool_share(self, deadline: float) -> str:
         """One of the current grant's share of the pool, waited for until
         `deadline`; the grant to give it back for ("": none taken)."""
@@ -898,7 +929,7 @@ class SqlTransaction:
 
     def __init__(
         self,
-        connection: Connection,
+        connection: Connection | Pooled,
         is_sqlite: bool,
         *,
         horizon: CommitHorizon | None = None,
@@ -924,11 +955,18 @@ class SqlTransaction:
         self.wrote = False
 
     @property
-    def _connection(self) -> Connection:
-        """The connection, once the writes deferred ahead of any statement are sent."""
+    def _carrier(self) -> Connection | Pooled:
+        """What the hot statements run on, once the writes deferred ahead of
+        any statement are sent."""
         if self._deferred:
             self.flush()
         return self._raw
+
+    @property
+    def _connection(self) -> Connection:
+        """SQLAlchemy's Connection, once the writes deferred ahead of any statement are sent."""
+        raw = self._carrier
+        return raw if isinstance(raw, Connection) else raw.sqlalchemy
 
     def commit(self) -> None:
         """PostgreSQL: the deferred writes and the COMMIT, in one round trip.
@@ -958,7 +996,7 @@ class SqlTransaction:
             return policy
         if not self._sqlite:
             return self._lock_lane_and_read(lane, reservation_id, budgets)
-        row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
+        row = _HOT("lane", self._raw).mapping(self._carrier, {"lane": lane})
         if row is None:
             return None
         policy = self._memo.lanes[lane] = records.lane_from_row(row)
@@ -968,7 +1006,7 @@ class SqlTransaction:
         if self._sqlite:
             return  # one writer at a time already
         calls = [*self._maintenance_calls(), (_HOT("configuration_lock", self._raw), {})]
-        for cursor in self._took_maintenance(prepared.pipelined(self._connection, calls)):
+        for cursor in self._took_maintenance(prepared.pipelined(self._carrier, calls)):
             cursor.close()
 
     def _maintenance_calls(self) -> list[prepared.Call]:
@@ -1014,7 +1052,7 @@ class SqlTransaction:
         if take_seq:
             reads.append((_HOT("next_seq", self._raw), keys))
         cursors = self._took_maintenance(
-            prepared.pipelined(self._connection, [*self._maintenance_calls(), *reads])
+            prepared.pipelined(self._carrier, [*self._maintenance_calls(), *reads])
         )
         locked = [records.lane_from_row(row) for row in _mappings(reads[0], cursors[0])]
         windows = {row["lane"]: _window_state_of(row) for row in _mappings(reads[1], cursors[1])}
@@ -1045,7 +1083,7 @@ class SqlTransaction:
         return locked[0]
 
     def get_lane(self, lane: str) -> LanePolicy | None:
-        row = _HOT("lane", self._connection).mapping(self._connection, {"lane": lane})
+        row = _HOT("lane", self._raw).mapping(self._carrier, {"lane": lane})
         return records.lane_from_row(row) if row is not None else None
 
     def list_lanes(self, after_lane: str, limit: int) -> Sequence[LanePolicy]:
@@ -1056,7 +1094,7 @@ class SqlTransaction:
 
     def save_lane(self, policy: LanePolicy) -> None:
         self.wrote = True
-        _HOT("save_lane", self._connection).run(self._connection, records.lane_values(policy))
+        _HOT("save_lane", self._raw).run(self._carrier, records.lane_values(policy))
         self._memo.lanes[policy.lane] = policy
         self._memo.members.clear()
 
@@ -1066,8 +1104,8 @@ class SqlTransaction:
         key = (lane, reservation_id)
         if key in self._prefetched_bookings:
             return self._prefetched_bookings.pop(key)
-        row = _HOT("booking", self._connection).mapping(
-            self._connection, {"lane": lane, "reservation_id": reservation_id}
+        row = _HOT("booking", self._raw).mapping(
+            self._carrier, {"lane": lane, "reservation_id": reservation_id}
         )
         return records.booking_from_row(row) if row is not None else None
 
@@ -1075,7 +1113,7 @@ class SqlTransaction:
         values = records.booking_values(booking)
         self._prefetched_bookings.pop((booking.lane, booking.reservation_id), None)
         if self._sqlite:
-            _HOT("save_booking", self._connection).run(self._connection, values)
+            _HOT("save_booking", self._raw).run(self._carrier, values)
         else:
             self._defer("save_booking", values)
 
@@ -1083,8 +1121,8 @@ class SqlTransaction:
         return policies.subtree(lane, self._children_of, max_depth)
 
     def _children_of(self, parent: str) -> list[str]:
-        children = _HOT("children", self._connection)
-        return [name for (name,) in children.all(self._connection, {"parent": parent})]
+        children = _HOT("children", self._raw)
+        return [name for (name,) in children.all(self._carrier, {"parent": parent})]
 
     def _budget_lanes(self, lane: str) -> list[str]:
         # A budget's members do not change inside a move (PutLane drops its kept
@@ -1112,7 +1150,7 @@ class SqlTransaction:
         if lane in self._prefetched_windows:
             state = self._prefetched_windows.pop(lane)
         else:
-            row = _HOT("window_state", self._connection).mapping(self._connection, {"lane": lane})
+            row = _HOT("window_state", self._raw).mapping(self._carrier, {"lane": lane})
             state = _window_state_of(row) if row is not None else None
         if state is not None:
             self._memo.windows[lane] = state
@@ -1136,7 +1174,7 @@ class SqlTransaction:
             rows = [self._edges_row(query) for query in queries]
         else:  # every budget's edges in one round trip
             calls = [self._edges_call(query) for query in queries]
-            rows = [cursor.fetchone() for cursor in prepared.pipelined(self._connection, calls)]
+            rows = [cursor.fetchone() for cursor in prepared.pipelined(self._carrier, calls)]
         return [_edges_of(row) for row in rows]
 
     def _edges_call(self, query: EdgeQuery) -> prepared.Call:
@@ -1152,7 +1190,7 @@ class SqlTransaction:
         members = self._budget_lanes(query.lane)
         if len(members) == 1:
             values = {"lane": query.lane, **_edge_bounds(query)}
-            row = _HOT("window_edges", self._connection).one(self._connection, values)
+            row = _HOT("window_edges", self._raw).one(self._carrier, values)
         else:
             values = {"members": members, **_edge_bounds(query)}
             row = self._connection.execute(_WINDOW_EDGES, values).one()
@@ -1216,7 +1254,7 @@ class SqlTransaction:
             self._defer("insert_event_at", {**values, "seq": seq})
         else:
             self.wrote = True
-            row = _HOT("insert_event", self._connection).one(self._connection, values)
+            row = _HOT("insert_event", self._raw).one(self._carrier, values)
             assert row is not None
             seq = int(row[0])
         # SQLite advances the marker (PostgreSQL read it behind the maintenance lock).
@@ -1237,17 +1275,17 @@ class SqlTransaction:
             calls.append((_HOT("chain_lock", self._raw), {"lane": lane}))
             self._memo.heads.pop(lane, None)  # read again behind the lock
         if calls:
-            for cursor in self._took_maintenance(prepared.pipelined(self._connection, calls)):
+            for cursor in self._took_maintenance(prepared.pipelined(self._carrier, calls)):
                 cursor.close()
         self._chained.add(lane)
 
     def get_event(self, seq: int) -> Event | None:
-        row = _HOT("event", self._connection).mapping(self._connection, {"seq": seq})
+        row = _HOT("event", self._raw).mapping(self._carrier, {"seq": seq})
         return records.event_from_row(row) if row is not None else None
 
     def get_correction(self, lane: str, correction_id: str) -> Event | None:
-        row = _HOT("correction", self._connection).mapping(
-            self._connection, {"lane": lane, "correction_id": correction_id}
+        row = _HOT("correction", self._raw).mapping(
+            self._carrier, {"lane": lane, "correction_id": correction_id}
         )
         return records.event_from_row(row) if row is not None else None
 
@@ -1273,9 +1311,7 @@ class SqlTransaction:
     def last_seq(self) -> int:
         if self._horizon is not None:  # the last event at or below the horizon
             horizon = self._horizon.advance(self._connection)
-            row = _HOT("visible_last_seq", self._connection).one(
-                self._connection, {"horizon": horizon}
-            )
+            row = _HOT("visible_last_seq", self._raw).one(self._carrier, {"horizon": horizon})
             return int(row[0]) if row is not None else 0
         return self._highest_seq()
 

@@ -207,3 +207,36 @@ def test_a_queued_move_whose_deadline_passes_holds_no_connection_and_is_never_wr
         sa.text("SELECT count(*) FROM events WHERE reservation_id = 'short'")
     ).scalar_one()
     assert found == 0
+
+
+def test_a_batch_of_moves_opens_no_sqlalchemy_connection(
+    ledger: Ledger, postgres_store: SqlStore
+) -> None:
+    """A batch holds a pooled connection alone: SQLAlchemy's Connection and
+    transaction around it cost a move 30-40 us of CPU for nothing its
+    statements, sent through libpq, use (docs/benchmarks.md). (A server's
+    moves do not check their windows against a full sum, which SQLAlchemy
+    runs: the fixture's ledger does.)"""
+    ledger = Ledger(postgres_store, ManualClock(START_US))
+    opened: list[sa.Connection] = []
+
+    def on_connect(connection: sa.Connection) -> None:
+        opened.append(connection)
+
+    sa.event.listen(postgres_store.engine, "engine_connect", on_connect)
+    try:
+        for number in range(3):
+            assert _reserve(ledger, f"r-{number}")().admitted  # type: ignore[attr-defined]
+            ledger.settle(
+                SettleCommand(
+                    RECALL.lane,
+                    f"r-{number}",
+                    Outcome.SUCCEEDED,
+                    input_tokens=100,
+                    output_tokens=50,
+                    http_status=200,
+                )
+            )
+    finally:
+        sa.event.remove(postgres_store.engine, "engine_connect", on_connect)
+    assert opened == []
