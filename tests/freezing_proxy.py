@@ -37,7 +37,8 @@ class FreezingProxy:
         self._thawed.set()
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._thawed.set()
         self._listener.close()
         with self._lock:
@@ -64,6 +65,10 @@ class FreezingProxy:
             return
         server.settimeout(None)
         with self._lock:
+            if self._closed:  # close() ran meanwhile: it will not close these
+                client.close()
+                server.close()
+                return
             self._sockets += [client, server]
         for source, target in ((client, server), (server, client)):
             threading.Thread(target=self._pump, args=(source, target), daemon=True).start()
