@@ -518,48 +518,47 @@ class SqlStore:
         """A PostgreSQL connection under a watch until `deadline`, checkout
         included (the pool's wait, the handshake and the ping); `write`: a
         move's (ledger_write, which the error handling reads)."""
-        assert self._watchdog is not None, "SQLite is local: no watch"
-        engine = self._engines[write]
-        owner = self._take_pool_share(deadline)
-        try:
-            with self._watchdog.watch(deadline) as watch, engine.connect() as connection:
-                try:
-                    yield connection
-                finally:
-                    # Before the connection goes back: one the watch interrupted is dropped.
-                    if watch.disarm():
-                        connection.invalidate()
-        finally:
-            if self._pool_shares is not None:
-                self._pool_shares.give_back(owner)
+        with self._shared_watch(deadline) as watch, self._engines[write].connect() as connection:
+            try:
+                yield connection
+            finally:
+                # Before the connection goes back: one the watch interrupted is dropped.
+                if watch.disarm():
+                    connection.invalidate()
 
     @contextmanager
     def _pooled(self, deadline: float) -> Iterator[Pooled]:
-        """PostgreSQL: a pooled connection for a lane's batch of moves, under a
-        watch until `deadline` as _watched's, without SQLAlchemy's Connection
-        and transaction around it: the batch's statements go through libpq
-        (BEGIN with the first, COMMIT with the last), so those only cost CPU,
-        about 30 us a move under load (docs/benchmarks.md). A failed batch is
-        rolled back through SQLAlchemy (Pooled.roll_back_failed)."""
+        """PostgreSQL: a pooled connection for a lane's batch of moves, watched
+        as _watched's, without SQLAlchemy's Connection and transaction around
+        it: the batch's statements go through libpq (BEGIN with the first,
+        COMMIT with the last), and those only cost CPU (docs/benchmarks.md). A
+        failed batch is rolled back through SQLAlchemy (Pooled.roll_back_failed)."""
+        with self._shared_watch(deadline) as watch:
+            connection = self._engines[True].raw_connection()
+            pooled = Pooled(self._engines[True], connection)
+            try:
+                yield pooled
+            except BaseException:
+                pooled.roll_back_failed()
+                raise
+            finally:
+                # Before the connection goes back: one the watch interrupted
+                # is dropped. Invalidated (here, or by a statement that
+                # found it lost), it is back in the pool already.
+                if watch.disarm() and connection.is_valid:
+                    connection.invalidate()
+                if connection.is_valid:
+                    connection.close()
+
+    @contextmanager
+    def _shared_watch(self, deadline: float) -> Iterator[watchdog.Watch]:
+        """One of the grant's share of the pool, and a watch until `deadline`
+        around what is done with the connection taken under it."""
         assert self._watchdog is not None, "SQLite is local: no watch"
         owner = self._take_pool_share(deadline)
         try:
             with self._watchdog.watch(deadline) as watch:
-                connection = self._engines[True].raw_connection()
-                pooled = Pooled(self._engines[True], connection)
-                try:
-                    yield pooled
-                except BaseException:
-                    pooled.roll_back_failed()
-                    raise
-                finally:
-                    # Before the connection goes back: one the watch interrupted
-                    # is dropped. Invalidated (here, or by a statement that
-                    # found it lost), it is back in the pool already.
-                    if watch.disarm() and connection.is_valid:
-                        connection.invalidate()
-                    if connection.is_valid:
-                        connection.close()
+                yield watch
         finally:
             if self._pool_shares is not None:
                 self._pool_shares.give_back(owner)
