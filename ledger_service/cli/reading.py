@@ -56,8 +56,13 @@ HISTORY_HEADER = (
     "TRACE",
 )
 
-# Minimum widths, so that rows printed later by --follow stay in their columns.
+# Minimum widths of a listed page; each column widens to its longest cell.
 HISTORY_WIDTHS = (5, 24, 8, 15, 12, 12, 12, 14, TRACE_ID_CHARACTERS)
+# --follow prints rows that arrive after its header, so its minimums hold what
+# most rows do: lane names such as 'incoming-filter', the lane clients'
+# reservation ids (32 hex digits), amounts up to $999, and the longest usual
+# outcome ('succeeded http 200', 'hold exceeds limit').
+FOLLOW_HISTORY_WIDTHS = (5, 24, 16, 15, 32, 14, 14, 18, TRACE_ID_CHARACTERS)
 
 
 def balance_lines(balance: pb.Balance) -> list[str]:
@@ -137,7 +142,7 @@ def history(arguments: argparse.Namespace, session: Session) -> int:
         # An unknown lane fails here, NOT_FOUND from ListEvents itself: a read
         # grant (or a server awaiting recovery) must not need the admin's GetLane.
         events, last_seq = recent_events(arguments, session, after_seq, limit)
-    widths = _history_widths(events)
+    widths = _history_widths(events, FOLLOW_HISTORY_WIDTHS if arguments.follow else HISTORY_WIDTHS)
     columns = _history_columns(arguments)
     header = _Header(
         None
@@ -358,11 +363,9 @@ def _history_columns(arguments: argparse.Namespace) -> list[int]:
     return [i for i, name in enumerate(HISTORY_HEADER) if name != "LANE" or not arguments.lane]
 
 
-def _history_widths(events: Sequence[pb.Event]) -> list[int]:
+def _history_widths(events: Sequence[pb.Event], minimums: Sequence[int]) -> list[int]:
     rows = [HISTORY_HEADER, *(event_row(event) for event in events)]
-    return [
-        max(minimum, *(len(row[i]) for row in rows)) for i, minimum in enumerate(HISTORY_WIDTHS)
-    ]
+    return [max(minimum, *(len(row[i]) for row in rows)) for i, minimum in enumerate(minimums)]
 
 
 def _print_event(
