@@ -43,3 +43,11 @@ def test_an_instant_in_range_is_verified(data_dir: pathlib.Path) -> None:
     done = _ledger(data_dir, "verify", "--at-us=1800000000000000")
     assert done.returncode == 0, done.stderr
     assert "2027-01-15" in done.stdout, done.stdout
+
+
+def test_the_first_instant_is_named_as_an_instant(data_dir: pathlib.Path) -> None:
+    """0 is the first instant `--at-us` takes, not an unset one: its summary
+    said `window totals at -`."""
+    done = _ledger(data_dir, "verify", "--at-us=0")
+    assert done.returncode == 0, done.stderr
+    assert "window totals at 1970-01-01T00:00:00.000Z" in done.stdout, done.stdout

@@ -44,8 +44,12 @@ def time_text(value: timestamp_pb2.Timestamp) -> str:
     """UTC ISO 8601 to the millisecond, or '-' when unset."""
     if value.seconds == 0 and value.nanos == 0:
         return "-"
-    instant = datetime.datetime.fromtimestamp(value.seconds, tz=datetime.UTC)
-    return f"{instant:%Y-%m-%dT%H:%M:%S}.{value.nanos // 1_000_000:03d}Z"
+    return _instant_text(value.seconds, value.nanos)
+
+
+def _instant_text(seconds: int, nanos: int) -> str:
+    instant = datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC)
+    return f"{instant:%Y-%m-%dT%H:%M:%S}.{nanos // 1_000_000:03d}Z"
 
 
 def not_before_text(value: timestamp_pb2.Timestamp) -> str:
@@ -57,9 +61,10 @@ def not_before_text(value: timestamp_pb2.Timestamp) -> str:
 
 
 def micros_time_text(at_us: int) -> str:
-    """An instant in microseconds since the epoch, as time_text shows it."""
+    """An instant in microseconds since the epoch, as time_text shows it. It is
+    always one (verify's --at-us takes 0), so 0 is 1970-01-01, never '-'."""
     seconds, rest_us = divmod(at_us, 10**6)
-    return time_text(timestamp_pb2.Timestamp(seconds=seconds, nanos=rest_us * 1000))
+    return _instant_text(seconds, rest_us * 1000)
 
 
 def enum_name(enum: Any, number: int) -> str:
