@@ -304,17 +304,20 @@ class TracingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             started_ns = time.perf_counter_ns()
             method, span, record, call_context = self._start(full_name, context)
             token = otel_context.attach(call_context)
-            code = grpc.StatusCode.UNKNOWN
+            answered = grpc.StatusCode.UNKNOWN  # the code unless the handler set one
             try:
                 response = behaviour(request, context)
-                code = status_code_of(context, grpc.StatusCode.OK)
+                answered = grpc.StatusCode.OK
                 return response
-            except BaseException:
-                code = status_code_of(context, grpc.StatusCode.UNKNOWN)
-                raise
             finally:
                 otel_context.detach(token)
-                self._finish(method, span, record, code, started_ns, context)
+                if record is None:
+                    # Nothing records the span nor measures the call: nobody
+                    # reads its status code.
+                    span.end()
+                else:
+                    code = status_code_of(context, answered)
+                    self._finish(method, span, record, code, started_ns, context)
 
         return traced
 

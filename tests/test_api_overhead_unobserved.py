@@ -1,0 +1,47 @@
+"""What a call pays for when nothing reads what the tracing would gather (no
+span recorded, no metric): the server gathers none of it, and composes no
+wrapper that has no work to do. Every job stays: the span and its trace id,
+the grant's share where there are grants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+from ledger_service.api import tracing
+
+RESERVE = "/ledger.v1.Ledger/Reserve"
+
+
+class _Context:
+    """A call's context that counts how often its status code is read."""
+
+    def __init__(self) -> None:
+        self.code_reads = 0
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5"
+
+    def code(self) -> None:
+        self.code_reads += 1
+        return None
+
+
+def test_a_call_nothing_records_reads_no_status_code_yet_has_a_trace_id() -> None:
+    tracer = TracerProvider(sampler=ALWAYS_OFF).get_tracer("test")
+    outer = tracing.TracingInterceptor(tracer)  # and no metrics
+    trace_ids: list[int] = []
+
+    def handler(request: Any, context: Any) -> str:
+        trace_ids.append(tracing.trace.get_current_span().get_span_context().trace_id)
+        return "answer"
+
+    context = _Context()
+    assert outer._traced_unary(handler, RESERVE)(None, context) == "answer"
+    assert context.code_reads == 0
+    assert trace_ids and trace_ids[0] != 0
