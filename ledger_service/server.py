@@ -270,7 +270,7 @@ class LedgerServer:
         # Never read back: a system clock stepped back must not revive an expired grant.
         self._auth = AuthInterceptor(self.keyring, SteadyClock(SystemClock()))
         self._tracing, self._messages = tracing.interceptors(
-            self.telemetry.tracer, self.telemetry.meter
+            self.telemetry.tracer, self.telemetry.meter, records_spans=self.telemetry.records_spans
         )
         self._drain = Drain()
         self.call_shares = CallShares(

@@ -98,6 +98,9 @@ class Telemetry:
     description: str = "traces: none; metrics: none"
     # Stops what serves a scrape (Prometheus), at shutdown.
     closers: tuple[Callable[[], None], ...] = ()
+    # False when the tracer records no span (nothing would read one): then
+    # what a span would carry is never gathered (api/tracing.py).
+    records_spans: bool = True
 
     @property
     def tracer(self) -> trace.Tracer:
@@ -425,4 +428,6 @@ def configure_telemetry(
     description = (
         f"traces: {', '.join(traces) or 'none'}; metrics: {', '.join(metric_names) or 'none'}"
     )
-    return Telemetry(tracer_provider, meter_provider, description, tuple(closers))
+    return Telemetry(
+        tracer_provider, meter_provider, description, tuple(closers), records_spans=bool(processors)
+    )

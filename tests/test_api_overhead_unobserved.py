@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from ledger_service.api import tracing
+from ledger_service.telemetry import configure_telemetry
 
 RESERVE = "/ledger.v1.Ledger/Reserve"
 
@@ -45,3 +48,18 @@ def test_a_call_nothing_records_reads_no_status_code_yet_has_a_trace_id() -> Non
     assert outer._traced_unary(handler, RESERVE)(None, context) == "answer"
     assert context.code_reads == 0
     assert trace_ids and trace_ids[0] != 0
+
+
+def test_the_innermost_interceptor_wraps_nothing_when_nothing_is_observed() -> None:
+    tracer = TracerProvider(sampler=ALWAYS_OFF).get_tracer("test")
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    details: Any = type("Details", (), {"method": RESERVE, "invocation_metadata": ()})()
+    _, unobserved = tracing.interceptors(tracer, None, records_spans=False)
+    _, observed = tracing.interceptors(tracer, None)
+    assert unobserved.intercept_service(lambda _: handler, details) is handler
+    assert observed.intercept_service(lambda _: handler, details) is not handler
+
+
+def test_telemetry_says_whether_spans_are_recorded() -> None:
+    assert not configure_telemetry({}).records_spans
+    assert configure_telemetry({}, span_exporter=InMemorySpanExporter()).records_spans

@@ -21,7 +21,8 @@ call is traced with the status code the caller got.
 Cost: with no exporter the tracer samples nothing (spans are non-recording but
 still carry trace ids) and there is no meter, so a call pays for a traceparent
 parse (only when one came in), two random ids, a non-recording span and the
-OpenTelemetry context's attach and detach, and builds no attributes at all.
+OpenTelemetry context's attach and detach, and builds no attributes at all;
+it reads no status code, and the innermost interceptor wraps nothing.
 Both interceptors read everything that varies from call to call (the metadata,
 the peer) inside the wrapped behaviour, never while choosing the handler, so
 one wrapper serves every call of a method (`pipeline.MethodPipeline` builds it
@@ -383,10 +384,13 @@ class MessageInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     request and the response on the call's record, when the call has one.
 
     Its handlers are the servicers' own, the same for every call of a method, so
-    each is wrapped once (one per registered method: bounded).
+    each is wrapped once (one per registered method: bounded). With `observing`
+    False (no span is ever recorded, no metric read: no call has a record) it
+    wraps nothing, and a call pays for no look for a record.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, observing: bool = True) -> None:
+        self._observing = observing
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
 
     def intercept_service(
@@ -396,7 +400,7 @@ class MessageInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     ) -> Handler | None:
         handler = continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(UNTRACED_SERVICES):
+        if handler is None or not self._observing or method.startswith(UNTRACED_SERVICES):
             return handler
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
@@ -565,8 +569,10 @@ def _peer_attributes(peer: str) -> dict[str, AttributeValue]:
 
 
 def interceptors(
-    tracer: trace.Tracer, meter: metrics.Meter | None
+    tracer: trace.Tracer, meter: metrics.Meter | None, *, records_spans: bool = True
 ) -> tuple[TracingInterceptor, MessageInterceptor]:
-    """The outermost and the innermost interceptor of a server, in that order."""
+    """The outermost and the innermost interceptor of a server, in that order.
+    `records_spans` False: the tracer records no span (Telemetry.records_spans)."""
     rpc_metrics = RpcMetrics(meter) if meter is not None else None
-    return TracingInterceptor(tracer, rpc_metrics), MessageInterceptor()
+    observing = records_spans or rpc_metrics is not None
+    return TracingInterceptor(tracer, rpc_metrics), MessageInterceptor(observing)
