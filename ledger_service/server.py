@@ -298,8 +298,6 @@ class LedgerServer:
             # The caller's deadline bounds the store's work (storage/watchdog.py).
             CallDeadlineInterceptor(),
             *self._auth_interceptors(),
-            # Where the grant is known, before any store work (api/shares.py).
-            GrantShareInterceptor(self.call_shares),
             RecoveryGateInterceptor(self._ready_for_moves, self.guard.required),
             self._messages,
         ]
@@ -344,8 +342,12 @@ class LedgerServer:
         return self._keyring_file.keyring
 
     def _auth_interceptors(self) -> list[grpc.ServerInterceptor[Any, Any]]:
-        # Grant expiry follows the real clock even when the ledger runs on a test clock.
-        return [self._auth] if self.settings.auth_enabled else []
+        """The grant check, and after it, where the grant is known and before
+        any store work, each grant's share of the calls (api/shares.py).
+        Without grants there is no share to hold a call to: neither is composed."""
+        if not self.settings.auth_enabled:
+            return []
+        return [self._auth, GrantShareInterceptor(self.call_shares)]
 
     def _reload_keyring(self) -> None:
         """A rotated or retired key takes effect here within a health interval;

@@ -5,6 +5,7 @@ the grant's share where there are grants."""
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import grpc
@@ -13,7 +14,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from ledger_service.api import tracing
+from ledger_service.api.auth import AuthInterceptor
+from ledger_service.api.pipeline import MethodPipeline
+from ledger_service.api.shares import GrantShareInterceptor
+from ledger_service.server import LedgerServer
 from ledger_service.telemetry import configure_telemetry
+from tests.conftest import ledger_settings
 
 RESERVE = "/ledger.v1.Ledger/Reserve"
 
@@ -63,3 +69,24 @@ def test_the_innermost_interceptor_wraps_nothing_when_nothing_is_observed() -> N
 def test_telemetry_says_whether_spans_are_recorded() -> None:
     assert not configure_telemetry({}).records_spans
     assert configure_telemetry({}, span_exporter=InMemorySpanExporter()).records_spans
+
+
+def _chain(tmp_path: pathlib.Path, **overrides: Any) -> list[type]:
+    composed: list[MethodPipeline] = []
+
+    class Recorder:
+        def __init__(self, *_arguments: Any, interceptors: Any = (), **_options: Any) -> None:
+            composed.extend(interceptors)
+
+        def __getattr__(self, _name: str) -> Any:
+            return lambda *_arguments, **_options: None
+
+    settings = ledger_settings(tmp_path, **overrides)
+    LedgerServer(settings, transport=Recorder, telemetry=configure_telemetry({}))
+    return [type(interceptor) for interceptor in composed[0]._interceptors]
+
+
+def test_a_server_without_grants_composes_no_grant_share(tmp_path: pathlib.Path) -> None:
+    with_grants = _chain(tmp_path / "grants")
+    assert with_grants.index(GrantShareInterceptor) == with_grants.index(AuthInterceptor) + 1
+    assert GrantShareInterceptor not in _chain(tmp_path / "none", auth_enabled=False)

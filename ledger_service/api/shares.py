@@ -28,7 +28,8 @@ and costs a call a dict lookup and two counters under a lock, on its way in
 and again on its way out. Event streams have a share of their own (the
 feed's `max_streams_per_owner`) and are not counted here; health and
 reflection need no grant and are never counted. Without grants
-(--insecure-no-auth) there is no share: only the total.
+(--insecure-no-auth) there is no share, and the server leaves the interceptor
+out (server.py): its calls are bounded by max_concurrent_rpcs alone.
 """
 
 from __future__ import annotations
