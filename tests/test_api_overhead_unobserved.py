@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from ledger_service.api import tracing
+from ledger_service.api.arrival import ArrivalWatch
 from ledger_service.api.auth import AuthInterceptor
 from ledger_service.api.pipeline import MethodPipeline
 from ledger_service.api.shares import GrantShareInterceptor
@@ -90,3 +91,20 @@ def test_a_server_without_grants_composes_no_grant_share(tmp_path: pathlib.Path)
     with_grants = _chain(tmp_path / "grants")
     assert with_grants.index(GrantShareInterceptor) == with_grants.index(AuthInterceptor) + 1
     assert GrantShareInterceptor not in _chain(tmp_path / "none", auth_enabled=False)
+
+
+def test_a_call_counts_as_serving_from_its_wait_until_served() -> None:
+    watch = ArrivalWatch(arrival_seconds=10.0, max_waiting=100, threads=1)
+    counted: list[int] = []
+
+    def requests() -> Any:
+        counted.append(watch._serving)  # while it waits for its message
+        yield "message"
+
+    try:
+        assert watch.first_request(requests(), None) == "message"  # type: ignore[arg-type]
+        assert counted == [1] and watch._serving == 1
+        watch.served()
+        assert watch._serving == 0
+    finally:
+        watch.close()

@@ -47,8 +47,9 @@ class ArrivalWatch:
     """The calls waiting for their request message, and one thread that
     cancels those waiting past the bound. It holds at most one entry per
     call waiting (bounded by max_concurrent_rpcs) and sleeps while none waits.
-    `threads` is the pool's size: the calls it serves (serving()) are counted,
-    and the pressure rule applies only while they take every thread."""
+    `threads` is the pool's size: the calls it serves (from first_request to
+    served()) are counted, and the pressure rule applies only while they take
+    every thread."""
 
     def __init__(self, arrival_seconds: float, max_waiting: int, threads: int) -> None:
         self._arrival_seconds = arrival_seconds
@@ -58,7 +59,8 @@ class ArrivalWatch:
         # costs a Python call more, on every call (docs/benchmarks.md).
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._serving = _ServingCount(self._lock)
+        # The calls holding one of the pool's threads, under the lock.
+        self._serving = 0
         # By arrival (the numbers increase): when each started, and its context.
         self._waiting: dict[int, tuple[float, grpc.ServicerContext]] = {}
         self._numbers = itertools.count()
@@ -71,9 +73,13 @@ class ArrivalWatch:
 
     def first_request(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The first message of `requests`. Ends the call (raises) when it was
-        cancelled before the message came, or the request ended without one."""
+        cancelled before the message came, or the request ended without one.
+        The call counts as holding a thread from its start here: its caller
+        calls served() once it ends, whatever happens here (one lock taken
+        for the count and the wait, not two)."""
         number = next(self._numbers)
         with self._lock:
+            self._serving += 1
             self._waiting[number] = (time.monotonic(), context)
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(
@@ -96,10 +102,10 @@ class ArrivalWatch:
             with self._lock:  # gone already if the watch cancelled it
                 self._waiting.pop(number, None)
 
-    def serving(self) -> _ServingCount:
-        """Counts a call as holding one of the pool's threads while inside
-        (`with watch.serving():`; one object serves every call)."""
-        return self._serving
+    def served(self) -> None:
+        """Counts a call that first_request counted as ended."""
+        with self._lock:
+            self._serving -= 1
 
     def close(self) -> None:
         with self._changed:
@@ -123,7 +129,7 @@ class ArrivalWatch:
     def _late(self, now: float) -> list[int]:
         """The calls to cancel: those past the bound, and while too many
         wait while no thread is free, the oldest past PRESSED_ARRIVAL_SECONDS."""
-        pressed = self._serving.count >= self._threads
+        pressed = self._serving >= self._threads
         over = len(self._waiting) - self._max_waiting if pressed else 0
         late = []
         for number, (started, _) in self._waiting.items():
@@ -134,25 +140,6 @@ class ArrivalWatch:
             elif over <= 0:
                 break  # the rest came later still
         return late
-
-
-class _ServingCount:
-    """How many calls hold one of the pool's threads, under the watch's lock;
-    a block `with` it counts as one. It keeps no call's own state, so one
-    object serves every call (a contextlib generator, made afresh each call,
-    cost several times its two increments: docs/benchmarks.md)."""
-
-    def __init__(self, lock: threading.RLock) -> None:
-        self._lock = lock
-        self.count = 0
-
-    def __enter__(self) -> None:
-        with self._lock:
-            self.count += 1
-
-    def __exit__(self, *_exception: object) -> None:
-        with self._lock:
-            self.count -= 1
 
 
 class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
@@ -174,21 +161,25 @@ class RequestArrivalInterceptor(grpc.ServerInterceptor):  # type: ignore[type-ar
             return handler
         if getattr(handler.unary_unary or handler.unary_stream, "experimental_non_blocking", False):
             return handler
-        first, serving = self._watch.first_request, self._watch.serving()
+        first, served = self._watch.first_request, self._watch.served
         decode, encode = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary is not None:
             answer = handler.unary_unary
 
             def unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                with serving:
+                try:
                     return answer(first(requests, context), context)
+                finally:
+                    served()
 
             return grpc.stream_unary_rpc_method_handler(unary, decode, encode)
         stream = handler.unary_stream
         assert stream is not None, "a handler with one request message is unary or streams"
 
         def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            with serving:
+            try:
                 yield from stream(first(requests, context), context)
+            finally:
+                served()
 
         return grpc.stream_stream_rpc_method_handler(streaming, decode, encode)
