@@ -20,12 +20,13 @@ ANSWER_MARGIN_SECONDS = 0.25
 PASSED_BEFORE_SERVED = "the call's deadline passed before the ledger could serve it"
 
 
-def deadline_of(context: grpc.ServicerContext) -> float | None:
-    """The instant (time.monotonic()) the store must be done by; None: the caller set none."""
+def deadline_of(context: grpc.ServicerContext, now: float) -> float | None:
+    """The instant (time.monotonic(), `now` its reading) the store must be done
+    by; None: the caller set none."""
     remaining = context.time_remaining()
     if remaining is None:
         return None
-    return time.monotonic() + remaining - min(ANSWER_MARGIN_SECONDS, remaining / 10)
+    return now + remaining - min(ANSWER_MARGIN_SECONDS, remaining / 10)
 
 
 class CallDeadlineInterceptor(WrappingInterceptor):
@@ -39,8 +40,9 @@ class CallDeadlineInterceptor(WrappingInterceptor):
 
 def _bounded(behaviour: Behaviour) -> Behaviour:
     def bounded(request: Any, context: grpc.ServicerContext) -> Any:
-        deadline = deadline_of(context)
-        if deadline is not None and deadline <= time.monotonic():
+        now = time.monotonic()  # one reading for the deadline and its check
+        deadline = deadline_of(context, now)
+        if deadline is not None and deadline <= now:
             # The caller gave up before the call was served: nothing was
             # tried, so it is not the store's UNAVAILABLE.
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, PASSED_BEFORE_SERVED)
