@@ -155,7 +155,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         decode = handler.request_deserializer
         return replace_behaviour(
             handler,
-            unary=lambda behaviour: _guard_unary(_decoding(behaviour, decode)),
+            unary=lambda behaviour: _guard_unary(behaviour, decode),
             stream=lambda behaviour: _guard_stream(_decoding(behaviour, decode)),
             request_deserializer=None,
         )
@@ -292,9 +292,14 @@ def _failing(error: Exception) -> Behaviour:
     return fail
 
 
-def _guard_unary(behaviour: Behaviour) -> Behaviour:
+def _guard_unary(behaviour: Behaviour, decode: Callable[[bytes], Any] | None) -> Behaviour:
+    """`behaviour` under the error table, its request decoded first (in the
+    same frame: every call passes here)."""
+
     def guarded(request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            if decode is not None:
+                request = decode_request(request, decode, context)
             return behaviour(request, context)
         except Exception as error:
             if _is_abort(error, context):
