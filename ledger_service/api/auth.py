@@ -18,6 +18,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -83,8 +84,9 @@ class Rule:
     lane_of: Callable[[Any], str]
     also: frozenset[Scope] = frozenset()
 
-    @property
+    @functools.cached_property
     def scopes(self) -> frozenset[Scope]:
+        # Made once a rule, not once a call (every call's grant is checked against it).
         return self.also | {self.scope}
 
 
