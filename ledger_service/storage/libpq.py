@@ -4,7 +4,7 @@ psycopg's cursor layer (query conversion, parameter dumpers, the prepare
 manager, loaders, result set-up) cost about 50 µs of Python per statement,
 more than half of a move's CPU on PostgreSQL. Here a statement is parsed once
 per connection as a named prepared statement, its parameters go as text, and
-its rows are read by column type: the handful of types the schema uses
+its rows are read by psycopg's own column loaders, in C, without a cursor
 (docs/benchmarks.md has the figures).
 
 The transaction stays psycopg's and SQLAlchemy's: a pipeline that finds the
@@ -21,10 +21,11 @@ import contextlib
 import itertools
 import re
 import select
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from psycopg import IsolationLevel, errors, pq
+from psycopg import IsolationLevel, adapt, errors, postgres, pq
+from psycopg.types.numeric import IntLoader
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
 _IDLE = pq.TransactionStatus.IDLE
@@ -34,41 +35,33 @@ _SYNC = pq.ExecStatus.PIPELINE_SYNC
 _PREPARED_KEY = "ledger_libpq_prepared"
 
 
-def _text(value: bytes) -> str:
-    return value.decode()
-
-
-def _bytea(value: bytes) -> bytes:
-    return bytes.fromhex(value[2:].decode())  # the hex form: \x0a1b...
-
-
-def _bool(value: bytes) -> bool:
-    return value == b"t"
-
-
-def _nothing(_value: bytes) -> None:
-    return None
-
-
 BYTEA = 17
 BOOLEAN = 16
+_NUMERIC = 1700
+_XID8 = 5069
+_VOID = 2278
 
-# Column readers by type OID: the types our statements return.
-_READERS: dict[int, Callable[[bytes], Any]] = {
-    20: int,  # int8
-    21: int,  # int2
-    23: int,  # int4
-    26: int,  # oid
-    1700: int,  # numeric: only sums of integers are selected
-    5069: int,  # xid8
-    25: _text,  # text
-    1043: _text,  # varchar
-    1042: _text,  # bpchar
-    19: _text,  # name
-    BYTEA: _bytea,
-    BOOLEAN: _bool,
-    2278: _nothing,  # void, e.g. pg_advisory_xact_lock
-}
+
+class _NothingLoader(adapt.Loader):
+    def load(self, data: Any) -> None:
+        return None
+
+
+# Columns are read by psycopg's loaders (C code with psycopg-binary), except
+# where ours differ: a numeric is only ever a sum of integers, an xid8 a
+# transaction id compared as an integer, a void (pg_advisory_xact_lock) nothing.
+_ADAPTERS = adapt.AdaptersMap(postgres.adapters)
+_ADAPTERS.register_loader(_NUMERIC, IntLoader)
+_ADAPTERS.register_loader(_XID8, IntLoader)
+_ADAPTERS.register_loader(_VOID, _NothingLoader)
+
+
+class _Context:
+    """What a Transformer reads of its context: our loaders, the connection's encoding."""
+
+    def __init__(self, connection: Any) -> None:
+        self.adapters = _ADAPTERS
+        self.connection = connection
 
 
 def _param(value: Any) -> bytes | None:
@@ -117,6 +110,18 @@ class Statement:
         self.order = tuple(order)
         self.types = [types.get(name, 0) for name in order]
         self.name = f"ledger_{next(Statement._numbers)}".encode()
+        self._description: list[tuple[str]] | None = None
+
+    def description_of(self, result: Any) -> list[tuple[str]] | None:
+        """Its rows' column names, when asked for: read from its first result,
+        as a prepared statement's never change."""
+        if not self.describe or result.status != _TUPLES_OK:
+            return None
+        if self._description is None:
+            self._description = [
+                (result.fname(column).decode(),) for column in range(result.nfields)
+            ]
+        return self._description
 
     def params(self, values: Any) -> list[bytes | None]:
         # A move sends about 120 parameters, nearly all exact str or int: those
@@ -134,30 +139,22 @@ class Statement:
 
 class Rows:
     """A statement's result, read: what the callers of a cursor use of it.
-    `describe`: whether its column names are read into `description` (a
-    statement compiled from a SELECT knows its own: storage/prepared.py)."""
+    `description`: its column names, as a cursor's (empty when not asked for:
+    a statement compiled from a SELECT knows its own, storage/prepared.py)."""
 
     __slots__ = ("_next", "description", "rowcount", "rows")
 
-    def __init__(self, result: Any, describe: bool = True) -> None:
+    def __init__(
+        self, result: Any, loader: Any, description: list[tuple[str]] | None = None
+    ) -> None:
         self.rowcount = int(result.command_tuples if result.command_tuples is not None else -1)
-        self.rows: list[tuple[Any, ...]] = []
         self._next = 0
-        self.description: list[tuple[str]] = []
+        self.description = description or []
         if result.status != _TUPLES_OK:
+            self.rows: list[tuple[Any, ...]] = []
             return
-        columns = range(result.nfields)
-        readers = [_READERS[result.ftype(column)] for column in columns]
-        if describe:
-            self.description = [(result.fname(column).decode(),) for column in columns]
-        value = result.get_value
-        for row in range(result.ntuples):
-            self.rows.append(
-                tuple(
-                    None if (raw := value(row, column)) is None else readers[column](raw)
-                    for column in columns
-                )
-            )
+        loader.set_pgresult(result)
+        self.rows = loader.load_rows(0, result.ntuples, tuple)
 
     def fetchone(self) -> tuple[Any, ...] | None:
         if self._next >= len(self.rows):
@@ -223,8 +220,9 @@ def pipeline(
         if isinstance(raised, errors.InvalidSqlStatementName):
             prepared.clear()  # someone ran DEALLOCATE: the next transaction prepares again
         raise raised
+    loader = adapt.Transformer(_Context(driver))
     return [
-        Rows(result, statement.describe)
+        Rows(result, loader, statement.description_of(result))
         for (statement, _), result in zip(calls, replies, strict=True)
     ]
 
