@@ -92,6 +92,15 @@ def check_reservation_id(reservation_id: object) -> None:
         raise invalid_argument("reservation_id", "must be printable ASCII without spaces")
 
 
+def check_http_status(http_status: object, low: int, high: int) -> None:
+    """A bare Settle's (100 to 599) or Refund's (400 to 499) HTTP status by the
+    ledger's rule (SettleCommand, RefundCommand): 0, no answer, or in range.
+    InvalidArgument here, before any call, as the ledger would say it, not the
+    ValueError the Ending it goes into would raise."""
+    if http_status != 0 or isinstance(http_status, bool):
+        check_range("http_status", http_status, low, high)
+
+
 def check_refund_reason(reason: str) -> None:
     """A bare Refund's reason by the ledger's rule (RefundCommand): sent as the
     lane wrote it, so refused here rather than cut or rewritten."""

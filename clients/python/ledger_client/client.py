@@ -18,13 +18,16 @@ import grpc
 
 from ledger_client import convert
 from ledger_client.bookings import (
+    MAX_AMOUNT_NANOS,
     Balance,
     BookingState,
     Refunded,
     Reservation,
     ReserveArguments,
     Settled,
+    check_http_status,
     check_name,
+    check_range,
     check_refund_reason,
     check_reservation_id,
     new_reservation_id,
@@ -523,6 +526,9 @@ class LaneClient:
     ) -> Settled:
         """With usage: SUCCEEDED at the real cost. Without: UNKNOWN, charged at
         the hold (or at `billed_at_most_nanos` when that is lower)."""
+        check_http_status(http_status, 100, 599)
+        if billed_at_most_nanos is not None:
+            check_range("billed_nanos", billed_at_most_nanos, 0, MAX_AMOUNT_NANOS)
         if usage is not None:
             ending = Ending(Settlement.SETTLE_SUCCEEDED, http_status, usage)
         else:
@@ -544,6 +550,7 @@ class LaneClient:
     ) -> Refunded:
         """The provider refused the call (its 4xx status), or it was never sent
         (http_status 0 and a reason)."""
+        check_http_status(http_status, 400, 499)
         ending = Ending(Settlement.REFUND, http_status, None, reason)
         check_refund_reason(reason)
         result = self._send_end(reservation_id, ending, deadline_seconds, "")
