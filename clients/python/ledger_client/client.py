@@ -529,6 +529,12 @@ class LaneClient:
         check_http_status(http_status, 100, 599)
         if billed_at_most_nanos is not None:
             check_range("billed_nanos", billed_at_most_nanos, 0, MAX_AMOUNT_NANOS)
+            if usage is not None:
+                raise invalid_argument(
+                    "billed_at_most_nanos",
+                    "bounds a settle without usage (UNKNOWN); with usage, the bill goes in"
+                    " Usage.billed_nanos",
+                )
         if usage is not None:
             ending = Ending(Settlement.SETTLE_SUCCEEDED, http_status, usage)
         else:

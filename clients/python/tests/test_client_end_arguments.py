@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from ledger_client import InvalidArgument, LaneClient
+from ledger_client import InvalidArgument, LaneClient, Usage
 
 # Nothing listens at the address: a call that went out would fail as
 # LedgerUnavailable instead.
@@ -71,3 +71,12 @@ def test_an_end_argument_out_of_range_is_the_ledgers_invalid_argument(
     assert type(error) is InvalidArgument, why
     assert error.code is grpc.StatusCode.INVALID_ARGUMENT
     assert (error.reason, error.field, error.message) == ("INVALID_ARGUMENT", field, message)
+
+
+def test_a_bound_on_the_bill_beside_known_usage_is_refused_not_ignored() -> None:
+    """`billed_at_most_nanos` bounds an UNKNOWN charge; with usage the charge
+    is the usage's, so the bound would be dropped without a word."""
+    with LaneClient(NOWHERE, "lane") as client, pytest.raises(InvalidArgument) as caught:
+        client.settle("r-1", Usage(input_tokens=10), billed_at_most_nanos=5)
+    assert caught.value.field == "billed_at_most_nanos"
+    assert "without usage" in caught.value.message
