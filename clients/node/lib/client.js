@@ -1310,8 +1310,8 @@ class LaneClient {
 
   /**
    * Ends an admitted call's booking at the ledger with `move`: journaled when
-   * the ledger cannot be reached (or the ending could not be sent), logged
-   * when refused. Resolves with the move made, the ledger's answer (or null),
+   * the ledger cannot be reached or stays too busy (a retryable error after the
+   * last attempt), or the ending could not be sent; logged when refused. Resolves with the move made, the ledger's answer (or null),
    * its error (or null) and whether the ending was journaled; never rejects
    * for the ledger's trouble.
    */
@@ -1324,7 +1324,8 @@ class LaneClient {
         return this._settleRefusedUsage(request, holdNanos, move, trace, error);
       }
       let journaled = false;
-      if (isLedgerUnavailable(error)) journaled = await this._journalEnding(request, holdNanos, move, trace);
+      // Unanswered after the last attempt: the ledger unreachable, or too busy (TOO_MANY_CALLS).
+      if (error instanceof LedgerError && error.retryable) journaled = await this._journalEnding(request, holdNanos, move, trace);
       else if (error instanceof ClientClosed) {
         // close() cut the ending off once its grace was over: journaled while the journal is open.
         this._logger?.warn(`ledger: the client closed before booking ${reservationId} was ended`);

@@ -33,6 +33,7 @@ const {
   Cancelled,
   ResourceExhausted,
   TooManyWatchers,
+  TooManyCalls,
   InternalError,
   InvalidArgument,
   Unauthenticated,
@@ -549,6 +550,27 @@ describe('a server that shuts down under a call', () => {
       assert.ok(result.ledgerError instanceof InternalError, result.ledgerError.name);
       assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 1);
       assert.equal(result.journaled, false);
+    } finally {
+      await fake.stop();
+    }
+  });
+
+  test('a Settle the server was too busy for (TOO_MANY_CALLS) is sent again, then journaled, not dropped', async () => {
+    const fake = await startFakeLedger({
+      Reserve: () => ADMITTED,
+      Settle: () => {
+        throw ledgerStatus(grpc.status.RESOURCE_EXHAUSTED, 'TOO_MANY_CALLS', 'busy');
+      },
+    });
+    try {
+      const lane = client(OutagePolicy.deny(journalPath), { endAttempts: 2 }, `127.0.0.1:${fake.port}`);
+      const result = await lane.call(REQUEST, async () => OK);
+      assert.ok(result.ledgerError instanceof TooManyCalls, result.ledgerError.name);
+      assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 2, 'sent again');
+      assert.equal(result.journaled, true, 'journaled for the replay, not left to expire');
+      const [entry] = lane.journal.pending();
+      assert.equal(entry.reservationId, result.reservationId);
+      assert.equal(entry.ending.settlement, Settlement.SETTLE_SUCCEEDED);
     } finally {
       await fake.stop();
     }

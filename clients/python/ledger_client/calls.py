@@ -806,9 +806,6 @@ class ModelCall:
     def _end_with_ledger(self, handle: CallHandle, ending: Ending) -> None:
         try:
             handle.result = self._end(handle.reservation_id, ending)
-        except LedgerUnavailable as error:
-            handle.end_error = error
-            self._journal_ending(handle, ending)
         except ClientClosed as error:
             # close() cut the ending off once its grace was over: journaled if
             # the journal is still open, else the hold expires.
@@ -817,6 +814,11 @@ class ModelCall:
             self._journal_ending(handle, ending)
         except LedgerError as error:
             handle.end_error = error
+            if is_retryable(error):
+                # Unanswered after the last attempt: the ledger unreachable, or
+                # too busy (TOO_MANY_CALLS). Kept for the replay.
+                self._journal_ending(handle, ending)
+                return
             if ending.settlement is Settlement.SETTLE_SUCCEEDED and settles_unknown_after_refusal(
                 error
             ):

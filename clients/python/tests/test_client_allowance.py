@@ -977,6 +977,25 @@ def test_after_the_last_attempt_the_ending_is_journaled(tmp_path, pauses: list[f
     assert fake.event_counts() == {handle.reservation_id: ["reserved", "refunded"]}
 
 
+def test_an_ending_the_server_was_too_busy_for_is_journaled_after_the_last_attempt(
+    tmp_path, pauses: list[float]
+) -> None:
+    """TOO_MANY_CALLS is a retry, not an outage: still refused after the last
+    attempt, the ending is kept for the replay instead of dropped (the hold
+    would expire at the lane's expire_charge, the real cost never booked)."""
+    busy = lambda: errors.TooManyCalls(grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_CALLS", "busy")  # noqa: E731
+    fake = LostEndings(3, busy)
+    client = client_on(fake, OutagePolicy.deny(tmp_path / "journal.jsonl"))
+    assert isinstance(client, LaneClient)
+    with client:
+        with call(client) as handle:
+            handle.succeeded(input_tokens=900, output_tokens=100)
+        assert fake.end_attempts == 3 and pauses == [0.02, 0.04]
+        assert isinstance(handle.end_error, errors.TooManyCalls) and handle.journaled
+        assert client.replay_journal().landed == 1
+    assert fake.event_counts() == {handle.reservation_id: ["reserved", "settled"]}
+
+
 def test_a_refused_ending_is_not_sent_again(pauses: list[float]) -> None:
     refused = lambda: errors.BookingAlreadyEnded(grpc.StatusCode.FAILED_PRECONDITION, "", "ended")  # noqa: E731
     fake = LostEndings(1, refused)
