@@ -605,8 +605,8 @@ export interface AllowanceOptions {
   maxCalls: number;
   /** The journal (JSON lines, fsync'd); its directory is created. */
   journalPath: string;
-  /** The lane's prices, copied: model -> price. Rates from 0 to 10^15 nanos per million tokens; a model name the ledger refuses is InvalidArgument (field `model`). */
-  prices: Record<string, ModelPrice> | Map<string, ModelPrice>;
+  /** The lane's prices, copied: model -> price, an object or a Map (a lane_configured event's `policy.prices` as it is). Rates from 0 to 10^15 nanos per million tokens; a model name the ledger refuses is InvalidArgument (field `model`). */
+  prices: Record<string, ModelPrice> | ReadonlyMap<string, ModelPrice>;
   /** Default 3500n (3.5 bytes per token), between 100n and 64000n: the lane's own setting. */
   bytesPerTokenMilli?: Int64Input;
   /** Default 0n, at most 10,000,000n: the lane's own setting. */

@@ -118,6 +118,27 @@ function counted(event: LedgerEvent): number {
 void counted;
 `;
 
+// A lane that copies its allowance's settings from the policy a
+// lane_configured event carries, as the README's outage section asks:
+// event.policy.prices is a ReadonlyMap, and must be taken as it is.
+const ALLOWANCE = `
+import { LedgerEvent, OutagePolicy, DEFAULT_BYTES_PER_TOKEN_MILLI } from '../..';
+
+function allowanceOf(event: LedgerEvent): OutagePolicy | null {
+  if (event.policy === null) return null;
+  return OutagePolicy.allowance({
+    maxNanos: 50_000_000n,
+    maxCalls: 200,
+    journalPath: '/tmp/journal.jsonl',
+    prices: event.policy.prices,
+    bytesPerTokenMilli: event.policy.bytesPerTokenMilli ?? DEFAULT_BYTES_PER_TOKEN_MILLI,
+    overheadTokens: event.policy.overheadTokens ?? 0n,
+  });
+}
+
+void allowanceOf;
+`;
+
 const tsc = findTsc();
 
 /** What tsc --strict says of `source` saved as `name` here ('' when it type-checks). */
@@ -156,4 +177,8 @@ test("a LedgerEvent's kind is one of the server's kinds, so a typo in one does n
   assert.equal(typeCheck('kinds.ts', KINDS), '');
   const typo = KINDS.replace("case 'reconciled':", "case 'reconcilled':");
   assert.match(typeCheck('typo.ts', typo), /'"reconcilled"' is not comparable to type/);
+});
+
+test("an allowance takes a lane_configured event's prices (a ReadonlyMap) as they are", { skip: tsc === null && 'no TypeScript compiler' }, () => {
+  assert.equal(typeCheck('allowance.ts', ALLOWANCE), '');
 });
