@@ -23,7 +23,7 @@ const {
   TlsMismatch,
 } = require('./errors');
 const wire = require('./wire');
-const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, newReservationId, GrantError } = require('./arguments');
+const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, invalidArgument, newReservationId, GrantError } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, checkJournalLimits, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -69,6 +69,7 @@ const UNANSWERED_REASON = 'not sent: the Reserve went unanswered';
 // A reservation id's and a model name's most characters, as the ledger takes them.
 const SUPERSEDED_DETAIL = 'reserved again under its id and admitted: the call that followed ends it';
 const MAX_DEADLINE_MS = 60_000;
+const DEADLINE_RULE = `must be a number of milliseconds in (0, ${MAX_DEADLINE_MS}]`;
 const MAX_END_ATTEMPTS = 10;
 // Calls a client has at the ledger at once; one more waits for a slot until its
 // deadline, then fails as an overloaded ledger does (ResourceExhausted, the
@@ -433,6 +434,10 @@ function checkRequest(request, method) {
   }
 }
 
+function isDeadlineMs(value) {
+  return typeof value === 'number' && value > 0 && value <= MAX_DEADLINE_MS;
+}
+
 function pause(milliseconds) {
   return new Promise((resolve) => setTimeout(resolve, milliseconds));
 }
@@ -643,9 +648,7 @@ class LaneClient {
     // Bounded as the Python client's deadline_seconds (0, 60] and end_attempts
     // [1, 10]: past them the ledger could eat the model call's time (Infinity
     // is no deadline at all; a string makes every call an outage).
-    if (typeof this.deadlineMs !== 'number' || !(this.deadlineMs > 0 && this.deadlineMs <= MAX_DEADLINE_MS)) {
-      throw new RangeError(`deadlineMs must be a number of milliseconds in (0, ${MAX_DEADLINE_MS}]`);
-    }
+    if (!isDeadlineMs(this.deadlineMs)) throw new RangeError(`deadlineMs ${DEADLINE_RULE}`);
     if (!(Number.isInteger(this.endAttempts) && this.endAttempts >= 1 && this.endAttempts <= MAX_END_ATTEMPTS)) {
       throw new RangeError(`endAttempts must be an integer from 1 to ${MAX_END_ATTEMPTS}`);
     }
@@ -869,6 +872,19 @@ class LaneClient {
     return checkGrant(given, GrantError);
   }
 
+  /**
+   * A call's own deadline, `deadlineMs` among its options, or the client's
+   * when left out (undefined or null), as the Python client's
+   * deadline_seconds. A bad one is the caller's mistake, refused before any
+   * call as the Python client refuses it (InvalidArgument, the shared cases
+   * in clients/cases/arguments.json), not replaced by the client's.
+   */
+  _callDeadlineMs(deadlineMs) {
+    if (deadlineMs === undefined || deadlineMs === null) return this.deadlineMs;
+    if (!isDeadlineMs(deadlineMs)) throw invalidArgument('deadlineMs', DEADLINE_RULE);
+    return deadlineMs;
+  }
+
   /** `trace`: the W3C headers to send ({traceparent, tracestate?}), or null for none. */
   async _unary(method, request, trace, deadlineMs = this.deadlineMs) {
     const metadata = await this._metadata(trace);
@@ -1009,11 +1025,12 @@ class LaneClient {
   async reserve(request) {
     this._refuseClosed();
     checkRequest(request, 'reserve');
+    const deadlineMs = this._callDeadlineMs(request.deadlineMs);
     const trace = traceHeaders(request);
     // A refund of an unanswered Reserve of this id may have ended the booking
     // this Reserve would be admitted to (BackgroundRefunds).
-    await this._refunds.clear(() => this._refundUnanswered(request.reservationId, trace), request.reservationId, this.deadlineMs);
-    return this._reserve(request, trace);
+    await this._refunds.clear(() => this._refundUnanswered(request.reservationId, trace), request.reservationId, deadlineMs);
+    return this._reserve(request, trace, deadlineMs);
   }
 
   async _reserve({ reservationId, model, requestBytes, maxOutputTokens, estimateNanos, ttlMs, ttlUs }, trace, deadlineMs) {
@@ -1046,7 +1063,7 @@ class LaneClient {
   async settle(request) {
     this._refuseClosed();
     checkRequest(request, 'settle');
-    return this._settle(request, traceHeaders(request));
+    return this._settle(request, traceHeaders(request), this._callDeadlineMs(request.deadlineMs));
   }
 
   async _settle(request, trace, deadlineMs) {
@@ -1077,7 +1094,7 @@ class LaneClient {
   async refund(request) {
     this._refuseClosed();
     checkRequest(request, 'refund');
-    return this._refund(request, traceHeaders(request));
+    return this._refund(request, traceHeaders(request), this._callDeadlineMs(request.deadlineMs));
   }
 
   async _refund({ reservationId, httpStatus = 0, reason = '' }, trace, deadlineMs) {
@@ -1099,7 +1116,8 @@ class LaneClient {
    */
   async balance(options) {
     this._refuseClosed();
-    return wire.balanceOf(await this._unary('GetBalance', { lane: this.lane }, traceHeaders(options)));
+    const deadlineMs = this._callDeadlineMs(options?.deadlineMs);
+    return wire.balanceOf(await this._unary('GetBalance', { lane: this.lane }, traceHeaders(options), deadlineMs));
   }
 
   /**
@@ -1110,8 +1128,9 @@ class LaneClient {
   async booking(reservationId, options) {
     this._refuseClosed();
     checkReservationId(reservationId);
+    const deadlineMs = this._callDeadlineMs(options?.deadlineMs);
     const message = { lane: this.lane, reservation_id: reservationId };
-    return wire.bookingOf(await this._unary('GetBooking', message, traceHeaders(options)));
+    return wire.bookingOf(await this._unary('GetBooking', message, traceHeaders(options), deadlineMs));
   }
 
   /**
@@ -1121,25 +1140,29 @@ class LaneClient {
    * @param {import('../index').EventPageOptions} [options]
    * @returns {Promise<import('../index').EventPage>}
    */
-  async listEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE } = {}) {
+  async listEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE, deadlineMs } = {}) {
     this._refuseClosed();
     const after = events.checkAfterSeq(afterSeq);
     events.checkPageSize(pageSize);
+    const pageDeadlineMs = this._callDeadlineMs(deadlineMs);
     const message = { lane: this.lane, after_seq: after.toString(), page_size: pageSize };
-    return events.pageOf(await this._unary('ListEvents', message, null));
+    return events.pageOf(await this._unary('ListEvents', message, null, pageDeadlineMs));
   }
 
   /**
    * Every event of the lane after `afterSeq`, page by page (one listEvents
-   * each, as the caller iterates), to the log's end as it stands then.
+   * each, as the caller iterates), to the log's end as it stands then. Each
+   * page has its own `deadlineMs`.
    * @param {import('../index').EventPageOptions} [options]
    * @returns {AsyncGenerator<import('../index').LedgerEvent, void, undefined>}
    */
-  allEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE } = {}) {
+  allEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE, deadlineMs } = {}) {
     this._refuseClosed();
     const after = events.checkAfterSeq(afterSeq);
     events.checkPageSize(pageSize);
-    return events.allPages((cursor) => this.listEvents({ afterSeq: cursor, pageSize }), after);
+    // Refused at once, as a bad pageSize is, not at the first page.
+    const pageDeadlineMs = this._callDeadlineMs(deadlineMs);
+    return events.allPages((cursor) => this.listEvents({ afterSeq: cursor, pageSize, deadlineMs: pageDeadlineMs }), after);
   }
 
   /**

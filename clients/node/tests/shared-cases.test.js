@@ -395,6 +395,23 @@ describe('argument cases', () => {
     });
   }
 
+  const deadline = ARGUMENTS.deadline;
+  const deadlineRefusal = { ...deadline, field: deadline.node, message: deadline.message.node };
+  for (const deadlineMs of deadline.accepted) {
+    test(`a call's deadlineMs: ${deadlineMs} is taken`, async () => {
+      // Taken, the call goes out and finds no ledger.
+      await assert.rejects(lane.reserve({ ...requestOf({ set: {} }), deadlineMs }), isOutage);
+      await assert.rejects(lane.listEvents({ deadlineMs }), isOutage);
+    });
+  }
+  for (const deadlineMs of deadline.refused) {
+    test(`a call's deadlineMs: ${JSON.stringify(deadlineMs)} is refused`, async () => {
+      await assert.rejects(lane.reserve({ ...requestOf({ set: {} }), deadlineMs }), isRefusal(deadlineRefusal));
+      await assert.rejects(lane.refund({ reservationId: 'r-1', httpStatus: 429, deadlineMs }), isRefusal(deadlineRefusal));
+      assert.throws(() => lane.allEvents({ deadlineMs }), isRefusal(deadlineRefusal));
+    });
+  }
+
   for (const argumentCase of ARGUMENTS.lane) {
     test(`lane: ${argumentCase.why}`, async () => {
       const make = () => new LaneClient(NOWHERE, argumentCase.set.lane, { logger: null });
