@@ -22,7 +22,7 @@ export interface LaneClientOptions {
   grant?: string | (() => string | Promise<string>);
   /** true: TLS with the system's roots. Left out: plaintext. */
   tls?: boolean | TlsOptions;
-  /** Deadline of each ledger call; default 250 ms (see README, "Deadlines"). */
+  /** Deadline of each ledger call; default 250 ms (see README, "Deadlines"). A unary call's own deadlineMs (DeadlineOptions) wins over it. */
   deadlineMs?: number;
   /** Attempts at an unconfirmed Settle or Refund in call(), and at its unanswered Reserve (all within one deadlineMs); default 3. */
   endAttempts?: number;
@@ -63,6 +63,16 @@ export interface TraceOptions {
   tracestate?: string;
 }
 
+/**
+ * A ledger call's own deadline, in place of the client's `deadlineMs` (the
+ * Python client's `deadline_seconds=`). Left out (or null): the client's. A
+ * number of milliseconds in (0, 60,000], else InvalidArgument (field
+ * `deadlineMs`) before any call.
+ */
+export interface DeadlineOptions {
+  deadlineMs?: number | null;
+}
+
 export interface Balance {
   lane: string;
   limitNanos: bigint;
@@ -76,7 +86,7 @@ export interface Balance {
   asOf: Date | null;
 }
 
-export interface ReserveRequest extends TraceOptions {
+export interface ReserveRequest extends TraceOptions, DeadlineOptions {
   reservationId: string;
   model: string;
   requestBytes: Int64Input;
@@ -108,7 +118,7 @@ export interface ReserveResult {
   balance: Balance | null;
 }
 
-export interface SettleRequest extends TraceOptions {
+export interface SettleRequest extends TraceOptions, DeadlineOptions {
   reservationId: string;
   outcome: 'SUCCEEDED' | 'UNKNOWN';
   /** Every input token of the call, the cached and cache-write ones included. */
@@ -139,7 +149,7 @@ export interface SettleResult {
   balance: Balance | null;
 }
 
-export interface RefundRequest extends TraceOptions {
+export interface RefundRequest extends TraceOptions, DeadlineOptions {
   reservationId: string;
   /** The provider's 4xx, or 0 when the call was never sent (then reason is required). */
   httpStatus?: number;
@@ -533,7 +543,7 @@ export interface LedgerEvent {
   policy: LanePolicy | null;
 }
 
-export interface EventPageOptions {
+export interface EventPageOptions extends DeadlineOptions {
   /** Only events after this seq; default 0 (the start of the log). */
   afterSeq?: Int64Input;
   /** 1 to MAX_PAGE_SIZE; default DEFAULT_PAGE_SIZE. */
@@ -573,11 +583,11 @@ export class LaneClient {
   reserve(request: ReserveRequest): Promise<ReserveResult>;
   settle(request: SettleRequest): Promise<SettleResult>;
   refund(request: RefundRequest): Promise<{ balance: Balance | null }>;
-  balance(options?: TraceOptions): Promise<Balance>;
-  booking(reservationId: string, options?: TraceOptions): Promise<Booking>;
-  /** One page of the lane's events (needs a grant with `read` on the lane). InvalidArgument (field `page_size` or `after_seq`) before any call for a pageSize outside 1 to MAX_PAGE_SIZE or a negative afterSeq. */
+  balance(options?: TraceOptions & DeadlineOptions): Promise<Balance>;
+  booking(reservationId: string, options?: TraceOptions & DeadlineOptions): Promise<Booking>;
+  /** One page of the lane's events (needs a grant with `read` on the lane). InvalidArgument (field `page_size`, `after_seq` or `deadlineMs`) before any call for a pageSize outside 1 to MAX_PAGE_SIZE, a negative afterSeq or a bad deadlineMs. */
   listEvents(options?: EventPageOptions): Promise<EventPage>;
-  /** Every event after afterSeq, a listEvents page at a time as the caller iterates, to the log's end as it stands then. Throws InvalidArgument as listEvents, at once. */
+  /** Every event after afterSeq, a listEvents page at a time as the caller iterates, to the log's end as it stands then; each page has its own deadlineMs. Throws InvalidArgument as listEvents, at once. */
   allEvents(options?: EventPageOptions): AsyncGenerator<LedgerEvent, void, undefined>;
   /** The lane's events after afterSeq, then each new one as it is committed; a dropped stream is opened again after the last event seen (for up to watchResumeMs), so none is skipped or repeated. Leave the loop (or call return()) to stop it; close() ends it too (done, no error). */
   watchEvents(options?: { afterSeq?: Int64Input }): AsyncGenerator<LedgerEvent, void, undefined>;

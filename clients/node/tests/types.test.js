@@ -139,6 +139,28 @@ function allowanceOf(event: LedgerEvent): OutagePolicy | null {
 void allowanceOf;
 `;
 
+// A call's own deadline, beside the client's: every unary call takes one.
+// call() does not (its calls keep the client's, as the Python client's
+// model_call does), so one given there is a type error, not silently dropped.
+const DEADLINES = `
+import { LaneClient } from '../..';
+
+const ledger = new LaneClient('127.0.0.1:1', 'recall', { deadlineMs: 250 });
+
+async function slowly(): Promise<void> {
+  const deadlineMs = 1000;
+  await ledger.reserve({ reservationId: 'r-1', model: 'm', requestBytes: 10, maxOutputTokens: 10, deadlineMs });
+  await ledger.settle({ reservationId: 'r-1', outcome: 'UNKNOWN', deadlineMs });
+  await ledger.refund({ reservationId: 'r-2', httpStatus: 429, deadlineMs });
+  await ledger.balance({ deadlineMs });
+  await ledger.booking('r-1', { deadlineMs, traceparent: '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01' });
+  await ledger.listEvents({ pageSize: 1000, deadlineMs });
+  for await (const event of ledger.allEvents({ deadlineMs })) void event;
+}
+
+void slowly;
+`;
+
 const tsc = findTsc();
 
 /** What tsc --strict says of `source` saved as `name` here ('' when it type-checks). */
@@ -181,4 +203,10 @@ test("a LedgerEvent's kind is one of the server's kinds, so a typo in one does n
 
 test("an allowance takes a lane_configured event's prices (a ReadonlyMap) as they are", { skip: tsc === null && 'no TypeScript compiler' }, () => {
   assert.equal(typeCheck('allowance.ts', ALLOWANCE), '');
+});
+
+test("each unary call takes a deadlineMs of its own, and call() does not", { skip: tsc === null && 'no TypeScript compiler' }, () => {
+  assert.equal(typeCheck('deadlines.ts', DEADLINES), '');
+  const inCall = `${DEADLINES}\nvoid ledger.call({ model: 'm', requestBytes: 1, maxOutputTokens: 1, deadlineMs: 1000 }, async () => ({ httpStatus: 200 }));\n`;
+  assert.match(typeCheck('in-call.ts', inCall), /'deadlineMs' does not exist in type 'CallRequest'/);
 });
