@@ -402,7 +402,18 @@ def test_request_bytes(case: dict[str, Any]) -> None:
     assert estimate_tokens(value, 1000) == case["bytes"]
 
 
-@pytest.mark.parametrize("deadline", [0, -1.0, 61, float("nan"), True, "1"])
+DEADLINE = ARGUMENTS["deadline"]
+
+
+def _deadline_seconds(value: Any) -> Any:
+    """The case's value as deadline_seconds: milliseconds as seconds; a value
+    that is not a number as it is."""
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return value / 1000 if is_number else value
+
+
+# NaN, which JSON cannot hold, beside the shared values.
+@pytest.mark.parametrize("deadline", [*map(_deadline_seconds, DEADLINE["refused"]), float("nan")])
 def test_a_call_with_a_deadline_out_of_range_is_refused_before_it_goes_out(
     deadline: object,
 ) -> None:
@@ -418,9 +429,18 @@ def test_a_call_with_a_deadline_out_of_range_is_refused_before_it_goes_out(
                 defaults["max_output_tokens"],
                 deadline_seconds=deadline,  # type: ignore[arg-type]
             )
-        assert caught.value.field == "deadline_seconds"
+        error = caught.value
+        assert type(error).__name__ == DEADLINE["error"] and error.reason == DEADLINE["reason"]
+        assert error.field == DEADLINE["python"]
+        assert error.message == DEADLINE["message"]["python"]
         with pytest.raises(errors.InvalidArgument):
             client.refund("r-1", http_status=429, deadline_seconds=deadline)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("deadline", [_deadline_seconds(value) for value in DEADLINE["accepted"]])
+def test_a_call_with_a_deadline_in_range_goes_out(deadline: float | None) -> None:
+    with LaneClient("127.0.0.1:9", "lane") as client, pytest.raises(errors.LedgerUnavailable):
+        client.balance(deadline_seconds=deadline)
 
 
 # --- settings ---------------------------------------------------------------
