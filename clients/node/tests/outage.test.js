@@ -515,65 +515,52 @@ describe('a server that shuts down under a call', () => {
   // server's process exited while this event loop was blocked.
   const RESET = 'Received RST_STREAM with code 2 triggered by internal client error: Session closed with error code 2';
 
-  test('a Settle reset under it (a bare INTERNAL) is sent again, then journaled', async () => {
+  // A call whose every Settle fails with `failure()`, on a client of 2 end attempts.
+  async function callWithSettleFailing(failure) {
     const fake = await startFakeLedger({
       Reserve: () => ADMITTED,
       Settle: () => {
-        throw ledgerStatus(grpc.status.INTERNAL, null, RESET);
+        throw failure();
       },
     });
     try {
       const lane = client(OutagePolicy.deny(journalPath), { endAttempts: 2 }, `127.0.0.1:${fake.port}`);
       const result = await lane.call(REQUEST, async () => OK);
-      assert.ok(result.ledgerError instanceof Unavailable, result.ledgerError.name);
-      assert.equal(result.ledgerError.retryable, true);
-      assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 2, 'sent again');
-      assert.equal(result.journaled, true, 'journaled for the replay, not left to expire');
-      const [entry] = lane.journal.pending();
-      assert.equal(entry.reservationId, result.reservationId);
-      assert.equal(entry.ending.settlement, Settlement.SETTLE_SUCCEEDED);
+      const settles = fake.calls.filter((call) => call.method === 'Settle').length;
+      return { result, settles, pending: lane.journal.pending() };
     } finally {
       await fake.stop();
     }
-  });
+  }
+
+  const RETRIED_ENDINGS = [
+    ['a Settle reset under it (a bare INTERNAL)', () => ledgerStatus(grpc.status.INTERNAL, null, RESET), Unavailable],
+    [
+      'a Settle the server stayed too busy for (TOO_MANY_CALLS)',
+      () => ledgerStatus(grpc.status.RESOURCE_EXHAUSTED, 'TOO_MANY_CALLS', 'busy'),
+      TooManyCalls,
+    ],
+  ];
+  for (const [why, failure, errorClass] of RETRIED_ENDINGS) {
+    test(`${why} is sent again, then journaled`, async () => {
+      const { result, settles, pending } = await callWithSettleFailing(failure);
+      assert.ok(result.ledgerError instanceof errorClass, result.ledgerError.name);
+      assert.equal(result.ledgerError.retryable, true);
+      assert.equal(settles, 2, 'sent again');
+      assert.equal(result.journaled, true, 'journaled for the replay, not left to expire');
+      const [entry] = pending;
+      assert.equal(entry.reservationId, result.reservationId);
+      assert.equal(entry.ending.settlement, Settlement.SETTLE_SUCCEEDED);
+    });
+  }
 
   test("the ledger's own INTERNAL is not an outage: not sent again, not journaled", async () => {
-    const fake = await startFakeLedger({
-      Reserve: () => ADMITTED,
-      Settle: () => {
-        throw ledgerStatus(grpc.status.INTERNAL, 'INTERNAL', 'internal error (id 0123abcd)');
-      },
-    });
-    try {
-      const lane = client(OutagePolicy.deny(journalPath), { endAttempts: 2 }, `127.0.0.1:${fake.port}`);
-      const result = await lane.call(REQUEST, async () => OK);
-      assert.ok(result.ledgerError instanceof InternalError, result.ledgerError.name);
-      assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 1);
-      assert.equal(result.journaled, false);
-    } finally {
-      await fake.stop();
-    }
-  });
-
-  test('a Settle the server was too busy for (TOO_MANY_CALLS) is sent again, then journaled, not dropped', async () => {
-    const fake = await startFakeLedger({
-      Reserve: () => ADMITTED,
-      Settle: () => {
-        throw ledgerStatus(grpc.status.RESOURCE_EXHAUSTED, 'TOO_MANY_CALLS', 'busy');
-      },
-    });
-    try {
-      const lane = client(OutagePolicy.deny(journalPath), { endAttempts: 2 }, `127.0.0.1:${fake.port}`);
-      const result = await lane.call(REQUEST, async () => OK);
-      assert.ok(result.ledgerError instanceof TooManyCalls, result.ledgerError.name);
-      assert.equal(fake.calls.filter((call) => call.method === 'Settle').length, 2, 'sent again');
-      assert.equal(result.journaled, true, 'journaled for the replay, not left to expire');
-      const [entry] = lane.journal.pending();
-      assert.equal(entry.reservationId, result.reservationId);
-      assert.equal(entry.ending.settlement, Settlement.SETTLE_SUCCEEDED);
-    } finally {
-      await fake.stop();
-    }
+    const { result, settles } = await callWithSettleFailing(() =>
+      ledgerStatus(grpc.status.INTERNAL, 'INTERNAL', 'internal error (id 0123abcd)'),
+    );
+    assert.ok(result.ledgerError instanceof InternalError, result.ledgerError.name);
+    assert.equal(settles, 1);
+    assert.equal(result.journaled, false);
   });
 
   test('the error table: which errors are an outage', () => {
