@@ -37,6 +37,8 @@ FORMAT_VERSION = 1
 # A journal is read whole at start-up; past this multiple of max_bytes it is not
 # read at all (an operator must look at it) rather than read without bound.
 READ_LIMIT_FACTOR = 4
+# Archives a rotation may find already named by one clock reading.
+MAX_ARCHIVES_PER_STAMP = 1_000
 
 
 class JournalError(Exception):
@@ -425,13 +427,28 @@ class Journal:
         with self._lock:
             if self.size_bytes < self._rotate_bytes or self.pending():
                 return None
-            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-            archive = self.path.with_name(f"{self.path.name}.{stamp}.done")
+            archive = self._free_archive_name()
+            if archive is None:
+                return None  # stays where it is, as a small replayed journal does
             os.rename(self.path, archive)
             _sync_directory(self.path.parent)
             self.close()
             self._open()
             return archive
+
+    def _free_archive_name(self) -> pathlib.Path | None:
+        """A name no archive has: the clock can repeat a reading (stepped back,
+        frozen, two rotations in one microsecond), and rename() would replace
+        the earlier archive, deleting it. Only this journal's lock holder
+        makes these names, so a name free now is still free at the rename."""
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        for attempt in range(MAX_ARCHIVES_PER_STAMP):
+            suffix = "" if attempt == 0 else f"-{attempt}"
+            archive = self.path.with_name(f"{self.path.name}.{stamp}{suffix}.done")
+            if not os.path.lexists(archive):
+                return archive
+        log.warning("journal %s: not rotated, every archive name at %s is taken", self.path, stamp)
+        return None
 
 
 def _log_skipped(path: pathlib.Path, skipped: int, torn: bool) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import pathlib
 
 import pytest
+from ledger_client import journal as journal_module
 from ledger_client.bookings import ReserveArguments, new_reservation_id
 from ledger_client.journal import (
     Journal,
@@ -198,6 +200,35 @@ def test_a_replayed_journal_is_rotated_without_deleting_anything(tmp_path: pathl
         journal.record_reserve(entry())
     assert len(archive.read_bytes().splitlines()) == 3
     assert len(path.read_bytes().splitlines()) == 1
+
+
+def test_rotating_twice_at_one_clock_reading_keeps_both_archives(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The archive is named by the wall clock, which can repeat (stepped back
+    by NTP, frozen in a test harness, two rotations in one microsecond): a
+    second rotation must not rename over the first archive, deleting it."""
+
+    class FrozenClock(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> FrozenClock:
+            return cls(2026, 10, 26, 12, 0, 0, tzinfo=tz)
+
+    monkeypatch.setattr(journal_module.datetime, "datetime", FrozenClock)
+    path = tmp_path / "journal.jsonl"
+    archives = []
+    with open_journal(path, max_bytes=4096, rotate_bytes=200) as journal:
+        for _ in range(2):
+            one = entry()
+            journal.record_reserve(one)
+            journal.record_end(one.reservation_id, SUCCESS, 5)
+            journal.record_replay(one.reservation_id, ReplayResult.LANDED)
+            archive = journal.rotate_if_replayed()
+            assert archive is not None
+            archives.append(archive)
+    assert archives[0] != archives[1]
+    ids = [json.loads(a.read_bytes().splitlines()[0])["reservation_id"] for a in archives]
+    assert len(set(ids)) == 2, "each archive keeps its own rotation's lines"
 
 
 def test_each_line_is_written_whole_before_the_call_returns(tmp_path: pathlib.Path) -> None:
