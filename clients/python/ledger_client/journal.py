@@ -250,7 +250,8 @@ def read_entries(data: bytes) -> tuple[dict[str, JournalEntry], int, bool]:
                 raise ValueError("not an object")
             _apply(entries, record)
         # InvalidArgument: a line whose Reserve or ending the ledger would refuse.
-        except (ValueError, KeyError, TypeError, InvalidArgument):
+        # RecursionError: damage nested deeper than the parser recurses.
+        except (ValueError, KeyError, TypeError, RecursionError, InvalidArgument):
             skipped += 1
     return entries, skipped, torn
 

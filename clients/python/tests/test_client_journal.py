@@ -131,6 +131,21 @@ def test_garbage_and_contradicting_lines_are_skipped(tmp_path: pathlib.Path) -> 
         assert journal.skipped_lines == 3
 
 
+def test_a_line_nested_past_the_parser_is_skipped_not_fatal(tmp_path: pathlib.Path) -> None:
+    """Damage can be any bytes: a line of brackets nested deeper than the JSON
+    parser recurses is one more unreadable line, not a RecursionError that
+    keeps the lane's client from starting."""
+    path = tmp_path / "journal.jsonl"
+    kept = entry()
+    with open_journal(path) as journal:
+        journal.record_reserve(kept)
+    with path.open("ab") as file:
+        file.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    with open_journal(path) as journal:
+        assert [e.reservation_id for e in journal.pending()] == [kept.reservation_id]
+        assert journal.skipped_lines == 1
+
+
 def test_a_lost_line_is_logged_never_skipped_silently(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
