@@ -110,6 +110,9 @@ function nowText(date = new Date()) {
   return `${date.toISOString().slice(0, 23)}000+00:00`;
 }
 
+// Archives a rotation may find already named by one clock reading.
+const MAX_ARCHIVES_PER_STAMP = 1_000;
+
 function stampOf(date) {
   const iso = date.toISOString(); // 2026-01-02T03:04:05.678Z
   return `${iso.slice(0, 4)}${iso.slice(5, 7)}${iso.slice(8, 10)}T${iso.slice(11, 13)}${iso.slice(14, 16)}${iso.slice(17, 19)}${iso.slice(20, 23)}000Z`;
@@ -878,6 +881,22 @@ class Journal {
   }
 
   /**
+   * A name no archive has: the clock can repeat a reading (stepped back,
+   * frozen, two rotations in one millisecond), and a rename would replace the
+   * earlier archive, deleting it. Only this journal's lock holder makes these
+   * names, so a name free now is still free at the rename.
+   */
+  _freeArchiveName() {
+    const stamp = stampOf(new Date());
+    for (let attempt = 0; attempt < MAX_ARCHIVES_PER_STAMP; attempt += 1) {
+      const suffix = attempt === 0 ? '' : `-${attempt}`;
+      const archive = path.join(path.dirname(this.path), `${path.basename(this.path)}.${stamp}${suffix}.done`);
+      if (fs.lstatSync(archive, { throwIfNoEntry: false }) === undefined) return archive;
+    }
+    return null;
+  }
+
+  /**
    * Once every entry is replayed and the file is at least rotateBytes, moves
    * it aside (nothing is deleted) and starts an empty journal. Resolves with
    * the archive's path, or null.
@@ -885,7 +904,8 @@ class Journal {
   rotateIfReplayed() {
     return this._serially(async () => {
       if (this.sizeBytes < this._rotateBytes || this.pending().length > 0) return null;
-      const archive = path.join(path.dirname(this.path), `${path.basename(this.path)}.${stampOf(new Date())}.done`);
+      const archive = this._freeArchiveName();
+      if (archive === null) return null; // stays where it is, as a small replayed journal does
       fs.renameSync(this.path, archive);
       syncDirectory(path.dirname(this.path));
       fs.closeSync(this._descriptor);

@@ -302,6 +302,25 @@ describe('the journal', () => {
     assert.equal(fs.readFileSync(file, 'utf8').trimEnd().split('\n').length, 1);
   });
 
+  test('two rotations at one clock reading keep both archives', async (t) => {
+    // The archive is named by the wall clock, which can repeat (stepped back,
+    // frozen, two rotations in one millisecond): a rename over the first
+    // archive would delete it.
+    t.mock.timers.enable({ apis: ['Date'], now: new Date('2026-10-26T12:00:00Z') });
+    const journal = open({ maxBytes: 4096, rotateBytes: 200 });
+    const archives = [];
+    for (let round = 0; round < 2; round += 1) {
+      const one = entry();
+      await journal.recordReserve(one);
+      await journal.recordEnd(one.reservationId, SUCCESS, 5n);
+      await journal.recordReplay(one.reservationId, ReplayResult.LANDED);
+      archives.push(await journal.rotateIfReplayed());
+    }
+    assert.notEqual(archives[0], archives[1]);
+    const ids = archives.map((archive) => JSON.parse(fs.readFileSync(archive, 'utf8').split('\n')[0]).reservation_id);
+    assert.equal(new Set(ids).size, 2, "each archive keeps its own rotation's lines");
+  });
+
   test('close() waits for the writes asked for before it; a closed journal takes no more lines', async () => {
     const journal = open();
     const one = entry();
