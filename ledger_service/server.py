@@ -265,7 +265,8 @@ class LedgerServer:
         self._database_answers = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="sweeper", daemon=True)
         self._health_probe = threading.Thread(target=self._probe, name="health", daemon=True)
-        # For the local CLI and in-process tests: an admin grant, issued afresh every start.
+        # For the local CLI and in-process tests: an admin grant, issued afresh every
+        # start, and written to its file only once the server listens (start).
         self.admin_grant = issue_admin_grant(settings, self.keyring)
         # Never read back: a system clock stepped back must not revive an expired grant.
         self._auth = AuthInterceptor(self.keyring, SteadyClock(SystemClock()))
@@ -366,6 +367,7 @@ class LedgerServer:
         )
         if key_id_of(self.admin_grant) != changed.signing_key_id:
             self.admin_grant = issue_admin_grant(self.settings, changed)
+            write_admin_grant(self.settings, self.admin_grant)
 
     def start(self) -> int:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -408,6 +410,9 @@ class LedgerServer:
         self._check_database()
         self._health_probe.start()
         self._maintenance.start()
+        # Only now: a start that fails (the port taken by the server already running
+        # on this data directory) leaves the grant file to the server it belongs to.
+        write_admin_grant(self.settings, self.admin_grant)
         host = self.settings.listen.rsplit(":", 1)[0]
         log.info(
             "listening on %s:%d (%s, database %s%s)",
@@ -679,21 +684,24 @@ def recovery_policy(settings: Settings) -> RecoveryPolicy:
 
 
 def issue_admin_grant(settings: Settings, grant_keys: Keyring) -> str:
-    """Issues an admin grant and writes it to <data-dir>/admin.grant (mode 0600)."""
+    """Issues an admin grant, for the local commands once written (write_admin_grant)."""
     now_us = SystemClock().now_us()
-    grant = grant_keys.issue(
+    return grant_keys.issue(
         ["*"],
         [Scope.ADMIN],
         issued_at_us=now_us,
         expires_at_us=now_us + settings.admin_grant_lifetime_seconds * 1_000_000,
     )
+
+
+def write_admin_grant(settings: Settings, grant: str) -> None:
+    """Writes `grant` to <data-dir>/admin.grant (mode 0600), or warns that it cannot."""
     try:
         keyring.write_admin_grant(settings.data_dir, grant)
     except OSError as error:
         # A read-only data directory still serves; only the local commands miss the file.
         path = keyring.admin_grant_path(settings.data_dir)
         log.warning("cannot write %s (%s): give local commands --grant", path, error.strerror)
-    return grant
 
 
 def server_tls(settings: Settings, clock: Clock) -> ServerTls | None:

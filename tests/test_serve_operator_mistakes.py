@@ -18,7 +18,7 @@ import pytest
 from ledger_service import settings as settings_module
 from ledger_service.cli import connection
 from ledger_service.settings import Settings
-from tests.serving import STOP_SECONDS, clean_env
+from tests.serving import STOP_SECONDS, clean_env, spawn, stop
 
 LEDGER = pathlib.Path(sys.executable).with_name("ledger")
 COMMAND_SECONDS = 60
@@ -183,3 +183,29 @@ def test_serve_refuses_fewer_than_one_viable_source_as_recover_does(
         "at least one viable source is needed"
     ], done.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_a_start_that_cannot_listen_leaves_the_admin_grant_as_it_was(
+    tmp_path: pathlib.Path,
+) -> None:
+    # `make run` a second time, the port taken by the first: the start failed, yet it
+    # had already written a grant of its own to data/admin.grant, so the file no longer
+    # held the grant of the server that answers on that port.
+    process, address = spawn(tmp_path)
+    try:
+        grant_file = tmp_path / "admin.grant"
+        before = grant_file.read_bytes()
+        done = subprocess.run(
+            [str(LEDGER), "serve", "--listen", address, "--data-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            timeout=COMMAND_SECONDS,
+            check=False,
+        )
+        assert done.returncode == 1, done
+        assert "Traceback" not in done.stderr, done.stderr
+        assert f"cannot listen on {address}" in done.stderr, done.stderr
+        assert grant_file.read_bytes() == before
+    finally:
+        stop(process)

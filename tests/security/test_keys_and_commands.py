@@ -47,6 +47,8 @@ def test_key_files_are_private_even_under_a_loose_umask(tmp_path: pathlib.Path) 
     previous = os.umask(0)
     try:
         server = LedgerServer(security_settings(tmp_path))
+        # admin.grant is written once the server listens (docs/security.md).
+        server.start()
     finally:
         os.umask(previous)
     try:
