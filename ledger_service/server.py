@@ -89,6 +89,45 @@ class ListenFailed(Exception):
     """The server could not bind its address."""
 
 
+def cannot_listen_text(listen: str, *, tls: bool) -> str:
+    """Why `listen` could not be bound, and what to do about it."""
+    causes = ["the port is taken (is another ledger running?)"]
+    causes.append("the address is not this machine's")
+    if tls:
+        causes.append("its TLS certificate and key do not match")
+    return (
+        f"cannot listen on {listen}: {', '.join(causes[:-1])} or {causes[-1]}; "
+        "choose another with --listen HOST:PORT or LEDGER_LISTEN (and point the "
+        "ledger commands at it with LEDGER_SERVER)"
+    )
+
+
+def refuse_an_address_nobody_can_bind(listen: str) -> None:
+    """Raises ListenFailed when no address `listen` resolves to can be bound now,
+    before the server makes a keyring or a database, or migrates one: a start
+    that cannot listen changes nothing. grpcio binds the address again at start
+    (and says the same when it cannot), so a port taken in between is still refused."""
+    host, port = listen.rsplit(":", 1)
+    if int(port) == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError:
+        return  # Left to grpcio, which says what it finds.
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            # As grpcio binds: a port whose last connections linger in TIME_WAIT is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError:
+                continue
+            return  # grpcio listens when one of the addresses binds.
+    raise ListenFailed(cannot_listen_text(listen, tls=False))
+
+
 def build_store(settings: Settings) -> SqlStore:
     if settings.on_postgresql and settings.max_workers > settings.pool_connections:
         # It works, but a busy server's calls past the pool wait for a connection.
@@ -381,15 +420,8 @@ class LedgerServer:
         except RuntimeError:  # grpcio's "Failed to bind to address"
             self.port = 0
         if self.port == 0:
-            causes = ["the port is taken (is another ledger running?)"]
-            causes.append("the address is not this machine's")
-            if self.server_credentials:
-                causes.append("its TLS certificate and key do not match")
             raise ListenFailed(
-                f"cannot listen on {self.settings.listen}: "
-                f"{', '.join(causes[:-1])} or {causes[-1]}; "
-                "choose another with --listen HOST:PORT or LEDGER_LISTEN (and point the "
-                "ledger commands at it with LEDGER_SERVER)"
+                cannot_listen_text(self.settings.listen, tls=self.server_credentials is not None)
             )
         # The address bound: port 0 in the settings picks one.
         bound = f"{self.settings.listen.rsplit(':', 1)[0]}:{self.port}"
@@ -778,6 +810,12 @@ def serve(
     exits with EXIT_CUT_OFF after one that cut work off). `prepare` sees the
     server before it starts (the benchmark's storeless server); `transport` is
     LedgerServer's."""
+    try:
+        refuse_an_address_nobody_can_bind(settings.listen)
+    except ListenFailed as error:
+        # One line, as for every other refused start: nothing has started to log.
+        print(f"ledger: {error}", file=sys.stderr)
+        return 1
     server = LedgerServer(settings, run_migrations=run_migrations, transport=transport)
     if prepare is not None:
         prepare(server)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 
@@ -209,3 +210,29 @@ def test_a_start_that_cannot_listen_leaves_the_admin_grant_as_it_was(
         assert grant_file.read_bytes() == before
     finally:
         stop(process)
+
+
+def test_a_start_that_cannot_listen_makes_no_ledger_and_says_so_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A newcomer's `make run` on a port another program holds: the start failed, but
+    # it had first made a keyring and a migrated database in a fresh data directory
+    # (and would migrate an existing one), then said why twice, after grpcio's own line.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        data_dir = tmp_path / "data"
+        done = subprocess.run(
+            [str(LEDGER), "serve", "--listen", address, "--data-dir", str(data_dir)],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            timeout=COMMAND_SECONDS,
+            check=False,
+        )
+    assert done.returncode == 1, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"ledger: cannot listen on {address}: the port is taken"), lines
+    assert not data_dir.exists()
