@@ -59,3 +59,35 @@ def test_a_database_url_of_another_kind_is_refused_in_one_line(
     assert done.stderr.count("\n") == 1, done.stderr
     assert "sqlite:/// or postgresql+psycopg://" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "s3cret" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["migrate"], ["verify"], ["snapshot"], ["rebuild"], ["recover", "--budget-seconds", "60"]],
+    ids=lambda argv: argv[0],
+)
+def test_a_data_dir_that_the_database_url_variable_overrides_is_refused(
+    tmp_path: pathlib.Path, command: list[str]
+) -> None:
+    """`ledger rebuild --data-dir other` with LEDGER_DATABASE_URL exported (as the
+    PostgreSQL walk-through leaves it) rebuilt the variable's database, not the
+    ledger the flag names, and never said which it had worked on."""
+    ledger = pathlib.Path(sys.executable).with_name("ledger")
+    exported = tmp_path / "exported"
+    made = subprocess.run(
+        [str(ledger), "migrate", "--data-dir", str(exported)],
+        env=serving.clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    before = (exported / "ledger.db").read_bytes()
+    named = tmp_path / "named"
+    done = subprocess.run(
+        [str(ledger), *command, "--data-dir", str(named)],
+        env=serving.clean_env(LEDGER_DATABASE_URL=f"sqlite:///{exported}/ledger.db"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "--data-dir" in done.stderr and "LEDGER_DATABASE_URL" in done.stderr, done.stderr
+    assert (exported / "ledger.db").read_bytes() == before
+    assert not named.exists()

@@ -129,6 +129,7 @@ def database_options(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(arguments: argparse.Namespace) -> Settings:
+    _refuse_a_data_dir_the_variable_overrides(arguments)
     overrides: dict[str, object] = {}
     for name in SERVE_FLAGS:
         value = getattr(arguments, name, None)
@@ -145,6 +146,28 @@ def settings_from(arguments: argparse.Namespace) -> Settings:
         # URL in a form the ledger does not take): one line, no traceback.
         print(f"ledger {arguments.command}: {error}", file=sys.stderr)
         raise SystemExit(2) from error
+
+
+def _refuse_a_data_dir_the_variable_overrides(arguments: argparse.Namespace) -> None:
+    """`migrate` and the recovery commands use the data directory only to find its
+    SQLite file, which LEDGER_DATABASE_URL overrides: `ledger rebuild --data-dir
+    DIR` with the variable exported rebuilt the variable's database, not DIR's.
+    Refused, one line, exit 2, so that nothing is done to a database the operator
+    did not mean. `serve` keeps its keyring in the data directory, beside any URL."""
+    exported = os.environ.get("LEDGER_DATABASE_URL")
+    if arguments.command == "serve" or arguments.data_dir is None or not exported:
+        return
+    if arguments.database_url is not None:
+        return
+    from ledger_service.storage import database
+
+    print(
+        f"ledger {arguments.command}: --data-dir {arguments.data_dir} names the SQLite "
+        f"ledger in it, but LEDGER_DATABASE_URL ({database.redacted(exported)}) overrides "
+        "it: give --database-url, or unset LEDGER_DATABASE_URL, to say which database",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
 
 
 def _serve(arguments: argparse.Namespace) -> int:
