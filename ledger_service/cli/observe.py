@@ -700,6 +700,10 @@ def write_page(path: pathlib.Path, page: str) -> None:
     directory = path.parent if str(path.parent) else pathlib.Path(".")
     if not directory.is_dir():
         raise CliError(f"--html: {str(directory)!r} is not a directory", EXIT_BAD_VALUE)
+    if path.is_dir():
+        raise CliError(
+            f"--html: {str(path)!r} is a directory: name the page's file", EXIT_BAD_VALUE
+        )
     handle, temporary = tempfile.mkstemp(prefix=".ledger-report-", dir=directory)
     try:
         os.fchmod(handle, PAGE_MODE)  # mkstemp makes it 0600; fchmod ignores the umask

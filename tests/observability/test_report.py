@@ -202,3 +202,22 @@ def test_the_page_renders_in_a_headless_browser_with_the_audits_figures(
     figures = read_figures(dom)
     assert {"svg", "polyline", "table"} <= figures.tags
     assert_matches_audit(figures, audit)
+
+
+def test_a_report_path_that_is_a_directory_is_a_bad_value(
+    traced_server: LedgerServer,
+    ledger: Any,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: pathlib.Path,
+) -> None:
+    # `--html reports/` (the directory meant to hold the page) exited 1, the status of
+    # a call the server refused, while a directory that does not exist exited 2.
+    make_jam(ledger)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    address = ("--server", f"127.0.0.1:{traced_server.port}", "--grant", traced_server.admin_grant)
+    code = cli.main(["report", "recall", "--html", str(reports), *address])
+    said = capsys.readouterr().err
+    assert code == 2, said
+    assert said == f"ledger: --html: {str(reports)!r} is a directory: name the page's file\n"
+    assert list(reports.iterdir()) == []
