@@ -423,6 +423,29 @@ def test_a_recovery_command_on_a_data_dir_with_no_database_creates_nothing(
     assert not nowhere.exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--budget-seconds", "-1"],
+         "--budget-seconds: the recovery budget must be a finite number of seconds >= 0"),
+        (["--budget-seconds", "60", "--max-risk", "2"],
+         "--max-risk: the largest acceptable risk score must be between 0 and 1"),
+        (["--budget-seconds", "60", "--min-viable-sources", "0"],
+         "--min-viable-sources: at least one viable source is needed"),
+    ],
+)  # fmt: skip
+def test_a_bad_recovery_policy_is_refused_naming_its_flag_before_the_database(
+    ledger: RunLedger, tmp_path: pathlib.Path, flags: list[str], said: str
+) -> None:
+    # `ledger recover --max-risk 2` opened the database first (a wrong --data-dir
+    # said "no database" instead), then refused the policy without naming the flag.
+    nowhere = tmp_path / "nowhere"
+    run = ledger("recover", "--data-dir", str(nowhere), *flags)
+    assert run.code == 2
+    assert one_line_error(run).strip() == f"ledger recover: {said}"
+    assert not nowhere.exists()
+
+
 def test_verify_on_an_empty_database_file_says_there_is_none_and_leaves_it(
     ledger: RunLedger, tmp_path: pathlib.Path
 ) -> None:

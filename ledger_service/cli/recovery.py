@@ -27,6 +27,7 @@ from ledger_service.cli.render import micros_time_text
 from ledger_service.settings import Settings
 
 if TYPE_CHECKING:  # the commands import the server lazily, as `serve` does
+    from ledger_service.recovery.plan import RecoveryPolicy
     from ledger_service.recovery.rebuild import Recovery
     from ledger_service.recovery.verify import VerificationReport
     from ledger_service.storage.sql import SqlStore
@@ -369,27 +370,43 @@ def _rebuild(arguments: argparse.Namespace) -> int:
     return 0
 
 
+# Each policy field, by the flag of `ledger recover` that sets it.
+POLICY_FLAGS = {
+    "max_budget_seconds": "--budget-seconds",
+    "max_risk_score": "--max-risk",
+    "min_viable_sources": "--min-viable-sources",
+}
+
+
+def _recovery_policy(arguments: argparse.Namespace, settings: Settings) -> RecoveryPolicy | None:
+    """The policy of the flags (the server's settings where a flag is left out),
+    or None after one line naming the flag whose value it refuses."""
+    from ledger_service.recovery.plan import PolicyRefused, RecoveryPolicy
+
+    risk, sources = arguments.max_risk, arguments.min_viable_sources
+    policy = RecoveryPolicy(
+        max_budget_seconds=arguments.budget_seconds,
+        max_risk_score=settings.recovery_max_risk if risk is None else risk,
+        min_viable_sources=settings.recovery_min_viable_sources if sources is None else sources,
+    )
+    try:
+        policy.validate()
+    except PolicyRefused as error:
+        print(f"ledger recover: {POLICY_FLAGS[error.field]}: {error}", file=sys.stderr)
+        return None
+    return policy
+
+
 def _recover(arguments: argparse.Namespace) -> int:
     import dataclasses
 
     from ledger_service.domain.errors import StoreUnavailable
-    from ledger_service.recovery.plan import RecoveryPolicy
 
+    # Before the database is opened: a bad flag is named, not a missing database.
+    policy = _recovery_policy(arguments, settings_from(arguments))
+    if policy is None:
+        return 2
     with _recovery(arguments, "recover") as (settings, recovery):
-        policy = RecoveryPolicy(
-            max_budget_seconds=arguments.budget_seconds,
-            max_risk_score=settings.recovery_max_risk
-            if arguments.max_risk is None
-            else arguments.max_risk,
-            min_viable_sources=settings.recovery_min_viable_sources
-            if arguments.min_viable_sources is None
-            else arguments.min_viable_sources,
-        )
-        try:
-            policy.validate()
-        except ValueError as error:
-            print(f"ledger recover: {error}", file=sys.stderr)
-            return 2
         recovery.settings = dataclasses.replace(
             recovery.settings, accept_log_head=arguments.accept_log_head
         )

@@ -45,6 +45,15 @@ class Source:
     possible: bool = True
 
 
+class PolicyRefused(ValueError):
+    """A recovery policy field out of its range; `field` names it, so that each
+    command can name its own flag or variable."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclasses.dataclass(frozen=True)
 class RecoveryPolicy:
     max_budget_seconds: float
@@ -53,11 +62,15 @@ class RecoveryPolicy:
 
     def validate(self) -> None:
         if not (math.isfinite(self.max_budget_seconds) and self.max_budget_seconds >= 0):
-            raise ValueError("the recovery budget must be a finite number of seconds >= 0")
+            raise PolicyRefused(
+                "max_budget_seconds", "the recovery budget must be a finite number of seconds >= 0"
+            )
         if not 0.0 <= self.max_risk_score <= 1.0:
-            raise ValueError("the largest acceptable risk score must be between 0 and 1")
+            raise PolicyRefused(
+                "max_risk_score", "the largest acceptable risk score must be between 0 and 1"
+            )
         if self.min_viable_sources < 1:
-            raise ValueError("at least one viable source is needed")
+            raise PolicyRefused("min_viable_sources", "at least one viable source is needed")
 
 
 @dataclasses.dataclass(frozen=True)
