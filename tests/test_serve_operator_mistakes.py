@@ -27,8 +27,13 @@ COMMAND_SECONDS = 60
 
 def _serve_refused(*arguments: str) -> subprocess.CompletedProcess[str]:
     """`ledger serve` on a free port with `arguments`, for a start it refuses."""
+    return _serve_on("127.0.0.1:0", *arguments)
+
+
+def _serve_on(address: str, *arguments: str) -> subprocess.CompletedProcess[str]:
+    """`ledger serve` on `address` with `arguments`, for a start it refuses."""
     return subprocess.run(
-        [str(LEDGER), "serve", "--listen", "127.0.0.1:0", *arguments],
+        [str(LEDGER), "serve", "--listen", address, *arguments],
         capture_output=True,
         text=True,
         env=clean_env(),
@@ -196,14 +201,7 @@ def test_a_start_that_cannot_listen_leaves_the_admin_grant_as_it_was(
     try:
         grant_file = tmp_path / "admin.grant"
         before = grant_file.read_bytes()
-        done = subprocess.run(
-            [str(LEDGER), "serve", "--listen", address, "--data-dir", str(tmp_path)],
-            capture_output=True,
-            text=True,
-            env=clean_env(),
-            timeout=COMMAND_SECONDS,
-            check=False,
-        )
+        done = _serve_on(address, "--data-dir", str(tmp_path))
         assert done.returncode == 1, done
         assert "Traceback" not in done.stderr, done.stderr
         assert f"cannot listen on {address}" in done.stderr, done.stderr
@@ -223,14 +221,7 @@ def test_a_start_that_cannot_listen_makes_no_ledger_and_says_so_once(
         holder.listen()
         address = f"127.0.0.1:{holder.getsockname()[1]}"
         data_dir = tmp_path / "data"
-        done = subprocess.run(
-            [str(LEDGER), "serve", "--listen", address, "--data-dir", str(data_dir)],
-            capture_output=True,
-            text=True,
-            env=clean_env(),
-            timeout=COMMAND_SECONDS,
-            check=False,
-        )
+        done = _serve_on(address, "--data-dir", str(data_dir))
     assert done.returncode == 1, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
