@@ -826,6 +826,10 @@ def serve(
         print(f"ledger: {error}", file=sys.stderr)
         server.stop(0)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C before the handlers below: what the start began ends with it.
+        server.stop(0)
+        raise
     done = threading.Event()
     # Counts the signals: next() is one step, which a second handler, run
     # inside the first one as Python may do, cannot split.

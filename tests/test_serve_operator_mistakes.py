@@ -227,3 +227,25 @@ def test_a_start_that_cannot_listen_makes_no_ledger_and_says_so_once(
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"ledger: cannot listen on {address}: the port is taken"), lines
     assert not data_dir.exists()
+
+
+def test_ctrl_c_while_serve_starts_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    # Ctrl-C before the server's own signal handlers are in place (a slow start on a
+    # busy machine: importing grpcio and psycopg alone took over 6 s) ended in a
+    # KeyboardInterrupt traceback, where every other command says one line, exit 130.
+    from ledger_service import cli, server
+
+    def interrupted(*_arguments: object, **_options: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "serve", interrupted)
+    try:
+        code = cli.main(["serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path)])
+    except KeyboardInterrupt:  # not pytest's own Ctrl-C: the run goes on
+        pytest.fail("the KeyboardInterrupt left `ledger serve` (a traceback)")
+    assert code == 130
+    assert (
+        capsys.readouterr().err == "ledger serve: interrupted while starting; it served nothing\n"
+    )
