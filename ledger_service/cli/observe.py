@@ -694,9 +694,9 @@ def next_release(audit: pb.Audit) -> AgeOut | None:
     return AgeOut(micros(audit.next_release_at), 0, audit.next_release_nanos)
 
 
-def write_page(path: pathlib.Path, page: str) -> None:
-    """Writes the page whole or not at all (a temporary file, then a rename),
-    readable by all (PAGE_MODE)."""
+def page_directory(path: pathlib.Path) -> pathlib.Path:
+    """The directory the page goes to; a path that cannot name a page is refused
+    as a bad value, checked before the server is asked for the audit."""
     directory = path.parent if str(path.parent) else pathlib.Path(".")
     if not directory.is_dir():
         raise CliError(f"--html: {str(directory)!r} is not a directory", EXIT_BAD_VALUE)
@@ -704,6 +704,13 @@ def write_page(path: pathlib.Path, page: str) -> None:
         raise CliError(
             f"--html: {str(path)!r} is a directory: name the page's file", EXIT_BAD_VALUE
         )
+    return directory
+
+
+def write_page(path: pathlib.Path, page: str) -> None:
+    """Writes the page whole or not at all (a temporary file, then a rename),
+    readable by all (PAGE_MODE)."""
+    directory = page_directory(path)
     handle, temporary = tempfile.mkstemp(prefix=".ledger-report-", dir=directory)
     try:
         os.fchmod(handle, PAGE_MODE)  # mkstemp makes it 0600; fchmod ignores the umask
@@ -725,6 +732,7 @@ def audit(arguments: argparse.Namespace, session: Session) -> int:
 
 
 def report(arguments: argparse.Namespace, session: Session) -> int:
+    page_directory(arguments.html)
     found = fetch_audit(arguments, session)
     events, earlier, truncated = window_events(arguments.lane, found.balance, session)
     if truncated:

@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import stat
 import subprocess
 from typing import Any
@@ -204,20 +205,23 @@ def test_the_page_renders_in_a_headless_browser_with_the_audits_figures(
     assert_matches_audit(figures, audit)
 
 
-def test_a_report_path_that_is_a_directory_is_a_bad_value(
-    traced_server: LedgerServer,
-    ledger: Any,
-    capsys: pytest.CaptureFixture[str],
-    tmp_path: pathlib.Path,
+@pytest.mark.parametrize("where", ["reports", "missing/recall.html"])
+def test_a_report_path_that_cannot_be_a_page_is_refused_before_the_server_is_asked(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, where: str
 ) -> None:
-    # `--html reports/` (the directory meant to hold the page) exited 1, the status of
-    # a call the server refused, while a directory that does not exist exited 2.
-    make_jam(ledger)
-    reports = tmp_path / "reports"
-    reports.mkdir()
-    address = ("--server", f"127.0.0.1:{traced_server.port}", "--grant", traced_server.admin_grant)
-    code = cli.main(["report", "recall", "--html", str(reports), *address])
+    # `--html reports/` (the directory meant to hold the page) exited 1, the status of a
+    # call the server refused; and both it and a missing directory were found only
+    # after the audit had been read, so a server that did not answer hid them (exit 3).
+    (tmp_path / "reports").mkdir()
+    path = tmp_path / where
+    with socket.socket() as closed:  # bound, never listening: a call to it is refused
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        code = cli.main(["report", "recall", "--html", str(path), "--server", address])
     said = capsys.readouterr().err
     assert code == 2, said
-    assert said == f"ledger: --html: {str(reports)!r} is a directory: name the page's file\n"
-    assert list(reports.iterdir()) == []
+    if where == "reports":
+        assert said == f"ledger: --html: {str(path)!r} is a directory: name the page's file\n"
+    else:
+        assert said == f"ledger: --html: {str(path.parent)!r} is not a directory\n"
+    assert list((tmp_path / "reports").iterdir()) == []
