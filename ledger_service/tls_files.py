@@ -71,6 +71,14 @@ def check_server_pair(cert: bytes, cert_path: pathlib.Path, key: bytes, key_path
             f"{names.cert} {cert_path}: the certificate expired at "
             f"{leaf.not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}; no client would complete a handshake"
         )
+    check_key_of(leaf, cert_path, key, key_path, names)
+    return leaf
+
+
+def check_key_of(leaf: x509.Certificate, cert_path: pathlib.Path, key: bytes,
+                 key_path: pathlib.Path, names: Sources) -> None:  # fmt: skip
+    """`key` is the unencrypted private key of `leaf`, a server's certificate
+    or a command's client certificate. Raises ValueError naming the file at fault."""
     try:
         private = serialization.load_pem_private_key(key, password=None)
     except TypeError:  # a password is needed
@@ -83,7 +91,6 @@ def check_server_pair(cert: bytes, cert_path: pathlib.Path, key: bytes, key_path
         raise ValueError(
             f"{names.key} {key_path} is not the key of the certificate in {names.cert} {cert_path}"
         )
-    return leaf
 
 
 def _public(key: object) -> bytes:

@@ -1794,6 +1794,11 @@ def test_bad_tls_options_are_refused_before_any_call(
         (["--tls-ca", str(pem.ca), "--tls-cert", str(pem.ca), "--tls-key", str(pem.ca)],
          "--tls-key: "),
         (["--tls-server-name", "localhost"], "--tls-server-name needs --tls-ca"),
+        # A key of another certificate once reached gRPC, which printed its own
+        # log lines and "Failed to create security handshaker", naming no option.
+        (["--tls-ca", str(pem.ca), "--tls-cert", str(pem.client_cert),
+          "--tls-key", str(pem.rogue_key)],
+         f"--tls-key {pem.rogue_key} is not the key of the certificate in --tls-cert"),
     ]  # fmt: skip
     for options, start in cases:
         run = ledger("lane", "list", "--server", "127.0.0.1:9", *options)

@@ -104,11 +104,31 @@ def resolve_tls(arguments: argparse.Namespace) -> Tls | None:
         raise CliError(
             f"{name_source}: {name[:MAX_VALUE_LENGTH]!r} is not a host name", EXIT_BAD_VALUE
         )
+    root_certificates = read_pem(ca, ca_source, "CERTIFICATE") if ca else None
+    certificate_chain = read_pem(cert, cert_source, "CERTIFICATE") if cert else None
+    private_key = read_pem(key, key_source, "PRIVATE KEY") if key else None
+    if certificate_chain is not None and private_key is not None:
+        _check_pair(certificate_chain, cert, cert_source, private_key, key, key_source)
     return Tls(
-        root_certificates=read_pem(ca, ca_source, "CERTIFICATE") if ca else None,
+        root_certificates=root_certificates,
         ca_source=ca_source,
-        certificate_chain=read_pem(cert, cert_source, "CERTIFICATE") if cert else None,
-        private_key=read_pem(key, key_source, "PRIVATE KEY") if key else None,
+        certificate_chain=certificate_chain,
+        private_key=private_key,
         client_source=cert_source,
         server_name=name,
     )
+
+
+def _check_pair(chain: bytes, cert_path: str, cert_source: str,
+                key: bytes, key_path: str, key_source: str) -> None:  # fmt: skip
+    """A key of another certificate reached gRPC, which logged its own lines and
+    failed the call with "Failed to create security handshaker", naming no option.
+    Imported here: `cryptography` costs every other command its start-up time."""
+    from ledger_service import tls_files
+
+    names = tls_files.Sources(cert=cert_source, key=key_source)
+    try:
+        leaf = tls_files.certificates(chain, pathlib.Path(cert_path), cert_source)[0]
+        tls_files.check_key_of(leaf, pathlib.Path(cert_path), key, pathlib.Path(key_path), names)
+    except ValueError as error:
+        raise CliError(str(error), EXIT_BAD_VALUE) from None
