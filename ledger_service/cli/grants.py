@@ -32,7 +32,7 @@ from ledger_service.storage import keyring
 
 EXIT_REFUSED = 1  # inspect: the grant is not valid (or cannot be checked)
 SECONDS_PER_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
-_DURATION = re.compile(r"([1-9][0-9]{0,9})([smhd])")
+_DURATION = re.compile(r"([0-9]{1,10})([smhd])")
 
 
 def register(commands: Any) -> None:
@@ -108,6 +108,8 @@ def lifetime_seconds(text: str) -> int:
     if match is None:
         raise ValueError(f"--expires {text!r}: use a number and s, m, h or d, as in 30d")
     seconds = int(match.group(1)) * SECONDS_PER_UNIT[match.group(2)]
+    if seconds == 0:
+        raise ValueError(f"--expires {text!r}: a grant must live at least 1 s")
     if seconds > MAX_GRANT_LIFETIME_SECONDS:
         raise ValueError("--expires: a grant may live at most 3,660 days (ten years of 366 days)")
     return seconds

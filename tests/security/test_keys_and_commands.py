@@ -427,3 +427,15 @@ def test_a_new_keyring_beside_a_ledger_that_has_events_is_warned_about(
         assert "holds a ledger" not in said, "a first start is not warned about"
     finally:
         fresh.stop(0)
+
+
+def test_a_zero_grant_lifetime_is_refused_as_zero_not_as_malformed(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--expires 0s` is a number and a unit; "use a number and s, m, h or d"
+    sent the operator looking for a typo that was not there."""
+    keyring.load_or_create(tmp_path)
+    arguments = ["--lane", "recall", "--scope", "read", "--expires", "0s"]
+    code, out, err = run_cli(["grant", "issue", *arguments, "--data-dir", str(tmp_path)], capsys)
+    assert (code, out) == (2, "")
+    assert err == "ledger grant: --expires '0s': a grant must live at least 1 s\n", err
