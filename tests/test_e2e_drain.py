@@ -347,6 +347,23 @@ def test_a_second_signal_after_a_clean_drain_still_exits_0(tmp_path: pathlib.Pat
         assert process.wait(timeout=60) == 0, stderr.lines
 
 
+def test_a_second_signal_after_the_stop_is_done_still_exits_0(tmp_path: pathlib.Path) -> None:
+    """After "stopped" the interpreter still spends a moment exiting, and once
+    it began, Python had put SIGTERM back to its default action: a second
+    signal then (Ctrl-C twice, a supervisor that signals again) killed the
+    process, status -15, though the stop had ended cleanly."""
+    with watched(tmp_path, serving.clean_env()) as (process, address, stderr):
+        put_lane(address)
+        process.send_signal(signal.SIGTERM)
+        assert stderr.seen("ledger.server: stopped"), stderr.lines
+        # Signals until it exits, so that one lands while the interpreter exits.
+        while process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=0.01)
+        assert process.returncode == 0, stderr.lines
+
+
 def test_calls_without_a_deadline_that_reach_a_drain_are_refused_as_shutting_down(
     tmp_path: pathlib.Path,
 ) -> None:

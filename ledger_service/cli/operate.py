@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import pathlib
+import signal
 import sys
 from typing import Any
 
@@ -188,14 +189,22 @@ def _serve_until_stopped(arguments: argparse.Namespace) -> int:
         settings = settings_from(arguments)
         for sentence in unread_variables(os.environ):
             logging.getLogger("ledger.settings").warning("%s", sentence)
-        if arguments.no_migrate:
-            return server.serve_existing(settings)
-        return server.serve(settings)
+        served = server.serve_existing if arguments.no_migrate else server.serve
+        code = served(settings)
     except (ValueError, KeyringError) as error:
         # A refused configuration (say --insecure-no-auth on 0.0.0.0, or a
         # keyring that cannot be read): one line, no traceback.
         print(f"ledger serve: {error}", file=sys.stderr)
         return 2
+    # The stop is done, and the interpreter's exit, which still takes a moment,
+    # puts a signal with a Python handler back to its default action: a second
+    # signal then (Ctrl-C twice, a supervisor signalling again) killed the
+    # process, status -15, after a clean stop. Nothing is left to stop, and
+    # Python leaves an ignored signal ignored.
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            signal.signal(number, signal.SIG_IGN)
+    return code
 
 
 def _migrate(arguments: argparse.Namespace) -> int:
