@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from ledger_service import cli
 from ledger_service.cli import connection, exits, reconcile, render, values
@@ -1786,6 +1787,16 @@ def test_bad_tls_options_are_refused_before_any_call(
 ) -> None:
     for key in [key for key in os.environ if key.startswith("LEDGER_")]:
         monkeypatch.delenv(key)
+    # The traditional PEM form says it is encrypted only in a header inside it.
+    private = serialization.load_pem_private_key(pem.client_key.read_bytes(), password=None)
+    encrypted_key = tmp_path / "encrypted.key"
+    encrypted_key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     cases = [
         (["--tls-cert", str(pem.client_cert)], "--tls-cert needs --tls-key: "),
         (["--tls-key", str(pem.client_key)], "--tls-key needs --tls-cert: "),
@@ -1799,6 +1810,9 @@ def test_bad_tls_options_are_refused_before_any_call(
         (["--tls-ca", str(pem.ca), "--tls-cert", str(pem.client_cert),
           "--tls-key", str(pem.rogue_key)],
          f"--tls-key {pem.rogue_key} is not the key of the certificate in --tls-cert"),
+        (["--tls-ca", str(pem.ca), "--tls-cert", str(pem.client_cert),
+          "--tls-key", str(encrypted_key)],
+         f"--tls-key {encrypted_key}: is encrypted; gRPC needs an unencrypted key"),
     ]  # fmt: skip
     for options, start in cases:
         run = ledger("lane", "list", "--server", "127.0.0.1:9", *options)
