@@ -443,7 +443,14 @@ class LaneClient:
         if self._client_probe is None:
             self._client_probe = client_probe_context(tls)
         if self._client_probe is None:
-            return error
+            # Only a client certificate that does not load makes none: gRPC
+            # cannot use it either ("Failed to create security handshaker").
+            return self._mismatch(
+                error,
+                "is not reached: certificate_chain and private_key in TlsSettings do not "
+                "load as a pair (a key that is not the certificate's, an encrypted key, or "
+                "not PEM): give the certificate with its own unencrypted key",
+            )
         refused = functools.partial(refuses_client_certificate, context=self._client_probe)
         if not self._probed(error, deadline, refused):
             return error

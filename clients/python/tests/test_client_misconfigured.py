@@ -195,6 +195,19 @@ def test_a_client_certificate_the_ledger_does_not_trust_names_it(
     assert "does not trust" in mismatch.message
 
 
+def test_a_private_key_that_is_not_the_certificates_names_it(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    # gRPC says "Failed to create security handshaker", as no outage does:
+    # the pair never loads, so every retry would fail the same way.
+    tls = dataclasses.replace(
+        lane_tls(certificates), private_key=_other_ca(tmp_path)["client.key"].read_bytes()
+    )
+    mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
+                             tmp_path)  # fmt: skip
+    assert "private_key" in mismatch.message and "certificate_chain" in mismatch.message
+
+
 def _accepted(listener: socket.socket) -> Iterator[socket.socket]:
     """Each connection the listener accepts, until it is closed."""
     while True:
