@@ -588,7 +588,13 @@ function channelCredentials(tls) {
   if (!tls) return grpc.credentials.createInsecure();
   const options = tls === true ? {} : tls;
   const pem = (value) => (value === undefined || value === null ? null : Buffer.from(value));
-  return grpc.credentials.createSsl(pem(options.rootCerts), pem(options.clientKey), pem(options.clientCert));
+  try {
+    return grpc.credentials.createSsl(pem(options.rootCerts), pem(options.clientKey), pem(options.clientCert));
+  } catch (error) {
+    // OpenSSL's words alone ("key values mismatch") name no option; every call would fail the same way.
+    const which = options.clientKey || options.clientCert ? 'tls.clientCert and tls.clientKey do not load as a pair, or tls.rootCerts does not load' : 'tls.rootCerts does not load';
+    throw new TypeError(`${which} (${error.message}): give PEM certificates and the client certificate's own unencrypted key`, { cause: error });
+  }
 }
 
 // A lost connection is retried within 100 ms, then at most every 2 s (the

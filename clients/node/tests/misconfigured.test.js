@@ -182,6 +182,17 @@ describe('a TLS option that does not match the ledger', () => {
     }
   });
 
+  test('a clientKey that is not the key of clientCert is refused at construction, naming both', () => {
+    const other = makeCertificates({ caName: 'another ca' });
+    const tlsOption = { rootCerts: certificates.ca, clientCert: certificates.clientCert, clientKey: other.clientKey };
+    assert.throws(() => new LaneClient(ledger.address, 'recall', { tls: tlsOption }), (error) => {
+      assert.ok(error instanceof TypeError, error.name);
+      assert.match(error.message, /clientKey/);
+      assert.match(error.message, /clientCert/);
+      return true;
+    });
+  });
+
   test('TLS to nobody listening is still an outage', async () => {
     const client = new LaneClient(`127.0.0.1:${await closedPort()}`, 'recall', {
       tls: { rootCerts: certificates.ca, serverName: 'localhost' },
