@@ -937,6 +937,66 @@ def test_a_follow_whose_server_does_not_come_back_says_where_to_resume(
     assert Ledger.looks >= 1
 
 
+class _Stopping(_Down):
+    """What a call to a draining server gets: SHUTTING_DOWN, it did no work."""
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        from ledger_service.api.errors import REASON_KEY
+        from ledger_service.domain.errors import ShuttingDown
+
+        return ((REASON_KEY, ShuttingDown.reason),)
+
+
+def test_a_follow_whose_server_stops_while_it_lists_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ledger history --follow` lists the newest events before it streams. Under
+    a write load on another replica that listing took seconds (one ListEvents a
+    probe of the newest, each waiting for the appends in flight), and a SIGTERM
+    to the replica meanwhile ended the follow, printing nothing ("the server is
+    shutting down; try again", exit 3), where a stop of its stream is waited
+    for. Now the listing waits for the server the same way and is made again."""
+    from ledger_service.cli import reading
+
+    class Ledger:
+        lists = 0
+        looks = 0
+
+        def ListEvents(
+            self, request: pb.ListEventsRequest, **options: Any
+        ) -> pb.ListEventsResponse:
+            if options.get("wait_for_ready"):  # the look for the server's return
+                Ledger.looks += 1
+                return pb.ListEventsResponse()
+            Ledger.lists += 1
+            if Ledger.lists == 1:
+                raise _Stopping()
+            events = [pb.Event(seq=seq, lane="again", kind="reserved") for seq in (5, 7)]
+            return pb.ListEventsResponse(events=[e for e in events if e.seq > request.after_seq])
+
+    followed: list[int] = []
+
+    def follow(arguments: Any, session: Any, after_seq: int, *rest: Any) -> int:
+        followed.append(after_seq)
+        return 0
+
+    monkeypatch.setattr(reading, "follow", follow)
+    monkeypatch.setattr(reading, "FOLLOW_RESUME_TRY_SECONDS", 0.05)
+    session = connection.Session("127.0.0.1:1", Ledger(), None, 5.0, ())  # type: ignore[arg-type]
+    arguments = reading.argparse.Namespace(
+        lane="again", reservation_id=None, limit="50", after_seq=None, follow=True, json=True
+    )
+    assert reading.history(arguments, session) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["seq"] for line in out.splitlines()] == [5, 7]
+    assert followed == [7]
+    assert Ledger.looks == 1
+    assert err == (
+        "ledger: the ledger at 127.0.0.1:1 is stopping; listing again once it answers"
+        " (at most 60 s)\n"
+    )
+
+
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "ten", "1e9"])
 def test_a_bad_client_keepalive_is_refused_before_any_call(
     target: LedgerProcess, ledger: RunLedger, monkeypatch: pytest.MonkeyPatch, text: str

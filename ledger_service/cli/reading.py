@@ -41,6 +41,8 @@ FOLLOW_POLL_SECONDS = 0.1
 # be back (a restart) before the command ends, and how long each look waits.
 FOLLOW_RESUME_SECONDS = 60.0
 FOLLOW_RESUME_TRY_SECONDS = 1.0
+# A follow's listing of the newest events, made again after each stop it meets.
+FOLLOW_LIST_ATTEMPTS = 10
 # A trace id is shown whole (32 hex digits), so it can be pasted into a trace search.
 TRACE_ID_CHARACTERS = 32
 CORRECTION_REASON_SHOWN_CHARACTERS = 40
@@ -141,7 +143,7 @@ def history(arguments: argparse.Namespace, session: Session) -> int:
     if not (arguments.follow and resumed):
         # An unknown lane fails here, NOT_FOUND from ListEvents itself: a read
         # grant (or a server awaiting recovery) must not need the admin's GetLane.
-        events, last_seq = recent_events(arguments, session, after_seq, limit)
+        events, last_seq = _listed(arguments, session, after_seq, limit)
     widths = _history_widths(events, FOLLOW_HISTORY_WIDTHS if arguments.follow else HISTORY_WIDTHS)
     columns = _history_columns(arguments)
     header = _Header(
@@ -170,6 +172,30 @@ class _Header:
         if self._text is not None:
             print(self._text, flush=True)
             self._text = None
+
+
+def _listed(
+    arguments: argparse.Namespace, session: Session, after_seq: int, limit: int
+) -> tuple[list[pb.Event], int]:
+    """The newest events, as `recent_events`. A follow's listing meets a server
+    that stops (SHUTTING_DOWN) as its stream does: it waits for the server (or
+    another replica) to answer and lists again, at most FOLLOW_LIST_ATTEMPTS
+    times. Under a write load the listing takes seconds, and a restart then
+    ended the follow before it printed anything."""
+    for _ in range(FOLLOW_LIST_ATTEMPTS - 1):
+        try:
+            return recent_events(arguments, session, after_seq, limit)
+        except grpc.RpcError as error:
+            if not (arguments.follow and _shutting_down(error)):
+                raise
+        print(
+            f"ledger: the ledger at {session.server} is stopping; listing again once it "
+            f"answers (at most {FOLLOW_RESUME_SECONDS:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        _wait_for_return(arguments, session, after_seq)
+    return recent_events(arguments, session, after_seq, limit)
 
 
 def recent_events(
