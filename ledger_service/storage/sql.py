@@ -1292,19 +1292,37 @@ class SqlTransaction:
         # Plain rows of EVENT_COLUMNS, converted in one call, cheaper than a row
         # mapping and an event_from_row per event (a `ledger verify` reads
         # every event this way).
+        if self._horizon is None or (query.lane_locked and query.lane):
+            # SQLite, or a reader holding the lane's lock: no lane's append (of
+            # the lane's: none) is in flight past what the read sees.
+            return self._events_up_to(query, query.after_seq, None, query.limit)
+        # PostgreSQL: never past an append still in flight. A page full below
+        # the horizon as it stands holds no seq such an append could take, so
+        # only a page that ends short waits for them and reads on.
+        horizon = self._horizon.advance(self._connection, wanted=0)
+        page = list(self._events_up_to(query, query.after_seq, horizon, query.limit))
+        if len(page) == query.limit:
+            return page
+        after_seq = max(query.after_seq, horizon)
+        waited = self._horizon.advance(self._connection)
+        if waited > after_seq:
+            page.extend(self._events_up_to(query, after_seq, waited, query.limit - len(page)))
+        return page
+
+    def _events_up_to(
+        self, query: EventQuery, after_seq: int, horizon: int | None, limit: int
+    ) -> Sequence[Event]:
         columns = [events.c[name] for name in records.EVENT_COLUMNS]
-        statement = select(*columns).where(events.c.seq > query.after_seq)
-        # PostgreSQL: never past an append still in flight, unless the reader
-        # holds the lane's lock (then none of the lane's can be).
-        if self._horizon is not None and not (query.lane_locked and query.lane):
-            statement = statement.where(events.c.seq <= self._horizon.advance(self._connection))
+        statement = select(*columns).where(events.c.seq > after_seq)
+        if horizon is not None:
+            statement = statement.where(events.c.seq <= horizon)
         if query.lane:
             statement = statement.where(events.c.lane == query.lane)
         if query.reservation_id:
             statement = statement.where(events.c.reservation_id == query.reservation_id)
         if query.kinds:
             statement = statement.where(events.c.kind.in_(query.kinds))
-        rows = self._connection.execute(statement.order_by(events.c.seq).limit(query.limit)).all()
+        rows = self._connection.execute(statement.order_by(events.c.seq).limit(limit)).all()
         return records.events_from_rows(rows)
 
     def last_seq(self) -> int:
