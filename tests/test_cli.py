@@ -937,6 +937,40 @@ def test_a_follow_whose_server_does_not_come_back_says_where_to_resume(
     assert Ledger.looks >= 1
 
 
+def test_a_follow_looks_for_its_stopped_server_at_least_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A follow whose server stopped waits for it (FOLLOW_RESUME_SECONDS), looking
+    every FOLLOW_RESUME_TRY_SECONDS; but the CLI's channel had gRPC's own
+    reconnect backoff (1 s, growing 1.6 times a failure up to 120 s), so the
+    looks found no connection to try: with the server down 25 s, the follow
+    printed the first event after its restart 7 s late, and under two restarts
+    in a row (SIGTERM, then SIGKILL soon after) two of three follows printed
+    nothing more for the 9 s the test ran on. A server back within the minute
+    could be missed whole. The channel now tries a connection at least once a
+    look."""
+    from ledger_service.cli import reading
+
+    given: dict[str, Any] = {}
+    real = grpc.insecure_channel
+
+    def channel(target: str, options: Any = ()) -> grpc.Channel:
+        given.update(options)
+        return real(target, options=options)
+
+    monkeypatch.setattr(connection.grpc, "insecure_channel", channel)
+    for variable in ("LEDGER_TLS_CA", "LEDGER_TLS_CLIENT_CERT", "LEDGER_TLS_CLIENT_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    arguments = reading.argparse.Namespace(
+        server="127.0.0.1:1", grant="lg1.key.payload.signature", timeout=None
+    )
+    with connection.connect(arguments):
+        pass
+    look_ms = reading.FOLLOW_RESUME_TRY_SECONDS * 1000
+    assert given.get("grpc.max_reconnect_backoff_ms", 120_000) <= look_ms
+    assert given.get("grpc.initial_reconnect_backoff_ms", 1000) <= look_ms
+
+
 class _Stopping(_Down):
     """What a call to a draining server gets: SHUTTING_DOWN, it did no work."""
 

@@ -55,6 +55,14 @@ KEEPALIVE_VARIABLE = "LEDGER_CLIENT_KEEPALIVE_SECONDS"
 DEFAULT_KEEPALIVE_SECONDS = 30.0
 KEEPALIVE_TIMEOUT_SECONDS = 20.0
 MAX_KEEPALIVE_SECONDS = 3600.0
+# A connection lost (a server restarting) is tried again after 0.1 s, then at
+# most 1 s apart (gRPC's own backoff grows to 120 s): a follow waiting for its
+# server looks every second (reading.FOLLOW_RESUME_TRY_SECONDS), and a look on
+# a channel between tries waits for the next one. The connect timeout stays gRPC's.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 MAX_GRANT_BYTES = 16 * 1024
 # Paging: every listing stops after MAX_PAGES pages of PAGE_SIZE, whatever the server says.
 PAGE_SIZE = 1000
@@ -320,7 +328,7 @@ def connect(arguments: argparse.Namespace) -> Iterator[Session]:
             file=sys.stderr,
         )
     keepalive_seconds = resolve_keepalive_seconds()
-    options = keepalive_options(keepalive_seconds)
+    options = [*keepalive_options(keepalive_seconds), *RECONNECT_OPTIONS]
     channel = (
         grpc.insecure_channel(server, options=options)
         if tls is None
