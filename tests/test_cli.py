@@ -923,7 +923,7 @@ def test_a_follow_whose_server_does_not_come_back_says_where_to_resume(
 
         def ListEvents(self, request: pb.ListEventsRequest, **options: Any) -> None:
             Ledger.looks += 1
-            assert request.after_seq == 41 and options["wait_for_ready"]
+            assert request.after_seq in (0, 41) and options["wait_for_ready"]
             raise _Down()
 
     monkeypatch.setattr(reading, "FOLLOW_RESUME_SECONDS", 0.2)
@@ -935,6 +935,10 @@ def test_a_follow_whose_server_does_not_come_back_says_where_to_resume(
     assert ended.value.exit_code == exits.EXIT_UNREACHABLE
     assert ended.value.message.endswith("; resume with --after-seq 41")
     assert Ledger.looks >= 1
+    # Before the first listing printed anything, --after-seq 0 would replay the whole log.
+    with pytest.raises(exits.CliError) as ended:
+        reading._wait_for_return(arguments, session, 0, printed=False)
+    assert ended.value.message.endswith("; run the command again")
 
 
 def test_a_follow_looks_for_its_stopped_server_at_least_once_a_second(

@@ -194,7 +194,7 @@ def _listed(
             file=sys.stderr,
             flush=True,
         )
-        _wait_for_return(arguments, session, after_seq)
+        _wait_for_return(arguments, session, after_seq, printed=False)
     return recent_events(arguments, session, after_seq, limit)
 
 
@@ -299,9 +299,13 @@ def _say_stopping(session: Session, after_seq: int) -> None:
     )
 
 
-def _wait_for_return(arguments: argparse.Namespace, session: Session, after_seq: int) -> None:
+def _wait_for_return(
+    arguments: argparse.Namespace, session: Session, after_seq: int, *, printed: bool = True
+) -> None:
     """Returns once the server answers again; CliError (exit 3) if it has not
-    within FOLLOW_RESUME_SECONDS. Each look is short, so Ctrl-C is seen."""
+    within FOLLOW_RESUME_SECONDS, saying how to resume (`printed`: events up to
+    `after_seq` were shown; else the same command again). Each look is short,
+    so Ctrl-C is seen."""
     request = pb.ListEventsRequest(lane=arguments.lane or "", page_size=1, after_seq=after_seq)
     given_up = time.monotonic() + FOLLOW_RESUME_SECONDS
     while (left := given_up - time.monotonic()) > 0:
@@ -319,9 +323,10 @@ def _wait_for_return(arguments: argparse.Namespace, session: Session, after_seq:
                 raise
             if code is grpc.StatusCode.UNAVAILABLE:
                 time.sleep(min(max(left, 0), FOLLOW_RESUME_TRY_SECONDS))
+    resume = f"resume with --after-seq {after_seq}" if printed else "run the command again"
     raise CliError(
         f"the ledger at {session.server} stopped and did not answer again within "
-        f"{FOLLOW_RESUME_SECONDS:g} s; resume with --after-seq {after_seq}",
+        f"{FOLLOW_RESUME_SECONDS:g} s; {resume}",
         EXIT_UNREACHABLE,
     )
 
