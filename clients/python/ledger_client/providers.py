@@ -17,8 +17,10 @@ books every create call, one booking per HTTP attempt:
   `POST .../v1/messages`; any other request passes through untouched, unbooked.
 - Before sending: a reservation id is chosen, tagged on the request (the
   `X-Ledger-Reservation-Id` header always; in the body OpenAI's
-  `metadata.ledger_reservation_id`, Anthropic's `metadata.user_id`, where the
-  caller has not set them), and the ledger reserves the tagged body's bytes
+  `metadata.ledger_reservation_id` (a chat completion's only when it is
+  stored, `store: true`: OpenAI refuses its metadata otherwise), Anthropic's
+  `metadata.user_id`, where the caller has not set them), and the ledger
+  reserves the tagged body's bytes
   and its max tokens. A missing max is set in the body to
   `default_max_output_tokens`, so the bound the ledger holds is the one the
   provider enforces. A denial raises `Denied`, and nothing is sent.
@@ -247,6 +249,11 @@ def _tag_body(body: dict[str, Any], style: CallStyle, reservation_id: str) -> No
         if current.get("user_id") is None:
             current["user_id"] = reservation_id
             body["metadata"] = current
+        return
+    if style is CallStyle.OPENAI_CHAT and body.get("store") is not True:
+        # OpenAI refuses a chat completion's metadata unless it is stored
+        # ("The 'metadata' parameter is only allowed when 'store' is
+        # enabled."): such a call is tagged in the header only.
         return
     if OPENAI_METADATA_KEY not in current and len(current) < OPENAI_MAX_METADATA_KEYS:
         current[OPENAI_METADATA_KEY] = reservation_id

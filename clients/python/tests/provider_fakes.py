@@ -85,6 +85,22 @@ def _booked_path(path: str) -> bool:
     return path.endswith(("/chat/completions", "/responses", "/v1/messages"))
 
 
+def _refusal(method: str, path: str, body: bytes) -> Reply | None:
+    """What OpenAI refuses before running a chat completion: metadata on a
+    request that does not set `store: true`."""
+    if method != "POST" or not path.endswith("/chat/completions"):
+        return None
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    if request.get("metadata") is not None and request.get("store") is not True:
+        return Reply(status=400, body=OPENAI_METADATA_WITHOUT_STORE)
+    return None
+
+
 def _default_reply(method: str, path: str) -> Reply:
     if path.endswith("/chat/completions"):
         return Reply(body=openai_chat_body())
@@ -120,7 +136,9 @@ def _handler(provider: FakeProvider) -> type[http.server.BaseHTTPRequestHandler]
             headers = {name.lower(): value for name, value in self.headers.items()}
             provider.received.append(Received(self.command, path, headers, body))
             try:
-                reply = provider.replies.get_nowait() if _booked_path(path) else None
+                reply = _refusal(self.command, path, body)
+                if reply is None and _booked_path(path):
+                    reply = provider.replies.get_nowait()
             except queue.Empty:
                 reply = None
             reply = reply or _default_reply(self.command, path)
@@ -307,6 +325,15 @@ OPENAI_OVERFLOW = {
         "type": "invalid_request_error",
         "param": "messages",
         "code": "context_length_exceeded",
+    }
+}
+# OpenAI's chat completions refuse metadata unless the completion is stored.
+OPENAI_METADATA_WITHOUT_STORE = {
+    "error": {
+        "message": "The 'metadata' parameter is only allowed when 'store' is enabled.",
+        "type": "invalid_request_error",
+        "param": "metadata",
+        "code": None,
     }
 }
 OPENAI_FORBIDDEN = {

@@ -194,7 +194,14 @@ def only_booked(provider: FakeProvider, bookings: Bookings) -> tuple[Received, p
 
 
 def assert_openai_tag(request: Received, booking: pb.Booking) -> None:
-    assert request.json()["metadata"][OPENAI_METADATA_KEY] == booking.reservation_id
+    """The id in the body's metadata where OpenAI takes metadata: a Responses
+    call, or a chat completion that is stored. A chat completion not stored
+    carries it in the header only (`booked` checks the header)."""
+    body = request.json()
+    if request.path.endswith("/chat/completions") and body.get("store") is not True:
+        assert OPENAI_METADATA_KEY not in (body.get("metadata") or {})
+    else:
+        assert body["metadata"][OPENAI_METADATA_KEY] == booking.reservation_id
 
 
 def assert_anthropic_tag(request: Received, booking: pb.Booking) -> None:
@@ -231,7 +238,7 @@ def test_openai_chat_success_settles_with_cached_usage(
 ) -> None:
     client = make_openai()
     completion = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, metadata={"team": "recall"}
+        model=MODEL, messages=MESSAGES, metadata={"team": "recall"}, store=True
     )
     assert completion.choices[0].message.content == "hello"
     request, booking = only_booked(provider, bookings)
@@ -244,6 +251,23 @@ def test_openai_chat_success_settles_with_cached_usage(
     # 200 uncached at 1 + 1000 cached at 0.5 + 30 output at 2.
     assert_settled(bookings, booking, 200 + 500 + 60, input_tokens=1200, cached_input_tokens=1000,
                    output_tokens=30, http_status=200)  # fmt: skip
+
+
+def test_openai_chat_not_stored_is_tagged_in_the_header_only(
+    ledger: LaneClient, provider: FakeProvider, bookings: Bookings, make_openai: SdkFactory
+) -> None:
+    # OpenAI refuses a chat completion's metadata unless it is stored (400,
+    # "The 'metadata' parameter is only allowed when 'store' is enabled."):
+    # tagged in its metadata, every such call of a lane was refused.
+    client = make_openai()
+    completion = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=64
+    )
+    assert completion.choices[0].message.content == "hello"
+    request, booking = only_booked(provider, bookings)
+    assert "metadata" not in request.json()
+    assert request.headers[RESERVATION_HEADER.lower()] == booking.reservation_id
+    assert_settled(bookings, booking, 200 + 500 + 60, input_tokens=1200, cached_input_tokens=1000)
 
 
 def test_openai_responses_success(
@@ -281,7 +305,11 @@ def test_openai_caller_metadata_key_is_left_alone(
 ) -> None:
     client = make_openai()
     client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=64, metadata={OPENAI_METADATA_KEY: "mine"}
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=64,
+        metadata={OPENAI_METADATA_KEY: "mine"},
+        store=True,
     )
     request, booking = only_booked(provider, bookings)
     assert request.json()["metadata"] == {OPENAI_METADATA_KEY: "mine"}

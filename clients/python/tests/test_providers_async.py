@@ -120,7 +120,7 @@ def test_openai_chat_success_settles_with_cached_usage(
     async def test() -> None:
         async with async_openai(ledger, provider) as client:
             completion = await client.chat.completions.create(
-                model=MODEL, messages=MESSAGES, metadata={"team": "recall"}
+                model=MODEL, messages=MESSAGES, metadata={"team": "recall"}, store=True
             )
         assert completion.choices[0].message.content == "hello"
 
