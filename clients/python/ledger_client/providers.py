@@ -26,7 +26,8 @@ books every create call, one booking per HTTP attempt:
   provider enforces. A denial raises `Denied`, and nothing is sent.
 - After: `CallHandle.answered` / `failed` end the booking by the one table in
   outcomes.py (any 4xx refunded; usage settles SUCCEEDED; a 5xx without usage,
-  a timeout or a lost connection UNKNOWN), the usage read by `usage_of`.
+  a timeout or a lost connection UNKNOWN), the usage read by `usage_of`. A
+  3xx ran nothing: refunded (a redirect followed is a request booked anew).
 - A stream (`stream: true`, answered with `text/event-stream`) is passed on
   chunk by chunk, never buffered whole; its usage is read from its final
   events, and the booking ends when the stream ends or is closed. A stream
@@ -506,17 +507,26 @@ class Answer(enum.Enum):
     """How a booked request's response is read, sync or async."""
 
     REFUSED = "refused"  # a 4xx: refunded, the body left to the SDK
+    REDIRECTED = "redirected"  # a 3xx: nothing ran, refunded; the SDK's client follows it
     STREAM = "stream"  # an event stream asked for: booked as it passes (StreamEnding)
     BODY = "body"  # read whole here, settled by the usage in it (or UNKNOWN)
 
 
 def answer_of(response: httpx2.Response, prepared: PreparedCall) -> Answer:
     status = response.status_code
+    if 300 <= status < 400:
+        return Answer.REDIRECTED
     if 400 <= status < 500:
         return Answer.REFUSED
     if prepared.stream and 200 <= status < 300 and _is_event_stream(response):
         return Answer.STREAM
     return Answer.BODY
+
+
+def redirected_reason(http_status: int) -> str:
+    """A redirect runs no model: its booking is refunded with this reason (a
+    request the SDK's client sends again to the new address is booked anew)."""
+    return f"redirected (HTTP {http_status}): the provider ran nothing"
 
 
 def body_usage(content: bytes) -> Usage | None:
@@ -701,6 +711,8 @@ class LedgerTransport(_Booker, httpx2.BaseTransport):
         answer = answer_of(response, prepared)
         if answer is Answer.REFUSED:
             booking.answered(status, None)
+        elif answer is Answer.REDIRECTED:
+            booking.not_sent(redirected_reason(status))
         elif answer is Answer.STREAM:
             assert isinstance(response.stream, httpx2.SyncByteStream)
             response.stream = BookedStream(response.stream, booking, status, style)
@@ -749,6 +761,8 @@ class AsyncLedgerTransport(_Booker, httpx2.AsyncBaseTransport):
         answer = answer_of(response, prepared)
         if answer is Answer.REFUSED:
             await run_off_loop(booking.answered, status, None)
+        elif answer is Answer.REDIRECTED:
+            await run_off_loop(booking.not_sent, redirected_reason(status))
         elif answer is Answer.STREAM:
             assert isinstance(response.stream, httpx2.AsyncByteStream)
             response.stream = AsyncBookedStream(response.stream, booking, status, style)

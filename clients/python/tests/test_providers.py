@@ -442,6 +442,22 @@ def test_openai_stream_cut_off_before_its_usage_is_unknown(
     assert_unknown(bookings, booking)
 
 
+def test_openai_redirect_is_refunded_and_the_call_booked_where_it_runs(
+    ledger: LaneClient, provider: FakeProvider, bookings: Bookings, make_openai: SdkFactory
+) -> None:
+    # A 307 (a gateway moved, http to https) runs nothing: the SDK's client
+    # follows it, and the request it sends again is booked anew. The redirect
+    # was settled UNKNOWN at its hold, so every call paid one hold too many.
+    provider.script(Reply(status=307, headers={"location": "/v1/responses"}))
+    client = make_openai()
+    response = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=64)
+    assert response.output_text == "hello"
+    (_, redirected), (request, booking) = booked(provider, bookings, attempts=2)
+    assert_refunded(bookings, redirected, 0)
+    assert_openai_tag(request, booking)
+    assert_settled(bookings, booking, 200 + 300 + 80, input_tokens=800, output_tokens=40)
+
+
 def test_openai_denied_sends_nothing(
     ledger_server: LedgerProcess,
     admin: Admin,

@@ -55,6 +55,7 @@ from test_providers import (
     assert_refunded,
     assert_settled,
     assert_unknown,
+    booked,
     only_booked,
 )
 
@@ -304,6 +305,25 @@ def test_anthropic_success_settles_with_cache_usage(
     assert booking.max_output_tokens == 128
     assert_settled(bookings, booking, 25 + 50 + 13 + 30, input_tokens=135, cached_input_tokens=100,
                    cache_write_tokens=10, output_tokens=15)  # fmt: skip
+
+
+def test_anthropic_redirect_is_refunded_and_the_call_booked_where_it_runs(
+    ledger: LaneClient, provider: FakeProvider, bookings: Bookings
+) -> None:
+    # A 308 runs nothing: refunded; the request the SDK's client sends again
+    # is booked anew and tagged with that booking's id.
+    provider.script(Reply(status=308, headers={"location": "/v1/messages"}))
+
+    async def test() -> None:
+        async with async_anthropic(ledger, provider) as client:
+            message = await client.messages.create(model=MODEL, max_tokens=128, messages=MESSAGES)
+        assert message.content[0].text == "hello"
+
+    run(test)
+    (_, redirected), (request, booking) = booked(provider, bookings, attempts=2)
+    assert_refunded(bookings, redirected, 0)
+    assert_anthropic_tag(request, booking)
+    assert_settled(bookings, booking, 25 + 50 + 13 + 30, input_tokens=135)
 
 
 def test_anthropic_context_overflow_is_refunded_and_recognised(
