@@ -28,6 +28,8 @@ books every create call, one booking per HTTP attempt:
   outcomes.py (any 4xx refunded; usage settles SUCCEEDED; a 5xx without usage,
   a timeout or a lost connection UNKNOWN), the usage read by `usage_of`. A
   3xx ran nothing: refunded (a redirect followed is a request booked anew).
+  Nor did a request never sent whole (no connection made, or the body's
+  write timed out): refunded as not sent.
 - A stream (`stream: true`, answered with `text/event-stream`) is passed on
   chunk by chunk, never buffered whole; its usage is read from its final
   events, and the booking ends when the stream ends or is closed. A stream
@@ -273,9 +275,15 @@ def failure_of(error: BaseException) -> CallFailure:
     return CallFailure.EXCEPTION
 
 
-def _never_sent(error: BaseException) -> bool:
-    """No connection was made for this attempt, so no byte of it left the lane."""
-    return isinstance(error, httpx2.ConnectError | httpx2.ConnectTimeout | httpx2.PoolTimeout)
+def _never_sent(error: BaseException) -> str | None:
+    """Why no whole request of this attempt reached the provider, or None (it
+    may have): no connection was made, or the body's write timed out before
+    its last byte, so the provider cannot have run it."""
+    if isinstance(error, httpx2.ConnectError | httpx2.ConnectTimeout | httpx2.PoolTimeout):
+        return f"could not connect: {type(error).__name__}"
+    if isinstance(error, httpx2.WriteTimeout):
+        return f"not sent whole: {type(error).__name__}"
+    return None
 
 
 class Booking:
@@ -300,8 +308,8 @@ class Booking:
     ) -> None:
         if usage is not None:  # known usage wins over any failure
             self.answered(http_status or 200, usage)
-        elif http_status == 0 and _never_sent(error):
-            self.not_sent(f"could not connect: {type(error).__name__}")
+        elif http_status == 0 and (reason := _never_sent(error)) is not None:
+            self.not_sent(reason)
         else:
             self._end(lambda: self.handle.failed(failure_of(error), http_status))
 

@@ -669,6 +669,30 @@ def test_openai_refused_connection_is_refunded_as_never_sent(
     assert refunded.http_status == 0 and refunded.reason.startswith("could not connect")
 
 
+def test_openai_request_not_written_whole_is_refunded_as_never_sent(
+    ledger: LaneClient, bookings: Bookings, make_openai: SdkFactory
+) -> None:
+    # A provider that takes the connection but never reads: the body's write
+    # times out before its last byte, so no whole request arrived and nothing
+    # ran. It was settled UNKNOWN at its hold. Both socket buffers are small
+    # (no autotuning), so 1 MB cannot fit in them.
+    small_buffers = [(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)]
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        port = silent.getsockname()[1]
+        client = make_openai(
+            base_url=f"http://127.0.0.1:{port}/v1",
+            timeout=httpx2.Timeout(30.0, write=0.5),
+            inner=httpx2.HTTPTransport(socket_options=small_buffers),
+        )
+        large = [{"role": "user", "content": "x" * 1_000_000}]
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model=MODEL, messages=large, max_completion_tokens=64)
+    [reserved, refunded] = bookings.admin_events()
+    assert reserved.kind == "reserved" and refunded.kind == "refunded"
+    assert refunded.http_status == 0 and refunded.reason.startswith("not sent whole")
+
+
 def test_booking_options_change_the_bound_and_the_tag(
     provider: FakeProvider, bookings: Bookings, make_openai: SdkFactory
 ) -> None:
