@@ -22,7 +22,8 @@
 // - The reservation id travels as the header x-ledger-reservation-id and in the
 //   body's metadata (ledger_reservation_id), unless the caller set that key,
 //   the metadata already holds OpenAI's maximum of 16 keys (OpenAI would
-//   refuse a 17th with a 400), or it is not an object: then only the header.
+//   refuse a 17th with a 400), it is not an object, or the call is a chat
+//   completion not stored (OpenAI refuses its metadata): then only the header.
 //   Anthropic takes no metadata key but user_id: the id goes there, unless
 //   the caller set it (as the Python client's transport tags it).
 // - A denial is answered with a 402 that the SDK does not retry (x-should-retry:
@@ -200,7 +201,8 @@ function preparedOf(plan, reservationId, defaultMaxOutputTokens) {
  * The reservation id into the body's metadata, as the Python client's
  * _tag_body: not when the caller set the key, nor into a metadata that holds
  * 16 keys already (OpenAI's limit) or is not an object (the provider refuses
- * it either way); a missing or null metadata becomes one. Anthropic's goes in
+ * it either way), nor into a chat completion's that is not stored (`store:
+ * true`); a missing or null metadata becomes one. Anthropic's goes in
  * user_id, its only key, unless that is set. true when it tagged.
  */
 function tagMetadata(json, reservationId, style) {
@@ -212,6 +214,9 @@ function tagMetadata(json, reservationId, style) {
     json.metadata = { ...metadata, [ANTHROPIC_TAG_KEY]: reservationId };
     return true;
   }
+  // OpenAI refuses a chat completion's metadata unless it is stored (400, "The
+  // 'metadata' parameter is only allowed when 'store' is enabled."): the header only.
+  if (style === 'chat' && json.store !== true) return false;
   if (Object.hasOwn(metadata, TAG_KEY) || Object.keys(metadata).length >= MAX_METADATA_KEYS) return false;
   metadata[TAG_KEY] = reservationId;
   json.metadata = metadata;

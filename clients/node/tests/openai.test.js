@@ -47,7 +47,10 @@ function chatReply(body, res) {
     res.writeHead(status, { 'content-type': 'application/json' });
     res.end(JSON.stringify(value));
   };
-  // As OpenAI does: at most 16 metadata pairs.
+  // As OpenAI does: metadata only on a stored completion, and at most 16 pairs.
+  if (body.metadata !== undefined && body.metadata !== null && body.store !== true) {
+    return json(400, { error: { message: "The 'metadata' parameter is only allowed when 'store' is enabled.", type: 'invalid_request_error', param: 'metadata', code: null } });
+  }
   if (body.metadata && Object.keys(body.metadata).length > 16) {
     return json(400, { error: { message: 'Invalid metadata: too many keys.', type: 'invalid_request_error', param: 'metadata', code: 'object_above_max_length' } });
   }
@@ -166,7 +169,8 @@ async function booked(kind, options = {}, request = {}, { tagged = true } = {}) 
   const sent = seen[before];
   const reservationId = sent.headers['x-ledger-reservation-id'];
   assert.ok(reservationId, 'the reservation id travels as a header');
-  if (tagged) assert.equal(sent.body.metadata.ledger_reservation_id, reservationId);
+  // In the body's metadata only where OpenAI takes it: a stored chat completion.
+  if (tagged) assert.equal(sent.body.metadata?.ledger_reservation_id, request.store === true ? reservationId : undefined);
   const booking = await endedBooking(reservationId);
   assert.equal(booking.requestBytes, BigInt(Buffer.byteLength(sent.raw)), 'the bytes booked are the bytes sent');
   return { booking, error, answer, sent };
@@ -379,21 +383,35 @@ test('never sent: exactly the errors of a connection that was never made', () =>
   }
 });
 
+test('a chat completion not stored is tagged in the header only: OpenAI refuses its metadata', async () => {
+  const { booking, error, sent } = await booked('ok', {}, { metadata: { team: 'recall' } }, { tagged: false });
+  assert.ok(error, "the caller's own metadata without store: true is OpenAI's 400, as it would be unbooked");
+  assert.equal(booking.state, 'REFUNDED');
+  const plain = await booked('ok');
+  assert.equal(plain.error, null);
+  assert.equal(plain.sent.body.metadata, undefined, 'nothing added to the body');
+  assert.equal(plain.booking.state, 'SETTLED');
+  const stored = await booked('ok', {}, { store: true, metadata: { team: 'recall' } });
+  assert.equal(stored.sent.body.metadata.team, 'recall');
+  assert.equal(stored.booking.state, 'SETTLED');
+  assert.ok(sent.headers['x-ledger-reservation-id']);
+});
+
 test('a full metadata is left as it is; the header still carries the reservation id', async () => {
   const full = Object.fromEntries(Array.from({ length: 16 }, (_, index) => [`k${index}`, `v${index}`]));
-  const { booking, error, sent } = await booked('ok', {}, { metadata: full }, { tagged: false });
+  const { booking, error, sent } = await booked('ok', {}, { metadata: full, store: true }, { tagged: false });
   assert.equal(error, null, 'OpenAI refuses a 17th key with a 400');
   assert.deepEqual(sent.body.metadata, full);
   assert.ok(sent.headers['x-ledger-reservation-id']);
   assert.equal(booking.state, 'SETTLED');
 
   const fifteen = Object.fromEntries(Object.entries(full).slice(0, 15));
-  const tagged = await booked('ok', {}, { metadata: fifteen });
+  const tagged = await booked('ok', {}, { metadata: fifteen, store: true });
   assert.equal(Object.keys(tagged.sent.body.metadata).length, 16, 'room for one more: tagged');
   assert.equal(tagged.booking.state, 'SETTLED');
 
   // Not an object: left for the provider to refuse, as the Python client does.
-  const odd = await booked('ok', {}, { metadata: 'not an object' }, { tagged: false });
+  const odd = await booked('ok', {}, { metadata: 'not an object', store: true }, { tagged: false });
   assert.equal(odd.sent.body.metadata, 'not an object');
 });
 
@@ -428,7 +446,8 @@ async function postedThrough(lane, body, init = {}) {
 test('a JSON body given as bytes or a stream is booked like a string: tagged, its model and max', async () => {
   const lane = await laneForAnyBody();
   try {
-    const json = Buffer.from(JSON.stringify(CHAT));
+    // Stored: OpenAI takes a chat completion's metadata, the tag, only then.
+    const json = Buffer.from(JSON.stringify({ ...CHAT, store: true }));
     const padded = Buffer.concat([Buffer.from('xx'), json, Buffer.from('yy')]);
     const streamOf = (bytes) => new ReadableStream({
       start(controller) {
@@ -463,7 +482,7 @@ test('a JSON body that needs no change is sent and booked byte for byte, as the 
   // integers past 2^53) reaches the provider as written.
   const lane = await laneForAnyBody();
   try {
-    const raw = '{ "model": "m", "max_tokens": 100, "n": 12345678901234567890,\n  "metadata": {"ledger_reservation_id": "mine"},\n  "messages": [{"role": "user", "content": "ok"}] }';
+    const raw = '{ "model": "m", "max_tokens": 100, "n": 12345678901234567890, "store": true,\n  "metadata": {"ledger_reservation_id": "mine"},\n  "messages": [{"role": "user", "content": "ok"}] }';
     for (const body of [raw, Buffer.from(raw)]) {
       const { sent, booking } = await postedThrough(lane, body);
       assert.equal(sent.raw, raw, 'sent as written');
@@ -477,7 +496,7 @@ test('a JSON body that needs no change is sent and booked byte for byte, as the 
     assert.equal(floated.sent.raw, float);
     assert.equal(floated.booking.maxOutputTokens, 100n);
     // A metadata that is not an object is left for the provider to refuse: nothing else to change.
-    const odd = '{"model": "m", "max_tokens": 100, "metadata": "x", "messages": []}';
+    const odd = '{"model": "m", "max_tokens": 100, "store": true, "metadata": "x", "messages": []}';
     assert.equal((await postedThrough(lane, odd)).sent.raw, odd);
     // A chat stream whose stream_options is not an object gets {include_usage: true}
     // in its place, as in Python, not the string's characters or the array's items.
@@ -498,7 +517,7 @@ test('a body that is not a JSON object, or names no model, is booked as the mode
       ['bytes that are not JSON', Buffer.from('plain bytes, not JSON'), false],
       ['unparsable JSON', '{"model": "m", "messages": [', false],
       ['a JSON array', '[1, 2, 3]', false],
-      ['a JSON object without a model', JSON.stringify({ messages: CHAT.messages }), true],
+      ['a JSON object without a model', JSON.stringify({ messages: CHAT.messages, store: true }), true],
     ];
     for (const [kind, body, isObject] of cases) {
       const { sent, booking } = await postedThrough(lane, body);
