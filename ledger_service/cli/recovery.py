@@ -341,6 +341,10 @@ def _rebuild(arguments: argparse.Namespace) -> int:
 
     with _recovery(arguments, "rebuild") as (settings, recovery):
         try:
+            # A rebuild from a snapshot reads only the log after it: damage
+            # before it (a page of the log, an index) would pass unseen, and
+            # "rebuilt" on a damaged file would send the operator back to serving.
+            recovery.store.check_integrity()
             route = Route(FULL_LOG_SOURCE, None)
             if not arguments.from_scratch:
                 for snapshot in recovery.store.snapshots():

@@ -312,3 +312,40 @@ def test_a_database_that_does_not_answer_is_told_as_unavailable_not_as_recoverin
     assert _reason(lambda: balance(pb.GetBalanceRequest(lane="recall"), timeout=5)) == (
         "STORE_UNAVAILABLE"
     )
+
+
+def _zero_a_page_of_the_log(path: pathlib.Path) -> None:
+    """A leaf page of the event table zeroed, as a torn write or a bad sector
+    leaves it; the projections and the newest snapshot are whole."""
+    with sqlite3.connect(path) as connection:
+        (page,) = connection.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'events' AND pagetype = 'leaf'"
+            " ORDER BY pageno LIMIT 1"
+        ).fetchone()
+    with path.open("r+b") as file:
+        file.seek((page - 1) * PAGE_BYTES)
+        file.write(bytes(PAGE_BYTES))
+
+
+@pytest.mark.parametrize(
+    "damage", [_zero_a_page_of_the_log, _flip_a_key_byte_of_an_index_verify_never_reads]
+)
+def test_ledger_rebuild_from_a_snapshot_refuses_a_damaged_file(
+    sqlite_history: History,
+    damage: Callable[[pathlib.Path], None],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A rebuild from the newest snapshot reads only the log after it, and
+    so never met damage before it: it said "rebuilt", exit 0, on a file that
+    verify calls damaged. It checks the file's integrity first (exit 2)."""
+    from ledger_service import cli
+
+    url = sqlite_history.url
+    assert cli.main(["snapshot", "--database-url", url]) == 0
+    url = _damaged_file(sqlite_history, damage)
+    capsys.readouterr()
+    assert cli.main(["rebuild", "--database-url", url]) == 2
+    said = capsys.readouterr()
+    assert "rebuilt" not in said.out, said.out
+    assert "the ledger's database is damaged" in said.err, said.err
+    assert "restore the database from a backup" in said.err, said.err
