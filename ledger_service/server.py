@@ -47,7 +47,7 @@ from ledger_service.application.audit import Auditor
 from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import Clock, ManualClock, SteadyClock, SystemClock
-from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
+from ledger_service.domain.errors import RecoveryRequired, StoreDamaged, StoreUnavailable
 from ledger_service.domain.grants import Keyring, Scope, key_id_of
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
 from ledger_service.recovery.plan import RecoveryPolicy
@@ -473,6 +473,10 @@ class LedgerServer:
             # Nothing is being recovered: the database does not answer (an
             # outage, a file SQLite cannot open). Said as the log says it.
             raise StoreUnavailable()
+        steps = "" if ready else self.guard.operator_steps()
+        if steps:
+            # The planner refused: nothing recovers until an operator acts.
+            raise RecoveryRequired(steps)
         return ready
 
     def _check_database(self) -> bool:

@@ -220,5 +220,14 @@ class RecoveryRequired(LedgerError):
 
     reason = "RECOVERY_REQUIRED"
 
-    def __init__(self) -> None:
-        super().__init__("the ledger is recovering its projections from the log; retry later")
+    def __init__(self, operator_steps: str = "") -> None:
+        """`operator_steps`: what an operator must do, when no recovery runs by
+        itself (the planner refused); a caller told "retry later" then would
+        retry for ever."""
+        if operator_steps:
+            super().__init__(
+                f"the ledger's projections need an operator: {operator_steps}; moves are "
+                "refused until they are whole (docs/recovery.md)"
+            )
+        else:
+            super().__init__("the ledger is recovering its projections from the log; retry later")

@@ -934,6 +934,14 @@ class RecoveryGuard:
     def is_ready(self) -> bool:
         return self.state == self.READY
 
+    def operator_steps(self) -> str:
+        """What an operator must do while the planner refuses ("" in any other
+        state): no recovery runs by itself until then."""
+        manifest = self.manifest
+        if self.state != self.REFUSED or manifest is None:
+            return ""
+        return _OPERATOR_STEPS.get(manifest.verdict.value, "")
+
     def _set(self, state: str) -> None:
         with self._lock:
             changed = state != self._state
@@ -942,8 +950,8 @@ class RecoveryGuard:
             said = (
                 "taking moves" if state == self.READY else "moves are refused (RECOVERY_REQUIRED)"
             )
-            if state == self.REFUSED and self.manifest is not None:
-                steps = _OPERATOR_STEPS.get(self.manifest.verdict.value, "")
+            steps = self.operator_steps()
+            if steps:
                 said += f"; {steps}; this server serves again by itself once the projections "
                 said += "are whole (docs/recovery.md)"
             level = logging.INFO if state == self.READY else logging.WARNING

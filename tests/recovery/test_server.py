@@ -197,6 +197,29 @@ def test_a_refusal_tells_the_operator_in_the_log_what_to_do(
     assert "serves again by itself" in refused, refused
 
 
+def test_a_caller_of_a_refused_server_is_told_an_operator_must_act_not_to_retry(
+    sqlite_history: History,
+    start: Callable[..., Running],
+) -> None:
+    """The planner refused (a tampered log): no rebuild runs by itself, so
+    "the ledger is recovering its projections from the log; retry later"
+    was untrue for as long as nobody acted. The reason stays
+    RECOVERY_REQUIRED; the message says what the log line says."""
+    history = sqlite_history
+    settled = history.scalar("SELECT MIN(seq) FROM events WHERE kind = 'settled'")
+    history.tamper_event(int(str(settled)), 1)
+    running = start(history)
+    assert running.status() == NOT_SERVING
+    with pytest.raises(grpc.RpcError) as caught:
+        running.reserve("x")
+    error = caught.value
+    assert isinstance(error, grpc.Call) and error.code() is grpc.StatusCode.UNAVAILABLE
+    assert dict(error.trailing_metadata() or ()).get("ledger-reason") == "RECOVERY_REQUIRED"
+    said = error.details() or ""
+    assert "retry later" not in said and "recovering" not in said, said
+    assert "operator" in said and "ledger verify" in said and "--max-risk 1" in said, said
+
+
 def test_a_snapshot_that_cannot_match_a_log_changed_before_it_is_not_served(
     sqlite_history: History,
     start: Callable[..., Running],
