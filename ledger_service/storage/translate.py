@@ -298,8 +298,9 @@ def row_of(
     return None
 
 
-# A file that fails integrity_check is not made whole by a rebuild (an index,
-# or a page of the log, may be what is damaged).
+# A file that fails integrity_check, or that SQLite finds corrupt, is not made
+# whole by a rebuild (an index, or a page of the log, may be what is damaged;
+# `ledger rebuild` refuses such a file, and SQLite's REINDEX fails on it too).
 INTEGRITY_ADVICE = "stop the ledger and restore the database from a backup (docs/recovery.md)"
 # The most of SQLite's integrity_check lines a verification reads and repeats.
 MAX_INTEGRITY_PROBLEMS = 10
@@ -364,9 +365,11 @@ def translate(
         return None
     domain = row[2]
     if domain is StoreDamaged:
-        return StoreDamaged(
-            DAMAGE.get(driver_code(error), "the database is damaged"), DAMAGE_ADVICE
-        )
+        code = driver_code(error)
+        # verify's integrity_check fails on a corrupt SQLite file and a rebuild
+        # refuses it: only a backup helps, as for what integrity_check finds.
+        advice = INTEGRITY_ADVICE if code.startswith("SQLITE_") else DAMAGE_ADVICE
+        return StoreDamaged(DAMAGE.get(code, "the database is damaged"), advice)
     if domain is SumOutOfRange:
         return moves.sum_out_of_range("")
     return StoreUnavailable()

@@ -349,3 +349,19 @@ def test_ledger_rebuild_from_a_snapshot_refuses_a_damaged_file(
     assert "rebuilt" not in said.out, said.out
     assert "the ledger's database is damaged" in said.err, said.err
     assert "restore the database from a backup" in said.err, said.err
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_corrupt_sqlite_file_is_not_sent_round_to_verify_and_rebuild(
+    sqlite_history: History, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify runs integrity_check, so on a corrupt SQLite file it never
+    "finds the log whole", and a rebuild refuses the file: advice to run
+    them sent the operator round in a loop. Only a backup helps there."""
+    from ledger_service import cli
+
+    url = _damaged_file(sqlite_history, DAMAGE[damage])
+    assert cli.main(["verify", "--database-url", url]) == 2
+    said = capsys.readouterr().err
+    assert "restore the database from a backup" in said, said
+    assert "`ledger rebuild` remakes" not in said, said
