@@ -303,6 +303,13 @@ def _verify(arguments: argparse.Namespace) -> int:
     _print_accepted(report)
     print("next: `ledger recover` plans a rebuild of the projections from the log and says "
           "whether it may run (docs/recovery.md)")  # fmt: skip
+    if report.broken_links and not report.mismatches:
+        # The projections agree with the log: a recover that walks the chain
+        # only after its verified point finds nothing, at every run.
+        print("  it walks the chain only after the last verified point and the newest "
+              "snapshot: if it says the projections are consistent, the links above lie "
+              "before them, and nothing the ledger runs accepts or undoes them: restore "
+              "the database from a backup")  # fmt: skip
     return 1
 
 

@@ -157,7 +157,8 @@ def test_a_tampered_log_is_refused_and_named_by_verify(
     url = ("--database-url", history.url)
     code, out, _ = _ledger(capsys, "verify", *url)
     assert code == 1 and f"first: broken link: event {settled} " in out
-    assert out.splitlines()[-1].startswith("next: `ledger recover` plans a rebuild")
+    [advice] = [line for line in out.splitlines() if line.startswith("next:")]
+    assert advice.startswith("next: `ledger recover` plans a rebuild")
     code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", *url)
     assert code == 1 and json.loads(out)["verdict"] == "RISK_TOO_HIGH"
     code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", "--max-risk", "1", *url)
@@ -218,6 +219,31 @@ def test_a_caller_of_a_refused_server_is_told_an_operator_must_act_not_to_retry(
     said = error.details() or ""
     assert "retry later" not in said and "recovering" not in said, said
     assert "operator" in said and "ledger verify" in said and "--max-risk 1" in said, said
+
+
+def test_verify_says_what_to_do_when_recover_cannot_see_the_broken_link(
+    sqlite_history: History,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An event's hash changed before the newest snapshot, the projections
+    whole: verify fails on it, but recover walks the chain only after the
+    snapshot and says the projections are consistent. verify's "next" line
+    sent the operator to recover alone, which ends the same way every time."""
+    history = sqlite_history
+    url = ("--database-url", history.url)
+    assert _ledger(capsys, "snapshot", *url)[0] == 0
+    refunded = int(str(history.scalar("SELECT MIN(seq) FROM events WHERE kind = 'refunded'")))
+    history.sql(
+        "DROP TRIGGER events_refuse_update",
+        f"UPDATE events SET hash = '{'0' * 64}' WHERE seq = {refunded}",
+        """CREATE TRIGGER events_refuse_update BEFORE UPDATE ON events
+           BEGIN SELECT RAISE(ABORT, 'events are append-only'); END""",
+    )
+    code, out, _ = _ledger(capsys, "recover", "--budget-seconds", "60", *url)
+    assert code == 0, out
+    code, out, _ = _ledger(capsys, "verify", *url)
+    assert code == 1 and f"first: broken link: event {refunded} " in out, out
+    assert "restore the database from a backup" in out, out
 
 
 def test_a_snapshot_that_cannot_match_a_log_changed_before_it_is_not_served(
