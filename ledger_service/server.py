@@ -232,6 +232,9 @@ class LedgerServer:
                 "was there, restore it from a backup; to start a new ledger in it, run "
                 "`ledger migrate` (docs/recovery.md)"
             )
+        lost_wal = database.lost_wal_text(settings.database_url)
+        if lost_wal:
+            raise ValueError(lost_wal)  # before SQLite opens the file and resets its -shm
         # The keyring before the store: a data directory that is a file, or one
         # this process may not write, is refused here in one line (exit 2),
         # before the store fails on the same path and logs that it will retry.

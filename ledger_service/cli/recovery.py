@@ -198,6 +198,10 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
         print(f"ledger {command}: {database.empty_file_text(empty)} (docs/recovery.md)",
               file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
+    lost_wal = database.lost_wal_text(settings.database_url)
+    if lost_wal:
+        print(f"ledger {command}: {lost_wal}", file=sys.stderr)
+        raise SystemExit(2)
     missing = _missing_database(settings)
     if missing:
         print(f"ledger {command}: no database at {missing}", file=sys.stderr)

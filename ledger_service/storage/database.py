@@ -16,6 +16,7 @@ import os
 import pathlib
 import sqlite3
 import stat
+import struct
 import threading
 import time
 import weakref
@@ -287,6 +288,53 @@ def empty_sqlite_file(url: str | URL) -> pathlib.Path | None:
 def empty_file_text(path: pathlib.Path) -> str:
     """What `serve` and the recovery commands say of an empty database file."""
     return f"{path} is empty (0 bytes): there is no ledger in it"
+
+
+# SQLite's -shm file opens with two copies of the WAL index header (48 bytes
+# each: the version at 0, the last valid frame, mxFrame, at 16), then the
+# checkpoint's progress (nBackfill, the frames copied into the file, at 96);
+# native byte order. https://www.sqlite.org/walformat.html
+_SHM_HEADER_BYTES = 48
+_SHM_VERSION = 3007000
+_SHM_MAX_FRAME_OFFSET = 16
+_SHM_BACKFILL_OFFSET = 96
+
+
+def lost_wal_text(url: str | URL) -> str:
+    """What `serve` and the commands say when a SQLite file's -wal is gone
+    while its -shm says the -wal held commits not yet copied into the file
+    ("" otherwise). SQLite opens such a file without a word, resets the -shm,
+    and serves the older ledger: the moves only the -wal held are lost, and
+    nothing could tell it afterwards. Read before anything opens the file."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return ""
+    path = pathlib.Path(parsed.database)
+    wal, shm = pathlib.Path(f"{path}-wal"), pathlib.Path(f"{path}-shm")
+    if not path.is_file() or wal.exists() or not shm.is_file():
+        return ""
+    try:
+        with shm.open("rb") as file:
+            header = file.read(_SHM_BACKFILL_OFFSET + 4)
+    except OSError:
+        return ""
+    if len(header) < _SHM_BACKFILL_OFFSET + 4:
+        return ""
+    first = header[:_SHM_HEADER_BYTES]
+    (version,) = struct.unpack_from("=I", first, 0)
+    if version != _SHM_VERSION or first != header[_SHM_HEADER_BYTES : 2 * _SHM_HEADER_BYTES]:
+        return ""  # not a header SQLite finished writing: nothing to go by
+    (frames,) = struct.unpack_from("=I", header, _SHM_MAX_FRAME_OFFSET)
+    (copied,) = struct.unpack_from("=I", header, _SHM_BACKFILL_OFFSET)
+    if frames <= copied:
+        return ""
+    return (
+        f"{wal} is missing, but {shm} says it held {frames - copied} page(s) of commits "
+        f"not yet copied into {path.name}: opened now, the moves in them would be lost "
+        f"and the ledger would answer from an older state. Put the -wal file back beside "
+        f"it; if it is lost, restore the database from a backup, or delete {shm.name} to "
+        f"accept the loss (docs/recovery.md)"
+    )
 
 
 def _create_private(path: pathlib.Path) -> None:

@@ -365,3 +365,49 @@ def test_a_corrupt_sqlite_file_is_not_sent_round_to_verify_and_rebuild(
     said = capsys.readouterr().err
     assert "restore the database from a backup" in said, said
     assert "`ledger rebuild` remakes" not in said, said
+
+
+def _crashed_copy_without_its_wal(history: History, tmp_path: pathlib.Path) -> pathlib.Path:
+    """A copy of the ledger as a `kill -9` leaves it (a commit in ledger.db-wal
+    not yet copied into ledger.db, the -shm saying so), then its -wal deleted
+    and its -shm left behind."""
+    path = pathlib.Path(history.url.removeprefix("sqlite:///"))
+    history.store.close()
+    copy = tmp_path / "crashed" / "ledger.db"
+    copy.parent.mkdir()
+    connection = sqlite3.connect(path)
+    try:
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute("PRAGMA wal_autocheckpoint=0")
+        connection.execute("PRAGMA user_version = 7")  # a commit, in the WAL alone
+        for suffix in ("", "-wal", "-shm"):
+            copy.with_name(f"ledger.db{suffix}").write_bytes(
+                pathlib.Path(f"{path}{suffix}").read_bytes()
+            )
+    finally:
+        connection.close()
+    copy.with_name("ledger.db-wal").unlink()
+    return copy
+
+
+def test_a_wal_deleted_with_commits_in_it_is_refused_not_served_older(
+    sqlite_history: History, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SQLite opens a file whose -wal is gone without a word, and the moves
+    only the -wal held are gone with it: a server started, said SERVING and
+    answered from the older ledger. Its -shm still says the -wal held
+    commits not copied into the file: serve and verify refuse it (exit 2)."""
+    from ledger_service import cli
+
+    copy = _crashed_copy_without_its_wal(sqlite_history, tmp_path)
+    url = f"sqlite:///{copy}"
+    with pytest.raises(SystemExit) as exited:  # as for an empty file: before any open
+        cli.main(["verify", "--database-url", url])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "ledger.db-wal is missing" in said and "ledger.db-shm" in said, said
+    assert "restore the database from a backup" in said, said
+    settings = Settings(database_url=url, data_dir=tmp_path / "server", listen="127.0.0.1:0")
+    with pytest.raises(ValueError, match=r"ledger\.db-wal is missing"):
+        LedgerServer(settings)
+    assert copy.with_name("ledger.db-shm").exists(), "nothing opened the file"
