@@ -9,10 +9,12 @@ NOT_SERVING even while the sweeper or a recovery check waits on it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -63,6 +65,39 @@ if TYPE_CHECKING:  # imported at run time only with TLS (server_tls)
     from ledger_service.tls_files import ServerTls
 
 log = logging.getLogger("ledger.server")
+
+# File descriptors the server keeps beside its client connections: the
+# database's files and pool, the log, the keyring, TLS files, gRPC's pipes.
+CONNECTION_FD_HEADROOM = 256
+
+
+def connection_bound(max_connections: int) -> int:
+    """The client connections this process may hold: `max_connections`, with
+    the open-file limit raised to fit them and CONNECTION_FD_HEADROOM more
+    when the hard limit allows; else as many as fit, with a WARNING. Silent
+    connections past the open-file limit took every descriptor, and with
+    them every new client's connection and the database's files."""
+    needed = max_connections + CONNECTION_FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return max_connections
+    bound = max(1, soft - CONNECTION_FD_HEADROOM)
+    log.warning(
+        "the open-file limit (%d, hard %d) fits %d client connections, not max_connections "
+        "(%d): serving at most %d; raise the limit (ulimit -n, LimitNOFILE=)",
+        soft,
+        hard,
+        bound,
+        max_connections,
+        bound,
+    )
+    return bound
+
 
 # How often `serve` looks for a stop signal that reached another thread.
 SIGNAL_POLL_SECONDS = 0.2
@@ -352,7 +387,7 @@ class LedgerServer:
             # Composed once per method, not on every call (api/pipeline.py).
             interceptors=[MethodPipeline(chain)],
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-            options=grpc_server_options(settings),
+            options=grpc_server_options(settings, connection_bound(settings.max_connections)),
         )
         ledger_pb2_grpc.add_LedgerServicer_to_server(
             LedgerServicer(self.ledger, settings, self.feed, Auditor(self.store, self.clock)),

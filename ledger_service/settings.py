@@ -160,6 +160,15 @@ class Settings:
     # takes at most an eighth of max_concurrent_rpcs. Above max_watchers, so that
     # one connection's stream past that limit is refused, not kept waiting.
     max_calls_per_connection: int = 128
+    # Client connections open at once; gRPC closes one more as it arrives,
+    # before it reads a byte of it. A connection that never sends (a raw TCP
+    # socket, or an HTTP/2 preface and then silence) is never timed out by
+    # gRPC, so without a bound 20,000 silent sockets took every file
+    # descriptor of a server whose limit was 20,000: no new client could
+    # connect, and the database could open no file. The server also raises
+    # its open-file limit to fit this many and CONNECTION_FD_HEADROOM more
+    # (server.py), or lowers this bound to fit the limit, with a WARNING.
+    max_connections: int = 4096
     # One grant's calls running at once (event streams apart: they have
     # max_watchers_per_grant); one more is refused at once, TOO_MANY_CALLS
     # (api/shares.py). Above the lane clients' own bound (64 calls in flight)
@@ -432,6 +441,7 @@ _POSITIVE = frozenset(
         "max_workers",
         "max_concurrent_rpcs",
         "max_calls_per_connection",
+        "max_connections",
         "max_calls_per_grant",
         "max_message_bytes",
         "max_metadata_bytes",
@@ -561,9 +571,13 @@ def unread_variables(environment: Mapping[str, str]) -> list[str]:
     return said
 
 
-def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
+def grpc_server_options(
+    settings: Settings, max_connections: int | None = None
+) -> list[tuple[str, int]]:
     """The channel options of the ledger's grpc.server; the benchmark's echo
-    baseline uses the same ones (without importing the server)."""
+    baseline uses the same ones (without importing the server).
+    `max_connections`: the bound the server could fit in its open-file limit
+    (server.py), when lower than the setting's."""
     # gRPC takes milliseconds as a C int: past 24.8 days is taken as that.
     keepalive_ms = min(MAX_SETTING_COUNT, max(1, round(settings.keepalive_seconds * 1000)))
     client_ping_ms = min(MAX_SETTING_COUNT, round(settings.client_ping_min_interval_seconds * 1000))
@@ -574,6 +588,7 @@ def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.absolute_max_metadata_size", settings.max_metadata_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", settings.max_calls_per_connection),
+        ("grpc.max_allowed_incoming_connections", max_connections or settings.max_connections),
         # Pings find a peer that stopped answering; gRPC's default is none
         # (2 hours), and two pings without data, which a quiet stream is.
         ("grpc.keepalive_time_ms", keepalive_ms),
