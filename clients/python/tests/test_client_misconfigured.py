@@ -151,18 +151,30 @@ def _untrusted_client(certificates: dict[str, pathlib.Path], tmp_path: pathlib.P
     )
 
 
-def test_a_root_certificate_not_trusting_the_ledger_names_root_certificates(
-    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
-) -> None:
-    # gRPC's own handshake text (CERTIFICATE_VERIFY_FAILED): no outage says it.
-    tls = dataclasses.replace(
-        lane_tls(certificates), root_certificates=_other_ca(tmp_path)["ca.pem"].read_bytes()
-    )
+# One TlsSettings file of another CA, and the words its TlsMismatch must hold:
+# root_certificates, gRPC's own handshake text (CERTIFICATE_VERIFY_FAILED),
+# which no outage says; private_key, "Failed to create security handshaker":
+# the pair never loads, so every retry would fail the same way.
+OTHER_CA_FILES = [
+    ("root_certificates", "ca.pem",
+     ("the ledger's certificate", "root_certificates", "CERTIFICATE_VERIFY_FAILED")),
+    ("private_key", "client.key", ("private_key", "certificate_chain")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "file", "named"), OTHER_CA_FILES, ids=[f[0] for f in OTHER_CA_FILES]
+)
+def test_a_tls_file_of_another_ca_names_its_setting(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+    field: str, file: str, named: tuple[str, ...],
+) -> None:  # fmt: skip
+    other = _other_ca(tmp_path)[file].read_bytes()
+    tls = dataclasses.replace(lane_tls(certificates), **{field: other})
     mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
                              tmp_path)  # fmt: skip
-    assert "the ledger's certificate" in mismatch.message
-    assert "root_certificates" in mismatch.message
-    assert "CERTIFICATE_VERIFY_FAILED" in mismatch.message
+    for words in named:
+        assert words in mismatch.message
 
 
 def test_a_server_name_the_certificate_does_not_carry_names_it(
@@ -193,19 +205,6 @@ def test_a_client_certificate_the_ledger_does_not_trust_names_it(
                              tmp_path)  # fmt: skip
     assert "client certificate" in mismatch.message and "certificate_chain" in mismatch.message
     assert "does not trust" in mismatch.message
-
-
-def test_a_private_key_that_is_not_the_certificates_names_it(
-    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path
-) -> None:
-    # gRPC says "Failed to create security handshaker", as no outage does:
-    # the pair never loads, so every retry would fail the same way.
-    tls = dataclasses.replace(
-        lane_tls(certificates), private_key=_other_ca(tmp_path)["client.key"].read_bytes()
-    )
-    mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
-                             tmp_path)  # fmt: skip
-    assert "private_key" in mismatch.message and "certificate_chain" in mismatch.message
 
 
 def _accepted(listener: socket.socket) -> Iterator[socket.socket]:
