@@ -33,6 +33,7 @@ _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
 _SYNC = pq.ExecStatus.PIPELINE_SYNC
 _PREPARED_KEY = "ledger_libpq_prepared"
+_LOADER_KEY = "ledger_libpq_loader"
 
 
 BYTEA = 17
@@ -220,7 +221,10 @@ def pipeline(
         if isinstance(raised, errors.InvalidSqlStatementName):
             prepared.clear()  # someone ran DEALLOCATE: the next transaction prepares again
         raise raised
-    loader = adapt.Transformer(_Context(driver))
+    # One per connection, as its prepared set: it keeps the loaders it found by type.
+    loader = info.get(_LOADER_KEY)
+    if loader is None:
+        loader = info[_LOADER_KEY] = adapt.Transformer(_Context(driver))
     return [
         Rows(result, loader, statement.description_of(result))
         for (statement, _), result in zip(calls, replies, strict=True)
