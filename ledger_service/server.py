@@ -49,6 +49,7 @@ from ledger_service.application.audit import Auditor
 from ledger_service.application.feed import EventFeed, FeedLimits
 from ledger_service.application.ledger import Ledger
 from ledger_service.domain.clock import Clock, ManualClock, SteadyClock, SystemClock
+from ledger_service.domain.counts import counted
 from ledger_service.domain.errors import RecoveryRequired, StoreDamaged, StoreUnavailable
 from ledger_service.domain.grants import Keyring, Scope, key_id_of
 from ledger_service.generated.ledger.v1 import ledger_pb2, ledger_pb2_grpc
@@ -218,13 +219,13 @@ def _warn_new_keyring_beside_a_ledger(settings: Settings, ledger: Ledger) -> Non
     if events == 0:
         return
     log.warning(
-        "the database %s holds a ledger (%d events), but its grant keyring is new (%s): "
+        "the database %s holds a ledger (%s), but its grant keyring is new (%s): "
         "every grant issued before this start is refused (UNAUTHENTICATED). If the data "
         "directory moved, copy its grant-keys.json over this one (taken within a health "
         "check), or restart with LEDGER_DATA_DIR (--data-dir) naming it; otherwise issue "
         "the lanes new grants (docs/security.md)",
         database.redacted(settings.database_url),
-        events,
+        counted(events, "event"),
         keyring.keyring_path(settings.data_dir),
     )
 
@@ -435,11 +436,9 @@ class LedgerServer:
         if changed is None:
             return
         self._auth.use(changed)
-        count = len(changed.keys)
         log.info(
-            "keyring reloaded: %d key%s, %s signs",
-            count,
-            "" if count == 1 else "s",
+            "keyring reloaded: %s, %s signs",
+            counted(len(changed.keys), "key"),
             changed.signing_key_id,
         )
         if key_id_of(self.admin_grant) != changed.signing_key_id:
@@ -595,7 +594,7 @@ class LedgerServer:
                 while not self._stopping.is_set():
                     expired = self.ledger.sweep(self.settings.sweep_batch_size)
                     if expired:
-                        log.info("expired %d holds past their deadline", expired)
+                        log.info("expired %s past their deadline", counted(expired, "hold"))
                     if expired < self.settings.sweep_batch_size:
                         break
             except StoreDamaged:
@@ -642,7 +641,7 @@ class LedgerServer:
                 if self._hurried.is_set()
                 else f"grace limit of {grace:.1f} s reached"
             )
-            log.warning("%s: %d calls cut off", why, running)
+            log.warning("%s: %s cut off", why, counted(running, "call"))
         else:
             log.info("drained in %.2f s", time.monotonic() - began)
         # Past the grace limit (or hurried) grpcio still gets ANSWER_HELD_SECONDS

@@ -444,7 +444,7 @@ def test_a_stream_whose_reader_takes_nothing_at_a_stop_is_cut_off_at_the_grace_l
             assert stderr.seen("received SIGTERM: draining"), stderr.lines
             assert process.wait(timeout=30) == EXIT_CUT_OFF, stderr.lines
             stderr.join(timeout=15)
-            assert any("1 calls cut off" in line for line in stderr.lines), stderr.lines
+            assert any("1 call cut off" in line for line in stderr.lines), stderr.lines
             received = 1
             with pytest.raises(grpc.RpcError) as ended:
                 for _ in stream:

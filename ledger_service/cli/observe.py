@@ -44,6 +44,7 @@ from ledger_service.cli.render import emit as _emit
 from ledger_service.cli.render import pairs as _pairs
 from ledger_service.cli.render import table as _table
 from ledger_service.cli.values import parse_count
+from ledger_service.domain.counts import counted
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 DEFAULT_BIGGEST = 5
@@ -454,7 +455,7 @@ def _age_out_marks(marks: Sequence[AgeOut], scale: _Scale) -> str:
     lines = "".join(
         f'<line class="age-out-mark" x1="{scale.x(mark.at_us):.1f}" '
         f'x2="{scale.x(mark.at_us):.1f}" y1="{MARGIN_TOP}" y2="{CHART_HEIGHT - MARGIN_BOTTOM}">'
-        f"<title>{mark.count} booking(s) aged out at "
+        f"<title>{counted(mark.count, 'booking')} aged out at "
         f"{html.escape(time_text(_timestamp(mark.at_us)))}, freeing {usd(mark.nanos)}</title>"
         "</line>"
         for mark in shown

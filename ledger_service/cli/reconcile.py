@@ -14,6 +14,7 @@ from ledger_service.api.errors import REASON_KEY
 from ledger_service.cli.connection import Session, command, common_options, explain
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_FAILED, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import emit, pairs, table, usd
+from ledger_service.domain.counts import counted
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
 MAX_EXPORT_BYTES = 4 * 1024 * 1024
@@ -93,7 +94,7 @@ def reconcile_lines(
     if response.rows_omitted:
         # The answer holds at most 4,000 rows (the routine ones up to 1,000).
         shown.append(
-            f"{response.rows_omitted} more {'row' if response.rows_omitted == 1 else 'rows'} "
+            f"{counted(response.rows_omitted, 'more row')} "
             "not listed (the ledger lists those that need a look and routine ones up to 1,000: "
             "at most 4,000)"
         )

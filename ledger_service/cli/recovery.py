@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ledger_service.cli.exits import EXIT_INTERRUPTED, EXIT_TERMINATED
 from ledger_service.cli.operate import database_options, settings_from
 from ledger_service.cli.render import micros_time_text
+from ledger_service.domain.counts import counted
 from ledger_service.settings import Settings
 
 if TYPE_CHECKING:  # the commands import the server lazily, as `serve` does
@@ -285,20 +286,20 @@ def _verify(arguments: argparse.Namespace) -> int:
         except StoreUnavailable as error:
             return database_unavailable("verify", error, _where(settings))
     summary = (
-        f"{report.events} events, {report.lanes} lanes, {report.bookings} bookings, "
+        f"{counted(report.events, 'event')}, {counted(report.lanes, 'lane')}, "
+        f"{counted(report.bookings, 'booking')}, "
         f"window totals at {micros_time_text(now_us)}"
     )
     if report.unsealed_events:
-        summary += f" ({report.unsealed_events} events predate the hash chain)"
+        summary += f" ({counted(report.unsealed_events, 'event')} predate the hash chain)"
     accepted = report.accepted_count
     if accepted:
-        links = "link" if accepted == 1 else "links"
-        summary += f"; {accepted} broken {links} accepted by an operator's recovery"
+        summary += f"; {counted(accepted, 'broken link')} accepted by an operator's recovery"
     if report.ok:
         print(f"verified {summary}: OK")
         _print_accepted(report)
         return 0
-    print(f"FAILED: {report.finding_count} finding(s) in {summary}")
+    print(f"FAILED: {counted(report.finding_count, 'finding')} in {summary}")
     print(f"first: {report.findings[0]}")
     for finding in report.findings[1:]:
         print(f"  {finding}")
@@ -339,8 +340,9 @@ def _snapshot(arguments: argparse.Namespace) -> int:
               "run `ledger verify`, then `ledger recover`", file=sys.stderr)  # fmt: skip
         return 1
     print(
-        f"snapshot {info.snapshot_id} at event {info.position_seq}: {info.lanes_count} lanes, "
-        f"{info.bookings_count} bookings, digest {info.digest}"
+        f"snapshot {info.snapshot_id} at event {info.position_seq}: "
+        f"{counted(info.lanes_count, 'lane')}, {counted(info.bookings_count, 'booking')}, "
+        f"digest {info.digest}"
     )
     return 0
 

@@ -16,6 +16,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ledger_service.domain.counts import counted
+
 # Risk scores: 0 = the state is exactly what the verified log implies.
 RISK_VERIFIED = 0.0
 # Events appended before the hash chain existed: their content cannot be checked.
@@ -156,7 +158,7 @@ def plan(
     elif len(safe) < policy.min_viable_sources:
         verdict, chosen = Verdict.RISK_TOO_HIGH, ()
         directive = (
-            f"HALT: {len(safe)} source(s) with risk <= {policy.max_risk_score:.2f} "
+            f"HALT: {counted(len(safe), 'source')} with risk <= {policy.max_risk_score:.2f} "
             f"< minimum {policy.min_viable_sources}"
         )
     elif total > policy.max_budget_seconds:

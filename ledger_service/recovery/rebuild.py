@@ -14,6 +14,7 @@ from typing import Literal
 
 from ledger_service.domain.chain import ChainBreak, ChainWalker, altered, event_hash
 from ledger_service.domain.clock import MICROS_PER_SECOND, Clock
+from ledger_service.domain.counts import counted
 from ledger_service.domain.errors import StoreDamaged, StoreUnavailable
 from ledger_service.domain.events import Event, EventKind
 from ledger_service.domain.policies import LanePolicy, policy_from_dict
@@ -168,7 +169,7 @@ class Recovery:
         anchor, walk = self._walk_from_trusted(snapshots, facts.head_seq, final, None)
         if walk.break_count:
             findings.append(
-                f"the hash chain is broken at {walk.break_count} event(s); first: "
+                f"the hash chain is broken at {counted(walk.break_count, 'event')}; first: "
                 f"{walk.breaks[0].describe()}"
             )
         elif _verified_from(anchor) and final > (anchor.position_seq if anchor else 0):
@@ -345,16 +346,18 @@ class Recovery:
     ) -> tuple[Source, Route]:
         walk, rate = grounds.walk, grounds.rate
         risk = planner.RISK_VERIFIED
-        detail = f"replay all {facts.event_count} events at {rate:.0f} events/s"
+        detail = f"replay all {counted(facts.event_count, 'event')} at {rate:.0f} events/s"
         if walk.break_count:
             risk = planner.RISK_UNVERIFIABLE
-            detail += f"; {walk.break_count} broken link(s), first {walk.breaks[0].describe()}"
+            detail += (
+                f"; {counted(walk.break_count, 'broken link')}, first {walk.breaks[0].describe()}"
+            )
         elif anchor is not None and not anchor.chain_verified:
             risk = planner.RISK_UNVERIFIABLE
             detail += f"; links before snapshot {anchor.snapshot_id} did not check out"
         elif walk.unsealed:
             risk = planner.RISK_UNSEALED
-            detail += f"; {walk.unsealed} events predate the hash chain"
+            detail += f"; {counted(walk.unsealed, 'event')} predate the hash chain"
         # Only past a broken link can an event the fold needs be missing, or
         # where a tail's replay refused one (the whole log's then refuses too).
         refused = None
@@ -383,7 +386,8 @@ class Recovery:
         source_id = f"snapshot-{snapshot.snapshot_id}"
         detail = (
             f"snapshot {snapshot.snapshot_id} at event {snapshot.position_seq} "
-            f"({snapshot.rows} rows) + a tail of {tail} events at {rate:.0f}/s"
+            f"({counted(snapshot.rows, 'row')}) + a tail of {counted(tail, 'event')} "
+            f"at {rate:.0f}/s"
         )
         risk = planner.RISK_VERIFIED
         breaks = [found for found in walk.breaks if found.seq > snapshot.position_seq]
@@ -436,7 +440,8 @@ class Recovery:
             return f"unreadable: {why} (made by another release, or damaged)"
         if (digest.lanes, digest.bookings) != (snapshot.lanes_count, snapshot.bookings_count):
             return (
-                f"holds {digest.lanes} lanes and {digest.bookings} bookings, not the "
+                f"holds {counted(digest.lanes, 'lane')} and "
+                f"{counted(digest.bookings, 'booking')}, not the "
                 f"{snapshot.lanes_count} and {snapshot.bookings_count} recorded"
             )
         if digest.hexdigest() != snapshot.digest:
@@ -619,11 +624,11 @@ class Recovery:
         info = self.store.complete_snapshot(snapshot_id, digest, verified)
         self.store.prune_snapshots(self.settings.snapshot_keep, taken_at_us - self._lease_us())
         log.info(
-            "snapshot %d at event %d: %d lanes, %d bookings, digest %s%s",
+            "snapshot %d at event %d: %s, %s, digest %s%s",
             snapshot_id,
             position,
-            info.lanes_count,
-            info.bookings_count,
+            counted(info.lanes_count, "lane"),
+            counted(info.bookings_count, "booking"),
             info.digest[:16],
             "" if verified else " (the chain before it did NOT check out)",
         )
@@ -863,20 +868,23 @@ def projection_findings(facts: LogFacts) -> list[str]:
         )
     if facts.bookings != facts.answer_events:
         findings.append(
-            f"{facts.bookings} bookings are projected but the log answers {facts.answer_events} "
-            "reservations"
+            f"{counted(facts.bookings, 'booking')} {_are(facts.bookings)} projected but the "
+            f"log answers {counted(facts.answer_events, 'reservation')}"
         )
     if facts.lanes != facts.configured_lanes:
         findings.append(
-            f"{facts.lanes} lanes are projected but the log configures {facts.configured_lanes}"
+            f"{counted(facts.lanes, 'lane')} {_are(facts.lanes)} projected but the log "
+            f"configures {facts.configured_lanes}"
         )
     if facts.stale_lanes:
         findings.append(
-            f"{facts.stale_lanes} lanes differ from their latest configuration in the log"
+            f"{counted(facts.stale_lanes, 'lane')} {_differ(facts.stale_lanes)} latest "
+            "configuration in the log"
         )
     if facts.stale_bookings:
         findings.append(
-            f"{facts.stale_bookings} bookings differ from their latest event in the log"
+            f"{counted(facts.stale_bookings, 'booking')} {_differ(facts.stale_bookings)} "
+            "latest event in the log"
         )
     return findings
 
@@ -1069,3 +1077,11 @@ _OPERATOR_STEPS = {
     "restore the database from a backup, or, only for events missing from the end and if "
     "the log is known to be right, `ledger recover --budget-seconds N --accept-log-head`",
 }
+
+
+def _are(count: int) -> str:
+    return "is" if count == 1 else "are"
+
+
+def _differ(count: int) -> str:
+    return "differs from its" if count == 1 else "differ from their"

@@ -113,7 +113,7 @@ def test_bookings_that_age_out_inside_the_chart_are_marked() -> None:
     assert '<g id="age-out-marks" data-count="1">' in page
     [(x, title)] = AGE_OUT.findall(page)
     assert float(x) == pytest.approx(x_of(30 * 60), abs=0.1)
-    assert title == f"1 booking(s) aged out at {at(NOW_S - 30 * 60)}, freeing $0.000300000"
+    assert title == f"1 booking aged out at {at(NOW_S - 30 * 60)}, freeing $0.000300000"
     # The window's own bookings age out after now: not inside the chart.
     assert observe.age_outs(eleven_seconds(), (NOW_S - HOUR_S) * MICROS_PER_SECOND,
                             NOW_S * MICROS_PER_SECOND) == []  # fmt: skip

@@ -93,7 +93,7 @@ def test_an_altered_lane_row_is_found_at_start_and_rebuilt(history: History) -> 
     assert any("lane 'recall': prices" in finding for finding in _verify(history))
     recovery = history.recovery()
     assessment = recovery.assess()
-    assert "1 lanes differ from their latest configuration in the log" in assessment.findings
+    assert "1 lane differs from its latest configuration in the log" in assessment.findings
     outcome = recovery.recover(DEFAULT, "test")
     assert outcome.ready and outcome.manifest is not None
     assert outcome.manifest.chosen == ("log",)
@@ -107,7 +107,7 @@ def test_an_altered_booking_amount_is_found_and_rebuilt(sqlite_history: History)
     findings = _verify(history)
     assert any("booking recall/r7: amount_nanos is" in f for f in findings), findings
     recovery = history.recovery()
-    assert recovery.assess().findings == ("1 bookings differ from their latest event in the log",)
+    assert recovery.assess().findings == ("1 booking differs from its latest event in the log",)
     assert recovery.recover(DEFAULT, "test").ready
     assert history.projected_amounts() == before and _verify(history) == []
 
