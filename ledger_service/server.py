@@ -271,41 +271,31 @@ class LedgerServer:
         lost_wal = database.lost_wal_text(settings.database_url)
         if lost_wal:
             raise ValueError(lost_wal)  # before SQLite opens the file and resets its -shm
-        # The keyring before the store: a data directory that is a file, or one
-        # this process may not write, is refused here in one line (exit 2),
-        # before the store fails on the same path and logs that it will retry.
-        self._keyring_file = keyring.KeyringFile(settings.data_dir)
+        # SQLite: the keyring before the store. A data directory that is a
+        # file, or one this process may not write, is refused here in one line
+        # (exit 2), before the store fails on the same path and logs that it
+        # will retry. PostgreSQL's store does not use the directory: the
+        # database is asked first, so that a URL it refuses makes no keyring.
+        if not settings.on_postgresql:
+            self._keyring_file = keyring.KeyringFile(settings.data_dir)
         self.store = build_store(settings)
-        # The schema brought up to date now, or, when the database cannot be
-        # reached (or is damaged), by the recovery guard before its first look:
-        # the server comes up NOT_SERVING and tries again, never a traceback.
-        pending_migration: Callable[[], None] | None = None
         # Without migrations, the schema's revision is still read: a newer
         # release's, or an older one's not yet migrated, is refused at start
         # (exit 2), never served.
         schema_step = _upgrade if run_migrations else _check_revision
-        try:
-            schema_step(self.store)
-        except migrate.RevisionRefused:
-            self.store.close()
-            raise
-        except StoreUnavailable as error:
-            damaged = isinstance(error, StoreDamaged)
-            why = "it is damaged" if damaged else "it does not answer"
-            said = translate.driver_message(error)
-            why += f" ({said})" if said else ""
-            every = settings.recovery_check_interval_seconds
-            then = (
-                " until it is repaired and the server restarted"
-                if damaged
-                else f"; the server tries again every {every:g} s"
-            )
-            log.error(
-                "the database's schema could not be %s: %s. Health is NOT_SERVING%s",
-                "brought up to date" if run_migrations else "read",
-                why,
-                then,
-            )
+        unreached = self._first_schema_step(schema_step)
+        if settings.on_postgresql:
+            try:
+                self._keyring_file = keyring.KeyringFile(settings.data_dir)
+            except BaseException:
+                self.store.close()
+                raise
+        # The schema brought up to date now, or, when the database cannot be
+        # reached (or is damaged), by the recovery guard before its first look:
+        # the server comes up NOT_SERVING and tries again, never a traceback.
+        pending_migration: Callable[[], None] | None = None
+        if unreached is not None:
+            _log_schema_pending(settings, unreached, run_migrations)
             pending_migration = functools.partial(self._prepare_late, schema_step, resuming)
         self.ledger = Ledger(
             self.store,
@@ -360,6 +350,26 @@ class LedgerServer:
         )
         self._server = self._build_grpc_server()
         self.port = 0
+
+    def _first_schema_step(
+        self, schema_step: Callable[[SqlStore], None]
+    ) -> StoreUnavailable | None:
+        """Runs `schema_step` once; the outage (or damage) that stopped it, for
+        the server to come up NOT_SERVING through. A schema of another release,
+        or a URL the database refuses (it does not exist, a role refused: no
+        retry mends it), ends the start, exit 2 in one line."""
+        try:
+            schema_step(self.store)
+        except migrate.RevisionRefused:
+            self.store.close()
+            raise
+        except StoreUnavailable as error:
+            wrong = translate.misconfigured(error)
+            if wrong is not None:
+                self.store.close()
+                raise ValueError(": ".join(wrong)) from None
+            return error
+        return None
 
     def _build_grpc_server(self) -> grpc.Server:
         settings = self.settings
@@ -681,6 +691,26 @@ class LedgerServer:
 
     def wait(self) -> None:
         self._server.wait_for_termination()
+
+
+def _log_schema_pending(settings: Settings, error: StoreUnavailable, run_migrations: bool) -> None:
+    """Says why the schema step waits, and for how long."""
+    damaged = isinstance(error, StoreDamaged)
+    why = "it is damaged" if damaged else "it does not answer"
+    said = translate.driver_message(error)
+    why += f" ({said})" if said else ""
+    every = settings.recovery_check_interval_seconds
+    then = (
+        " until it is repaired and the server restarted"
+        if damaged
+        else f"; the server tries again every {every:g} s"
+    )
+    log.error(
+        "the database's schema could not be %s: %s. Health is NOT_SERVING%s",
+        "brought up to date" if run_migrations else "read",
+        why,
+        then,
+    )
 
 
 def _upgrade(store: SqlStore) -> None:

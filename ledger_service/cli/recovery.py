@@ -255,6 +255,11 @@ def database_unavailable(command: str, error: Exception, where: str = "") -> int
     from ledger_service.domain.errors import StoreDamaged
     from ledger_service.storage import translate
 
+    wrong = translate.misconfigured(error)
+    if wrong is not None:
+        # The URL names a database or role the server refuses: what to fix.
+        print(f"ledger {command}: {': '.join(wrong)}", file=sys.stderr)
+        return 2
     why = error.message if isinstance(error, StoreDamaged) else "the database is unavailable"
     said = "" if isinstance(error, StoreDamaged) else translate.driver_message(error)
     print(

@@ -183,6 +183,85 @@ def connect_refused(error: BaseException) -> tuple[str, str] | None:
     return None
 
 
+# A connect refused for the URL itself: a database that does not exist (3D000
+# invalid_catalog_name), a role unknown, refused or not allowed to log in
+# (28000 invalid_authorization_specification, 28P01 invalid_password).
+# An operator's configuration error, which no retry mends: a start ends on it
+# (exit 2). libpq's refusal of a connect carries no SQLSTATE, so its words
+# tell the cases apart; each pattern names the database or role (never the
+# password, which libpq's words never hold), with what to do.
+_ROLE_ADVICE = (
+    "check the role (the user of LEDGER_DATABASE_URL or --database-url): create it, "
+    "or name one the server knows"
+)
+MISCONFIGURED: tuple[tuple[re.Pattern[str], str, str], ...] = (
+    (
+        re.compile(r'database "([^"]*)" does not exist'),
+        'the database "{0}" does not exist (3D000 invalid_catalog_name)',
+        'create it (CREATE DATABASE "{0}"), or name an existing one in LEDGER_DATABASE_URL '
+        "(--database-url)",
+    ),
+    (
+        re.compile(r'password authentication failed for user "([^"]*)"'),
+        'the server refused the password of the role "{0}" (28P01 invalid_password)',
+        "check the role's password in LEDGER_DATABASE_URL (--database-url)",
+    ),
+    (
+        re.compile(r'role "([^"]*)" does not exist'),
+        'the role "{0}" does not exist (28000 invalid_authorization_specification)',
+        _ROLE_ADVICE,
+    ),
+    (
+        re.compile(r'role "([^"]*)" is not permitted to log in'),
+        'the role "{0}" may not log in (28000 invalid_authorization_specification)',
+        'check the role, or give it LOGIN (ALTER ROLE "{0}" LOGIN)',
+    ),
+    (
+        re.compile(r'(\w+) authentication failed for user "([^"]*)"'),
+        'the server refused the role "{1}" ({0} authentication; 28000 '
+        "invalid_authorization_specification)",
+        _ROLE_ADVICE,
+    ),
+    (
+        re.compile(r'no pg_hba\.conf entry for host "([^"]*)", user "([^"]*)", database "([^"]*)"'),
+        'the server\'s pg_hba.conf has no entry for the role "{1}" on the database "{2}" '
+        'from host "{0}" (28000 invalid_authorization_specification)',
+        "check the role and database, or add an entry to pg_hba.conf",
+    ),
+)
+# Said for a code that came without words the patterns know.
+MISCONFIGURED_CODES: dict[str, tuple[str, str]] = {
+    "3D000": (
+        "the database does not exist (3D000 invalid_catalog_name)",
+        "create it, or name an existing one in LEDGER_DATABASE_URL (--database-url)",
+    ),
+    "28000": (
+        "the server refused the role (28000 invalid_authorization_specification)",
+        _ROLE_ADVICE,
+    ),
+    "28P01": (
+        "the server refused the role's password (28P01 invalid_password)",
+        "check the role's password in LEDGER_DATABASE_URL (--database-url)",
+    ),
+}
+
+
+def misconfigured(error: BaseException) -> tuple[str, str] | None:
+    """What is wrong and what to do when PostgreSQL refused the URL itself (a
+    database that does not exist, a role refused: MISCONFIGURED); None for
+    another error, an outage among them."""
+    cause = error.__cause__ if isinstance(error, LedgerError) else error
+    driver = driver_error(cause) if cause is not None else None
+    if not isinstance(driver, psycopg.Error):
+        return None
+    words = str(driver)
+    for pattern, what, advice in MISCONFIGURED:
+        found = pattern.search(words)
+        if found is not None:
+            return what.format(*found.groups()), advice.format(*found.groups())
+    return MISCONFIGURED_CODES.get(driver_code(driver))
+
+
 def cannot_write(error: BaseException) -> tuple[str, str] | None:
     """What a PostgreSQL error that refuses every write says is wrong and
     what to do about it, in words (CANNOT_WRITE_CONDITIONS); None for another."""
