@@ -15,7 +15,14 @@ from typing import Any
 import grpc
 
 from ledger_service.api.errors import REASON_KEY
-from ledger_service.cli.connection import MAX_PAGES, PAGE_SIZE, Session, command, last_holding
+from ledger_service.cli.connection import (
+    MAX_PAGES,
+    PAGE_SIZE,
+    Session,
+    command,
+    explain,
+    last_holding,
+)
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_UNREACHABLE, CliError
 from ledger_service.cli.render import (
     duration_text,
@@ -253,7 +260,9 @@ def follow(
 
     A server that stops (SHUTTING_DOWN: a restart, a replica leaving) ends the
     stream; as the contract says, it is opened again after the last seq seen,
-    once the server (or another replica) answers, within FOLLOW_RESUME_SECONDS."""
+    once the server (or another replica) answers, within FOLLOW_RESUME_SECONDS.
+    A connection that breaks for good (a server killed, a network down) ends
+    it, exit 3, saying where to resume."""
     said_at: int | None = None  # the seq the stopping line last named: said once a stop
     try:
         while True:
@@ -261,6 +270,11 @@ def follow(
                 after_seq = _tail(arguments, session, after_seq, widths, columns, header)
             except _Stopped as stopped:
                 after_seq = stopped.after_seq
+            except _Broken as broken:
+                said = explain(broken.error, session)
+                if said.exit_code == EXIT_UNREACHABLE:  # not a refusal (a grant expired, say)
+                    said.message += f"; {_resume_hint(broken.after_seq)}"
+                raise said from None
             if said_at != after_seq:
                 _say_stopping(session, after_seq)
                 said_at = after_seq
@@ -275,6 +289,20 @@ class _Stopped(Exception):
     def __init__(self, after_seq: int) -> None:
         super().__init__(after_seq)
         self.after_seq = after_seq
+
+
+class _Broken(Exception):
+    """The stream failed with `error`, not a stop, after `after_seq`."""
+
+    def __init__(self, after_seq: int, error: grpc.RpcError) -> None:
+        super().__init__(after_seq)
+        self.after_seq = after_seq
+        self.error = error
+
+
+def _resume_hint(after_seq: int) -> str:
+    """What to run after a follow that ended having shown the events up to `after_seq`."""
+    return f"resume with --after-seq {after_seq}"
 
 
 def _answered(stream: object) -> bool:
@@ -323,7 +351,7 @@ def _wait_for_return(
                 raise
             if code is grpc.StatusCode.UNAVAILABLE:
                 time.sleep(min(max(left, 0), FOLLOW_RESUME_TRY_SECONDS))
-    resume = f"resume with --after-seq {after_seq}" if printed else "run the command again"
+    resume = _resume_hint(after_seq) if printed else "run the command again"
     raise CliError(
         f"the ledger at {session.server} stopped and did not answer again within "
         f"{FOLLOW_RESUME_SECONDS:g} s; {resume}",
@@ -379,6 +407,8 @@ def _tail(
             if isinstance(item, Exception):
                 if isinstance(item, grpc.RpcError) and _shutting_down(item):
                     raise _Stopped(after_seq) from item
+                if isinstance(item, grpc.RpcError):
+                    raise _Broken(after_seq, item) from item
                 raise item
             after_seq = item.seq
             if arguments.reservation_id and item.reservation_id != arguments.reservation_id:
