@@ -742,7 +742,8 @@ def report(arguments: argparse.Namespace, session: Session) -> int:
         write_page(arguments.html, render_page(found, events, truncated, earlier))
     except OSError as error:
         raise CliError(f"--html: cannot write {str(arguments.html)!r}: {error.strerror}") from None
-    print(f"wrote {arguments.html}: {found.summary}")
+    # --json: the audit the page shows, as `ledger audit --json` prints it.
+    _emit(arguments, found, [f"wrote {arguments.html}: {found.summary}"])
     return 0
 
 
