@@ -82,6 +82,25 @@ def server_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith("LEDGER_")}
 
 
+def pointed_at(served: LedgerProcess) -> dict[str, str]:
+    """An environment whose commands talk to `served`, with its admin grant."""
+    return {
+        **server_environment(),
+        "LEDGER_SERVER": served.address,
+        "LEDGER_DATA_DIR": str(served.data_dir),
+    }
+
+
+def run_ok(environment: dict[str, str], *arguments: str) -> str:
+    """`ledger ARGUMENTS` as a process of its own, which must exit 0; its stdout."""
+    done = subprocess.run(
+        [str(LEDGER), *arguments], env=environment, capture_output=True, text=True,
+        timeout=START_SECONDS, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done
+    return done.stdout
+
+
 def start_ledger_process(
     data_dir: pathlib.Path, settings: dict[str, str] | None = None, listen: str = "127.0.0.1:0"
 ) -> LedgerProcess:

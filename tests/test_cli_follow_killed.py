@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pathlib
 import signal
-import subprocess
 
 from ledger_service.cli import exits
-from tests.test_cli import JEV_PRICE, LEDGER, _follower, server_environment, start_ledger_process
+from tests.test_cli import JEV_PRICE, _follower, pointed_at, run_ok, start_ledger_process
 
 LISTEN = "127.0.0.1:41107"
 COMMAND_SECONDS = 60
@@ -23,27 +22,15 @@ COMMAND_SECONDS = 60
 
 def test_a_follow_whose_server_is_killed_says_where_to_resume(tmp_path: pathlib.Path) -> None:
     served = start_ledger_process(tmp_path, listen=LISTEN)
-    environment = {
-        **server_environment(),
-        "LEDGER_SERVER": served.address,
-        "LEDGER_DATA_DIR": str(tmp_path),
-    }
-
-    def cli(*arguments: str) -> None:
-        done = subprocess.run(
-            [str(LEDGER), *arguments], env=environment, capture_output=True,
-            timeout=COMMAND_SECONDS, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done
-
-    cli("lane", "put", "killed", "--limit", "$1", "--price", JEV_PRICE)
+    environment = pointed_at(served)
+    run_ok(environment, "lane", "put", "killed", "--limit", "$1", "--price", JEV_PRICE)
     follower = _follower(["killed"], environment)
     try:
         assert follower.stdout is not None
         assert follower.stdout.readline().startswith("SEQ")
         assert "lane_configured" in follower.stdout.readline()
-        cli("reserve", "killed", "k-1", "--model", "jev", "--request-bytes", "7000",
-            "--max-output-tokens", "200")  # fmt: skip
+        run_ok(environment, "reserve", "killed", "k-1", "--model", "jev",
+               "--request-bytes", "7000", "--max-output-tokens", "200")  # fmt: skip
         printed = follower.stdout.readline().split()
         assert printed[2:4] == ["reserved", "k-1"], printed
         served.process.send_signal(signal.SIGKILL)

@@ -11,35 +11,20 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 
-from tests.test_cli import JEV_PRICE, LEDGER, server_environment, start_ledger_process
+from tests.test_cli import JEV_PRICE, pointed_at, run_ok, start_ledger_process
 
 LISTEN = "127.0.0.1:41109"
-COMMAND_SECONDS = 60
 
 
 def test_report_json_prints_the_audit_as_audit_json_does(tmp_path: pathlib.Path) -> None:
     served = start_ledger_process(tmp_path, listen=LISTEN)
-    environment = {
-        **server_environment(),
-        "LEDGER_SERVER": served.address,
-        "LEDGER_DATA_DIR": str(tmp_path),
-    }
-
-    def cli(*arguments: str) -> str:
-        done = subprocess.run(
-            [str(LEDGER), *arguments], env=environment, capture_output=True, text=True,
-            timeout=COMMAND_SECONDS, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done
-        return done.stdout
-
+    environment = pointed_at(served)
+    page = tmp_path / "paged.html"
     try:
-        cli("lane", "put", "paged", "--limit", "$1", "--price", JEV_PRICE)
-        page = tmp_path / "paged.html"
-        reported = json.loads(cli("report", "paged", "--html", str(page), "--json"))
-        audited = json.loads(cli("audit", "paged", "--json"))
+        run_ok(environment, "lane", "put", "paged", "--limit", "$1", "--price", JEV_PRICE)
+        reported = json.loads(run_ok(environment, "report", "paged", "--html", str(page), "--json"))
+        audited = json.loads(run_ok(environment, "audit", "paged", "--json"))
     finally:
         served.stop()
     assert reported == audited
