@@ -160,7 +160,7 @@ class Prototype:
         result = await self._moved(
             context, lambda: self.ledger.reserve(convert.reserve_command(request))
         )
-        return convert.reserve_response(result.event, result.balance)
+        return convert.reserve_response(result.event, result.balance, result.already_reserved)
 
     async def settle(
         self, request: pb.SettleRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -240,7 +240,7 @@ class Reference:
             with self.cond:
                 self._commit_with(self.batch)
             event = _first_answer(repeat.booking, self)
-            return convert.reserve_response(event, balance_of(event))
+            return convert.reserve_response(event, balance_of(event), already_reserved=True)
         except errors.LedgerError as error:
             with self.cond:  # an expiry recorded before the refusal is written all the same
                 self._commit_with(self.batch)

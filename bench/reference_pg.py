@@ -265,7 +265,7 @@ class ReferencePg:
                 moves.check_reserve_repeat(move.booking, command)
                 first = move.event(move.booking.answer_seq)
                 move.connection.driver.rollback()
-                return convert.reserve_response(first, balance_of(first))
+                return convert.reserve_response(first, balance_of(first), already_reserved=True)
             window, now = move.window(self.clock.now_us())
             budget = moves.Budget(move.policy, window.totals, lambda: _aging(move, now))
             event, after = move.record(

@@ -37,7 +37,10 @@ def test_moves_and_refusals_are_the_sync_servers(
     )
     first = ledger.Reserve(request, timeout=RPC_TIMEOUT_SECONDS)
     assert first.decision == pb.ADMITTED and first.hold_nanos > 0
-    assert ledger.Reserve(request, timeout=RPC_TIMEOUT_SECONDS) == first  # idempotent
+    again = ledger.Reserve(request, timeout=RPC_TIMEOUT_SECONDS)  # idempotent
+    assert again.already_reserved and not first.already_reserved
+    again.ClearField("already_reserved")
+    assert again == first
 
     request.request_bytes = -1
     request.reservation_id = "r-2"

@@ -35,7 +35,10 @@ def test_it_answers_moves_and_leaves_a_chain_that_verifies(
     assert first.decision == pb.ADMITTED and first.hold_nanos > 0
     assert first.balance.held_nanos == first.hold_nanos
     # A retry gets the same answer; other arguments under the same id are refused.
-    assert stub.Reserve(load.reserve_request("ref-a", "r-1"), timeout=RPC_TIMEOUT_SECONDS) == first
+    again = stub.Reserve(load.reserve_request("ref-a", "r-1"), timeout=RPC_TIMEOUT_SECONDS)
+    assert again.already_reserved and not first.already_reserved
+    again.ClearField("already_reserved")
+    assert again == first
     changed = pb.ReserveRequest(lane="ref-a", reservation_id="r-1", model=load.MODEL)
     with pytest.raises(grpc.RpcError) as caught:
         stub.Reserve(changed, timeout=RPC_TIMEOUT_SECONDS)

@@ -30,6 +30,14 @@ def harness(ledger_harness: Any) -> Any:
     return ledger_harness
 
 
+def _already_reserved(first: pb.ReserveResponse) -> pb.ReserveResponse:
+    """The first answer as a repeat of its Reserve gets it."""
+    repeat = pb.ReserveResponse()
+    repeat.CopyFrom(first)
+    repeat.already_reserved = True
+    return repeat
+
+
 # Reserve ------------------------------------------------------------------------
 
 
@@ -76,8 +84,10 @@ def test_a_repeated_reserve_returns_the_first_answer_and_books_nothing(harness: 
     harness.reserve("r2", estimate_nanos=50)
     harness.advance_us(7)
     again = harness.reserve("r1", estimate_nanos=300)
-    # The whole first answer, including the balance recorded with it.
-    assert again == first
+    # The whole first answer, including the balance recorded with it, said to
+    # be an earlier Reserve's answer.
+    assert not first.already_reserved
+    assert again == _already_reserved(first)
     assert harness.balance().held_nanos == 350
     assert [event.kind for event in harness.events("recall", reservation_id="r1")] == ["reserved"]
 
@@ -92,7 +102,8 @@ def test_a_denied_reserve_is_an_answer_and_its_repeat_is_the_same_denial(harness
     assert denied.balance.spent_nanos == 900
     harness.settle("a", pb.SUCCEEDED, input_tokens=10)  # frees 899 nanos
     again = harness.reserve("b", estimate_nanos=200)
-    assert again == denied, "a denial is final for its id"
+    assert not denied.already_reserved
+    assert again == _already_reserved(denied), "a denial is final for its id"
     assert harness.reserve("b2", estimate_nanos=200).decision == pb.ADMITTED
     assert [event.kind for event in harness.events("recall", reservation_id="b")] == ["denied"]
     rejected = harness.booking("b")

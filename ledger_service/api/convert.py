@@ -275,7 +275,9 @@ def lane(policy: LanePolicy) -> pb.Lane:
     )
 
 
-def reserve_response(event: Event, value: Balance) -> pb.ReserveResponse:
+def reserve_response(
+    event: Event, value: Balance, already_reserved: bool = False
+) -> pb.ReserveResponse:
     admitted = event.kind.value == "reserved"
     response = pb.ReserveResponse(
         decision=pb.ADMITTED if admitted else pb.DENIED,
@@ -283,6 +285,7 @@ def reserve_response(event: Event, value: Balance) -> pb.ReserveResponse:
         cap_nanos=event.cap_nanos,
         reason=event.reason,
         denied_by=event.denied_by,
+        already_reserved=already_reserved,
     )
     fill_balance(response.balance, value)
     _set_micros(response.reserved_at, event.reserved_at_us)

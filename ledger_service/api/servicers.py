@@ -172,7 +172,7 @@ class LedgerServicer(pb_grpc.LedgerServicer):
         self, request: pb.ReserveRequest, context: grpc.ServicerContext
     ) -> pb.ReserveResponse:
         result = self._ledger.reserve(convert.reserve_command(request), trace_id_of(context))
-        return convert.reserve_response(result.event, result.balance)
+        return convert.reserve_response(result.event, result.balance, result.already_reserved)
 
     def Settle(self, request: pb.SettleRequest, context: grpc.ServicerContext) -> pb.SettleResponse:
         try:

@@ -44,6 +44,8 @@ _T = TypeVar("_T")
 class ReserveResult:
     event: Event
     balance: Balance
+    # The answer of an earlier Reserve under this id, repeated: this call booked nothing.
+    already_reserved: bool = False
 
     @property
     def admitted(self) -> bool:
@@ -208,6 +210,10 @@ class Ledger:
 
     def reserve(self, command: moves.ReserveCommand, trace_id: str = "") -> ReserveResult:
         command.validate()
+        # The event an earlier run of this same call wrote: the store runs the
+        # work again when it cannot tell whether that run's commit was kept
+        # (a lost connection), and finding it then is no earlier Reserve's.
+        written: list[Event] = []
 
         def work(tx: StoreTransaction) -> ReserveResult:
             policy = _locked_lane(tx, command.lane, command.reservation_id)
@@ -215,7 +221,8 @@ class Ledger:
             if existing is not None:
                 moves.check_reserve_repeat(existing, command)
                 first = _event(tx, existing.answer_seq)
-                return ReserveResult(first, balance_after(first))
+                ours = any((e.seq, e.trace_id) == (first.seq, first.trace_id) for e in written)
+                return ReserveResult(first, balance_after(first), already_reserved=not ours)
             now_us, windows = self._budget_windows(tx, policy)
             budgets = [
                 moves.Budget(
@@ -229,6 +236,7 @@ class Ledger:
             ]
             event = moves.decide_reserve(budgets, command, now_us)
             stored, _ = record_booking_event(tx, windows, None, event, now_us, trace_id)
+            written.append(stored)
             return ReserveResult(stored, balance_after(stored))
 
         return self._write(work, replayable=True, lane=command.lane)

@@ -731,4 +731,5 @@ def test_a_move_under_way_at_its_deadline_waits_for_its_batch_commit(
     monkeypatch.setattr(group_commit, "BEGUN_WAIT_SECONDS", 10.0)
     answer, repeated, booked = _follower_under_way(tmp_path, 0.6)
     assert not isinstance(answer, StoreUnavailable)
-    assert len(booked) == 1 and answer == repeated
+    assert len(booked) == 1 and answer == dataclasses.replace(repeated, already_reserved=False)
+    assert repeated.already_reserved  # type: ignore[attr-defined]

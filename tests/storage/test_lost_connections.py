@@ -8,6 +8,7 @@ COMMIT was sent before its connection died is answered as its first run was
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -137,10 +138,11 @@ def test_a_move_whose_commit_was_kept_before_its_connection_died_gets_its_first_
     lost = _lose_connection_after_commit(monkeypatch, backends, times=1)
     answered = ledger.reserve(_reserve("r-1"))
     assert lost, "the commit's connection was not lost"
-    # The run again found the kept booking: the first answer, booked once.
-    assert answered.admitted
+    # The run again found the kept booking: the first answer, booked once, and
+    # this call's own, not an earlier Reserve's.
+    assert answered.admitted and not answered.already_reserved
     assert _event_count(postgres_store) == before + 1
-    assert ledger.reserve(_reserve("r-1")) == answered
+    assert ledger.reserve(_reserve("r-1")) == dataclasses.replace(answered, already_reserved=True)
 
 
 def test_another_write_whose_commit_may_have_been_kept_is_not_run_again(

@@ -89,10 +89,22 @@ def test_repeated_reserve_returns_first_answer_and_books_once(ledger: Ledger) ->
     ledger.put_lane(RECALL)
     first = ledger.reserve(_reserve("r1"))
     again = ledger.reserve(_reserve("r1"))
-    assert again == first
+    assert again == dataclasses.replace(first, already_reserved=True)
     with pytest.raises(ReservationConflict):
         ledger.reserve(_reserve("r1", request_bytes=1))
     assert [e.kind for e in _all_events(ledger)] == [EventKind.LANE_CONFIGURED, EventKind.RESERVED]
+
+
+def test_a_reserve_answer_says_whether_an_earlier_reserve_made_it(ledger: Ledger) -> None:
+    """A lane's transport must not make the paid call again under a booking an
+    earlier Reserve made (docs/semantics.md, Idempotency): the answer says so."""
+    ledger.put_lane(dataclasses.replace(RECALL, limit_nanos=2000))
+    assert not ledger.reserve(_reserve("r1")).already_reserved
+    assert ledger.reserve(_reserve("r1")).already_reserved
+    denied = ledger.reserve(_reserve("r2"))
+    assert not denied.admitted and not denied.already_reserved
+    resent = ledger.reserve(_reserve("r2"))
+    assert not resent.admitted and resent.already_reserved
 
 
 def test_aging_edge_to_the_microsecond(ledger: Ledger, clock: ManualClock) -> None:

@@ -419,6 +419,7 @@ class ReserveResponse(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     RESERVED_AT_FIELD_NUMBER: _builtins.int
     DENIED_BY_FIELD_NUMBER: _builtins.int
+    ALREADY_RESERVED_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     hold_nanos: _builtins.int
     cap_nanos: _builtins.int
@@ -427,6 +428,12 @@ class ReserveResponse(_message.Message):
     """A human sentence for denials."""
     denied_by: _builtins.str
     """When denied: the budget that said no (this lane or one of its ancestors)."""
+    already_reserved: _builtins.bool
+    """True when an earlier Reserve under this id made the booking (or denial)
+    and this is its first answer repeated: this request booked nothing. A
+    lane that did not send that earlier Reserve itself (its own resend after
+    a lost answer) must not make the model call again under it.
+    """
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -452,10 +459,11 @@ class ReserveResponse(_message.Message):
         reason: _builtins.str = ...,
         reserved_at: _timestamp_pb2.Timestamp | None = ...,
         denied_by: _builtins.str = ...,
+        already_reserved: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "expires_at", b"expires_at", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["balance", b"balance", "cap_nanos", b"cap_nanos", "decision", b"decision", "denial_reason", b"denial_reason", "denied_by", b"denied_by", "expires_at", b"expires_at", "hold_nanos", b"hold_nanos", "reason", b"reason", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_reserved", b"already_reserved", "balance", b"balance", "cap_nanos", b"cap_nanos", "decision", b"decision", "denial_reason", b"denial_reason", "denied_by", b"denied_by", "expires_at", b"expires_at", "hold_nanos", b"hold_nanos", "reason", b"reason", "reserved_at", b"reserved_at", "retry_after", b"retry_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
