@@ -180,6 +180,9 @@ class Reservation:
     # When denied: the budget that said no, this lane or one of its parents
     # (the lane's name); "" when admitted.
     denied_by: str = ""
+    # An earlier Reserve under this id made the booking (or denial): this is
+    # its first answer repeated, and this Reserve booked nothing.
+    already_reserved: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

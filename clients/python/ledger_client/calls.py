@@ -181,10 +181,24 @@ def used_by_model_call(reservation_id: str) -> ReservationConflict:
     )
 
 
+def reserved_by_another_call(reservation_id: str) -> ReservationConflict:
+    """An admitted answer that an earlier Reserve under this id made, one this
+    call did not send (another process, a lane restarted under the same id):
+    that call may have made the model call, and one made again under its
+    booking could never be booked, or would share its hold."""
+    return ReservationConflict(
+        grpc.StatusCode.ALREADY_EXISTS,
+        "RESERVATION_ID_REUSED",
+        f"reservation {reservation_id} was already reserved by a Reserve this call did not "
+        "send; the ledger answered with that first answer, and this model call could never "
+        "be booked: send the call under a new reservation_id",
+    )
+
+
 class RecentIds:
     """The latest `limit` reservation ids remembered, each with a value, the
     oldest forgotten first (the Node client's RecentIds): the model calls'
-    admitted ids, and the background refunds' ended ones."""
+    ids, and the background refunds' ended ones."""
 
     def __init__(self, limit: int = MAX_ENDED_IDS) -> None:
         self._limit = limit
@@ -484,8 +498,11 @@ class CallSupport:
     deadline_seconds: float = DEFAULT_DEADLINE_SECONDS
     # Refuses a block once the client is closing; counts it while under way.
     gate: CallGate | None = None
-    # The ids the ledger admitted a model call under: a block under one again is refused.
-    admitted_ids: RecentIds | None = None
+    # The ids of this client's model calls: True once the ledger admitted one
+    # (a block under it again is refused), False while its Reserve went
+    # unanswered and no model call was made (a block under it again may take
+    # over what that Reserve booked).
+    model_call_ids: RecentIds | None = None
 
 
 class CallSource(enum.Enum):
@@ -614,8 +631,8 @@ class ModelCall:
     def _reserve(self) -> CallHandle:
         arguments = self._arguments
         support = self._support
-        admitted_ids = support.admitted_ids
-        if admitted_ids is not None and arguments.reservation_id in admitted_ids:
+        model_call_ids = support.model_call_ids
+        if model_call_ids is not None and model_call_ids.get(arguments.reservation_id):
             raise used_by_model_call(arguments.reservation_id)
         self._clear_refund(support.deadline_seconds)
         try:
@@ -642,8 +659,11 @@ class ModelCall:
                 arguments.reservation_id,
                 reservation.denied_by,
             )
-        if admitted_ids is not None:
-            admitted_ids.add(arguments.reservation_id)
+        if reservation.already_reserved and not self._takes_over_earlier_reserve():
+            # The booking is another call's, left to it (nothing is ended here).
+            raise reserved_by_another_call(arguments.reservation_id)
+        if model_call_ids is not None:
+            model_call_ids.add(arguments.reservation_id)
         self._supersede_in_doubt()
         self._wake_replayer()
         return CallHandle(
@@ -746,6 +766,8 @@ class ModelCall:
         or failing) it is sent in the background, off the call's path."""
         if not (may_have_applied(error) or self._reserve_in_doubt):
             return
+        if self._support.model_call_ids is not None:
+            self._support.model_call_ids.add(self._arguments.reservation_id, False)
         if self._journal_in_doubt():
             return
         support = self._support
@@ -777,16 +799,31 @@ class ModelCall:
             log.warning("could not journal an unanswered reserve: %s", failure)
             return False
 
+    def _takes_over_earlier_reserve(self) -> bool:
+        """Whether the earlier Reserve a repeated answer comes from is one this
+        client sent for no model call: this call's own attempt whose answer was
+        lost, or an earlier call's that went unanswered (remembered, or
+        journaled in doubt by this process or one before it)."""
+        model_call_ids = self._support.model_call_ids
+        unanswered = model_call_ids is not None and (
+            model_call_ids.get(self._arguments.reservation_id) is False
+        )
+        return self._reserve_in_doubt or unanswered or self._in_doubt_entry()
+
+    def _in_doubt_entry(self) -> bool:
+        """Whether an earlier Reserve of this id went unanswered, for a call
+        never made, and was journaled in doubt, its refund not yet sent."""
+        journal = self._support.journal
+        entry = journal.entry(self._arguments.reservation_id) if journal is not None else None
+        return entry is not None and entry.source is Source.IN_DOUBT and entry.replay is None
+
     def _supersede_in_doubt(self) -> None:
         """An earlier Reserve of this id went unanswered and was journaled in
         doubt, to be refunded. Admitted now, the booking is this call's to end:
         the refund would end it behind the call's back."""
         journal = self._support.journal
         reservation_id = self._arguments.reservation_id
-        entry = journal.entry(reservation_id) if journal is not None else None
-        if journal is None or entry is None:
-            return
-        if entry.source is Source.IN_DOUBT and entry.replay is None:
+        if journal is not None and self._in_doubt_entry():
             try:
                 journal.record_replay(reservation_id, ReplayResult.SUPERSEDED, SUPERSEDED_DETAIL)
             except (JournalError, OSError) as failure:

@@ -188,7 +188,7 @@ class LaneClient:
         self._replayer: Replayer | None = None
         self._allowance: Allowance | None = None
         self._refunds = BackgroundRefunds()
-        self._admitted_ids = RecentIds()
+        self._model_call_ids = RecentIds()
         self._slots = threading.BoundedSemaphore(self.settings.max_calls_in_flight)
         self._gate = CallGate()
         # The lane's event streams open now (watch_events): close() ends them.
@@ -732,7 +732,7 @@ class LaneClient:
             self.settings.end_attempts,
             self.settings.deadline_seconds,
             self._gate,
-            self._admitted_ids,
+            self._model_call_ids,
         )
 
     # The journal -----------------------------------------------------------------

@@ -135,6 +135,7 @@ def reservation(reservation_id: str, message: pb.ReserveResponse) -> Reservation
         reason=message.reason,
         balance=balance(message.balance),
         denied_by="" if admitted else message.denied_by,
+        already_reserved=message.already_reserved,
     )
 
 

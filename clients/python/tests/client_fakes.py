@@ -74,6 +74,7 @@ class FakeLedger:
     ) -> Reservation:
         self._enter("reserve", arguments.reservation_id)
         booking = self.bookings.get(arguments.reservation_id)
+        already_reserved = booking is not None
         if booking is None:
             hold = arguments.request_bytes + arguments.max_output_tokens
             admitted = self.spent_nanos() + hold <= self.limit_nanos
@@ -93,6 +94,7 @@ class FakeLedger:
             denial_reason=None if booking.admitted else DenialReason.BUDGET_EXHAUSTED,
             reason="" if booking.admitted else "does not fit",
             balance=BALANCE,
+            already_reserved=already_reserved,
         )
 
     def end(

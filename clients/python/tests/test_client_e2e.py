@@ -16,6 +16,7 @@ from ledger_client import (
     BookingNotFound,
     BookingState,
     BookingWasDenied,
+    CallHandle,
     CallNotSent,
     ChargeExceedsCapMultiple,
     ClientSettings,
@@ -540,6 +541,40 @@ def test_a_reserve_whose_answer_was_lost_is_sent_again_and_booked_once(
     booked = admin.booking_events(client.lane)
     assert booked == {handle.reservation_id: ["reserved", "settled"]}, "one booking, no refund"
     assert reader.balance().spent_nanos == 1_100
+
+
+@pytest.mark.parametrize("earlier_ended", [True, False], ids=["ended", "still-open"])
+def test_a_model_call_under_an_id_another_process_reserved_never_calls_the_model(
+    client: LaneClient, ledger_server: LedgerProcess, lane_grant: str, admin: Admin,
+    earlier_ended: bool,
+) -> None:  # fmt: skip
+    """A lane restarted, or a caller reusing its own id: the ledger answers the
+    Reserve with the earlier process's first answer (admitted). The model call
+    must not run again under that booking: its cost could never be booked (the
+    booking ended), or two calls would share one hold (still open)."""
+    rid = "call-7"
+    model_calls: list[str] = []
+
+    def call_model(handle: CallHandle) -> None:
+        model_calls.append(handle.reservation_id)
+        handle.succeeded(input_tokens=900, output_tokens=100)
+
+    address, settings = ledger_server.address, TEST_SETTINGS
+    with LaneClient(address, client.lane, grant=lane_grant, settings=settings) as earlier:
+        if earlier_ended:
+            with earlier.model_call("model-a", REQUEST, 500, reservation_id=rid) as handle:
+                call_model(handle)
+        else:  # reserved, then the process died
+            assert earlier.reserve("model-a", len(REQUEST), 500, reservation_id=rid).admitted
+    before = admin.booking_events(client.lane)
+    with (
+        pytest.raises(ReservationConflict) as refused,
+        client.model_call("model-a", REQUEST, 500, reservation_id=rid) as handle,
+    ):
+        call_model(handle)
+    assert model_calls == ([rid] if earlier_ended else [])
+    assert refused.value.reason == "RESERVATION_ID_REUSED" and rid in refused.value.message
+    assert admin.booking_events(client.lane) == before, "nothing sent after the Reserve"
 
 
 def test_a_usage_the_ledger_refuses_is_settled_unknown_at_once(

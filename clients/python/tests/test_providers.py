@@ -19,7 +19,14 @@ import httpx2
 import openai
 import pytest
 from client_ledger import TEST_SETTINGS, Admin, LedgerProcess, new_lane_name
-from ledger_client import DenialReason, Denied, LaneClient, is_context_overflow
+from ledger_client import (
+    DenialReason,
+    Denied,
+    LaneClient,
+    ReservationConflict,
+    is_context_overflow,
+    providers,
+)
 from ledger_client.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_client.generated.ledger.v1 import ledger_pb2_grpc as pb_grpc
 from ledger_client.providers import (
@@ -473,6 +480,44 @@ def test_openai_denied_sends_nothing(
             client.chat.completions.create(model=MODEL, messages=MESSAGES)
     assert raised.value.denial_reason is DenialReason.HOLD_EXCEEDS_LIMIT
     assert provider.received == []
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_a_transport_never_calls_the_provider_under_an_id_another_process_reserved(
+    ledger_server: LedgerProcess,
+    priced_lane: str,
+    lane_grant: str,
+    provider: FakeProvider,
+    bookings: Bookings,
+    make_openai: SdkFactory,
+    make_anthropic: SdkFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    sdk: str,
+) -> None:
+    """Two processes whose transports reserve under one id (a lane restarted
+    with an id it chose): the second's Reserve gets the first answer,
+    admitted, and its provider call would run again under the ended booking,
+    its cost never booked. One id, one provider call."""
+    rid = f"fixed-{sdk}"
+    monkeypatch.setattr(providers, "new_reservation_id", lambda: rid)
+
+    def create(lane_client: LaneClient) -> object:
+        if sdk == "openai":
+            return make_openai(lane_client).chat.completions.create(model=MODEL, messages=MESSAGES)
+        client = make_anthropic(lane_client)
+        return client.messages.create(model=MODEL, max_tokens=128, messages=MESSAGES)
+
+    address = ledger_server.address
+    with LaneClient(address, priced_lane, grant=lane_grant, settings=TEST_SETTINGS) as first:
+        create(first)
+    with (
+        LaneClient(address, priced_lane, grant=lane_grant, settings=TEST_SETTINGS) as second,
+        pytest.raises(ReservationConflict) as refused,
+    ):
+        create(second)
+    assert refused.value.reason == "RESERVATION_ID_REUSED" and rid in refused.value.message
+    assert len(provider.booked_requests()) == 1
+    assert [event.kind for event in bookings.admin_events()] == ["reserved", "settled"]
 
 
 def test_openai_other_requests_pass_through_unbooked(
