@@ -114,6 +114,13 @@ export interface ReserveResult {
    * lane's name; a lane's parent is set by the operator). "" when admitted.
    */
   deniedBy: string;
+  /**
+   * True when an earlier Reserve under this id made the booking (or denial)
+   * and this is its first answer repeated: this Reserve booked nothing.
+   * call() refuses to run its model call under such an answer unless it sent
+   * that earlier Reserve itself for no model call (ReservationIdReused).
+   */
+  alreadyReserved: boolean;
   reason: string;
   balance: Balance | null;
 }

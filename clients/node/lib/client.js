@@ -293,7 +293,21 @@ function usedByCall(reservationId) {
   );
 }
 
-/** The latest `limit` ids, each with a value, oldest forgotten first: the admitted ids of call(), and the background refunds' ended ones. */
+/**
+ * An admitted answer that an earlier Reserve under this id made, one this
+ * call() did not send (another process, a lane restarted under the same id):
+ * that call may have made the model call, and one made again under its
+ * booking could never be booked, or would share its hold.
+ */
+function reservedByAnotherCall(reservationId) {
+  return new ReservationIdReused(
+    `reservation ${reservationId} was already reserved by a Reserve this call did not send; the ledger answered with ` +
+      'that first answer, and this model call could never be booked: send the call under a new reservation id',
+    { code: grpc.status.ALREADY_EXISTS, reason: 'RESERVATION_ID_REUSED' },
+  );
+}
+
+/** The latest `limit` ids, each with a value, oldest forgotten first: the ids of call(), and the background refunds' ended ones. */
 class RecentIds {
   constructor(limit) {
     this._limit = limit;
@@ -686,8 +700,11 @@ class LaneClient {
     this._allowance = null;
     this._replayer = null;
     this._refunds = new BackgroundRefunds();
-    // The ids the ledger admitted a call() under: a call() under one again is refused.
-    this._admittedIds = new RecentIds(MAX_ENDED_IDS);
+    // The ids of this client's call()s: true once the ledger admitted one (a
+    // call() under it again is refused), false while its Reserve went
+    // unanswered and no model call was made (a call() under it again may take
+    // over what that Reserve booked).
+    this._callIds = new RecentIds(MAX_ENDED_IDS);
     // The Settles and Refunds of calls whose model call has returned.
     this._endings = new Set();
     // The call()s under way, from their Reserve to their ending: close() waits for them.
@@ -1258,7 +1275,7 @@ class LaneClient {
 
   async _call(request, fn, trace) {
     const { reservationId } = request;
-    if (this._admittedIds.has(reservationId)) throw usedByCall(reservationId);
+    if (this._callIds.get(reservationId) === true) throw usedByCall(reservationId);
     this._refuseRefundedInDoubt(reservationId);
     const unclear = await this._clearRefund(reservationId, trace);
     if (unclear !== null) return unclear;
@@ -1269,7 +1286,9 @@ class LaneClient {
       const answer = await this._reserveResending(request, trace, sent);
       if (answer instanceof Denied) return answer; // the id's refund has no answer yet
       if (!answer.admitted) return new Denied(answer);
-      this._admittedIds.add(reservationId);
+      // The booking is another call's, left to it (nothing is ended here).
+      if (answer.alreadyReserved && !this._takesOverEarlierReserve(reservationId, sent)) throw reservedByAnotherCall(reservationId);
+      this._callIds.add(reservationId);
       await this._supersedeInDoubt(reservationId);
       this._wakeReplayer();
       booking = { ...answer, source: CallSource.LEDGER };
@@ -1483,8 +1502,9 @@ class LaneClient {
       return;
     }
     if (!((error instanceof LedgerError && error.mayHaveApplied) || inDoubt)) return;
-    if (await this._journalInDoubt(request, trace)) return;
     const { reservationId } = request;
+    this._callIds.add(reservationId, false);
+    if (await this._journalInDoubt(request, trace)) return;
     this._refunds.send(() => this._refundUnanswered(reservationId, trace), reservationId);
   }
 
@@ -1515,15 +1535,31 @@ class LaneClient {
   }
 
   /**
+   * Whether the earlier Reserve a repeated answer comes from is one this
+   * client sent for no model call: this call's own attempt whose answer was
+   * lost (`sent.inDoubt`), or an earlier call's that went unanswered
+   * (remembered, or journaled in doubt by this process or one before it).
+   */
+  _takesOverEarlierReserve(reservationId, sent) {
+    return sent.inDoubt || this._callIds.get(reservationId) === false || this._inDoubtEntry(reservationId);
+  }
+
+  /** Whether an unanswered Reserve of this id, for a call never made, is journaled in doubt, its refund not yet sent. */
+  _inDoubtEntry(reservationId) {
+    const journal = this._journal;
+    if (journal === null || !journal.isOpen) return false;
+    const entry = journal.pending().find((pending) => pending.reservationId === reservationId);
+    return entry !== undefined && entry.source === Source.IN_DOUBT;
+  }
+
+  /**
    * An earlier Reserve of this id went unanswered and was journaled in doubt,
    * to be refunded. Admitted now, the booking is this call's to end: the
    * refund would end it behind the call's back.
    */
   async _supersedeInDoubt(reservationId) {
+    if (!this._inDoubtEntry(reservationId)) return;
     const journal = this._journal;
-    if (journal === null || !journal.isOpen) return;
-    const entry = journal.pending().find((pending) => pending.reservationId === reservationId);
-    if (entry === undefined || entry.source !== Source.IN_DOUBT) return;
     try {
       await journal.recordReplay(reservationId, ReplayResult.SUPERSEDED, SUPERSEDED_DETAIL);
     } catch (failure) {

@@ -107,6 +107,9 @@ function reserveResultOf(message, reservationId) {
     // When denied: the budget that said no, this lane or one of its parents
     // (a lane's name); "" when admitted.
     deniedBy: admitted ? '' : (message.denied_by ?? ''),
+    // An earlier Reserve under this id made the booking (or denial): this is
+    // its first answer repeated, and this Reserve booked nothing.
+    alreadyReserved: message.already_reserved === true,
     reason: message.reason,
     balance: balanceOf(message.balance),
   };

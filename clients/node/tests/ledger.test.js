@@ -194,6 +194,32 @@ describe('call()', () => {
     assert.equal((await client.balance()).chargedNanos, first.chargedNanos);
   });
 
+  test('a call() under an id another process reserved is refused: the model call runs once under one id', async () => {
+    // A lane restarted under an id it chose: the ledger answers its Reserve
+    // with the earlier process's first answer, admitted. Made again, the model
+    // call could never be booked (ended), or two calls would share one hold (open).
+    for (const earlierEnded of [true, false]) {
+      const lane = `elsewhere-${earlierEnded ? 'ended' : 'open'}`;
+      const earlier = await laneClient(lane);
+      const client = await laneClient(lane);
+      const request = { ...REQUEST, reservationId: 'chosen-1' };
+      const modelCalls = [];
+      const callModel = async (booking) => {
+        modelCalls.push(booking.reservationId);
+        return { httpStatus: 200, usage: { inputTokens: 900, outputTokens: 20 } };
+      };
+      if (earlierEnded) assert.equal((await earlier.call(request, callModel)).ending, 'SUCCEEDED');
+      else assert.equal((await earlier.reserve(request)).admitted, true); // then the process died
+      const events = (await ledger.events(lane)).length;
+      await assert.rejects(
+        client.call(request, callModel),
+        (error) => error instanceof ReservationIdReused && error.reason === 'RESERVATION_ID_REUSED' && error.message.includes('chosen-1'),
+      );
+      assert.deepEqual(modelCalls, earlierEnded ? ['chosen-1'] : [], lane);
+      assert.equal((await ledger.events(lane)).length, events, 'nothing sent after the Reserve');
+    }
+  });
+
   test('unknown outcomes are charged at the hold, never more', async () => {
     const client = await laneClient('unknown');
     const timeout = Object.assign(new Error('The operation was aborted due to timeout'), { name: 'TimeoutError' });
@@ -368,7 +394,9 @@ describe('reserve / settle / refund', () => {
     await advanceSeconds(5);
     const second = await client.reserve(request);
     assert.equal(first.admitted, true);
-    assert.deepEqual(second, first);
+    // The first answer, said to be an earlier Reserve's.
+    assert.equal(first.alreadyReserved, false);
+    assert.deepEqual(second, { ...first, alreadyReserved: true });
     const balance = await client.balance();
     assert.equal(balance.heldNanos, CAP);
     assert.equal(balance.openBookings, 1n);

@@ -10,7 +10,7 @@ const net = require('node:net');
 const path = require('node:path');
 const { OpenAI } = require('openai');
 const { startLedger } = require('./ledger-server');
-const { LaneClient, ledgerFetch, isContextOverflow, UnknownModel, InvalidArgument } = require('..');
+const { LaneClient, ledgerFetch, isContextOverflow, UnknownModel, InvalidArgument, ReservationIdReused } = require('..');
 const { neverSent, RESERVATION_HEADER } = require('../lib/providers');
 
 // 1,000 nanos an input token, 100 a cached one, 4,000 an output token.
@@ -207,6 +207,43 @@ function notingFetch(inner = globalThis.fetch) {
   });
   return { ids, fetch };
 }
+
+/** ledgerFetch as loaded with newReservationId always giving `id` (a lane that chose its id). */
+function pinnedLedgerFetch(id) {
+  const argumentsModule = require('../lib/arguments');
+  const fresh = argumentsModule.newReservationId;
+  const providersPath = require.resolve('../lib/providers');
+  const loaded = require.cache[providersPath];
+  argumentsModule.newReservationId = () => id;
+  delete require.cache[providersPath];
+  try {
+    return require('../lib/providers').ledgerFetch;
+  } finally {
+    argumentsModule.newReservationId = fresh;
+    require.cache[providersPath] = loaded;
+  }
+}
+
+test('two processes whose transports reserve under one id make one provider call: the second is refused', async () => {
+  // The second Reserve gets the first process's answer, admitted: its provider
+  // call would run again under an ended booking, its cost never booked.
+  const pinned = pinnedLedgerFetch('pinned-1');
+  const url = `http://127.0.0.1:${provider.address().port}/v1/chat/completions`;
+  const body = JSON.stringify({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: 'ok' }] });
+  const init = () => ({ method: 'POST', headers: { 'content-type': 'application/json' }, body });
+  const lanes = [0, 1].map(() => new LaneClient(ledger.address, 'sdk', { grant: ledger.adminGrant ?? undefined, deadlineMs: 3000 }));
+  const before = seen.length;
+  try {
+    assert.equal((await pinned(lanes[0])(url, init())).status, 200);
+    await assert.rejects(
+      pinned(lanes[1])(url, init()),
+      (error) => error instanceof ReservationIdReused && error.message.includes('pinned-1'),
+    );
+  } finally {
+    for (const lane of lanes) lane.close();
+  }
+  assert.equal(seen.length - before, 1, 'one provider call under one id');
+});
 
 test('a completion is settled from its usage, cached tokens included', async () => {
   const { booking, error } = await booked('ok');

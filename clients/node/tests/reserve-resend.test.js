@@ -19,7 +19,7 @@ const lost = (code, reason = '', details = 'scripted failure') => () => ledgerSt
 
 /**
  * A ledger with the contract's idempotency: every Reserve is booked once, a
- * repeat gets the first answer; the answers of the first ones are lost with
+ * repeat gets the first answer (already_reserved); the answers of the first ones are lost with
  * `errors`, one each. `limitNanos` below the hold: the first answer is a denial.
  */
 async function ledgerLosing(errors, { limitNanos = 10n ** 9n } = {}) {
@@ -27,7 +27,8 @@ async function ledgerLosing(errors, { limitNanos = 10n ** 9n } = {}) {
   const left = [...errors];
   const fake = await startFakeLedger({
     Reserve: (request) => {
-      if (!answers.has(request.reservation_id)) {
+      const repeat = answers.has(request.reservation_id);
+      if (!repeat) {
         const admitted = 5000n <= limitNanos;
         answers.set(
           request.reservation_id,
@@ -37,7 +38,7 @@ async function ledgerLosing(errors, { limitNanos = 10n ** 9n } = {}) {
         );
       }
       if (left.length > 0) throw left.shift()();
-      return answers.get(request.reservation_id);
+      return { ...answers.get(request.reservation_id), already_reserved: repeat };
     },
     Settle: () => ({ charged_nanos: '1234', state: 'SETTLED', balance: null }),
     Refund: () => ({ balance: null }),
