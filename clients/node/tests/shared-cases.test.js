@@ -1,8 +1,8 @@
 'use strict';
 // The cases both clients run (clients/cases/*.json): the outcome table, the
 // error table, local pricing, the arguments refused before any call and the
-// client's settings, the usage read from a provider's body and the policy of a
-// lane_configured event, against this client's lib/outcomes.js, lib/errors.js,
+// client's settings, the usage read from a provider's body, the policy of a
+// lane_configured event and when a call() runs under a repeated Reserve answer, against this client's lib/outcomes.js, lib/errors.js,
 // lib/pricing.js, lib/usage.js, lib/wire.js and LaneClient. The Python client runs the same files in
 // clients/python/tests/test_client_shared_cases.py; the server's tests
 // (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the files
@@ -290,6 +290,8 @@ describe('pricing cases', () => {
 
 const { LaneClient } = require('../lib/client');
 const { OutagePolicy } = require('../lib/outage');
+const { Denied } = require('..');
+const { startFakeLedger, ledgerStatus } = require('./fake-ledger');
 
 // Nothing listens on this port (the discard service): an argument the client
 // lets through gets as far as the call, which fails as an outage.
@@ -524,6 +526,58 @@ describe('event cases', () => {
     test(eventCase.why, () => {
       const event = wire.eventOf(Event.deserialize(Event.serialize(eventCase.wire)));
       assert.deepEqual(event.policy, eventCase.policy === null ? null : typedPolicy(eventCase.policy));
+    });
+  }
+});
+
+const REPEATS = load('repeats.json');
+const REPEAT_ID = 'chosen-1';
+
+/** A ledger with the contract's idempotency whose next `lost` Reserves are booked, then answered UNAVAILABLE. */
+async function repeatingLedger(answers, lost) {
+  const admitted = { decision: 'ADMITTED', hold_nanos: '110', cap_nanos: '110' };
+  return startFakeLedger({
+    Reserve: (request) => {
+      const repeat = answers.has(request.reservation_id);
+      if (!repeat) answers.set(request.reservation_id, admitted);
+      if (lost > 0) {
+        lost -= 1;
+        throw ledgerStatus(grpc.status.UNAVAILABLE, '');
+      }
+      return { ...answers.get(request.reservation_id), already_reserved: repeat };
+    },
+    Settle: () => ({ charged_nanos: '1', state: 'SETTLED', balance: null }),
+    Refund: () => ({ balance: null }),
+  });
+}
+
+describe('repeats.json: one model call per reservation id', () => {
+  for (const c of REPEATS.cases) {
+    test(c.name, async () => {
+      const earlier = {
+        none: null,
+        another_process_admitted: { decision: 'ADMITTED', hold_nanos: '110', cap_nanos: '110' },
+        another_process_denied: { decision: 'DENIED', denial_reason: 'BUDGET_EXHAUSTED', reason: 'does not fit' },
+      }[c.earlier];
+      const fake = await repeatingLedger(new Map(earlier === null ? [] : [[REPEAT_ID, earlier]]), c.lost_answers);
+      const client = new LaneClient(`127.0.0.1:${fake.port}`, 'lane', { deadlineMs: 2000, logger: null, outage: OutagePolicy.deny() });
+      let modelCalls = 0;
+      let result;
+      try {
+        await client.waitForReady();
+        const request = { model: 'm', requestBytes: 100, maxOutputTokens: 10, reservationId: REPEAT_ID };
+        const answer = await client.call(request, async () => {
+          modelCalls += 1;
+          return { httpStatus: 200, usage: { inputTokens: 90, outputTokens: 5 } };
+        });
+        result = answer instanceof Denied ? 'denied' : 'completed';
+      } catch (error) {
+        result = error.reason;
+      } finally {
+        await client.close();
+        await fake.stop();
+      }
+      assert.deepEqual([modelCalls, result], [c.model_calls, c.result]);
     });
   }
 });

@@ -5,6 +5,7 @@ tests (tests/test_error_cases.py, tests/test_pricing_cases.py) check that the
 files say what the server does. arguments.json: what each client refuses
 itself, before any call; bytes.json: how a JSON request's bytes are counted;
 settings.json: the client settings' defaults and bounds, and shared constants;
+repeats.json: when a model call runs under a Reserve's repeated first answer;
 usage.json: how a provider's response body is read into the usage; events.json:
 how a lane_configured event's policy is typed."""
 
@@ -19,8 +20,10 @@ from typing import Any
 
 import grpc
 import pytest
+from client_fakes import FakeLedger, client_on, unavailable
 from ledger_client import ClientSettings, convert, errors
 from ledger_client.bookings import ReserveArguments
+from ledger_client.calls import Denied
 from ledger_client.client import LaneClient
 from ledger_client.context import estimate_tokens, payload_bytes
 from ledger_client.events import LanePolicy
@@ -525,3 +528,44 @@ def test_event_policy_case(case: dict[str, Any]) -> None:
     event = convert.event(pb.Event(**case["wire"]))
     expected = None if case["policy"] is None else _typed_policy(case["policy"])
     assert event.policy == expected
+
+
+REPEATS = _load("repeats.json")
+REPEAT_ID = "chosen-1"
+
+
+class _RepeatingLedger(FakeLedger):
+    """The fake ledger, whose next `lost` Reserves are booked and then answered UNAVAILABLE."""
+
+    def __init__(self, lost: int, limit_nanos: int) -> None:
+        super().__init__(limit_nanos)
+        self.lost = lost
+
+    def reserve_arguments(self, arguments, **options):  # type: ignore[no-untyped-def]
+        answer = super().reserve_arguments(arguments, **options)
+        if self.lost > 0:
+            self.lost -= 1
+            raise unavailable()
+        return answer
+
+
+@pytest.mark.parametrize("case", REPEATS["cases"], ids=lambda case: case["name"])
+def test_repeat_case(case: dict[str, Any]) -> None:
+    denied = case["earlier"] == "another_process_denied"
+    fake = _RepeatingLedger(0, limit_nanos=100 if denied else 10**9)  # holds are 110 nanos
+    if case["earlier"] != "none":
+        with client_on(fake, OutagePolicy.deny()) as earlier:  # type: ignore[attr-defined]
+            earlier.reserve("model-a", 100, 10, reservation_id=REPEAT_ID)
+    fake.lost = case["lost_answers"]
+    model_calls = 0
+    with client_on(fake, OutagePolicy.deny()) as client:  # type: ignore[attr-defined]
+        try:
+            with client.model_call("model-a", 100, 10, reservation_id=REPEAT_ID) as handle:
+                model_calls += 1
+                handle.succeeded(input_tokens=90, output_tokens=5)
+            result = "completed"
+        except Denied:
+            result = "denied"
+        except errors.LedgerError as error:
+            result = error.reason
+    assert (model_calls, result) == (case["model_calls"], case["result"])
