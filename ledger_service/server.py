@@ -696,7 +696,7 @@ class LedgerServer:
 def _log_schema_pending(settings: Settings, error: StoreUnavailable, run_migrations: bool) -> None:
     """Says why the schema step waits, and for how long."""
     damaged = isinstance(error, StoreDamaged)
-    why = "it is damaged" if damaged else "it does not answer"
+    why = "it is damaged" if damaged else translate.unavailable_words(error, "it does not answer")
     said = translate.driver_message(error)
     why += f" ({said})" if said else ""
     every = settings.recovery_check_interval_seconds

@@ -260,7 +260,11 @@ def database_unavailable(command: str, error: Exception, where: str = "") -> int
         # The URL names a database or role the server refuses: what to fix.
         print(f"ledger {command}: {': '.join(wrong)}", file=sys.stderr)
         return 2
-    why = error.message if isinstance(error, StoreDamaged) else "the database is unavailable"
+    why = (
+        error.message
+        if isinstance(error, StoreDamaged)
+        else translate.unavailable_words(error, "the database is unavailable")
+    )
     said = "" if isinstance(error, StoreDamaged) else translate.driver_message(error)
     print(
         f"ledger {command}: {why}{f' ({where})' if where else ''}{f': {said}' if said else ''}",

@@ -1061,7 +1061,8 @@ class RecoveryGuard:
 def _log_unavailable(error: StoreUnavailable) -> None:
     """With the database's own words: health may answer while every check fails."""
     said = translate.driver_message(error)
-    log.warning("recovery check: database unavailable%s; will retry", f" ({said})" if said else "")
+    why = translate.unavailable_words(error, "database unavailable")
+    log.warning("recovery check: %s%s; will retry", why, f" ({said})" if said else "")
 
 
 # What an operator can do about each refusal (docs/recovery.md, the planner).

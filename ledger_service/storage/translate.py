@@ -171,6 +171,28 @@ CONNECT_REFUSED = (
 )
 
 
+# PostgreSQL's code for a database that answers but has no schema where the
+# URL's search_path points (3F000 invalid_schema_name, "no schema has been
+# selected to create in"): a fresh database with `?options=-csearch_path%3Dx`
+# before anyone ran CREATE SCHEMA x. Retried as an outage, since the server
+# serves by itself once the schema exists, but said as what it is.
+MISSING_SCHEMA_CODE = "3F000"
+MISSING_SCHEMA = (
+    "the schema the database URL's search_path names does not exist "
+    "(3F000 invalid_schema_name): create it (CREATE SCHEMA) or correct the URL's options"
+)
+
+
+def unavailable_words(error: BaseException, outage: str) -> str:
+    """What a StoreUnavailable says is wrong, for the log and the local
+    commands: `outage` (the caller's words for a database that does not
+    answer), or MISSING_SCHEMA for a database that answers without the schema."""
+    cause = error.__cause__ if isinstance(error, LedgerError) else error
+    if cause is not None and driver_code(cause) == MISSING_SCHEMA_CODE:
+        return MISSING_SCHEMA
+    return outage
+
+
 def connect_refused(error: BaseException) -> tuple[str, str] | None:
     """What is wrong and what to do when PostgreSQL refused a new connection
     for lack of connection slots (CONNECT_REFUSED); None for another error."""

@@ -1,0 +1,86 @@
+"""A database URL whose search_path names a schema that does not exist yet
+(docs/postgresql.md's `?options=-csearch_path%3Dledger` on a fresh database).
+PostgreSQL answers, but refuses to create a table (3F000 invalid_schema_name):
+`ledger migrate` said "the database is unavailable" and every replica logged
+that the database "does not answer" every 5 s, though health's probe said it
+answered. Both now name the missing schema and what to do, and a replica
+waiting on it serves by itself once the schema is created."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import sqlalchemy as sa
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests import serving
+from tests.storage.conftest import POSTGRES_URL, require_postgres
+
+pytestmark = pytest.mark.postgres
+
+SAID = "the schema the database URL's search_path names does not exist"
+
+
+@pytest.fixture
+def missing_schema() -> Iterator[tuple[str, str]]:
+    """A schema name nobody has created, and a URL whose search_path names it."""
+    require_postgres()
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    try:
+        yield schema, f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        admin = sa.create_engine(POSTGRES_URL)
+        with admin.begin() as connection:
+            connection.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+
+
+def test_migrate_names_the_missing_schema(missing_schema: tuple[str, str]) -> None:
+    _, url = missing_schema
+    ledger = Path(sys.executable).with_name("ledger")
+    refused = subprocess.run(
+        [str(ledger), "migrate", "--database-url", url],
+        capture_output=True, text=True, timeout=60, check=False, env=serving.clean_env(),
+    )  # fmt: skip
+    assert refused.returncode == 2, refused
+    said = refused.stderr.strip()
+    assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+    assert SAID in said and "3F000" in said and "CREATE SCHEMA" in said, said
+    assert "unavailable" not in said, said
+
+
+def test_a_replica_names_the_missing_schema_and_serves_once_it_exists(
+    missing_schema: tuple[str, str], tmp_path: Path
+) -> None:
+    schema, url = missing_schema
+    env = serving.clean_env(LEDGER_DATABASE_URL=url, LEDGER_RECOVERY_CHECK_INTERVAL_SECONDS="0.5")
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env, stderr=log)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest()
+            serving_status = health_pb2.HealthCheckResponse.SERVING
+            assert health.Check(request, timeout=5).status != serving_status
+            logged = log_path.read_text()
+            assert f"could not be brought up to date: {SAID}" in logged, logged
+            assert "does not answer" not in logged, logged
+            admin = sa.create_engine(POSTGRES_URL)
+            with admin.begin() as connection:
+                connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+            admin.dispose()
+            give_up = time.monotonic() + 30
+            while health.Check(request, timeout=5).status != serving_status:
+                assert time.monotonic() < give_up, log_path.read_text()
+                time.sleep(0.2)
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        serving.stop(process)
