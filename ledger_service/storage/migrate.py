@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import time
 from collections.abc import Iterator
@@ -18,8 +19,24 @@ from sqlalchemy.exc import DBAPIError
 import migrations
 from ledger_service.storage import translate
 
+log = logging.getLogger("ledger.migrate")
+
+# The session advisory lock replicas starting together migrate under, one at a time.
+MIGRATION_LOCK_KEY = 4998
 # How often a replica tries the migration lock while another one migrates.
 MIGRATION_LOCK_POLL_SECONDS = 0.1
+# A start that has waited this long for the lock says who holds it, and again
+# as often: a holder frozen mid-migration (SIGSTOP, a paused VM) keeps it.
+MIGRATION_LOCK_WAIT_LOG_SECONDS = 10.0
+# The session holding the migration lock (an advisory lock on one bigint key:
+# classid is its high half, objid its low, objsubid 1).
+_LOCK_HOLDER = text(
+    "SELECT l.pid, extract(epoch FROM now() - a.state_change)::bigint"
+    " FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid"
+    " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0"
+    " AND l.objid = :key AND l.objsubid = 1 AND l.database ="
+    " (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
 # SQLite: how long `ledger migrate` waits for the write lock another process
 # holds (another migration, a server writing, a sqlite3 shell) before it gives
 # up and says so. A migration holds it from first read to last step.
@@ -87,6 +104,15 @@ def upgrade(engine: Engine, sqlite_wait_seconds: float | None = None) -> Upgrade
         with _sqlite_turn(engine, wait) as connection:
             return _upgrade(config, connection)
     with engine.connect() as connection:
+        # A schema at head needs no turn: a restart waited, silent and not
+        # listening, for as long as another session held the lock.
+        current = MigrationContext.configure(connection).get_current_revision()
+        connection.commit()
+        if (
+            current is not None
+            and current == ScriptDirectory.from_config(config).get_current_head()
+        ):
+            return Upgrade(current, current)
         # Replicas starting together migrate one at a time. A session's lock,
         # not a transaction's: a step that builds an index CONCURRENTLY (so that
         # replicas serving meanwhile keep appending) commits on its way.
@@ -97,7 +123,7 @@ def upgrade(engine: Engine, sqlite_wait_seconds: float | None = None) -> Upgrade
             return done
         finally:
             connection.rollback()
-            connection.execute(text("SELECT pg_advisory_unlock(4998)"))
+            connection.execute(text(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"))
             connection.commit()
 
 
@@ -107,12 +133,37 @@ def _lock_migrations(connection: Connection) -> None:
     and a replica waiting in pg_advisory_lock is one, so that wait was a
     deadlock (40P01) that failed one of three replicas started together. It
     waits as long as the migration holding the lock runs, as a start must."""
+    say_at = time.monotonic() + MIGRATION_LOCK_WAIT_LOG_SECONDS
     while True:
-        taken = connection.execute(text("SELECT pg_try_advisory_lock(4998)")).scalar()
+        taken = connection.execute(
+            text(f"SELECT pg_try_advisory_lock({MIGRATION_LOCK_KEY})")
+        ).scalar()
         connection.commit()
         if taken:
             return
+        if time.monotonic() >= say_at:
+            _say_who_holds_the_lock(connection)
+            say_at = time.monotonic() + MIGRATION_LOCK_WAIT_LOG_SECONDS
         time.sleep(MIGRATION_LOCK_POLL_SECONDS)
+
+
+def _say_who_holds_the_lock(connection: Connection) -> None:
+    holder = connection.execute(_LOCK_HOLDER, {"key": MIGRATION_LOCK_KEY}).first()
+    connection.commit()
+    if holder is None:
+        return  # released since the last try
+    pid, seconds = holder
+    # Another role's session shows no state to a role without pg_read_all_stats.
+    idle_seconds = "?" if seconds is None else seconds
+    log.warning(
+        "waiting for the migration lock (advisory key %d), held by pid %s (its state unchanged "
+        "for %s s): another replica or `ledger migrate` is migrating, or is frozen while "
+        "it does; if it does not end, pg_terminate_backend(%s)",
+        MIGRATION_LOCK_KEY,
+        pid,
+        idle_seconds,
+        pid,
+    )
 
 
 @contextmanager
