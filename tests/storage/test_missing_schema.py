@@ -56,6 +56,12 @@ def test_migrate_names_the_missing_schema(missing_schema: tuple[str, str]) -> No
     assert "unavailable" not in said, said
 
 
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
 def test_a_replica_names_the_missing_schema_and_serves_once_it_exists(
     missing_schema: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -64,23 +70,20 @@ def test_a_replica_names_the_missing_schema_and_serves_once_it_exists(
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
         process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env, stderr=log)
+    serving_status = health_pb2.HealthCheckResponse.SERVING
     try:
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            request = health_pb2.HealthCheckRequest()
-            serving_status = health_pb2.HealthCheckResponse.SERVING
-            assert health.Check(request, timeout=5).status != serving_status
-            logged = log_path.read_text()
-            assert f"could not be brought up to date: {SAID}" in logged, logged
-            assert "does not answer" not in logged, logged
-            admin = sa.create_engine(POSTGRES_URL)
-            with admin.begin() as connection:
-                connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-            admin.dispose()
-            give_up = time.monotonic() + 30
-            while health.Check(request, timeout=5).status != serving_status:
-                assert time.monotonic() < give_up, log_path.read_text()
-                time.sleep(0.2)
+        assert _health(address) != serving_status
+        logged = log_path.read_text()
+        assert f"could not be brought up to date: {SAID}" in logged, logged
+        assert "does not answer" not in logged, logged
+        admin = sa.create_engine(POSTGRES_URL)
+        with admin.begin() as connection:
+            connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+        admin.dispose()
+        give_up = time.monotonic() + 30
+        while _health(address) != serving_status:
+            assert time.monotonic() < give_up, log_path.read_text()
+            time.sleep(0.2)
         assert "Traceback" not in log_path.read_text()
     finally:
         serving.stop(process)
