@@ -201,8 +201,9 @@ def _resume_after_last_event(clock: ManualClock | SteadyClock, ledger: Ledger) -
     ahead of the wall keeps counting."""
     try:
         last_us = ledger.last_event_at_us()
-    except StoreUnavailable:
-        log.warning("the clock starts at wall time: the database does not answer")
+    except StoreUnavailable as error:
+        why = translate.unavailable_words(error, "the database does not answer")
+        log.warning("the clock starts at wall time: %s", why)
         return
     clock.resume_at(last_us)
 

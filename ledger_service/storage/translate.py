@@ -183,13 +183,23 @@ MISSING_SCHEMA = (
 )
 
 
+# A table missing before the schema was made (translated as an outage, not
+# as damage): a server started with --no-migrate on an empty database.
+NO_SCHEMA_YET = "the database answers but holds no ledger schema yet (`ledger migrate` makes it)"
+
+
 def unavailable_words(error: BaseException, outage: str) -> str:
     """What a StoreUnavailable says is wrong, for the log and the local
     commands: `outage` (the caller's words for a database that does not
-    answer), or MISSING_SCHEMA for a database that answers without the schema."""
+    answer), or, for a database that answers, MISSING_SCHEMA or NO_SCHEMA_YET."""
     cause = error.__cause__ if isinstance(error, LedgerError) else error
-    if cause is not None and driver_code(cause) == MISSING_SCHEMA_CODE:
+    if cause is None or isinstance(error, StoreDamaged):
+        return outage
+    code = driver_code(cause)
+    if code == MISSING_SCHEMA_CODE:
         return MISSING_SCHEMA
+    if code in MISSING_TABLE_CODES:
+        return NO_SCHEMA_YET
     return outage
 
 

@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ledger_service.storage import translate
 from tests import serving
 from tests.storage.conftest import POSTGRES_URL, require_postgres
 
@@ -85,5 +86,31 @@ def test_a_replica_names_the_missing_schema_and_serves_once_it_exists(
             assert time.monotonic() < give_up, log_path.read_text()
             time.sleep(0.2)
         assert "Traceback" not in log_path.read_text()
+    finally:
+        serving.stop(process)
+
+
+def test_a_replica_told_not_to_migrate_says_it_waits_for_the_schema(
+    postgres_schema_url: str, tmp_path: Path
+) -> None:
+    """docs/postgresql.md: with --no-migrate, a database with no schema at all
+    is waited for. The replica logged that the database "does not answer"
+    (its clock's start and every recovery check) while it answered."""
+    env = serving.clean_env(
+        LEDGER_DATABASE_URL=postgres_schema_url, LEDGER_RECOVERY_CHECK_INTERVAL_SECONDS="0.5"
+    )
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        process, _ = serving.spawn(
+            tmp_path, "--insecure-no-auth", "--no-migrate", env=env, stderr=log
+        )
+    try:
+        give_up = time.monotonic() + 30
+        while "recovery check" not in log_path.read_text():
+            assert time.monotonic() < give_up, log_path.read_text()
+            time.sleep(0.1)
+        logged = log_path.read_text()
+        assert translate.NO_SCHEMA_YET in logged, logged
+        assert "does not answer" not in logged and "database unavailable" not in logged, logged
     finally:
         serving.stop(process)
