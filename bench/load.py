@@ -95,6 +95,9 @@ class Workload:
     lanes: tuple[str, ...] = ()
     # Makes reservation ids unique across phases that share a lane.
     id_prefix: str = "bench"
+    # (lane, grant) pairs: the ledger's calls of a lane carry its grant (a
+    # server with auth); a lane named in none sends no grant.
+    grants: tuple[tuple[str, str], ...] = ()
     call_timeout_seconds: float = 10.0
 
     def validate(self) -> None:
@@ -279,17 +282,26 @@ def _call_function(workload: Workload, channel: grpc.Channel) -> CallFn:
         return call_echo
     stub = pb_grpc.LedgerStub(channel)
     settle = workload.kind is CallKind.RESERVE_SETTLE
+    metadata = {lane: grant_metadata(grant) for lane, grant in workload.grants}
 
     def call_ledger(lane: str, reservation_id: str) -> tuple[int, bool]:
+        granted = metadata.get(lane)
         started = time.perf_counter_ns()
-        reply = stub.Reserve(reserve_request(lane, reservation_id), timeout=timeout)
+        reply = stub.Reserve(
+            reserve_request(lane, reservation_id), timeout=timeout, metadata=granted
+        )
         first = time.perf_counter_ns() - started
         admitted = reply.decision == pb.ADMITTED
         if settle and admitted:
-            stub.Settle(settle_request(lane, reservation_id), timeout=timeout)
+            stub.Settle(settle_request(lane, reservation_id), timeout=timeout, metadata=granted)
         return first, not admitted
 
     return call_ledger
+
+
+def grant_metadata(grant: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries `grant` (api/auth.py)."""
+    return (("authorization", f"Bearer {grant}"),)
 
 
 def reserve_request(lane: str, reservation_id: str) -> pb.ReserveRequest:

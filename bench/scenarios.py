@@ -164,9 +164,15 @@ def lane_policy(lane: str) -> LanePolicy:
 
 
 def put_lanes(
-    address: str, lanes: Sequence[str], parent_of: Mapping[str, str] | None = None
+    address: str,
+    lanes: Sequence[str],
+    parent_of: Mapping[str, str] | None = None,
+    *,
+    grant: str = "",
 ) -> None:
-    """Puts each lane, in order, under its parent in `parent_of` if it has one."""
+    """Puts each lane, in order, under its parent in `parent_of` if it has one
+    (with `grant`, an admin grant, on a server with auth)."""
+    metadata = load.grant_metadata(grant) if grant else None
     with grpc.insecure_channel(address) as channel:
         admin = pb_grpc.LaneAdminStub(channel)
         for lane in lanes:
@@ -184,7 +190,9 @@ def put_lanes(
                 prices=prices,
                 parent=(parent_of or {}).get(lane, ""),
             )
-            admin.PutLane(pb.PutLaneRequest(lane=message), timeout=ADMIN_TIMEOUT_SECONDS)
+            admin.PutLane(
+                pb.PutLaneRequest(lane=message), timeout=ADMIN_TIMEOUT_SECONDS, metadata=metadata
+            )
 
 
 # Issue 25: the documented limit of WatchEvents streams, open beside one client's Reserves.
