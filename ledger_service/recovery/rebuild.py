@@ -174,12 +174,17 @@ class Recovery:
             )
         elif _verified_from(anchor) and final > (anchor.position_seq if anchor else 0):
             # Every link up to `final` now checked out: the next walk starts there.
-            point = ChainPoint(final, walk.heads_at[final])
-            try:
-                self.store.save_checkpoint(point, self._wall.now_us())
-            except StoreUnavailable:  # only a shortcut: a read-only file must not fail the look
-                log.warning("the verified point of the chain was not saved: database unavailable")
+            self._save_verified_point(ChainPoint(final, walk.heads_at[final]))
         return Assessment(facts, tuple(findings), altered=altered)
+
+    def _save_verified_point(self, point: ChainPoint) -> None:
+        """Moves the verified point forward to `point`, whose links all checked out."""
+        if point.position_seq > self.store.final_seq():
+            return  # a seq below it may still commit (PostgreSQL): not yet whole
+        try:
+            self.store.save_checkpoint(point, self._wall.now_us())
+        except StoreUnavailable:  # only a shortcut: a read-only file must not fail the look
+            log.warning("the verified point of the chain was not saved: database unavailable")
 
     def _altered_latest_events(self, facts: LogFacts) -> tuple[ChainBreak, ...]:
         """Latest events of differing bookings altered after append: no rebuild
@@ -519,10 +524,13 @@ class Recovery:
             if snapshot is not None:
                 self._restore(snapshot, progress, started)
             done, folding = 0, None
+            # Every link from a verified start checked out: a verified point.
+            verified, through = _verified_from(snapshot), position
             for taken in helpers.walk(heads, position, ends):
                 for broken in taken.breaks:
                     if broken.seq not in tolerated:
                         raise ChainBroken(broken)
+                    verified = False
                 # The database folds a range (without the GIL) while the next is walked.
                 if folding is not None:
                     folding.result()
@@ -534,9 +542,13 @@ class Recovery:
                 )
                 heads = dict(taken.heads)
                 done += taken.events
+                through = taken.through_seq
             if folding is not None:
                 folding.result()
                 progress("replay", done, max(total, done), time.perf_counter() - started)
+        if verified and through > position:
+            # The snapshot taken next, and the next start, walk on from here.
+            self._save_verified_point(ChainPoint(through, heads))
         return self.projection_digest(heads)
 
     def _claimed_elsewhere(self) -> str:

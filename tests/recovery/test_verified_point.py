@@ -9,6 +9,7 @@ walks every link from the start whatever the point says (docs/recovery.md).
 from __future__ import annotations
 
 from ledger_service.domain.moves import ReserveCommand
+from ledger_service.recovery.rebuild import FULL_LOG_SOURCE, Route
 from ledger_service.recovery.snapshots import ChainPoint
 from ledger_service.recovery.store import SqlRecoveryStore
 from ledger_service.recovery.verify import Verifier
@@ -86,3 +87,25 @@ def test_a_point_beyond_the_log_is_not_trusted(history: History) -> None:
     history.sql(f"UPDATE chain_checkpoints SET through_seq = {head + 100}")
     assessment = history.recovery().assess()
     assert any("hash chain is broken" in found for found in assessment.findings)
+
+
+def test_a_rebuild_that_walked_every_link_sets_the_point(history: History) -> None:
+    # The rebuild checks each link it folds: the snapshot taken after it, and
+    # the next start, walk on from its end instead of from genesis again.
+    assert _point(history) is None
+    history.recovery().rebuild(Route(FULL_LOG_SOURCE, None))
+    point = _point(history)
+    assert point is not None and point.position_seq == _head(history)
+    with SqlRecoveryStore(history.engine).view() as view:
+        assert dict(point.chain_heads) == dict(view.chain_heads(point.position_seq))
+
+
+def test_a_rebuild_past_a_tolerated_break_leaves_the_point(history: History) -> None:
+    history.tamper_event(3, 1)
+    recovery = history.recovery()
+    breaks = tuple(recovery._walk(None, ()).breaks)
+    assert breaks
+    recovery.rebuild(Route(FULL_LOG_SOURCE, None, tolerated=breaks))
+    assert _point(history) is None
+    info = recovery.snapshot_after_rebuild()
+    assert info is not None and not info.chain_verified
