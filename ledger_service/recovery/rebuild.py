@@ -1043,6 +1043,10 @@ class RecoveryGuard:
             elif state == self.READY:
                 self._tick_ready(now)
         except StoreUnavailable as error:
+            if translate.schema_missing(error):
+                # The database answers without the ledger's tables (dropped, or
+                # another swapped in): no move can be served until they are back.
+                self.required()
             _log_unavailable(error)
         except Exception:
             log.exception("recovery check failed; will retry")

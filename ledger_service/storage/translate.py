@@ -192,15 +192,24 @@ def unavailable_words(error: BaseException, outage: str) -> str:
     """What a StoreUnavailable says is wrong, for the log and the local
     commands: `outage` (the caller's words for a database that does not
     answer), or, for a database that answers, MISSING_SCHEMA or NO_SCHEMA_YET."""
+    code = _schema_missing_code(error)
+    if not code:
+        return outage
+    return MISSING_SCHEMA if code == MISSING_SCHEMA_CODE else NO_SCHEMA_YET
+
+
+def schema_missing(error: BaseException) -> bool:
+    """Whether a StoreUnavailable comes from a database that answers but lacks
+    the ledger's schema (or the schema its URL names): no move can be served."""
+    return bool(_schema_missing_code(error))
+
+
+def _schema_missing_code(error: BaseException) -> str:
     cause = error.__cause__ if isinstance(error, LedgerError) else error
     if cause is None or isinstance(error, StoreDamaged):
-        return outage
+        return ""
     code = driver_code(cause)
-    if code == MISSING_SCHEMA_CODE:
-        return MISSING_SCHEMA
-    if code in MISSING_TABLE_CODES:
-        return NO_SCHEMA_YET
-    return outage
+    return code if code == MISSING_SCHEMA_CODE or code in MISSING_TABLE_CODES else ""
 
 
 def connect_refused(error: BaseException) -> tuple[str, str] | None:

@@ -114,3 +114,44 @@ def test_a_replica_told_not_to_migrate_says_it_waits_for_the_schema(
         assert "does not answer" not in logged and "database unavailable" not in logged, logged
     finally:
         serving.stop(process)
+
+
+def test_health_turns_not_serving_when_the_ledgers_tables_are_gone(
+    postgres_schema_url: str, tmp_path: Path
+) -> None:
+    """A database dropped and created again empty under a serving replica (a
+    restore gone wrong, a wrong database swapped in): every call failed with
+    STORE_UNAVAILABLE while health said SERVING. Once the schema is made again
+    (`ledger migrate`), the replica serves by itself."""
+    schema = postgres_schema_url.rsplit("%3D", 1)[1]
+    env = serving.clean_env(
+        LEDGER_DATABASE_URL=postgres_schema_url, LEDGER_RECOVERY_CHECK_INTERVAL_SECONDS="0.5"
+    )
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        process, address = serving.spawn(tmp_path, "--insecure-no-auth", env=env, stderr=log)
+    serving_status = health_pb2.HealthCheckResponse.SERVING
+    try:
+        assert _health(address) == serving_status
+        admin = sa.create_engine(POSTGRES_URL)
+        with admin.begin() as connection:
+            connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+            connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+        admin.dispose()
+        give_up = time.monotonic() + 30
+        while _health(address) == serving_status:
+            assert time.monotonic() < give_up, log_path.read_text()
+            time.sleep(0.2)
+        assert translate.NO_SCHEMA_YET in log_path.read_text()
+        ledger = Path(sys.executable).with_name("ledger")
+        migrated = subprocess.run(
+            [str(ledger), "migrate", "--database-url", postgres_schema_url],
+            capture_output=True, text=True, timeout=60, check=False, env=serving.clean_env(),
+        )  # fmt: skip
+        assert migrated.returncode == 0, migrated
+        while _health(address) != serving_status:
+            assert time.monotonic() < give_up + 30, log_path.read_text()
+            time.sleep(0.2)
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        serving.stop(process)
