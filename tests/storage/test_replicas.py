@@ -129,6 +129,10 @@ def _client(index: int, replicas: tuple[Replica, Replica], acks: list[Ack]) -> N
             # The same Reserve sent to both replicas at once: one booking, one answer.
             futures = [home.ledger.Reserve.future(request), other.ledger.Reserve.future(request)]
             answers = [future.result(timeout=30) for future in futures]
+            # One made the booking; the other repeats its answer and says so.
+            assert sorted(answer.already_reserved for answer in answers) == [False, True], answers
+            for answer in answers:
+                answer.already_reserved = False
             assert answers[0] == answers[1], (rid, answers)
             reserved = answers[0]
         else:

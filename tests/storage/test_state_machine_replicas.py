@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 
 from ledger_service.domain.clock import ManualClock
+from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 from ledger_service.server import LedgerServer
 from tests.conftest import START_US, LedgerHarness, ledger_settings
 from tests.test_state_machine import MACHINE_SETTINGS, LedgerMachine
@@ -59,6 +60,9 @@ class ReplicaPair:
         if self.rng.random() < REPEAT_ELSEWHERE:
             again, again_error = _outcome(lambda: call(other))
             assert _code(again_error) == _code(error), (error, again_error)
+            if isinstance(again, pb.ReserveResponse):
+                assert again.already_reserved, again  # a repeat says so
+                again.already_reserved = answer.already_reserved
             assert again == answer, "the other replica answered a repeat differently"
         if error is not None:
             raise error
