@@ -474,3 +474,15 @@ def test_a_count_that_is_no_number_says_so(text: str) -> None:
     with pytest.raises(exits.CliError) as refused:
         values.parse_count("--request-bytes", text)
     assert refused.value.message == f"--request-bytes: {text!r} is not a whole number"
+
+
+def test_a_repeated_reserve_says_it_booked_nothing() -> None:
+    """A Reserve sent again under an id returns the first answer: the CLI
+    said "admitted" as if it had just booked the hold."""
+    response = pb.ReserveResponse(decision=pb.ADMITTED, hold_nanos=5, balance=pb.Balance(lane="a"))
+    assert len(moves.reserve_lines("r-1", response)) == 2
+    response.already_reserved = True
+    said = moves.reserve_lines("r-1", response)
+    assert said[-1] == (
+        "(a repeat: an earlier Reserve under r-1 made this answer; this one booked nothing)"
+    )

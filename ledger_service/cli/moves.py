@@ -57,7 +57,13 @@ def reserve_lines(reservation_id: str, response: pb.ReserveResponse) -> list[str
             f"{enum_name(pb.DenialReason, response.denial_reason)}: "
             f"{money_in_text(response.reason)}{retry}"
         )
-    return [first, balance_summary(response.balance)]
+    lines = [first, balance_summary(response.balance)]
+    if response.already_reserved:
+        lines.append(
+            f"(a repeat: an earlier Reserve under {reservation_id} made this answer; "
+            "this one booked nothing)"
+        )
+    return lines
 
 
 def reserve(arguments: argparse.Namespace, session: Session) -> int:
