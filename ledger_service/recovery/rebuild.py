@@ -179,8 +179,6 @@ class Recovery:
 
     def _save_verified_point(self, point: ChainPoint) -> None:
         """Moves the verified point forward to `point`, whose links all checked out."""
-        if point.position_seq > self.store.final_seq():
-            return  # a seq below it may still commit (PostgreSQL): not yet whole
         try:
             self.store.save_checkpoint(point, self._wall.now_us())
         except StoreUnavailable:  # only a shortcut: a read-only file must not fail the look
@@ -546,7 +544,8 @@ class Recovery:
             if folding is not None:
                 folding.result()
                 progress("replay", done, max(total, done), time.perf_counter() - started)
-        if verified and through > position:
+        # Not past the commit horizon: a seq below it may still commit (PostgreSQL).
+        if verified and position < through <= self.store.final_seq():
             # The snapshot taken next, and the next start, walk on from here.
             self._save_verified_point(ChainPoint(through, heads))
         return self.projection_digest(heads)

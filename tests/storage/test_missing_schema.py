@@ -43,13 +43,18 @@ def missing_schema() -> Iterator[tuple[str, str]]:
         admin.dispose()
 
 
-def test_migrate_names_the_missing_schema(missing_schema: tuple[str, str]) -> None:
-    _, url = missing_schema
+def _migrate(url: str) -> subprocess.CompletedProcess[str]:
+    """`ledger migrate` on `url`, as an operator runs it."""
     ledger = Path(sys.executable).with_name("ledger")
-    refused = subprocess.run(
+    return subprocess.run(
         [str(ledger), "migrate", "--database-url", url],
         capture_output=True, text=True, timeout=60, check=False, env=serving.clean_env(),
     )  # fmt: skip
+
+
+def test_migrate_names_the_missing_schema(missing_schema: tuple[str, str]) -> None:
+    _, url = missing_schema
+    refused = _migrate(url)
     assert refused.returncode == 2, refused
     said = refused.stderr.strip()
     assert len(said.splitlines()) == 1 and "Traceback" not in said, said
@@ -143,11 +148,7 @@ def test_health_turns_not_serving_when_the_ledgers_tables_are_gone(
             assert time.monotonic() < give_up, log_path.read_text()
             time.sleep(0.2)
         assert translate.NO_SCHEMA_YET in log_path.read_text()
-        ledger = Path(sys.executable).with_name("ledger")
-        migrated = subprocess.run(
-            [str(ledger), "migrate", "--database-url", postgres_schema_url],
-            capture_output=True, text=True, timeout=60, check=False, env=serving.clean_env(),
-        )  # fmt: skip
+        migrated = _migrate(postgres_schema_url)
         assert migrated.returncode == 0, migrated
         while _health(address) != serving_status:
             assert time.monotonic() < give_up + 30, log_path.read_text()
