@@ -3,7 +3,9 @@ and unit tests, which start no server, open no database and spawn no process.
 `make test` (and CI) runs every test.
 
 A test is slow when it asks for a fixture that starts a server or opens a
-database, or lives in a module that starts servers or processes itself.
+database, lives in a module that starts servers or processes itself, or is
+marked `slow` itself. A test left fast that spawns a process or starts a gRPC
+server fails (`_fast_tests_stay_fast`), so the rules cannot fall behind.
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ SLOW_FIXTURES = frozenset(
         "store",
         "ledger",
         "connect",
+        "held",
+        "replicas",
     }
 )
 # Modules that start servers, databases or processes without those fixtures.
 SLOW_MODULES = (
     "tests/test_cli",
+    "tests/test_docs_links.py",
+    "tests/test_postgresql_misconfigured.py",
     "tests/test_readme.py",
     "tests/test_postgresql_doc.py",
     "tests/test_bench_",
@@ -61,6 +67,7 @@ SLOW_MODULES = (
     "tests/security/",
     "tests/observability/",
     "clients/python/tests/test_client_e2e.py",
+    "clients/python/tests/test_client_misconfigured.py",
     "clients/python/tests/test_client_readme.py",
     "clients/python/tests/test_client_replay.py",
     "clients/python/tests/test_client_allowance.py",
@@ -75,3 +82,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or path.startswith(SLOW_MODULES):
             item.add_marker(pytest.mark.slow)
+
+
+class _NotInTheFastTier(Exception):
+    """A test the tiers call fast started a process or a server."""
+
+
+def _refuse(what: str) -> object:
+    def refused(*args: object, **kwargs: object) -> object:
+        raise _NotInTheFastTier(f"a fast test {what}: add it to conftest.py's slow rules")
+
+    return refused
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_stay_fast(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holds the fast tier to its definition: a test not marked slow that
+    spawns a process or starts a gRPC server fails, naming the rule to add."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    import subprocess
+
+    import grpc
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("spawned a process"))
+    monkeypatch.setattr(grpc, "server", _refuse("started a gRPC server"))

@@ -63,6 +63,7 @@ def test_zero_where_zero_means_none_or_never_is_taken() -> None:
     assert settings.snapshot_every_events == 0
 
 
+@pytest.mark.slow  # starts a server or spawns a process
 def test_serve_refuses_a_negative_worker_count_in_one_line(tmp_path: pathlib.Path) -> None:
     ledger = pathlib.Path(sys.executable).with_name("ledger")
     done = subprocess.run(
@@ -82,6 +83,7 @@ def test_a_listen_address_without_a_port_gRPC_can_bind_is_refused(listen: str) -
     assert "0 to 65535" in str(refused.value)
 
 
+@pytest.mark.slow  # starts a server or spawns a process
 def test_serve_refuses_a_port_past_65535_in_one_line(tmp_path: pathlib.Path) -> None:
     ledger = pathlib.Path(sys.executable).with_name("ledger")
     done = subprocess.run(
@@ -129,6 +131,7 @@ def test_every_number_at_its_largest_is_taken() -> None:
     assert settings.max_message_bytes == 2**31 - 1
 
 
+@pytest.mark.slow  # starts a server or spawns a process
 def test_serve_refuses_a_message_limit_gRPC_cannot_take_in_one_line(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -177,6 +180,7 @@ def test_the_server_takes_the_lane_clients_pings_and_bounds_faster_ones() -> Non
     assert options["grpc.keepalive_permit_without_calls"] == 1
 
 
+@pytest.mark.slow  # starts a server or spawns a process
 def test_every_number_at_its_largest_makes_a_grpc_server() -> None:
     """keepalive_seconds may be 3,660 days, but gRPC takes milliseconds as a C
     int: LEDGER_KEEPALIVE_SECONDS=3000000 made `ledger serve` die with an

@@ -240,6 +240,7 @@ class StallingLedger(pb_grpc.LedgerServicer):
             return {rid for method, rid in self.moves if method in ("Settle", "Refund")}
 
 
+@pytest.mark.slow  # starts a server or spawns a process
 def test_every_block_cut_off_by_close_has_its_ending_journaled_and_replayed(
     tmp_path: pathlib.Path,
 ) -> None:

@@ -192,6 +192,7 @@ def test_closing_the_client_ends_the_tail(reader: LaneClient) -> None:
     assert not tail.thread.is_alive()
 
 
+@pytest.mark.slow  # starts a server or spawns a process
 def test_a_tail_resumes_after_a_restart_without_skipping_or_repeating(
     tmp_path: pathlib.Path,
 ) -> None:
