@@ -588,7 +588,13 @@ def _postgres_rows(
     )
     hot_row = _judged(hot_row, value, f">= {HOT_LANE_MIN_RATIO:.0%} of spread", met)
     if value is not None:
-        hot_row = _noted(hot_row, f"{value:.0%} of spread", first=True)
+        # The bare transaction's own hot lane beside its spread lanes: the
+        # bound one lane's lock puts on any design, measured in the same run.
+        floors = [phase(scenarios, *path, f"floor_{variant}") for variant in ("hot", "spread")]
+        rates = [None if floor is None else float(floor["moves_per_second"]) for floor in floors]
+        floor_value = _ratio(*rates)
+        bound = "" if floor_value is None else f" (the floor's: {floor_value:.0%})"
+        hot_row = _noted(hot_row, f"{value:.0%} of spread{bound}", first=True)
     spread_row = _load_row(
         scenarios,
         f"postgres 2 replicas, {lanes} lanes, {saturated}",
