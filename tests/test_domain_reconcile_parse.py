@@ -241,3 +241,22 @@ def test_an_empty_jsonl_key_is_shown_not_left_blank() -> None:
     content = b'{"reservation_id": "r1", "": 1, "billed_nanos": 1}\n'
     parsed = reconcile.parse(content, reconcile.ExportFormat.JSONL, "recall")
     assert [bad.message for bad in parsed.bad] == ['unknown keys: ""']
+
+
+@pytest.mark.parametrize(
+    ("cached", "written", "field"),
+    [(11, 0, "cached_input_tokens"), (0, 11, "cache_write_tokens"), (6, 5, "cache_write_tokens")],
+)
+def test_cache_parts_past_the_input_name_the_column_that_passes_it(
+    cached: int, written: int, field: str
+) -> None:
+    """As a Settle does: the row's bad field is the part that took the sum past
+    input_tokens, not always cached_input_tokens."""
+    content = (
+        "reservation_id,input_tokens,cached_input_tokens,cache_write_tokens\n"
+        f"r1,10,{cached},{written}\n"
+    ).encode()
+    parsed = reconcile.parse(content, reconcile.ExportFormat.CSV, "recall")
+    assert not parsed.rows
+    [bad] = parsed.bad
+    assert bad.status is reconcile.RowStatus.BAD and bad.field == field

@@ -108,9 +108,23 @@ def test_an_unknown_settle_s_tokens_price_nothing() -> None:
 
 def test_cached_tokens_are_parts_of_the_input() -> None:
     with pytest.raises(InvalidArgument) as refused:
-        succeeded(input_tokens=10, cached_input_tokens=6, cache_write_tokens=5).validate()
+        succeeded(input_tokens=10, cached_input_tokens=11, cache_write_tokens=0).validate()
     assert refused.value.field == "cached_input_tokens"
     succeeded(input_tokens=11, cached_input_tokens=6, cache_write_tokens=5).validate()
+
+
+@pytest.mark.parametrize(("cached", "written"), [(0, 11), (6, 5)])
+def test_cache_write_tokens_that_take_the_parts_past_the_input_are_named(
+    cached: int, written: int
+) -> None:
+    """The field named is the one past the bound: with no cached tokens, or
+    fewer than the input, it is the cache-write count that passes it, and a
+    lane told `cached_input_tokens` would look for its fault where none is."""
+    with pytest.raises(InvalidArgument) as refused:
+        succeeded(
+            input_tokens=10, cached_input_tokens=cached, cache_write_tokens=written
+        ).validate()
+    assert refused.value.field == "cache_write_tokens"
 
 
 # Usage no request could have produced ----------------------------------------------

@@ -66,6 +66,20 @@ def validate_reservation_id(value: str) -> None:
         raise InvalidArgument("reservation_id", "must be printable ASCII without spaces")
 
 
+def cache_part_past_input(
+    input_tokens: int, cached_input_tokens: int, cache_write_tokens: int
+) -> str:
+    """The field to name when the cached and cache-write tokens, parts of
+    input_tokens, sum past it ("" when they fit): cached_input_tokens when it
+    passes the input alone, else cache_write_tokens, the part that took the
+    sum past it."""
+    if cached_input_tokens + cache_write_tokens <= input_tokens:
+        return ""
+    if cached_input_tokens > input_tokens:
+        return "cached_input_tokens"
+    return "cache_write_tokens"
+
+
 def _check_range(field: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise InvalidArgument(field, f"must be between {low} and {high}")
@@ -117,9 +131,12 @@ class SettleCommand:
         _check_range("output_tokens", self.output_tokens, 0, MAX_TOKENS)
         _check_range("cached_input_tokens", self.cached_input_tokens, 0, MAX_TOKENS)
         _check_range("cache_write_tokens", self.cache_write_tokens, 0, MAX_TOKENS)
-        if self.cached_input_tokens + self.cache_write_tokens > self.input_tokens:
+        past = cache_part_past_input(
+            self.input_tokens, self.cached_input_tokens, self.cache_write_tokens
+        )
+        if past:
             raise InvalidArgument(
-                "cached_input_tokens",
+                past,
                 "cached and cache-write tokens are parts of input_tokens: "
                 "together at most input_tokens",
             )

@@ -25,7 +25,12 @@ from typing import Any
 from ledger_service.domain.bookings import CORRECTABLE_STATES, REAL_STATES, Booking, BookingState
 from ledger_service.domain.errors import InvalidArgument
 from ledger_service.domain.events import Event, EventKind, evolve
-from ledger_service.domain.moves import MAX_TOKENS, ending_event, validate_reservation_id
+from ledger_service.domain.moves import (
+    MAX_TOKENS,
+    cache_part_past_input,
+    ending_event,
+    validate_reservation_id,
+)
 from ledger_service.domain.policies import validate_name
 from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, usd_text, usd_to_nanos
 
@@ -302,10 +307,9 @@ def _row(line: int, record: Mapping[str, Any], default_lane: str) -> ExportRow:
     cache_write_tokens = _count(record, "cache_write_tokens")
     if billed is None and "input_tokens" not in record and "output_tokens" not in record:
         raise InvalidArgument("billed_nanos", "a row needs a billed amount or token counts")
-    if cached_input_tokens + cache_write_tokens > input_tokens and billed is None:
-        raise InvalidArgument(
-            "cached_input_tokens", "cached and cache-write tokens are parts of input_tokens"
-        )
+    past = cache_part_past_input(input_tokens, cached_input_tokens, cache_write_tokens)
+    if past and billed is None:
+        raise InvalidArgument(past, "cached and cache-write tokens are parts of input_tokens")
     model = str(record.get("model") or "")
     if model:
         validate_name("model", model)
