@@ -96,6 +96,8 @@ const CLOSED_MESSAGE =
 // close() awaited inside a callback cannot wait for that call, which ends only
 // after the callback returns.
 const enclosingCalls = new AsyncLocalStorage();
+// What a grant function's race with its call's deadline gives when it lost.
+const GRANT_LATE = Symbol('grant late');
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
 /** Resolves once every promise has settled, or after `milliseconds`, whichever is first. */
@@ -871,9 +873,9 @@ class LaneClient {
     if (this._closed !== null) throw new ClientClosed(CLOSED_MESSAGE);
   }
 
-  async _metadata(trace) {
+  async _metadata(trace, deadlineMs) {
     const metadata = new grpc.Metadata();
-    if (this.#grant !== null) metadata.set('authorization', `Bearer ${await this._grant()}`);
+    if (this.#grant !== null) metadata.set('authorization', `Bearer ${await this._grant(deadlineMs)}`);
     setTraceHeaders(metadata, trace);
     return metadata;
   }
@@ -882,15 +884,26 @@ class LaneClient {
    * The grant to send. From a function, every value is checked: one that gave
    * '' or null once must fail the call, not send it without a grant. One that
    * throws fails it with a GrantError too, its failure the cause: the call was
-   * never sent, and a replay leaves its entries for a later attempt.
+   * never sent, and a replay leaves its entries for a later attempt. One
+   * that gives nothing within the call's `deadlineMs` fails it the same way:
+   * the call's deadline bounds everything before the ledger is asked.
    */
-  async _grant() {
+  async _grant(deadlineMs) {
     if (typeof this.#grant !== 'function') return this.#grant;
+    let timer;
+    const late = new Promise((resolve) => {
+      timer = setTimeout(() => resolve(GRANT_LATE), deadlineMs);
+    });
     let given;
     try {
-      given = await this.#grant();
+      given = await Promise.race([this.#grant(), late]);
     } catch (error) {
       throw new GrantError('the grant function failed (see cause): the call was not sent', { cause: error });
+    } finally {
+      clearTimeout(timer);
+    }
+    if (given === GRANT_LATE) {
+      throw new GrantError(`the grant function gave no grant within the call's deadline (${deadlineMs} ms): the call was not sent`);
     }
     return checkGrant(given, GrantError);
   }
@@ -910,8 +923,8 @@ class LaneClient {
 
   /** `trace`: the W3C headers to send ({traceparent, tracestate?}), or null for none. */
   async _unary(method, request, trace, deadlineMs = this.deadlineMs) {
-    const metadata = await this._metadata(trace);
     const deadline = Date.now() + deadlineMs;
+    const metadata = await this._metadata(trace, deadlineMs);
     if (!(await this._slots.take(deadline))) {
       throw new ResourceExhausted(
         `this client already has ${this.maxCallsInFlight} calls at the ledger (maxCallsInFlight), none of which ended within the deadline`,
@@ -1210,7 +1223,7 @@ class LaneClient {
 
   /** One WatchEvents stream of the lane (events.streamEvents). */
   async *_stream(afterSeq) {
-    const metadata = await this._metadata(null);
+    const metadata = await this._metadata(null, this.deadlineMs);
     if (this._watches.closed) return;
     const call = this._stub.WatchEvents({ lane: this.lane, after_seq: afterSeq.toString() }, metadata);
     yield* events.streamEvents(call, this._watches, this.deadlineMs);

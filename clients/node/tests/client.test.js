@@ -254,6 +254,23 @@ describe('grants', () => {
     }
   });
 
+  test('a grant function that never answers fails the call with a GrantError at its deadline, never sending it', async () => {
+    // The README: each ledger call is bounded by deadlineMs, and a call() in
+    // deny mode answers at the deadline; a pending grant promise hung them all.
+    const { GrantError } = require('..');
+    const client = new LaneClient('127.0.0.1:1', 'lane', { grant: () => new Promise(() => {}), deadlineMs: 50 });
+    const isLate = (error) => error instanceof GrantError && /grant function/.test(error.message) && /50 ms/.test(error.message);
+    try {
+      await assert.rejects(client.balance(), isLate);
+      await assert.rejects(client.balance({ deadlineMs: 80 }), (error) => error instanceof GrantError && /80 ms/.test(error.message));
+      await assert.rejects(client.call({ model: 'm', requestBytes: 10, maxOutputTokens: 1 }, async () => ({ httpStatus: 200 })), isLate);
+      const tail = client.watchEvents();
+      await assert.rejects(tail.next(), isLate);
+    } finally {
+      await client.close();
+    }
+  });
+
   test('a request that is not an object is a TypeError naming the method, not the engine\'s', async () => {
     const client = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50 });
     try {
