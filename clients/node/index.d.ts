@@ -557,6 +557,12 @@ export interface EventPageOptions extends DeadlineOptions {
   pageSize?: number;
 }
 
+/** deadlineMs: the time each of the tail's streams has to be accepted (default: the client's). */
+export interface WatchOptions extends DeadlineOptions {
+  /** Only events after this seq; default 0 (the start of the log). */
+  afterSeq?: Int64Input;
+}
+
 export interface EventPage {
   /** Oldest first. */
   events: LedgerEvent[];
@@ -597,7 +603,7 @@ export class LaneClient {
   /** Every event after afterSeq, a listEvents page at a time as the caller iterates, to the log's end as it stands then; each page has its own deadlineMs. Throws InvalidArgument as listEvents, at once. */
   allEvents(options?: EventPageOptions): AsyncGenerator<LedgerEvent, void, undefined>;
   /** The lane's events after afterSeq, then each new one as it is committed; a dropped stream is opened again after the last event seen (for up to watchResumeMs), so none is skipped or repeated. Leave the loop (or call return()) to stop it; close() ends it too (done, no error). */
-  watchEvents(options?: { afterSeq?: Int64Input }): AsyncGenerator<LedgerEvent, void, undefined>;
+  watchEvents(options?: WatchOptions): AsyncGenerator<LedgerEvent, void, undefined>;
   /**
    * A callback that resolves with nothing (undefined or null) reports no
    * outcome: its booking is settled UNKNOWN, at its hold, with a warning.

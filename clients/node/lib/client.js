@@ -1205,28 +1205,30 @@ class LaneClient {
    * An async iterator of the lane's events after `afterSeq`, then of each new
    * one as it is committed. A stream that drops (an outage, a server
    * restarting) is opened again after the last event it gave, for up to
-   * `watchResumeMs`; each stream must be accepted within `deadlineMs`. Stop
-   * it by leaving the loop (or its `return()`); close() ends it too.
-   * @param {{afterSeq?: bigint|number|string}} [options]
+   * `watchResumeMs`; each stream must be accepted within `deadlineMs` (its
+   * own, else the client's). Stop it by leaving the loop (or its `return()`);
+   * close() ends it too.
+   * @param {import('../index').WatchOptions} [options]
    * @returns {AsyncGenerator<import('../index').LedgerEvent, void, undefined>}
    */
-  watchEvents({ afterSeq = 0n } = {}) {
+  watchEvents({ afterSeq = 0n, deadlineMs } = {}) {
     this._refuseClosed();
     const after = events.checkAfterSeq(afterSeq);
+    const streamDeadlineMs = this._callDeadlineMs(deadlineMs);
     const resumption = {
       forMs: this.watchResumeMs,
       firstPauseMs: RECONNECT_OPTIONS['grpc.initial_reconnect_backoff_ms'],
       mostPauseMs: RECONNECT_OPTIONS['grpc.max_reconnect_backoff_ms'],
     };
-    return events.tail((last) => this._stream(last), this._watches, after, resumption);
+    return events.tail((last) => this._stream(last, streamDeadlineMs), this._watches, after, resumption);
   }
 
   /** One WatchEvents stream of the lane (events.streamEvents). */
-  async *_stream(afterSeq) {
-    const metadata = await this._metadata(null, this.deadlineMs);
+  async *_stream(afterSeq, deadlineMs) {
+    const metadata = await this._metadata(null, deadlineMs);
     if (this._watches.closed) return;
     const call = this._stub.WatchEvents({ lane: this.lane, after_seq: afterSeq.toString() }, metadata);
-    yield* events.streamEvents(call, this._watches, this.deadlineMs);
+    yield* events.streamEvents(call, this._watches, deadlineMs);
   }
 
   /**

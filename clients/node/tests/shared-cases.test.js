@@ -383,7 +383,7 @@ describe('argument cases', () => {
   for (const argumentCase of ARGUMENTS.events) {
     test(`events: ${argumentCase.why}`, async () => {
       // Nothing listens at the address: an accepted page goes out and finds no
-      // ledger; a refused one is never sent. A tail takes afterSeq alone.
+      // ledger; a refused one is never sent.
       const { page_size: pageSize, after_seq: afterSeq } = argumentCase.set;
       const options = { pageSize, afterSeq };
       if (argumentCase.accepted) {
@@ -411,6 +411,8 @@ describe('argument cases', () => {
       await assert.rejects(lane.reserve({ ...requestOf({ set: {} }), deadlineMs }), isRefusal(deadlineRefusal));
       await assert.rejects(lane.refund({ reservationId: 'r-1', httpStatus: 429, deadlineMs }), isRefusal(deadlineRefusal));
       assert.throws(() => lane.allEvents({ deadlineMs }), isRefusal(deadlineRefusal));
+      // The Python client's watch_events takes deadline_seconds the same way.
+      assert.throws(() => lane.watchEvents({ deadlineMs }), isRefusal(deadlineRefusal));
     });
   }
 
