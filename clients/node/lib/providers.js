@@ -95,9 +95,10 @@ function styleOfPath(path) {
  * Buffer, any typed array, an ArrayBuffer) are themselves; anything else
  * fetch takes (a stream, a Blob, FormData, URLSearchParams) is read whole
  * first, as the Python client's transport reads every request body, and its
- * bytes are sent instead.
+ * bytes are sent instead. The caller's `signal` bounds that read as it bounds
+ * fetch: once it aborts, the read is given up and its reason thrown.
  */
-async function bodyOf(body) {
+async function bodyOf(body, signal) {
   if (body === undefined || body === null) return { bytes: Buffer.alloc(0), sent: body, contentType: null };
   if (typeof body === 'string') return { bytes: Buffer.from(body, 'utf8'), sent: body, contentType: null };
   if (body instanceof ArrayBuffer) return { bytes: Buffer.from(body), sent: body, contentType: null };
@@ -105,8 +106,26 @@ async function bodyOf(body) {
     return { bytes: Buffer.from(body.buffer, body.byteOffset, body.byteLength), sent: body, contentType: null };
   }
   const read = new Response(body);
-  const bytes = Buffer.from(await read.arrayBuffer());
+  const bytes = Buffer.from(await untilAborted(read.arrayBuffer(), signal));
   return { bytes, sent: bytes, contentType: read.headers.get('content-type') };
+}
+
+/** `promise`, or a rejection with the signal's reason once it aborts (at once when it has). */
+async function untilAborted(promise, signal) {
+  if (!signal) return promise;
+  // Given up on, the read may still fail later: not an unhandled rejection.
+  promise.catch(() => {});
+  signal.throwIfAborted();
+  let onAbort;
+  const aborted = new Promise((resolve, reject) => {
+    onAbort = () => reject(signal.reason);
+    signal.addEventListener('abort', onAbort, { once: true });
+  });
+  try {
+    return await Promise.race([promise, aborted]);
+  } finally {
+    signal.removeEventListener('abort', onAbort);
+  }
 }
 
 /** Bytes read as a JSON object (strict UTF-8), or null: not JSON, or not an object. */
@@ -128,7 +147,7 @@ function jsonObjectOf(bytes) {
 async function planOf(url, init) {
   const call = createCallOf(url, init);
   if (call === null) return null;
-  const body = await bodyOf(init.body);
+  const body = await bodyOf(init.body, init.signal);
   const json = jsonObjectOf(body.bytes);
   return { ...call, ...body, json, stream: json?.stream === true };
 }

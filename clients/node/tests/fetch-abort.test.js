@@ -1,0 +1,44 @@
+'use strict';
+// ledgerFetch reads a streamed request body whole before it books the call:
+// the caller's signal must bound that read as fetch itself would, or a body
+// that never ends holds the call past every timeout the lane set.
+
+const { test } = require('node:test');
+const assert = require('node:assert/strict');
+const { LaneClient, ledgerFetch } = require('..');
+
+const URL = 'http://127.0.0.1:1/v1/chat/completions';
+
+/** A body that sends the start of a request and never ends. */
+function endlessBody() {
+  return new ReadableStream({
+    start(controller) {
+      controller.enqueue(new TextEncoder().encode('{"model": "m", "messages": ['));
+    },
+  });
+}
+
+test('a streamed body that never ends rejects with the signal\'s reason once it aborts, nothing sent or booked', async () => {
+  const lane = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50, logger: null });
+  const sent = [];
+  const inner = async (url, init) => {
+    sent.push(init);
+    return new Response('{}');
+  };
+  try {
+    const fetchThrough = ledgerFetch(lane, { fetch: inner });
+    const controller = new AbortController();
+    const pending = fetchThrough(URL, { method: 'POST', body: endlessBody(), duplex: 'half', signal: controller.signal });
+    const reason = new Error('the caller gave up');
+    setImmediate(() => controller.abort(reason));
+    await assert.rejects(pending, (error) => error === reason);
+    const aborted = AbortSignal.abort();
+    await assert.rejects(
+      fetchThrough(URL, { method: 'POST', body: endlessBody(), duplex: 'half', signal: aborted }),
+      (error) => error === aborted.reason,
+    );
+    assert.equal(sent.length, 0);
+  } finally {
+    await lane.close();
+  }
+});
