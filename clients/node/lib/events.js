@@ -8,7 +8,8 @@
 // and never misses one (the server's streams never skip a seq still committing).
 
 const { checkRange, invalidArgument } = require('./arguments');
-const { LedgerError, ledgerErrorOf } = require('./errors');
+const grpc = require('@grpc/grpc-js');
+const { DeadlineExceeded, LedgerError, ledgerErrorOf } = require('./errors');
 const { eventOf } = require('./wire');
 
 // A page of events: the server's default and most (its default_page_size and
@@ -152,7 +153,12 @@ async function* streamEvents(call, watches, deadlineMs) {
     failure = error;
   });
   if (!watches.add(call)) return;
-  const timer = setTimeout(() => call.cancel(), deadlineMs);
+  // Cancelled by this client, not the lane: said as the deadline it is.
+  let late = false;
+  const timer = setTimeout(() => {
+    late = true;
+    call.cancel();
+  }, deadlineMs);
   try {
     const answered = await new Promise((resolve) => {
       call.once('metadata', () => resolve(true));
@@ -164,6 +170,12 @@ async function* streamEvents(call, watches, deadlineMs) {
     for await (const message of call) yield eventOf(message);
     if (failure !== null) throw failure;
   } catch (error) {
+    if (late) {
+      throw new DeadlineExceeded(`the ledger did not accept the event stream within its deadlineMs (${deadlineMs} ms)`, {
+        code: grpc.status.DEADLINE_EXCEEDED,
+        cause: error,
+      });
+    }
     throw typeof error?.code === 'number' ? ledgerErrorOf(error) : error;
   } finally {
     clearTimeout(timer);

@@ -6,7 +6,7 @@ const { after, before, describe, test } = require('node:test');
 const assert = require('node:assert/strict');
 const grpc = require('@grpc/grpc-js');
 const { startFakeLedger, ledgerStatus, makeCertificates } = require('./fake-ledger');
-const { LaneClient, Completed, DeadlineExceeded, InternalError, StoreUnavailable, Unavailable } = require('..');
+const { LaneClient, Completed, DeadlineExceeded, InternalError, StoreUnavailable, Unavailable, isLedgerUnavailable } = require('..');
 
 const REQUEST = Object.freeze({ model: 'm', requestBytes: 100, maxOutputTokens: 10 });
 const ADMITTED = Object.freeze({ decision: 'ADMITTED', hold_nanos: '5000', cap_nanos: '5000' });
@@ -161,4 +161,27 @@ describe('lost answers', () => {
       await fake.stop();
     }
   });
+});
+
+test('a tail the ledger never accepts throws DeadlineExceeded naming deadlineMs, an outage', async () => {
+  // A listener that takes the connection and says nothing, as a frozen ledger
+  // does: the stream is given up at its deadline. It threw "Cancelled on
+  // client", as if the lane had cancelled it.
+  const net = require('node:net');
+  const sockets = [];
+  const silent = net.createServer((socket) => sockets.push(socket));
+  await new Promise((resolve) => silent.listen(0, '127.0.0.1', resolve));
+  const client = new LaneClient(`127.0.0.1:${silent.address().port}`, 'recall', { grant: 'grant-1', watchResumeMs: 0 });
+  try {
+    await assert.rejects(client.watchEvents({ deadlineMs: 100 }).next(), (error) => {
+      assert.ok(error instanceof DeadlineExceeded, `${error}`);
+      assert.ok(isLedgerUnavailable(error));
+      assert.match(error.message, /did not accept the event stream within its deadlineMs \(100 ms\)/);
+      return true;
+    });
+  } finally {
+    await client.close();
+    for (const socket of sockets) socket.destroy();
+    silent.close();
+  }
 });

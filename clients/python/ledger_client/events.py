@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from ledger_client.bookings import DenialReason, check_range
-from ledger_client.errors import LedgerError, from_rpc_error, is_retryable
+from ledger_client.errors import LedgerError, LedgerUnavailable, from_rpc_error, is_retryable
 from ledger_client.pricing import ModelPrice
 from ledger_client.settings import MAX_PAGE_SIZE
 
@@ -237,7 +237,15 @@ def stream_events(
     caller stops."""
     if not watches.add(call):
         return
-    timer = threading.Timer(deadline_seconds, call.cancel)
+    # Cancelled by this client, not the lane: said as the deadline it is.
+    late = threading.Event()
+    cancel: Callable[[], object] = call.cancel
+
+    def give_up() -> None:
+        late.set()
+        cancel()
+
+    timer = threading.Timer(deadline_seconds, give_up)
     timer.daemon = True
     timer.start()
     try:
@@ -248,6 +256,13 @@ def stream_events(
         for message in call:
             yield convert(message)
     except grpc.RpcError as error:
+        if late.is_set():
+            raise LedgerUnavailable(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "",
+                "the ledger did not accept the event stream within its deadline "
+                f"({deadline_seconds:g} s)",
+            ) from error
         raise from_rpc_error(error) from error
     finally:
         timer.cancel()

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from client_ledger import TEST_SETTINGS, Admin, LedgerProcess, new_lane_name, running
 from ledger_client import (
@@ -314,6 +315,22 @@ def test_a_refused_tail_raises_once_its_resumption_gives_up(
             next(client.watch_events())
         for watch in held:
             watch.close()
+
+
+def test_a_tail_the_ledger_never_accepts_raises_a_deadline_naming_it() -> None:
+    # A listener that takes the connection and says nothing, as a frozen ledger
+    # does: the stream is given up at its deadline. It raised CANCELLED,
+    # "Locally cancelled by application!", as if the lane had cancelled it.
+    settings = dataclasses.replace(TEST_SETTINGS, watch_resume_seconds=0.0)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with (
+            LaneClient(address, "recall", grant="grant-1", settings=settings) as client,
+            pytest.raises(LedgerUnavailable) as caught,
+        ):
+            next(client.watch_events(deadline_seconds=0.1))
+    assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "did not accept the event stream within its deadline (0.1 s)" in caught.value.message
 
 
 def test_the_readme_example_runs(ledger_server: LedgerProcess, admin: Admin) -> None:
