@@ -100,6 +100,25 @@ const enclosingCalls = new AsyncLocalStorage();
 const GRANT_LATE = Symbol('grant late');
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
+// Every option of LaneClient (LaneClientOptions in index.d.ts).
+const CLIENT_OPTIONS = new Set([
+  'grant', 'tls', 'deadlineMs', 'endAttempts', 'maxCallsInFlight', 'channelOptions', 'outage',
+  'replayIntervalMs', 'replayDeadlineMs', 'maxReplayEntriesPerAttempt', 'maxReplayMsPerAttempt',
+  'maxJournalBytes', 'rotateJournalBytes', 'logger', 'watchResumeMs',
+]);
+
+/**
+ * A misspelt option would leave its default in silence (a deadline, or no
+ * journal for a journalPath meant for the OutagePolicy), as the Python
+ * client's ClientSettings refuses an unknown field.
+ */
+function checkOptionNames(options) {
+  if (options === null || typeof options !== 'object') throw new TypeError('LaneClient options must be an object');
+  for (const name of Object.keys(options)) {
+    if (!CLIENT_OPTIONS.has(name)) throw new TypeError(`LaneClient has no option '${name}' (see LaneClientOptions in index.d.ts)`);
+  }
+}
+
 /** Resolves once every promise has settled, or after `milliseconds`, whichever is first. */
 async function settledWithin(promises, milliseconds) {
   let timer;
@@ -663,6 +682,7 @@ class LaneClient {
     }
     if (!address.trim()) throw new TypeError("address: is empty; give the ledger's HOST:PORT");
     checkLane(lane);
+    checkOptionNames(options);
     this.address = address;
     this.lane = lane;
     this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;

@@ -304,6 +304,17 @@ describe('grants', () => {
     await assert.rejects(client.waitForReady(200), ClientClosed);
   });
 
+  test('an option LaneClient does not know is a TypeError naming it, not a default in silence', () => {
+    // A misspelt deadlineMs got 250 ms; a journalPath given to the client
+    // instead of its OutagePolicy left the lane with no journal at all.
+    for (const name of ['deadlineMS', 'journalPath', 'watchResumeMS', 'timeout']) {
+      assert.throws(
+        () => new LaneClient('127.0.0.1:1', 'lane', { [name]: 1000 }),
+        (error) => error instanceof TypeError && error.message.includes(`'${name}'`),
+      );
+    }
+  });
+
   test('a visible ASCII grant is sent as it is', () => {
     const client = new LaneClient('127.0.0.1:1', 'lane', { grant: GRANT });
     client.close();
