@@ -440,6 +440,8 @@ function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens 
     const trace = traceHeaders() ?? freshTraceHeaders();
     const plan = await planOf(url, init);
     if (plan === null) return inner(url, init);
+    // Aborted already, fetch sends nothing: neither is a Reserve to be made.
+    if (init.signal?.aborted) throw init.signal.reason;
     const reservationId = newReservationId();
     const { body, ...booked } = preparedOf(plan, reservationId, maxOutputTokens);
     const headers = headersOf(init, plan, reservationId);

@@ -42,3 +42,22 @@ test('a streamed body that never ends rejects with the signal\'s reason once it 
     await lane.close();
   }
 });
+
+test('a request whose signal has already aborted rejects with its reason before any Reserve, as fetch does', async () => {
+  // It was reserved and, its fetch rejecting at once, settled UNKNOWN at
+  // its hold: a charge for a request that never left.
+  const lane = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50, logger: null });
+  const sent = [];
+  const inner = async (url, init) => {
+    sent.push(init);
+    return new Response('{}');
+  };
+  try {
+    const aborted = AbortSignal.abort(new Error('the caller gave up'));
+    const body = JSON.stringify({ model: 'm', messages: [] });
+    await assert.rejects(ledgerFetch(lane, { fetch: inner })(URL, { method: 'POST', body, signal: aborted }), (error) => error === aborted.reason);
+    assert.equal(sent.length, 0);
+  } finally {
+    await lane.close();
+  }
+});
