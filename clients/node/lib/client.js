@@ -1240,15 +1240,16 @@ class LaneClient {
       firstPauseMs: RECONNECT_OPTIONS['grpc.initial_reconnect_backoff_ms'],
       mostPauseMs: RECONNECT_OPTIONS['grpc.max_reconnect_backoff_ms'],
     };
-    return events.tail((last) => this._stream(last, streamDeadlineMs), this._watches, after, resumption);
+    const watches = this._watches.child();
+    return events.tailOf((last) => this._stream(last, streamDeadlineMs, watches), watches, after, resumption);
   }
 
-  /** One WatchEvents stream of the lane (events.streamEvents). */
-  async *_stream(afterSeq, deadlineMs) {
+  /** One WatchEvents stream of the lane (events.streamEvents), among a tail's `watches`. */
+  async *_stream(afterSeq, deadlineMs, watches) {
     const metadata = await this._metadata(null, deadlineMs);
-    if (this._watches.closed) return;
+    if (watches.closed) return;
     const call = this._stub.WatchEvents({ lane: this.lane, after_seq: afterSeq.toString() }, metadata);
-    yield* events.streamEvents(call, this._watches, deadlineMs);
+    yield* events.streamEvents(call, watches, deadlineMs);
   }
 
   /**

@@ -61,12 +61,26 @@ async function* allPages(page, afterSeq) {
   }
 }
 
-/** The event streams of one client that are open: close() cancels them all and wakes a tail waiting to resume. */
+/**
+ * Event streams that are open: close() cancels them all and wakes a tail
+ * waiting to resume. A client's holds one child per tail (tailOf), closed
+ * with it or by that tail's return() alone.
+ */
 class Watches {
-  constructor() {
+  constructor(parent = null) {
     this.closed = false;
     this._calls = new Set();
     this._sleepers = new Set();
+    this._children = new Set();
+    this._parent = parent;
+  }
+
+  /** The streams of one tail: closed with these, or alone. */
+  child() {
+    const child = new Watches(this);
+    if (this.closed) child.close();
+    else this._children.add(child);
+    return child;
   }
 
   /** Counts an open stream in; false (and cancelled) once closed. */
@@ -89,6 +103,8 @@ class Watches {
     for (const call of this._calls) call.cancel();
     this._calls.clear();
     for (const wake of this._sleepers) wake();
+    for (const child of this._children) child.close();
+    this._parent?._children.delete(this);
   }
 
   /** Waits `ms`; resolves true when the client closed meanwhile. */
@@ -138,6 +154,28 @@ async function* tail(openStream, watches, afterSeq, { forMs, firstPauseMs, mostP
     if (await watches.pause(pauseMs)) return;
     pauseMs = Math.min(pauseMs * 2, mostPauseMs);
   }
+}
+
+/**
+ * A tail over `watches` (a child of the client's, its own), whose return()
+ * stops it at once: a generator's own return() waits for a next() under way,
+ * which on a quiet lane is the next event, its stream held open until then.
+ * Closing its streams ends that next() (done), and the return() after it.
+ */
+function tailOf(openStream, watches, afterSeq, resumption) {
+  const generator = (async function* owned() {
+    try {
+      yield* tail(openStream, watches, afterSeq, resumption);
+    } finally {
+      watches.close(); // ended however it did: the client holds it no more
+    }
+  })();
+  const ownReturn = generator.return.bind(generator);
+  generator.return = (value) => {
+    watches.close();
+    return ownReturn(value);
+  };
+  return generator;
 }
 
 /**
@@ -196,4 +234,5 @@ module.exports = {
   pageOf,
   streamEvents,
   tail,
+  tailOf,
 };

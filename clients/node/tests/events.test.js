@@ -173,6 +173,27 @@ test('closing the client ends the tail', async () => {
   assert.deepEqual(await next, { value: undefined, done: true }, 'ended without an error');
 });
 
+test('return() stops a tail waiting for its next event, and frees its stream', { timeout: WAIT_MS }, async () => {
+  // A lane stopping its tail from elsewhere (a shutdown hook) while the loop
+  // waits on a quiet lane: return() waited for the next event, the stream
+  // held open, one of the grant's 16 (the server frees each as it sees it
+  // cancelled: a tail opened at once meets TooManyWatchers until then).
+  const client = await reader(ledger, { watchResumeMs: WAIT_MS });
+  const tails = [];
+  for (let count = 0; count < STREAMS_PER_GRANT; count += 1) {
+    const tail = client.watchEvents();
+    await take(tail, 1);
+    tails.push(tail);
+  }
+  const waiting = tails.map((tail) => tail.next());
+  for (const tail of tails) assert.deepEqual(await tail.return(), { value: undefined, done: true });
+  for (const next of waiting) assert.deepEqual(await next, { value: undefined, done: true });
+  // Every stream is free again: a 17th tail is not refused.
+  const again = client.watchEvents();
+  assert.equal((await again.next()).value.kind, 'lane_configured');
+  await again.return();
+});
+
 test('a tail resumes after a restart without skipping or repeating an event', async () => {
   const server = await startLedger();
   try {
