@@ -317,20 +317,48 @@ def test_a_refused_tail_raises_once_its_resumption_gives_up(
             watch.close()
 
 
+# An HTTP/2 server's preface (an empty SETTINGS frame) and its ACK of the client's.
+_SETTINGS_AND_ACK = (
+    b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
+)
+
+
+@contextlib.contextmanager
+def _mute_http2_server() -> Iterator[str]:
+    """A server that opens HTTP/2 connections and then answers nothing, as a
+    ledger frozen after its connections were made: a stream on it is never
+    accepted, so only the client's own deadline ends it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = listener.accept()
+                connection.sendall(_SETTINGS_AND_ACK)
+                held.append(connection)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+
+
 def test_a_tail_the_ledger_never_accepts_raises_a_deadline_naming_it() -> None:
-    # A listener that takes the connection and says nothing, as a frozen ledger
-    # does: the stream is given up at its deadline. It raised CANCELLED,
-    # "Locally cancelled by application!", as if the lane had cancelled it.
+    # The stream was given up at its deadline and raised CANCELLED, "Locally
+    # cancelled by application!", as if the lane had cancelled it.
     settings = dataclasses.replace(TEST_SETTINGS, watch_resume_seconds=0.0)
-    with socket.create_server(("127.0.0.1", 0)) as silent:
-        address = f"127.0.0.1:{silent.getsockname()[1]}"
-        with (
-            LaneClient(address, "recall", grant="grant-1", settings=settings) as client,
-            pytest.raises(LedgerUnavailable) as caught,
-        ):
-            next(client.watch_events(deadline_seconds=0.1))
+    with (
+        _mute_http2_server() as address,
+        LaneClient(address, "recall", grant="grant-1", settings=settings) as client,
+        pytest.raises(LedgerUnavailable) as caught,
+    ):
+        next(client.watch_events(deadline_seconds=0.5))
     assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "did not accept the event stream within its deadline (0.1 s)" in caught.value.message
+    assert "did not accept the event stream within its deadline (0.5 s)" in caught.value.message
 
 
 def test_the_readme_example_runs(ledger_server: LedgerProcess, admin: Admin) -> None:
