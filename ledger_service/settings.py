@@ -84,6 +84,13 @@ def database_url_problem(url: str) -> str | None:
             f"names a {backend[:40]!r} database; the ledger takes sqlite:/// or "
             "postgresql+psycopg:// URLs"
         )
+    if backend == "postgresql" and parsed.get_driver_name() != "psycopg":
+        # Only psycopg 3 is installed and spoken to (storage/libpq.py): another
+        # driver (psycopg2, asyncpg) was an ImportError's traceback, exit 1.
+        return (
+            f"names the PostgreSQL driver {parsed.get_driver_name()[:40]!r}; the ledger "
+            "takes postgresql+psycopg:// URLs (psycopg 3)"
+        )
     if backend != "sqlite":
         return None
     if (parsed.database or "").startswith("file:") or parsed.query:
