@@ -380,11 +380,17 @@ def _sqlite_engine(url: URL, limits: EngineLimits) -> Engine:
         # Let SQLAlchemy's "begin" event below issue BEGIN itself.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.execute(f"PRAGMA busy_timeout={int(limits.sqlite_busy_timeout_ms)}")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA journal_size_limit={WAL_KEPT_BYTES}")
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute(f"PRAGMA busy_timeout={int(limits.sqlite_busy_timeout_ms)}")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA journal_size_limit={WAL_KEPT_BYTES}")
+        except UnicodeDecodeError as error:
+            # SQLite's "malformed database schema (...)" quotes the damaged
+            # schema text, and Python's sqlite3 cannot decode it: said as the
+            # damage it is, not a traceback.
+            raise sqlite3.DatabaseError(translate.DAMAGED_SCHEMA_TEXT) from error
         cursor.close()
         # The file the first connection opened (WAL mode above has created it).
         if engine not in _OPENED:

@@ -344,10 +344,16 @@ LOST_CONNECTION_CODES = frozenset({"57P01", "57P02"})
 
 # Python's sqlite3 names the error code (sqlite_errorname) when SQLite raised it;
 # an exception made elsewhere carries only SQLite's message.
+# Python's own "Could not decode to UTF-8 column" is a text column whose bytes
+# are not UTF-8, which the ledger never writes: a damaged page.
 _SQLITE_MESSAGES = {
     "database disk image is malformed": "SQLITE_CORRUPT",
     "file is not a database": "SQLITE_NOTADB",
+    "Could not decode to UTF-8 column": "SQLITE_CORRUPT",
 }
+# What a connection says for a schema whose damaged text SQLite quoted in its
+# error, which Python's sqlite3 then failed to decode (a UnicodeDecodeError).
+DAMAGED_SCHEMA_TEXT = "database disk image is malformed (its schema's text is not UTF-8)"
 
 
 def driver_error(error: BaseException) -> BaseException:

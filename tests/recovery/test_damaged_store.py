@@ -190,6 +190,82 @@ def test_an_event_row_that_breaks_its_schema_is_damage_to_the_start_up_recovery(
     assert tracebacks == [], [r.getMessage() for r in tracebacks]
 
 
+def _schema_text_not_utf8(history: History) -> str:
+    """The `CREATE TABLE` text of `events` in sqlite_master with bytes that are
+    not UTF-8, as a damaged page of the schema leaves it: SQLite's "malformed
+    database schema (events) - near ..." quotes them, which Python's sqlite3
+    cannot decode (a UnicodeDecodeError, not a sqlite3.Error)."""
+    path = pathlib.Path(history.url.removeprefix("sqlite:///"))
+    history.store.close()
+    with sqlite3.connect(path) as connection:
+        connection.execute("PRAGMA writable_schema=ON")
+        connection.execute(
+            "UPDATE sqlite_master SET sql = 'CREATE ' || CAST(X'DEADBEEF' AS TEXT) "
+            "WHERE name = 'events'"
+        )
+    return history.url
+
+
+def _lane_text_not_utf8(history: History) -> str:
+    """A lane's text column whose bytes are not UTF-8 (the ledger never writes
+    one): Python's sqlite3 says "Could not decode to UTF-8 column ..."."""
+    history.sql("UPDATE lanes SET expire_charge = CAST(X'DEADBEEF' AS TEXT)")
+    history.store.close()
+    return history.url
+
+
+@pytest.mark.parametrize("command", ["verify", "snapshot", "rebuild", "migrate"])
+def test_a_schema_whose_text_is_not_utf8_is_damage_to_the_commands(
+    sqlite_history: History,
+    command: str,
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every command printed a UnicodeDecodeError's traceback, exit 1."""
+    from ledger_service import cli
+
+    url = _schema_text_not_utf8(sqlite_history)
+    assert cli.main([command, "--database-url", url, "--data-dir", str(tmp_path)]) == 2
+    said = capsys.readouterr().err
+    assert "the ledger's database is damaged" in said, said
+    assert "restore the database from a backup" in said, said
+    assert "Traceback" not in said and "UnicodeDecodeError" not in said, said
+
+
+def test_a_schema_whose_text_is_not_utf8_is_damage_to_the_server(
+    sqlite_history: History,
+    started: Callable[[str], Running],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`ledger serve` ended at start with Python's "'utf-8' codec can't decode
+    byte ..." and no word of damage; it stays up, NOT_SERVING, STORE_DAMAGED."""
+    caplog.set_level(logging.INFO)
+    running = started(_schema_text_not_utf8(sqlite_history))
+    running.wait_for(NOT_SERVING)
+    assert _reason(lambda: running.reserve("after-damage")) == "STORE_DAMAGED"
+    damaged = [r.getMessage() for r in caplog.records if "DATABASE IS DAMAGED" in r.getMessage()]
+    assert damaged and "backup" in damaged[0], damaged
+
+
+def test_a_text_column_that_is_not_utf8_is_damage_not_an_outage(
+    sqlite_history: History,
+    started: Callable[[str], Running],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """verify said "the database is unavailable" (as for a database that
+    does not answer) and quoted the row's bytes; a move was STORE_UNAVAILABLE,
+    which a lane retries, for ever."""
+    from ledger_service import cli
+
+    url = _lane_text_not_utf8(sqlite_history)
+    assert cli.main(["verify", "--database-url", url]) == 2
+    said = capsys.readouterr().err
+    assert "the ledger's database is damaged" in said, said
+    assert "unavailable" not in said and "\ufffd" not in said, said
+    running = started(url)
+    assert _reason(lambda: running.reserve("after-damage")) == "STORE_DAMAGED"
+
+
 @pytest.mark.parametrize("table", ["bookings", "events"])
 def test_a_dropped_table_is_damage_named_in_the_log(
     table: str,
