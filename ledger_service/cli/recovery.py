@@ -438,11 +438,14 @@ def _recover(arguments: argparse.Namespace) -> int:
         )
         try:
             outcome = recovery.recover(policy, recovery.owner, ProgressPrinter())
+            # Another process's claim: who holds it, and when a killed one's
+            # lapses, as `ledger rebuild` says it ("in progress" alone, after a kill -9).
+            detail = recovery.claimed_elsewhere() if outcome.waiting_for else outcome.detail
         except StoreUnavailable as error:
             return database_unavailable("recover", error, _where(settings))
     if outcome.manifest is not None:
         print(json.dumps(json.loads(outcome.manifest.to_json()), indent=2, sort_keys=True))
-    print(f"ledger recover: {outcome.detail}", file=sys.stderr)
+    print(f"ledger recover: {detail}", file=sys.stderr)
     if outcome.ready:
         return 0
     if outcome.manifest is not None and not outcome.manifest.admissible:

@@ -507,7 +507,7 @@ class Recovery:
         if not self.store.claim_rebuild(
             self.owner, self._wall.now_us(), self._lease_us(), assessed
         ):
-            raise RebuildClaimLost(self._claimed_elsewhere())
+            raise RebuildClaimLost(self.claimed_elsewhere())
         snapshot = route.snapshot
         position = snapshot.position_seq if snapshot else 0
         heads = dict(snapshot.chain_heads) if snapshot else {}
@@ -550,7 +550,7 @@ class Recovery:
             self._save_verified_point(ChainPoint(through, heads))
         return self.projection_digest(heads)
 
-    def _claimed_elsewhere(self) -> str:
+    def claimed_elsewhere(self) -> str:
         """Who holds the rebuild, and when a dead holder's claim lapses: after
         a kill -9 the bare 'another process' left an operator guessing."""
         position = self.store.position()

@@ -164,16 +164,20 @@ def test_a_rebuild_terminated_half_way_says_so_and_gives_up_its_claim(
     assert cli.main(["verify", *url]) == 0
 
 
+@pytest.mark.parametrize(
+    "command", [["rebuild"], ["recover", "--budget-seconds", "60"]], ids=lambda argv: argv[0]
+)
 def test_a_rebuild_refused_for_a_claim_names_its_holder_and_when_it_lapses(
-    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+    sqlite_history: History, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
     """After a kill -9 of a rebuild, the next one is refused until the dead
     one's claim lapses: the line used to say only 'another process is
-    rebuilding the projections', leaving the operator to guess for how long."""
+    rebuilding the projections' (`ledger recover`: 'is in progress'), leaving
+    the operator to guess whether, and for how long."""
     store = SqlRecoveryStore(sqlite_history.engine)
     now_us = int(time.time() * 1_000_000)
     assert store.claim_rebuild("ledger rebuild gone:4242", now_us, 30_000_000, "any")
-    assert cli.main(["rebuild", "--database-url", sqlite_history.url]) == 2
+    assert cli.main([*command, "--database-url", sqlite_history.url]) == 2
     said = capsys.readouterr().err
     assert "a rebuild by ledger rebuild gone:4242 holds the projections" in said, said
     assert re.search(r"its claim lapses in \d+ s \(rebuild_lease_seconds 30\)", said), said
