@@ -315,6 +315,13 @@ def _verify(arguments: argparse.Namespace) -> int:
     if report.finding_count > len(report.findings):
         print(f"  ... and {report.finding_count - len(report.findings)} more")
     _print_accepted(report)
+    if report.rebuilding_owner:
+        # `ledger recover` is refused while the claim holds: it said to run it.
+        print(f"next: if the rebuild by {report.rebuilding_owner} is running, wait for it to "
+              "end and verify again; if it stopped, `ledger recover` rebuilds the projections "
+              "(a killed one's claim lapses rebuild_lease_seconds after its last heartbeat: "
+              "until then recover names when) (docs/recovery.md)")  # fmt: skip
+        return 1
     print("next: `ledger recover` plans a rebuild of the projections from the log and says "
           "whether it may run (docs/recovery.md)")  # fmt: skip
     if report.broken_links and not report.mismatches:

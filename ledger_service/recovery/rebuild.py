@@ -861,15 +861,21 @@ def _verified_from(anchor: SnapshotInfo | ChainPoint | None) -> bool:
     return not isinstance(anchor, SnapshotInfo) or anchor.chain_verified
 
 
-def projection_findings(facts: LogFacts) -> list[str]:
-    """What the cheap facts say is wrong with the projections (empty: nothing)."""
+def projection_findings(facts: LogFacts, *, rebuild_may_run: bool = False) -> list[str]:
+    """What the cheap facts say is wrong with the projections (empty: nothing).
+    `rebuild_may_run`: the caller has not checked the claim's lease (verify),
+    so a rebuild the marker names may still be running."""
     findings: list[str] = []
     position = facts.position
     if position is None:
         findings.append("the projections' position marker is missing")
     elif position.state == STATE_REBUILDING:
+        owner = position.owner or "unknown"
         findings.append(
-            f"a rebuild by {position.owner or 'unknown'} stopped at event {position.last_seq}"
+            f"a rebuild by {owner} holds the projections, applied through event "
+            f"{position.last_seq}: it is running, or it stopped before it finished"
+            if rebuild_may_run
+            else f"a rebuild by {owner} stopped at event {position.last_seq}"
         )
     elif position.last_seq != facts.head_seq:
         side = "behind" if position.last_seq < facts.head_seq else "ahead of"

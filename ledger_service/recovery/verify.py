@@ -21,6 +21,7 @@ from ledger_service.domain.replay import Projection
 from ledger_service.domain.window import WindowTotals, totals_of
 from ledger_service.recovery.rebuild import ProgressFn, lanes_of, no_progress, projection_findings
 from ledger_service.recovery.store import AcceptedBreak, SqlRecoveryStore
+from ledger_service.storage.chaining import STATE_REBUILDING
 
 MAX_KEPT_FINDINGS = 100
 
@@ -39,6 +40,9 @@ class VerificationReport:
     lanes: int = 0
     bookings: int = 0
     unsealed_events: int = 0
+    # The owner of a rebuild the marker names: it may be running as verify
+    # reads, its projections half made ("" when no rebuild holds them).
+    rebuilding_owner: str = ""
 
     @property
     def ok(self) -> bool:
@@ -96,7 +100,10 @@ class Verifier:
         report = VerificationReport()
         self._latest_us = 0  # the latest instant of any event, as the lanes are read
         self._accepted = self._store.accepted_breaks()
-        for finding in projection_findings(self._store.facts()):
+        facts = self._store.facts()
+        if facts.position is not None and facts.position.state == STATE_REBUILDING:
+            report.rebuilding_owner = facts.position.owner or "unknown"
+        for finding in projection_findings(facts, rebuild_may_run=True):
             report.add(finding)
         # A lane configured without a policy is left to its lane's replay to name.
         configured = self._events(kinds=(EventKind.LANE_CONFIGURED.value,))

@@ -183,6 +183,23 @@ def test_a_rebuild_refused_for_a_claim_names_its_holder_and_when_it_lapses(
     assert re.search(r"its claim lapses in \d+ s \(rebuild_lease_seconds 30\)", said), said
 
 
+def test_verify_beside_a_rebuild_says_it_may_be_running_and_not_to_recover_yet(
+    sqlite_history: History, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify, run on a schedule beside a rebuild, said the rebuild "stopped
+    at event N" and that `ledger recover` was next, which is refused (exit 2)
+    while the claim holds."""
+    store = SqlRecoveryStore(sqlite_history.engine)
+    now_us = int(time.time() * 1_000_000)
+    assert store.claim_rebuild("ledger rebuild busy:4242", now_us, 30_000_000, "any")
+    assert cli.main(["verify", "--database-url", sqlite_history.url]) == 1
+    said = capsys.readouterr().out
+    first = next(line for line in said.splitlines() if line.startswith("first: "))
+    assert "ledger rebuild busy:4242" in first and "it is running, or it stopped" in first, said
+    [advice] = [line for line in said.splitlines() if line.startswith("next: ")]
+    assert "is running, wait for it" in advice and "claim lapses" in advice, advice
+
+
 def test_a_broken_pipe_not_of_stdout_is_told_not_taken_for_a_reader_that_left(
     sqlite_history: History, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
