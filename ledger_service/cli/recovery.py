@@ -225,6 +225,11 @@ def _refused_revision(store: SqlStore, command: str, settings: Settings) -> int 
     from ledger_service.domain.errors import StoreUnavailable
     from ledger_service.storage import migrate, translate
 
+    if translate.search_path_missing(store.engine):
+        # Not "no ledger schema yet (`ledger migrate` makes it)": migrate refuses.
+        print(f"ledger {command}: {translate.MISSING_SCHEMA} ({_where(settings)})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         with translate.translated():
             migrate.check_revision(store.engine)

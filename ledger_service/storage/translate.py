@@ -188,6 +188,19 @@ MISSING_SCHEMA = (
 NO_SCHEMA_YET = "the database answers but holds no ledger schema yet (`ledger migrate` makes it)"
 
 
+def search_path_missing(engine: Engine) -> bool:
+    """PostgreSQL: whether no schema the search_path names exists
+    (current_schema() is NULL). A read then meets 42P01 as if the schema were
+    not migrated yet, though `ledger migrate` cannot make it (3F000)."""
+    if engine.dialect.name != "postgresql":
+        return False
+    try:
+        with engine.connect() as connection:
+            return connection.execute(text("SELECT current_schema()")).scalar() is None
+    except DBAPIError:
+        return False
+
+
 def unavailable_words(error: BaseException, outage: str) -> str:
     """What a StoreUnavailable says is wrong, for the log and the local
     commands: `outage` (the caller's words for a database that does not

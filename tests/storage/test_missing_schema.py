@@ -62,6 +62,29 @@ def test_migrate_names_the_missing_schema(missing_schema: tuple[str, str]) -> No
     assert "unavailable" not in said, said
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["verify"], ["snapshot"], ["rebuild"], ["recover", "--budget-seconds", "60"]],
+    ids=lambda argv: argv[0],
+)
+def test_the_recovery_commands_name_the_missing_schema(
+    missing_schema: tuple[str, str], command: list[str], tmp_path: Path
+) -> None:
+    """They said the database "holds no ledger schema yet (`ledger migrate`
+    makes it)", and migrate then refused: the schema is the operator's to create."""
+    _, url = missing_schema
+    ledger = Path(sys.executable).with_name("ledger")
+    refused = subprocess.run(
+        [str(ledger), *command, "--database-url", url, "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False, env=serving.clean_env(),
+    )  # fmt: skip
+    assert refused.returncode == 2, refused
+    said = refused.stderr.strip()
+    assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+    assert SAID in said and "CREATE SCHEMA" in said, said
+    assert "ledger migrate" not in said, said
+
+
 def _health(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
