@@ -222,6 +222,7 @@ def _migrate(arguments: argparse.Namespace) -> int:
         # create: one line, exit 2, as for any refused configuration.
         print(f"ledger migrate: {error} ({where})", file=sys.stderr)
         return 2
+    store.logs_damage = False  # said in the command's own line, not the server's
     try:
         with translate.translated():
             done = migrate.upgrade(store.engine)

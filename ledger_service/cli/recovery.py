@@ -208,6 +208,8 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
         print(f"ledger {command}: no database at {missing}", file=sys.stderr)
         raise SystemExit(2)
     store = server.build_store(settings)
+    # The server's "nothing is served from it" line: the command says it in one of its own.
+    store.logs_damage = False
     refused = _refused_revision(store, command, settings)
     if refused is not None:
         store.close()

@@ -110,6 +110,8 @@ class SqlStore:
         self._writer = WriterState()
         self._damage: StoreDamaged | None = None
         self._damage_lock = threading.Lock()
+        # The server's log line for damage; off in a command, whose own line says it.
+        self.logs_damage = True
         # A database refusing every call is said once an interval, not once a call.
         self._error_log = Throttle(ERROR_LOG_INTERVAL_SECONDS)
         # Why this process cannot write the database, while it cannot (SQLite:
@@ -272,7 +274,7 @@ class SqlStore:
             first = self._damage is None
             if first:
                 self._damage = error
-        if first:
+        if first and self.logs_damage:
             log.error(
                 "THE DATABASE IS DAMAGED (%s, %s): %s. Nothing is served from it: every "
                 "move is refused with STORE_DAMAGED until it is repaired",

@@ -232,6 +232,28 @@ def test_a_schema_whose_text_is_not_utf8_is_damage_to_the_commands(
     assert "Traceback" not in said and "UnicodeDecodeError" not in said, said
 
 
+@pytest.mark.parametrize("command", ["verify", "migrate"])
+def test_a_command_on_a_damaged_file_says_so_in_one_line(
+    sqlite_history: History,
+    command: str,
+    tmp_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each also logged the server's line ("THE DATABASE IS DAMAGED ...
+    Nothing is served from it: every move is refused with STORE_DAMAGED"),
+    which is not what a command does."""
+    from ledger_service import cli
+
+    caplog.set_level(logging.INFO)
+    url = _schema_text_not_utf8(sqlite_history)
+    assert cli.main([command, "--database-url", url, "--data-dir", str(tmp_path)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"ledger {command}: the ledger's database is damaged"), line
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert logged == [], logged
+
+
 def test_a_schema_whose_text_is_not_utf8_is_damage_to_the_server(
     sqlite_history: History,
     started: Callable[[str], Running],
