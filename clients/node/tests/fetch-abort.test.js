@@ -18,7 +18,8 @@ function endlessBody() {
   });
 }
 
-test('a streamed body that never ends rejects with the signal\'s reason once it aborts, nothing sent or booked', async () => {
+/** Runs `body` with a ledgerFetch over a lane no ledger answers, and the requests it sent on. */
+async function throughUnansweredLane(body) {
   const lane = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50, logger: null });
   const sent = [];
   const inner = async (url, init) => {
@@ -26,7 +27,15 @@ test('a streamed body that never ends rejects with the signal\'s reason once it 
     return new Response('{}');
   };
   try {
-    const fetchThrough = ledgerFetch(lane, { fetch: inner });
+    await body(ledgerFetch(lane, { fetch: inner }));
+  } finally {
+    await lane.close();
+  }
+  assert.equal(sent.length, 0);
+}
+
+test('a streamed body that never ends rejects with the signal\'s reason once it aborts, nothing sent or booked', async () => {
+  await throughUnansweredLane(async (fetchThrough) => {
     const controller = new AbortController();
     const pending = fetchThrough(URL, { method: 'POST', body: endlessBody(), duplex: 'half', signal: controller.signal });
     const reason = new Error('the caller gave up');
@@ -37,27 +46,15 @@ test('a streamed body that never ends rejects with the signal\'s reason once it 
       fetchThrough(URL, { method: 'POST', body: endlessBody(), duplex: 'half', signal: aborted }),
       (error) => error === aborted.reason,
     );
-    assert.equal(sent.length, 0);
-  } finally {
-    await lane.close();
-  }
+  });
 });
 
 test('a request whose signal has already aborted rejects with its reason before any Reserve, as fetch does', async () => {
   // It was reserved and, its fetch rejecting at once, settled UNKNOWN at
   // its hold: a charge for a request that never left.
-  const lane = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50, logger: null });
-  const sent = [];
-  const inner = async (url, init) => {
-    sent.push(init);
-    return new Response('{}');
-  };
-  try {
+  await throughUnansweredLane(async (fetchThrough) => {
     const aborted = AbortSignal.abort(new Error('the caller gave up'));
     const body = JSON.stringify({ model: 'm', messages: [] });
-    await assert.rejects(ledgerFetch(lane, { fetch: inner })(URL, { method: 'POST', body, signal: aborted }), (error) => error === aborted.reason);
-    assert.equal(sent.length, 0);
-  } finally {
-    await lane.close();
-  }
+    await assert.rejects(fetchThrough(URL, { method: 'POST', body, signal: aborted }), (error) => error === aborted.reason);
+  });
 });
