@@ -1421,7 +1421,9 @@ def test_a_negative_amount_is_a_usage_error_naming_its_option(
          "ledger grant issue: argument --scope: invalid choice: 'nope' (choose from 'charge', "
          "'read', 'admin') (see `ledger grant issue --help`)"),
         (["lane", "show", "recall", "extra"],
-         "ledger: unrecognized arguments: extra (see `ledger --help`)"),
+         "ledger lane show: unrecognized arguments: extra (see `ledger lane show --help`)"),
+        (["snapshot", "--keep", "3"],
+         "ledger snapshot: unrecognized arguments: --keep 3 (see `ledger snapshot --help`)"),
     ],
 )  # fmt: skip
 def test_a_usage_error_is_one_line_naming_what_is_wrong(

@@ -57,6 +57,16 @@ class LedgerArgumentParser(argparse.ArgumentParser):
         # of ours starts with a digit, '$' or '.').
         self._negative_number_matcher = NEGATIVE_AMOUNT
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """A word no option takes is refused by the (sub)command that met it,
+        so the line points at that command's --help, where its options are."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
     def error(self, message: str) -> NoReturn:
         """One line naming what is wrong, exit 2 (EXIT_BAD_VALUE), as every other
         refused value: argparse's usage block first made it ten lines or more."""
