@@ -297,6 +297,22 @@ def head_revision(url: str) -> str:
     return head
 
 
+def test_migrate_names_the_file_it_created_for_a_relative_sqlite_path(
+    ledger: RunLedger, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sqlite:///tmp/x/ledger.db is tmp/x/ledger.db under the current
+    # directory: a new, empty ledger that an operator meaning /tmp/x was not told of.
+    monkeypatch.chdir(tmp_path)
+    url = "sqlite:///tmp/x/ledger.db"
+    created = ledger("migrate", "--database-url", url, "--data-dir", str(tmp_path / "data"))
+    assert created.code == 0
+    made = tmp_path / "tmp" / "x" / "ledger.db"
+    assert created.err.endswith(f" in {url} (the file {made})\n")
+    assert made.exists()
+    again = ledger("migrate", "--database-url", url, "--data-dir", str(tmp_path / "data"))
+    assert again.err.endswith(f"(up to date) in {url}\n")
+
+
 def migrate_to(url: str, revision: str) -> None:
     """The schema of an older release: upgraded to `revision` only."""
     engine = create_engine(url)

@@ -242,6 +242,11 @@ def _migrate(arguments: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         store.close()
+    relative = database.relative_sqlite_file(settings.database_url)
+    if done.before is None and relative is not None:
+        # sqlite:///tmp/x.db is tmp/x.db under the current directory: a new,
+        # empty ledger made where an absolute path was meant said nothing.
+        where = f"{where} (the file {relative})"
     print(f"{migrate_text(done.before, done.after)} in {where}", file=sys.stderr)
     return 0
 

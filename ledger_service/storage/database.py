@@ -183,6 +183,16 @@ def is_sqlite(url: str | URL) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
+def relative_sqlite_file(url: str | URL) -> pathlib.Path | None:
+    """The absolute path of a SQLite URL's file when the URL gives it relative
+    (sqlite:///data/ledger.db: under the current directory), else None."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return None
+    path = pathlib.Path(parsed.database)
+    return None if path.is_absolute() or parsed.database == ":memory:" else path.absolute()
+
+
 # The URL each engine was created from: its own lacks the server options
 # moved into its connect arguments.
 _SOURCE_URLS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
