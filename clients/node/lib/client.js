@@ -100,22 +100,34 @@ const enclosingCalls = new AsyncLocalStorage();
 const GRANT_LATE = Symbol('grant late');
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
 
-// Every option of LaneClient (LaneClientOptions in index.d.ts).
-const CLIENT_OPTIONS = new Set([
-  'grant', 'tls', 'deadlineMs', 'endAttempts', 'maxCallsInFlight', 'channelOptions', 'outage',
-  'replayIntervalMs', 'replayDeadlineMs', 'maxReplayEntriesPerAttempt', 'maxReplayMsPerAttempt',
-  'maxJournalBytes', 'rotateJournalBytes', 'logger', 'watchResumeMs',
-]);
+// The names each public call takes (their types in index.d.ts): a misspelt
+// one would leave its default in silence (a deadline; cache-write tokens
+// priced at the input rate; no journal for a journalPath meant for the
+// OutagePolicy), where the Python client's keyword arguments refuse it.
+const TRACE_NAMES = ['traceparent', 'tracestate'];
+const NAMES = {
+  LaneClientOptions: new Set([
+    'grant', 'tls', 'deadlineMs', 'endAttempts', 'maxCallsInFlight', 'channelOptions', 'outage',
+    'replayIntervalMs', 'replayDeadlineMs', 'maxReplayEntriesPerAttempt', 'maxReplayMsPerAttempt',
+    'maxJournalBytes', 'rotateJournalBytes', 'logger', 'watchResumeMs',
+  ]),
+  ReserveRequest: new Set([...TRACE_NAMES, 'deadlineMs', 'reservationId', 'model', 'requestBytes', 'maxOutputTokens', 'estimateNanos', 'ttlMs']),
+  CallRequest: new Set([...TRACE_NAMES, 'reservationId', 'model', 'requestBytes', 'maxOutputTokens', 'estimateNanos', 'ttlMs']),
+  SettleRequest: new Set([
+    ...TRACE_NAMES, 'deadlineMs', 'reservationId', 'outcome', 'inputTokens', 'outputTokens', 'billedNanos', 'httpStatus',
+    'cachedInputTokens', 'cacheWriteTokens',
+  ]),
+  RefundRequest: new Set([...TRACE_NAMES, 'deadlineMs', 'reservationId', 'httpStatus', 'reason']),
+  TraceOptions: new Set([...TRACE_NAMES, 'deadlineMs']),
+  EventPageOptions: new Set(['deadlineMs', 'afterSeq', 'pageSize']),
+  WatchOptions: new Set(['deadlineMs', 'afterSeq']),
+};
 
-/**
- * A misspelt option would leave its default in silence (a deadline, or no
- * journal for a journalPath meant for the OutagePolicy), as the Python
- * client's ClientSettings refuses an unknown field.
- */
-function checkOptionNames(options) {
-  if (options === null || typeof options !== 'object') throw new TypeError('LaneClient options must be an object');
-  for (const name of Object.keys(options)) {
-    if (!CLIENT_OPTIONS.has(name)) throw new TypeError(`LaneClient has no option '${name}' (see LaneClientOptions in index.d.ts)`);
+/** Refuses a name `type` (a key of NAMES) does not have, naming it. */
+function checkNames(object, type, what) {
+  if (object === null || typeof object !== 'object') throw new TypeError(`${what} must be an object`);
+  for (const name of Object.keys(object)) {
+    if (!NAMES[type].has(name)) throw new TypeError(`${what} has no field '${name}' (see ${type} in index.d.ts)`);
   }
 }
 
@@ -462,11 +474,12 @@ class Completed {
 }
 
 /** A request must be an object of named fields: else a TypeError naming the method, not the engine's. */
-function checkRequest(request, method) {
+function checkRequest(request, method, type) {
   if (request === null || typeof request !== 'object' || Array.isArray(request)) {
     const given = request === null ? 'null' : Array.isArray(request) ? 'an array' : typeof request;
     throw new TypeError(`${method}() needs its request as an object of named fields (see index.d.ts), not ${given}`);
   }
+  checkNames(request, type, `${method}()'s request`);
 }
 
 function isDeadlineMs(value) {
@@ -682,7 +695,7 @@ class LaneClient {
     }
     if (!address.trim()) throw new TypeError("address: is empty; give the ledger's HOST:PORT");
     checkLane(lane);
-    checkOptionNames(options);
+    checkNames(options, 'LaneClientOptions', 'LaneClient options');
     this.address = address;
     this.lane = lane;
     this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;
@@ -1080,7 +1093,7 @@ class LaneClient {
    */
   async reserve(request) {
     this._refuseClosed();
-    checkRequest(request, 'reserve');
+    checkRequest(request, 'reserve', 'ReserveRequest');
     const deadlineMs = this._callDeadlineMs(request.deadlineMs);
     const trace = traceHeaders(request);
     // A refund of an unanswered Reserve of this id may have ended the booking
@@ -1118,7 +1131,7 @@ class LaneClient {
    */
   async settle(request) {
     this._refuseClosed();
-    checkRequest(request, 'settle');
+    checkRequest(request, 'settle', 'SettleRequest');
     return this._settle(request, traceHeaders(request), this._callDeadlineMs(request.deadlineMs));
   }
 
@@ -1149,7 +1162,7 @@ class LaneClient {
    */
   async refund(request) {
     this._refuseClosed();
-    checkRequest(request, 'refund');
+    checkRequest(request, 'refund', 'RefundRequest');
     return this._refund(request, traceHeaders(request), this._callDeadlineMs(request.deadlineMs));
   }
 
@@ -1172,6 +1185,7 @@ class LaneClient {
    */
   async balance(options) {
     this._refuseClosed();
+    if (options !== undefined) checkNames(options, 'TraceOptions', 'balance() options');
     const deadlineMs = this._callDeadlineMs(options?.deadlineMs);
     return wire.balanceOf(await this._unary('GetBalance', { lane: this.lane }, traceHeaders(options), deadlineMs));
   }
@@ -1183,6 +1197,7 @@ class LaneClient {
    */
   async booking(reservationId, options) {
     this._refuseClosed();
+    if (options !== undefined) checkNames(options, 'TraceOptions', 'booking() options');
     checkReservationId(reservationId);
     const deadlineMs = this._callDeadlineMs(options?.deadlineMs);
     const message = { lane: this.lane, reservation_id: reservationId };
@@ -1196,8 +1211,10 @@ class LaneClient {
    * @param {import('../index').EventPageOptions} [options]
    * @returns {Promise<import('../index').EventPage>}
    */
-  async listEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE, deadlineMs } = {}) {
+  async listEvents(options = {}) {
     this._refuseClosed();
+    checkNames(options, 'EventPageOptions', 'listEvents() options');
+    const { afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE, deadlineMs } = options;
     const after = events.checkAfterSeq(afterSeq);
     events.checkPageSize(pageSize);
     const pageDeadlineMs = this._callDeadlineMs(deadlineMs);
@@ -1212,8 +1229,10 @@ class LaneClient {
    * @param {import('../index').EventPageOptions} [options]
    * @returns {AsyncGenerator<import('../index').LedgerEvent, void, undefined>}
    */
-  allEvents({ afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE, deadlineMs } = {}) {
+  allEvents(options = {}) {
     this._refuseClosed();
+    checkNames(options, 'EventPageOptions', 'allEvents() options');
+    const { afterSeq = 0n, pageSize = events.DEFAULT_PAGE_SIZE, deadlineMs } = options;
     const after = events.checkAfterSeq(afterSeq);
     events.checkPageSize(pageSize);
     // Refused at once, as a bad pageSize is, not at the first page.
@@ -1231,8 +1250,10 @@ class LaneClient {
    * @param {import('../index').WatchOptions} [options]
    * @returns {AsyncGenerator<import('../index').LedgerEvent, void, undefined>}
    */
-  watchEvents({ afterSeq = 0n, deadlineMs } = {}) {
+  watchEvents(options = {}) {
     this._refuseClosed();
+    checkNames(options, 'WatchOptions', 'watchEvents() options');
+    const { afterSeq = 0n, deadlineMs } = options;
     const after = events.checkAfterSeq(afterSeq);
     const streamDeadlineMs = this._callDeadlineMs(deadlineMs);
     const resumption = {
@@ -1274,7 +1295,7 @@ class LaneClient {
    * @returns {Promise<Denied|Completed>}
    */
   async call(request, fn) {
-    checkRequest(request, 'call');
+    checkRequest(request, 'call', 'CallRequest');
     if (typeof fn !== 'function') throw new TypeError('call() needs a function that makes the model call');
     // Taken now, before any await: the caller's context, shared by every ledger call of this one.
     const trace = traceHeaders(request) ?? freshTraceHeaders();

@@ -315,6 +315,37 @@ describe('grants', () => {
     }
   });
 
+  test('a request or options field a call does not take is a TypeError naming it, and nothing is sent', async () => {
+    // Ignored, a misspelt cacheWriteTokens priced the cache writes at the
+    // input rate (under-booked where writes cost more), a misspelt deadlineMs
+    // got the client's, a page_size the default page.
+    const client = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50, logger: null });
+    const usage = { reservationId: 'r-1', outcome: 'SUCCEEDED', inputTokens: 10 };
+    const reserve = { reservationId: 'r-1', model: 'm', requestBytes: 10, maxOutputTokens: 10 };
+    const refused = [
+      ['cacheWriteToken', () => client.settle({ ...usage, cacheWriteToken: 5 })],
+      ['deadlineMS', () => client.reserve({ ...reserve, deadlineMS: 1000 })],
+      ['http_status', () => client.refund({ reservationId: 'r-1', http_status: 403 })],
+      ['deadlineMs', () => client.call({ ...reserve, deadlineMs: 1000 }, async () => ({ status: 200 }))],
+      ['traceParent', () => client.balance({ traceParent: 'x' })],
+      ['deadline', () => client.booking('r-1', { deadline: 1000 })],
+      ['page_size', () => client.listEvents({ page_size: 5 })],
+      ['after', () => client.allEvents({ after: 5 })],
+      ['afterSeqs', () => client.watchEvents({ afterSeqs: 5 })],
+    ];
+    try {
+      for (const [name, call] of refused) {
+        await assert.rejects(
+          async () => call(),
+          (error) => error instanceof TypeError && error.message.includes(`'${name}'`),
+          name,
+        );
+      }
+    } finally {
+      await client.close();
+    }
+  });
+
   test('a visible ASCII grant is sent as it is', () => {
     const client = new LaneClient('127.0.0.1:1', 'lane', { grant: GRANT });
     client.close();
