@@ -867,10 +867,9 @@ export function richErrorInfo(metadata: import('@grpc/grpc-js').Metadata | null 
  * the lane client's `logger`. A denial is a 402 APIError the SDK does not retry, its code
  * the denial reason. See README.md, "The openai package".
  */
-export function ledgerFetch(
-  ledger: LaneClient,
-  options?: {
-    fetch?: typeof fetch;
-    maxOutputTokens?: number;
-  },
-): typeof fetch;
+export interface LedgerFetchOptions {
+  fetch?: typeof fetch;
+  maxOutputTokens?: number;
+}
+
+export function ledgerFetch(ledger: LaneClient, options?: LedgerFetchOptions): typeof fetch;

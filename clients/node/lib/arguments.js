@@ -198,4 +198,37 @@ function newReservationId() {
   return randomUUID().replaceAll('-', '');
 }
 
-module.exports = { invalidArgument, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, MAX_REQUEST_BYTES, MAX_TOKENS, MAX_AMOUNT_NANOS, MAX_TTL_US, NOT_PRINTABLE };
+// The names each public call takes (their types in index.d.ts): a misspelt
+// one would leave its default in silence (a deadline; cache-write tokens
+// priced at the input rate; no journal for a journalPath meant for the
+// OutagePolicy), where the Python client's keyword arguments refuse it.
+const TRACE_NAMES = ['traceparent', 'tracestate'];
+const NAMES = {
+  LaneClientOptions: new Set([
+    'grant', 'tls', 'deadlineMs', 'endAttempts', 'maxCallsInFlight', 'channelOptions', 'outage',
+    'replayIntervalMs', 'replayDeadlineMs', 'maxReplayEntriesPerAttempt', 'maxReplayMsPerAttempt',
+    'maxJournalBytes', 'rotateJournalBytes', 'logger', 'watchResumeMs',
+  ]),
+  ReserveRequest: new Set([...TRACE_NAMES, 'deadlineMs', 'reservationId', 'model', 'requestBytes', 'maxOutputTokens', 'estimateNanos', 'ttlMs']),
+  CallRequest: new Set([...TRACE_NAMES, 'reservationId', 'model', 'requestBytes', 'maxOutputTokens', 'estimateNanos', 'ttlMs']),
+  SettleRequest: new Set([
+    ...TRACE_NAMES, 'deadlineMs', 'reservationId', 'outcome', 'inputTokens', 'outputTokens', 'billedNanos', 'httpStatus',
+    'cachedInputTokens', 'cacheWriteTokens',
+  ]),
+  RefundRequest: new Set([...TRACE_NAMES, 'deadlineMs', 'reservationId', 'httpStatus', 'reason']),
+  TraceOptions: new Set([...TRACE_NAMES, 'deadlineMs']),
+  EventPageOptions: new Set(['deadlineMs', 'afterSeq', 'pageSize']),
+  WatchOptions: new Set(['deadlineMs', 'afterSeq']),
+  AllowanceOptions: new Set(['maxNanos', 'maxCalls', 'journalPath', 'prices', 'bytesPerTokenMilli', 'overheadTokens']),
+  LedgerFetchOptions: new Set(['fetch', 'maxOutputTokens']),
+};
+
+/** Refuses a name `type` (a key of NAMES) does not have, naming it. */
+function checkNames(object, type, what) {
+  if (object === null || typeof object !== 'object') throw new TypeError(`${what} must be an object`);
+  for (const name of Object.keys(object)) {
+    if (!NAMES[type].has(name)) throw new TypeError(`${what} has no field '${name}' (see ${type} in index.d.ts)`);
+  }
+}
+
+module.exports = { invalidArgument, checkNames, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, MAX_REQUEST_BYTES, MAX_TOKENS, MAX_AMOUNT_NANOS, MAX_TTL_US, NOT_PRINTABLE };

@@ -23,7 +23,7 @@ const {
   TlsMismatch,
 } = require('./errors');
 const wire = require('./wire');
-const { checkGrant, checkLane, checkReservationId, checkReserve, checkRefund, invalidArgument, newReservationId, GrantError } = require('./arguments');
+const { checkGrant, checkLane, checkNames, checkReservationId, checkReserve, checkRefund, invalidArgument, newReservationId, GrantError } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, checkJournalLimits, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -99,37 +99,6 @@ const enclosingCalls = new AsyncLocalStorage();
 // What a grant function's race with its call's deadline gives when it lost.
 const GRANT_LATE = Symbol('grant late');
 const JOURNAL_DEFAULTS = Object.freeze({ maxJournalBytes: DEFAULT_MAX_JOURNAL_BYTES, rotateJournalBytes: DEFAULT_ROTATE_JOURNAL_BYTES });
-
-// The names each public call takes (their types in index.d.ts): a misspelt
-// one would leave its default in silence (a deadline; cache-write tokens
-// priced at the input rate; no journal for a journalPath meant for the
-// OutagePolicy), where the Python client's keyword arguments refuse it.
-const TRACE_NAMES = ['traceparent', 'tracestate'];
-const NAMES = {
-  LaneClientOptions: new Set([
-    'grant', 'tls', 'deadlineMs', 'endAttempts', 'maxCallsInFlight', 'channelOptions', 'outage',
-    'replayIntervalMs', 'replayDeadlineMs', 'maxReplayEntriesPerAttempt', 'maxReplayMsPerAttempt',
-    'maxJournalBytes', 'rotateJournalBytes', 'logger', 'watchResumeMs',
-  ]),
-  ReserveRequest: new Set([...TRACE_NAMES, 'deadlineMs', 'reservationId', 'model', 'requestBytes', 'maxOutputTokens', 'estimateNanos', 'ttlMs']),
-  CallRequest: new Set([...TRACE_NAMES, 'reservationId', 'model', 'requestBytes', 'maxOutputTokens', 'estimateNanos', 'ttlMs']),
-  SettleRequest: new Set([
-    ...TRACE_NAMES, 'deadlineMs', 'reservationId', 'outcome', 'inputTokens', 'outputTokens', 'billedNanos', 'httpStatus',
-    'cachedInputTokens', 'cacheWriteTokens',
-  ]),
-  RefundRequest: new Set([...TRACE_NAMES, 'deadlineMs', 'reservationId', 'httpStatus', 'reason']),
-  TraceOptions: new Set([...TRACE_NAMES, 'deadlineMs']),
-  EventPageOptions: new Set(['deadlineMs', 'afterSeq', 'pageSize']),
-  WatchOptions: new Set(['deadlineMs', 'afterSeq']),
-};
-
-/** Refuses a name `type` (a key of NAMES) does not have, naming it. */
-function checkNames(object, type, what) {
-  if (object === null || typeof object !== 'object') throw new TypeError(`${what} must be an object`);
-  for (const name of Object.keys(object)) {
-    if (!NAMES[type].has(name)) throw new TypeError(`${what} has no field '${name}' (see ${type} in index.d.ts)`);
-  }
-}
 
 /** Resolves once every promise has settled, or after `milliseconds`, whichever is first. */
 async function settledWithin(promises, milliseconds) {

@@ -12,7 +12,7 @@
 
 const wire = require('./wire');
 const { capNanos, realCostNanos, DEFAULT_BYTES_PER_TOKEN_MILLI } = require('./pricing');
-const { checkName } = require('./arguments');
+const { checkName, checkNames } = require('./arguments');
 const { JournalError, Source, Settlement, MAX_AMOUNT_NANOS, checkArguments, newEntry } = require('./journal');
 
 const MAX_ALLOWANCE_CALLS = 100_000;
@@ -127,7 +127,9 @@ class OutagePolicy {
    * priced at its byte cap from `prices` (model -> ModelPrice, the lane's own).
    * @param {import('../index').AllowanceOptions} options
    */
-  static allowance({ maxNanos, maxCalls, journalPath, prices, bytesPerTokenMilli, overheadTokens } = {}) {
+  static allowance(options = {}) {
+    checkNames(options, 'AllowanceOptions', 'OutagePolicy.allowance() options');
+    const { maxNanos, maxCalls, journalPath, prices, bytesPerTokenMilli, overheadTokens } = options;
     return new OutagePolicy({
       mode: OutageMode.ALLOWANCE,
       journalPath: journalPath ?? null,

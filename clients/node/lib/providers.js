@@ -44,7 +44,7 @@
 
 const { usageOf } = require('./usage');
 const { markNotSent } = require('./outcomes');
-const { newReservationId } = require('./arguments');
+const { checkNames, newReservationId } = require('./arguments');
 const { traceHeaders, freshTraceHeaders } = require('./tracing');
 
 // When a request names no max tokens: what a create call is reserved for, and
@@ -433,7 +433,9 @@ function headersOf(init, plan, reservationId) {
  * @param {import('./client').LaneClient} ledger
  * @param {{ fetch?: typeof fetch, maxOutputTokens?: number }} [options]
  */
-function ledgerFetch(ledger, { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS } = {}) {
+function ledgerFetch(ledger, options = {}) {
+  checkNames(options, 'LedgerFetchOptions', 'ledgerFetch() options');
+  const { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS } = options;
   if (!isCount(maxOutputTokens)) throw new RangeError('maxOutputTokens must be a non-negative integer');
   return async function fetchThroughLedger(url, init = {}) {
     // Taken before any await, and shared by the call's Reserve and every ending.

@@ -26,6 +26,8 @@ const {
   PermissionDenied,
   ClientClosed,
   isLedgerUnavailable,
+  ledgerFetch,
+  OutagePolicy,
 } = require('..');
 const { endingOf, reportOf, reportOfError, OUTCOME_TABLE } = require('../lib/outcomes');
 const wire = require('../lib/wire');
@@ -332,6 +334,8 @@ describe('grants', () => {
       ['page_size', () => client.listEvents({ page_size: 5 })],
       ['after', () => client.allEvents({ after: 5 })],
       ['afterSeqs', () => client.watchEvents({ afterSeqs: 5 })],
+      ['journalpath', () => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, prices: {}, journalpath: '/tmp/j' })],
+      ['maxTokens', () => ledgerFetch(client, { maxTokens: 10 })],
     ];
     try {
       for (const [name, call] of refused) {
