@@ -334,7 +334,7 @@ describe('grants', () => {
       ['page_size', () => client.listEvents({ page_size: 5 })],
       ['after', () => client.allEvents({ after: 5 })],
       ['afterSeqs', () => client.watchEvents({ afterSeqs: 5 })],
-      ['journalpath', () => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, prices: {}, journalpath: '/tmp/j' })],
+      ['overheadToken', () => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, prices: {}, journalPath: '/tmp/j', overheadToken: 5n })],
       ['maxTokens', () => ledgerFetch(client, { maxTokens: 10 })],
     ];
     try {
