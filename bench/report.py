@@ -554,7 +554,7 @@ def _reference_postgres_rows(scenarios: Mapping[str, Any]) -> list[Row]:
             where = "1 hot lane" if variant == "hot" else "spread lanes"
             prefix = f"round {index}, {where}: "
             floor = phase(by_server, "floor")
-            floor_rate = None if floor is None else float(floor["moves_per_second"])
+            floor_rate = _floor_moves_per_second(floor)
             floor_cpu = None if floor is None else _float(floor["client_cpu_ms_per_move"])
             cpu_text = "" if floor_cpu is None else f"client CPU {floor_cpu:.2f} ms a move"
             rows.append(Row(prefix + "floor", floor_rate, notes=cpu_text or "not measured"))
@@ -590,9 +590,10 @@ def _postgres_rows(
     if value is not None:
         # The bare transaction's own hot lane beside its spread lanes: the
         # bound one lane's lock puts on any design, measured in the same run.
-        floors = [phase(scenarios, *path, f"floor_{variant}") for variant in ("hot", "spread")]
-        rates = [None if floor is None else float(floor["moves_per_second"]) for floor in floors]
-        floor_value = _ratio(*rates)
+        floor_value = _ratio(
+            _floor_moves_per_second(phase(scenarios, *path, "floor_hot")),
+            _floor_moves_per_second(phase(scenarios, *path, "floor_spread")),
+        )
         bound = "" if floor_value is None else f" (the floor's: {floor_value:.0%})"
         hot_row = _noted(hot_row, f"{value:.0%} of spread{bound}", first=True)
     spread_row = _load_row(
@@ -625,6 +626,10 @@ def _floor_label(
     return f"{where}, {shape}"
 
 
+def _floor_moves_per_second(floor: Mapping[str, Any] | None) -> float | None:
+    return None if floor is None else float(floor["moves_per_second"])
+
+
 def ledger_moves_per_second(figures: Mapping[str, Any] | None) -> float | None:
     """Moves a second of a Reserve+Settle phase: two a pair."""
     pairs = _per_second(figures)
@@ -652,7 +657,7 @@ def _floor_rows(
         ledger = phase(scenarios, *path, variant)
         label = _floor_label(floor, ledger, variant)
         rows.append(_floor_row(scenarios, path, variant, floor, label))
-        floor_rate = None if floor is None else float(floor["moves_per_second"])
+        floor_rate = _floor_moves_per_second(floor)
         floor_cpu = None if floor is None else _float(floor["client_cpu_ms_per_move"])
         where = "1 hot lane" if variant == "hot" else "spread lanes"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import signal
 import socket
 import sys
@@ -247,13 +246,10 @@ def _refused_revision(store: SqlStore, command: str, settings: Settings) -> int 
 def _missing_database(settings: Settings) -> str:
     """The path of a SQLite database file that does not exist ("" otherwise):
     opening it would make an empty database of it."""
-    from sqlalchemy.engine import make_url
+    from ledger_service.storage import database
 
-    url = make_url(settings.database_url)
-    if url.get_backend_name() != "sqlite" or not url.database:
-        return ""
-    path = pathlib.Path(url.database)
-    return "" if path.is_file() else url.database
+    path = database.sqlite_file(settings.database_url)
+    return "" if path is None or path.is_file() else str(path)
 
 
 def database_unavailable(command: str, error: Exception, where: str = "") -> int:

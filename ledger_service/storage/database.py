@@ -183,14 +183,19 @@ def is_sqlite(url: str | URL) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def relative_sqlite_file(url: str | URL) -> pathlib.Path | None:
-    """The absolute path of a SQLite URL's file when the URL gives it relative
-    (sqlite:///data/ledger.db: under the current directory), else None."""
+def sqlite_file(url: str | URL) -> pathlib.Path | None:
+    """The file a SQLite URL names, as the URL gives it; None for PostgreSQL."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or not parsed.database:
         return None
-    path = pathlib.Path(parsed.database)
-    return None if path.is_absolute() or parsed.database == ":memory:" else path.absolute()
+    return pathlib.Path(parsed.database)
+
+
+def relative_sqlite_file(url: str | URL) -> pathlib.Path | None:
+    """The absolute path of a SQLite URL's file when the URL gives it relative
+    (sqlite:///data/ledger.db: under the current directory), else None."""
+    path = sqlite_file(url)
+    return None if path is None or path.is_absolute() else path.absolute()
 
 
 # The URL each engine was created from: its own lacks the server options
@@ -288,11 +293,8 @@ def empty_sqlite_file(url: str | URL) -> pathlib.Path | None:
     never empty once it has been made: one that is empty now most often held
     a ledger (a copy to a full disk, a failed restore). `serve` does not make
     a new ledger in it; `ledger migrate`, asked in so many words, does."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database:
-        return None
-    path = pathlib.Path(parsed.database)
-    return path if path.is_file() and path.stat().st_size == 0 else None
+    path = sqlite_file(url)
+    return path if path is not None and path.is_file() and path.stat().st_size == 0 else None
 
 
 def empty_file_text(path: pathlib.Path) -> str:
@@ -316,10 +318,9 @@ def lost_wal_text(url: str | URL) -> str:
     ("" otherwise). SQLite opens such a file without a word, resets the -shm,
     and serves the older ledger: the moves only the -wal held are lost, and
     nothing could tell it afterwards. Read before anything opens the file."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+    path = sqlite_file(url)
+    if path is None:
         return ""
-    path = pathlib.Path(parsed.database)
     wal, shm = pathlib.Path(f"{path}-wal"), pathlib.Path(f"{path}-shm")
     if not path.is_file() or wal.exists() or not shm.is_file():
         return ""
