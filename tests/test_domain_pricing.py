@@ -162,3 +162,12 @@ def test_bytes_per_token_that_cannot_be_kept_exactly_is_refused(wire: float) -> 
     with pytest.raises(InvalidArgument) as caught:
         policies.bytes_per_token_milli(wire)
     assert caught.value.field == "lane.bytes_per_token"
+
+
+@pytest.mark.parametrize("wire", [5e-324, 0.0005, 0.0999999999, -3.5, 64.0000000001, 1e306])
+def test_bytes_per_token_out_of_range_is_told_its_range(wire: float) -> None:
+    """A value outside 0.1-64 is told the range, not a decimal rule that no
+    decimal could satisfy there."""
+    with pytest.raises(InvalidArgument) as caught:
+        policies.bytes_per_token_milli(wire)
+    assert caught.value.detail == policies.BYTES_PER_TOKEN_RANGE

@@ -164,11 +164,11 @@ def bytes_per_token_milli(value: float) -> int:
     """Converts the wire's double to thousandths, refusing what it cannot keep exactly."""
     if not math.isfinite(value):
         raise InvalidArgument("lane.bytes_per_token", "must be a finite number")
-    if (
-        abs(value) > MAX_BYTES_PER_TOKEN_MILLI
-    ):  # far out of range: its thousandths may not fit a float
+    scaled = value * BYTES_PER_TOKEN_SCALE
+    # Out of range is told as such, before a decimal rule no value there could meet.
+    if not MIN_BYTES_PER_TOKEN_MILLI <= scaled <= MAX_BYTES_PER_TOKEN_MILLI:
         raise InvalidArgument("lane.bytes_per_token", BYTES_PER_TOKEN_RANGE)
-    milli = round(value * BYTES_PER_TOKEN_SCALE)
+    milli = round(scaled)
     # A decimal of three places comes back as the very same double; anything
     # else, however close, is a different number and not kept.
     if milli / BYTES_PER_TOKEN_SCALE != value:
