@@ -164,7 +164,9 @@ def refuse_an_address_nobody_can_bind(listen: str) -> None:
     raise ListenFailed(cannot_listen_text(listen, tls=False))
 
 
-def build_store(settings: Settings) -> SqlStore:
+def build_store(settings: Settings, *, logs_damage: bool = True) -> SqlStore:
+    """The store a server or command uses; `logs_damage`: off in a command, whose
+    own line says what is damaged."""
     if settings.on_postgresql and settings.max_workers > settings.pool_connections:
         # It works, but a busy server's calls past the pool wait for a connection.
         log.warning(
@@ -191,6 +193,7 @@ def build_store(settings: Settings) -> SqlStore:
         pool_shares=PoolShares(
             settings.max_connections_per_grant, settings.pool_connections, current_grant_id
         ),
+        logs_damage=logs_damage,
     )
 
 

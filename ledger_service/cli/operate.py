@@ -216,13 +216,12 @@ def _migrate(arguments: argparse.Namespace) -> int:
     settings = settings_from(arguments)
     where = database.redacted(settings.database_url)
     try:
-        store = build_store(settings)
+        store = build_store(settings, logs_damage=False)
     except (ValueError, OSError) as error:
         # A URL of no database the ledger takes, or a data directory it cannot
         # create: one line, exit 2, as for any refused configuration.
         print(f"ledger migrate: {error} ({where})", file=sys.stderr)
         return 2
-    store.logs_damage = False  # said in the command's own line, not the server's
     try:
         with translate.translated():
             done = migrate.upgrade(store.engine)

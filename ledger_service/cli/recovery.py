@@ -206,9 +206,7 @@ def _recovery(arguments: argparse.Namespace, command: str) -> Iterator[tuple[Set
     if missing:
         print(f"ledger {command}: no database at {missing}", file=sys.stderr)
         raise SystemExit(2)
-    store = server.build_store(settings)
-    # The server's "nothing is served from it" line: the command says it in one of its own.
-    store.logs_damage = False
+    store = server.build_store(settings, logs_damage=False)
     refused = _refused_revision(store, command, settings)
     if refused is not None:
         store.close()

@@ -98,6 +98,7 @@ class SqlStore:
         request_deadline_seconds: float = 5.0,
         group_commit_batch: int = 64,
         pool_shares: PoolShares | None = None,
+        logs_damage: bool = True,
     ) -> None:
         self._engine = engine
         # PostgreSQL: each grant's share of the pool's connections (storage/pool_shares.py).
@@ -111,7 +112,7 @@ class SqlStore:
         self._damage: StoreDamaged | None = None
         self._damage_lock = threading.Lock()
         # The server's log line for damage; off in a command, whose own line says it.
-        self.logs_damage = True
+        self._logs_damage = logs_damage
         # A database refusing every call is said once an interval, not once a call.
         self._error_log = Throttle(ERROR_LOG_INTERVAL_SECONDS)
         # Why this process cannot write the database, while it cannot (SQLite:
@@ -274,7 +275,7 @@ class SqlStore:
             first = self._damage is None
             if first:
                 self._damage = error
-        if first and self.logs_damage:
+        if first and self._logs_damage:
             log.error(
                 "THE DATABASE IS DAMAGED (%s, %s): %s. Nothing is served from it: every "
                 "move is refused with STORE_DAMAGED until it is repaired",
