@@ -15,8 +15,13 @@ from ledger_service.domain.bookings import Booking, BookingState
 from ledger_service.domain.chain import canonical_json
 from ledger_service.domain.errors import DAMAGE_ADVICE, StoreDamaged
 from ledger_service.domain.events import DenialReason, Event, EventKind, Outcome
-from ledger_service.domain.policies import ExpireCharge, LanePolicy
-from ledger_service.domain.pricing import ModelPrice, price_from_list, price_to_list
+from ledger_service.domain.policies import (
+    ExpireCharge,
+    LanePolicy,
+    policy_from_dict,
+    policy_to_dict,
+)
+from ledger_service.domain.pricing import ModelPrice
 from ledger_service.domain.window import WindowState
 
 
@@ -121,41 +126,18 @@ def event_from_row(row: Mapping[Any, Any]) -> Event:
 
 
 def lane_values(policy: LanePolicy) -> dict[str, Any]:
-    return {
-        "lane": policy.lane,
-        "limit_nanos": policy.limit_nanos,
-        "window_us": policy.window_us,
-        "hold_ttl_us": policy.hold_ttl_us,
-        "bytes_per_token_milli": policy.bytes_per_token_milli,
-        "overhead_tokens": policy.overhead_tokens,
-        "expire_charge": policy.expire_charge.value,
-        "prices_json": _dumps(
-            {model: price_to_list(price) for model, price in policy.prices.items()}
-        ),
-        "version": policy.version,
-        "updated_at_us": policy.updated_at_us,
-        "parent": policy.parent,
-        "max_charge_multiple": policy.max_charge_multiple,
-    }
+    """The lanes row: the policy as its lane_configured event records it
+    (`policy_to_dict`), its prices as JSON, and its version."""
+    values = policy_to_dict(policy)
+    values["prices_json"] = _dumps(values.pop("prices"))
+    values.update(version=policy.version, updated_at_us=policy.updated_at_us)
+    return values
 
 
 @_rows_read
 def lane_from_row(row: Mapping[Any, Any]) -> LanePolicy:
-    prices = json.loads(row["prices_json"])
-    return LanePolicy(
-        lane=row["lane"],
-        limit_nanos=row["limit_nanos"],
-        window_us=row["window_us"],
-        hold_ttl_us=row["hold_ttl_us"],
-        bytes_per_token_milli=row["bytes_per_token_milli"],
-        overhead_tokens=row["overhead_tokens"],
-        expire_charge=ExpireCharge(row["expire_charge"]),
-        prices={model: price_from_list(values) for model, values in prices.items()},
-        version=row["version"],
-        updated_at_us=row["updated_at_us"],
-        parent=row["parent"],
-        max_charge_multiple=row["max_charge_multiple"],
-    )
+    data = {**row, "prices": json.loads(row["prices_json"])}
+    return policy_from_dict(data, row["version"], row["updated_at_us"])
 
 
 def booking_values(booking: Booking) -> dict[str, Any]:
