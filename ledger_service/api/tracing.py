@@ -32,6 +32,7 @@ once).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
+from ledger_service.api.auth import RefusalLog
 from ledger_service.api.errors import REASON_KEY, Behaviour, replace_behaviour, wrap_handler
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -98,6 +100,38 @@ class _MetadataGetter(Getter[Metadata]):
 
 
 _GETTER = _MetadataGetter()
+
+# The loggers that warn about a caller's traceparent and tracestate (too long,
+# a malformed member, quoted): one line a call, for callers with no grant too.
+_HEADER_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span")
+_MAX_HEADER_WARNING_CHARACTERS = 200
+
+
+class _HeaderWarnings(logging.Filter):
+    """Takes those loggers' lines and writes them, cut short, as refusals are
+    written: at most 10 a second, the rest counted, so that a caller sending
+    bad trace headers in a loop cannot fill the disk. The header itself is
+    treated as absent (docs/observability.md: a fresh trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lines = RefusalLog(
+            logger=logging.getLogger(__name__), level=logging.WARNING, what="trace header warnings"
+        )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self._lines.write("%s", record.getMessage()[:_MAX_HEADER_WARNING_CHARACTERS])
+        return False
+
+
+_HEADER_WARNINGS = _HeaderWarnings()
+
+
+def _limit_header_warnings() -> None:
+    for name in _HEADER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _HEADER_WARNINGS not in logger.filters:
+            logger.addFilter(_HEADER_WARNINGS)
 
 
 @dataclasses.dataclass
@@ -573,6 +607,7 @@ def interceptors(
 ) -> tuple[TracingInterceptor, MessageInterceptor]:
     """The outermost and the innermost interceptor of a server, in that order.
     `records_spans` False: the tracer records no span (Telemetry.records_spans)."""
+    _limit_header_warnings()
     rpc_metrics = RpcMetrics(meter) if meter is not None else None
     observing = records_spans or rpc_metrics is not None
     return TracingInterceptor(tracer, rpc_metrics), MessageInterceptor(observing)
