@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from ledger_service.api import tracing
 from ledger_service.api.arrival import ArrivalWatch, RequestArrivalInterceptor
@@ -38,6 +38,7 @@ from ledger_service.api.errors import ErrorInterceptor
 from ledger_service.api.gate import RecoveryGateInterceptor
 from ledger_service.api.health import HealthServicer
 from ledger_service.api.pipeline import MethodPipeline
+from ledger_service.api.reflection import BoundedReflectionServicer
 from ledger_service.api.servicers import (
     AbsentTestClockServicer,
     LaneAdminServicer,
@@ -423,8 +424,11 @@ class LedgerServer:
             # by reflection): an unregistered service would skip both.
             ledger_pb2_grpc.add_TestClockServicer_to_server(AbsentTestClockServicer(), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            BoundedReflectionServicer(
+                (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), settings.reflection_streams
+            ),
+            server,
         )
         self._service_names = names
         return server

@@ -298,6 +298,12 @@ class Settings:
         return self.max_watchers + self.grant_calls_total + max(1, self.max_workers // 4)
 
     @property
+    def reflection_streams(self) -> int:
+        """Reflection streams open at once (api/reflection.py): half the pool's
+        threads for calls of no grant, so that health checks keep the rest."""
+        return max(1, self.max_workers // 8)
+
+    @property
     def grant_calls_total(self) -> int:
         """Calls of all grants together running at once (api/shares.py): two
         grants' shares and max_workers more, so two lane clients at their own
