@@ -1,11 +1,10 @@
 """Server reflection, with a bound on its streams at once.
 
-A reflection stream needs no grant and holds a thread of the pool while it
-waits for its client's next request, for as long as the client keeps it open:
-400 idle streams from one client (no grant) held every thread, and another
-lane's Reserve waited out its deadline. A client such as grpcurl opens one,
-asks, and closes it, so `Settings.reflection_streams` (2) are open at once and
-one more is refused at once with RESOURCE_EXHAUSTED / TOO_MANY_WATCHERS.
+A reflection stream needs no grant and holds a thread of the pool while its
+client keeps it open, so idle ones could hold every thread. A client such as
+grpcurl opens one, asks and closes it: `Settings.reflection_streams` are open
+at once, and one more is refused at once with RESOURCE_EXHAUSTED /
+TOO_MANY_WATCHERS.
 """
 
 from __future__ import annotations
