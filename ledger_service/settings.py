@@ -133,7 +133,7 @@ _PING = "client_ping_min_interval_seconds"
 # Limits that must stay above max_watchers, or a stream past it never reaches
 # the watchers' check, and what such a stream meets instead.
 _ABOVE_MAX_WATCHERS = (
-    ("max_calls_per_connection", "one connection's stream past max_watchers waits in it"),
+    ("max_calls_per_connection", "one connection's stream past it is refused by gRPC"),
     ("max_concurrent_rpcs", "a stream past max_watchers gets gRPC's own RESOURCE_EXHAUSTED"),
 )
 

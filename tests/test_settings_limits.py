@@ -216,7 +216,7 @@ def test_a_well_formed_listen_address_is_taken(listen: str) -> None:
 def test_a_limit_that_hides_the_stream_limit_is_refused_naming_both(
     larger: str, value: int, watchers: int
 ) -> None:
-    """A stream past max_calls_per_connection waits in its connection, and one
+    """A stream past max_calls_per_connection is refused by gRPC (REFUSED_STREAM), and one
     past max_concurrent_rpcs gets gRPC's own RESOURCE_EXHAUSTED: at or below
     max_watchers, a stream past the documented limit never got TOO_MANY_WATCHERS."""
     with pytest.raises(ValueError) as refused:
