@@ -22,7 +22,9 @@ invalidation) instead of returning it to the pool. Pool checkout runs under
 the watch too: `DeadlinePool` bounds the wait for a free connection by the
 deadline, `on_checkout` attaches the connection and pings it there (the
 pool's own pre-ping would run before the watch knows the connection), and
-`DeadlineConnection` ends a new connection's handshake at the deadline too.
+`DeadlineConnection` ends a new connection's handshake at the deadline too:
+the watch holds the handshake's socket, which is shut at the deadline like a
+statement's.
 """
 
 from __future__ import annotations
@@ -51,13 +53,17 @@ class Watch:
     disarm: a threading.Event (a Python Condition) made and set for every
     move cost 2-4% of a PostgreSQL move's CPU (group_commit._Move's reason)."""
 
-    __slots__ = ("_ended", "armed", "connection", "deadline", "fire_at", "interrupted", "lock")
+    __slots__ = (
+        "_ended", "armed", "connection", "deadline", "fire_at", "handshake", "interrupted", "lock",
+    )  # fmt: skip
 
     def __init__(self, deadline: float, grace_seconds: float) -> None:
         self.deadline = deadline
         self.fire_at = deadline - grace_seconds
         # The psycopg connection the transaction is on, once checked out.
         self.connection: Any = None
+        # The socket descriptor of a new connection's handshake, while one runs.
+        self.handshake: int | None = None
         # Held by the interrupter while it touches the connection, and by
         # disarm, so a connection is never touched once it may be back in the pool.
         self.lock = threading.Lock()
@@ -186,6 +192,8 @@ def interrupt(watch: Watch) -> None:
     with watch.lock:
         if watch.armed and watch.connection is not None:
             shut_down(watch.connection)
+        elif watch.armed and watch.handshake is not None:
+            _shut_socket(watch.handshake)
 
 
 def shut_down(connection: Any) -> None:
@@ -195,6 +203,10 @@ def shut_down(connection: Any) -> None:
         descriptor = connection.pgconn.socket
     except Exception:  # already closed: nothing is blocked on it
         return
+    _shut_socket(descriptor)
+
+
+def _shut_socket(descriptor: int) -> None:
     with (
         contextlib.suppress(OSError),
         socket.socket(fileno=os.dup(descriptor)) as duplicate,
@@ -216,32 +228,41 @@ class DeadlineConnection(psycopg.Connection[Any]):
     """A psycopg connection whose handshake ends by the deadline of the
     calling thread's watch: libpq's connect_timeout is whole seconds, at least
     2, longer than a lane's 0.25 s call. psycopg drives the handshake from
-    Python, waking at least every 0.1 s (its wait interval), and gives up
-    when the step it wakes for raises: a step past the deadline does."""
+    Python, waking every 0.1 s (its wait interval), and gives up when the
+    step it wakes for raises: a step past the deadline does. The watch holds
+    the handshake's socket, shut at the deadline, so that wake comes then and
+    not up to 0.1 s later, past a short call's margin."""
 
     @classmethod
     def _connect_gen(cls, conninfo: str = "") -> Generator[tuple[int, Any], Any, Any]:
         steps = super()._connect_gen(conninfo)
         watch = current()
-        return steps if watch is None else _by_deadline(steps, watch.deadline)
+        return steps if watch is None else _by_deadline(steps, watch)
 
 
 def _by_deadline(
-    steps: Generator[tuple[int, Any], Any, Any], deadline: float
+    steps: Generator[tuple[int, Any], Any, Any], watch: Watch
 ) -> Generator[tuple[int, Any], Any, Any]:
-    """`steps` (a handshake) until `deadline`; then a ConnectionTimeout."""
+    """`steps` (a handshake) until the watch's deadline; then a ConnectionTimeout.
+    Each step runs under the watch's lock, so the watchdog never shuts a
+    descriptor libpq has closed (and the process may have reused) meanwhile."""
     ready: Any = None
     try:
         while True:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= watch.deadline:
                 raise psycopg.errors.ConnectionTimeout("connection timeout expired (deadline)")
-            try:
-                waiting_for = steps.send(ready)
-            except StopIteration as done:
-                return done.value
+            with watch.lock:
+                try:
+                    waiting_for = steps.send(ready)
+                except StopIteration as done:
+                    watch.handshake = None
+                    return done.value
+                watch.handshake = waiting_for[0]
             ready = yield waiting_for
     finally:
-        steps.close()  # a handshake cut short: its libpq connection is finished
+        with watch.lock:
+            watch.handshake = None
+            steps.close()  # a handshake cut short: its libpq connection is finished
 
 
 class DeadlinePool(QueuePool):
