@@ -56,7 +56,12 @@ class Pooled:
         return self._sqlalchemy
 
     def rollback(self) -> None:
-        self.connection.driver_connection.rollback()  # type: ignore[union-attr]
+        """Rolls the batch back. A connection invalidated under it (a statement
+        the watch interrupted, one found lost) has no session left to roll
+        back: its transaction ended with it."""
+        driver = self.connection.driver_connection
+        if driver is not None:
+            driver.rollback()
 
     def roll_back_failed(self) -> None:
         """After a failed batch: its transaction rolled back through SQLAlchemy,

@@ -240,3 +240,20 @@ def test_a_batch_of_moves_opens_no_sqlalchemy_connection(
     finally:
         sa.event.remove(postgres_store.engine, "engine_connect", on_connect)
     assert opened == []
+
+
+def test_a_move_whose_statement_the_watch_interrupted_is_unavailable(
+    postgres_store: SqlStore, ledger: Ledger
+) -> None:
+    """A move's statement run through SQLAlchemy and cancelled at its
+    deadline (57014) has its connection invalidated there (database.py's
+    handle_error): the batch rolled back on it found no driver connection
+    and the move was answered INTERNAL (AttributeError), seen 8 s after a
+    frozen PostgreSQL was thawed. It is UNAVAILABLE, and the lane serves on."""
+
+    def slow(tx: Any) -> None:
+        tx.execute_text("SELECT pg_sleep(5)")
+
+    with deadlines.answering_by(time.monotonic() + 1.0), pytest.raises(StoreUnavailable):
+        postgres_store.run(slow, replayable=True, lane=RECALL.lane)
+    assert _reserve(ledger, "after")().admitted  # type: ignore[attr-defined]
