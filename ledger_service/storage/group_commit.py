@@ -65,7 +65,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ledger_service.application.throttle import ERROR_LOG_INTERVAL_SECONDS, Throttle, more
 from ledger_service.domain.errors import LedgerError, StoreDamaged, StoreUnavailable
-from ledger_service.storage import translate
+from ledger_service.storage import translate, watchdog
 from ledger_service.storage.database import LOCK_HELD
 
 T = TypeVar("T")
@@ -310,7 +310,7 @@ class GroupCommitter:
             with translate.translated():
                 undone = self._run_batch(batch, outcomes, until)
         except LedgerError as error:
-            self._log_failure(len(batch), error)
+            self._log_failure(len(batch), error, until)
             self._on_error(error)
             if not self._begun and self._gave_up(error):
                 self._on_failure()
@@ -408,7 +408,7 @@ class GroupCommitter:
                 more(unsaid),
             )
 
-    def _log_failure(self, moves: int, error: LedgerError) -> None:
+    def _log_failure(self, moves: int, error: LedgerError, until: float) -> None:
         """One line for a failed batch, with the database's code and words, at
         most one an interval."""
         unsaid = self._failure_log("batch")
@@ -416,11 +416,12 @@ class GroupCommitter:
             return
         code = translate.driver_code(error.__cause__) if error.__cause__ else ""
         log.warning(
-            "group commit of %d moves failed: %s (%s: %s)%s",
+            "group commit of %d moves failed: %s (%s: %s)%s%s",
             moves,
             type(error).__name__,
             code or "no code",
             translate.driver_message(error) or "no message",
+            watchdog.cut_note(until),
             more(unsaid),
         )
 

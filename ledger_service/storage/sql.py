@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import random
 import threading
 import time
@@ -199,7 +200,7 @@ class SqlStore:
             if time.monotonic() >= deadline:
                 raise StoreUnavailable()
             try:
-                with self._translated(for_a_move=write):
+                with self._translated(for_a_move=write, deadline=deadline):
                     if lane and write and self._lanes is not None:
                         return self._lanes.of(lane).submit(work, deadline)
                     return self._run_once(work, write, in_turn, snapshot, replayable, deadline)
@@ -213,9 +214,10 @@ class SqlStore:
         raise AssertionError("unreachable")
 
     @contextmanager
-    def _translated(self, for_a_move: bool = True) -> Iterator[None]:
+    def _translated(self, for_a_move: bool = True, deadline: float = math.inf) -> Iterator[None]:
         """translate.translated(), noting a damaged store and logging a failure
-        (`for_a_move`: whether a move's, see _for_a_move)."""
+        (`for_a_move`: whether a move's, see _for_a_move; one met at `deadline`
+        is said to be the watchdog's cut)."""
         try:
             with translate.translated(self._engine):
                 yield
@@ -249,11 +251,12 @@ class SqlStore:
                 unsaid = self._error_log(f"{type(driver).__name__} {kind}")
                 if unsaid is not None:
                     log.warning(
-                        "database error (%s): %s: %s%s%s",
+                        "database error (%s): %s: %s%s%s%s",
                         code,
                         type(driver).__name__,
                         said,
                         _WAITED if waited else "",
+                        watchdog.cut_note(deadline),
                         more(unsaid),
                     )
             raise
@@ -608,7 +611,7 @@ class SqlStore:
             return
         bound = self._deadline_seconds if timeout_seconds is None else timeout_seconds
         deadline = time.monotonic() + bound
-        with self._translated():
+        with self._translated(deadline=deadline):
             connected: list[bool] = []
             try:
                 self._ping_once(deadline, bound, connected)

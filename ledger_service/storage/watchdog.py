@@ -47,6 +47,20 @@ from sqlalchemy.pool import QueuePool
 MIN_CONNECT_TIMEOUT_SECONDS = 2
 
 
+# What a failure's log line adds when it came at its call's deadline: the
+# driver's words ("server closed the connection unexpectedly") tell of the
+# watchdog's cut, and read as a database that crashed.
+_CUT = (
+    " (at its deadline: this server ended the transaction, which the database had not "
+    "finished; the driver's words tell of that end, not of a database failure)"
+)
+
+
+def cut_note(deadline: float) -> str:
+    """The note for a failure met now, under a call whose deadline is `deadline`."""
+    return _CUT if time.monotonic() >= deadline else ""
+
+
 class Watch:
     """One transaction's deadline and the connection it runs on. Its end is
     told by `_ended`, a bare lock taken at creation and released by the first
