@@ -89,10 +89,11 @@ class LaneCommitter(GroupCommitter):
         reconnecting: Callable[[Callable[[list[Any]], Any], float], Any],
         *,
         max_batch: int,
+        on_error: Callable[[LedgerError], None],
     ) -> None:
-        # No engine: a batch's connection comes from `session`. No on_error:
-        # the engine's error event notes a statement's failure.
-        super().__init__(None, max_batch=max_batch)  # type: ignore[arg-type]
+        # No engine: a batch's connection comes from `session`, whose connect
+        # raises no engine event: `on_error` notes its failure.
+        super().__init__(None, max_batch=max_batch, on_error=on_error)  # type: ignore[arg-type]
         self._session = session
         self._transaction = transaction
         self._reconnecting = reconnecting

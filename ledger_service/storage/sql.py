@@ -168,6 +168,7 @@ class SqlStore:
                     lambda connection: SqlTransaction(connection, False, horizon=self._horizon),
                     lambda transact, until: self._reconnecting(transact, False, until),
                     max_batch=max(1, group_commit_batch),
+                    on_error=self._on_lane_error,
                 )
             )
         )
@@ -299,6 +300,13 @@ class SqlStore:
         if cause is not None:
             self._note_error(cause)
 
+    def _on_lane_error(self, error: LedgerError) -> None:
+        """A lane's batch failed: its statements are noted by the engine's
+        event, but its connection, taken by raw_connection, raises none."""
+        cause = translate.foreign_cause(error)
+        if cause is not None and (refused := translate.connect_refused(cause)):
+            self._note_connect_refused(cause, *refused)
+
     def _note_error(self, foreign: BaseException, for_a_move: bool = True) -> None:
         domain = translate.translate(foreign)
         if isinstance(domain, StoreDamaged):
@@ -333,7 +341,12 @@ class SqlStore:
 
     def _note_connect_refused(self, cause: BaseException, what: str, advice: str) -> None:
         """A connect PostgreSQL refused for lack of slots: every call that needs a
-        new connection fails until one frees, so an ERROR at most once an interval."""
+        new connection fails until one frees, so an ERROR at most once an interval.
+        The health probe, on a connection already open, passes meanwhile: health
+        is held NOT_SERVING as after a move refused for lack of a resource."""
+        self._unseen_refusal_at = time.monotonic()
+        with self._damage_lock:
+            self._write_problem = f"{what}: {translate.driver_message(cause)}"
         unsaid = self._error_log("connect refused 53300")
         if unsaid is not None:
             log.error(

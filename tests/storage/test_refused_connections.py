@@ -77,3 +77,28 @@ def test_a_connection_refused_for_too_many_connections_is_one_error_line_saying_
     assert "53300" in told[0] and "max_connections" in told[0], told
     assert "pool_size" in told[0], told
     assert PASSWORD not in " ".join(record.getMessage() for record in caplog.records)
+
+
+def test_health_stays_not_serving_while_moves_are_refused_a_connection(
+    limited_role_url: str,
+) -> None:
+    """The health probe runs on a connection already open, so it passes while
+    every move that needs a new one is refused. Like a move refused with a
+    class 53 code, a connect refused for lack of slots (which libpq gives no
+    code) holds health NOT_SERVING (sql.RESOURCE_HOLD_SECONDS): with 2 replicas
+    under 12 lane threads and max_connections filled, health was SERVING for
+    13 of 15 s while 291 calls failed STORE_UNAVAILABLE."""
+    engine = database.create(limited_role_url, database.EngineLimits(pool_size=2))
+    store = SqlStore(engine)
+    try:
+        store.ping()  # the pool's one connection: the role's one slot
+        held = engine.raw_connection()  # busy: the move needs a new connection
+        try:
+            with pytest.raises(StoreUnavailable):
+                store.run(lambda tx: tx.execute_text("SELECT 1"), replayable=True, lane="a")
+        finally:
+            held.close()
+        with pytest.raises(StoreUnavailable):
+            store.ping()  # on the connection held above: it answers
+    finally:
+        store.close()
