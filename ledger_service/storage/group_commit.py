@@ -31,7 +31,8 @@ of them written, and the oldest leads on. A follower whose deadline passes
 withdraws its move: one still queued, or taken into a batch but not begun,
 is never written. One whose move has begun is in a batch that holds the
 write lock (BEGIN IMMEDIATE) and commits within milliseconds: its caller
-waits for that commit up to BEGUN_WAIT_SECONDS more, then is answered
+waits for that commit up to BEGUN_WAIT_SECONDS more (less for a short
+call: within its answer's margin), then is answered
 unavailable, and the batch may still commit the move; the caller's retry
 with the same id is answered as the first call (docs/semantics.md).
 
@@ -72,8 +73,11 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # How long past its deadline a caller whose move has begun waits for its
-# batch's commit: well within the answer's margin (api/deadlines.py).
+# batch's commit: within the answer's margin (api/deadlines.py), a tenth of
+# the caller's time, so a ninth of the work's. A move waits this, or half that
+# margin when less (a lane's 0.25 s call: 12 ms of its 25), at most.
 BEGUN_WAIT_SECONDS = 0.05
+BEGUN_WAIT_OF_BUDGET = 1 / 18
 # The longest one BEGIN waits in SQLite's busy handler for another process's
 # write lock. The handler adds up the sleeps it asks for, not the time that
 # passes, and on a loaded machine each sleep ends late: a 0.9 s busy timeout
@@ -96,6 +100,7 @@ class _Move(Generic[T]):
 
     __slots__ = (
         "_signal",
+        "begun_wait",
         "deadline",
         "error",
         "finished",
@@ -109,6 +114,8 @@ class _Move(Generic[T]):
     def __init__(self, work: Callable[[Any], T], deadline: float) -> None:
         self.work = work
         self.deadline = deadline
+        budget = deadline - time.monotonic()
+        self.begun_wait = min(BEGUN_WAIT_SECONDS, max(0.0, budget * BEGUN_WAIT_OF_BUDGET))
         self._signal = _thread.allocate_lock()
         self._signal.acquire()
         self.lead = False
@@ -212,7 +219,7 @@ class GroupCommitter:
             if move in self._queue:
                 self._queue.remove(move)
             move.withdrawn = not move.started
-        if move.withdrawn or not move.wait(BEGUN_WAIT_SECONDS):
+        if move.withdrawn or not move.wait(move.begun_wait):
             raise StoreUnavailable()
 
     def _lead(self, leader: _Move[Any]) -> None:
