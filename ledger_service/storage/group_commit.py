@@ -73,9 +73,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # How long past its deadline a caller whose move has begun waits for its
-# batch's commit: within the answer's margin (api/deadlines.py), a tenth of
-# the caller's time, so a ninth of the work's. A move waits this, or half that
-# margin when less (a lane's 0.25 s call: 12 ms of its 25), at most.
+# batch's commit: at most BEGUN_WAIT_SECONDS, and at most half the answer's
+# margin (api/deadlines.py: a tenth of the call, a ninth of the work's time).
 BEGUN_WAIT_SECONDS = 0.05
 BEGUN_WAIT_OF_BUDGET = 1 / 18
 # The longest one BEGIN waits in SQLite's busy handler for another process's
