@@ -612,7 +612,7 @@ class LedgerServer:
                 while not self._stopping.is_set():
                     expired = self.ledger.sweep(self.settings.sweep_batch_size)
                     if expired:
-                        log.info("expired %s past their deadline", counted(expired, "hold"))
+                        log.info("expired %s open past the deadline", counted(expired, "hold"))
                     if expired < self.settings.sweep_batch_size:
                         break
             except StoreDamaged:
