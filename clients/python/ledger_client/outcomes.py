@@ -73,6 +73,14 @@ class Usage:
     cache_write_tokens: int = 0
 
     def __post_init__(self) -> None:
+        # A float or bool would pass the bounds and fail only as the Settle is
+        # built, after the model call block, leaving its booking open.
+        for name in (*TOKEN_FIELDS, "billed_nanos"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool)) and not (
+                name == "billed_nanos" and value is None
+            ):
+                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
             if not 0 <= value <= MAX_TOKENS:

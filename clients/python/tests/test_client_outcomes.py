@@ -127,6 +127,24 @@ def test_usage_is_bounded(fields: dict[str, int]) -> None:
         Usage(**fields)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"input_tokens": 1000.5},
+        {"input_tokens": True},
+        {"output_tokens": "5"},
+        {"input_tokens": 5, "billed_nanos": 1.5},
+        {"input_tokens": 5, "cached_input_tokens": 2.0},
+    ],
+)
+def test_usage_refuses_a_count_that_is_not_an_int(fields: dict[str, object]) -> None:
+    # Accepted, a float or a bool would pass every bound and fail only when the
+    # Settle is built, out of the model_call block, leaving the booking open.
+    (name,) = [key for key, value in fields.items() if type(value) is not int]
+    with pytest.raises(TypeError, match=name):
+        Usage(**fields)  # type: ignore[arg-type]
+
+
 # The error table -------------------------------------------------------------
 
 
