@@ -145,7 +145,11 @@ def _given_or_new(reservation_id: str | None) -> str:
 
 
 def _micros_of(ttl: datetime.timedelta | None) -> int | None:
-    return None if ttl is None else ttl // datetime.timedelta(microseconds=1)
+    if ttl is None:
+        return None
+    if not isinstance(ttl, datetime.timedelta):
+        raise invalid_argument("ttl", "must be a datetime.timedelta")
+    return ttl // datetime.timedelta(microseconds=1)
 
 
 # gRPC's whole text for a plaintext channel a TLS ledger hung up on, as for a

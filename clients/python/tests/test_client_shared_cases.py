@@ -569,3 +569,21 @@ def test_repeat_case(case: dict[str, Any]) -> None:
         except errors.LedgerError as error:
             result = error.reason
     assert (model_calls, result) == (case["model_calls"], case["result"])
+
+
+@pytest.mark.parametrize("ttl", [30, 30.0, "30s"])
+def test_a_ttl_that_is_not_a_timedelta_is_refused_naming_it(ttl: object) -> None:
+    # Seconds given as a number would otherwise fail deep in the conversion
+    # with a TypeError about `//` that names neither the argument nor its type.
+    defaults = ARGUMENTS["reserve_defaults"]
+    with LaneClient("127.0.0.1:9", "lane") as client:
+        for method in (client.reserve, client.model_call):
+            with pytest.raises(errors.InvalidArgument) as caught:
+                method(
+                    defaults["model"],
+                    defaults["request_bytes"],
+                    defaults["max_output_tokens"],
+                    ttl=ttl,  # type: ignore[arg-type]
+                )
+            assert caught.value.field == "ttl"
+            assert caught.value.message == "ttl: must be a datetime.timedelta"
