@@ -104,6 +104,11 @@ def _traceparent(trace_id: str) -> str:
     return f"00-{trace_id}-{secrets.token_hex(8)}-01"
 
 
+# Targets gRPC resolves itself: `dns:///host:port`, `unix:///path`, `ipv4:a,b`, ...
+_GRPC_URI_SCHEMES = ("dns", "unix")
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
 def check_address(address: object) -> None:
     """The ledger's HOST:PORT, before a channel is made: an unset variable
     (os.environ.get gives None) failed inside the channel code, naming nothing."""
@@ -113,6 +118,23 @@ def check_address(address: object) -> None:
         )
     if not address.strip():
         raise ValueError("address: is empty; give the ledger's HOST:PORT")
+    # What follows gRPC takes and then fails on every call as UNAVAILABLE, or
+    # reaches another port (it wraps 99999 to 34463): a lane would run on its
+    # outage mode for good. Its own schemes (dns:, ipv4:, unix:, ...) pass.
+    if address != address.lstrip():
+        raise ValueError("address: starts with a space; give the ledger's HOST:PORT")
+    scheme, separator, _ = address.partition("://")
+    if separator and scheme not in _GRPC_URI_SCHEMES:
+        raise ValueError(
+            f"address: {scheme[:20]}:// is no gRPC target; give the ledger's HOST:PORT"
+        )
+    if address.startswith(_GRPC_SCHEMES):
+        return
+    host, separator, port = address.rstrip().rpartition(":")
+    if not separator or (":" in host and not host.endswith("]")):
+        return  # no port (gRPC's default, 443), or a bare IPv6 address
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"address: the port must be a number from 1 to 65535, not {port[:20]!r}")
 
 
 def check_lane(lane: object) -> None:

@@ -411,3 +411,45 @@ def test_a_tls_ledger_replaced_by_a_plaintext_one_is_an_outage_again(
                 client.balance()
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize(
+    ("address", "names"),
+    [
+        ("http://127.0.0.1:50051", "http://"),
+        ("https://ledger.internal:50051", "https://"),
+        ("grpc://127.0.0.1:50051", "grpc://"),
+        ("127.0.0.1:99999", "65535"),
+        ("127.0.0.1:0", "65535"),
+        ("127.0.0.1:50051/", "port"),
+        ("[::1]:70000", "65535"),
+        (" 127.0.0.1:50051", "space"),
+    ],
+)
+def test_an_address_grpc_can_never_reach_is_refused_at_construction(
+    address: str, names: str, tmp_path: pathlib.Path
+) -> None:
+    # gRPC takes each of these and fails every call as UNAVAILABLE ("Misformatted
+    # domain name"), or wraps the port (99999 reaches port 34463): the lane would
+    # run on its outage allowance for good. Nothing is made, no journal opened.
+    with pytest.raises(ValueError, match=names) as caught:
+        LaneClient(address, "lane", outage=_allowance(tmp_path))
+    assert str(caught.value).startswith("address: ")
+    assert not (tmp_path / "journal.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1:50051",
+        "localhost:50051",
+        "ledger.internal",
+        "[::1]:50051",
+        "ipv4:10.0.0.11:50051,10.0.0.12:50051",
+        "dns:///ledger.internal:50051",
+        "unix:/tmp/ledger.sock",
+        "unix:///tmp/ledger.sock",
+    ],
+)
+def test_the_addresses_grpc_takes_are_taken(address: str) -> None:
+    LaneClient(address, "lane").close()
