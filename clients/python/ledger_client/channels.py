@@ -193,6 +193,20 @@ def client_probe_context(tls: TlsSettings) -> ssl.SSLContext | None:
     return context
 
 
+def roots_load(tls: TlsSettings) -> bool:
+    """Whether root_certificates load as PEM certificates (no roots: the
+    system's, which do). gRPC cannot use them otherwise, and says only "Failed
+    to create security handshaker" on every call."""
+    if tls.root_certificates is None:
+        return True
+    try:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.load_verify_locations(cadata=tls.root_certificates.decode("ascii"))
+    except (ssl.SSLError, UnicodeDecodeError, ValueError):
+        return False
+    return True
+
+
 # The TLS alerts that refuse a client's certificate: missing (TLS 1.3's
 # certificate_required), signed by a CA the server does not know, or refused.
 _CERTIFICATE_REFUSALS = ("CERTIFICATE_REQUIRED", "UNKNOWN_CA", "BAD_CERTIFICATE",

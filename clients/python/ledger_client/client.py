@@ -41,6 +41,7 @@ from ledger_client.channels import (
     is_local_address,
     open_channel,
     refuses_client_certificate,
+    roots_load,
     serves_tls,
 )
 from ledger_client.context import payload_bytes
@@ -232,6 +233,8 @@ class LaneClient:
         self._tls = tls
         # The mutual-TLS probe's handshake, built at its first use (_tls_refused).
         self._client_probe: ssl.SSLContext | None = None
+        # Whether tls.root_certificates load, asked at the first TLS failure.
+        self._roots_load: bool | None = None
         if grant is not None and tls is None and not is_local_address(address):
             # Once per client: a grant is a bearer credential, readable on the wire.
             log.warning(
@@ -465,6 +468,14 @@ class LaneClient:
                 f"has a certificate that does not carry the name {name!r} ({given}): set "
                 "server_name in TlsSettings to a name the certificate carries, or reach the "
                 "ledger by one",
+            )
+        if self._roots_load is None:
+            self._roots_load = roots_load(tls)
+        if not self._roots_load:
+            return self._mismatch(
+                error,
+                "is not reached: root_certificates in TlsSettings do not load (not PEM "
+                "certificates): give the PEM of the CA that signed the ledger's certificate",
             )
         if self._client_probe is None:
             self._client_probe = client_probe_context(tls)

@@ -453,3 +453,19 @@ def test_an_address_grpc_can_never_reach_is_refused_at_construction(
 )
 def test_the_addresses_grpc_takes_are_taken(address: str) -> None:
     LaneClient(address, "lane").close()
+
+
+@pytest.mark.parametrize(
+    "roots",
+    [b"not a certificate", b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"],
+)
+def test_root_certificates_that_do_not_load_name_the_setting(
+    fresh_server: LedgerProcess, certificates: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+    roots: bytes,
+) -> None:  # fmt: skip
+    # gRPC says only "Failed to create security handshaker", on every call:
+    # no outage, and no retry will load them.
+    tls = dataclasses.replace(lane_tls(certificates), root_certificates=roots)
+    mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
+                             tmp_path)  # fmt: skip
+    assert "root_certificates" in mismatch.message and "PEM" in mismatch.message
