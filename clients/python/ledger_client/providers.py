@@ -638,6 +638,17 @@ class BookingOptions:
     def __post_init__(self) -> None:
         if not _is_count(self.default_max_output_tokens):
             raise ValueError("default_max_output_tokens must be a non-negative integer")
+        # Checked here, not at each request inside the SDK's call.
+        if self.ledger_model is not None and not callable(self.ledger_model):
+            kind = type(self.ledger_model).__name__
+            raise TypeError(
+                f"ledger_model must be a function of the provider's model name, not a {kind}"
+                " (for a dict d: lambda name: d.get(name, name))"
+            )
+        if self.ttl is not None and not isinstance(self.ttl, datetime.timedelta):
+            raise TypeError(f"ttl must be a datetime.timedelta, not {type(self.ttl).__name__}")
+        if not isinstance(self.tag_body, bool):
+            raise TypeError(f"tag_body must be a bool, not {type(self.tag_body).__name__}")
 
 
 class _Booker:

@@ -753,6 +753,24 @@ def test_booking_options_change_the_bound_and_the_tag(
         BookingOptions(default_max_output_tokens=-1)
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"ledger_model": {"gpt-4o-2024-08-06": "gpt-4o"}}, "ledger_model"),
+        ({"ttl": 30}, "ttl"),
+        ({"tag_body": "no"}, "tag_body"),
+    ],
+)
+def test_booking_options_of_the_wrong_type_are_refused_where_they_are_made(
+    options: dict[str, object], named: str
+) -> None:
+    # Taken, a mapping for ledger_model or seconds for ttl failed each request
+    # inside the SDK's call ("'dict' object is not callable"), and a "no"
+    # tagged the body all the same.
+    with pytest.raises(TypeError, match=named):
+        BookingOptions(**options)  # type: ignore[arg-type]
+
+
 def test_an_integral_float_bound_is_a_count_and_the_body_goes_as_written() -> None:
     # JSON has one number type: `"max_tokens": 100.0` is the bound 100, as the
     # Node client reads it (JSON.parse gives 100) and as usage_of reads an
