@@ -101,6 +101,21 @@ def current_or_new_trace_id() -> str:
     return tracing.current_trace_id() or new_trace_id()
 
 
+def check_trace_id(trace_id: object) -> None:
+    """A W3C trace id: 32 lowercase hex digits, not all zero. The ledger
+    ignores any other traceparent and records a trace of its own per call,
+    so a Reserve and its Settle would no longer share the trace asked for."""
+    if not (
+        isinstance(trace_id, str)
+        and len(trace_id) == 32
+        and all(c in "0123456789abcdef" for c in trace_id)
+        and trace_id != "0" * 32
+    ):
+        raise invalid_argument(
+            "trace_id", "must be 32 lowercase hex digits, not all zero (a W3C trace id)"
+        )
+
+
 def _traceparent(trace_id: str) -> str:
     return f"00-{trace_id}-{secrets.token_hex(8)}-01"
 
@@ -756,6 +771,8 @@ class LaneClient:
             estimate_nanos=estimate_nanos,
             ttl_us=_micros_of(ttl),
         )
+        if trace_id:
+            check_trace_id(trace_id)
         return ModelCall(self._support(), arguments, trace_id or current_or_new_trace_id())
 
     def _support(self) -> CallSupport:

@@ -587,3 +587,22 @@ def test_a_ttl_that_is_not_a_timedelta_is_refused_naming_it(ttl: object) -> None
                 )
             assert caught.value.field == "ttl"
             assert caught.value.message == "ttl: must be a datetime.timedelta"
+
+
+@pytest.mark.parametrize(
+    "trace_id", ["abc", "0AF7651916CD43DD8448EB211C80319C", "0" * 32, "z" * 32, 12345]
+)
+def test_a_trace_id_that_is_no_w3c_trace_id_is_refused_naming_it(trace_id: object) -> None:
+    # The ledger ignores such a traceparent and makes a trace of its own for
+    # each call: the Reserve and the Settle the README says share the given
+    # trace landed under two random ones, while call.trace_id showed the given.
+    defaults = ARGUMENTS["reserve_defaults"]
+    with LaneClient("127.0.0.1:9", "lane") as client:
+        with pytest.raises(errors.InvalidArgument) as caught:
+            client.model_call(
+                defaults["model"],
+                defaults["request_bytes"],
+                defaults["max_output_tokens"],
+                trace_id=trace_id,  # type: ignore[arg-type]
+            )
+        assert caught.value.field == "trace_id"
