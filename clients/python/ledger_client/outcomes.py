@@ -127,6 +127,8 @@ RULES: tuple[Rule, ...] = (
 
 
 def status_class(http_status: int) -> StatusClass:
+    if not isinstance(http_status, int) or isinstance(http_status, bool):
+        raise TypeError(f"http_status must be an int, not {type(http_status).__name__}")
     if http_status == 0:
         return StatusClass.NO_ANSWER
     if not 100 <= http_status <= 599:
@@ -201,6 +203,13 @@ class Ending:
 
     def __post_init__(self) -> None:
         status_class(self.http_status)
+        if self.usage is not None and not isinstance(self.usage, Usage):
+            # Made inside the block (call.answered): at the Settle it would
+            # fail after the block, leaving the booking open.
+            raise TypeError(
+                f"usage must be a Usage or None, not a {type(self.usage).__name__}: read a "
+                "provider's body or usage object with usage_of"
+            )
         if self.settlement is Settlement.SETTLE_SUCCEEDED and self.usage is None:
             raise ValueError("a SUCCEEDED settlement needs the usage")
         if not isinstance(self.reason, str):

@@ -145,6 +145,15 @@ def test_usage_refuses_a_count_that_is_not_an_int(fields: dict[str, object]) -> 
         Usage(**fields)  # type: ignore[arg-type]
 
 
+def test_an_answer_refuses_a_usage_that_is_no_usage_and_a_status_that_is_no_int() -> None:
+    # A provider's usage dict passed as it is (not through usage_of) was taken,
+    # and the Settle failed to build after the block, leaving its booking open.
+    with pytest.raises(TypeError, match="usage_of"):
+        ending_of(200, {"input_tokens": 20, "output_tokens": 5}, CallFailure.NONE)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="http_status"):
+        ending_of("200", Usage(20, 5), CallFailure.NONE)  # type: ignore[arg-type]
+
+
 # The error table -------------------------------------------------------------
 
 
