@@ -153,6 +153,14 @@ def check_address(address: object) -> None:
         raise ValueError(f"address: the port must be a number from 1 to 65535, not {port[:20]!r}")
 
 
+def _check_types(**given: tuple[object, type]) -> None:
+    """LaneClient's keyword objects: each None or of its type. Otherwise they
+    failed deep inside, an AttributeError naming none of them."""
+    for name, (value, kind) in given.items():
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name}: must be a {kind.__name__}, not {type(value).__name__}")
+
+
 def check_lane(lane: object) -> None:
     """The lane's name by the ledger's rule for names: InvalidArgument (field
     `lane`) before any call, as for a Reserve's arguments."""
@@ -220,6 +228,8 @@ class LaneClient:
     ) -> None:
         check_address(address)
         check_lane(lane)
+        _check_types(grant=(grant, str), tls=(tls, TlsSettings), outage=(outage, OutagePolicy),
+                     settings=(settings, ClientSettings))  # fmt: skip
         if grant is not None:
             check_grant(grant)
         self.lane = lane

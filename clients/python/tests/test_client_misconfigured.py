@@ -469,3 +469,20 @@ def test_root_certificates_that_do_not_load_name_the_setting(
     mismatch = _tls_mismatch(fresh_server.address, "a-lane", fresh_server.admin_grant, tls,
                              tmp_path)  # fmt: skip
     assert "root_certificates" in mismatch.message and "PEM" in mismatch.message
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [
+        ("outage", "deny"),
+        ("tls", True),
+        ("settings", {"deadline_seconds": 1.0}),
+        ("grant", 12345),
+        ("grant", b"token"),
+    ],
+)
+def test_a_keyword_of_the_wrong_type_is_refused_naming_it(keyword: str, value: object) -> None:
+    # Each failed deep inside (AttributeError: 'str' object has no attribute
+    # 'journal_path', "object of type 'int' has no len()"), naming nothing.
+    with pytest.raises(TypeError, match=f"^{keyword}: "):
+        LaneClient("127.0.0.1:9", "lane", **{keyword: value})  # type: ignore[arg-type]
