@@ -571,38 +571,33 @@ def test_repeat_case(case: dict[str, Any]) -> None:
     assert (model_calls, result) == (case["model_calls"], case["result"])
 
 
-@pytest.mark.parametrize("ttl", [30, 30.0, "30s"])
-def test_a_ttl_that_is_not_a_timedelta_is_refused_naming_it(ttl: object) -> None:
-    # Seconds given as a number would otherwise fail deep in the conversion
-    # with a TypeError about `//` that names neither the argument nor its type.
+# Python's own keywords, beside the shared cases: seconds given as a number
+# for ttl failed deep in the conversion with a TypeError about `//`; a trace id
+# the ledger ignores (it records a fresh trace per call) left the Reserve and
+# the Settle under two random traces while call.trace_id showed the given one.
+KEYWORD_REFUSALS = [
+    *[("ttl", ttl, "ttl: must be a datetime.timedelta") for ttl in (30, 30.0, "30s")],
+    *[
+        ("trace_id", trace_id, "trace_id: must be 32 lowercase hex digits, not all zero")
+        for trace_id in ("abc", "0AF7651916CD43DD8448EB211C80319C", "0" * 32, "z" * 32, 12345)
+    ],
+]
+
+
+@pytest.mark.parametrize(("keyword", "value", "message"), KEYWORD_REFUSALS)
+def test_a_keyword_the_client_checks_is_refused_naming_it(
+    keyword: str, value: object, message: str
+) -> None:
     defaults = ARGUMENTS["reserve_defaults"]
     with LaneClient("127.0.0.1:9", "lane") as client:
-        for method in (client.reserve, client.model_call):
+        methods = (client.reserve, client.model_call) if keyword == "ttl" else (client.model_call,)
+        for method in methods:
             with pytest.raises(errors.InvalidArgument) as caught:
                 method(
                     defaults["model"],
                     defaults["request_bytes"],
                     defaults["max_output_tokens"],
-                    ttl=ttl,  # type: ignore[arg-type]
+                    **{keyword: value},
                 )
-            assert caught.value.field == "ttl"
-            assert caught.value.message == "ttl: must be a datetime.timedelta"
-
-
-@pytest.mark.parametrize(
-    "trace_id", ["abc", "0AF7651916CD43DD8448EB211C80319C", "0" * 32, "z" * 32, 12345]
-)
-def test_a_trace_id_that_is_no_w3c_trace_id_is_refused_naming_it(trace_id: object) -> None:
-    # The ledger ignores such a traceparent and makes a trace of its own for
-    # each call: the Reserve and the Settle the README says share the given
-    # trace landed under two random ones, while call.trace_id showed the given.
-    defaults = ARGUMENTS["reserve_defaults"]
-    with LaneClient("127.0.0.1:9", "lane") as client:
-        with pytest.raises(errors.InvalidArgument) as caught:
-            client.model_call(
-                defaults["model"],
-                defaults["request_bytes"],
-                defaults["max_output_tokens"],
-                trace_id=trace_id,  # type: ignore[arg-type]
-            )
-        assert caught.value.field == "trace_id"
+            assert caught.value.field == keyword
+            assert caught.value.message.startswith(message)
