@@ -121,8 +121,17 @@ def _traceparent(trace_id: str) -> str:
 
 
 # Targets gRPC resolves itself: `dns:///host:port`, `unix:///path`, `ipv4:a,b`, ...
-_GRPC_URI_SCHEMES = ("dns", "unix")
-_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+_GRPC_URI_SCHEMES = ("dns", "unix", "xds", "google-c2p")
+_GRPC_SCHEMES = (
+    "dns:",
+    "unix:",
+    "unix-abstract:",
+    "ipv4:",
+    "ipv6:",
+    "vsock:",
+    "xds:",
+    "google-c2p:",
+)
 
 
 def check_address(address: object) -> None:

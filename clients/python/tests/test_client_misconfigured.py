@@ -449,6 +449,7 @@ def test_an_address_grpc_can_never_reach_is_refused_at_construction(
         "dns:///ledger.internal:50051",
         "unix:/tmp/ledger.sock",
         "unix:///tmp/ledger.sock",
+        "xds:///ledger.internal",
     ],
 )
 def test_the_addresses_grpc_takes_are_taken(address: str) -> None:
