@@ -50,6 +50,7 @@ never imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import enum
@@ -438,6 +439,17 @@ class StreamEnding:
     def closed(self) -> None:
         self.booking.cut_off(self.http_status, self._usage.usage)
 
+    def abandoned(self) -> None:
+        """The stream was collected, neither ended nor closed (never iterated,
+        nothing ran a close): cut off, as closed. In a thread of its own, since
+        a finalizer runs wherever collection happens, even on the event loop or
+        under this booking's lock."""
+        if self.booking.ended:
+            return
+        # RuntimeError: the interpreter is shutting down, and the hold expires.
+        with contextlib.suppress(RuntimeError):
+            threading.Thread(target=self.closed, name="ledger-dropped-stream", daemon=True).start()
+
 
 class BookedStream(httpx2.SyncByteStream):
     """A response stream passed on as it comes, ending its booking when it ends
@@ -466,6 +478,9 @@ class BookedStream(httpx2.SyncByteStream):
             self._inner.close()
         finally:
             self._ending.closed()
+
+    def __del__(self) -> None:
+        self._ending.abandoned()
 
 
 class AsyncBookedStream(httpx2.AsyncByteStream):
@@ -504,6 +519,9 @@ class AsyncBookedStream(httpx2.AsyncByteStream):
     async def _end(self, report: Callable[[Unpack[_Ts]], None], *args: *_Ts) -> None:
         if not self._ending.booking.ended:  # no thread for a booking already ended
             await run_off_loop(report, *args)
+
+    def __del__(self) -> None:
+        self._ending.abandoned()
 
 
 def _is_event_stream(response: httpx2.Response) -> bool:

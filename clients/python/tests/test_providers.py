@@ -8,7 +8,9 @@ body, and that the bytes the ledger booked are the bytes the provider got.
 
 from __future__ import annotations
 
+import gc
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -446,6 +448,34 @@ def test_openai_stream_cut_off_before_its_usage_is_unknown(
         for _ in stream:
             pass
     _, booking = only_booked(provider, bookings)
+    assert_unknown(bookings, booking)
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+def test_a_stream_dropped_unread_is_ended_when_python_collects_it(
+    provider: FakeProvider, bookings: Bookings, make_openai: SdkFactory,
+    make_anthropic: SdkFactory, sdk: str,
+) -> None:  # fmt: skip
+    # The provider ran the call (a 200 event stream came back), but nothing
+    # iterated or closed it: no generator was ever started, so nothing ended
+    # its booking, collected or not, and it stayed open until its hold
+    # expired (at zero on a lane whose expire_charge is ZERO).
+    if sdk == "openai":
+        provider.script(Reply(events=openai_chat_stream()))
+        stream: Any = make_openai().chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_completion_tokens=64, stream=True
+        )
+    else:
+        provider.script(Reply(events=anthropic_stream()))
+        stream = make_anthropic().messages.create(
+            model=MODEL, max_tokens=128, messages=MESSAGES, stream=True
+        )
+    _, booking = only_booked(provider, bookings)
+    del stream
+    gc.collect()  # the SDKs' stream objects hold a reference cycle
+    deadline = time.monotonic() + 5
+    while bookings.get(booking.reservation_id).state == pb.OPEN and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert_unknown(bookings, booking)
 
 
