@@ -14,6 +14,7 @@ import http.server
 import json
 import queue
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -46,12 +47,19 @@ class Received:
         return value
 
 
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up (a stream dropped unread) is no error of the fake's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FakeProvider:
     def __init__(self) -> None:
         self.replies: queue.Queue[Reply] = queue.Queue()
         self.received: list[Received] = []
         self.stopping = threading.Event()
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = _QuietServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
