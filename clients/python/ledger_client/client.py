@@ -652,6 +652,10 @@ class LaneClient:
         """Sends the move an Ending stands for: Settle or Refund. A Refund's
         reason (a model call's, from its callback or exception) is made
         printable and cut to `max_reason_length` first."""
+        if not isinstance(ending, Ending):
+            raise TypeError(
+                f"ending: must be an Ending (ledger_client.outcomes), not {type(ending).__name__}"
+            )
         if ending.settlement is Settlement.REFUND:
             ending = _printable_reason(ending, self.settings.max_reason_length)
         return self._send_end(reservation_id, ending, deadline_seconds, trace_id)

@@ -487,3 +487,10 @@ def test_a_keyword_of_the_wrong_type_is_refused_naming_it(keyword: str, value: o
     # 'journal_path', "object of type 'int' has no len()"), naming nothing.
     with pytest.raises(TypeError, match=f"^{keyword}: "):
         LaneClient("127.0.0.1:9", "lane", **{keyword: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ending", ["refund", None, {"settlement": "refund"}])
+def test_an_end_that_is_no_ending_is_refused_naming_it(ending: object) -> None:
+    # A word or a dict for the Ending failed as an AttributeError naming neither.
+    with LaneClient("127.0.0.1:1", "lane") as ledger, pytest.raises(TypeError, match=r"^ending: "):
+        ledger.end("r-1", ending)  # type: ignore[arg-type]
