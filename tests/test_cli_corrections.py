@@ -556,3 +556,26 @@ def test_reconcile_bill_wins_replaces_a_disagreeing_charge_once(
     assert (response["matched_count"], response["replaced_count"]) == (1, 0)
     assert balance_json(ledger, "bill-wins")["charged_nanos"] == 300_000
     assert kinds(ledger, "bill-wins").count("corrected") == 1
+
+
+def test_a_bad_rows_text_from_the_file_cannot_drive_the_terminal() -> None:
+    """A bad row's reservation id and lane are the file's own bytes, echoed by
+    the server: an id with a newline (an unclosed CSV quote swallows the rest
+    of the file) broke the table in two, and one with ESC sequences recoloured
+    or cleared the operator's terminal. They are shown escaped, on one line."""
+    refused = pb.ReconcileResponse(
+        bad_count=1,
+        rows=[
+            pb.ReconcileRow(
+                line=2,
+                lane="rc\x1b[0m",
+                reservation_id="u1\x1b[31m\nZ,rc,0.1\r\n",
+                status="bad",
+                field="reservation_id",
+                message="must be printable ASCII without spaces",
+            )
+        ],
+    )
+    lines = reconcile.reconcile_lines(refused, dry_run=True)
+    assert lines[1].split()[:4] == ["2", r"rc\x1b[0m", r"u1\x1b[31m\nZ,rc,0.1\r\n", "bad"]
+    assert not any(ch in line for line in lines for ch in "\x1b\r\n")

@@ -106,8 +106,20 @@ def pairs(rows: Sequence[tuple[str, str]]) -> list[str]:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
-    return [row_text(row, widths) for row in [header, *rows]]
+    shown = [[cell_text(cell) for cell in row] for row in [header, *rows]]
+    widths = [max(len(row[column]) for row in shown) for column in range(len(header))]
+    return [row_text(row, widths) for row in shown]
+
+
+def cell_text(value: str) -> str:
+    """A cell with its control characters escaped (ESC as \\x1b, a newline as
+    \\n): a reconcile row echoes the export's own bytes, which must neither
+    break the table nor reach the terminal as escape sequences."""
+    if value.isprintable():
+        return value
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in value
+    )
 
 
 def row_text(row: Sequence[str], widths: Sequence[int]) -> str:
