@@ -62,6 +62,7 @@ class LedgerArgumentParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         """A word no option takes is refused by the (sub)command that met it,
         so the line points at that command's --help, where its options are."""
+        self._words = list(sys.argv[1:] if args is None else args)
         parsed, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
@@ -70,7 +71,26 @@ class LedgerArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """One line naming what is wrong, exit 2 (EXIT_BAD_VALUE), as every other
         refused value: argparse's usage block first made it ten lines or more."""
+        unknown = self._unknown_options()
+        if unknown and "arguments are required" in message:
+            # argparse checks required options before it reports unknown words:
+            # `--limt $1` said only that --limit is required.
+            message = f"unrecognized arguments: {' '.join(unknown)}; {message}"
         self.exit(EXIT_BAD_VALUE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+    def _unknown_options(self) -> list[str]:
+        """The words of this parser's command line that look like an option of it
+        and are none (nor a prefix of one, which argparse takes)."""
+        unknown = []
+        for word in getattr(self, "_words", []):
+            if word == "--":
+                break
+            name = word.split("=", 1)[0]
+            if name.startswith("--") and not any(
+                option.startswith(name) for option in self._option_string_actions
+            ):
+                unknown.append(name)
+        return unknown
 
 
 def parser() -> argparse.ArgumentParser:
