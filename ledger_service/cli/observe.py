@@ -705,6 +705,14 @@ def page_directory(path: pathlib.Path) -> pathlib.Path:
         raise CliError(
             f"--html: {str(path)!r} is a directory: name the page's file", EXIT_BAD_VALUE
         )
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        # The page is renamed over the path: a device (/dev/null) or a link
+        # (/dev/stdout) would be replaced by it, not written to.
+        raise CliError(
+            f"--html: {str(path)!r} is not a regular file (a link, a device, a pipe or a "
+            "socket): name the page's own file",
+            EXIT_BAD_VALUE,
+        )
     return directory
 
 

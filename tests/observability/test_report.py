@@ -205,6 +205,14 @@ def test_the_page_renders_in_a_headless_browser_with_the_audits_figures(
     assert_matches_audit(figures, audit)
 
 
+def report_to_no_server(path: pathlib.Path) -> int:
+    """`ledger report recall --html PATH` against an address that refuses every call."""
+    with socket.socket() as closed:  # bound, never listening: a call to it is refused
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        return cli.main(["report", "recall", "--html", str(path), "--server", address])
+
+
 @pytest.mark.parametrize("where", ["reports", "missing/recall.html"])
 def test_a_report_path_that_cannot_be_a_page_is_refused_before_the_server_is_asked(
     capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, where: str
@@ -214,10 +222,7 @@ def test_a_report_path_that_cannot_be_a_page_is_refused_before_the_server_is_ask
     # after the audit had been read, so a server that did not answer hid them (exit 3).
     (tmp_path / "reports").mkdir()
     path = tmp_path / where
-    with socket.socket() as closed:  # bound, never listening: a call to it is refused
-        closed.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{closed.getsockname()[1]}"
-        code = cli.main(["report", "recall", "--html", str(path), "--server", address])
+    code = report_to_no_server(path)
     said = capsys.readouterr().err
     assert code == 2, said
     if where == "reports":
@@ -225,3 +230,27 @@ def test_a_report_path_that_cannot_be_a_page_is_refused_before_the_server_is_ask
     else:
         assert said == f"ledger: --html: {str(path.parent)!r} is not a directory\n"
     assert list((tmp_path / "reports").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["pipe", "link"])
+def test_a_report_path_that_is_no_regular_file_is_refused_and_left_alone(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path, kind: str
+) -> None:
+    # The page is written to a temporary file and renamed over the path, so
+    # `--html /dev/null` (or a pipe) replaced the device with an HTML file, and
+    # `--html /dev/stdout` the link: as root, for the whole machine.
+    pipe = tmp_path / "page.html"
+    if kind == "pipe":
+        os.mkfifo(pipe)
+    else:
+        (tmp_path / "real.html").write_text("old")
+        pipe.symlink_to(tmp_path / "real.html")
+    code = report_to_no_server(pipe)
+    said = capsys.readouterr().err
+    assert code == 2, said
+    assert said == (
+        f"ledger: --html: {str(pipe)!r} is not a regular file (a link, a device, a pipe "
+        "or a socket): name the page's own file\n"
+    )
+    mode = pipe.lstat().st_mode
+    assert stat.S_ISFIFO(mode) if kind == "pipe" else stat.S_ISLNK(mode)
