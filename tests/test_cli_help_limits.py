@@ -10,7 +10,13 @@ import pytest
 from ledger_service.cli import main, parser
 from ledger_service.cli.exits import EXIT_BAD_VALUE, EXIT_UNREACHABLE
 from ledger_service.cli.reconcile import RECONCILE_TIMEOUT_SECONDS
-from ledger_service.cli.values import DEFAULT_TIMEOUT_SECONDS, parse_timeout_seconds
+from ledger_service.cli.values import (
+    DEFAULT_TIMEOUT_SECONDS,
+    CliError,
+    parse_bytes_per_token,
+    parse_timeout_seconds,
+)
+from ledger_service.domain.policies import BYTES_PER_TOKEN_RANGE
 
 # Nothing listens on port 1: a value past the check fails to connect, exit 3.
 NOWHERE = ("--server", "127.0.0.1:1")
@@ -88,3 +94,11 @@ def test_each_command_waits_the_default_timeout_its_help_states(
     assert parse_timeout_seconds(arguments.timeout) == int(stated.group(1))
     expected = RECONCILE_TIMEOUT_SECONDS if words == ("reconcile",) else DEFAULT_TIMEOUT_SECONDS
     assert int(stated.group(1)) == expected
+
+
+@pytest.mark.parametrize("text", ["99999999999999", "-1", "1e3"])
+def test_a_bytes_per_token_past_its_pattern_is_told_the_range(text: str) -> None:
+    """-1 or a huge value was told only that it was 'not a number like 3.5'."""
+    with pytest.raises(CliError) as refused:
+        parse_bytes_per_token(text)
+    assert str(refused.value).endswith(BYTES_PER_TOKEN_RANGE), str(refused.value)

@@ -17,7 +17,7 @@ import re
 from google.protobuf import duration_pb2
 
 from ledger_service.cli.exits import EXIT_BAD_VALUE, CliError
-from ledger_service.domain.policies import MAX_PRICE_NANOS_PER_MILLION
+from ledger_service.domain.policies import BYTES_PER_TOKEN_RANGE, MAX_PRICE_NANOS_PER_MILLION
 from ledger_service.domain.pricing import MAX_AMOUNT_NANOS, usd_text, usd_to_nanos
 from ledger_service.generated.ledger.v1 import ledger_pb2 as pb
 
@@ -202,7 +202,8 @@ def parse_bytes_per_token(text: str) -> float:
     """The wire carries a double; the server keeps thousandths, so more decimals are refused."""
     if not _DECIMAL.match(text.strip()):
         raise CliError(
-            f"--bytes-per-token: {text[:MAX_VALUE_LENGTH]!r} is not a number like 3.5",
+            f"--bytes-per-token: {text[:MAX_VALUE_LENGTH]!r} is not a number like 3.5: it "
+            f"{BYTES_PER_TOKEN_RANGE}",
             EXIT_BAD_VALUE,
         )
     value = decimal.Decimal(text.strip())
