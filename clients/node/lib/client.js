@@ -645,6 +645,35 @@ function channelOptions(options) {
   return { ...RECONNECT_OPTIONS, ...extra, ...(options.channelOptions ?? {}) };
 }
 
+// Targets gRPC resolves itself: `dns:///host:port`, `unix:///path`, `ipv4:a,b`, ...
+const GRPC_URI_SCHEMES = ['dns', 'unix', 'xds', 'google-c2p'];
+const GRPC_SCHEMES = ['dns:', 'unix:', 'unix-abstract:', 'ipv4:', 'ipv6:', 'vsock:', 'xds:', 'google-c2p:'];
+
+/** The ledger's HOST:PORT, before a channel is made (the Python client's check_address). */
+function checkAddress(address) {
+  // An unset variable (process.env.LEDGER_ADDRESS) failed inside the address check, naming nothing.
+  if (typeof address !== 'string') {
+    throw new TypeError(`address: must be the ledger's HOST:PORT as a string, not ${address === null ? 'null' : typeof address}`);
+  }
+  if (!address.trim()) throw new TypeError("address: is empty; give the ledger's HOST:PORT");
+  // What follows grpc-js takes and then fails on every call as UNAVAILABLE, or
+  // reaches another port: a lane would run on its outage mode for good.
+  // Its own schemes (dns:, ipv4:, unix:, ...) pass.
+  if (address !== address.trim()) throw new TypeError("address: starts or ends with a space; give the ledger's HOST:PORT");
+  const separator = address.indexOf('://');
+  if (separator !== -1 && !GRPC_URI_SCHEMES.includes(address.slice(0, separator))) {
+    throw new TypeError(`address: ${address.slice(0, Math.min(separator, 20))}:// is no gRPC target; give the ledger's HOST:PORT`);
+  }
+  if (GRPC_SCHEMES.some((scheme) => address.startsWith(scheme))) return;
+  const at = address.lastIndexOf(':');
+  const host = address.slice(0, at);
+  if (at === -1 || (host.includes(':') && !host.endsWith(']'))) return; // no port (gRPC's default, 443), or a bare IPv6 address
+  const port = address.slice(at + 1);
+  if (!(/^[0-9]{1,5}$/.test(port) && Number(port) >= 1 && Number(port) <= 65535)) {
+    throw new TypeError(`address: the port must be a number from 1 to 65535, not '${port.slice(0, 20)}'`);
+  }
+}
+
 /**
  * One lane's view of the ledger. Holds one gRPC channel; reuse the instance.
  */
@@ -658,11 +687,7 @@ class LaneClient {
    * @param {import('../index').LaneClientOptions} [options]
    */
   constructor(address, lane, options = {}) {
-    // An unset variable (process.env.LEDGER_ADDRESS) failed inside the address check, naming nothing.
-    if (typeof address !== 'string') {
-      throw new TypeError(`address: must be the ledger's HOST:PORT as a string, not ${address === null ? 'null' : typeof address}`);
-    }
-    if (!address.trim()) throw new TypeError("address: is empty; give the ledger's HOST:PORT");
+    checkAddress(address);
     checkLane(lane);
     checkNames(options, 'LaneClientOptions', 'LaneClient options');
     this.address = address;

@@ -66,3 +66,37 @@ test('a missing address is refused naming it', () => {
     });
   }
 });
+
+test('an address gRPC can never reach is refused at construction, naming it', () => {
+  // Each was taken and then failed every call as UNAVAILABLE ("Misformatted
+  // domain name"), or reached another port: the lane ran on its outage mode
+  // for good. The Python client refuses the same (check_address).
+  for (const [address, message] of [
+    ['http://127.0.0.1:50051', /^address: http:\/\/ is no gRPC target/],
+    ['https://ledger.internal:50051', /^address: https:\/\/ is no gRPC target/],
+    [' 127.0.0.1:50051', /^address: starts or ends with a space/],
+    ['127.0.0.1:50051\n', /^address: starts or ends with a space/],
+    ['127.0.0.1:99999', /^address: the port must be a number from 1 to 65535, not '99999'/],
+    ['127.0.0.1:0', /^address: the port must be a number from 1 to 65535, not '0'/],
+    ['127.0.0.1:-1', /^address: the port must be a number from 1 to 65535, not '-1'/],
+    ['[::1]:http', /^address: the port must be a number from 1 to 65535, not 'http'/],
+  ]) {
+    assert.throws(() => new LaneClient(address, 'recall', { grant: GRANT, logger: null }), { name: 'TypeError', message }, address);
+  }
+});
+
+test('the addresses gRPC takes are taken', async () => {
+  for (const address of [
+    '127.0.0.1:50051',
+    'ledger.internal',
+    '[::1]:50051',
+    '::1',
+    'ipv4:10.0.0.11:50051,10.0.0.12:50051',
+    'dns:///ledger.internal:50051',
+    'unix:/tmp/ledger.sock',
+    'unix:///tmp/ledger.sock',
+    'xds:///ledger.internal',
+  ]) {
+    await new LaneClient(address, 'recall', { logger: null }).close({ graceMs: 0 });
+  }
+});
