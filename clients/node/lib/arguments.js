@@ -221,6 +221,7 @@ const NAMES = {
   WatchOptions: new Set(['deadlineMs', 'afterSeq']),
   AllowanceOptions: new Set(['maxNanos', 'maxCalls', 'journalPath', 'prices', 'bytesPerTokenMilli', 'overheadTokens']),
   LedgerFetchOptions: new Set(['fetch', 'maxOutputTokens']),
+  TlsOptions: new Set(['rootCerts', 'clientCert', 'clientKey', 'serverName']),
 };
 
 /** Refuses a name `type` (a key of NAMES) does not have, naming it. */

@@ -1,6 +1,6 @@
 'use strict';
 
-const { randomBytes } = require('node:crypto');
+const { randomBytes, X509Certificate } = require('node:crypto');
 const net = require('node:net');
 const nodeTls = require('node:tls');
 const { AsyncLocalStorage } = require('node:async_hooks');
@@ -601,6 +601,49 @@ function refusesClientCertificate(address, timeoutMs, tls) {
   });
 }
 
+const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[^-]*-----END CERTIFICATE-----/g;
+
+function kindOf(value) {
+  return value === null ? 'null' : Array.isArray(value) ? 'an array' : typeof value;
+}
+
+/**
+ * The tls and channelOptions options, at construction: grpc-js took a string
+ * for tls as TLS with the system's roots, and OpenSSL drops rootCerts that
+ * are no PEM in silence (the system's roots again), so every call met a
+ * certificate it could not verify instead of the lane its own mistake.
+ */
+function checkChannelOptions(options) {
+  const { tls, channelOptions } = options;
+  if (channelOptions !== undefined && (channelOptions === null || typeof channelOptions !== 'object' || Array.isArray(channelOptions))) {
+    throw new TypeError(`channelOptions must be an object of grpc-js channel options, not ${kindOf(channelOptions)}`);
+  }
+  if (tls === undefined || tls === null || typeof tls === 'boolean') return;
+  if (typeof tls !== 'object' || Array.isArray(tls)) {
+    throw new TypeError(`tls must be true, false or an object of TlsOptions, not ${kindOf(tls)}`);
+  }
+  checkNames(tls, 'TlsOptions', 'tls');
+  for (const name of ['rootCerts', 'clientCert', 'clientKey']) {
+    const value = tls[name];
+    if (value !== undefined && value !== null && typeof value !== 'string' && !Buffer.isBuffer(value)) {
+      throw new TypeError(`tls.${name} must be PEM as a string or a Buffer, not ${kindOf(value)}`);
+    }
+  }
+  if (tls.serverName !== undefined && (typeof tls.serverName !== 'string' || !tls.serverName)) {
+    throw new TypeError(`tls.serverName must be a non-empty string, not ${typeof tls.serverName === 'string' ? 'empty' : kindOf(tls.serverName)}`);
+  }
+  if (tls.rootCerts === undefined || tls.rootCerts === null) return;
+  const blocks = Buffer.from(tls.rootCerts).toString('latin1').match(PEM_CERTIFICATE) ?? [];
+  if (blocks.length === 0) throw new TypeError('tls.rootCerts holds no PEM certificate (-----BEGIN CERTIFICATE-----)');
+  for (const block of blocks) {
+    try {
+      new X509Certificate(block);
+    } catch (error) {
+      throw new TypeError(`tls.rootCerts does not load (${error.message}): give PEM certificates`, { cause: error });
+    }
+  }
+}
+
 function channelCredentials(tls) {
   if (!tls) return grpc.credentials.createInsecure();
   const options = tls === true ? {} : tls;
@@ -690,6 +733,7 @@ class LaneClient {
     checkAddress(address);
     checkLane(lane);
     checkNames(options, 'LaneClientOptions', 'LaneClient options');
+    checkChannelOptions(options);
     this.address = address;
     this.lane = lane;
     this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;

@@ -450,3 +450,32 @@ describe('a TLS ledger replaced by a plaintext one on the same address', () => {
     }
   });
 });
+
+test('a tls or channelOptions option of the wrong kind is refused at construction, naming it', () => {
+  // Each was taken: a string or number for tls made a TLS channel with the
+  // system's roots, rootCerts that are no PEM were dropped by OpenSSL in
+  // silence (the system's roots again), a misspelt rootCert was never read,
+  // and channelOptions 'x' was spread into nothing.
+  for (const [options, message] of [
+    [{ tls: 'yes' }, /^tls must be true, false or an object of TlsOptions, not string/],
+    [{ tls: 1 }, /^tls must be true, false or an object of TlsOptions, not number/],
+    [{ tls: [] }, /^tls must be true, false or an object of TlsOptions, not an array/],
+    [{ tls: { rootCert: 'x' } }, /^tls has no field 'rootCert'/],
+    [{ tls: { rootCerts: 'not pem' } }, /^tls\.rootCerts holds no PEM certificate/],
+    [{ tls: { rootCerts: Buffer.from('garbage') } }, /^tls\.rootCerts holds no PEM certificate/],
+    [{ tls: { rootCerts: '-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----\n' } }, /^tls\.rootCerts does not load/],
+    [{ tls: { rootCerts: 42 } }, /^tls\.rootCerts must be PEM as a string or a Buffer, not number/],
+    [{ tls: { clientCert: true } }, /^tls\.clientCert must be PEM as a string or a Buffer, not boolean/],
+    [{ tls: { serverName: 42 } }, /^tls\.serverName must be a non-empty string, not number/],
+    [{ channelOptions: 'x' }, /^channelOptions must be an object of grpc-js channel options, not string/],
+  ]) {
+    assert.throws(() => new LaneClient('127.0.0.1:50051', 'recall', { logger: null, ...options }), { name: 'TypeError', message }, JSON.stringify(options));
+  }
+});
+
+test('the tls options that load are taken', async () => {
+  const certificates = makeCertificates();
+  for (const tlsOption of [true, false, null, {}, { rootCerts: certificates.ca }, { rootCerts: Buffer.from(certificates.ca), serverName: 'localhost' }]) {
+    await new LaneClient('127.0.0.1:50051', 'recall', { logger: null, tls: tlsOption }).close({ graceMs: 0 });
+  }
+});
