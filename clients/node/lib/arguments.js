@@ -224,6 +224,11 @@ const NAMES = {
   TlsOptions: new Set(['rootCerts', 'clientCert', 'clientKey', 'serverName']),
 };
 
+/** What a value is, for a TypeError's message: `null`, `an array` or its typeof. */
+function kindOf(value) {
+  return value === null ? 'null' : Array.isArray(value) ? 'an array' : typeof value;
+}
+
 /** Refuses a name `type` (a key of NAMES) does not have, naming it. */
 function checkNames(object, type, what) {
   if (object === null || typeof object !== 'object') throw new TypeError(`${what} must be an object`);
@@ -232,4 +237,4 @@ function checkNames(object, type, what) {
   }
 }
 
-module.exports = { invalidArgument, checkNames, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, MAX_REQUEST_BYTES, MAX_TOKENS, MAX_AMOUNT_NANOS, MAX_TTL_US, NOT_PRINTABLE };
+module.exports = { invalidArgument, checkNames, kindOf, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, MAX_REQUEST_BYTES, MAX_TOKENS, MAX_AMOUNT_NANOS, MAX_TTL_US, NOT_PRINTABLE };

@@ -23,7 +23,7 @@ const {
   TlsMismatch,
 } = require('./errors');
 const wire = require('./wire');
-const { checkGrant, checkLane, checkNames, checkReservationId, checkReserve, checkRefund, invalidArgument, newReservationId, GrantError } = require('./arguments');
+const { checkGrant, checkLane, checkNames, kindOf, checkReservationId, checkReserve, checkRefund, invalidArgument, newReservationId, GrantError } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, checkJournalLimits, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -602,10 +602,6 @@ function refusesClientCertificate(address, timeoutMs, tls) {
 }
 
 const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[^-]*-----END CERTIFICATE-----/g;
-
-function kindOf(value) {
-  return value === null ? 'null' : Array.isArray(value) ? 'an array' : typeof value;
-}
 
 /**
  * The tls and channelOptions options, at construction: grpc-js took a string

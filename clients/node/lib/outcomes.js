@@ -6,7 +6,7 @@
 // moves".
 
 const wire = require('./wire');
-const { NOT_PRINTABLE, MAX_TOKENS, MAX_AMOUNT_NANOS } = require('./arguments');
+const { NOT_PRINTABLE, MAX_TOKENS, MAX_AMOUNT_NANOS, kindOf } = require('./arguments');
 
 const Ending = Object.freeze({
   /** Settle SUCCEEDED with the usage: charged the real cost. */
@@ -101,8 +101,41 @@ function checkUsage(usage) {
   }
 }
 
+// A usage's own fields (Usage in index.d.ts). Any other is refused, not
+// dropped: a provider's usage object (snake_case, Anthropic's input_tokens
+// without its cache) or a misspelt count would book another usage in silence.
+const USAGE_FIELDS = new Set([...TOKEN_FIELDS, 'billedNanos']);
+
+function checkUsageFields(usage) {
+  if (typeof usage !== 'object' || Array.isArray(usage)) {
+    throw new TypeError(`usage must be an object such as usageOf(body) gives, not ${kindOf(usage)}`);
+  }
+  for (const name of Object.keys(usage)) {
+    if (!USAGE_FIELDS.has(name)) {
+      throw new TypeError(`usage has no field '${name.slice(0, 40)}' (see Usage in index.d.ts; usageOf(body) reads a provider's usage into it)`);
+    }
+  }
+}
+
+// A flag left out (or null) is false; any other value than a boolean is a
+// mistake: notSent: 'yes' would charge a call never sent at its hold.
+function flagOf(returned, name) {
+  const value = returned[name];
+  if (value === undefined || value === null) return false;
+  if (typeof value !== 'boolean') throw new TypeError(`${name} must be a boolean, not ${kindOf(value)}`);
+  return value;
+}
+
+function reasonOf(returned) {
+  const reason = returned.reason;
+  if (reason === undefined || reason === null) return '';
+  if (typeof reason !== 'string') throw new TypeError(`reason must be a string, not ${kindOf(reason)}`);
+  return reason;
+}
+
 function reportedUsage(returned) {
   const usage = returned.usage ?? null;
+  if (usage !== null) checkUsageFields(usage);
   const billedNanos = returned.billedNanos ?? usage?.billedNanos ?? null;
   if (usage === null && billedNanos === null) return null;
   const tokens = usage !== null && (usage.inputTokens !== undefined || usage.outputTokens !== undefined);
@@ -148,12 +181,12 @@ function reportOf(returned) {
   return {
     httpStatus: statusOf(returned.httpStatus),
     usage: reportedUsage(returned),
-    timedOut: returned.timedOut === true,
-    connectionLost: returned.connectionLost === true,
-    notSent: returned.notSent === true,
+    timedOut: flagOf(returned, 'timedOut'),
+    connectionLost: flagOf(returned, 'connectionLost'),
+    notSent: flagOf(returned, 'notSent'),
     thrown: false,
     nothingReported: false,
-    reason: typeof returned.reason === 'string' ? returned.reason : '',
+    reason: reasonOf(returned),
   };
 }
 

@@ -104,6 +104,29 @@ describe('the outcome table', () => {
     assert.throws(() => reportOf({ httpStatus: 200, usage: {} }), TypeError);
   });
 
+  test('a usage or a flag the report does not have is refused, naming it', () => {
+    // Each was read as something else in silence: a provider's own usage
+    // object (its snake_case counts) or a misspelt cachedInputTokens was
+    // dropped, and notSent: 'yes' (not true) charged a call never sent at
+    // its hold instead of refunding it.
+    for (const [report, message] of [
+      [{ httpStatus: 200, usage: { prompt_tokens: 10, completion_tokens: 2 } }, /^usage has no field 'prompt_tokens'.*usageOf/],
+      [{ httpStatus: 200, usage: { input_tokens: 10, output_tokens: 2, cache_read_input_tokens: 5 } }, /^usage has no field 'input_tokens'/],
+      [{ httpStatus: 200, usage: { inputTokens: 10, outputTokens: 2, cachedTokens: 5 } }, /^usage has no field 'cachedTokens'/],
+      [{ httpStatus: 200, usage: 12 }, /^usage must be an object such as usageOf\(body\) gives, not number/],
+      [{ httpStatus: 200, usage: [10, 2] }, /^usage must be an object such as usageOf\(body\) gives, not an array/],
+      [{ notSent: 'yes' }, /^notSent must be a boolean, not string/],
+      [{ timedOut: 1 }, /^timedOut must be a boolean, not number/],
+      [{ connectionLost: 'true' }, /^connectionLost must be a boolean, not string/],
+      [{ httpStatus: 403, reason: 42 }, /^reason must be a string, not number/],
+    ]) {
+      assert.throws(() => reportOf(report), { name: 'TypeError', message }, JSON.stringify(report));
+    }
+    const usage = { inputTokens: 10n, outputTokens: 2n, cachedInputTokens: 5n, cacheWriteTokens: 0n };
+    assert.equal(reportOf({ httpStatus: 200, usage, answer: { id: 'x' }, notSent: false, reason: undefined }).usage.cachedInputTokens, 5n);
+    assert.equal(reportOf({ httpStatus: 200, usage: { billedNanos: 7 }, timedOut: null }).usage.billedNanos, 7);
+  });
+
   test('every row names its case and ends in one of the three endings', () => {
     for (const row of OUTCOME_TABLE) {
       assert.ok(row.when.length > 0);
