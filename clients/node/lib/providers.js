@@ -370,8 +370,14 @@ class UsageWatcher {
   }
 }
 
-/** The response handed to the SDK: the provider's stream, watched; `ended` settles how it ended. */
-function watchedStream(response, style) {
+// A stream handed on and then dropped, neither read to its end nor cancelled,
+// ends its booking when collected (UNKNOWN unless its usage had come, as a
+// cancelled one): else its booking stayed open until the hold expired. Its
+// connection is let go with it. The Python transport's BookedStream.__del__.
+const droppedStreams = new FinalizationRegistry((abandoned) => abandoned());
+
+/** Hands the SDK the provider's stream, watched; resolves with how it ended. */
+function watchedStream(response, style, hand) {
   const reader = response.body.getReader();
   const watcher = new UsageWatcher(style);
   let finish;
@@ -401,7 +407,13 @@ function watchedStream(response, style) {
     },
   });
   const handed = new Response(body, { status: response.status, statusText: response.statusText, headers: response.headers });
-  return { handed, ended };
+  // Neither `handed` nor its body may be reached from here, or it is never collected.
+  droppedStreams.register(handed, () => {
+    finish({ usage: watcher.usage });
+    reader.cancel().catch(() => {});
+  });
+  hand(handed);
+  return ended;
 }
 
 function deniedResponse(denied) {
@@ -472,8 +484,10 @@ function ledgerFetch(ledger, options = {}) {
         whole = new Response(text, { status: response.status, statusText: response.statusText, headers: response.headers });
         return { httpStatus: response.status, usage: usageIn(parsed(text)) };
       }
-      const { handed, ended } = watchedStream(response, plan.style);
-      deliver.resolve(handed);
+      // Neither the handed stream nor the promise that holds it is kept
+      // while its end is awaited, so that a stream the caller drops is collected.
+      const ended = watchedStream(response, plan.style, deliver.resolve);
+      deliver = null;
       const end = await ended;
       // Cut off: a usage that had arrived is what the call cost (known usage
       // wins over the failure, as in the Python transport); without one, the
@@ -483,11 +497,11 @@ function ledgerFetch(ledger, options = {}) {
     });
     outcome.then(
       (result) => {
-        if (!result.admitted) return deliver.resolve(deniedResponse(result));
-        if (whole !== null) deliver.resolve(whole);
+        if (!result.admitted) return deliver?.resolve(deniedResponse(result));
+        if (whole !== null) deliver?.resolve(whole);
         return undefined;
       },
-      (error) => deliver.reject(error),
+      (error) => deliver?.reject(error),
     );
     return delivered;
   };

@@ -8,6 +8,8 @@ const http = require('node:http');
 const fs = require('node:fs');
 const net = require('node:net');
 const path = require('node:path');
+const v8 = require('node:v8');
+const vm = require('node:vm');
 const { OpenAI } = require('openai');
 const { startLedger } = require('./ledger-server');
 const { LaneClient, ledgerFetch, isContextOverflow, UnknownModel, InvalidArgument, ReservationIdReused } = require('..');
@@ -74,6 +76,12 @@ function chatReply(body, res) {
     chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'i' }, finish_reason: 'stop' }] });
     if (body.stream_options?.include_usage) chunk({ id: 's1', object: 'chat.completion.chunk', model: body.model, choices: [], usage: USAGE });
     res.end('data: [DONE]\n\n');
+    return undefined;
+  }
+  if (kind === 'held stream') {
+    // One chunk, then nothing more until the client hangs up.
+    res.writeHead(200, { 'content-type': 'text/event-stream' });
+    res.write(`data: ${JSON.stringify({ id: 's4', object: 'chat.completion.chunk', model: body.model, choices: [{ index: 0, delta: { content: 'h' } }] })}\n\n`);
     return undefined;
   }
   if (kind === 'cut after usage') {
@@ -594,6 +602,28 @@ test('a stream cut off after its usage arrived is settled from that usage, as th
   assert.ok(error instanceof Error, 'the reader still sees the cut');
   assert.equal(booking.state, 'SETTLED');
   assert.equal(booking.amountNanos, COST);
+});
+
+test('a stream dropped unread is ended when collected, at its hold', async () => {
+  // The provider ran the call (a 200 event stream came back), but nothing
+  // read or cancelled the stream: its booking waited on the stream's end and
+  // stayed open until its hold expired (at zero on a lane whose
+  // expire_charge is ZERO), collected or not. As the Python transport's.
+  v8.setFlagsFromString('--expose-gc');
+  const collect = vm.runInNewContext('gc');
+  replies.set('dropped stream', 'held stream');
+  const before = seen.length;
+  await sdk().chat.completions.create({ model: 'm', max_tokens: 100, messages: [{ role: 'user', content: 'dropped stream' }], stream: true });
+  const reservationId = seen[before].headers['x-ledger-reservation-id'];
+  let booking;
+  for (let attempt = 0; attempt < 50; attempt += 1) {
+    await new Promise((resolve) => setTimeout(resolve, 20));
+    collect();
+    booking = await client.booking(reservationId);
+    if (booking.state !== 'OPEN') break;
+  }
+  assert.equal(booking.state, 'SETTLED_UNKNOWN');
+  assert.equal(booking.amountNanos, booking.holdNanos);
 });
 
 // --- a usage the ledger refuses --------------------------------------------------------
