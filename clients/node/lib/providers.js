@@ -44,7 +44,8 @@
 
 const { usageOf } = require('./usage');
 const { markNotSent } = require('./outcomes');
-const { checkNames, newReservationId } = require('./arguments');
+const { checkNames, kindOf, newReservationId } = require('./arguments');
+const { LaneClient } = require('./client');
 const { traceHeaders, freshTraceHeaders } = require('./tracing');
 
 // When a request names no max tokens: what a create call is reserved for, and
@@ -446,8 +447,12 @@ function headersOf(init, plan, reservationId) {
  * @param {{ fetch?: typeof fetch, maxOutputTokens?: number }} [options]
  */
 function ledgerFetch(ledger, options = {}) {
+  // Checked here, not at the first create call: there it failed inside the
+  // fetch, which the SDK retries as a connection error.
+  if (!(ledger instanceof LaneClient)) throw new TypeError(`ledgerFetch() needs the lane's LaneClient, not ${kindOf(ledger)}`);
   checkNames(options, 'LedgerFetchOptions', 'ledgerFetch() options');
   const { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS } = options;
+  if (typeof inner !== 'function') throw new TypeError(`ledgerFetch() options: fetch must be a function, not ${kindOf(inner)}`);
   if (!isCount(maxOutputTokens)) throw new RangeError('maxOutputTokens must be a non-negative integer');
   return async function fetchThroughLedger(url, init = {}) {
     // Taken before any await, and shared by the call's Reserve and every ending.

@@ -604,6 +604,21 @@ test('a stream cut off after its usage arrived is settled from that usage, as th
   assert.equal(booking.amountNanos, COST);
 });
 
+test('ledgerFetch of something that is no LaneClient, or with a fetch that is no function, is refused when made', () => {
+  // Each was taken, and every create call then failed inside the fetch: the
+  // SDK retried it as a connection error, and a fetch that was no function
+  // failed after the Reserve, so each attempt was charged at its hold.
+  for (const [args, message] of [
+    [[{}], /^ledgerFetch\(\) needs the lane's LaneClient, not object/],
+    [['127.0.0.1:50051'], /^ledgerFetch\(\) needs the lane's LaneClient, not string/],
+    [[undefined], /^ledgerFetch\(\) needs the lane's LaneClient, not undefined/],
+    [[client, { fetch: 'x' }], /^ledgerFetch\(\) options: fetch must be a function, not string/],
+  ]) {
+    assert.throws(() => ledgerFetch(...args), { name: 'TypeError', message });
+  }
+  assert.equal(typeof ledgerFetch(client, { fetch: globalThis.fetch }), 'function');
+});
+
 test('a stream dropped unread is ended when collected, at its hold', async () => {
   // The provider ran the call (a 200 event stream came back), but nothing
   // read or cancelled the stream: its booking waited on the stream's end and
