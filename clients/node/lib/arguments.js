@@ -222,6 +222,7 @@ const NAMES = {
   AllowanceOptions: new Set(['maxNanos', 'maxCalls', 'journalPath', 'prices', 'bytesPerTokenMilli', 'overheadTokens']),
   LedgerFetchOptions: new Set(['fetch', 'maxOutputTokens']),
   TlsOptions: new Set(['rootCerts', 'clientCert', 'clientKey', 'serverName']),
+  ModelPrice: new Set(['inputNanosPerMillionTokens', 'outputNanosPerMillionTokens', 'cachedInputNanosPerMillionTokens', 'cacheWriteNanosPerMillionTokens']),
 };
 
 /** What a value is, for a TypeError's message: `null`, `an array` or its typeof. */

@@ -51,6 +51,7 @@ function bigintIn(value, name, low, high) {
 
 function priceOf(model, price) {
   if (price === null || typeof price !== 'object') throw new TypeError(`the price of ${model} must be an object`);
+  checkNames(price, 'ModelPrice', `the price of ${model}`);
   const rate = (name, optional) => {
     const value = price[name];
     if (optional && (value === undefined || value === null)) return undefined;

@@ -359,6 +359,8 @@ describe('grants', () => {
       ['afterSeqs', () => client.watchEvents({ afterSeqs: 5 })],
       ['overheadToken', () => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, prices: {}, journalPath: '/tmp/j', overheadToken: 5n })],
       ['maxTokens', () => ledgerFetch(client, { maxTokens: 10 })],
+      // A misspelt cache rate priced the cache reads at the input rate.
+      ['cachedNanosPerMillionTokens', () => OutagePolicy.allowance({ maxNanos: 1n, maxCalls: 1, journalPath: '/tmp/j', prices: { m: { inputNanosPerMillionTokens: 1n, outputNanosPerMillionTokens: 1n, cachedNanosPerMillionTokens: 0n } } })],
     ];
     try {
       for (const [name, call] of refused) {
