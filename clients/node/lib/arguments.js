@@ -179,6 +179,14 @@ function checkReservationId(reservationId) {
 }
 
 /**
+ * A Settle's outcome by its name, as the ledger refuses any other: the
+ * wire's enum numbers (1, 2) would be taken as SUCCEEDED and UNKNOWN.
+ */
+function checkOutcome(outcome) {
+  if (outcome !== 'SUCCEEDED' && outcome !== 'UNKNOWN') throw invalidArgument('outcome', 'must be SUCCEEDED or UNKNOWN');
+}
+
+/**
  * A Refund's reason is printable text of at most 1,000 characters, sent as
  * given; one of a call never sent (httpStatus 0) is required.
  */
@@ -238,4 +246,4 @@ function checkNames(object, type, what) {
   }
 }
 
-module.exports = { invalidArgument, checkNames, kindOf, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, MAX_REQUEST_BYTES, MAX_TOKENS, MAX_AMOUNT_NANOS, MAX_TTL_US, NOT_PRINTABLE };
+module.exports = { invalidArgument, checkNames, kindOf, checkOutcome, newReservationId, checkGrant, GrantError, checkLane, checkName, nameRefusal, reservationIdRefusal, checkRange, checkReservationId, checkReserve, checkRefund, MAX_NAME_LENGTH, MAX_REQUEST_BYTES, MAX_TOKENS, MAX_AMOUNT_NANOS, MAX_TTL_US, NOT_PRINTABLE };

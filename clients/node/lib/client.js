@@ -23,7 +23,7 @@ const {
   TlsMismatch,
 } = require('./errors');
 const wire = require('./wire');
-const { checkGrant, checkLane, checkNames, kindOf, checkReservationId, checkReserve, checkRefund, invalidArgument, newReservationId, GrantError } = require('./arguments');
+const { checkGrant, checkLane, checkNames, kindOf, checkOutcome, checkReservationId, checkReserve, checkRefund, invalidArgument, newReservationId, GrantError } = require('./arguments');
 const { Ending, endingOf, reportOf, reportOfError } = require('./outcomes');
 const { traceHeaders, freshTraceHeaders, setTraceHeaders, traceIdOf } = require('./tracing');
 const { Journal, Source, Settlement, ReplayResult, newEntry, checkJournalLimits, DEFAULT_MAX_JOURNAL_BYTES, DEFAULT_ROTATE_JOURNAL_BYTES } = require('./journal');
@@ -1173,6 +1173,7 @@ class LaneClient {
     const { reservationId, outcome, inputTokens = 0, outputTokens = 0, billedNanos, httpStatus = 0 } = request;
     const { cachedInputTokens = 0, cacheWriteTokens = 0 } = request;
     checkReservationId(reservationId);
+    checkOutcome(outcome);
     const message = {
       lane: this.lane,
       reservation_id: reservationId,

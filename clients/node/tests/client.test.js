@@ -375,6 +375,22 @@ describe('grants', () => {
     }
   });
 
+  test("a settle() outcome that is not 'SUCCEEDED' or 'UNKNOWN' is refused naming outcome, and nothing is sent", async () => {
+    // The wire's enum numbers were taken: outcome 1 settled SUCCEEDED, 2 UNKNOWN.
+    const client = new LaneClient('127.0.0.1:1', 'lane', { deadlineMs: 50, logger: null });
+    try {
+      for (const outcome of [1, 2, 1n, true, undefined, 'succeeded', 'OUTCOME_UNSPECIFIED']) {
+        await assert.rejects(
+          client.settle({ reservationId: 'r-1', outcome, inputTokens: 10 }),
+          (error) => error instanceof InvalidArgument && error.field === 'outcome' && error.message === 'outcome: must be SUCCEEDED or UNKNOWN',
+          String(outcome),
+        );
+      }
+    } finally {
+      await client.close();
+    }
+  });
+
   test('a visible ASCII grant is sent as it is', () => {
     const client = new LaneClient('127.0.0.1:1', 'lane', { grant: GRANT });
     client.close();
