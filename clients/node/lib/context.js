@@ -202,6 +202,23 @@ class ToolResult {
   }
 }
 
+const FIT_OPTIONS = new Set(['budget', 'messages', 'toolSchemas']);
+
+/**
+ * A ContextBudget given in place of {budget} was read as no budget (the
+ * defaults), and a misspelt field (tools for toolSchemas) went uncounted:
+ * each answered that results fit which do not.
+ */
+function checkFitOptions(options) {
+  if (options === null || typeof options !== 'object') throw new TypeError('fitToolResults() options must be an object');
+  if (options instanceof ContextBudget) {
+    throw new TypeError('fitToolResults() options must be {budget, messages, toolSchemas}: give the ContextBudget as {budget}');
+  }
+  for (const name of Object.keys(options)) {
+    if (!FIT_OPTIONS.has(name)) throw new TypeError(`fitToolResults() options have no field '${name}' (budget, messages, toolSchemas)`);
+  }
+}
+
 /**
  * Fits tool results into what the window leaves after the messages, the tool
  * schemas and the output reserve.
@@ -211,7 +228,9 @@ class ToolResult {
  * @param {{budget?: ContextBudget|object, messages?: Array<unknown>,
  *   toolSchemas?: Array<unknown>}} [options]
  */
-function fitToolResults(toolResults, { budget, messages = [], toolSchemas = [] } = {}) {
+function fitToolResults(toolResults, options = {}) {
+  checkFitOptions(options);
+  const { budget, messages = [], toolSchemas = [] } = options;
   const settings = budget instanceof ContextBudget ? budget : new ContextBudget(budget ?? {});
   if (!Array.isArray(toolResults)) throw new TypeError('toolResults must be an array of strings');
   if (toolResults.length > MAX_TOOL_RESULTS) throw new RangeError(`at most ${MAX_TOOL_RESULTS} tool results`);

@@ -185,6 +185,19 @@ describe('payloads that are not text', () => {
     assert.deepEqual([...asObjects.trimmed], [0]);
   });
 
+  test('fitToolResults options it does not take are a TypeError naming them, not the defaults in silence', () => {
+    // A ContextBudget given in place of {budget} was read as no budget (the
+    // default 16,384-token window), and tools: in place of toolSchemas was
+    // never counted: both answered fits: true for results that do not fit.
+    const budget = new ContextBudget({ maxContextTokens: 1000, reserveOutputTokens: 100 });
+    const large = 'x'.repeat(20_000);
+    assert.throws(() => fitToolResults([large], budget), { name: 'TypeError', message: /^fitToolResults\(\) options must be \{budget, messages, toolSchemas\}: give the ContextBudget as \{budget\}/ });
+    assert.throws(() => fitToolResults([large], { budget, tools: [large] }), { name: 'TypeError', message: /^fitToolResults\(\) options have no field 'tools'/ });
+    assert.throws(() => fitToolResults([large], 'budget'), { name: 'TypeError', message: /^fitToolResults\(\) options must be an object/ });
+    assert.equal(fitToolResults([large], { budget, toolSchemas: [large] }).fits, false);
+    assert.equal(fitToolResults(['ok']).fits, true);
+  });
+
   test('a value JSON cannot carry, or text with a lone surrogate, is a TypeError', () => {
     const cycle = {};
     cycle.self = cycle;
