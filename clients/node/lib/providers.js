@@ -440,6 +440,17 @@ function headersOf(init, plan, reservationId) {
 }
 
 /**
+ * fetch's arguments as a URL and its init: a Request carries its method,
+ * headers, body and signal itself (the init's win, as in fetch), and a create
+ * call given as one went out unbooked when only the init was read.
+ */
+function requestOf(input, init) {
+  if (!(input instanceof Request)) return [input, init];
+  const { method, headers, body, signal, redirect } = input;
+  return [input.url, { method, headers, body, signal, redirect, ...init }];
+}
+
+/**
  * A fetch that books every create call of the `openai` package in `ledger`.
  * A usage the ledger refuses is settled UNKNOWN by call() itself, with a
  * warning to the lane client's logger.
@@ -454,11 +465,12 @@ function ledgerFetch(ledger, options = {}) {
   const { fetch: inner = globalThis.fetch, maxOutputTokens = DEFAULT_MAX_OUTPUT_TOKENS } = options;
   if (typeof inner !== 'function') throw new TypeError(`ledgerFetch() options: fetch must be a function, not ${kindOf(inner)}`);
   if (!isCount(maxOutputTokens)) throw new RangeError('maxOutputTokens must be a non-negative integer');
-  return async function fetchThroughLedger(url, init = {}) {
+  return async function fetchThroughLedger(input, given = {}) {
     // Taken before any await, and shared by the call's Reserve and every ending.
     const trace = traceHeaders() ?? freshTraceHeaders();
+    const [url, init] = requestOf(input, given);
     const plan = await planOf(url, init);
-    if (plan === null) return inner(url, init);
+    if (plan === null) return inner(input, given);
     // Aborted already, fetch sends nothing: neither is a Reserve to be made.
     if (init.signal?.aborted) throw init.signal.reason;
     const reservationId = newReservationId();

@@ -488,6 +488,28 @@ async function postedThrough(lane, body, init = {}) {
   return { sent, booking };
 }
 
+test('a create call given as a Request is booked as one given as a URL and its init', async () => {
+  // fetch(new Request(url, {method: 'POST', body})) went out unbooked: the
+  // method and body were looked for in the init alone, and there was none.
+  const lane = await laneForAnyBody();
+  try {
+    const before = seen.length;
+    const url = `http://127.0.0.1:${provider.address().port}/v1/chat/completions`;
+    const request = new Request(url, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(CHAT) });
+    const response = await ledgerFetch(lane)(request);
+    assert.equal(response.status, 200);
+    await response.arrayBuffer();
+    assert.equal(seen.length, before + 1, 'one request reached the provider');
+    const sent = seen[before];
+    assert.equal(sent.headers['content-type'], 'application/json', "the Request's headers are sent");
+    const booking = await endedBooking(sent.headers[RESERVATION_HEADER], lane);
+    assert.equal(booking.state, 'SETTLED');
+    assert.equal(booking.requestBytes, BigInt(sent.bytes.length), 'the bytes booked are the bytes sent');
+  } finally {
+    await lane.close();
+  }
+});
+
 test('a JSON body given as bytes or a stream is booked like a string: tagged, its model and max', async () => {
   const lane = await laneForAnyBody();
   try {
