@@ -128,10 +128,10 @@ def event_from_row(row: Mapping[Any, Any]) -> Event:
 def lane_values(policy: LanePolicy) -> dict[str, Any]:
     """The lanes row: the policy as its lane_configured event records it
     (`policy_to_dict`), its prices as JSON, and its version."""
-    values = policy_to_dict(policy)
-    values["prices_json"] = _dumps(values.pop("prices"))
-    values.update(version=policy.version, updated_at_us=policy.updated_at_us)
-    return values
+    given = policy_to_dict(policy)
+    given["prices_json"] = _dumps(given.pop("prices"))
+    given.update(version=policy.version, updated_at_us=policy.updated_at_us)
+    return {name: given[name] for name in LANE_COLUMNS}  # in the columns' order
 
 
 @_rows_read
@@ -386,11 +386,7 @@ def booking_rows(bookings: Iterable[Booking]) -> list[tuple[Any, ...]]:
 
 def lane_rows(policies: Iterable[LanePolicy]) -> list[tuple[Any, ...]]:
     """Rows of LANE_COLUMNS: lane_values of each policy, as tuples."""
-    rows = []
-    for policy in policies:
-        values = lane_values(policy)
-        rows.append(tuple(values[name] for name in LANE_COLUMNS))
-    return rows
+    return [tuple(lane_values(policy).values()) for policy in policies]
 
 
 # Bookings' canonical texts straight from rows ------------------------------------
