@@ -13,6 +13,7 @@ import dataclasses
 import enum
 
 from ledger_client.errors import invalid_argument
+from ledger_client.settings import require_int
 
 MAX_TOKENS = 10**12
 MAX_AMOUNT_NANOS = 2**62
@@ -75,22 +76,19 @@ class Usage:
     def __post_init__(self) -> None:
         # A float or bool would pass the bounds and fail only as the Settle is
         # built, after the model call block, leaving its booking open.
-        for name in (*TOKEN_FIELDS, "billed_nanos"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool)) and not (
-                name == "billed_nanos" and value is None
-            ):
-                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
+            require_int(value, name)
             if not 0 <= value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be between 0 and {MAX_TOKENS}")
         if self.cached_input_tokens + self.cache_write_tokens > self.input_tokens:
             raise ValueError(
                 "cached_input_tokens + cache_write_tokens must be at most input_tokens"
             )
-        if self.billed_nanos is not None and not 0 <= self.billed_nanos <= MAX_AMOUNT_NANOS:
-            raise ValueError(f"billed_nanos must be between 0 and {MAX_AMOUNT_NANOS}")
+        if self.billed_nanos is not None:
+            require_int(self.billed_nanos, "billed_nanos")
+            if not 0 <= self.billed_nanos <= MAX_AMOUNT_NANOS:
+                raise ValueError(f"billed_nanos must be between 0 and {MAX_AMOUNT_NANOS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +125,7 @@ RULES: tuple[Rule, ...] = (
 
 
 def status_class(http_status: int) -> StatusClass:
-    if not isinstance(http_status, int) or isinstance(http_status, bool):
-        raise TypeError(f"http_status must be an int, not {type(http_status).__name__}")
+    require_int(http_status, "http_status")
     if http_status == 0:
         return StatusClass.NO_ANSWER
     if not 100 <= http_status <= 599:
