@@ -445,8 +445,7 @@ class Completed {
 /** A request must be an object of named fields: else a TypeError naming the method, not the engine's. */
 function checkRequest(request, method, type) {
   if (request === null || typeof request !== 'object' || Array.isArray(request)) {
-    const given = request === null ? 'null' : Array.isArray(request) ? 'an array' : typeof request;
-    throw new TypeError(`${method}() needs its request as an object of named fields (see index.d.ts), not ${given}`);
+    throw new TypeError(`${method}() needs its request as an object of named fields (see index.d.ts), not ${kindOf(request)}`);
   }
   checkNames(request, type, `${method}()'s request`);
 }
